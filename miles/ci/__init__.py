@@ -1,0 +1,1 @@
+"""CI machinery: the suite catalog, test registrations, discovery, audit and the runner."""

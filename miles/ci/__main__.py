@@ -1,0 +1,5 @@
+import sys
+
+from miles.ci.cli import main
+
+sys.exit(main())

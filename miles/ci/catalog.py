@@ -1,0 +1,348 @@
+"""The CI catalog: backends, hardware, labels, lanes and suites, loaded from catalog.toml.
+
+Everything that needs to know where tests can run (the noxfile, workflows' shard
+matrices, discovery, the runner, the audit) reads these frozen records; nothing else
+keeps a list of suites.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from types import MappingProxyType
+
+CATALOG_PATH = Path(__file__).with_name("catalog.toml")
+
+CADENCES = ("regular", "nightly", "weekly", "release")
+GATE_MODES = ("shadow", "enforce")
+CONSUMER_KINDS = ("workflow", "external")
+
+_SUITE_NAME = re.compile(
+    r"^(?P<nightly>nightly-)?stage-(?P<tier>[abc])-(?:cpu|(?P<gpus>[1-9][0-9]*)-gpu-(?P<hw>[a-z0-9]+))$"
+)
+
+
+class CatalogError(ValueError):
+    """The catalog file breaks one or more of its own rules."""
+
+    def __init__(self, path: Path, problems: list[str]):
+        self.path = path
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"{path}: {len(problems)} problem(s):\n{lines}")
+
+
+class UnknownName(KeyError):
+    """A suite, lane or label that the catalog does not define."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the sentence readable
+        return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    description: str
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    backend: str
+    description: str
+
+
+@dataclass(frozen=True)
+class Lane:
+    name: str
+    backend: str
+    description: str
+    python: str
+    cadence: str
+    gate_mode: str
+    max_attempts: int
+
+
+@dataclass(frozen=True)
+class Consumer:
+    kind: str  # "workflow" (a file in .github/workflows) or "external" (a job elsewhere)
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.name}"
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    backend: str
+    gpus: int
+    lane: str
+    cadence: str
+    shards: int | None
+    budget_s: float | None
+    runner_labels: tuple[str, ...]
+    consumers: tuple[Consumer, ...]
+    description: str
+
+    @property
+    def tier(self) -> str:
+        match = _SUITE_NAME.match(self.name)
+        return match["tier"] if match else ""
+
+    @property
+    def hardware(self) -> str | None:
+        match = _SUITE_NAME.match(self.name)
+        return match["hw"] if match else None
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.gpus > 0
+
+
+@dataclass(frozen=True)
+class Catalog:
+    path: Path
+    backends: Mapping[str, Backend]
+    hardware: Mapping[str, Hardware]
+    labels: Mapping[str, str]
+    lanes: Mapping[str, Lane]
+    suites: Mapping[str, Suite]
+
+    def suites_for_backend(self, backend: str) -> tuple[Suite, ...]:
+        return tuple(s for s in self.suites.values() if s.backend == backend)
+
+    def suites_of_lane(self, lane: str) -> tuple[Suite, ...]:
+        return tuple(s for s in self.suites.values() if s.lane == lane)
+
+    def lane(self, name: str) -> Lane:
+        if name not in self.lanes:
+            raise UnknownName(_unknown("lane", name, self.lanes))
+        return self.lanes[name]
+
+    def suite(self, name: str, backend: str | None = None) -> Suite:
+        """The suite called `name`; with `backend`, it must also belong to that backend."""
+        suite = self.suites.get(name)
+        if suite is not None and (backend is None or suite.backend == backend):
+            return suite
+        pool = self.suites if backend is None else {s.name: s for s in self.suites_for_backend(backend)}
+        where = "" if backend is None else f" for {backend}"
+        extra = ""
+        if suite is not None:
+            extra = f" (it belongs to {suite.backend})"
+        raise UnknownName(_unknown("suite", name, pool, where=where, extra=extra))
+
+    def check_label(self, name: str) -> str:
+        if name not in self.labels:
+            raise UnknownName(_unknown("label", name, self.labels))
+        return name
+
+
+def _unknown(kind: str, name: str, known: Iterable[str], *, where: str = "", extra: str = "") -> str:
+    known = sorted(known)
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return f"{kind} '{name}' is not in the catalog{where}{extra}{hint} known: {compress_names(known)}"
+
+
+def compress_names(names: Iterable[str]) -> str:
+    """Join names, folding ones that differ only in one number: a-{2,4,8}-b."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    order: list[tuple[str, str]] = []
+    for name in names:
+        match = re.search(r"(?<=-)\d+(?=-)", name)
+        key = (name[: match.start()], name[match.end() :]) if match else (name, "")
+        if key not in groups:
+            groups[key] = []
+            order.append(key)
+        groups[key].append(match.group(0) if match else "")
+    parts = []
+    for prefix, suffix in order:
+        numbers = groups[(prefix, suffix)]
+        if len(numbers) == 1:
+            parts.append(f"{prefix}{numbers[0]}{suffix}")
+        else:
+            ordered = sorted(numbers, key=int)
+            parts.append(f"{prefix}{{{','.join(ordered)}}}{suffix}")
+    return ", ".join(parts)
+
+
+@lru_cache(maxsize=8)
+def load_catalog(path: Path | str | None = None) -> Catalog:
+    """Read and validate the catalog; raises CatalogError listing every broken rule."""
+    path = Path(path) if path is not None else CATALOG_PATH
+    try:
+        with open(path, "rb") as fh:
+            raw = tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise CatalogError(path, [f"not valid TOML: {exc}"]) from None
+    problems: list[str] = []
+    catalog = _build(path, raw, problems)
+    problems.extend(validate_catalog(catalog))
+    if problems:
+        raise CatalogError(path, problems)
+    return catalog
+
+
+def _build(path: Path, raw: dict, problems: list[str]) -> Catalog:
+    def table(name: str) -> dict:
+        value = raw.get(name, {})
+        if not isinstance(value, dict):
+            problems.append(f"[{name}] must be a table")
+            return {}
+        return value
+
+    def field(where: str, entry: dict, key: str, kind: type, fallback):
+        """A required field; reports it missing or mistyped and returns `fallback`."""
+        if key not in entry:
+            problems.append(f"{where}: missing `{key}`")
+            return fallback
+        value = entry[key]
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+            problems.append(f"{where}: `{key}` = {value!r} should be a {kind.__name__}")
+            return fallback
+        return value
+
+    backends = {
+        name: Backend(name, field(f"[backends.{name}]", entry, "description", str, ""))
+        for name, entry in table("backends").items()
+    }
+    hardware = {
+        name: Hardware(
+            name,
+            field(f"[hardware.{name}]", entry, "backend", str, ""),
+            field(f"[hardware.{name}]", entry, "description", str, ""),
+        )
+        for name, entry in table("hardware").items()
+    }
+    labels = {}
+    for name, description in table("labels").items():
+        if not isinstance(description, str) or not description.strip():
+            problems.append(f"[labels] `{name}` needs a one-line description")
+        labels[name] = description if isinstance(description, str) else ""
+
+    lanes = {}
+    for name, entry in table("lanes").items():
+        where = f"[lanes.{name}]"
+        lanes[name] = Lane(
+            name=name,
+            backend=field(where, entry, "backend", str, ""),
+            description=field(where, entry, "description", str, ""),
+            python=field(where, entry, "python", str, ""),
+            cadence=field(where, entry, "cadence", str, ""),
+            gate_mode=field(where, entry, "gate_mode", str, ""),
+            max_attempts=field(where, entry, "max_attempts", int, 0),
+        )
+
+    suites = {}
+    for name, entry in table("suites").items():
+        where = f'[suites."{name}"]'
+        consumers = []
+        for text in field(where, entry, "consumers", list, []):
+            kind, _, target = str(text).partition(":")
+            if kind not in CONSUMER_KINDS or not target.strip():
+                problems.append(f"{where}: consumer {text!r} must be 'workflow:<file>' or 'external:<job>'")
+                continue
+            consumers.append(Consumer(kind, target.strip()))
+        shards = entry.get("shards")
+        budget = entry.get("budget_s")
+        suites[name] = Suite(
+            name=name,
+            backend=field(where, entry, "backend", str, ""),
+            gpus=field(where, entry, "gpus", int, -1),
+            lane=field(where, entry, "lane", str, ""),
+            cadence=field(where, entry, "cadence", str, ""),
+            shards=shards if isinstance(shards, int) and not isinstance(shards, bool) else None,
+            budget_s=float(budget)
+            if isinstance(budget, int | float) and not isinstance(budget, bool)
+            else None,
+            runner_labels=tuple(field(where, entry, "runner_labels", list, [])),
+            consumers=tuple(consumers),
+            description=field(where, entry, "description", str, ""),
+        )
+    return Catalog(
+        path=path,
+        backends=MappingProxyType(backends),
+        hardware=MappingProxyType(hardware),
+        labels=MappingProxyType(labels),
+        lanes=MappingProxyType(lanes),
+        suites=MappingProxyType(suites),
+    )
+
+
+def validate_catalog(catalog: Catalog) -> list[str]:
+    """Every rule the catalog must satisfy, as a list of readable problems."""
+    problems = []
+    for hw in catalog.hardware.values():
+        if hw.backend not in catalog.backends:
+            problems.append(f"[hardware.{hw.name}]: backend '{hw.backend}' is not a known backend")
+    for lane in catalog.lanes.values():
+        where = f"[lanes.{lane.name}]"
+        if lane.backend not in catalog.backends:
+            problems.append(f"{where}: backend '{lane.backend}' is not one of {sorted(catalog.backends)}")
+        if lane.cadence not in CADENCES:
+            problems.append(f"{where}: cadence '{lane.cadence}' is not one of {list(CADENCES)}")
+        if lane.gate_mode not in GATE_MODES:
+            problems.append(f"{where}: gate_mode '{lane.gate_mode}' is not one of {list(GATE_MODES)}")
+        if lane.max_attempts < 1:
+            problems.append(f"{where}: max_attempts must be >= 1")
+        if not catalog.suites_of_lane(lane.name):
+            problems.append(f"{where}: no suite names this lane; remove it or point a suite at it")
+    for suite in catalog.suites.values():
+        problems.extend(_suite_problems(catalog, suite))
+    return problems
+
+
+def _suite_problems(catalog: Catalog, suite: Suite) -> list[str]:
+    where = f'[suites."{suite.name}"]'
+    problems = []
+    match = _SUITE_NAME.match(suite.name)
+    if not match:
+        problems.append(
+            f"{where}: name must look like stage-<a|b|c>-cpu or [nightly-]stage-<a|b|c>-<N>-gpu-<hardware>"
+        )
+    if suite.backend not in catalog.backends:
+        problems.append(f"{where}: backend '{suite.backend}' is not one of {sorted(catalog.backends)}")
+    if match:
+        if match["gpus"] is None:
+            if suite.backend != "cpu" or suite.gpus != 0:
+                problems.append(f"{where}: a -cpu suite must have backend 'cpu' and gpus = 0")
+        else:
+            if int(match["gpus"]) != suite.gpus:
+                problems.append(
+                    f"{where}: the name says {match['gpus']} GPUs but gpus = {suite.gpus}; make them agree"
+                )
+            hw = catalog.hardware.get(match["hw"])
+            if hw is None:
+                problems.append(
+                    f"{where}: hardware '{match['hw']}' is not in [hardware]; known: {sorted(catalog.hardware)}"
+                )
+            elif hw.backend != suite.backend:
+                problems.append(
+                    f"{where}: hardware '{hw.name}' is {hw.backend} but the suite's backend is {suite.backend}"
+                )
+        if match["nightly"] and suite.cadence == "regular":
+            problems.append(f"{where}: a nightly- suite cannot have cadence 'regular'")
+    if suite.cadence not in CADENCES:
+        problems.append(f"{where}: cadence '{suite.cadence}' is not one of {list(CADENCES)}")
+    lane = catalog.lanes.get(suite.lane)
+    if lane is None:
+        problems.append(f"{where}: lane '{suite.lane}' is not in [lanes]; every suite needs a lane")
+    elif lane.backend != suite.backend:
+        problems.append(f"{where}: lane '{lane.name}' runs {lane.backend} but the suite is {suite.backend}")
+    if not suite.consumers:
+        problems.append(f"{where}: no consumers; a suite nobody runs silently drops its tests")
+    if (suite.shards is None) == (suite.budget_s is None):
+        problems.append(f"{where}: set exactly one of `shards` (count) or `budget_s` (seconds per shard)")
+    if suite.shards is not None and suite.shards < 1:
+        problems.append(f"{where}: shards must be >= 1")
+    if suite.budget_s is not None and suite.budget_s <= 0:
+        problems.append(f"{where}: budget_s must be > 0")
+    if suite.gpus > 0 and not suite.runner_labels:
+        problems.append(f"{where}: a GPU suite needs runner_labels")
+    return problems

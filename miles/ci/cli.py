@@ -1,0 +1,160 @@
+"""`python -m miles.ci <command>`: list, audit, manifest, and the commands other parts add.
+
+Exit codes: 0 fine, 1 the command found problems, 2 bad usage (unknown suite, lane, label).
+Heavy packages are never imported here; commands import what they need when they run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+from miles.ci.catalog import CatalogError, UnknownName, load_catalog
+
+# Modules that add subcommands: each has `add_commands(subparsers)` and keeps its own heavy
+# imports inside the handlers, so that `list` stays a bare-Python command.
+COMMAND_MODULES: tuple[str, ...] = ()
+
+
+class UsageError(Exception):
+    """Bad input from the command line; printed as one line, exit 2."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args)
+    except (UsageError, UnknownName) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except CatalogError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m miles.ci", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_commands(sub)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).add_commands(sub)
+    return parser
+
+
+def add_root_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--root", type=Path, default=Path("."), help="project root (default: .)")
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("list", help="list registrations (what runs where)")
+    add_root_argument(p)
+    p.add_argument("--backend", choices=("cpu", "cuda", "rocm"))
+    p.add_argument("--suite")
+    p.add_argument("--lane")
+    p.add_argument("--label")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(handler=cmd_list)
+
+    p = sub.add_parser("audit", help="maintainer report: disabled tests, coverage gaps, unused suites")
+    add_root_argument(p)
+    p.add_argument("--strict", action="store_true", help="exit 1 on error-class findings")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(handler=cmd_audit)
+
+    p = sub.add_parser("manifest", help="suites and their tests, for jobs outside this repository")
+    add_root_argument(p)
+    p.add_argument("--json", action="store_true", required=True, help="print JSON (the only format)")
+    p.set_defaults(handler=cmd_manifest)
+
+
+def _discover(root: Path):
+    from miles.ci.discover import discover
+
+    return discover(root, catalog=load_catalog())
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    catalog = load_catalog()
+    suites = None
+    if args.suite:
+        suites = {catalog.suite(args.suite, args.backend).name}
+    if args.lane:
+        lane_suites = {s.name for s in catalog.suites_of_lane(catalog.lane(args.lane).name)}
+        suites = lane_suites if suites is None else suites & lane_suites
+    if args.label:
+        catalog.check_label(args.label)
+    discovery = _discover(args.root)
+    regs = [
+        r
+        for r in discovery.registrations
+        if (args.backend is None or r.backend == args.backend)
+        and (suites is None or r.suite in suites)
+        and (args.label is None or args.label in r.labels)
+    ]
+    if args.json:
+        payload = {
+            "registrations": [r.to_json() for r in regs],
+            "problems": [str(p) for p in discovery.problems],
+        }
+        print(json.dumps(payload, indent=2))
+    else:
+        _print_table(regs)
+    for problem in discovery.problems:
+        print(problem, file=sys.stderr)
+    return 1 if discovery.problems else 0
+
+
+def _print_table(regs) -> None:
+    rows = [("BACKEND", "SUITE", "EST(s)", "FILE", "LABELS", "STATUS")]
+    for r in sorted(regs, key=lambda r: (r.backend, r.suite, r.file)):
+        status = "disabled: " + r.disabled if r.disabled else ("nightly" if r.nightly else "enabled")
+        where = r.file if r.implicit else f"{r.file}:{r.line}"
+        rows.append((r.backend, r.suite, f"{r.est_time:g}", where, ",".join(r.labels) or "-", status))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths, strict=True)) + "  " + row[-1])
+    print(f"{len(rows) - 1} registration(s)")
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    from miles.ci.audit import audit
+
+    catalog = load_catalog()
+    report = audit(catalog, _discover(args.root), root=args.root)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        print(report.to_markdown(), end="")
+    for finding in report.errors:
+        print(f"error: {finding.message}", file=sys.stderr)
+    return 1 if args.strict and report.errors else 0
+
+
+def cmd_manifest(args: argparse.Namespace) -> int:
+    catalog = load_catalog()
+    discovery = _discover(args.root)
+    suites = {}
+    for suite in catalog.suites.values():
+        regs = [r for r in discovery.registrations if r.suite == suite.name]
+        suites[suite.name] = {
+            "backend": suite.backend,
+            "gpus": suite.gpus,
+            "lane": suite.lane,
+            "cadence": suite.cadence,
+            "runner_labels": list(suite.runner_labels),
+            "consumers": [str(c) for c in suite.consumers],
+            "enabled": [
+                {"file": r.file, "est_time": r.est_time, "labels": list(r.labels), "nightly": r.nightly}
+                for r in regs
+                if r.enabled
+            ],
+            "disabled": [{"file": r.file, "reason": r.disabled} for r in regs if not r.enabled],
+        }
+    print(json.dumps({"schema": 1, "suites": suites}, indent=2))
+    for problem in discovery.problems:
+        print(problem, file=sys.stderr)
+    return 1 if discovery.problems else 0
