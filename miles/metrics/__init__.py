@@ -1,0 +1,1 @@
+"""Training metrics: capture in the training process, the history store, and the gate."""
