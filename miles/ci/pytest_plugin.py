@@ -1,0 +1,83 @@
+"""pytest plugin: collect each test file only where it is registered to run.
+
+Registrations are read from the syntax tree (miles.ci.discover) under pytest's rootdir. A
+file with no registration for this machine's backend is collected as one skip whose reason
+names the hardware it needs, without importing it (its imports may need a GPU stack); a
+file whose registration breaks a rule is a collection error carrying discovery's message.
+The backend is `MILES_CI_BACKEND` (the runner sets it on GPU machines), else cpu.
+
+Enable with `pytest_plugins = ("miles.ci.pytest_plugin",)` in the top conftest.py.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from miles.ci.catalog import load_catalog
+from miles.ci.discover import Discovery, Registration, discover
+
+BACKEND_ENV = "MILES_CI_BACKEND"
+_DISCOVERY = pytest.StashKey[Discovery]()
+
+
+def current_backend() -> str:
+    return os.environ.get(BACKEND_ENV, "cpu")
+
+
+class RegisteredElsewhere(pytest.File):
+    """Stands in for a test module that must not be imported on this machine."""
+
+    def __init__(self, *, reason: str, error: bool, **kwargs):
+        super().__init__(**kwargs)
+        self.reason = reason
+        self.error = error
+
+    def collect(self):
+        if self.error:
+            raise self.CollectError(self.reason)
+        pytest.skip(self.reason)
+
+
+def hardware_needed(registrations: tuple[Registration, ...]) -> str:
+    catalog = load_catalog()
+    parts = []
+    for r in registrations:
+        suite = catalog.suites[r.suite]
+        hardware = f"{suite.gpus}x {suite.hardware}" if suite.is_gpu else "cpu"
+        parts.append(f"{hardware} ({r.backend}: {r.suite})")
+    return " or ".join(parts)
+
+
+def _discovery(config: pytest.Config) -> Discovery:
+    if _DISCOVERY not in config.stash:
+        config.stash[_DISCOVERY] = discover(config.rootpath, catalog=load_catalog())
+    return config.stash[_DISCOVERY]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector):
+    config = parent.config
+    try:
+        rel = Path(module_path).resolve().relative_to(config.rootpath.resolve()).as_posix()
+    except ValueError:
+        return None
+    discovery = _discovery(config)
+    problems = [p for p in discovery.problems if p.file == rel]
+    if problems:
+        reason = "\n".join(str(p) for p in problems)
+        return RegisteredElsewhere.from_parent(parent, path=Path(module_path), reason=reason, error=True)
+    test_file = discovery.file(rel)
+    if test_file is None:
+        return None
+    backend = current_backend()
+    here = test_file.for_backend(backend)
+    if not here:
+        reason = f"registered for {hardware_needed(test_file.registrations)}; this machine is {backend}"
+        return RegisteredElsewhere.from_parent(parent, path=Path(module_path), reason=reason, error=False)
+    if not any(r.enabled for r in here):
+        reason = "; ".join(f"disabled on {r.backend} ({r.suite}): {r.disabled}" for r in here)
+        return RegisteredElsewhere.from_parent(parent, path=Path(module_path), reason=reason, error=False)
+    return None
