@@ -1,3 +1,3 @@
 """Collect each test file only where its registrations say it runs (see the plugin)."""
 
-pytest_plugins = ("miles.ci.pytest_plugin",)
+pytest_plugins = ("miles.ci.pytest_plugin", "pytester")
