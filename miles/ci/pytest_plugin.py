@@ -1,6 +1,6 @@
 """pytest plugin: collect each test file only where it is registered to run.
 
-Registrations are read from the syntax tree (miles.ci.discover) under pytest's rootdir. A
+Registrations are read from the collected file's syntax tree (miles.ci.discover). A
 file with no registration for this machine's backend is collected as one skip whose reason
 names the hardware it needs, without importing it (its imports may need a GPU stack); a
 file whose registration breaks a rule is a collection error carrying discovery's message.
@@ -17,10 +17,9 @@ from pathlib import Path
 import pytest
 
 from miles.ci.catalog import load_catalog
-from miles.ci.discover import Discovery, Registration, discover
+from miles.ci.discover import Registration, parse_test_file
 
 BACKEND_ENV = "MILES_CI_BACKEND"
-_DISCOVERY = pytest.StashKey[Discovery]()
 
 
 def current_backend() -> str:
@@ -51,12 +50,6 @@ def hardware_needed(registrations: tuple[Registration, ...]) -> str:
     return " or ".join(parts)
 
 
-def _discovery(config: pytest.Config) -> Discovery:
-    if _DISCOVERY not in config.stash:
-        config.stash[_DISCOVERY] = discover(config.rootpath, catalog=load_catalog())
-    return config.stash[_DISCOVERY]
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector):
     config = parent.config
@@ -64,14 +57,13 @@ def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector):
         rel = Path(module_path).resolve().relative_to(config.rootpath.resolve()).as_posix()
     except ValueError:
         return None
-    discovery = _discovery(config)
-    problems = [p for p in discovery.problems if p.file == rel]
+    if not Path(module_path).name.startswith("test_"):
+        return None
+    # Only the collected file is read: the runner starts one pytest per file.
+    test_file, problems = parse_test_file(Path(module_path), rel, load_catalog())
     if problems:
         reason = "\n".join(str(p) for p in problems)
         return RegisteredElsewhere.from_parent(parent, path=Path(module_path), reason=reason, error=True)
-    test_file = discovery.file(rel)
-    if test_file is None:
-        return None
     backend = current_backend()
     here = test_file.for_backend(backend)
     if not here:

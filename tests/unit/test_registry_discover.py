@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 import pytest
@@ -329,7 +330,7 @@ def test_partial_parse_agrees_with_a_full_parse_on_tricky_layouts(make_tree):
         + 'register_cpu_ci(est_time=5, suite="stage-b-cpu")\n@decorator\ndef test_a():\n    register_cpu_ci\n',
     ]
     for index, source in enumerate(layouts):
-        tree = discover_module._parse_marker_region(source, "x.py")
+        tree, _ = discover_module._parse_marker_region(source, "x.py")
         full = ast.parse(source)
         marker_nodes = lambda t: sorted(  # noqa: E731
             (n.lineno, n.id) for n in ast.walk(t) if isinstance(n, ast.Name) and n.id.startswith("register_")
@@ -451,3 +452,72 @@ def test_every_test_file_of_this_repository_parses_cleanly():
     }
     assert paths == on_disk
     assert all(f.registrations for f in result.files)
+
+
+def _age(path: Path, seconds: float = 60) -> None:
+    stamp = path.stat().st_mtime - seconds
+    os.utime(path, (stamp, stamp))
+
+
+def test_unchanged_file_is_read_from_the_cache(make_tree, monkeypatch):
+    root = make_tree({"tests/e2e/test_x.py": HEADER + 'register_cpu_ci(est_time=5, suite="stage-b-cpu")\n'})
+    _age(root / "tests/e2e/test_x.py")
+    first = discover(root)
+    assert (root / ".miles/cache/discover.json").is_file()
+
+    def parse_again(*args, **kwargs):
+        raise AssertionError("an unchanged file was parsed again")
+
+    monkeypatch.setattr(discover_module, "parse_test_file", parse_again)
+    assert discover(root).registrations == first.registrations
+
+
+def test_edited_file_is_parsed_again(make_tree):
+    root = make_tree({"tests/e2e/test_x.py": HEADER + 'register_cpu_ci(est_time=5, suite="stage-b-cpu")\n'})
+    path = root / "tests/e2e/test_x.py"
+    _age(path, 120)
+    discover(root)
+    path.write_text(HEADER + 'register_cpu_ci(est_time=50, suite="stage-b-cpu")\n')
+    _age(path, 60)
+    assert discover(root).registrations[0].est_time == 50
+
+
+def test_file_modified_just_now_is_not_cached(make_tree):
+    root = make_tree({"tests/e2e/test_x.py": HEADER + 'register_cpu_ci(est_time=5, suite="stage-b-cpu")\n'})
+    discover(root)
+    cached = (
+        (root / ".miles/cache/discover.json").read_text()
+        if (root / ".miles/cache/discover.json").exists()
+        else ""
+    )
+    assert "tests/e2e/test_x.py" not in cached
+
+
+def test_cached_problems_are_reported_again(make_tree):
+    root = make_tree(
+        {
+            "tests/e2e/test_x.py": HEADER
+            + 'register_rocm_ci(est_time=5, suite="stage-c-4-gpu-mi300x", labels=["amd"])\n'
+        }
+    )
+    _age(root / "tests/e2e/test_x.py")
+    first = discover(root)
+    second = discover(root)
+    assert first.problems == second.problems and len(second.problems) == 1
+
+
+def test_a_different_catalog_does_not_reuse_the_cache(make_tree, tmp_path_factory):
+    from miles.ci.catalog import CATALOG_PATH, load_catalog
+
+    root = make_tree(
+        {
+            "tests/e2e/test_x.py": HEADER
+            + 'register_rocm_ci(est_time=5, suite="stage-c-4-gpu-mi350", labels=["amd"])\n'
+        }
+    )
+    _age(root / "tests/e2e/test_x.py")
+    assert not discover(root).problems
+    renamed = tmp_path_factory.mktemp("catalog") / "catalog.toml"
+    renamed.write_text(CATALOG_PATH.read_text().replace('\namd = "', '\namd-gpu = "'))
+    result = discover(root, catalog=load_catalog(renamed))
+    assert "label 'amd' is not in the catalog" in str(result.problems[0])

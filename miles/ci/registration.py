@@ -1,0 +1,91 @@
+"""Records that discovery produces: registrations, gate declarations, problems, test files."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Registration:
+    """One `register_<backend>_ci(...)` call (or the implicit one of a tests/unit/ file)."""
+
+    backend: str
+    file: str  # posix path relative to the project root
+    line: int
+    est_time: float
+    suite: str
+    labels: tuple[str, ...] = ()
+    nightly: bool = False
+    disabled: str | None = None
+    implicit: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.disabled is None
+
+    def to_json(self) -> dict:
+        return {
+            "backend": self.backend,
+            "file": self.file,
+            "line": self.line,
+            "est_time": self.est_time,
+            "suite": self.suite,
+            "labels": list(self.labels),
+            "nightly": self.nightly,
+            "disabled": self.disabled,
+            "implicit": self.implicit,
+        }
+
+
+@dataclass(frozen=True)
+class GateDeclaration:
+    """One `register_ci_gate(...)` call; it applies to every registration of its file."""
+
+    file: str
+    line: int
+    metric_key: str
+    steps: str | tuple[int, ...] = "last"
+    constraint: tuple[tuple[str, float], ...] = ()
+    enforce: bool = False
+
+    def to_json(self) -> dict:
+        return {
+            "file": self.file,
+            "line": self.line,
+            "metric_key": self.metric_key,
+            "steps": self.steps if isinstance(self.steps, str) else list(self.steps),
+            "constraint": dict(self.constraint),
+            "enforce": self.enforce,
+        }
+
+
+@dataclass(frozen=True)
+class Problem:
+    file: str
+    line: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}: {self.message}"
+
+
+@dataclass(frozen=True)
+class TestFile:
+    path: str
+    registrations: tuple[Registration, ...]
+    gates: tuple[GateDeclaration, ...] = ()
+
+    __test__ = False  # not a pytest class
+
+    def for_backend(self, backend: str) -> tuple[Registration, ...]:
+        return tuple(r for r in self.registrations if r.backend == backend)
+
+
+def registration_from_json(data: dict) -> Registration:
+    return Registration(**{**data, "labels": tuple(data["labels"])})
+
+
+def gate_from_json(data: dict) -> GateDeclaration:
+    steps = data["steps"] if isinstance(data["steps"], str) else tuple(data["steps"])
+    constraint = tuple(sorted((k, float(v)) for k, v in data["constraint"].items()))
+    return GateDeclaration(**{**data, "steps": steps, "constraint": constraint})
