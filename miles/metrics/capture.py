@@ -41,43 +41,56 @@ def decode_value(value: float | int | str) -> float:
 
 
 class MetricRecorder:
-    """Accumulates series in memory and rewrites the record file on every log call."""
+    """Accumulates series in memory and rewrites the record file on every log call.
+
+    Every numeric value is kept, so whatever key a gate declares is in the record. A
+    metric's line is re-encoded only when that metric changed, so a long run with many
+    keys does not pay for re-serialising everything on every step.
+    """
 
     def __init__(self, directory: Path | str):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.path = self.directory / f"{os.getpid()}-{uuid.uuid4().hex}.jsonl"
         self._series: dict[str, dict[int, float]] = {}
+        self._lines: dict[str, str] = {}
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        changed = set()
         for key, value in metrics.items():
             try:
                 number = float(value)
             except (TypeError, ValueError):
                 continue  # strings and other non-numbers are not gateable
             self._series.setdefault(key, {})[int(step)] = number
+            changed.add(key)
+        for key in changed:
+            points = sorted(self._series[key].items())
+            self._lines[key] = json.dumps(
+                {"metric": key, "series": [[s, encode_value(v)] for s, v in points]}
+            )
         self._write()
 
     def _write(self) -> None:
-        lines = [
-            json.dumps({"metric": key, "series": [[s, encode_value(v)] for s, v in sorted(points.items())]})
-            for key, points in self._series.items()
-        ]
+        # Same directory as the record, so the rename is atomic: a reader (or a process
+        # killed mid-write) only ever sees the previous complete record or the new one.
         tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        tmp.write_text("".join(line + "\n" for line in self._lines.values()), encoding="utf-8")
         os.replace(tmp, self.path)
 
 
 _recorder: MetricRecorder | None = None
-_recorder_dir: str | None = None
+_recorder_key: tuple[str, int] | None = None
 
 
 def log(step: int, metrics: Mapping[str, float]) -> None:
     """Record `metrics` at `step` if this process runs under the CI gate; else do nothing."""
-    global _recorder, _recorder_dir
+    global _recorder, _recorder_key
     directory = os.environ.get(RECORD_DIR_ENV)
     if not directory:
         return
-    if _recorder is None or _recorder_dir != directory:
-        _recorder, _recorder_dir = MetricRecorder(directory), directory
+    # A forked child must not share its parent's file: the pid is part of the key.
+    key = (directory, os.getpid())
+    if _recorder is None or _recorder_key != key:
+        _recorder, _recorder_key = MetricRecorder(directory), key
     _recorder.log(step, metrics)

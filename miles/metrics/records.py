@@ -1,0 +1,141 @@
+"""Read the metric records that training processes leave in a record directory.
+
+A record is `<pid>-<uuid>.jsonl`, one complete line per metric (see capture.py). Every
+line ends with a newline because the writer renames a finished file into place; a line
+without one, or one that is not the expected JSON, means the file was cut short or written
+by something else, and the record is refused with file:line and the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from miles.metrics.capture import decode_value
+
+_NON_FINITE = ("NaN", "Infinity", "-Infinity")
+
+
+class RecordError(ValueError):
+    """A record that cannot be trusted to say what the run logged."""
+
+
+@dataclass(frozen=True)
+class MetricSeries:
+    """One metric's values by step, in step order."""
+
+    metric: str
+    points: tuple[tuple[int, float], ...]
+
+    @property
+    def steps(self) -> tuple[int, ...]:
+        return tuple(step for step, _ in self.points)
+
+    def last(self) -> tuple[int, float]:
+        return self.points[-1]
+
+    def at(self, step: int) -> float | None:
+        for s, value in self.points:
+            if s == step:
+                return value
+        return None
+
+
+def read_record(path: Path | str) -> dict[str, dict[int, float]]:
+    """{metric: {step: value}} of one record file; RecordError if it is incomplete or malformed."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecordError(f"{path}: cannot read the record: {exc}") from exc
+    series: dict[str, dict[int, float]] = {}
+    for number, line in enumerate(text.splitlines(keepends=True), start=1):
+        where = f"{path}:{number}"
+        if not line.endswith("\n"):
+            raise RecordError(
+                f"{where}: the record ends mid-line, so the writing process was cut off; "
+                "records from miles.metrics.capture are renamed into place complete, so "
+                "rerun the test rather than trust a partial record"
+            )
+        metric, points = _parse_line(line, where)
+        if metric in series:
+            raise RecordError(
+                f"{where}: metric '{metric}' appears twice in one record; each metric has one line"
+            )
+        series[metric] = points
+    return series
+
+
+def _parse_line(line: str, where: str) -> tuple[str, dict[int, float]]:
+    expected = 'expected {"metric": "<key>", "series": [[step, value], ...]}'
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise RecordError(f"{where}: not valid JSON ({exc.msg}); {expected}") from exc
+    if (
+        not isinstance(obj, dict)
+        or not isinstance(obj.get("metric"), str)
+        or not isinstance(obj.get("series"), list)
+    ):
+        raise RecordError(f"{where}: {expected}")
+    points: dict[int, float] = {}
+    for point in obj["series"]:
+        if (
+            not isinstance(point, list)
+            or len(point) != 2
+            or not isinstance(point[0], int)
+            or isinstance(point[0], bool)
+            or not _is_value(point[1])
+        ):
+            raise RecordError(
+                f"{where}: point {point!r} of '{obj['metric']}' is not [step, value] with an integer "
+                f"step and a number or one of {', '.join(_NON_FINITE)}"
+            )
+        points[point[0]] = decode_value(point[1])
+    return obj["metric"], points
+
+
+def _is_value(value: object) -> bool:
+    if isinstance(value, str):
+        return value in _NON_FINITE
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def merge_records(directory: Path | str) -> dict[str, MetricSeries]:
+    """Merge every record in `directory` (all processes of one attempt) into one series per metric.
+
+    Two processes may log the same metric at the same step (ranks of one job) only with
+    the same value; different values would make the gate's input depend on file order.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise RecordError(f"{directory}: no such record directory")
+    merged: dict[str, dict[int, float]] = {}
+    source: dict[tuple[str, int], Path] = {}
+    for path in sorted(p for p in directory.glob("*.jsonl") if not p.name.startswith(".")):
+        for metric, points in read_record(path).items():
+            into = merged.setdefault(metric, {})
+            for step, value in points.items():
+                if step in into and not _same(into[step], value):
+                    raise RecordError(
+                        f"{path}: '{metric}' at step {step} is {value!r} here but {into[step]!r} in "
+                        f"{source[metric, step].name}; log gated metrics from one rank only"
+                    )
+                into[step] = value
+                source.setdefault((metric, step), path)
+    return {metric: MetricSeries(metric, tuple(sorted(points.items()))) for metric, points in merged.items()}
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def series_from_mapping(metrics: Mapping[str, Mapping[int, float]]) -> dict[str, MetricSeries]:
+    """Build series from {metric: {step: value}}; handy for callers that hold values in memory."""
+    return {
+        m: MetricSeries(m, tuple(sorted((int(s), float(v)) for s, v in p.items())))
+        for m, p in metrics.items()
+    }
