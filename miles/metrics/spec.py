@@ -1,0 +1,146 @@
+"""What a `register_ci_gate(...)` declaration means once defaults are filled in.
+
+Discovery reads the literal arguments (miles.ci.discover.GateDeclaration); this module
+turns one into a `GateSpec`: the band each side of the baseline (the declared constraint
+merged over the metric's defaults), which steps are checked, and the coordinates under
+which values are stored. A coordinate is (metric, steps key, constraint key, step); the
+history of one coordinate for one (test, backend, suite) is what a new value is compared
+with.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+CONSTRAINT_KEYS = ("rel_up", "abs_floor_up", "rel_down", "abs_floor_down")
+LAST_STEP = -1  # the coordinate step of steps="last": the final logged value, whatever its step
+
+
+@dataclass(frozen=True)
+class Band:
+    """Allowed distance from the baseline: max(rel * |ref|, abs_floor) on each side."""
+
+    rel_up: float
+    abs_floor_up: float
+    rel_down: float
+    abs_floor_down: float
+
+    def half_widths(self, ref: float) -> tuple[float, float]:
+        """(below, above) distances from `ref` that still pass, before any noise widening."""
+        return max(self.rel_down * abs(ref), self.abs_floor_down), max(
+            self.rel_up * abs(ref), self.abs_floor_up
+        )
+
+    def to_json(self) -> dict[str, float]:
+        return {key: getattr(self, key) for key in CONSTRAINT_KEYS}
+
+
+# Bands for the standard metrics, so `register_ci_gate(metric_key="train/grad_norm")` is a
+# complete gate. Each floor is the metric's natural noise near zero; each rel is how far a
+# healthy run of an unchanged recipe strays from the median of its history.
+DEFAULT_BANDS: Mapping[str, Band] = {
+    # Gradient norm: noisy step to step; a doubling or halving is a different optimisation.
+    "train/grad_norm": Band(rel_up=0.5, abs_floor_up=1e-3, rel_down=0.5, abs_floor_down=1e-3),
+    # PPO KL between the policy before and after an update sits near zero; either sign of
+    # drift beyond its own size means the step size changed.
+    "train/ppo_kl": Band(rel_up=1.0, abs_floor_up=1e-3, rel_down=1.0, abs_floor_down=1e-3),
+    # Trainer vs rollout log-probabilities: only precision noise is healthy. A fall is
+    # harmless, a rise means the two engines no longer compute the same policy.
+    "train/train_rollout_logprob_abs_diff": Band(
+        rel_up=0.5, abs_floor_up=0.01, rel_down=1.0, abs_floor_down=0.01
+    ),
+    "train/train_rollout_kl": Band(rel_up=1.0, abs_floor_up=1e-3, rel_down=1.0, abs_floor_down=1e-3),
+    # Reward: a collapse is the failure that matters; a rise is checked loosely.
+    "rollout/raw_reward": Band(rel_up=0.5, abs_floor_up=0.1, rel_down=0.25, abs_floor_down=0.05),
+}
+
+
+class Declaration(Protocol):
+    """What a gate declaration carries (miles.ci.discover.GateDeclaration has these)."""
+
+    file: str
+    line: int
+    metric_key: str
+    steps: str | tuple[int, ...]
+    constraint: tuple[tuple[str, float], ...]
+    enforce: bool
+
+
+@dataclass(frozen=True, order=True)
+class Coordinate:
+    metric: str
+    steps_key: str
+    constraint_key: str
+    step: int
+
+    def label(self) -> str:
+        step = "last" if self.step == LAST_STEP else f"step {self.step}"
+        return f"{self.metric} @ {step}"
+
+
+@dataclass(frozen=True)
+class GateSpec:
+    metric: str
+    steps: str | tuple[int, ...]
+    band: Band
+    enforce: bool
+    constraint_key: str
+    file: str = ""
+    line: int = 0
+
+    @property
+    def steps_key(self) -> str:
+        return self.steps if isinstance(self.steps, str) else ",".join(str(s) for s in self.steps)
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}" if self.file else self.metric
+
+    def coordinate(self, step: int) -> Coordinate:
+        return Coordinate(self.metric, self.steps_key, self.constraint_key, step)
+
+
+def constraint_problem(metric: str, constraint: Mapping[str, float]) -> str | None:
+    """Why a declaration's constraint is incomplete, or None: a metric with no default band
+    must spell out all four sides, since nothing else says what its healthy range is."""
+    if metric in DEFAULT_BANDS:
+        return None
+    missing = [key for key in CONSTRAINT_KEYS if key not in constraint]
+    if not missing:
+        return None
+    return (
+        f"metric '{metric}' has no default band (defaults exist for {', '.join(DEFAULT_BANDS)}); "
+        f"give constraint={{...}} with {', '.join(missing)} as well"
+    )
+
+
+def constraint_key(constraint: Mapping[str, float]) -> str:
+    """Canonical text of the constraint as declared ("{}" for the defaults).
+
+    Keyed as declared rather than as merged so that retuning the shipped defaults keeps the
+    history, while a test that declares a different band starts a history of its own.
+    """
+    return json.dumps({k: float(constraint[k]) for k in sorted(constraint)}, separators=(",", ":"))
+
+
+def gate_spec(decl: Declaration) -> GateSpec:
+    """The full gate a declaration describes; ValueError (with file:line) if it is incomplete."""
+    declared = dict(decl.constraint)
+    problem = constraint_problem(decl.metric_key, declared)
+    if problem:
+        raise ValueError(f"{decl.file}:{decl.line}: register_ci_gate: {problem}")
+    base = DEFAULT_BANDS.get(decl.metric_key)
+    merged = {key: float(declared.get(key, getattr(base, key) if base else 0.0)) for key in CONSTRAINT_KEYS}
+    steps = decl.steps if isinstance(decl.steps, str) else tuple(sorted(set(decl.steps)))
+    return GateSpec(
+        metric=decl.metric_key,
+        steps=steps,
+        band=Band(**merged),
+        enforce=bool(decl.enforce),
+        constraint_key=constraint_key(declared),
+        file=decl.file,
+        line=decl.line,
+    )
