@@ -1,0 +1,219 @@
+"""The history store: runs, their metric values per coordinate, and test durations.
+
+One contract (`HistoryStore`), two implementations with the same schema and the same
+tests: an embedded SQLite file (the default, `.miles/history.sqlite`, WAL, safe with several
+writer processes) and PostgreSQL (psycopg 3) when `MILES_HISTORY_URL` names one. Each
+operation opens its own connection and runs in one transaction, so a writer that dies
+leaves either its whole run or nothing. The schema carries a version and is created or
+migrated when a store is opened. URLs shown anywhere have their password masked.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from miles.metrics.spec import Coordinate
+
+HISTORY_URL_ENV = "MILES_HISTORY_URL"
+DEFAULT_SQLITE_PATH = Path(".miles") / "history.sqlite"
+BASELINE_CADENCES = ("nightly", "weekly")
+_COMMIT_PREFIX = re.compile(r"[0-9a-fA-F]{7,64}")
+
+
+class StoreError(RuntimeError):
+    """The store refused an operation (bad schema version, bad argument)."""
+
+
+class StoreUnreachable(StoreError):
+    """The store could not be reached or did not answer; the message masks credentials."""
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """A run as its writer knows it; `uid` makes a retried write land once."""
+
+    test: str
+    backend: str
+    suite: str
+    lane: str
+    cadence: str
+    trusted: bool
+    commit: str | None = None
+    pr: str | None = None
+    ci_run_id: str | None = None
+    created_at: datetime | None = None
+    uid: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass(frozen=True)
+class StoredRun:
+    id: int
+    uid: str
+    test: str
+    backend: str
+    suite: str
+    lane: str
+    cadence: str
+    commit: str | None
+    pr: str | None
+    ci_run_id: str | None
+    created_at: datetime
+    trusted: bool
+    untrusted_reason: str | None
+
+
+@dataclass(frozen=True)
+class MetricValue:
+    """One value at one coordinate, with the verdict and band it got when it was gated."""
+
+    coordinate: Coordinate
+    value: float
+    verdict: str | None = None
+    ref: float | None = None
+    low: float | None = None
+    high: float | None = None
+
+
+@dataclass(frozen=True)
+class DurationRecord:
+    """How long one test file took in one attempt, for est_time calibration."""
+
+    file: str
+    backend: str
+    suite: str
+    elapsed_s: float
+    status: str
+    lane: str = ""
+    est_time: float | None = None
+    commit: str | None = None
+    created_at: datetime | None = None
+
+
+class HistoryStore(ABC):
+    """The contract both stores implement (see tests/unit/test_metrics_store_contract.py)."""
+
+    url: str  # masked, safe to print
+
+    @abstractmethod
+    def schema_version(self) -> int: ...
+
+    @abstractmethod
+    def add_run(self, run: RunRecord, values: Sequence[MetricValue] = ()) -> int:
+        """Write a run and its values in one transaction; returns the run id."""
+
+    @abstractmethod
+    def baselines(
+        self, test: str, backend: str, suite: str, coordinates: Iterable[Coordinate], k: int
+    ) -> dict[Coordinate, list[float]]:
+        """The last `k` finite values of trusted runs per coordinate, newest first."""
+
+    @abstractmethod
+    def runs(
+        self,
+        *,
+        test: str | None = None,
+        backend: str | None = None,
+        suite: str | None = None,
+        limit: int | None = None,
+    ) -> list[StoredRun]:
+        """Runs newest first."""
+
+    @abstractmethod
+    def values(self, run_ids: Iterable[int], metric: str | None = None) -> dict[int, list[MetricValue]]:
+        """Stored values of the given runs, by run id, ordered by coordinate."""
+
+    @abstractmethod
+    def mark_untrusted(self, *, run_id: int | None = None, commit: str | None = None, reason: str) -> int:
+        """Mark one run, or every run of a commit (a prefix of 7+ hex digits), untrusted."""
+
+    @abstractmethod
+    def add_durations(self, records: Sequence[DurationRecord]) -> None: ...
+
+    @abstractmethod
+    def durations(
+        self, backend: str, suite: str | None = None, *, per_file: int = 20
+    ) -> list[DurationRecord]:
+        """The newest `per_file` durations of each file on `backend` (and `suite`), newest first."""
+
+
+def writes_baseline(cadence: str) -> bool:
+    """Only scheduled runs of the main line may extend a baseline; PR runs never do."""
+    return cadence in BASELINE_CADENCES
+
+
+def mask_url(url: str) -> str:
+    """The URL with its password replaced by ***; safe to print or log."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable store URL>"
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def scrub(text: str, url: str) -> str:
+    """Remove the URL's password from text that a driver produced (errors can echo DSNs)."""
+    try:
+        password = urlsplit(url).password
+    except ValueError:
+        password = None
+    return text.replace(password, "***") if password else text
+
+
+def resolve_url(url: str | None = None, *, root: Path | str = ".") -> str:
+    """The store URL in effect: the argument, else $MILES_HISTORY_URL, else the SQLite default."""
+    url = url or os.environ.get(HISTORY_URL_ENV, "").strip()
+    if url:
+        return url
+    return f"sqlite:///{(Path(root) / DEFAULT_SQLITE_PATH).as_posix()}"
+
+
+def open_store(url: str | None = None, *, root: Path | str = ".") -> HistoryStore:
+    """Open (creating or migrating the schema) the store named by `url` or the environment."""
+    url = resolve_url(url, root=root)
+    scheme = url.split(":", 1)[0].lower() if "://" in url else ""
+    if scheme in ("postgresql", "postgres"):
+        from miles.metrics.store_postgres import PostgresStore
+
+        return PostgresStore(url)
+    if scheme in ("sqlite", ""):
+        from miles.metrics.store_sqlite import SqliteStore
+
+        path = url[len("sqlite:///") :] if scheme else url
+        if scheme and not url.startswith("sqlite:///"):
+            raise StoreError(
+                f"store URL {mask_url(url)!r}: write sqlite:///relative/path or sqlite:////absolute/path"
+            )
+        return SqliteStore(Path(path))
+    raise StoreError(
+        f"store URL {mask_url(url)!r}: unknown scheme '{scheme}'; use postgresql://user:pw@host/db, "
+        "sqlite:///path, or a file path"
+    )
+
+
+def now() -> datetime:
+    return datetime.now(UTC)
+
+
+def finite_or_none(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+def check_commit_prefix(commit: str) -> str:
+    if not _COMMIT_PREFIX.fullmatch(commit):
+        raise StoreError(f"commit {commit!r} is not a commit id; give at least 7 hex digits of it")
+    return commit.lower()

@@ -1,0 +1,331 @@
+"""The SQL both history stores share: schema, migrations and every query of the contract.
+
+Queries are written once with `?` placeholders and the types as `{id_pk}`, `{real}`,
+`{bool}`, `{ts}`; a dialect subclass supplies the connection, the placeholder style, the
+types and timestamp conversion.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import abstractmethod
+from collections.abc import Callable, Iterable, Sequence
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+from miles.metrics.spec import Coordinate
+from miles.metrics.store import (
+    DurationRecord,
+    HistoryStore,
+    MetricValue,
+    RunRecord,
+    StoredRun,
+    StoreError,
+    check_commit_prefix,
+    finite_or_none,
+    now,
+)
+
+T = TypeVar("T")
+SCHEMA_VERSION = 1
+_CHUNK = 500  # ids per IN (...) list; well under SQLite's parameter limit
+
+# (version, statements). Append a new entry to change the schema; never edit a shipped one.
+MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
+    (
+        1,
+        (
+            """CREATE TABLE runs (
+                id {id_pk},
+                uid TEXT NOT NULL UNIQUE,
+                test TEXT NOT NULL,
+                backend TEXT NOT NULL,
+                suite TEXT NOT NULL,
+                lane TEXT NOT NULL,
+                cadence TEXT NOT NULL,
+                commit_sha TEXT,
+                pr TEXT,
+                ci_run_id TEXT,
+                created_at {ts} NOT NULL,
+                trusted {bool} NOT NULL,
+                untrusted_reason TEXT
+            )""",
+            "CREATE INDEX runs_by_test ON runs (test, backend, suite, created_at)",
+            "CREATE INDEX runs_by_commit ON runs (commit_sha)",
+            """CREATE TABLE metric_values (
+                run_id BIGINT NOT NULL REFERENCES runs (id) ON DELETE CASCADE,
+                metric TEXT NOT NULL,
+                steps_key TEXT NOT NULL,
+                constraint_key TEXT NOT NULL,
+                step INTEGER NOT NULL,
+                value {real},
+                nonfinite TEXT,
+                verdict TEXT,
+                ref {real},
+                low {real},
+                high {real},
+                PRIMARY KEY (run_id, metric, steps_key, constraint_key, step)
+            )""",
+            """CREATE TABLE durations (
+                id {id_pk},
+                file TEXT NOT NULL,
+                backend TEXT NOT NULL,
+                suite TEXT NOT NULL,
+                lane TEXT NOT NULL,
+                status TEXT NOT NULL,
+                elapsed_s {real} NOT NULL,
+                est_time {real},
+                commit_sha TEXT,
+                created_at {ts} NOT NULL
+            )""",
+            "CREATE INDEX durations_by_file ON durations (backend, suite, file, created_at)",
+        ),
+    ),
+)
+
+_RUN_COLUMNS = "id, uid, test, backend, suite, lane, cadence, commit_sha, pr, ci_run_id, created_at, trusted, untrusted_reason"
+_VALUE_COLUMNS = "run_id, metric, steps_key, constraint_key, step, value, nonfinite, verdict, ref, low, high"
+
+
+class SqlStore(HistoryStore):
+    """Every contract operation, each one a single transaction on a fresh connection."""
+
+    types: dict[str, str]
+
+    # -- what a dialect provides --------------------------------------------------------
+    @abstractmethod
+    def _transaction(self, fn: Callable[[Any], T], *, write: bool) -> T:
+        """Open a connection, run fn(conn) in one transaction, commit, close."""
+
+    @abstractmethod
+    def _lock_schema(self, conn: Any) -> None:
+        """Serialise schema creation between processes (inside the migration transaction)."""
+
+    @abstractmethod
+    def _insert_id(self, conn: Any, sql: str, params: Sequence) -> int: ...
+
+    def _sql(self, sql: str) -> str:
+        return sql
+
+    def _ts_param(self, value: datetime) -> Any:
+        return value
+
+    def _ts_value(self, value: Any) -> datetime:
+        return value.astimezone(UTC)
+
+    # -- plumbing -----------------------------------------------------------------------
+    def _exec(self, conn: Any, sql: str, params: Sequence = ()) -> Any:
+        return conn.execute(self._sql(sql), tuple(params))
+
+    def _executemany(self, conn: Any, sql: str, rows: list[tuple]) -> None:
+        if rows:
+            conn.cursor().executemany(self._sql(sql), rows)
+
+    def migrate(self) -> int:
+        """Create or upgrade the schema; returns the version now in place."""
+
+        def run(conn: Any) -> int:
+            self._lock_schema(conn)
+            self._exec(
+                conn, "CREATE TABLE IF NOT EXISTS miles_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"
+            )
+            version = self._read_version(conn)
+            if version > SCHEMA_VERSION:
+                raise StoreError(
+                    f"history store {self.url} has schema version {version}, newer than this miles "
+                    f"understands ({SCHEMA_VERSION}); upgrade miles before writing to it"
+                )
+            for target, statements in MIGRATIONS:
+                if target > version:
+                    for statement in statements:
+                        self._exec(conn, statement.format(**self.types))
+                    version = target
+            self._exec(conn, "DELETE FROM miles_meta WHERE key = 'schema_version'")
+            self._exec(
+                conn, "INSERT INTO miles_meta (key, value) VALUES ('schema_version', ?)", (str(version),)
+            )
+            return version
+
+        return self._transaction(run, write=True)
+
+    def _read_version(self, conn: Any) -> int:
+        row = self._exec(conn, "SELECT value FROM miles_meta WHERE key = 'schema_version'").fetchone()
+        return int(row[0]) if row else 0
+
+    def schema_version(self) -> int:
+        return self._transaction(self._read_version, write=False)
+
+    # -- runs and values ----------------------------------------------------------------
+    def add_run(self, run: RunRecord, values: Sequence[MetricValue] = ()) -> int:
+        created = self._ts_param(run.created_at or now())
+
+        def write(conn: Any) -> int:
+            row = self._exec(conn, "SELECT id FROM runs WHERE uid = ?", (run.uid,)).fetchone()
+            if row:  # a retried write whose first try had landed
+                return int(row[0])
+            run_id = self._insert_id(
+                conn,
+                "INSERT INTO runs (uid, test, backend, suite, lane, cadence, commit_sha, pr, ci_run_id,"
+                " created_at, trusted) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (run.uid, run.test, run.backend, run.suite, run.lane, run.cadence, run.commit, run.pr,
+                 run.ci_run_id, created, bool(run.trusted)),
+            )  # fmt: skip
+            rows = [_value_row(run_id, v) for v in values]
+            self._executemany(
+                conn, f"INSERT INTO metric_values ({_VALUE_COLUMNS}) VALUES ({_marks(11)})", rows
+            )
+            return run_id
+
+        return self._transaction(write, write=True)
+
+    def baselines(
+        self, test: str, backend: str, suite: str, coordinates: Iterable[Coordinate], k: int
+    ) -> dict[Coordinate, list[float]]:
+        wanted = set(coordinates)
+        if not wanted:
+            return {}
+        metrics = sorted({c.metric for c in wanted})
+        sql = f"""
+            SELECT metric, steps_key, constraint_key, step, value FROM (
+                SELECT v.metric, v.steps_key, v.constraint_key, v.step, v.value,
+                       ROW_NUMBER() OVER (
+                           PARTITION BY v.metric, v.steps_key, v.constraint_key, v.step
+                           ORDER BY r.created_at DESC, r.id DESC) AS rn
+                FROM metric_values v JOIN runs r ON r.id = v.run_id
+                WHERE r.test = ? AND r.backend = ? AND r.suite = ? AND r.trusted = ?
+                  AND v.value IS NOT NULL AND v.metric IN ({_marks(len(metrics))})
+            ) ranked
+            WHERE rn <= ?
+            ORDER BY metric, steps_key, constraint_key, step, rn"""
+
+        def read(conn: Any) -> list:
+            return self._exec(conn, sql, (test, backend, suite, True, *metrics, k)).fetchall()
+
+        found: dict[Coordinate, list[float]] = {c: [] for c in wanted}
+        for metric, steps_key, constraint_key, step, value in self._transaction(read, write=False):
+            coordinate = Coordinate(metric, steps_key, constraint_key, int(step))
+            if coordinate in found:
+                found[coordinate].append(float(value))
+        return found
+
+    def runs(
+        self,
+        *,
+        test: str | None = None,
+        backend: str | None = None,
+        suite: str | None = None,
+        limit: int | None = None,
+    ) -> list[StoredRun]:
+        where, params = _filters(test=test, backend=backend, suite=suite)
+        sql = f"SELECT {_RUN_COLUMNS} FROM runs{where} ORDER BY created_at DESC, id DESC"
+        if limit is not None:
+            sql += " LIMIT ?"
+            params.append(int(limit))
+        rows = self._transaction(lambda conn: self._exec(conn, sql, params).fetchall(), write=False)
+        return [self._stored_run(row) for row in rows]
+
+    def _stored_run(self, row: Sequence) -> StoredRun:
+        (id_, uid, test, backend, suite, lane, cadence, commit, pr, ci_run_id, created, trusted, reason) = row
+        return StoredRun(
+            int(id_), uid, test, backend, suite, lane, cadence, commit, pr, ci_run_id,
+            self._ts_value(created), bool(trusted), reason,
+        )  # fmt: skip
+
+    def values(self, run_ids: Iterable[int], metric: str | None = None) -> dict[int, list[MetricValue]]:
+        ids = sorted({int(i) for i in run_ids})
+        out: dict[int, list[MetricValue]] = {i: [] for i in ids}
+
+        def read(conn: Any) -> list:
+            rows = []
+            for start in range(0, len(ids), _CHUNK):
+                chunk = ids[start : start + _CHUNK]
+                sql = f"SELECT {_VALUE_COLUMNS} FROM metric_values WHERE run_id IN ({_marks(len(chunk))})"
+                params: list = list(chunk)
+                if metric is not None:
+                    sql += " AND metric = ?"
+                    params.append(metric)
+                sql += " ORDER BY run_id, metric, steps_key, constraint_key, step"
+                rows.extend(self._exec(conn, sql, params).fetchall())
+            return rows
+
+        for run_id, metric_, steps_key, constraint_key, step, value, nonfinite, verdict, ref, low, high in (
+            self._transaction(read, write=False) if ids else []
+        ):
+            number = float(value) if value is not None else _decode_nonfinite(nonfinite)
+            out[int(run_id)].append(
+                MetricValue(
+                    Coordinate(metric_, steps_key, constraint_key, int(step)), number, verdict, ref, low, high
+                )
+            )
+        return out
+
+    def mark_untrusted(self, *, run_id: int | None = None, commit: str | None = None, reason: str) -> int:
+        if (run_id is None) == (commit is None):
+            raise StoreError("mark_untrusted needs exactly one of run_id or commit")
+        if run_id is not None:
+            where, params = "id = ?", [int(run_id)]
+        else:
+            where, params = "LOWER(commit_sha) LIKE ?", [check_commit_prefix(commit) + "%"]
+        sql = f"UPDATE runs SET trusted = ?, untrusted_reason = ? WHERE {where}"
+        return self._transaction(
+            lambda conn: self._exec(conn, sql, [False, reason, *params]).rowcount, write=True
+        )
+
+    # -- durations ----------------------------------------------------------------------
+    def add_durations(self, records: Sequence[DurationRecord]) -> None:
+        rows = [
+            (r.file, r.backend, r.suite, r.lane, r.status, float(r.elapsed_s), r.est_time, r.commit,
+             self._ts_param(r.created_at or now()))
+            for r in records
+        ]  # fmt: skip
+        sql = (
+            "INSERT INTO durations (file, backend, suite, lane, status, elapsed_s, est_time, commit_sha,"
+            f" created_at) VALUES ({_marks(9)})"
+        )
+        self._transaction(lambda conn: self._executemany(conn, sql, rows), write=True)
+
+    def durations(
+        self, backend: str, suite: str | None = None, *, per_file: int = 20
+    ) -> list[DurationRecord]:
+        where, params = _filters(backend=backend, suite=suite)
+        sql = f"""
+            SELECT file, backend, suite, lane, status, elapsed_s, est_time, commit_sha, created_at FROM (
+                SELECT d.*, ROW_NUMBER() OVER (
+                    PARTITION BY suite, file ORDER BY created_at DESC, id DESC) AS rn
+                FROM durations d{where}
+            ) ranked WHERE rn <= ? ORDER BY file, suite, created_at DESC, rn"""
+        rows = self._transaction(
+            lambda conn: self._exec(conn, sql, [*params, per_file]).fetchall(), write=False
+        )
+        return [
+            DurationRecord(
+                file, backend_, suite_, float(elapsed), status, lane, est, commit, self._ts_value(at)
+            )
+            for file, backend_, suite_, lane, status, elapsed, est, commit, at in rows
+        ]
+
+
+def _marks(n: int) -> str:
+    return ", ".join("?" * n)
+
+
+def _filters(**columns: str | None) -> tuple[str, list]:
+    given = [(name, value) for name, value in columns.items() if value is not None]
+    if not given:
+        return "", []
+    return " WHERE " + " AND ".join(f"{name} = ?" for name, _ in given), [value for _, value in given]
+
+
+def _value_row(run_id: int, v: MetricValue) -> tuple:
+    c = v.coordinate
+    nonfinite = None
+    if not math.isfinite(v.value):
+        nonfinite = "NaN" if math.isnan(v.value) else ("Infinity" if v.value > 0 else "-Infinity")
+    return (
+        run_id, c.metric, c.steps_key, c.constraint_key, c.step, finite_or_none(v.value), nonfinite, v.verdict,
+        finite_or_none(v.ref), finite_or_none(v.low), finite_or_none(v.high),
+    )  # fmt: skip
+
+
+def _decode_nonfinite(text: str | None) -> float:
+    return {"Infinity": math.inf, "-Infinity": -math.inf}.get(text or "NaN", math.nan)
