@@ -13,11 +13,11 @@ import re
 from miles.ci.catalog import Catalog, UnknownName
 from miles.ci.register import BACKEND_OF_MARKER, GATE_MARKER, MARKERS
 from miles.ci.registration import GateDeclaration, Problem, Registration
+from miles.metrics.spec import CONSTRAINT_KEYS as GATE_CONSTRAINT_KEYS
 
 _REG_PARAMS = ("est_time", "suite", "labels", "nightly", "disabled")
 _REG_POSITIONAL = ("est_time", "suite")
 _GATE_PARAMS = ("metric_key", "steps", "constraint", "enforce")
-GATE_CONSTRAINT_KEYS = ("rel_up", "abs_floor_up", "rel_down", "abs_floor_down")
 
 _TRACKING_REF = re.compile(r"(?:\b[\w.-]+/[\w.-]+)?#\d+\b|https?://\S+")
 _WORD = re.compile(r"[a-z0-9][a-z0-9_.+/-]*")

@@ -30,9 +30,9 @@ class Band:
 
     def half_widths(self, ref: float) -> tuple[float, float]:
         """(below, above) distances from `ref` that still pass, before any noise widening."""
-        return max(self.rel_down * abs(ref), self.abs_floor_down), max(
-            self.rel_up * abs(ref), self.abs_floor_up
-        )
+        below = max(self.rel_down * abs(ref), self.abs_floor_down)
+        above = max(self.rel_up * abs(ref), self.abs_floor_up)
+        return below, above
 
     def to_json(self) -> dict[str, float]:
         return {key: getattr(self, key) for key in CONSTRAINT_KEYS}
@@ -56,6 +56,9 @@ DEFAULT_BANDS: Mapping[str, Band] = {
     # Reward: a collapse is the failure that matters; a rise is checked loosely.
     "rollout/raw_reward": Band(rel_up=0.5, abs_floor_up=0.1, rel_down=0.25, abs_floor_down=0.05),
 }
+# Any other metric (a test's own, e.g. "ci/r3_mismatch_fraction"): half its value either way,
+# and never tighter than 0.001, which suits the rates and fractions tests usually gate.
+GENERIC_BAND = Band(rel_up=0.5, abs_floor_up=1e-3, rel_down=0.5, abs_floor_down=1e-3)
 
 
 class Declaration(Protocol):
@@ -103,20 +106,6 @@ class GateSpec:
         return Coordinate(self.metric, self.steps_key, self.constraint_key, step)
 
 
-def constraint_problem(metric: str, constraint: Mapping[str, float]) -> str | None:
-    """Why a declaration's constraint is incomplete, or None: a metric with no default band
-    must spell out all four sides, since nothing else says what its healthy range is."""
-    if metric in DEFAULT_BANDS:
-        return None
-    missing = [key for key in CONSTRAINT_KEYS if key not in constraint]
-    if not missing:
-        return None
-    return (
-        f"metric '{metric}' has no default band (defaults exist for {', '.join(DEFAULT_BANDS)}); "
-        f"give constraint={{...}} with {', '.join(missing)} as well"
-    )
-
-
 def constraint_key(constraint: Mapping[str, float]) -> str:
     """Canonical text of the constraint as declared ("{}" for the defaults).
 
@@ -126,14 +115,15 @@ def constraint_key(constraint: Mapping[str, float]) -> str:
     return json.dumps({k: float(constraint[k]) for k in sorted(constraint)}, separators=(",", ":"))
 
 
+def default_band(metric: str) -> Band:
+    return DEFAULT_BANDS.get(metric, GENERIC_BAND)
+
+
 def gate_spec(decl: Declaration) -> GateSpec:
-    """The full gate a declaration describes; ValueError (with file:line) if it is incomplete."""
+    """The full gate a declaration describes: its constraint merged over the metric's defaults."""
     declared = dict(decl.constraint)
-    problem = constraint_problem(decl.metric_key, declared)
-    if problem:
-        raise ValueError(f"{decl.file}:{decl.line}: register_ci_gate: {problem}")
-    base = DEFAULT_BANDS.get(decl.metric_key)
-    merged = {key: float(declared.get(key, getattr(base, key) if base else 0.0)) for key in CONSTRAINT_KEYS}
+    base = default_band(decl.metric_key)
+    merged = {key: float(declared.get(key, getattr(base, key))) for key in CONSTRAINT_KEYS}
     steps = decl.steps if isinstance(decl.steps, str) else tuple(sorted(set(decl.steps)))
     return GateSpec(
         metric=decl.metric_key,
