@@ -38,7 +38,7 @@ class StoreUnreachable(StoreError):
 
 
 @dataclass(frozen=True)
-class RunRecord:
+class RunEntry:
     """A run as its writer knows it; `uid` makes a retried write land once."""
 
     test: str
@@ -107,7 +107,7 @@ class HistoryStore(ABC):
     def schema_version(self) -> int: ...
 
     @abstractmethod
-    def add_run(self, run: RunRecord, values: Sequence[MetricValue] = ()) -> int:
+    def add_run(self, run: RunEntry, values: Sequence[MetricValue] = ()) -> int:
         """Write a run and its values in one transaction; returns the run id."""
 
     @abstractmethod

@@ -18,7 +18,7 @@ from miles.metrics.store import (
     DurationRecord,
     HistoryStore,
     MetricValue,
-    RunRecord,
+    RunEntry,
     StoredRun,
     StoreError,
     check_commit_prefix,
@@ -156,7 +156,7 @@ class SqlStore(HistoryStore):
         return self._transaction(self._read_version, write=False)
 
     # -- runs and values ----------------------------------------------------------------
-    def add_run(self, run: RunRecord, values: Sequence[MetricValue] = ()) -> int:
+    def add_run(self, run: RunEntry, values: Sequence[MetricValue] = ()) -> int:
         created = self._ts_param(run.created_at or now())
 
         def write(conn: Any) -> int:

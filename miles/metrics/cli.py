@@ -1,0 +1,238 @@
+"""`python -m miles.ci history show|untrust|plot` and `python -m miles.ci gate`.
+
+Only argparse is imported at parser-build time; each handler imports what it uses, so the
+other commands of `python -m miles.ci` stay bare-Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    history = sub.add_parser("history", help="metric history: show runs, untrust runs, plot a metric")
+    hsub = history.add_subparsers(dest="history_command", required=True, metavar="ACTION")
+
+    p = hsub.add_parser("show", help="stored runs of a test with their values, bands and verdicts")
+    _store_arguments(p)
+    _coordinate_arguments(p)
+    p.add_argument("--metric", help="only this metric (default: all)")
+    p.add_argument("--limit", type=int, default=20, help="newest runs to show (default: 20)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(handler=cmd_history_show)
+
+    p = hsub.add_parser("untrust", help="exclude a run, or every run of a commit, from baselines")
+    _store_arguments(p)
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--run", type=int, help="run id (see 'history show')")
+    which.add_argument("--commit", help="commit id or a prefix of 7+ hex digits")
+    p.add_argument("--reason", default="marked untrusted by hand", help="why, kept with the run")
+    p.set_defaults(handler=cmd_history_untrust)
+
+    p = hsub.add_parser("plot", help="plot a metric's history with its baseline band and verdicts")
+    _store_arguments(p)
+    _coordinate_arguments(p)
+    p.add_argument("--metric", required=True)
+    p.add_argument(
+        "-o", "--output", type=Path, required=True, help="image file to write (e.g. grad_norm.png)"
+    )
+    p.add_argument("--limit", type=int, default=100, help="newest runs to plot (default: 100)")
+    p.set_defaults(handler=cmd_history_plot)
+
+    p = sub.add_parser("gate", help="gate a metric record directory by hand against the history")
+    _store_arguments(p)
+    p.add_argument("--record", type=Path, required=True, help="directory holding the run's *.jsonl records")
+    p.add_argument("--test", required=True, help="the test file whose register_ci_gate(...) calls apply")
+    p.add_argument("--backend", choices=("cpu", "cuda", "rocm"), help="default: the file's only backend")
+    p.add_argument("--suite", help="default: the file's only suite on that backend")
+    p.add_argument("--cadence", help="default: the cadence of the suite's lane")
+    p.add_argument("--write", action="store_true", help="store the run (nightly/weekly cadence only)")
+    p.add_argument("--commit", help="commit id stored with the run")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(handler=cmd_gate)
+
+
+def _store_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--root", type=Path, default=Path("."), help="project root (default: .)")
+    p.add_argument("--store", help="store URL (default: $MILES_HISTORY_URL, else .miles/history.sqlite)")
+
+
+def _coordinate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--test", required=True, help="test file, relative to the project root")
+    p.add_argument("--backend", choices=("cpu", "cuda", "rocm"))
+    p.add_argument("--suite")
+
+
+def _usage(message: str) -> Exception:
+    from miles.ci.cli import UsageError
+
+    return UsageError(message)
+
+
+def _open(args: argparse.Namespace):
+    from miles.metrics.store import StoreError, open_store
+
+    try:
+        return open_store(args.store, root=args.root)
+    except StoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
+
+
+def _test_path(root: Path, test: str) -> str:
+    path = Path(test)
+    if path.is_absolute():
+        try:
+            path = path.resolve().relative_to(Path(root).resolve())
+        except ValueError as exc:
+            raise _usage(f"--test {test}: not inside the project root {root}") from exc
+    return path.as_posix().removeprefix("./")
+
+
+def cmd_history_show(args: argparse.Namespace) -> int:
+    from miles.metrics.report import history_rows, render_history
+
+    store = _open(args)
+    if store is None:
+        return 1
+    test = _test_path(args.root, args.test)
+    from miles.metrics.store import StoreError
+
+    try:
+        rows = history_rows(
+            store, test, backend=args.backend, suite=args.suite, metric=args.metric, limit=args.limit
+        )
+    except StoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"store": store.url, "test": test, "rows": [r.to_json() for r in rows]}, indent=2))
+    else:
+        print(render_history(rows, test=test, store_url=store.url, metric=args.metric), end="")
+    return 0
+
+
+def cmd_history_untrust(args: argparse.Namespace) -> int:
+    from miles.metrics.store import StoreError
+
+    store = _open(args)
+    if store is None:
+        return 1
+    try:
+        count = store.mark_untrusted(run_id=args.run, commit=args.commit, reason=args.reason)
+    except StoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    which = f"run {args.run}" if args.run is not None else f"commit {args.commit}"
+    if not count:
+        print(f"error: no stored run matches {which} in {store.url}", file=sys.stderr)
+        return 1
+    print(f"marked {count} run(s) of {which} untrusted in {store.url}; they no longer count toward baselines")
+    return 0
+
+
+def cmd_history_plot(args: argparse.Namespace) -> int:
+    from miles.metrics.plot import plot_history
+    from miles.metrics.store import StoreError
+
+    store = _open(args)
+    if store is None:
+        return 1
+    test = _test_path(args.root, args.test)
+    try:
+        panels = plot_history(
+            store, test, args.metric, args.output, backend=args.backend, suite=args.suite, limit=args.limit
+        )
+    except StoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except LookupError as exc:
+        raise _usage(str(exc.args[0])) from exc
+    print(f"wrote {args.output} ({panels} panel(s))")
+    return 0
+
+
+def cmd_gate(args: argparse.Namespace) -> int:
+    from miles.ci.catalog import load_catalog
+    from miles.metrics.gating import GateRun, ci_identity, gate_attempt
+    from miles.metrics.store import writes_baseline
+
+    catalog = load_catalog()
+    test = _test_path(args.root, args.test)
+    test_file = _read_test_file(args.root, test, catalog)
+    if not args.record.is_dir():
+        raise _usage(f"--record {args.record}: no such directory")
+    backend, suite = _pick_registration(test_file, args.backend, args.suite)
+    lane = catalog.lane(catalog.suite(suite, backend).lane)
+    cadence = args.cadence or lane.cadence
+    if args.write and not writes_baseline(cadence):
+        raise _usage(f"--write with cadence '{cadence}': only nightly or weekly runs write baselines")
+    pr, ci_run_id = ci_identity()
+    run = GateRun(
+        test, backend, suite, lane.name, cadence, lane.gate_mode == "enforce", args.commit, pr, ci_run_id
+    )
+    outcome = gate_attempt(
+        args.record, test_file.gates, run, write_baseline=args.write, store_url=args.store, root=args.root
+    )
+    if args.json:
+        print(json.dumps(_outcome_json(outcome, run), indent=2))
+    else:
+        mode = "enforce" if run.lane_enforces else "shadow"
+        print(f"gate {test} on {backend}/{suite} (lane {lane.name}: {mode}, cadence {cadence})")
+        if not test_file.gates:
+            print("no register_ci_gate(...) in this file; nothing to check")
+        for verdict in outcome.verdicts:
+            print("  " + verdict.summary())
+        for line in outcome.warnings:
+            print(line, file=sys.stderr)
+        if outcome.verdicts:
+            print(outcome.verdict_line.split(":", 1)[0])
+        if outcome.baseline_run_id is not None:
+            print(f"stored as run {outcome.baseline_run_id}")
+        if outcome.message and outcome.failed:
+            print(f"error: {outcome.message}", file=sys.stderr)
+    return 0 if outcome.trusted is True and not outcome.failed else 1
+
+
+def _read_test_file(root: Path, test: str, catalog):
+    from miles.ci.discover import parse_test_file
+
+    path = Path(root) / test
+    if not path.is_file():
+        raise _usage(f"--test {test}: no such file under {root}")
+    test_file, problems = parse_test_file(path, test, catalog)
+    if problems:
+        raise _usage("; ".join(str(p) for p in problems))
+    return test_file
+
+
+def _pick_registration(test_file, backend: str | None, suite: str | None) -> tuple[str, str]:
+    regs = [r for r in test_file.registrations if (backend is None or r.backend == backend)]
+    regs = [r for r in regs if suite is None or r.suite == suite]
+    if len(regs) == 1:
+        return regs[0].backend, regs[0].suite
+    known = ", ".join(f"{r.backend}/{r.suite}" for r in test_file.registrations) or "none"
+    if not regs:
+        raise _usage(
+            f"{test_file.path} has no registration for {backend or '*'}/{suite or '*'}; registered: {known}"
+        )
+    raise _usage(f"{test_file.path} is registered on {known}; choose one with --backend and --suite")
+
+
+def _outcome_json(outcome, run) -> dict:
+    return {
+        "test": run.test,
+        "backend": run.backend,
+        "suite": run.suite,
+        "lane": run.lane,
+        "cadence": run.cadence,
+        "trusted": outcome.trusted,
+        "failed": outcome.failed,
+        "message": outcome.message,
+        "warnings": list(outcome.warnings),
+        "baseline_run_id": outcome.baseline_run_id,
+        "verdicts": [v.to_json() for v in outcome.verdicts],
+    }
