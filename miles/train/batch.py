@@ -1,0 +1,82 @@
+"""Samples (one rollout response with its reward) and the padded tensors the trainer reads.
+
+Per-token tensors are aligned with next-token targets: position t of a row holds the value
+for token t+1 of the sequence, and `loss_mask` is 1 exactly on response tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from miles.train.rollout import Generation
+
+
+@dataclass(frozen=True)
+class Sample:
+    prompt_index: int
+    group: int  # position of its prompt in the rollout batch; samples of a group are consecutive
+    generation: Generation
+    response_text: str
+    label: str
+    reward: float
+    advantage: float = 0.0
+
+    @property
+    def truncated(self) -> bool:
+        return self.generation.finish_reason == "length"
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    input_ids: torch.Tensor  # [B, T], right-padded prompt + response
+    attention_mask: torch.Tensor  # [B, T]
+    loss_mask: torch.Tensor  # [B, T-1], 1 on response-token targets
+    advantages: torch.Tensor  # [B]
+    rollout_logp: torch.Tensor  # [B, T-1]
+    old_logp: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def with_(self, **changes) -> TokenBatch:
+        return replace(self, **changes)
+
+    def rows(self, index: Sequence[int] | slice) -> TokenBatch:
+        """The sub-batch of the given rows, trimmed to its own longest sequence."""
+        if isinstance(index, slice):
+            picked = {k: v[index] if v is not None else None for k, v in self._fields().items()}
+        else:
+            idx = torch.as_tensor(list(index), dtype=torch.long)
+            picked = {k: v.index_select(0, idx) if v is not None else None for k, v in self._fields().items()}
+        width = int(picked["attention_mask"].sum(dim=1).max()) if picked["input_ids"].shape[0] else 1
+        for key in ("input_ids", "attention_mask"):
+            picked[key] = picked[key][:, :width]
+        for key in ("loss_mask", "rollout_logp", "old_logp", "ref_logp"):
+            if picked[key] is not None:
+                picked[key] = picked[key][:, : width - 1]
+        return TokenBatch(**picked)
+
+    def _fields(self) -> dict[str, torch.Tensor | None]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def collate(samples: Sequence[Sample], pad_token_id: int = 0) -> TokenBatch:
+    rows = [list(s.generation.prompt_ids) + list(s.generation.response_ids) for s in samples]
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    loss_mask = torch.zeros((len(rows), width - 1), dtype=torch.float32)
+    rollout_logp = torch.zeros((len(rows), width - 1), dtype=torch.float32)
+    for i, (s, row) in enumerate(zip(samples, rows, strict=True)):
+        input_ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        attention[i, : len(row)] = 1
+        start, n = len(s.generation.prompt_ids) - 1, len(s.generation.response_ids)
+        loss_mask[i, start : start + n] = 1.0
+        rollout_logp[i, start : start + n] = torch.tensor(s.generation.logprobs, dtype=torch.float32)
+    advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+    return TokenBatch(input_ids, attention, loss_mask, advantages, rollout_logp)
