@@ -1,0 +1,171 @@
+"""Rollout engines: turn prompts into sampled responses with per-token logprobs.
+
+`RolloutEngine` is the interface the trainer talks to; `TorchRolloutEngine` is the built-in
+engine (an in-process copy of the policy, batched sampling over a KV cache), and
+`miles.train.sglang_engine.SGLangRolloutEngine` serves the same interface on GPU machines.
+Logprobs are those of softmax(logits / temperature) before top-p/top-k truncation, which is
+what the trainer recomputes, so the two can be compared token by token.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from miles.train.args import SamplingConfig
+
+
+@dataclass(frozen=True)
+class Generation:
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]  # one per response token
+    finish_reason: str  # "stop" (a stop token was sampled, and kept) or "length"
+
+
+class RolloutEngine(abc.ABC):
+    """What the trainer needs from a rollout engine."""
+
+    @abc.abstractmethod
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, seed: int
+    ) -> list[Generation]:
+        """One sampled response per prompt, in order; the same seed gives the same samples."""
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, object]]) -> None:
+        """Load the trainer's current weights (full, unsharded tensors by HF parameter name)."""
+
+    @abc.abstractmethod
+    def named_weights(self) -> Iterator[tuple[str, object]]:
+        """The weights the engine samples with, for the weight-update check."""
+
+    def close(self) -> None:  # noqa: B027 (engines without resources need no cleanup)
+        """Release processes or memory the engine holds."""
+
+
+class TorchRolloutEngine(RolloutEngine):
+    """Samples from an in-process Hugging Face causal LM.
+
+    Prompts are left-padded into one batch, the prompt is prefilled once, and each step feeds
+    only the new token against the KV cache. Finished rows are dropped from the batch and
+    the cache, so a batch where most samples stop early does not keep paying for them.
+    """
+
+    def __init__(self, model, *, pad_token_id: int = 0):
+        self.model = model.eval()
+        self.pad_token_id = pad_token_id
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, seed: int
+    ) -> list[Generation]:
+        import torch
+
+        if not prompts:
+            return []
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("a prompt encoded to zero tokens; every prompt needs at least one")
+        device = next(self.model.parameters()).device
+        generator = torch.Generator(device=device).manual_seed(seed)
+        with torch.inference_mode():
+            return self._generate(prompts, sampling, generator, device)
+
+    def _generate(self, prompts, sampling: SamplingConfig, generator, device) -> list[Generation]:
+        import torch
+        from transformers import DynamicCache
+
+        batch, width = len(prompts), max(len(p) for p in prompts)
+        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long, device=device)
+        attention = torch.zeros((batch, width), dtype=torch.long, device=device)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            attention[row, width - len(prompt) :] = 1
+        positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
+        stop = torch.tensor(sorted(sampling.stop_token_ids) or [-1], device=device)
+        cache = DynamicCache(config=self.model.config)
+        active = torch.arange(batch, device=device)  # original row of each live row
+        tokens: list[list[int]] = [[] for _ in prompts]
+        logprobs: list[list[float]] = [[] for _ in prompts]
+        finish = ["length"] * batch
+        step_ids, step_positions = input_ids, positions
+        for _ in range(sampling.max_response_len):
+            out = self.model(
+                input_ids=step_ids,
+                attention_mask=attention,
+                position_ids=step_positions,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            logits = out.logits[:, -1, :].float() / sampling.temperature
+            next_ids, next_logprobs = sample_tokens(logits, sampling, generator)
+            done = torch.isin(next_ids, stop)
+            for row, tok, lp, d in zip(
+                active.tolist(), next_ids.tolist(), next_logprobs.tolist(), done.tolist(), strict=True
+            ):
+                tokens[row].append(tok)
+                logprobs[row].append(lp)
+                if d:
+                    finish[row] = "stop"
+            keep = (~done).nonzero().squeeze(1)
+            if keep.numel() == 0:
+                break
+            step_positions = step_positions[:, -1:] + 1
+            step_ids = next_ids.unsqueeze(1)
+            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
+            if keep.numel() < active.numel():
+                cache.batch_select_indices(keep)
+                active, step_ids = active[keep], step_ids[keep]
+                attention, step_positions = attention[keep], step_positions[keep]
+        return [
+            Generation(tuple(p), tuple(t), tuple(lp), f)
+            for p, t, lp, f in zip(prompts, tokens, logprobs, finish, strict=True)
+        ]
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, object]]) -> None:
+        import torch
+
+        # state_dict keeps tied names (lm_head.weight beside embed_tokens.weight) that
+        # named_parameters() folds away; the trainer's full state dict carries both.
+        params = self.model.state_dict(keep_vars=True)
+        unknown = []
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                target = params.get(name)
+                if target is None:
+                    unknown.append(name)
+                    continue
+                target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+        if unknown:
+            raise KeyError(
+                f"the rollout model has no parameter(s) {unknown[:5]}{' ...' if len(unknown) > 5 else ''}; "
+                "trainer and rollout engine must load the same architecture"
+            )
+
+    def named_weights(self) -> Iterator[tuple[str, object]]:
+        yield from self.model.state_dict(keep_vars=True).items()
+
+
+def sample_tokens(logits, sampling: SamplingConfig, generator):
+    """Draw one token per row from temperature-scaled `logits` with top-k/top-p truncation.
+
+    Returns (token ids, their logprob under the untruncated tempered distribution).
+    """
+    import torch
+
+    log_probs = torch.log_softmax(logits, dim=-1)
+    filtered = logits
+    if sampling.top_k > 0 and sampling.top_k < logits.shape[-1]:
+        kth = torch.topk(filtered, sampling.top_k, dim=-1).values[:, -1:]
+        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits, order = torch.sort(filtered, dim=-1, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        # Drop a token once the mass before it already reaches top_p; the top token always stays.
+        drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= sampling.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        filtered = filtered.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(filtered, dim=-1)
+    next_ids = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    return next_ids, log_probs.gather(-1, next_ids.unsqueeze(1)).squeeze(1)
