@@ -1,0 +1,59 @@
+"""Training backends: what the trainer asks of the model that learns.
+
+`TrainBackend` is the interface; `make_backend(args, dist)` picks FSDP2 or DDP (data
+parallel over torch.distributed, any device) or Megatron (GPU only). The trainer never
+touches the wrapped model directly: logprobs, a training step over micro-batches, the full
+weights for the rollout engine, and checkpoint state all go through here.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from miles.train.algorithm import LossTerms
+from miles.train.batch import TokenBatch
+
+
+class BackendUnavailable(RuntimeError):
+    """The chosen backend cannot run on this machine; the message says what it needs."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    grad_norm: float
+    lr: float
+    terms: tuple[LossTerms, ...]  # one per micro-batch, for the metrics
+
+
+class TrainBackend(abc.ABC):
+    @abc.abstractmethod
+    def logprobs(self, batch: TokenBatch, *, reference: bool = False) -> object:
+        """Per-token logprobs [B, T-1] of the batch's targets (no gradient), policy or reference."""
+
+    @abc.abstractmethod
+    def train_step(self, micro_batches: Sequence[TokenBatch], normalizer: float) -> StepResult:
+        """One optimizer step over the micro-batches; each loss is divided by `normalizer`."""
+
+    @abc.abstractmethod
+    def full_weights(self) -> Iterator[tuple[str, object]]:
+        """Unsharded weights by Hugging Face name, on every rank (for the rollout engine)."""
+
+    @abc.abstractmethod
+    def save(self, directory: str, *, with_optimizer: bool) -> None:
+        """Write model (and optimizer) state into `directory` (all ranks call it)."""
+
+    @abc.abstractmethod
+    def load(self, directory: str, *, with_optimizer: bool) -> None:
+        """Restore what `save` wrote (all ranks call it)."""
+
+
+def make_backend(args, dist_info) -> TrainBackend:
+    if args.train_backend == "megatron":
+        from miles.train.backends.megatron import MegatronBackend
+
+        return MegatronBackend(args, dist_info)
+    from miles.train.backends.torch_dp import TorchDPBackend
+
+    return TorchDPBackend(args, dist_info)

@@ -1,0 +1,193 @@
+"""Data-parallel training of a Hugging Face model with FSDP2 (`fully_shard`) or DDP.
+
+Works on any torch.distributed backend: gloo on CPU (the CPU lane trains tiny models of
+the recipes' architectures this way), NCCL/RCCL on GPUs. Each decoder layer is its own
+FSDP2 unit, so parameters are gathered one layer at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+from miles.train import algorithm
+from miles.train.args import loss_config, optim_config
+from miles.train.backends import StepResult, TrainBackend
+from miles.train.batch import TokenBatch
+from miles.train.model import is_hf_dir, load_causal_lm, train_dtype
+
+
+class TorchDPBackend(TrainBackend):
+    def __init__(self, args, dist_info):
+        self.mode = args.train_backend  # fsdp | ddp
+        self.dist = dist_info
+        self.loss_cfg = loss_config(args)
+        self.optim_cfg = optim_config(args)
+        self.dtype = train_dtype(args.bf16, dist_info.device)
+        model = load_causal_lm(args.hf_checkpoint, dtype=self.dtype, device=dist_info.device)
+        if args.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        self.model = self._wrap(model, trainable=True)
+        self.ref_model = None
+        if args.use_kl_loss:
+            ref_path = args.ref_load if args.ref_load and is_hf_dir(args.ref_load) else args.hf_checkpoint
+            self.ref_source = ref_path
+            ref = load_causal_lm(ref_path, dtype=self.dtype, device=dist_info.device)
+            ref.requires_grad_(False)
+            self.ref_model = self._wrap(ref.eval(), trainable=False)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=self.optim_cfg.lr,
+            betas=(self.optim_cfg.beta1, self.optim_cfg.beta2),
+            eps=self.optim_cfg.eps,
+            weight_decay=self.optim_cfg.weight_decay,
+        )
+        steps_per_rollout = args.rollout_batch_size * args.n_samples_per_prompt // args.global_batch_size
+        total_steps = args.num_rollout * steps_per_rollout
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_factor(step, self.optim_cfg, total_steps)
+        )
+
+    def _wrap(self, model, *, trainable: bool):
+        if self.mode == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            layer_classes = set(getattr(model, "_no_split_modules", None) or ())
+            for module in model.modules():
+                if type(module).__name__ in layer_classes:
+                    fully_shard(module)
+            fully_shard(model)
+            return model
+        if trainable and self.dist.world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            device_ids = [self.dist.local_rank] if self.dist.device != "cpu" else None
+            return DistributedDataParallel(model, device_ids=device_ids)
+        return model
+
+    @property
+    def _inner(self):
+        return getattr(self.model, "module", self.model)
+
+    def _forward(self, model, batch: TokenBatch, *, with_entropy: bool):
+        device = self.dist.device
+        input_ids = batch.input_ids.to(device)
+        attention = batch.attention_mask.to(device)
+        positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
+        logits = model(
+            input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=False
+        ).logits
+        return algorithm.token_logprobs_and_entropy(
+            logits[:, :-1], input_ids[:, 1:], self.loss_cfg.temperature, with_entropy=with_entropy
+        )
+
+    def logprobs(self, batch: TokenBatch, *, reference: bool = False) -> torch.Tensor:
+        model = self.ref_model if reference else self.model
+        if model is None:
+            raise RuntimeError(
+                "reference logprobs asked for, but no reference model was loaded (--use-kl-loss)"
+            )
+        with torch.no_grad():
+            logp, _ = self._forward(model, batch, with_entropy=False)
+        return logp.float().cpu() * batch.loss_mask
+
+    def train_step(self, micro_batches: Sequence[TokenBatch], normalizer: float) -> StepResult:
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        terms = []
+        for i, mb in enumerate(micro_batches):
+            with self._grad_sync(last=i == len(micro_batches) - 1):
+                logp, entropy = self._forward(self.model, mb, with_entropy=True)
+                device = logp.device
+                t = algorithm.policy_loss(
+                    logp,
+                    entropy,
+                    mb.old_logp.to(device),
+                    mb.advantages.to(device),
+                    mb.loss_mask.to(device),
+                    self.loss_cfg,
+                    ref_logp=None if mb.ref_logp is None else mb.ref_logp.to(device),
+                    rollout_logp=mb.rollout_logp.to(device),
+                )
+                (t.loss / normalizer).backward()
+            terms.append(t)
+        max_norm = self.optim_cfg.clip_grad if self.optim_cfg.clip_grad > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        return StepResult(grad_norm=float(grad_norm), lr=lr, terms=tuple(terms))
+
+    def _grad_sync(self, *, last: bool):
+        """Reduce gradients across ranks only on the last micro-batch of a step."""
+        if self.dist.world_size == 1:
+            return contextlib.nullcontext()
+        if self.mode == "fsdp":
+            self.model.set_requires_gradient_sync(last)
+            return contextlib.nullcontext()
+        return contextlib.nullcontext() if last else self.model.no_sync()
+
+    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.mode == "fsdp":
+            state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        else:
+            state = self._inner.state_dict()
+        yield from state.items()
+
+    def save(self, directory: str, *, with_optimizer: bool) -> None:
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state}
+        if with_optimizer:
+            state["optim"] = optim_state
+            state["scheduler"] = {"last_epoch": torch.tensor(self.scheduler.last_epoch)}
+        dcp.save(state, checkpoint_id=directory)
+
+    def load(self, directory: str, *, with_optimizer: bool) -> None:
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state}
+        if with_optimizer:
+            state["optim"] = optim_state
+            state["scheduler"] = {"last_epoch": torch.tensor(0)}
+        dcp.load(state, checkpoint_id=directory)
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"] if with_optimizer else {},
+        )
+        if with_optimizer:
+            self._restore_schedule(int(state["scheduler"]["last_epoch"]))
+        dist.barrier()
+
+    def _restore_schedule(self, steps_done: int) -> None:
+        self.scheduler.last_epoch = steps_done
+        factor = self.scheduler.lr_lambdas[0](steps_done)
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
+            group["lr"] = base * factor
+
+
+def lr_factor(step: int, cfg, total_steps: int) -> float:
+    """Multiplier of the peak lr at optimizer step `step`: linear warmup, then the decay style."""
+    if cfg.lr_warmup_iters and step < cfg.lr_warmup_iters:
+        return (step + 1) / cfg.lr_warmup_iters
+    if cfg.lr_decay_style == "constant" or cfg.lr == 0:
+        return 1.0
+    decay_steps = max(1, (cfg.lr_decay_iters or total_steps) - cfg.lr_warmup_iters)
+    progress = min(1.0, (step - cfg.lr_warmup_iters) / decay_steps)
+    floor = cfg.min_lr / cfg.lr
+    if cfg.lr_decay_style == "linear":
+        return floor + (1 - floor) * (1 - progress)
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))

@@ -1,0 +1,86 @@
+"""Process-group setup, seeding and the few collectives the trainer uses.
+
+Under torchrun the rank, world size and rendezvous come from the environment; run directly
+(`python -m miles.train ...`) the trainer is a world of one, with the same code path.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: str  # "cpu" or "cuda:<local rank>" (ROCm builds also say cuda)
+    backend: str  # gloo | nccl
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(requested_backend: str | None = None) -> DistInfo:
+    """Join (or create) the default process group; NCCL/RCCL on GPU, gloo on CPU."""
+    gpu = torch.cuda.is_available()
+    backend = requested_backend or ("nccl" if gpu else "gloo")
+    if backend == "nccl" and not gpu:
+        raise RuntimeError("--distributed-backend nccl needs a GPU; this machine has none (use gloo)")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = f"cuda:{local_rank}" if gpu else "cpu"
+    if gpu:
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        if "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, rank=0, world_size=1, store=dist.HashStore())
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def seed_everything(seed: int) -> None:
+    """Same seed on every rank: model init and data order agree; sampling seeds are per rank."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+
+
+def sampling_seed(seed: int, rollout_id: int, rank: int) -> int:
+    """A distinct, reproducible stream per (run seed, rollout, rank): resume re-draws the same."""
+    return (seed * 1_000_003 + rollout_id * 7_919 + rank) % (2**63 - 1)
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_reduce_sum(values: list[float], device: str = "cpu") -> list[float]:
+    """Sum a list of floats over ranks (float64, so token counts stay exact)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

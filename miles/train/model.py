@@ -1,0 +1,65 @@
+"""Loading the policy, reference and tokenizer from a Hugging Face checkpoint directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+
+class ModelLoadError(RuntimeError):
+    """A checkpoint directory cannot be loaded as a causal LM; names the directory and the fix."""
+
+
+def train_dtype(bf16: bool, device: str) -> torch.dtype:
+    # CPU kernels are fastest and exact in float32; GPUs train in bf16 when the recipe asks.
+    return torch.bfloat16 if bf16 and device != "cpu" else torch.float32
+
+
+def is_hf_dir(path: str | Path) -> bool:
+    return (Path(path) / "config.json").is_file()
+
+
+def load_causal_lm(path: str | Path, *, dtype: torch.dtype, device: str = "cpu"):
+    """The Hugging Face model of `path` (its own architecture class), on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    if not is_hf_dir(path):
+        raise ModelLoadError(
+            f"{path}: no config.json; --hf-checkpoint must be a Hugging Face model directory "
+            "(e.g. one made by `invoke make-tiny-ckpt` or `invoke prepare-ckpt`)"
+        )
+    config = json.loads((path / "config.json").read_text())
+    if config.get("auto_map"):
+        raise ModelLoadError(
+            f"{path}/config.json has auto_map (remote code); miles loads built-in classes only"
+        )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    except (ValueError, KeyError, OSError) as exc:
+        raise ModelLoadError(
+            f"{path}: cannot load as a causal LM ({config.get('model_type')}): {exc}"
+        ) from exc
+    return model.to(device)
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def eos_token_ids(model, tokenizer) -> tuple[int, ...]:
+    """Every id that ends a response: the tokenizer's eos and the generation config's."""
+    ids: list[int] = []
+    for value in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.append(value)
+        elif isinstance(value, (list, tuple)):
+            ids.extend(int(v) for v in value)
+    return tuple(dict.fromkeys(ids))
