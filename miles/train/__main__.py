@@ -1,0 +1,5 @@
+import sys
+
+from miles.train.trainer import main
+
+sys.exit(main())

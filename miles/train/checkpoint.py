@@ -1,0 +1,115 @@
+"""Training checkpoints: `--save`, `--load`, `--save-interval`.
+
+Layout (the same done-marker convention as Megatron's):
+
+    <save>/iter_0000007/          model and optimizer state (torch.distributed.checkpoint,
+                                  sharded; loads at any world size) + trainer_state.json
+    <save>/latest_checkpointed_iteration.txt   "7", written last
+
+`iter_N` holds the state after N completed rollouts. A checkpoint is written into a
+temporary sibling and renamed into place by rank 0 only when every rank has finished, and
+the marker is replaced atomically after that, so a run killed mid-save leaves the previous
+checkpoint as the latest and nothing half-written that looks finished.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+MARKER = "latest_checkpointed_iteration.txt"
+STATE_FILE = "trainer_state.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint directory is missing, incomplete or from a different run setup."""
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    rollouts_done: int  # the next rollout id to run
+    hf_checkpoint: str
+    seed: int
+    rollout_batch_size: int
+    n_samples_per_prompt: int
+    prompt_data: str
+    with_optimizer: bool
+
+
+def iteration_dir(root: str | Path, rollouts_done: int) -> Path:
+    return Path(root) / f"iter_{rollouts_done:07d}"
+
+
+def latest_iteration(root: str | Path) -> int | None:
+    """Rollouts done by the latest complete checkpoint under `root`, or None when there is none."""
+    marker = Path(root) / MARKER
+    if not marker.is_file():
+        return None
+    text = marker.read_text().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{marker}: expected a rollout count, found {text!r}")
+    step = int(text)
+    if not (iteration_dir(root, step) / STATE_FILE).is_file():
+        raise CheckpointError(
+            f"{marker} names iteration {step}, but {iteration_dir(root, step)} is incomplete"
+        )
+    return step
+
+
+def save(backend, root: str | Path, state: TrainerState, *, is_main: bool, barrier) -> Path:
+    """Write the checkpoint of `state.rollouts_done` rollouts (every rank calls this)."""
+    root = Path(root)
+    final = iteration_dir(root, state.rollouts_done)
+    tmp = final.with_name(final.name + ".tmp")
+    if is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    barrier()
+    backend.save(str(tmp), with_optimizer=state.with_optimizer)
+    barrier()
+    if is_main:
+        (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2) + "\n")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        marker_tmp = root / f".{MARKER}.tmp"
+        marker_tmp.write_text(f"{state.rollouts_done}\n")
+        os.replace(marker_tmp, root / MARKER)
+    barrier()
+    return final
+
+
+def read_state(root: str | Path, step: int | None = None) -> TrainerState | None:
+    """The trainer state of checkpoint `step` (default: the latest), or None when `root` has none."""
+    step = latest_iteration(root) if step is None else step
+    if step is None:
+        return None
+    path = iteration_dir(root, step) / STATE_FILE
+    if not path.is_file():
+        raise CheckpointError(
+            f"{path}: no such checkpoint (the rollouts done must name a complete iter_ dir)"
+        )
+    return TrainerState(**json.loads(path.read_text()))
+
+
+def check_compatible(state: TrainerState, args) -> None:
+    """Resuming with a different data or batch setup would not continue the same run."""
+    changed = [
+        f"{flag} {old} -> {new}"
+        for flag, old, new in (
+            ("--seed", state.seed, args.seed),
+            ("--rollout-batch-size", state.rollout_batch_size, args.rollout_batch_size),
+            ("--n-samples-per-prompt", state.n_samples_per_prompt, args.n_samples_per_prompt),
+            ("--prompt-data", state.prompt_data, args.prompt_data),
+        )
+        if old != new
+    ]
+    if changed:
+        raise CheckpointError(
+            f"--load {args.load}: the checkpoint was written with different flags ({'; '.join(changed)}); "
+            "resume with the original flags, or start a new run with --save elsewhere"
+        )

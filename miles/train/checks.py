@@ -1,0 +1,78 @@
+"""In-loop checks that `--ci-test` turns into assertions.
+
+1. On the first optimizer step of a rollout the policy still equals the one that computed
+   the old logprobs, so ppo_kl must be ~0 and no token may be clipped.
+2. The rollout engine and the trainer hold the same weights, so their logprobs of the
+   sampled tokens agree within a tolerance (the numerics differ: KV cache vs full forward).
+3. After a weight sync the engine's weights equal the trainer's, bit for bit, except names
+   matching `--check-weight-update-skip-list`.
+A failed check raises `CheckFailed` naming the rollout, the metric, the value and the bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+
+class CheckFailed(AssertionError):
+    """An in-loop invariant of the trainer does not hold."""
+
+
+def check_first_step(rollout_id: int, ppo_kl: float, clipfrac: float, tol: float) -> None:
+    if abs(ppo_kl) > tol:
+        raise CheckFailed(
+            f"rollout {rollout_id}: train/ppo_kl = {ppo_kl:.3g} on the first step, expected |kl| <= {tol:g}: "
+            "the old logprobs were not computed with the weights being trained (stale weights or "
+            "non-deterministic forward)"
+        )
+    if clipfrac > 0:
+        raise CheckFailed(
+            f"rollout {rollout_id}: train/pg_clipfrac = {clipfrac:.3g} on the first step, expected 0: the "
+            "policy ratio must be exactly 1 before any update"
+        )
+
+
+def check_logprob_agreement(rollout_id: int, abs_diff: float, tol: float) -> None:
+    if not abs_diff <= tol:
+        raise CheckFailed(
+            f"rollout {rollout_id}: train/train_rollout_logprob_abs_diff = {abs_diff:.3g} > {tol:g}: the "
+            "rollout engine samples with different weights or numerics than the trainer (missed weight "
+            "sync?); raise --ci-logprob-abs-diff-tol only for a known precision gap"
+        )
+
+
+def skipped(name: str, skip_list: Sequence[str]) -> bool:
+    return any(pattern and pattern in name for pattern in skip_list)
+
+
+def check_weights_equal(
+    rollout_id: int,
+    engine_weights: Iterable[tuple[str, object]],
+    trainer_weights: Mapping[str, object],
+    skip_list: Sequence[str] = (),
+) -> int:
+    """Compare every engine weight with the trainer's; returns how many were compared."""
+    import torch
+
+    engine = {name: t for name, t in engine_weights if not skipped(name, skip_list)}
+    trainer = {name: t for name, t in trainer_weights.items() if not skipped(name, skip_list)}
+    missing = sorted(set(trainer) - set(engine))
+    if missing:
+        raise CheckFailed(
+            f"rollout {rollout_id}: the rollout engine lacks trainer weight(s) {missing[:5]}; add them to "
+            "--check-weight-update-skip-list only if the engine legitimately does not hold them"
+        )
+    differing = []
+    for name, tensor in engine.items():
+        if name not in trainer:
+            continue
+        expected = trainer[name].to(device=tensor.device, dtype=tensor.dtype)
+        if not torch.equal(tensor.detach(), expected):
+            diff = (tensor.detach().float() - expected.float()).abs().max().item()
+            differing.append(f"{name} (max abs diff {diff:.3g})")
+    if differing:
+        raise CheckFailed(
+            f"rollout {rollout_id}: after the weight update the rollout engine differs from the trainer in "
+            f"{len(differing)} tensor(s): {', '.join(differing[:5])}"
+        )
+    return len(engine)

@@ -1,0 +1,66 @@
+"""Per-rollout metrics: reduced over ranks, recorded through miles.metrics.capture, printed.
+
+Keys follow the seeds' framework so the CI metric gates read them unchanged:
+`rollout/raw_reward`, `train/grad_norm`, `train/ppo_kl`, `train/pg_clipfrac`,
+`train/train_rollout_logprob_abs_diff`, `train/train_rollout_kl`, `train/loss`,
+`train/entropy`, ... and `perf/*` timings in seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from miles.metrics import capture
+from miles.train.batch import Sample
+
+CONSOLE_KEYS = (
+    ("reward", "rollout/raw_reward", "{:.3f}"),
+    ("loss", "train/loss", "{:+.4f}"),
+    ("kl", "train/ppo_kl", "{:+.1e}"),
+    ("clip", "train/pg_clipfrac", "{:.3f}"),
+    ("gnorm", "train/grad_norm", "{:.3f}"),
+    ("ent", "train/entropy", "{:.3f}"),
+    ("lp_diff", "train/train_rollout_logprob_abs_diff", "{:.1e}"),
+    ("len", "rollout/response_len", "{:.1f}"),
+)
+
+
+def rollout_metrics(samples: Sequence[Sample], rollout_time: float) -> dict[str, float]:
+    n = len(samples)
+    lengths = [len(s.generation.response_ids) for s in samples]
+    tokens = sum(lengths)
+    rewards = [s.reward for s in samples]
+    mean = sum(rewards) / n
+    return {
+        "rollout/raw_reward": mean,
+        "rollout/reward_std": (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5,
+        "rollout/response_len": tokens / n,
+        "rollout/truncated_ratio": sum(s.truncated for s in samples) / n,
+        "rollout/zero_std_groups": _zero_std_groups(samples),
+        "perf/rollout_time": rollout_time,
+        "perf/rollout_tokens_per_s": tokens / rollout_time if rollout_time > 0 else 0.0,
+    }
+
+
+def _zero_std_groups(samples: Sequence[Sample]) -> float:
+    """Share of groups whose rewards are all equal (they teach nothing this step)."""
+    groups: dict[int, set[float]] = {}
+    for s in samples:
+        groups.setdefault(s.group, set()).add(s.reward)
+    return sum(len(v) == 1 for v in groups.values()) / max(1, len(groups))
+
+
+def record(rollout_id: int, metrics: Mapping[str, float]) -> None:
+    capture.log(rollout_id, metrics)
+
+
+def console_line(rollout_id: int, num_rollout: int, metrics: Mapping[str, float]) -> str:
+    parts = [f"rollout {rollout_id + 1}/{num_rollout}"]
+    for label, key, fmt in CONSOLE_KEYS:
+        if key in metrics:
+            parts.append(f"{label} {fmt.format(metrics[key])}")
+    timing = f"{metrics.get('perf/step_time', 0):.2f}s"
+    if "perf/train_time" in metrics:
+        timing += f" (rollout {metrics['perf/rollout_time']:.2f}s, train {metrics['perf/train_time']:.2f}s)"
+    parts.append(timing)
+    return " | ".join(parts)

@@ -1,0 +1,134 @@
+"""Everything a training run holds, built once from the flags: the machinery around the loop.
+
+`build_run(args)` joins the process group, loads tokenizer, prompts, reward rule, training
+backend and rollout engine, and restores `--load`'s checkpoint when there is one.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+from miles.train import checkpoint, data
+from miles.train.args import SamplingConfig, sampling_config, validate_world
+from miles.train.backends import TrainBackend, make_backend
+from miles.train.distributed import DistInfo, init_distributed, seed_everything
+from miles.train.rewards import RewardFn, load_reward
+from miles.train.rollout import RolloutEngine
+
+
+@dataclass
+class Run:
+    args: argparse.Namespace
+    dist: DistInfo
+    tokenizer: object
+    prompts: list[data.Prompt]
+    reward_fn: RewardFn
+    backend: TrainBackend
+    engine: RolloutEngine
+    sampling: SamplingConfig
+    start_rollout: int = 0
+    _encoded: dict[int, list[int]] = field(default_factory=dict)
+
+    def encode(self, prompt: data.Prompt) -> list[int]:
+        """Token ids of a prompt (cached); a prompt over --rollout-max-prompt-len is an error."""
+        ids = self._encoded.get(prompt.index)
+        if ids is None:
+            ids = data.encode_prompt(
+                prompt,
+                self.tokenizer,
+                apply_chat_template=self.args.apply_chat_template,
+                system_prompt=self.args.system_prompt,
+            )
+            limit = self.args.rollout_max_prompt_len
+            if limit and len(ids) > limit:
+                raise data.DataError(
+                    f"--prompt-data {self.args.prompt_data}: prompt {prompt.index} has {len(ids)} tokens, over "
+                    f"--rollout-max-prompt-len {limit}; filter the dataset or raise the limit"
+                )
+            self._encoded[prompt.index] = ids
+        return ids
+
+    def log(self, message: str) -> None:
+        if self.dist.is_main:
+            print(message, flush=True)
+
+
+def build_run(args: argparse.Namespace) -> Run:
+    import torch
+
+    from miles.train.model import eos_token_ids, load_tokenizer
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    dist_info = init_distributed(args.distributed_backend)
+    validate_world(args, dist_info.world_size)
+    seed_everything(args.seed)
+    tokenizer = load_tokenizer(args.hf_checkpoint)
+    prompts = data.load_prompts(
+        args.prompt_data, input_key=args.input_key, label_key=args.label_key, metadata_key=args.metadata_key
+    )
+    reward_fn = load_reward(args.custom_rm_path or args.rm_type)
+    if args.rm_url:
+        raise ValueError("--rm-url (a remote reward model) is not supported; use a rule or --custom-rm-path")
+    backend = make_backend(args, dist_info)
+    engine = make_engine(args, dist_info)
+    model_eos = getattr(engine, "model", None)
+    sampling = sampling_config(args, eos_token_ids(model_eos, tokenizer) if model_eos is not None else ())
+    run = Run(args, dist_info, tokenizer, prompts, reward_fn, backend, engine, sampling)
+    run.start_rollout = resume(run)
+    engine.update_weights(backend.full_weights())
+    kl = f", KL {args.kl_loss_type} x {args.kl_loss_coef} vs {getattr(backend, 'ref_source', '-')}"
+    run.log(
+        f"miles.train: {args.advantage_estimator} on {args.hf_checkpoint} | {args.train_backend} x "
+        f"{dist_info.world_size} ({dist_info.backend}, {dist_info.device}) | rollout {type(engine).__name__} | "
+        f"data {args.prompt_data} ({len(prompts)} prompts) | reward {args.custom_rm_path or args.rm_type}"
+        f"{kl if args.use_kl_loss else ''} | rollouts {run.start_rollout}..{args.num_rollout}"
+    )
+    return run
+
+
+def make_engine(args: argparse.Namespace, dist_info: DistInfo) -> RolloutEngine:
+    choice = args.rollout_engine
+    if choice == "auto":
+        choice = "sglang" if dist_info.device != "cpu" and _sglang_installed() else "torch"
+    if choice == "sglang":
+        from miles.train.sglang_engine import SGLangRolloutEngine
+
+        return SGLangRolloutEngine(args, dist_info)
+    from miles.train.model import load_causal_lm, load_tokenizer
+    from miles.train.rollout import TorchRolloutEngine
+
+    model = load_causal_lm(args.hf_checkpoint, dtype=_rollout_dtype(args, dist_info), device=dist_info.device)
+    pad = load_tokenizer(args.hf_checkpoint).pad_token_id
+    return TorchRolloutEngine(model, pad_token_id=pad or 0)
+
+
+def _rollout_dtype(args, dist_info):
+    from miles.train.model import train_dtype
+
+    return train_dtype(args.bf16, dist_info.device)
+
+
+def _sglang_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("sglang") is not None
+
+
+def resume(run: Run) -> int:
+    """Restore `--load`'s checkpoint; returns the first rollout id to run."""
+    args = run.args
+    if not args.load:
+        return 0
+    state = checkpoint.read_state(args.load, args.ckpt_step)
+    if state is None:
+        run.log(f"miles.train: no checkpoint in --load {args.load}; starting from --hf-checkpoint")
+        return 0
+    checkpoint.check_compatible(state, args)
+    with_optimizer = state.with_optimizer and not args.no_load_optim
+    run.backend.load(
+        str(checkpoint.iteration_dir(args.load, state.rollouts_done)), with_optimizer=with_optimizer
+    )
+    run.log(f"miles.train: resumed from {checkpoint.iteration_dir(args.load, state.rollouts_done)}")
+    return state.rollouts_done

@@ -1,0 +1,249 @@
+"""`python -m miles.train`: group-relative policy optimisation, one rollout per iteration.
+
+    for rollout k = start .. num_rollout-1:
+        1. rollout    for each prompt of the batch, sample G responses with the current policy
+        2. reward     score each response with the rule (--rm-type)
+        3. advantage  A_i = (r_i - mean(r_group)) / std(r_group)
+        4. learn      for each minibatch: clipped policy loss (+ KL to the reference,
+                      - entropy bonus), AdamW step with gradient clipping
+        5. sync       push the new weights to the rollout engine
+        log the metrics; save every --save-interval rollouts
+
+Ranks split the prompts for step 1-2, gather the samples, and split them again for step 4
+(data parallel, FSDP2 or DDP). The machinery lives in runtime.py (setup), checks.py,
+checkpoint.py and report.py; this file is the algorithm.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+
+from miles.train import checkpoint, checks, report
+from miles.train.algorithm import group_advantages
+from miles.train.args import parse_args
+from miles.train.batch import Sample, TokenBatch, collate
+from miles.train.data import batch_for_rollout
+from miles.train.distributed import all_gather_objects, all_reduce_sum, barrier, sampling_seed, shutdown
+from miles.train.rewards import score
+from miles.train.runtime import Run, build_run
+
+
+def train(run: Run) -> None:
+    args = run.args
+    for rollout_id in range(run.start_rollout, args.num_rollout):
+        started = time.perf_counter()
+        samples = generate_and_score(run, rollout_id)  # 1, 2
+        samples = with_advantages(
+            samples, args.n_samples_per_prompt, args.disable_grpo_std_normalization
+        )  # 3
+        metrics = report.rollout_metrics(samples, time.perf_counter() - started)
+        if not args.debug_rollout_only:
+            metrics |= learn(run, rollout_id, samples)  # 4
+            metrics |= sync_weights(run, rollout_id)  # 5
+        metrics["perf/step_time"] = time.perf_counter() - started
+        if run.dist.is_main:
+            report.record(rollout_id, metrics)
+            run.log(report.console_line(rollout_id, args.num_rollout, metrics))
+        maybe_save(run, rollout_id)
+
+
+def generate_and_score(run: Run, rollout_id: int) -> list[Sample]:
+    """This rank's share of the prompts, G samples each, scored; then every rank's, in order."""
+    args, rank, world = run.args, run.dist.rank, run.dist.world_size
+    if args.load_debug_rollout_data:
+        return load_debug_samples(args.load_debug_rollout_data.format(rollout_id=rollout_id))
+    prompts = batch_for_rollout(
+        run.prompts, rollout_id, args.rollout_batch_size, seed=args.seed, shuffle=args.rollout_shuffle
+    )
+    per_rank = len(prompts) // world
+    mine = prompts[rank * per_rank : (rank + 1) * per_rank]
+    group_size = args.n_samples_per_prompt
+    requests = [run.encode(p) for p in mine for _ in range(group_size)]
+    generations = run.engine.generate(
+        requests, run.sampling, seed=sampling_seed(args.rollout_seed, rollout_id, rank)
+    )
+    samples = []
+    for i, generation in enumerate(generations):
+        prompt = mine[i // group_size]
+        text = run.tokenizer.decode(list(generation.response_ids), skip_special_tokens=True)
+        reward = score(run.reward_fn, text, prompt.label, prompt.metadata, args.reward_key)
+        samples.append(
+            Sample(prompt.index, rank * per_rank + i // group_size, generation, text, prompt.label, reward)
+        )
+    gathered = [s for part in all_gather_objects(samples) for s in part]
+    if args.save_debug_rollout_data and run.dist.is_main:
+        save_debug_samples(args.save_debug_rollout_data.format(rollout_id=rollout_id), gathered)
+    return gathered
+
+
+def with_advantages(samples: Sequence[Sample], group_size: int, no_std: bool) -> list[Sample]:
+    rewards = torch.tensor([s.reward for s in samples])
+    advantages = group_advantages(rewards, group_size, normalize_std=not no_std).tolist()
+    return [Sample(**{**s.__dict__, "advantage": a}) for s, a in zip(samples, advantages, strict=True)]
+
+
+def learn(run: Run, rollout_id: int, samples: Sequence[Sample]) -> dict[str, float]:
+    """Step 4: old (and reference) logprobs of this rank's share, then one optimizer step per
+    minibatch of --global-batch-size samples (split over ranks and micro-batches)."""
+    args, rank, world = run.args, run.dist.rank, run.dist.world_size
+    started = time.perf_counter()
+    minibatches = len(samples) // args.global_batch_size
+    per_rank = args.global_batch_size // world
+    mine = [
+        m * args.global_batch_size + i
+        for m in range(minibatches)
+        for i in range(rank, args.global_batch_size, world)
+    ]
+    local = collate([samples[i] for i in mine], run.tokenizer.pad_token_id or 0)
+    trainer_logp = batched_logprobs(run, local, reference=False)
+    ref_logp = batched_logprobs(run, local, reference=True) if args.use_kl_loss else None
+    old_logp = local.rollout_logp if args.use_rollout_logprobs else trainer_logp
+    local = local.with_(old_logp=old_logp, ref_logp=ref_logp)
+    mask = local.loss_mask
+    diff_sum, kl_sum, tokens = all_reduce_sum(
+        [
+            float(((trainer_logp - local.rollout_logp).abs() * mask).sum()),
+            float(((local.rollout_logp - trainer_logp) * mask).sum()),
+            float(mask.sum()),
+        ]
+    )
+    totals = {"loss": 0.0, "grad_norm": 0.0, "lr": 0.0}
+    sums = {
+        k: 0.0 for k in ("pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss", "entropy", "tis_weight", "tokens")
+    }
+    for m in range(minibatches):
+        mb = local.rows(slice(m * per_rank, (m + 1) * per_rank))
+        micro = [
+            mb.rows(slice(i, i + args.micro_batch_size)) for i in range(0, per_rank, args.micro_batch_size)
+        ]
+        normalizer = (
+            all_reduce_sum([float(mb.loss_mask.sum())])[0] / world
+            if args.calculate_per_token_loss
+            else per_rank
+        )
+        result = run.backend.train_step(micro, normalizer)
+        step = {k: sum(getattr(t, k) for t in result.terms) for k in sums}
+        loss = sum(float(t.loss.detach()) for t in result.terms) / normalizer
+        reduced = dict(zip([*step, "loss"], all_reduce_sum([*step.values(), loss]), strict=True))
+        if m == 0 and (args.ci_test and not args.ci_disable_kl_checker):
+            checks.check_first_step(
+                rollout_id,
+                reduced["ppo_kl"] / reduced["tokens"],
+                reduced["pg_clipfrac"] / reduced["tokens"],
+                args.ci_step0_kl_tol,
+            )
+        for k in sums:
+            sums[k] += reduced[k]
+        totals["loss"] += reduced["loss"] / world
+        totals["grad_norm"] += result.grad_norm
+        totals["lr"] += result.lr
+    if args.ci_test and not args.use_rollout_logprobs:
+        checks.check_logprob_agreement(rollout_id, diff_sum / tokens, args.ci_logprob_abs_diff_tol)
+    metrics = {f"train/{k}": v / minibatches for k, v in totals.items()}
+    for k in ("pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss", "entropy"):
+        metrics[f"train/{k}"] = sums[k] / sums["tokens"]
+    if args.use_tis:
+        metrics["train/tis_weight"] = sums["tis_weight"] / sums["tokens"]
+    metrics["train/train_rollout_logprob_abs_diff"] = diff_sum / tokens
+    metrics["train/train_rollout_kl"] = kl_sum / tokens
+    metrics["perf/train_time"] = time.perf_counter() - started
+    return metrics
+
+
+def batched_logprobs(run: Run, batch: TokenBatch, *, reference: bool) -> torch.Tensor:
+    """Logprobs of a whole local batch, computed --micro-batch-size rows at a time."""
+    out = torch.zeros_like(batch.loss_mask)
+    size = run.args.micro_batch_size
+    for start in range(0, batch.size, size):
+        part = batch.rows(slice(start, start + size))
+        logp = run.backend.logprobs(part, reference=reference)
+        out[start : start + size, : logp.shape[1]] = logp
+    return out
+
+
+def sync_weights(run: Run, rollout_id: int) -> dict[str, float]:
+    """Step 5: the rollout engine gets the trainer's new weights; with --ci-test, verified."""
+    if (rollout_id + 1) % run.args.update_weights_interval:
+        return {}
+    started = time.perf_counter()
+    weights = dict(run.backend.full_weights())
+    run.engine.update_weights(weights.items())
+    elapsed = time.perf_counter() - started
+    if run.args.ci_test or run.args.check_weight_update_equal:
+        failure = None
+        try:
+            checks.check_weights_equal(
+                rollout_id, run.engine.named_weights(), weights, run.args.check_weight_update_skip_list
+            )
+        except checks.CheckFailed as exc:
+            failure = exc
+        # Every rank must stop together, or the healthy ones would wait in the next collective.
+        if all_reduce_sum([float(failure is not None)])[0]:
+            raise failure or checks.CheckFailed(
+                f"rollout {rollout_id}: the weight check failed on another rank"
+            )
+    return {"perf/weight_sync_time": elapsed}
+
+
+def maybe_save(run: Run, rollout_id: int) -> None:
+    args, done = run.args, rollout_id + 1
+    if not args.save or args.debug_rollout_only:
+        return
+    if done != args.num_rollout and not (args.save_interval and done % args.save_interval == 0):
+        return
+    state = checkpoint.TrainerState(
+        rollouts_done=done,
+        hf_checkpoint=args.hf_checkpoint,
+        seed=args.seed,
+        rollout_batch_size=args.rollout_batch_size,
+        n_samples_per_prompt=args.n_samples_per_prompt,
+        prompt_data=args.prompt_data,
+        with_optimizer=not args.no_save_optim,
+    )
+    path = checkpoint.save(run.backend, args.save, state, is_main=run.dist.is_main, barrier=barrier)
+    run.log(f"miles.train: saved {path}")
+
+
+def save_debug_samples(path: str, samples: Sequence[Sample]) -> None:
+    rows = [
+        {**{k: v for k, v in s.__dict__.items() if k != "generation"}, "generation": s.generation.__dict__}
+        for s in samples
+    ]
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(rows, f)
+
+
+def load_debug_samples(path: str) -> list[Sample]:
+    from miles.train.rollout import Generation
+
+    with open(path, encoding="utf-8") as f:
+        rows = json.load(f)
+    return [
+        Sample(
+            **{
+                **row,
+                "generation": Generation(
+                    **{k: tuple(v) if isinstance(v, list) else v for k, v in row["generation"].items()}
+                ),
+            }
+        )
+        for row in rows
+    ]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        run = build_run(args)
+        train(run)
+    except (checks.CheckFailed, checkpoint.CheckpointError) as exc:
+        print(f"miles.train: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        shutdown()
+    return 0
