@@ -317,8 +317,14 @@ def _add_logging(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-threads", type=_positive_int, help="torch intra-op threads per rank (CPU)")
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        # The full usage of ~250 flags would bury the one line that matters.
+        self.exit(2, f"{self.prog}: error: {message}\n(python -m miles.train --help lists every flag)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m miles.train",
         description="GRPO/GSPO trainer: rollout, reward, advantage, clipped loss, step, weight sync.",
         epilog="--sglang-<name> [VALUE ...] is passed to the SGLang engine unchanged.",
@@ -434,8 +440,25 @@ def validate(args: argparse.Namespace) -> None:
                 f"--train-backend {args.train_backend} is data-parallel only, but {shown} was given; "
                 "use --train-backend megatron for model parallelism or set them to 1"
             )
+    if args.train_backend == "megatron":
+        _check_megatron_layout(args)
     if args.load_debug_rollout_data and args.debug_rollout_only:
         raise ArgsError("--load-debug-rollout-data and --debug-rollout-only exclude each other")
+
+
+def _check_megatron_layout(args: argparse.Namespace) -> None:
+    """The Megatron layout must fit the GPUs the job asks for, checked before anything starts."""
+    from miles.parallel import LayoutError
+    from miles.train.layout import parallel_layout
+
+    world = args.actor_num_nodes * args.actor_num_gpus_per_node
+    try:
+        parallel_layout(args, world)
+    except LayoutError as exc:
+        raise ArgsError(
+            f"{exc} (world = --actor-num-nodes {args.actor_num_nodes} x --actor-num-gpus-per-node "
+            f"{args.actor_num_gpus_per_node})"
+        ) from exc
 
 
 def validate_world(args: argparse.Namespace, world_size: int) -> None:

@@ -11,47 +11,11 @@ with something else.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 from miles.train.backends import BackendUnavailable, StepResult, TrainBackend
 from miles.train.batch import TokenBatch
-
-
-def parallel_layout(args, world_size: int):
-    """The `miles.parallel.ParallelConfig` of the flags, validated for `world_size` GPUs."""
-    from miles import parallel
-
-    config = parallel.ParallelConfig(
-        tp=args.tensor_model_parallel_size,
-        pp=args.pipeline_model_parallel_size,
-        cp=args.context_parallel_size,
-        ep=args.expert_model_parallel_size,
-        etp=args.expert_tensor_parallel_size,
-        sequence_parallel=args.sequence_parallel,
-        first_stage_layers=args.decoder_first_pipeline_num_layers,
-        last_stage_layers=args.decoder_last_pipeline_num_layers,
-    )
-    parallel.validate(config, world_size, model_shape(args))
-    return config
-
-
-def model_shape(args):
-    """The model facts the layout rules need: from the Megatron flags, else the HF config."""
-    from miles import parallel
-
-    hf = {}
-    config_path = Path(args.hf_checkpoint) / "config.json"
-    if config_path.is_file():
-        hf = json.loads(config_path.read_text())
-    heads = args.num_attention_heads or hf.get("num_attention_heads")
-    return parallel.ModelShape(
-        num_layers=args.num_layers or hf.get("num_hidden_layers"),
-        num_attention_heads=heads,
-        num_query_groups=args.num_query_groups or hf.get("num_key_value_heads") or heads,
-        num_experts=args.num_experts or hf.get("num_experts") or hf.get("n_routed_experts"),
-    )
+from miles.train.layout import parallel_layout
 
 
 class MegatronBackend(TrainBackend):
@@ -62,7 +26,7 @@ class MegatronBackend(TrainBackend):
             raise BackendUnavailable(
                 "--train-backend megatron needs CUDA or ROCm GPUs (megatron-core's model does not run "
                 "on CPU); this machine has none. The parallel layout "
-                f"{self.layout} is valid for {world} GPUs. On CPU use --train-backend fsdp or ddp."
+                f"{self.layout.describe()} is valid for {world} GPUs. On CPU use --train-backend fsdp or ddp."
             )
         raise BackendUnavailable(
             "--train-backend megatron: the Megatron training loop is not part of miles.train yet; "
