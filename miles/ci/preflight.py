@@ -1,0 +1,339 @@
+"""Check the machine before a GPU lane runs a single test: `python -m miles.ci preflight`.
+
+A lane needs the right vendor with enough visible GPUs for its suites, its pinned stack
+installed, `MILES_HARDWARE_PLATFORM` consistent with the torch build, free disk for
+checkpoints, and no processes left over from an earlier job. Each missing thing is one line;
+any problem exits 3, before a GPU job starts and fails an hour later for the same reason.
+
+`--machine-only` skips what needs the stack (pins), so the lane can run it before installing
+anything. Leftover processes are reported; `--clean` kills them. Standard library only; torch
+is consulted through miles.platform when it is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from miles.ci.catalog import Catalog, load_catalog
+
+ROOT = Path(__file__).resolve().parents[2]
+EXIT_PREFLIGHT = 3
+MIN_FREE_GB = {"cpu": 5.0, "cuda": 100.0, "rocm": 100.0}  # checkpoints of 4/5-layer slices, FP8 + torch_dist
+MIN_FREE_ENV = "MILES_PREFLIGHT_MIN_FREE_GB"
+MODEL_DIR_ENV = "MILES_MODEL_DIR"
+MAX_PIN_LINES = 12  # beyond this the stack is simply not installed; say so instead of listing all
+VENDOR = {"cuda": "NVIDIA", "rocm": "AMD"}
+VISIBLE_ENV = {"cuda": ("CUDA_VISIBLE_DEVICES",), "rocm": ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")}
+SMI_TOOLS = {"cuda": ("nvidia-smi",), "rocm": ("amd-smi", "rocm-smi")}
+# Command lines of the processes a training job leaves behind when its runner dies.
+LEFTOVER_PATTERNS = (
+    r"sglang\.launch_server",
+    r"sglang::",
+    r"\btorchrun\b",
+    r"torch\.distributed\.run",
+    r"\bray::",
+    r"\braylet\b",
+    r"\bgcs_server\b",
+    r"-m miles\.train\b",
+    r"\bpretrain_gpt\.py\b",
+)
+
+
+@dataclass(frozen=True)
+class Need:
+    """What the lane (or the chosen suites) asks of the machine."""
+
+    lane: str
+    backend: str
+    gpus: int
+    suites: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Leftover:
+    pid: int
+    command: str
+    age_s: float
+
+    def describe(self) -> str:
+        hours, rest = divmod(int(self.age_s), 3600)
+        return f"pid {self.pid} ({self.command[:80]}, running {hours}h{rest // 60:02d}m)"
+
+
+def need_for(lane: str, suites: Sequence[str] = (), catalog: Catalog | None = None) -> Need:
+    catalog = catalog or load_catalog()
+    lane_obj = catalog.lane(lane)
+    chosen = [catalog.suite(s, lane_obj.backend) for s in suites] or list(catalog.suites_of_lane(lane))
+    return Need(lane, lane_obj.backend, max(s.gpus for s in chosen), tuple(s.name for s in chosen))
+
+
+def check_vendor(need: Need, env: Mapping[str, str], info=None) -> list[str]:
+    """Right vendor, enough visible GPUs, and MILES_HARDWARE_PLATFORM consistent with torch."""
+    if need.gpus == 0:
+        return []
+    from miles.platform import PlatformError, detect, resolve
+
+    info = info if info is not None else detect()
+    problems = []
+    tools = SMI_TOOLS[need.backend]
+    if not any(shutil.which(t, path=env.get("PATH")) for t in tools):
+        problems.append(
+            f"tools: none of {', '.join(tools)} is on PATH; the {VENDOR[need.backend]} driver tools are missing"
+        )
+    count = _visible(info.device_count, need.backend, env)
+    suites = ", ".join(need.suites)
+    if info.platform != need.backend:
+        problems.append(
+            f"vendor: lane {need.lane} needs {need.gpus} {VENDOR[need.backend]} GPU(s) ({need.backend}) for "
+            f"{suites}; this machine is {info.describe()}"
+        )
+    elif count < need.gpus:
+        shown = "".join(f" {n}={env[n]}" for n in VISIBLE_ENV[need.backend] if n in env)
+        problems.append(
+            f"gpus: {suites} needs {need.gpus} visible GPU(s), {count} visible{shown}; "
+            "run on a runner with that many or widen the visible-device variable"
+        )
+    value = env.get("MILES_HARDWARE_PLATFORM", "").strip()
+    if value and value != need.backend:
+        problems.append(
+            f"platform: MILES_HARDWARE_PLATFORM={value} but lane {need.lane} runs {need.backend}; "
+            "unset it or fix the image that sets it"
+        )
+    elif value:
+        try:
+            resolve(env, info)
+        except PlatformError as exc:
+            problems.append(f"platform: {exc}")
+    return problems
+
+
+def _visible(detected: int, backend: str, env: Mapping[str, str]) -> int:
+    """Visible devices: torch already honours the variables; vendor tools list the whole host."""
+    count = detected
+    for name in VISIBLE_ENV[backend]:
+        if name in env:
+            listed = [d for d in env[name].split(",") if d.strip()]
+            count = min(count, len(listed))
+    return count
+
+
+def check_pins(lane: str, installed: Mapping[str, str] | None = None, root: Path | None = None) -> list[str]:
+    """The lane's lock against the running interpreter's packages, one line per difference."""
+    from miles.image.config import stack_for_lane
+    from miles.image.pins import diff_installed, installed_versions, parse_lock
+
+    root = root or ROOT
+    stack = stack_for_lane(lane)
+    lock = parse_lock(root / stack.lock_path, root=root)
+    mismatches = diff_installed(lock, installed if installed is not None else installed_versions())
+    # wrong versions say more than missing packages; show them first
+    mismatches.sort(key=lambda m: (m.found is None, m.name))
+    lines = [f"pins: {m}" for m in mismatches]
+    if len(lines) > MAX_PIN_LINES:
+        missing = sum(m.found is None for m in mismatches)
+        lines = lines[: MAX_PIN_LINES - 1] + [
+            f"pins: … and {len(mismatches) - MAX_PIN_LINES + 1} more ({missing} of {len(lock.pins)} "
+            f"pins missing in all); this interpreter does not run the {stack.name} stack: install "
+            f"{stack.lock_path} (`nox -s {lane}`) or use the image built from it"
+        ]
+    return lines
+
+
+def check_disk(path: Path, min_free_gb: float) -> list[str]:
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent  # the folder may not exist yet; its filesystem does
+    free_gb = shutil.disk_usage(probe).free / 2**30
+    if free_gb >= min_free_gb:
+        return []
+    return [
+        f"disk: {free_gb:.1f} GiB free under {path}, the lane needs {min_free_gb:g} GiB for checkpoints; "
+        f"free space or point {MODEL_DIR_ENV} elsewhere ({MIN_FREE_ENV} changes the threshold)"
+    ]
+
+
+def find_leftovers(patterns: Iterable[str] = LEFTOVER_PATTERNS, proc: Path = Path("/proc")) -> list[Leftover]:
+    """Processes whose command line matches a pattern, except this one and its ancestors."""
+    regex = re.compile("|".join(f"(?:{p})" for p in patterns))
+    mine = _ancestors(os.getpid(), proc)
+    boot = _boot_time(proc)
+    tick = os.sysconf("SC_CLK_TCK")
+    found = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit() or int(entry.name) in mine:
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # exited while we looked
+        if not command or not regex.search(command):
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] == "Z":
+            continue  # a zombie holds nothing but its exit status
+        started = boot + int(fields[19]) / tick
+        found.append(Leftover(int(entry.name), command, max(0.0, time.time() - started)))
+    return sorted(found, key=lambda p: p.pid)
+
+
+def _ancestors(pid: int, proc: Path) -> set[int]:
+    out = set()
+    while pid > 0 and pid not in out:
+        out.add(pid)
+        try:
+            pid = int((proc / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return out
+
+
+def _boot_time(proc: Path) -> float:
+    for line in (proc / "stat").read_text().splitlines():
+        if line.startswith("btime "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def kill_leftovers(leftovers: Sequence[Leftover], grace_s: float = 5.0) -> list[Leftover]:
+    """SIGTERM each, SIGKILL what is still alive after `grace_s`; returns the survivors."""
+    for p in leftovers:
+        _signal(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    alive = list(leftovers)
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = [p for p in alive if _alive(p.pid)]
+    for p in alive:
+        _signal(p.pid, signal.SIGKILL)
+    time.sleep(0.05)
+    return [p for p in alive if _alive(p.pid)]
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def check_leftovers(clean: bool, patterns: Iterable[str] = LEFTOVER_PATTERNS) -> tuple[list[str], list[str]]:
+    """(problems, notes): leftovers are problems unless `clean` killed them."""
+    leftovers = find_leftovers(patterns)
+    if not leftovers:
+        return [], []
+    if not clean:
+        return [
+            f"processes: {p.describe()} is left from an earlier job; rerun with --clean to kill it"
+            for p in leftovers
+        ], []
+    survivors = kill_leftovers(leftovers)
+    notes = [f"killed {p.describe()}" for p in leftovers if p not in survivors]
+    return [
+        f"processes: {p.describe()} survived SIGKILL; the machine needs attention" for p in survivors
+    ], notes
+
+
+def preflight(
+    lane: str,
+    *,
+    suites: Sequence[str] = (),
+    machine_only: bool = False,
+    clean: bool = False,
+    model_dir: Path | None = None,
+    min_free_gb: float | None = None,
+    env: Mapping[str, str] | None = None,
+) -> tuple[list[str], list[str]]:
+    """Every check for `lane`; returns (problems, notes)."""
+    env = os.environ if env is None else env
+    need = need_for(lane, suites)
+    problems = check_vendor(need, env)
+    if not machine_only:
+        problems += check_pins(lane)
+    threshold = (
+        min_free_gb if min_free_gb is not None else float(env.get(MIN_FREE_ENV, MIN_FREE_GB[need.backend]))
+    )
+    problems += check_disk(model_dir or Path(env.get(MODEL_DIR_ENV, ".")).resolve(), threshold)
+    leftover_problems, notes = check_leftovers(clean)
+    return problems + leftover_problems, notes
+
+
+@dataclass(frozen=True)
+class LaneArgs:
+    """A lane session's arguments, split into its own flags and what goes to the runner."""
+
+    plan: bool
+    system: bool
+    clean: bool
+    suites: tuple[str, ...]
+    runner: tuple[str, ...]
+
+
+def split_lane_args(posargs: Sequence[str]) -> LaneArgs:
+    """`nox -s <lane> -- …`: --system and --clean are the lane's; the rest go to the runner."""
+    runner = [a for a in posargs if a not in ("--system", "--clean")]
+    suites = []
+    for i, arg in enumerate(runner):
+        if arg == "--suite" and i + 1 < len(runner):
+            suites.append(runner[i + 1])
+        elif arg.startswith("--suite="):
+            suites.append(arg.split("=", 1)[1])
+    return LaneArgs(
+        "--plan" in runner, "--system" in posargs, "--clean" in posargs, tuple(suites), tuple(runner)
+    )
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("preflight", help="check a lane's machine before any test runs (exit 3 on problems)")
+    p.add_argument("--lane", required=True)
+    p.add_argument("--suite", action="append", default=[], help="only this suite's needs (repeatable)")
+    p.add_argument(
+        "--machine-only", action="store_true", help="skip the pinned-versions check (before installing)"
+    )
+    p.add_argument("--clean", action="store_true", help="kill processes left from an earlier job")
+    p.add_argument("--model-dir", type=Path, help=f"where checkpoints go (default ${MODEL_DIR_ENV} or .)")
+    p.add_argument(
+        "--min-free-gb", type=float, help=f"free disk needed (default ${MIN_FREE_ENV} or per backend)"
+    )
+    p.set_defaults(handler=cmd_preflight)
+
+
+def cmd_preflight(args: argparse.Namespace) -> int:
+    problems, notes = preflight(
+        args.lane,
+        suites=args.suite,
+        machine_only=args.machine_only,
+        clean=args.clean,
+        model_dir=args.model_dir,
+        min_free_gb=args.min_free_gb,
+    )
+    for note in notes:
+        print(f"preflight: {note}")
+    for problem in problems:
+        print(f"preflight: {problem}", file=sys.stderr)
+    if problems:
+        print(
+            f"preflight: lane {args.lane} cannot run here ({len(problems)} problem(s)); no test was started",
+            file=sys.stderr,
+        )
+        return EXIT_PREFLIGHT
+    scope = "machine" if args.machine_only else "machine and stack"
+    print(f"preflight: lane {args.lane}: {scope} ok")
+    return 0
