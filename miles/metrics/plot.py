@@ -79,7 +79,8 @@ def _panel(ax, key: tuple, rows: list[HistoryRow], metric: str) -> None:
         ax.scatter([p[0] for p in untrusted], [p[1] for p in untrusted], facecolors="none", edgecolors="tab:red",
                    s=90, zorder=4, label="untrusted run")  # fmt: skip
     where = "last" if step == LAST_STEP else f"step {step}"
-    ax.set_title(f"{metric} @ {where} [{steps_key}] - {backend}/{suite}", fontsize=9)
+    declared = "" if steps_key == "last" else f" (steps={steps_key})"
+    ax.set_title(f"{metric} @ {where}{declared} - {backend}/{suite}", fontsize=9)
     ax.set_xticks(x, [str(r.run.id) for r in rows], fontsize=7)
     ax.set_xlabel("run id (oldest to newest)", fontsize=8)
     ax.legend(fontsize=7, loc="best")
