@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -15,6 +16,9 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 from miles.ci.catalog import load_catalog  # noqa: E402
+from miles.ci.preflight import split_lane_args  # noqa: E402
+from miles.image.config import stack_for_lane  # noqa: E402
+from miles.image.install import install_arguments, torch_source_warning  # noqa: E402
 
 nox.needs_version = ">=2024.3.2"
 nox.options.default_venv_backend = "uv|virtualenv"
@@ -24,13 +28,17 @@ nox.options.sessions = ["cpu"]
 CATALOG = load_catalog()
 
 
+# The interpreter of the CI image, for `-- --system`: found before nox puts a venv on PATH.
+SYSTEM_PYTHON = os.environ.get("MILES_SYSTEM_PYTHON") or shutil.which("python3") or sys.executable
+
+
 def install_lane_stack(session: nox.Session, lane: str) -> None:
-    """Install requirements/<lane>.txt and miles itself into the session."""
-    find_links = []
-    if session.venv_backend == "uv" and os.environ.get("PIP_FIND_LINKS"):
-        # uv does not read pip's configuration; the local torch build lives there.
-        find_links = ["--find-links", os.environ["PIP_FIND_LINKS"]]
-    session.install(*find_links, "-r", str(ROOT / "requirements" / f"{lane}.txt"))
+    """Install the lane's pinned stack (requirements/<stack>.txt) and miles itself into the session."""
+    stack = stack_for_lane(lane)
+    warning = torch_source_warning(stack, ROOT, os.environ)
+    if warning:
+        session.warn(warning)
+    session.install(*install_arguments(stack, ROOT, venv_backend=session.venv_backend, env=os.environ))
     session.install("--no-deps", "-e", str(ROOT))
 
 
@@ -55,12 +63,29 @@ def _make_lane(lane_name: str):
     suites = ", ".join(s.name for s in CATALOG.suites_of_lane(lane_name))
 
     def lane_session(session: nox.Session) -> None:
-        if "--plan" in session.posargs:
+        args = split_lane_args(session.posargs)
+        run = ["-m", "miles.ci", "run", "--lane", lane_name, *args.runner]
+        if args.plan:
             # Planning needs only the standard-library core, so it works on any machine.
             session.install("--no-deps", "-e", str(ROOT))
-        else:
-            install_lane_stack(session, "cpu" if lane.backend == "cpu" else lane_name)
-        session.run("python", "-m", "miles.ci", "run", "--lane", lane_name, *session.posargs)
+            session.run("python", *run)
+            return
+        preflight = ["-m", "miles.ci", "preflight", "--lane", lane_name]
+        preflight += [f"--suite={s}" for s in args.suites] + (["--clean"] if args.clean else [])
+        if args.system or session.venv_backend == "none":
+            # Inside the CI image: verify the installed stack against the lock (with a diff), install nothing.
+            python = "python" if session.venv_backend == "none" else SYSTEM_PYTHON
+            session.run(python, *preflight, external=True)
+            session.run(python, *run, external=True)
+            return
+        if lane.backend != "cpu":
+            # Check the machine before downloading a GPU stack that could not run here anyway.
+            session.install("--no-deps", "-e", str(ROOT))
+            session.run("python", *preflight, "--machine-only")
+        install_lane_stack(session, lane_name)
+        if lane.backend != "cpu":
+            session.run("python", *preflight)
+        session.run("python", *run)
 
     lane_session.__doc__ = f"{lane.description} Suites: {suites}."
     return nox.session(name=lane_name, python=lane.python, default=lane_name == "cpu")(lane_session)

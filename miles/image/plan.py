@@ -88,8 +88,15 @@ def plan_refresh(
         "docker", "buildx", "build",
         "--file", f"{context}/{variant.dockerfile}",
         "--platform", variant.platform,
-        "--build-arg", f"STACK={variant.stack}",
     ]  # fmt: skip
+    stack = config.stack(variant.stack)
+    # The stack's facts go in as build args, so the Dockerfile never restates them.
+    for key, value in (
+        ("STACK", stack.name),
+        ("PYTHON_VERSION", stack.python),
+        ("TORCH_INDEX", stack.torch_index),
+    ):
+        command += ["--build-arg", f"{key}={value}"]
     for key, value in variant.build_args:
         command += ["--build-arg", f"{key}={value}"]
     for key, value in ((LABEL_HASH, inputs.digest), (LABEL_VARIANT, variant.name), (LABEL_TAG, tag)):

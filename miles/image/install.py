@@ -1,0 +1,52 @@
+"""How a lane session installs its stack: the arguments, and a warning when a source is missing.
+
+nox installs with uv when it is present and pip otherwise. pip reads its own settings
+(PIP_FIND_LINKS, PIP_EXTRA_INDEX_URL, pip.conf); uv reads none of them, so they are passed
+through as arguments. That is how a local wheel folder or a torch build index reaches either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from miles.image.config import Stack
+from miles.image.pins import parse_lock
+
+SOURCE_VARS = (
+    "PIP_FIND_LINKS",
+    "PIP_EXTRA_INDEX_URL",
+    "PIP_INDEX_URL",
+    "UV_FIND_LINKS",
+    "UV_EXTRA_INDEX_URL",
+)
+
+
+def install_arguments(stack: Stack, root: Path, *, venv_backend: str, env: Mapping[str, str]) -> list[str]:
+    """Arguments for `session.install` that install exactly the stack's lock."""
+    args: list[str] = []
+    if venv_backend == "uv":
+        for location in env.get("PIP_FIND_LINKS", "").split():
+            args += ["--find-links", location]
+        extra = env.get("PIP_EXTRA_INDEX_URL", "").split()
+        for url in extra:
+            args += ["--extra-index-url", url]
+        if extra:
+            # a torch index also carries numpy & co.; let versions, not index order, decide
+            args += ["--index-strategy", "unsafe-best-match"]
+    if stack.exclude:
+        # The lock leaves out packages on purpose (CUDA kernels on ROCm): it is the whole set.
+        args.append("--no-deps")
+    return [*args, "-r", str(root / stack.lock_path)]
+
+
+def torch_source_warning(stack: Stack, root: Path, env: Mapping[str, str]) -> str | None:
+    """A hint when the lock's torch is a build outside PyPI and nothing points at its index."""
+    lock = parse_lock(root / stack.lock_path, root=root)
+    torch = lock.pins.get("torch")
+    if torch is None or "+" not in torch.version or any(env.get(v) for v in SOURCE_VARS):
+        return None
+    return (
+        f"{lock.where('torch')} pins torch=={torch.version}, which PyPI does not publish; set "
+        f"PIP_EXTRA_INDEX_URL={stack.torch_index} (or PIP_FIND_LINKS to a folder holding the wheel)"
+    )
