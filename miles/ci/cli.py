@@ -16,7 +16,7 @@ from miles.ci.catalog import CatalogError, UnknownName, load_catalog
 
 # Modules that add subcommands: each has `add_commands(subparsers)` and keeps its own heavy
 # imports inside the handlers, so that `list` stays a bare-Python command.
-COMMAND_MODULES: tuple[str, ...] = ("miles.metrics.cli", "miles.ci.preflight")
+COMMAND_MODULES: tuple[str, ...] = ("miles.metrics.cli", "miles.ci.run_cli", "miles.ci.preflight")
 
 
 class UsageError(Exception):

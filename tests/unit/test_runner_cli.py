@@ -1,0 +1,165 @@
+"""`python -m miles.ci run/plan/matrix/policy`: plans, exit codes, report paths, bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from miles.ci.catalog import load_catalog
+from miles.ci.cli import main
+from miles.ci.discover import discover
+from miles.ci.runner import RunOptions, build_plan, timeout_for
+
+ROCM = "from miles.ci.register import register_rocm_ci\n"
+GPU_TREE = {
+    f"tests/e2e/test_gpu_{i}.py": ROCM
+    + f'register_rocm_ci(est_time={t}, suite="stage-c-4-gpu-mi350", labels=["{label}"])\n'
+    for i, (t, label) in enumerate(
+        [(1500, "megatron"), (1400, "sglang"), (900, "megatron"), (700, "amd"), (600, "sglang"), (300, "amd")]
+    )
+}
+CPU_PASS = {
+    "tests/e2e/test_ok.py": """
+        from miles.ci.register import register_cpu_ci
+        register_cpu_ci(est_time=20, suite="stage-b-cpu")
+        def test_ok():
+            pass
+    """
+}
+
+
+@pytest.fixture(autouse=True)
+def _no_ci_env(monkeypatch):
+    for key in ("GITHUB_ACTIONS", "GITHUB_STEP_SUMMARY", "GITHUB_OUTPUT", "MILES_DURATIONS_PATH"):
+        monkeypatch.delenv(key, raising=False)
+
+
+def _plan(root, **kw):
+    catalog = load_catalog()
+    return build_plan(RunOptions(root=root, **kw), catalog, discover(root, catalog=catalog, cache=False))
+
+
+def test_plan_prints_shards_bounds_timeouts_and_commands_and_exits_0(make_tree, capsys):
+    root = make_tree(GPU_TREE)
+    assert main(["run", "--root", str(root), "--lane", "rocm-mi350", "--plan"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "suite stage-c-4-gpu-mi350: 6 test(s), 2 shard(s) (auto: budget 3600s per shard), total est 5400s"
+        in out
+    )
+    assert (
+        "lower bound 2700s = max(total/N 2700s, longest 1500s); predicted makespan 2700s; ratio 1.000" in out
+    )
+    assert "est   1500s  timeout   1875s  tests/e2e/test_gpu_0.py" in out
+    assert "MILES_CI_BACKEND=rocm MILES_CI_SUITE=stage-c-4-gpu-mi350 MILES_CI_LANE=rocm-mi350" in out
+    assert "-m pytest tests/e2e/test_gpu_5.py --junitxml=" in out
+
+
+def test_plan_imports_nothing_heavy(make_tree):
+    root = make_tree(GPU_TREE)
+    code = (
+        "import sys; from miles.ci.cli import main; "
+        f"rc = main(['plan', '--root', {str(root)!r}, '--lane', 'rocm-mi350']); "
+        "heavy = [m for m in ('torch', 'transformers', 'megatron', 'sglang', 'psycopg', 'matplotlib', 'numpy') "
+        "if m in sys.modules]; print('HEAVY', heavy); sys.exit(rc)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "HEAVY []" in result.stdout
+
+
+def test_every_shard_computes_the_same_disjoint_partition(make_tree):
+    root = make_tree(GPU_TREE)
+    shards = [
+        {t.registration.file for t in _plan(root, lane="rocm-mi350", shard=f"{k}/3").tests} for k in (1, 2, 3)
+    ]
+    assert sum(len(s) for s in shards) == len(GPU_TREE)
+    assert set().union(*shards) == set(GPU_TREE)
+
+
+def test_timeout_is_the_larger_of_floor_and_one_and_a_quarter_est_time():
+    assert timeout_for(15, 60) == 60
+    assert timeout_for(400, 60) == 500
+
+
+def test_default_report_dir_is_named_after_lane_and_shard(make_tree):
+    root = make_tree(GPU_TREE)
+    assert (
+        _plan(root, lane="rocm-mi350", shard="2/3").report_dir
+        == root.resolve() / ".miles/reports/rocm-mi350-2of3"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--lane", "rocm-mi300"], "lane 'rocm-mi300' is not in the catalog"),
+        (["--suite", "stage-c-4-gpu-mi300x"], "suite 'stage-c-4-gpu-mi300x' is not in the catalog"),
+        (["--lane", "cpu", "--labels", "run-ci-nope"], "label 'run-ci-nope' names no catalog label"),
+        (["--lane", "cpu", "--labels", "run-ci-x;rm -rf /"], "is refused"),
+        (["--lane", "cpu", "--shard", "3/2"], "need 1 <= k <= N"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(make_tree, capsys, args, message):
+    root = make_tree(CPU_PASS)
+    assert main(["run", "--root", str(root), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_registration_on_an_unknown_suite_stops_the_run_with_exit_2(make_tree, capsys):
+    root = make_tree(
+        {
+            "tests/e2e/test_typo.py": ROCM
+            + 'register_rocm_ci(est_time=60, suite="stage-c-4-gpu-mi300", labels=["amd"])\n'
+        }
+    )
+    assert main(["run", "--root", str(root), "--lane", "cpu"]) == 2
+    assert "tests/e2e/test_typo.py:2" in capsys.readouterr().err
+
+
+def test_run_exits_0_when_all_pass_and_prints_where_reports_went(make_tree, capsys):
+    root = make_tree(CPU_PASS)
+    assert main(["run", "--root", str(root), "--suite", "stage-b-cpu"]) == 0
+    out = capsys.readouterr().out
+    reports = root.resolve() / ".miles/reports/stage-b-cpu-1of1"
+    for name in ("junit.xml", "summary.md", "run.json"):
+        assert f"{name}: {reports / name}" in out
+    durations = json.loads((root / ".miles/durations.json").read_text())
+    assert [(r["file"], r["passed"]) for r in durations["rows"]] == [("tests/e2e/test_ok.py", True)]
+
+
+def test_run_exits_1_when_a_test_fails(make_tree, capsys):
+    root = make_tree(
+        {"tests/e2e/test_ok.py": CPU_PASS["tests/e2e/test_ok.py"].replace("pass", "assert False")}
+    )
+    assert main(["run", "--root", str(root), "--suite", "stage-b-cpu"]) == 1
+    assert "FAILED: 1 failed" in capsys.readouterr().out
+
+
+def test_matrix_has_one_entry_per_suite_shard_for_fromjson(make_tree, capsys, tmp_path, monkeypatch):
+    root = make_tree(GPU_TREE)
+    output = tmp_path / "github_output"
+    monkeypatch.setenv("GITHUB_OUTPUT", str(output))
+    assert main(["matrix", "--root", str(root), "--lane", "rocm-mi350"]) == 0
+    matrix = json.loads(capsys.readouterr().out)
+    assert [(e["suite"], e["shard"]) for e in matrix["include"]] == [
+        ("stage-c-4-gpu-mi350", "1/2"),
+        ("stage-c-4-gpu-mi350", "2/2"),
+    ]
+    entry = matrix["include"][0]
+    assert entry["runner_labels"] == ["self-hosted", "mi350", "gpu-4"] and entry["gpus"] == 4
+    assert entry["timeout_minutes"] >= entry["predicted_s"] * 1.25 / 60
+    assert json.loads(output.read_text().split("matrix=", 1)[1].splitlines()[0]) == matrix
+
+
+def test_policy_command_writes_github_outputs(tmp_path, capsys, monkeypatch):
+    output = tmp_path / "github_output"
+    monkeypatch.setenv("GITHUB_OUTPUT", str(output))
+    labels = json.dumps([{"name": "run-ci-amd"}, {"name": "documentation"}])
+    assert main(["policy", "--event", "pull_request", "--labels-json", labels]) == 0
+    assert "labels=run-ci-amd\n" in output.read_text()
+    assert main(["policy", "--event", "pull_request", "--labels-json", '["run-ci-$(id)"]']) == 2
