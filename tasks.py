@@ -45,7 +45,7 @@ def refresh_image(c, variant, push=False, dry=False, image=None):
     import os
     from pathlib import Path
 
-    from miles.image.plan import pins_problems, plan_refresh, refresh
+    from miles.image.plan import pins_problems, plan_refresh, refresh, write_github_output
 
     root = Path(__file__).resolve().parent
     plan = plan_refresh(root, variant, push=push, image=image or os.environ.get("MILES_IMAGE"))
@@ -57,7 +57,9 @@ def refresh_image(c, variant, push=False, dry=False, image=None):
             + ("; ".join(map(str, problems)) if problems else "Dockerfile agrees with the lock")
         )
         return
-    print(refresh(root, plan).message)
+    result = refresh(root, plan)
+    print(result.message)
+    write_github_output("tag", result.tag)  # the workflow's test jobs run in exactly this tag
 
 
 @task(

@@ -134,9 +134,10 @@ def audit(catalog: Catalog, discovery: Discovery, *, root: Path | None = None) -
             findings.append(Finding(ERROR, "unconsumed", f"suite '{suite.name}' is consumed by nobody"))
         for consumer in suite.consumers:
             if consumer.kind == "workflow" and not (root / ".github" / "workflows" / consumer.name).is_file():
+                # The workflows exist now, so a consumer naming a missing one is a broken promise.
                 findings.append(
                     Finding(
-                        WARNING,
+                        ERROR,
                         "missing-workflow",
                         f"suite '{suite.name}' names consumer {consumer} but "
                         f".github/workflows/{consumer.name} does not exist",
