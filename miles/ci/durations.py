@@ -1,33 +1,32 @@
 """How long each test file took, per backend and suite: the input of `calibrate`.
 
-Stored as JSON in `.miles/durations.json` under the project root, or at
-`$MILES_DURATIONS_PATH`. The two public functions are the contract; the store behind them
-may change (the metric-gates history store will hold these rows) without their callers
-noticing. Writers take an exclusive lock and replace the file atomically, so two runners
-finishing at once lose nothing.
+Rows live in the metric history store (miles.metrics.store): the SQLite file
+`.miles/history.sqlite` under the project root by default, PostgreSQL when
+`$MILES_HISTORY_URL` names one, or a SQLite file at `$MILES_DURATIONS_PATH`. The two public
+functions are the contract. Every write is one transaction, so runners finishing at once
+lose nothing; a store that cannot be reached raises OSError, which the runner reports as a
+warning without failing the run.
 """
 
 from __future__ import annotations
 
-import fcntl
-import json
 import os
-import time
 from collections.abc import Iterable
-from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 
 from miles.ci.record import FAILED, PASSED, TIMEOUT, Attempt
 
 PATH_ENV = "MILES_DURATIONS_PATH"
-DEFAULT_PATH = Path(".miles") / "durations.json"
-KEEP_PER_KEY = 50  # newest rows kept per (backend, suite, file)
-SCHEMA = 1
+KEEP_PER_KEY = 50  # newest rows read per (backend, suite, file)
 
 
-def durations_path(root: Path | str = ".") -> Path:
+def durations_path(root: Path | str = ".") -> Path | str:
+    """Where durations go: $MILES_DURATIONS_PATH, else the history store of `root`."""
+    from miles.metrics.store import resolve_url
+
     env = os.environ.get(PATH_ENV)
-    return Path(env) if env else Path(root) / DEFAULT_PATH
+    return Path(env) if env else resolve_url(None, root=root)
 
 
 def _ran_to_an_end(a: Attempt) -> bool:
@@ -40,31 +39,26 @@ def _ran_to_an_end(a: Attempt) -> bool:
 
 
 def record_durations(attempts: Iterable[Attempt], path: Path | str | None = None) -> int:
-    """Append the elapsed time of every attempt that ran; returns how many rows were added."""
+    """Store the elapsed time of every attempt that ran; returns how many rows were added."""
+    from miles.metrics.store import DurationRecord
+
     rows = [
-        {
-            "file": a.file,
-            "backend": a.backend,
-            "suite": a.suite,
-            "elapsed": round(a.elapsed, 3),
-            "passed": a.status == PASSED,
-            "commit": a.commit,
-            "at": round(a.started_at, 3),
-        }
+        DurationRecord(
+            file=a.file,
+            backend=a.backend,
+            suite=a.suite,
+            elapsed_s=round(a.elapsed, 3),
+            status=a.status,
+            lane=a.lane,
+            est_time=a.est_time,
+            commit=a.commit or None,
+            created_at=datetime.fromtimestamp(a.started_at, UTC),
+        )
         for a in attempts
         if _ran_to_an_end(a)
     ]
-    if not rows:
-        return 0
-    target = Path(path) if path is not None else durations_path()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(target):
-        data = _read(target)
-        data["rows"].extend(rows)
-        data["rows"] = _trim(data["rows"])
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, target)
+    if rows:
+        _call(path, lambda store: store.add_durations(rows))
     return len(rows)
 
 
@@ -72,52 +66,21 @@ def load_durations(
     backend: str, suite: str | None = None, path: Path | str | None = None
 ) -> dict[str, list[tuple[float, bool]]]:
     """file -> [(elapsed seconds, passed)], oldest first, for one backend (and suite)."""
-    target = Path(path) if path is not None else durations_path()
+    records = _call(path, lambda store: store.durations(backend, suite, per_file=KEEP_PER_KEY))
     out: dict[str, list[tuple[float, bool]]] = {}
-    for row in _read(target)["rows"]:
-        if row["backend"] == backend and (suite is None or row["suite"] == suite):
-            out.setdefault(row["file"], []).append((float(row["elapsed"]), bool(row["passed"])))
+    # The store answers newest first; reversed and stably sorted, equal times keep write order.
+    for r in sorted(reversed(records), key=lambda r: r.created_at):
+        out.setdefault(r.file, []).append((r.elapsed_s, r.status == PASSED))
     return out
 
 
-def _read(path: Path) -> dict:
+def _call(path: Path | str | None, action):
+    from miles.metrics.store import StoreError, StoreUnreachable, open_store
+
+    target = path if path is not None else durations_path()
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return {"schema": SCHEMA, "rows": []}
-    try:
-        data = json.loads(text)
-        rows = data["rows"]
-        if not isinstance(rows, list):
-            raise TypeError("rows is not a list")
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise ValueError(
-            f"{path}: the durations store is unreadable ({exc}); move it aside and rerun to start afresh"
-        ) from None
-    return data
-
-
-def _trim(rows: list[dict]) -> list[dict]:
-    kept: dict[tuple, list[dict]] = {}
-    for row in rows:
-        kept.setdefault((row["backend"], row["suite"], row["file"]), []).append(row)
-    return [r for group in kept.values() for r in group[-KEEP_PER_KEY:]]
-
-
-@contextmanager
-def _locked(path: Path):
-    lock = path.with_name(f".{path.name}.lock")
-    with open(lock, "a") as fh:
-        start = time.monotonic()
-        while True:
-            try:
-                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() - start > 60:
-                    raise TimeoutError(f"{lock}: another runner has held the lock for a minute") from None
-                time.sleep(0.05)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+        return action(open_store(str(target)))
+    except StoreUnreachable as exc:
+        raise OSError(f"durations not stored: {exc}") from exc
+    except StoreError as exc:
+        raise ValueError(str(exc)) from exc

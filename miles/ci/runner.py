@@ -37,7 +37,7 @@ from miles.ci.execute import (
     run_attempt,
 )
 from miles.ci.policy import effective_cadence, parse_labels
-from miles.ci.record import CANCELLED, PASSED, SKIPPED, Attempt, RunRecord
+from miles.ci.record import CANCELLED, FAILED, PASSED, SKIPPED, Attempt, RunRecord
 from miles.ci.registration import Registration
 from miles.ci.select import Selection, default_cadence, resolve_scope, select
 from miles.ci.shard import Job, Partition, balanced_partition, shards_for_budget
@@ -290,11 +290,41 @@ def format_plan(plan: RunPlan) -> str:
     return "\n".join(out) + "\n"
 
 
-def apply_gates(attempt: Attempt, registration: Registration, lane: Lane) -> Attempt:
+def apply_gates(
+    attempt: Attempt,
+    registration: Registration,
+    lane: Lane,
+    *,
+    cadence: str | None = None,
+    root: Path = Path("."),
+) -> Attempt:
     """The metric-gate step for a passing attempt: gate its metric records (in
-    `attempt.record_dir`) and return it with `gate_verdicts` filled, and with status
-    `failed` when an enforced gate fails on an enforce lane. Identity until the gates land."""
-    return attempt
+    `attempt.record_dir`) against the history store and return it with `gate_verdicts`
+    filled, and with status `failed` when an enforced gate (enforce lane, or a declaration
+    with enforce=True) fails or cannot reach the store. A nightly/weekly `cadence` stores the
+    run as history. Files without register_ci_gate(...) are returned unchanged."""
+    from miles.ci.catalog import load_catalog
+    from miles.ci.discover import parse_test_file
+    from miles.metrics.gating import GateRun, ci_identity, gate_attempt
+
+    test_file, _ = parse_test_file(Path(root) / registration.file, registration.file, load_catalog())
+    if not test_file.gates:
+        return attempt
+    pr, ci_run_id = ci_identity()
+    run = GateRun(
+        attempt.file, attempt.backend, attempt.suite, lane.name, cadence or lane.cadence,
+        lane.gate_mode == "enforce", attempt.commit or None, pr, ci_run_id,
+    )  # fmt: skip
+    outcome = gate_attempt(
+        attempt.record_dir, test_file.gates, run, write_baseline=attempt.status == PASSED, root=root
+    )
+    for warning in outcome.warnings:
+        print(f"{attempt.file}: {warning}", file=sys.stderr)
+    if outcome.failed:
+        return attempt.replace(
+            gate_verdicts=outcome.verdicts, status=FAILED, classification="gate", message=outcome.message
+        )
+    return attempt.replace(gate_verdicts=outcome.verdicts)
 
 
 def current_commit(root: Path) -> str:
@@ -364,7 +394,13 @@ def execute_plan(
             progress.start(index, run)
             attempt = run_attempt(run, attempt_dir(plan, test, number), plan.settings, cancel, progress.tick)
             if attempt.status == PASSED:
-                attempt = apply_gates(attempt, test.registration, catalog.lanes[test.lane])
+                attempt = apply_gates(
+                    attempt,
+                    test.registration,
+                    catalog.lanes[test.lane],
+                    cadence=plan.selection.cadence,
+                    root=plan.settings.root,
+                )
             progress.finish(index, attempt)
             attempts.append(attempt)
             if attempt.ok or cancel.cancelled or not is_retryable(attempt.classification):

@@ -11,6 +11,7 @@ import pytest
 from miles.ci.catalog import load_catalog
 from miles.ci.cli import main
 from miles.ci.discover import discover
+from miles.ci.durations import durations_path, load_durations
 from miles.ci.runner import RunOptions, build_plan, timeout_for
 
 ROCM = "from miles.ci.register import register_rocm_ci\n"
@@ -128,8 +129,8 @@ def test_run_exits_0_when_all_pass_and_prints_where_reports_went(make_tree, caps
     reports = root.resolve() / ".miles/reports/stage-b-cpu-1of1"
     for name in ("junit.xml", "summary.md", "run.json"):
         assert f"{name}: {reports / name}" in out
-    durations = json.loads((root / ".miles/durations.json").read_text())
-    assert [(r["file"], r["passed"]) for r in durations["rows"]] == [("tests/e2e/test_ok.py", True)]
+    durations = load_durations("cpu", path=durations_path(root))  # the project's history store
+    assert {f: [ok for _, ok in rows] for f, rows in durations.items()} == {"tests/e2e/test_ok.py": [True]}
 
 
 def test_run_exits_1_when_a_test_fails(make_tree, capsys):
