@@ -1,0 +1,195 @@
+"""miles.parallel's verdicts equal megatron-core's own, layout by layout.
+
+megatron-core 0.16.1 runs for real: one helper process forks a gloo group per world size
+(1, 2, 3, 4, 8 ranks) and tries every layout of that size in turn. The table records the
+exact message megatron-core gives for each layout it refuses; a megatron-core upgrade that
+changes a message or a verdict fails here first.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from miles.ci.register import register_cpu_ci
+from miles.parallel import ModelShape, ParallelConfig, stage_sizes, validate
+from miles.parallel.megatron import Case, prove
+
+register_cpu_ci(est_time=60, suite="stage-b-cpu")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+DENSE = ModelShape("Qwen3-4B-4layer", 4, 32, 8)
+MOE = ModelShape("Qwen3-30B-A3B-4layer", 4, 32, 4, 128)
+GLM = ModelShape("GLM-5.2-5layer", 5, 64, 64, 256, "dsa")
+KV3 = ModelShape("kv3", 4, 12, 3)
+KV2 = ModelShape("kv2", 4, 8, 2)
+E8 = ModelShape("moe8", 4, 8, 8, 8)
+E12 = ModelShape("moe12", 4, 8, 8, 12)
+P = ParallelConfig
+
+SP_TP = "ValueError: Cannot use sequence parallelism without tensor parallelism"
+LAYERS_PP = "AssertionError: num_layers should be divisible by pipeline_model_parallel_size"
+DSA_CP = "AssertionError: Currently context parallelism is not supported by DSAttention!"
+EXPERTS_EP = (
+    "AssertionError: assert self.config.num_moe_experts % ep_size == 0 "
+    "(megatron/core/transformer/moe/moe_layer.py:101)"
+)
+
+
+def expert_grid(world: int, size: int) -> str:
+    return f"RuntimeError: world_size ({world}) is not divisible by expert_tensor_model_pipeline_parallel size ({size})"
+
+
+# (world size, layout, model, miles' first violated rule or None, megatron-core's error or None)
+TABLE = [
+    (1, P(), None, None, None),
+    (1, P(sp=True), DENSE, "sp-needs-tp", SP_TP),
+    (1, P(), GLM, None, None),
+    (2, P(tp=2, sp=True), DENSE, None, None),
+    (2, P(tp=2), None, None, None),
+    (2, P(pp=2), DENSE, None, None),
+    (2, P(cp=2), DENSE, None, None),
+    (2, P(cp=2), GLM, "dsa-cp", DSA_CP),
+    (
+        2,
+        P(ep=2),
+        DENSE,
+        "ep-needs-moe",
+        "ValueError: num_moe_experts must be non None to use expert-parallel.",
+    ),
+    (2, P(ep=2), MOE, None, None),
+    (2, P(pp=2), GLM, "layers-pp", LAYERS_PP),
+    (2, P(pp=2, first_stage_layers=3), GLM, None, None),
+    (
+        2,
+        P(pp=2, first_stage_layers=3, last_stage_layers=3),
+        MOE,
+        "stage-layers",
+        "ValueError: Mismatch: -2 middle layers remaining but 0 middle PP stages available.",
+    ),
+    (2, P(tp=2, ep=2, sp=True), MOE, "expert-grid", expert_grid(2, 4)),
+    (2, P(sp=True, ep=2), DENSE, "sp-needs-tp", SP_TP),  # two rules broken: megatron-core's order wins
+    (
+        3,
+        P(tp=3),
+        DENSE,
+        "heads-tp",
+        "ValueError: num_attention_heads (32) must be a multiple of tensor_model_parallel_size (3).",
+    ),
+    (3, P(pp=3), MOE, "layers-pp", LAYERS_PP),
+    (3, P(pp=3, first_stage_layers=2), MOE, None, None),
+    (3, P(ep=3), E8, "experts-ep", EXPERTS_EP),
+    (4, P(tp=2, pp=2, ep=4, etp=1), MOE, "expert-grid", expert_grid(4, 8)),  # the seeds' MI350 failure
+    (4, P(tp=2, pp=2, ep=2, etp=1, sp=True), MOE, None, None),  # ... and its fix
+    (4, P(tp=4, sp=True, ep=4, etp=1), MOE, None, None),
+    (4, P(tp=4, sp=True, ep=4), MOE, "expert-grid", expert_grid(4, 16)),  # etp defaults to tp
+    (4, P(tp=8), None, "dense-grid", "RuntimeError: world_size (4) is not divisible by 8"),
+    (
+        4,
+        P(tp=4),
+        KV3,
+        "kv-heads-tp",
+        "ValueError: num_query_groups (3) must be a multiple or divisor of tensor_model_parallel_size (4).",
+    ),
+    (4, P(tp=4), DENSE, None, None),
+    (4, P(tp=4), KV2, None, None),  # fewer KV heads than tp ranks: replicated, allowed
+    (4, P(tp=2, cp=2), DENSE, None, None),
+    (4, P(tp=2, cp=2, pp=2), DENSE, "dense-grid", "RuntimeError: world_size (4) is not divisible by 8"),
+    (4, P(pp=4), GLM, "layers-pp", LAYERS_PP),
+    (4, P(pp=4, first_stage_layers=2), GLM, None, None),
+    (
+        4,
+        P(pp=4, first_stage_layers=1, last_stage_layers=1),
+        GLM,
+        "stage-layers",
+        "ValueError: number of layers at middle stage: 3 must be divisible bythe middle pipeline model "
+        "parallel size 2",
+    ),
+    (8, P(tp=2, pp=2, ep=2, etp=1, sp=True), MOE, None, None),
+    (8, P(tp=4, sp=True, pp=2, ep=8, etp=1), MOE, "expert-grid", expert_grid(8, 16)),
+    (8, P(tp=8, sp=True, ep=8, etp=1), GLM, None, None),
+    (8, P(ep=8), MOE, None, None),
+    (8, P(tp=2, pp=2, cp=2, ep=2, etp=1, sp=True), GLM, "dsa-cp", DSA_CP),
+    (8, P(tp=2, ep=3, sp=True), MOE, "expert-grid", expert_grid(8, 6)),
+    (8, P(ep=8), E12, "experts-ep", EXPERTS_EP),
+]
+
+# Where miles is deliberately stricter than megatron-core: (world, layout, model, miles' rule,
+# what megatron-core does instead).
+STRICTER = [
+    # megatron-core accepts first+last stages larger than the model and builds a middle stage
+    # of -2 layers; miles refuses the layout.
+    (3, P(pp=3, first_stage_layers=3, last_stage_layers=3), MOE, "stage-layers", (3, -2, 3)),
+]
+
+
+def _id(row) -> str:
+    world, config, model = row[:3]
+    return f"w{world}-{config.describe()}-{model.name if model else 'grid'}".replace("·", "-")
+
+
+@pytest.fixture(scope="module")
+def megatron_verdicts():
+    cases = [Case(config, world, model) for world, config, model, *_ in TABLE + STRICTER]
+    return dict(zip([_id(row) for row in TABLE + STRICTER], prove(cases), strict=True))
+
+
+def test_the_table_covers_at_least_thirty_layouts_and_every_rule():
+    from miles.parallel import RULE_IDS
+
+    assert len(TABLE) >= 30
+    assert {row[3] for row in TABLE} - {None} == set(RULE_IDS)
+
+
+@pytest.mark.parametrize("row", TABLE, ids=_id)
+def test_miles_verdict_equals_megatron_core(row, megatron_verdicts):
+    world, config, model, rule, megatron_error = row
+    ours = validate(config, world, model)
+    theirs = megatron_verdicts[_id(row)]
+    assert (ours.rules[:1] or (None,))[0] == rule
+    assert theirs.error == megatron_error
+    assert theirs.agrees_with(ours)
+    if ours.ok and model is not None:
+        assert theirs.layers_per_stage == stage_sizes(config, model)
+
+
+@pytest.mark.parametrize("row", STRICTER, ids=_id)
+def test_miles_is_stricter_only_where_recorded(row, megatron_verdicts):
+    world, config, model, rule, megatron_split = row
+    theirs = megatron_verdicts[_id(row)]
+    assert validate(config, world, model).rules[:1] == (rule,)
+    assert theirs.ok and theirs.layers_per_stage == megatron_split
+
+
+def test_megatron_rank_grids_match_the_layout(megatron_verdicts):
+    groups = megatron_verdicts[_id(TABLE[20])].groups  # tp2·pp2·ep2·etp1 on 4 ranks
+    assert groups["tp"] == [[0, 1], [2, 3]]
+    assert groups["pp"] == [[0, 2], [1, 3]]
+    assert groups["ep"] == [[0, 1], [2, 3]]
+    assert groups["etp"] == [[0], [1], [2], [3]]
+
+
+def _check(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "miles.parallel", "check", "--megatron", "--json", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_check_command_fails_like_megatron_core_and_suggests_ep_2():
+    proc = _check("--world-size", "4", "--tp", "2", "--pp", "2", "--ep", "4", "--etp", "1")
+    assert proc.returncode == 1, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["megatron"]["error"] == expert_grid(4, 8)
+    assert out["megatron"]["agrees"] is True
+    assert out["violations"][0]["fixes"][0] == "ep=4 → ep=2 makes etp·ep·pp = 4 divide world 4"
+
