@@ -1,0 +1,144 @@
+"""`python -m miles.parallel check`: is a parallel layout valid, and does megatron-core agree?
+
+    python -m miles.parallel check --world-size 4 --tp 2 --pp 2 --ep 4 --etp 1 [--megatron]
+    python -m miles.parallel check --world-size 8 --tp 4 --ep 8 --layers 48 --heads 32 --kv-heads 4 --experts 128
+
+Exit codes: 0 valid, 1 invalid (or miles and megatron-core disagree), 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from miles.parallel.layout import ATTENTION_KINDS, ModelShape, ParallelConfig, Verdict, validate
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m miles.parallel", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("check", help="validate a layout (and prove it with megatron-core with --megatron)")
+    p.add_argument("--world-size", type=int, required=True, help="ranks (GPUs) in the job")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    p.add_argument("--cp", type=int, default=1, help="context parallel size")
+    p.add_argument("--ep", type=int, default=1, help="expert parallel size")
+    p.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: --tp)")
+    p.add_argument("--sp", "--sequence-parallel", dest="sp", action="store_true", help="sequence parallel")
+    p.add_argument("--first-stage-layers", type=int, help="layers on the first pipeline stage")
+    p.add_argument("--last-stage-layers", type=int, help="layers on the last pipeline stage")
+    m = p.add_argument_group("model (optional; without it only the rank-grid rules apply)")
+    m.add_argument("--layers", type=int, help="transformer layers")
+    m.add_argument("--heads", type=int, help="attention heads")
+    m.add_argument("--kv-heads", type=int, help="KV heads / query groups (default: --heads)")
+    m.add_argument("--experts", type=int, help="routed experts (omit for a dense model)")
+    m.add_argument("--attention", choices=ATTENTION_KINDS, default="gqa")
+    m.add_argument("--model-name", default="model", help="name shown in messages")
+    p.add_argument("--megatron", action="store_true", help="also run megatron-core under gloo on the CPU")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(handler=cmd_check)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _model(args: argparse.Namespace) -> ModelShape | None:
+    given = [args.layers, args.heads, args.kv_heads, args.experts]
+    if all(v is None for v in given):
+        return None
+    if args.layers is None or args.heads is None:
+        raise ValueError("a model needs at least --layers and --heads")
+    return ModelShape(args.model_name, args.layers, args.heads, args.kv_heads, args.experts, args.attention)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    config = ParallelConfig(
+        tp=args.tp,
+        pp=args.pp,
+        cp=args.cp,
+        ep=args.ep,
+        etp=args.etp,
+        sp=args.sp,
+        first_stage_layers=args.first_stage_layers,
+        last_stage_layers=args.last_stage_layers,
+    )
+    model = _model(args)
+    verdict = validate(config, args.world_size, model)
+    proof = None
+    if args.megatron:
+        from miles.parallel.megatron import Case, prove
+
+        proof = prove([Case(config, args.world_size, model)])[0]
+    if args.json:
+        print(json.dumps(_to_json(verdict, proof), indent=2))
+    else:
+        _print(verdict, proof)
+    if proof is not None and not proof.agrees_with(verdict):
+        return 1
+    return 0 if verdict.ok else 1
+
+
+def _print(verdict: Verdict, proof) -> None:
+    config, world = verdict.config, verdict.world_size
+    where = f" for {verdict.model.name}" if verdict.model else ""
+    state = "valid" if verdict.ok else "INVALID"
+    print(f"layout {config.describe()} on {world} rank(s){where}: {state}")
+    if verdict.ok:
+        print(f"  dp={config.dp(world)}, expert dp={config.expert_dp(world)}")
+    for v in verdict.violations:
+        print(f"  {v.rule}: {v.message}")
+        for i, fix in enumerate(v.fixes):
+            print(f"    {'fix:' if i == 0 else 'or: '} {fix}")
+    for note in verdict.notes:
+        print(f"  note: {note}")
+    if proof is None:
+        return
+    from miles.parallel.megatron import megatron_version
+
+    print(f"megatron-core {megatron_version()} on {world} gloo rank(s): {proof.summary()}")
+    if proof.ok:
+        for name, groups in proof.groups.items():
+            print(f"  {name} groups: {groups}")
+        if proof.layers_per_stage is not None:
+            print(f"  layers per pipeline stage: {list(proof.layers_per_stage)}")
+    if proof.agrees_with(verdict):
+        print("miles and megatron-core agree")
+    else:
+        print("miles and megatron-core DISAGREE: this is a bug in miles.parallel; please report the layout")
+
+
+def _to_json(verdict: Verdict, proof) -> dict:
+    payload = {
+        "config": verdict.config.to_json(),
+        "world_size": verdict.world_size,
+        "model": verdict.model.to_json() if verdict.model else None,
+        "ok": verdict.ok,
+        "violations": [
+            {"rule": v.rule, "message": v.message, "fixes": list(v.fixes)} for v in verdict.violations
+        ],
+        "notes": list(verdict.notes),
+    }
+    if proof is not None:
+        payload["megatron"] = {
+            "ok": proof.ok,
+            "stage": proof.stage,
+            "error": proof.error,
+            "rule": proof.rule,
+            "layers_per_stage": proof.layers_per_stage,
+            "groups": proof.groups,
+            "agrees": proof.agrees_with(verdict),
+        }
+    return payload
+
+
+if __name__ == "__main__":
+    sys.exit(main())
