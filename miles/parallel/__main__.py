@@ -3,7 +3,8 @@
     python -m miles.parallel check --world-size 4 --tp 2 --pp 2 --ep 4 --etp 1 [--megatron]
     python -m miles.parallel check --world-size 8 --tp 4 --ep 8 --layers 48 --heads 32 --kv-heads 4 --experts 128
 
-Exit codes: 0 valid, 1 invalid (or miles and megatron-core disagree), 2 bad usage.
+Exit codes: 0 valid, 1 invalid (or miles and megatron-core disagree), 2 bad usage,
+3 megatron-core could not be run.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import sys
 
 from miles.parallel.layout import ATTENTION_KINDS, ModelShape, ParallelConfig, Verdict, validate
+from miles.parallel.megatron import ProofError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except ProofError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
 
 
 def _model(args: argparse.Namespace) -> ModelShape | None:
