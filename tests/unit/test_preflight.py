@@ -1,0 +1,197 @@
+"""GPU-lane preflight: what a lane needs, each check's one line, leftovers, and the exit code.
+
+There is no GPU here. Where a check needs what a GPU machine would report, the test builds
+that report (a `PlatformInfo` as torch would describe an MI350 runner) or puts a stand-in
+`rocm-smi` on PATH, and says so; processes, disks, locks and the CLI are real.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from miles.ci.catalog import UnknownName
+from miles.ci.preflight import (
+    EXIT_PREFLIGHT,
+    check_disk,
+    check_leftovers,
+    check_pins,
+    check_vendor,
+    find_leftovers,
+    need_for,
+    split_lane_args,
+)
+from miles.image.pins import parse_lock
+from miles.platform import Platform, PlatformInfo
+
+ROOT = Path(__file__).resolve().parents[2]
+# What torch reports on a full MI350 host (stand-in: no AMD GPU exists here).
+MI350_HOST = PlatformInfo(Platform.ROCM, 8, "rocm 7.2", "torch 2.14.1+rocm7.2")
+CPU_HOST = PlatformInfo(Platform.CPU, 0, "cpu", "torch 2.13.0+cpu")
+
+
+@pytest.fixture
+def smi_path(tmp_path: Path) -> str:
+    """A PATH holding a stand-in rocm-smi, as on an AMD runner."""
+    tool = tmp_path / "rocm-smi"
+    tool.write_text("#!/bin/sh\nexit 0\n")
+    tool.chmod(0o755)
+    return f"{tmp_path}{os.pathsep}/usr/bin:/bin"
+
+
+def test_a_lane_needs_the_most_gpus_of_its_chosen_suites():
+    assert need_for("rocm-mi350").gpus == 4
+    assert need_for("cuda-h200").gpus == 8
+    assert need_for("cuda-h200", ["stage-b-2-gpu-h200"]).gpus == 2
+    assert need_for("cpu").gpus == 0
+
+
+def test_a_suite_of_another_backend_is_an_unknown_name():
+    with pytest.raises(UnknownName, match="stage-c-4-gpu-h200"):
+        need_for("rocm-mi350", ["stage-c-4-gpu-h200"])
+
+
+def test_wrong_vendor_is_one_line_naming_what_is_needed_and_what_is_here(smi_path):
+    (line,) = check_vendor(need_for("rocm-mi350"), {"PATH": smi_path}, CPU_HOST)
+    assert line.startswith("vendor: lane rocm-mi350 needs 4 AMD GPU(s) (rocm) for stage-c-4-gpu-mi350;")
+    assert "this machine is cpu with 0 visible GPU(s)" in line
+
+
+def test_missing_vendor_tools_are_their_own_line():
+    lines = check_vendor(need_for("rocm-mi350"), {"PATH": "/nonexistent"}, MI350_HOST)
+    assert lines == ["tools: none of amd-smi, rocm-smi is on PATH; the AMD driver tools are missing"]
+
+
+def test_visible_devices_limit_the_gpu_count(smi_path):
+    env = {"PATH": smi_path, "HIP_VISIBLE_DEVICES": "0,1"}
+    (line,) = check_vendor(need_for("rocm-mi350"), env, MI350_HOST)
+    assert line.startswith(
+        "gpus: stage-c-4-gpu-mi350 needs 4 visible GPU(s), 2 visible HIP_VISIBLE_DEVICES=0,1"
+    )
+    assert check_vendor(need_for("rocm-mi350"), {**env, "HIP_VISIBLE_DEVICES": "4,5,6,7"}, MI350_HOST) == []
+
+
+def test_platform_variable_for_another_backend_is_refused(smi_path):
+    env = {"PATH": smi_path, "MILES_HARDWARE_PLATFORM": "cuda"}
+    (line,) = check_vendor(need_for("rocm-mi350"), env, MI350_HOST)
+    assert line.startswith("platform: MILES_HARDWARE_PLATFORM=cuda but lane rocm-mi350 runs rocm")
+
+
+def test_platform_variable_contradicting_the_torch_build_is_refused(smi_path):
+    cuda_build_on_amd = PlatformInfo(Platform.ROCM, 4, "cuda 13.0", "torch 2.14.1")
+    env = {"PATH": smi_path, "MILES_HARDWARE_PLATFORM": "rocm"}
+    lines = check_vendor(need_for("rocm-mi350"), env, cuda_build_on_amd)
+    assert any(line.startswith("platform: MILES_HARDWARE_PLATFORM=rocm but") for line in lines)
+
+
+def test_cpu_lanes_need_no_gpu_checks():
+    assert check_vendor(need_for("cpu"), {"PATH": "/nonexistent"}, CPU_HOST) == []
+
+
+def test_pins_report_wrong_versions_before_missing_ones():
+    lock = parse_lock(ROOT / "requirements" / "rocm-mi350.txt", root=ROOT)
+    installed = {name: pin.version for name, pin in lock.pins.items()}
+    installed["torch"] = "2.13.0+cpu"
+    del installed["numba"]
+    lines = check_pins("rocm-mi350", installed)
+    assert lines[0].startswith(
+        "pins: torch: found 2.13.0+cpu, lock pins 2.14.1+rocm7.2 (requirements/rocm-mi350.txt:"
+    )
+    assert lines[1].startswith("pins: numba: missing, lock pins 0.65.1")
+
+
+def test_an_absent_stack_is_summarised_not_listed_in_full():
+    lines = check_pins("rocm-mi350", {})
+    assert len(lines) == 12
+    assert "this interpreter does not run the rocm-mi350 stack" in lines[-1]
+
+
+def test_the_installed_cpu_stack_matches_its_lock():
+    assert check_pins("cpu") == []
+
+
+def test_low_disk_names_the_folder_and_the_threshold(tmp_path):
+    (line,) = check_disk(tmp_path / "models" / "not-yet", 10**9)
+    assert line.startswith("disk: ") and f"under {tmp_path / 'models' / 'not-yet'}" in line
+    assert check_disk(tmp_path, 0.001) == []
+
+
+@pytest.fixture
+def stray():
+    """A real process whose command line carries a unique marker, like a job's leftover."""
+    marker = f"miles-leftover-{uuid.uuid4().hex[:12]}"
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", marker])
+    yield marker, proc
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+def test_leftovers_are_reported_and_left_alone_without_clean(stray):
+    marker, proc = stray
+    problems, notes = check_leftovers(clean=False, patterns=[marker])
+    assert len(problems) == 1 and problems[0].startswith(f"processes: pid {proc.pid} (")
+    assert "rerun with --clean" in problems[0] and notes == []
+    time.sleep(0.1)
+    assert proc.poll() is None
+
+
+def test_clean_kills_leftovers(stray):
+    marker, proc = stray
+    problems, notes = check_leftovers(clean=True, patterns=[marker])
+    assert problems == [] and notes[0].startswith(f"killed pid {proc.pid}")
+    assert proc.wait(timeout=10) is not None
+
+
+def test_preflight_never_counts_itself_or_its_parents():
+    own = " ".join(Path(f"/proc/{os.getpid()}/cmdline").read_text().split("\0")[:2])
+    assert all(p.pid != os.getpid() for p in find_leftovers([re_escape(own)]))
+
+
+def re_escape(text: str) -> str:
+    import re
+
+    return re.escape(text)
+
+
+def test_lane_flags_are_split_from_runner_arguments():
+    args = split_lane_args(["--system", "--suite", "stage-b-2-gpu-h200", "--shard", "1/2", "--clean"])
+    assert (args.system, args.clean, args.plan) == (True, True, False)
+    assert args.suites == ("stage-b-2-gpu-h200",)
+    assert args.runner == ("--suite", "stage-b-2-gpu-h200", "--shard", "1/2")
+    assert split_lane_args(["--plan", "--suite=stage-c-4-gpu-mi350"]).suites == ("stage-c-4-gpu-mi350",)
+
+
+def test_cli_on_a_machine_without_amd_gpus_exits_3_with_one_line_per_problem(tmp_path):
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
+        "MILES_PREFLIGHT_MIN_FREE_GB": "0",
+    }
+    env.pop("HIP_VISIBLE_DEVICES", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "miles.ci", "preflight", "--lane", "rocm-mi350", "--machine-only"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == EXIT_PREFLIGHT
+    lines = done.stderr.splitlines()
+    assert all(line.startswith("preflight: ") for line in lines)
+    assert (
+        lines[0] == "preflight: tools: none of amd-smi, rocm-smi is on PATH; the AMD driver tools are missing"
+    )
+    assert lines[1].startswith("preflight: vendor: lane rocm-mi350 needs 4 AMD GPU(s)")
+    # processes other jobs on this machine left running may add lines; the count covers them all
+    assert (
+        lines[-1]
+        == f"preflight: lane rocm-mi350 cannot run here ({len(lines) - 1} problem(s)); no test was started"
+    )
