@@ -266,6 +266,9 @@ def _exact(
     best = incumbent
     nodes = 0
     exhausted = False
+    # (next test, shard loads as a multiset) already explored; a state that failed once fails
+    # again, and suites of many equal est_times reach the same states over and over.
+    visited: set[tuple[int, tuple[float, ...]]] = set()
 
     def dfs(i: int, current_max: float) -> bool:
         """True when the search can stop (the lower bound is reached or the node limit hit)."""
@@ -274,6 +277,10 @@ def _exact(
             if current_max < best - EPS:
                 best, best_assign = current_max, list(assign)
             return best <= bound + EPS
+        state = (i, tuple(sorted(loads)))
+        if state in visited:
+            return False
+        visited.add(state)
         nodes += 1
         if nodes > node_limit:
             exhausted = True
