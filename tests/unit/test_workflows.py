@@ -1,0 +1,160 @@
+"""The GitHub workflows keep the catalog's promises: sessions exist, suites are consumed,
+runner labels are the catalog's, ROCm containers see their GPUs, images are real variants."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+import yaml
+
+from miles.ci.catalog import load_catalog
+from miles.image.config import load_images
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKFLOWS = ROOT / ".github" / "workflows"
+NOX_SESSION = re.compile(r"\bnox\b(?:\s+--?[\w-]+)*\s+-s\s+([\w.-]+)")
+MATRIX_LANE = re.compile(r"-m miles\.ci matrix --lane ([\w.-]+)")
+# Jobs that prepare a run (policy, matrices, the image) instead of running tests.
+PLANNING = re.compile(r"-m miles\.ci (?:policy|matrix)\b|\binvoke refresh-image\b|pip install\b")
+
+
+@cache
+def workflows() -> dict[str, dict]:
+    return {path.name: yaml.safe_load(path.read_text()) for path in sorted(WORKFLOWS.glob("*.yml"))}
+
+
+def _runs(job: dict) -> list[str]:
+    return [step["run"] for step in job.get("steps", []) if "run" in step]
+
+
+def _sessions(job: dict) -> list[str]:
+    return [m for run in _runs(job) for m in NOX_SESSION.findall(run)]
+
+
+def _matrix_lanes(workflow: dict, job: dict) -> list[str]:
+    """Lanes whose `miles.ci matrix` output feeds this job's strategy.matrix."""
+    source = str(job.get("strategy", {}).get("matrix", ""))
+    match = re.search(r"needs\.(\w+)\.outputs\.(\w+)", source)
+    if not match:
+        return []
+    producer = workflow["jobs"][match[1]]
+    step_ref = re.search(r"steps\.(\w+)\.outputs", producer["outputs"][match[2]])[1]
+    (step,) = [s for s in producer["steps"] if s.get("id") == step_ref]
+    return MATRIX_LANE.findall(step["run"])
+
+
+@cache
+def nox_sessions() -> set[str]:
+    """Every session `nox -l` shows, selected by default (*) or not (-)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "nox", "-l"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    return set(re.findall(r"^[*-] ([\w.-]+) ->", done.stdout, flags=re.MULTILINE))
+
+
+def test_every_catalog_workflow_exists_and_parses():
+    named = {c.name for s in load_catalog().suites.values() for c in s.consumers if c.kind == "workflow"}
+    assert named and named <= set(workflows())
+
+
+def test_every_nox_session_a_workflow_calls_exists():
+    called = {
+        (name, s) for name, wf in workflows().items() for job in wf["jobs"].values() for s in _sessions(job)
+    }
+    assert called
+    missing = sorted(f"{name}: nox -s {s}" for name, s in called if s not in nox_sessions())
+    assert missing == []
+
+
+def test_every_job_either_calls_a_nox_session_or_only_plans():
+    for name, wf in workflows().items():
+        for job_name, job in wf["jobs"].items():
+            if _sessions(job):
+                continue
+            others = [run for run in _runs(job) if not PLANNING.search(run)]
+            assert others == [], f"{name}: job {job_name} runs something other than nox or planning"
+
+
+def test_every_suite_is_run_by_the_workflows_that_claim_it():
+    catalog = load_catalog()
+    for suite in catalog.suites.values():
+        for consumer in suite.consumers:
+            if consumer.kind != "workflow":
+                continue
+            wf = workflows()[consumer.name]
+            lanes = {s for job in wf["jobs"].values() for s in _sessions(job)}
+            assert suite.lane in lanes, f"{consumer.name} never runs nox -s {suite.lane} for {suite.name}"
+
+
+def test_runner_labels_are_the_catalogs():
+    catalog = load_catalog()
+    for name, wf in workflows().items():
+        for job_name, job in wf["jobs"].items():
+            lanes = set(_sessions(job))
+            if not lanes:
+                continue
+            where = f"{name}: job {job_name}"
+            if job.get("strategy", {}).get("matrix"):
+                # a sharded job takes its labels from the matrix, which the catalog fills
+                assert job["runs-on"] == "${{ matrix.runner_labels }}", where
+                assert set(_matrix_lanes(wf, job)) == lanes, where
+            else:
+                labels = {tuple(s.runner_labels) for lane in lanes for s in catalog.suites_of_lane(lane)}
+                runs_on = job["runs-on"] if isinstance(job["runs-on"], list) else [job["runs-on"]]
+                assert labels == {tuple(runs_on)}, where
+
+
+def test_gpu_jobs_verify_the_image_instead_of_installing():
+    catalog = load_catalog()
+    for name, wf in workflows().items():
+        for job_name, job in wf["jobs"].items():
+            for lane in _sessions(job):
+                if catalog.lanes[lane].backend != "cpu":
+                    assert any("--system" in run for run in _runs(job)), f"{name}: {job_name}"
+
+
+def test_rocm_containers_get_the_devices_and_the_runners_gpu_pinning():
+    catalog = load_catalog()
+    for name, wf in workflows().items():
+        for job_name, job in wf["jobs"].items():
+            if not any(catalog.lanes[lane].backend == "rocm" for lane in _sessions(job)):
+                continue
+            start = " ".join(run for run in _runs(job) if "docker run" in run)
+            for flag in ("--device=/dev/kfd", "--device=/dev/dri", "-e HIP_VISIBLE_DEVICES"):
+                assert flag in start, f"{name}: {job_name} lacks {flag}"
+
+
+def test_images_are_variants_built_for_the_jobs_backend():
+    catalog, config = load_catalog(), load_images()
+    for name, wf in workflows().items():
+        variants = [
+            v
+            for job in wf["jobs"].values()
+            for run in _runs(job)
+            for v in re.findall(r"--variant ([\w-]+)", run)
+        ]
+        backends = {catalog.lanes[s].backend for job in wf["jobs"].values() for s in _sessions(job)} - {"cpu"}
+        assert {config.stacks[config.variant(v).stack].backend for v in variants} == backends, name
+
+
+def test_matrix_command_gives_the_catalogs_runner_labels():
+    pytest.importorskip("miles.ci.run_cli", reason="the shard-matrix command is not in this checkout")
+    catalog = load_catalog()
+    done = subprocess.run(
+        [sys.executable, "-m", "miles.ci", "matrix", "--lane", "cuda-h200", "--cadence", "nightly"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin"},
+    )
+    assert done.returncode == 0, done.stderr
+    for entry in json.loads(done.stdout)["include"]:
+        assert entry["runner_labels"] == list(catalog.suites[entry["suite"]].runner_labels)
