@@ -500,7 +500,7 @@ class Progress:
         self.done = 0.0
         self.run: TestRun | None = None
         self.index = 0
-        self.last_draw = 0.0
+        self.last_draw = -1
 
     def _eta(self, elapsed: float) -> str:
         current = self.run.est_time if self.run else 0.0
@@ -523,12 +523,11 @@ class Progress:
             self._write(f"start  {head}\n")
 
     def tick(self, elapsed: float) -> None:
-        now = time.monotonic()
-        if self.tty and now - self.last_draw >= 0.5:
+        if self.tty and int(elapsed) != self.last_draw:  # redraw once per displayed second
             self._draw(elapsed)
 
     def _draw(self, elapsed: float) -> None:
-        self.last_draw = time.monotonic()
+        self.last_draw = int(elapsed)
         run = self.run
         share = (self.done + min(elapsed, run.est_time)) / self.total if self.total else 1.0
         self._write(

@@ -164,3 +164,36 @@ def test_policy_command_writes_github_outputs(tmp_path, capsys, monkeypatch):
     assert main(["policy", "--event", "pull_request", "--labels-json", labels]) == 0
     assert "labels=run-ci-amd\n" in output.read_text()
     assert main(["policy", "--event", "pull_request", "--labels-json", '["run-ci-$(id)"]']) == 2
+
+
+def test_github_actions_folds_each_test_and_streams_its_output(make_tree, capsys, tmp_path, monkeypatch):
+    root = make_tree(
+        {"tests/e2e/test_ok.py": CPU_PASS["tests/e2e/test_ok.py"].replace("pass", "print('HELLO-FROM-TEST')")}
+    )
+    summary = tmp_path / "step_summary.md"
+    monkeypatch.setenv("GITHUB_ACTIONS", "true")
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    assert main(["run", "--root", str(root), "--suite", "stage-b-cpu", "--pytest-arg=-s"]) == 0
+    out = capsys.readouterr().out
+    group = out.index("::group::[1/1] tests/e2e/test_ok.py")
+    assert group < out.index("HELLO-FROM-TEST") < out.index("::endgroup::")
+    assert "## miles CI" in summary.read_text()
+
+
+def test_terminal_progress_shows_position_share_and_eta(make_tree):
+    import io
+
+    from miles.ci.execute import TestRun
+    from miles.ci.runner import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    plan = _plan(make_tree(GPU_TREE), lane="rocm-mi350")
+    screen = Terminal()
+    progress = Progress(plan.tests, screen, github=False, streaming=False)
+    first = plan.tests[0].registration
+    progress.start(0, TestRun(first.file, "rocm", first.suite, "rocm-mi350", "1/2", first.est_time, 375.0))
+    progress.tick(150.0)
+    assert "[1/6 ·" in screen.getvalue() and "ETA 1h27m" in screen.getvalue()
