@@ -34,7 +34,13 @@ CPU_PASS = {
 
 @pytest.fixture(autouse=True)
 def _no_ci_env(monkeypatch):
-    for key in ("GITHUB_ACTIONS", "GITHUB_STEP_SUMMARY", "GITHUB_OUTPUT", "MILES_DURATIONS_PATH"):
+    for key in (
+        "GITHUB_ACTIONS",
+        "GITHUB_STEP_SUMMARY",
+        "GITHUB_OUTPUT",
+        "MILES_DURATIONS_PATH",
+        "MILES_HISTORY_URL",
+    ):
         monkeypatch.delenv(key, raising=False)
 
 

@@ -116,9 +116,18 @@ def _write(root: Path, files: dict[str, str]) -> None:
         path.write_text(text.lstrip("\n"))
 
 
+CI_ENV = (
+    "GITHUB_ACTIONS",
+    "GITHUB_STEP_SUMMARY",
+    "GITHUB_OUTPUT",
+    "MILES_DURATIONS_PATH",
+    "MILES_HISTORY_URL",
+)
+
+
 @pytest.fixture(autouse=True)
 def _no_ci_env(monkeypatch):
-    for key in ("GITHUB_ACTIONS", "GITHUB_STEP_SUMMARY", "GITHUB_OUTPUT", "MILES_DURATIONS_PATH"):
+    for key in CI_ENV:
         monkeypatch.delenv(key, raising=False)
 
 
@@ -148,9 +157,12 @@ def outcome(tmp_path_factory):
         max_attempts=3,
         continue_on_error=True,
     )
-    plan = build_plan(options, catalog, discover(root, catalog=catalog, cache=False))
-    (root / "tests/test_gone.py").unlink()  # deleted between plan and run
-    record = execute_plan(plan, catalog, CancelToken(), out=io.StringIO())
+    with pytest.MonkeyPatch.context() as mp:  # module scope: the autouse fixture is not active yet
+        for key in CI_ENV:
+            mp.delenv(key, raising=False)
+        plan = build_plan(options, catalog, discover(root, catalog=catalog, cache=False))
+        (root / "tests/test_gone.py").unlink()  # deleted between plan and run
+        record = execute_plan(plan, catalog, CancelToken(), out=io.StringIO())
     by_file: dict[str, list] = {}
     for attempt in record.attempts:
         by_file.setdefault(attempt.file.removeprefix("tests/"), []).append(attempt)
