@@ -102,6 +102,7 @@ class RunPlan:
     max_attempts: int
     continue_on_error: bool
     settings: Settings = field(repr=False)
+    timeout_floor: float = DEFAULT_TIMEOUT_FLOOR
 
 
 def timeout_for(est_time: float, floor: float) -> float:
@@ -215,6 +216,7 @@ def build_plan(options: RunOptions, catalog: Catalog, discovery: Discovery) -> R
         max_attempts,
         continue_on_error,
         settings,
+        options.timeout_floor,
     )
 
 
@@ -250,7 +252,6 @@ def format_plan(plan: RunPlan) -> str:
         f"shard {plan.shard} · max attempts {plan.max_attempts} · "
         f"{'continue on error' if plan.continue_on_error else 'fast-fail'}"
     ]
-    running = {(t.registration.suite, t.registration.file): t for t in plan.tests}
     for sp in plan.suites:
         p = sp.partition
         total = sum(p.loads)
@@ -272,9 +273,12 @@ def format_plan(plan: RunPlan) -> str:
                 f"  shard {index}/{sp.n_shards}: {len(shard)} test(s), predicted {p.loads[index - 1]:g}s{here}"
             )
             for job in sorted(shard, key=lambda j: (j.weight, j.key)):
-                test = running.get((sp.suite.name, job.key))
-                limit = test.timeout if test else None
-                out.append(f"    est {job.weight:>6g}s  timeout {limit or 0:>6g}s  {job.key}")
+                limit = timeout_for(job.weight, plan.timeout_floor)
+                out.append(f"    est {job.weight:>6g}s  timeout {limit:>6g}s  {job.key}")
+        if not sp.run_shards and plan.shard != "all":
+            out.append(
+                f"  shard {plan.shard} asked, but this suite has {sp.n_shards}: nothing of it runs here"
+            )
         for e in (e for e in sel.excluded if e.suite == sp.suite.name):
             out.append(f"  not run ({e.kind}): {e.file}: {e.reason}")
     if plan.tests:
