@@ -71,6 +71,11 @@ def test_synthetic_reward_is_graded_and_one_only_for_an_exact_match():
     assert synthetic_reward("", "7777") == 0.0
 
 
+def test_synthetic_reward_gives_near_misses_partial_credit_below_a_hit():
+    assert synthetic_reward("6777", "7777") == pytest.approx((0.5 * (1 - 1 / 64) + 3) / 4)
+    assert synthetic_reward("6777", "7777") < synthetic_reward("7777", "7777")
+
+
 def test_reward_loads_from_a_dotted_path(tmp_path, monkeypatch):
     (tmp_path / "my_rewards.py").write_text(
         "def length(response, label, metadata):\n    return len(response)\n"
