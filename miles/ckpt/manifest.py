@@ -1,0 +1,216 @@
+"""Step outputs that are either finished or absent: temp siblings, renames, manifests, locks.
+
+Every step writes into `.<name>.partial-<pid>` beside its output, writes the manifest
+`.miles-ckpt.json` last, then renames the directory into place. So a directory under its
+final name with a manifest is finished, and anything else is not: a killed run leaves a
+`.partial-*` sibling that the next run (holding the plan's lock) deletes. The manifest
+records the step, a fingerprint of its inputs, its parameters and every output file's
+size and sha256; a rerun whose fingerprint and parameters match skips the step.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from miles.ckpt.errors import CheckpointError
+from miles.ckpt.shards import sha256_file
+
+MANIFEST_NAME = ".miles-ckpt.json"
+MANIFEST_FORMAT = 1
+SMALL_FILE_BYTES = 1 << 20  # inputs up to this size are fingerprinted by content
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    step: str
+    inputs: str  # fingerprint of what the step read
+    params: Mapping[str, Any] = field(default_factory=dict)
+    files: Mapping[str, FileRecord] = field(default_factory=dict)  # relative path -> record
+
+    def to_json(self) -> str:
+        files = {k: {"size": v.size, "sha256": v.sha256} for k, v in sorted(self.files.items())}
+        body = {"format": MANIFEST_FORMAT, "step": self.step, "inputs": self.inputs, "params": self.params}
+        return json.dumps({**body, "files": files}, indent=1, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        data = json.loads(text)
+        if data.get("format") != MANIFEST_FORMAT:
+            raise ValueError(f"manifest format {data.get('format')!r}")
+        files = {k: FileRecord(int(v["size"]), str(v["sha256"])) for k, v in data["files"].items()}
+        return cls(str(data["step"]), str(data["inputs"]), dict(data["params"]), files)
+
+
+def read_manifest(directory: Path) -> Manifest | None:
+    """The directory's manifest, or None when it has none (or one this version cannot read)."""
+    try:
+        return Manifest.from_json((Path(directory) / MANIFEST_NAME).read_text())
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def is_complete(directory: Path, manifest: Manifest) -> bool:
+    """Every file the manifest lists is there with its recorded size (cheap; no rehash)."""
+    for rel, record in manifest.files.items():
+        try:
+            if (Path(directory) / rel).stat().st_size != record.size:
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def finished(directory: Path, step: str, inputs: str, params: Mapping[str, Any]) -> bool:
+    m = read_manifest(directory)
+    return (
+        m is not None
+        and (m.step, m.inputs, m.params) == (step, inputs, json_safe(params))
+        and is_complete(directory, m)
+    )
+
+
+def json_safe(params: Mapping[str, Any]) -> dict[str, Any]:
+    """Parameters as they read back from JSON (tuples become lists), so comparisons are exact."""
+    return json.loads(json.dumps(dict(params), sort_keys=True))
+
+
+def fingerprint(directory: Path) -> str:
+    """A digest of a directory's content, cheap enough to compute on every run.
+
+    A directory with a complete manifest is identified by the manifest (which holds every
+    file's sha256). Anything else (a Hugging Face snapshot, a local copy) is identified by
+    its file list with sizes, the content of small files and safetensors headers, and the
+    modification time of large files.
+    """
+    directory = Path(directory)
+    m = read_manifest(directory)
+    if m is not None and is_complete(directory, m):
+        return "manifest:" + hashlib.sha256(m.to_json().encode()).hexdigest()
+    h = hashlib.sha256()
+    for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST_NAME):
+        rel = path.relative_to(directory).as_posix()
+        if rel.startswith(".") or "/." in rel:
+            continue  # hidden bookkeeping (.cache/ of huggingface_hub, editor files)
+        st = path.stat()
+        h.update(f"{rel}\0{st.st_size}\0".encode())
+        if st.st_size <= SMALL_FILE_BYTES:
+            h.update(path.read_bytes())
+        else:
+            h.update(f"{st.st_mtime_ns}\0".encode())
+            if path.suffix == ".safetensors":
+                with open(path, "rb") as f:
+                    n = int.from_bytes(f.read(8), "little")
+                    h.update(f.read(min(n, SMALL_FILE_BYTES * 100)))
+    return "content:" + h.hexdigest()
+
+
+def write_manifest(
+    directory: Path, step: str, inputs: str, params: Mapping[str, Any], files=None
+) -> Manifest:
+    """Record the step's outputs (hashing every file not already given) and write the manifest last."""
+    directory = Path(directory)
+    records = dict(files or {})
+    for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST_NAME):
+        rel = path.relative_to(directory).as_posix()
+        if rel not in records:
+            records[rel] = FileRecord(path.stat().st_size, sha256_file(path))
+    manifest = Manifest(step, inputs, json_safe(params), records)
+    target = directory / MANIFEST_NAME
+    with open(target, "w") as f:
+        f.write(manifest.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+    return manifest
+
+
+def partial_path(final: Path) -> Path:
+    return final.parent / f".{final.name}.partial-{os.getpid()}"
+
+
+def clean_stale(final: Path, keep: Path | None = None) -> None:
+    """Delete what killed runs left beside `final` (call only while holding the plan's lock)."""
+    final = Path(final)
+    if not final.parent.is_dir():
+        return
+    pattern = re.compile(rf"\.{re.escape(final.name)}\.(partial|stale)-\d+")
+    for sibling in final.parent.glob(f".{final.name}.*"):
+        if sibling != keep and pattern.fullmatch(sibling.name) and sibling.is_dir():
+            shutil.rmtree(sibling, ignore_errors=True)
+
+
+@contextmanager
+def atomic_dir(final: Path) -> Iterator[Path]:
+    """Yield an empty temp sibling; on success rename it over `final`, on any failure delete it.
+
+    The caller writes the manifest inside the temp dir as its last act. An old `final` is
+    moved aside first and deleted after the rename, so no moment shows a mixed directory.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = partial_path(final)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if (final.exists() or final.is_symlink()) and not read_manifest(final):
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"{final} exists and was not written by miles (no {MANIFEST_NAME}); "
+            "move it away, or make it the plan's source"
+        )
+    if final.exists():
+        stale = final.parent / f".{final.name}.stale-{os.getpid()}"
+        final.rename(stale)
+        tmp.rename(final)
+        shutil.rmtree(stale, ignore_errors=True)
+    else:
+        tmp.rename(final)
+    _fsync_dir(final.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def plan_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock for one plan; a second run waits, then finds the work done.
+
+    flock is released by the kernel when the holder dies, even by SIGKILL.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another run holding {path}", file=sys.stderr, flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -1,0 +1,349 @@
+"""Safetensors shards read and written without loading them: headers, index, streaming writer.
+
+The steps move tens to hundreds of GB, so they never hold a shard in memory: they read a
+header (a few KB), then each tensor's bytes at its offset, and write output shards
+tensor by tensor with the header first (every size is known in advance). The format is
+safetensors': u64 little-endian header length, a JSON header padded with spaces to 8
+bytes, then the tensors' bytes back to back in header order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from miles.ckpt.errors import CheckpointError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_SHARD = "model.safetensors"
+DTYPE_SIZES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4, "F64": 8, "I64": 8, "U64": 8,
+}  # fmt: skip
+FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
+_COPY_CHUNK = 16 * 1024 * 1024
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str  # safetensors dtype name, e.g. "BF16"
+    shape: tuple[int, ...]
+    begin: int  # offsets into the data section
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    path: Path
+    data_start: int  # file offset of the data section
+    file_size: int
+    tensors: Mapping[str, TensorInfo]  # in data order
+    metadata: Mapping[str, str]
+
+    def offset(self, info: TensorInfo) -> int:
+        return self.data_start + info.begin
+
+
+def read_header(path: Path | str) -> ShardHeader:
+    """Parse and check a shard's header against its own size; never reads tensor data."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            n = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+            if n < 0 or n > MAX_HEADER_BYTES or 8 + n > size:
+                raise CheckpointError(
+                    f"{path}: header length field says {n} bytes but the file has {size}; "
+                    "the shard is truncated or not safetensors; fetch it again"
+                )
+            raw = f.read(n)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc.strerror})") from exc
+    try:
+        header = json.loads(raw)
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: header is not valid JSON ({exc}); fetch the shard again") from exc
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    infos = sorted((_tensor_info(path, name, entry) for name, entry in header.items()), key=lambda t: t.begin)
+    expected = 0
+    for info in infos:
+        if info.begin != expected:
+            what = "overlaps the previous tensor" if info.begin < expected else "leaves a gap before it"
+            raise CheckpointError(
+                f"{path}: tensor {info.name} starts at data offset {info.begin}, which {what} "
+                f"(expected {expected}); header and offsets disagree, the shard is corrupt"
+            )
+        expected = info.end
+    data_start = 8 + n
+    if data_start + expected != size:
+        state = "truncated" if data_start + expected > size else "longer than its header says"
+        raise CheckpointError(
+            f"{path}: file is {size} bytes but its header ends the data at {data_start + expected}; "
+            f"the shard is {state}; fetch it again"
+        )
+    return ShardHeader(path, data_start, size, {t.name: t for t in infos}, dict(metadata))
+
+
+def _tensor_info(path: Path, name: str, entry: object) -> TensorInfo:
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"{path}: tensor {name}: header entry is not an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in DTYPE_SIZES:
+        raise CheckpointError(
+            f"{path}: tensor {name}: unknown dtype {dtype!r}; known: {', '.join(DTYPE_SIZES)}"
+        )
+    ok_shape = isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+    ok_offsets = isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+    if not ok_shape or not ok_offsets or not 0 <= offsets[0] <= offsets[1]:
+        raise CheckpointError(f"{path}: tensor {name}: malformed shape {shape!r} or data_offsets {offsets!r}")
+    info = TensorInfo(name, dtype, tuple(shape), offsets[0], offsets[1])
+    if info.numel * DTYPE_SIZES[dtype] != info.nbytes:
+        raise CheckpointError(
+            f"{path}: tensor {name}: shape {list(shape)} of {dtype} needs {info.numel * DTYPE_SIZES[dtype]} "
+            f"bytes but data_offsets span {info.nbytes}; header and offsets disagree"
+        )
+    return info
+
+
+@dataclass(frozen=True)
+class WeightFiles:
+    """Where each tensor of a checkpoint directory lives."""
+
+    root: Path
+    weight_map: Mapping[str, str]  # tensor name -> shard file name
+    indexed: bool  # True when model.safetensors.index.json exists
+
+    @property
+    def shards(self) -> tuple[str, ...]:
+        return tuple(sorted(set(self.weight_map.values())))
+
+
+def read_weight_map(root: Path | str) -> WeightFiles:
+    """The index's weight map, or the single shard's tensor list when there is no index."""
+    root = Path(root)
+    index = root / INDEX_NAME
+    if index.is_file():
+        try:
+            data = json.loads(index.read_text())
+            weight_map = data["weight_map"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index}: not a safetensors index with a weight_map ({exc})") from exc
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names")
+        return WeightFiles(root, dict(weight_map), True)
+    single = root / SINGLE_SHARD
+    if single.is_file():
+        return WeightFiles(root, {name: SINGLE_SHARD for name in read_header(single).tensors}, False)
+    raise CheckpointError(
+        f"{root}: no {INDEX_NAME} and no {SINGLE_SHARD}; this is not a safetensors checkpoint"
+    )
+
+
+def write_index(root: Path, weight_map: Mapping[str, str], total_size: int) -> None:
+    """Write the index; total_size is the sum of the tensors' bytes, as transformers writes it."""
+    data = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    (root / INDEX_NAME).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {
+        "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+        "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+        "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+        "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "F8_E8M0": torch.float8_e8m0fnu,
+    }[name]  # fmt: skip
+
+
+def read_tensor(fd: int, header: ShardHeader, info: TensorInfo):
+    """One tensor as a torch tensor that owns its memory (read with pread, not mmap)."""
+    import torch
+
+    buf = bytearray(info.nbytes)
+    pread_into(fd, memoryview(buf), header.offset(info), header.path)
+    if info.numel == 0:
+        return torch.empty(info.shape, dtype=torch_dtype(info.dtype))
+    return torch.frombuffer(buf, dtype=torch_dtype(info.dtype)).reshape(info.shape)
+
+
+def pread_into(fd: int, view: memoryview, offset: int, path: Path) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise CheckpointError(
+                f"{path}: ended while reading at byte {offset + done}; the shard is truncated"
+            )
+        done += n
+
+
+def tensor_bytes(tensor) -> memoryview:
+    """The raw little-endian bytes of a CPU tensor, without a copy when it is contiguous."""
+    import torch
+
+    flat = tensor.contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+class ShardWriter:
+    """Writes one shard tensor by tensor in a fixed order, hashing as it goes.
+
+    The layout (name, dtype, shape) is given up front so the header can be written first;
+    each `write`/`copy_from` must then come in layout order with exactly the declared size.
+    `close` fsyncs and returns (size, sha256) for the step's manifest.
+    """
+
+    def __init__(self, path: Path, layout: Iterable[tuple[str, str, tuple[int, ...]]], metadata=None):
+        self.path = Path(path)
+        entries: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+        self._sizes: list[tuple[str, int]] = []
+        offset = 0
+        for name, dtype, shape in layout:
+            n = DTYPE_SIZES[dtype]
+            for d in shape:
+                n *= d
+            entries[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+            self._sizes.append((name, n))
+            offset += n
+        raw = json.dumps(entries, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self._hash = hashlib.sha256()
+        self._file = open(self.path, "wb")
+        self._size = 0
+        self._next = 0
+        self._filled = 0
+        self._emit(len(raw).to_bytes(8, "little") + raw)
+
+    def _emit(self, data) -> None:
+        self._file.write(data)
+        self._hash.update(data)
+        self._size += len(data)
+
+    def write_part(self, name: str, data) -> None:
+        """Append bytes to tensor `name`; a tensor may arrive in several parts, in layout order."""
+        data = memoryview(data).cast("B")
+        want, size = self._sizes[self._next] if self._next < len(self._sizes) else (None, 0)
+        if name != want or self._filled + len(data) > size:
+            raise CheckpointError(
+                f"{self.path}: got {len(data)} B for {name} where the layout expects "
+                f"{want} ({size - self._filled} B left)"
+            )
+        self._emit(data)
+        self._filled += len(data)
+        if self._filled == size:
+            self._next += 1
+            self._filled = 0
+
+    def write(self, name: str, data) -> None:
+        """Write tensor `name` whole."""
+        self.write_part(name, data)
+        if self._filled:
+            raise CheckpointError(f"{self.path}: {name} is larger than {len(memoryview(data).cast('B'))} B")
+
+    def copy_from(self, name: str, fd: int, offset: int, nbytes: int, src: Path) -> None:
+        """Copy a tensor's bytes verbatim from another shard (no decode, bounded buffer)."""
+        if nbytes == 0:
+            self.write(name, b"")
+            return
+        buf = memoryview(bytearray(min(nbytes, _COPY_CHUNK)))
+        done = 0
+        while done < nbytes:
+            view = buf[: min(len(buf), nbytes - done)]
+            pread_into(fd, view, offset + done, src)
+            self.write_part(name, view)
+            done += len(view)
+
+    def close(self) -> tuple[int, str]:
+        if self._next != len(self._sizes) or self._filled:
+            raise CheckpointError(f"{self.path}: closed after {self._next} of {len(self._sizes)} tensors")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        return self._size, self._hash.hexdigest()
+
+    def abort(self) -> None:
+        self._file.close()
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_COPY_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def copy_side_files(src: Path, dst: Path, skip: tuple[str, ...] = ("config.json",)) -> None:
+    """Copy tokenizer, generation config and other small files; never weights, the index or hidden files."""
+    for path in sorted(Path(src).iterdir()):
+        name = path.name
+        if (
+            not path.is_file()
+            or name in skip
+            or name == INDEX_NAME
+            or name.endswith(WEIGHT_SUFFIXES)
+            or name.startswith(".")
+            or (Path(dst) / name).exists()
+        ):
+            continue
+        shutil.copyfile(path, Path(dst) / name)
+
+
+class CheckpointReader:
+    """Read tensors of a checkpoint directory by name, one at a time (files opened once)."""
+
+    def __init__(self, root: Path | str):
+        self.files = read_weight_map(root)
+        self._headers: dict[str, ShardHeader] = {}
+        self._fds: dict[str, int] = {}
+
+    def info(self, name: str) -> tuple[ShardHeader, TensorInfo]:
+        shard = self.files.weight_map.get(name)
+        if shard is None:
+            raise CheckpointError(f"{self.files.root}: no tensor {name} in the checkpoint")
+        if shard not in self._headers:
+            self._headers[shard] = read_header(self.files.root / shard)
+            self._fds[shard] = os.open(self.files.root / shard, os.O_RDONLY)
+        header = self._headers[shard]
+        if name not in header.tensors:
+            raise CheckpointError(f"{header.path}: the index places {name} here but the shard lacks it")
+        return header, header.tensors[name]
+
+    def read(self, name: str):
+        header, info = self.info(name)
+        return read_tensor(self._fds[self.files.weight_map[name]], header, info)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
