@@ -1,0 +1,308 @@
+"""Check that a checkpoint directory is the one a recipe expects, before hours of GPU time.
+
+Rules, each reported with the file, the tensor and a fix:
+- config: config.json parses; model_type belongs to the family; architectures is the class
+  transformers registers for it; num_hidden_layers matches the slice; no auto_map unless
+  the plan allows remote code.
+- files: every shard the index names exists; each shard's header agrees with its own size
+  (truncation) and its offsets with its shapes; index and shards list the same tensors.
+- tensors: names and shapes are exactly what the family's transformers class, built on the
+  meta device from this config, saves; dtypes fit the config (fp32 and fp8 allowed where
+  used); optionally a sampled NaN/Inf scan.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from miles.ckpt.errors import CheckpointError
+from miles.ckpt.families import expected_architectures, family, num_layers
+from miles.ckpt.shards import FLOAT_DTYPES, ShardHeader, pread_into, read_header, read_weight_map, torch_dtype
+
+FP8_SCALE_SUFFIX = "_scale_inv"
+_MAX_LISTED = 20
+_SCAN_WINDOW = 1 << 20
+
+
+@dataclass(frozen=True)
+class Finding:
+    path: str
+    rule: str
+    message: str
+    tensor: str | None = None
+
+    def __str__(self) -> str:
+        where = f"{self.path}: tensor {self.tensor}" if self.tensor else self.path
+        return f"{where}: [{self.rule}] {self.message}"
+
+
+@dataclass(frozen=True)
+class ValidationReport:
+    root: str
+    model_type: str
+    num_layers: int
+    shards: int
+    tensors: int
+    bytes: int
+
+
+def validate_checkpoint(
+    root: Path | str,
+    family_name: str,
+    *,
+    expect_layers: int | None = None,
+    min_layers: int | None = None,
+    allow_auto_map: bool = False,
+    scan_fraction: float = 0.0,
+) -> ValidationReport:
+    """Validate `root` for `family_name`; raise CheckpointError listing every problem found.
+
+    expect_layers: num_hidden_layers must equal it (the N of an -Nlayer slice).
+    min_layers: num_hidden_layers must be at least it (a source that trim will cut).
+    scan_fraction: share of each float tensor read to look for NaN/Inf (0 = headers only).
+    """
+    root = Path(root)
+    findings: list[Finding] = []
+    config = _check_config(root, family_name, expect_layers, min_layers, allow_auto_map, findings)
+    headers = _check_files(root, findings)
+    if config is not None and headers is not None and not findings:
+        _check_tensors(root, config, headers, findings)
+        if scan_fraction > 0 and not findings:
+            _scan_nonfinite(headers, scan_fraction, findings)
+    if findings:
+        listed = "\n".join(f"  - {f}" for f in findings[:_MAX_LISTED])
+        more = f"\n  ... and {len(findings) - _MAX_LISTED} more" if len(findings) > _MAX_LISTED else ""
+        raise CheckpointError(
+            f"{root} is not a valid {family_name} checkpoint ({len(findings)} problem(s)):\n{listed}{more}"
+        )
+    assert config is not None and headers is not None
+    return ValidationReport(
+        str(root),
+        config["model_type"],
+        num_layers(config) or 0,
+        len(headers),
+        sum(len(h.tensors) for h in headers.values()),
+        sum(t.nbytes for h in headers.values() for t in h.tensors.values()),
+    )
+
+
+def _check_config(root, family_name, expect_layers, min_layers, allow_auto_map, findings) -> dict | None:
+    spec = family(family_name)
+    path = root / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        findings.append(
+            Finding(str(path), "config", f"cannot read config.json ({exc}); is {root} a checkpoint?")
+        )
+        return None
+    model_type = config.get("model_type")
+    if model_type not in spec.model_types:
+        findings.append(
+            Finding(
+                str(path),
+                "model_type",
+                f"is {model_type!r}; family {family_name} expects {' or '.join(spec.model_types)}",
+            )
+        )
+        return None
+    expected = expected_architectures(model_type)
+    archs = config.get("architectures") or []
+    if not any(a in expected for a in archs):
+        findings.append(
+            Finding(
+                str(path), "architectures", f"is {archs}; {model_type} checkpoints declare {list(expected)}"
+            )
+        )
+    layers = num_layers(config)
+    if layers is None:
+        findings.append(Finding(str(path), "num_hidden_layers", "is missing"))
+    elif expect_layers is not None and layers != expect_layers:
+        findings.append(
+            Finding(
+                str(path),
+                "num_hidden_layers",
+                f"is {layers} but the model is a {expect_layers}-layer slice; "
+                + ("add the trim step to cut it" if layers > expect_layers else "fetch a deeper checkpoint"),
+            )
+        )
+    elif min_layers is not None and layers < min_layers:
+        findings.append(
+            Finding(
+                str(path), "num_hidden_layers", f"is {layers}; cannot cut a {min_layers}-layer slice from it"
+            )
+        )
+    if config.get("auto_map") and not allow_auto_map:
+        findings.append(
+            Finding(
+                str(path),
+                "auto_map",
+                "asks for remote code; miles uses built-in classes (the plan can allow it)",
+            )
+        )
+    return config
+
+
+def _check_files(root: Path, out: list[Finding]) -> dict[str, ShardHeader] | None:
+    findings: list[Finding] = []
+    try:
+        files = read_weight_map(root)
+    except CheckpointError as exc:
+        out.append(Finding(str(root), "index", str(exc)))
+        return None
+    headers: dict[str, ShardHeader] = {}
+    for shard in files.shards:
+        path = root / shard
+        if not path.is_file():
+            named = sum(1 for v in files.weight_map.values() if v == shard)
+            findings.append(
+                Finding(
+                    str(path),
+                    "missing shard",
+                    f"the index maps {named} tensors here but the file is absent; fetch again",
+                )
+            )
+            continue
+        try:
+            headers[shard] = read_header(path)
+        except CheckpointError as exc:
+            findings.append(Finding(str(path), "header", str(exc).removeprefix(f"{path}: ")))
+    for name, shard in files.weight_map.items():
+        if shard in headers and name not in headers[shard].tensors:
+            findings.append(
+                Finding(
+                    str(root / shard),
+                    "index",
+                    f"the index places it in {shard} but that shard lacks it",
+                    name,
+                )
+            )
+    for shard, header in headers.items():
+        for name in header.tensors:
+            if files.weight_map.get(name) != shard:
+                where = files.weight_map.get(name)
+                said = f"the index says {where}" if where else "the index does not list it"
+                findings.append(Finding(str(header.path), "index", f"is in {shard} but {said}", name))
+    out.extend(findings)
+    return headers if not findings else None
+
+
+def _check_tensors(
+    root: Path, config: dict, headers: Mapping[str, ShardHeader], findings: list[Finding]
+) -> None:
+    on_disk = {name: (h, t) for h in headers.values() for name, t in h.tensors.items()}
+    expected, ignore = expected_tensors(config)
+    quantized = (config.get("quantization_config") or {}).get("quant_method") == "fp8"
+    declared = _safetensors_dtype(str(config.get("dtype") or config.get("torch_dtype") or "bfloat16"))
+    for name, (shape, is_float) in expected.items():
+        if name not in on_disk:
+            findings.append(
+                Finding(str(root), "missing tensor", "the config implies it but no shard has it", name)
+            )
+            continue
+        header, info = on_disk[name]
+        if info.shape != shape:
+            findings.append(
+                Finding(
+                    str(header.path),
+                    "shape",
+                    f"has shape {list(info.shape)} but this config.json implies {list(shape)}; "
+                    "the weights and config.json come from different models",
+                    name,
+                )
+            )
+        allowed = {declared, "F32"} | ({"F8_E4M3"} if quantized else set()) if is_float else None
+        if allowed is not None and info.dtype not in allowed:
+            findings.append(
+                Finding(
+                    str(header.path), "dtype", f"is {info.dtype}; config dtype allows {sorted(allowed)}", name
+                )
+            )
+        if allowed is None and info.dtype in FLOAT_DTYPES:
+            findings.append(
+                Finding(str(header.path), "dtype", f"is {info.dtype} where the model keeps integers", name)
+            )
+    for name, (header, info) in on_disk.items():
+        if name in expected or any(p.search(name) for p in ignore):
+            continue
+        base = name.removesuffix(FP8_SCALE_SUFFIX)
+        if quantized and name.endswith(FP8_SCALE_SUFFIX) and base in expected:
+            rows, cols = expected[base][0][-2:]
+            block = config["quantization_config"].get("weight_block_size") or [128, 128]
+            want = (*expected[base][0][:-2], math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+            if info.shape != want:
+                findings.append(
+                    Finding(
+                        str(header.path), "shape", f"is {list(info.shape)}; {base} needs {list(want)}", name
+                    )
+                )
+            continue
+        findings.append(
+            Finding(str(header.path), "unexpected tensor", "this config's model has no such tensor", name)
+        )
+
+
+def expected_tensors(config: Mapping[str, Any]):
+    """{name: (shape, is_float)} the family's class saves for this config, plus ignorable patterns."""
+    import torch
+    import transformers
+    from transformers import AutoConfig
+    from transformers.core_model_loading import revert_weight_conversion
+
+    clean = {k: v for k, v in config.items() if k not in ("quantization_config", "auto_map")}
+    cfg = AutoConfig.for_model(**clean)
+    arch = next((a for a in config.get("architectures") or [] if hasattr(transformers, a)), None)
+    if arch is None:
+        raise CheckpointError(f"no transformers class for architectures {config.get('architectures')}")
+    with torch.device("meta"):
+        model = getattr(transformers, arch)._from_config(cfg)
+    state = revert_weight_conversion(model, model.state_dict())
+    ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+    return {k: (tuple(v.shape), v.is_floating_point()) for k, v in state.items()}, ignore
+
+
+def _safetensors_dtype(torch_name: str) -> str:
+    return {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64"}.get(
+        torch_name.removeprefix("torch."), "BF16"
+    )
+
+
+def _scan_nonfinite(headers: Mapping[str, ShardHeader], fraction: float, findings: list[Finding]) -> None:
+    """Read evenly spaced windows covering `fraction` of each float tensor; report NaN/Inf."""
+    import torch
+
+    for header in headers.values():
+        fd = os.open(header.path, os.O_RDONLY)
+        try:
+            for info in header.tensors.values():
+                if info.dtype not in FLOAT_DTYPES or info.nbytes == 0:
+                    continue
+                item = info.nbytes // info.numel
+                window = min(info.nbytes, max(item, _SCAN_WINDOW - _SCAN_WINDOW % item))
+                count = min(info.nbytes // window, max(1, math.ceil(fraction * info.nbytes / window)))
+                stride = (info.nbytes - window) // max(count - 1, 1)
+                bad = 0
+                for i in range(count):
+                    start = (i * stride) // item * item
+                    buf = bytearray(window)
+                    pread_into(fd, memoryview(buf), header.offset(info) + start, header.path)
+                    values = torch.frombuffer(buf, dtype=torch_dtype(info.dtype))
+                    bad += int((~torch.isfinite(values)).sum())
+                if bad:
+                    findings.append(
+                        Finding(
+                            str(header.path),
+                            "nan/inf",
+                            f"{bad} non-finite values in the sampled bytes",
+                            info.name,
+                        )
+                    )
+        finally:
+            os.close(fd)
