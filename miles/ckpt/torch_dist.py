@@ -1,0 +1,217 @@
+"""Hugging Face weights -> Megatron `torch_dist` checkpoint, written and verified on CPU.
+
+Layout (what Megatron-LM's `--load` with `--ckpt-format torch_dist` reads):
+    <dir>/release/__0_0.distcp, .metadata   torch.distributed.checkpoint data and index
+    <dir>/release/metadata.json             {"sharded_backend": "torch_dist", ...}
+    <dir>/release/common.pt                 non-tensor state
+    <dir>/latest_checkpointed_iteration.txt "release", written last: the done marker
+
+Qwen3 and Qwen3-MoE are written in megatron-core GPTModel's own sharded keys (the local
+layer spec's model produces them, so they match what a TE model on GPU loads). The other
+families have no GPT layer spec in megatron-core 0.16.1; their tensors are stored under
+their Hugging Face names in the same container. megatron-core's save path synchronises
+CUDA, so the tensors are translated with megatron's own functions and written with
+torch.distributed.checkpoint's synchronous writer; a world of one process over a file
+store stands in for the training job (no network). After writing, the checkpoint is
+loaded back with `megatron.core.dist_checkpointing.load` and compared tensor by tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from miles.ckpt.errors import CheckpointError
+from miles.ckpt.families import family
+from miles.ckpt.progress import Progress
+from miles.ckpt.shards import CheckpointReader, torch_dtype
+
+RELEASE = "release"
+TRACKER = "latest_checkpointed_iteration.txt"
+_COMMON = {"checkpoint_version": 3.0, "iteration": 0}
+_COMMON_KEYS = (*_COMMON, "miles")
+
+
+@contextmanager
+def single_process_group() -> Iterator[None]:
+    """torch.distributed and megatron's parallel state for one CPU process, unless already set up."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    with tempfile.TemporaryDirectory(prefix="miles-pg-") as store:
+        own_pg = not dist.is_initialized()
+        if own_pg:
+            dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=0, world_size=1)
+        own_mp = not parallel_state.model_parallel_is_initialized()
+        if own_mp:
+            parallel_state.initialize_model_parallel(1, 1)
+        try:
+            yield
+        finally:
+            if own_mp:
+                parallel_state.destroy_model_parallel()
+            if own_pg:
+                dist.destroy_process_group()
+
+
+def convert_to_torch_dist(
+    src: Path,
+    dst: Path,
+    family_name: str,
+    *,
+    vocab_multiple: int = 1,
+    verify: bool = True,
+    progress: Progress | None = None,
+) -> None:
+    """Write the torch_dist form of HF checkpoint `src` into the empty directory `dst`.
+
+    vocab_multiple pads the embedding and output rows (with zeros) to a multiple, as
+    Megatron-LM's --make-vocab-size-divisible-by x TP does; 1 keeps the HF vocabulary.
+    """
+    src, dst = Path(src), Path(dst)
+    config = json.loads((src / "config.json").read_text())
+    gpt = family(family_name).megatron_gpt
+    with warnings.catch_warnings(), single_process_group(), CheckpointReader(src) as reader:
+        warnings.simplefilter("ignore")  # megatron warns about optional CUDA extensions it cannot use here
+        if progress is not None:
+            progress.total_bytes = sum(reader.info(n)[1].nbytes for n in reader.files.weight_map)
+            progress.total_tensors = len(reader.files.weight_map)
+        vocab = _padded_vocab(config, vocab_multiple)
+        if gpt:
+            from miles.ckpt.megatron_gpt import build_model
+
+            model = build_model(config, vocab)
+            _fill_gpt(model, config, reader, vocab, progress)
+            sharded = model.sharded_state_dict()
+        else:
+            sharded = _hf_named_state(reader, progress)
+        release = dst / RELEASE
+        release.mkdir()
+        layout = "megatron-gpt" if gpt else "hf-names"
+        common = {
+            "checkpoint_version": 3.0,
+            "iteration": 0,
+            "miles": {"layout": layout, "model_type": config["model_type"]},
+        }
+        _save(sharded, common, release)
+        del sharded
+        if gpt:
+            del model
+        if verify:
+            _verify(release, config, reader, gpt, vocab)
+    (dst / TRACKER).write_text(RELEASE)
+
+
+def _padded_vocab(config: Mapping[str, Any], multiple: int) -> int:
+    vocab = config["vocab_size"]
+    return -(-vocab // multiple) * multiple
+
+
+def _pad_rows(tensor, rows: int):
+    import torch
+
+    if tensor.shape[0] == rows:
+        return tensor
+    return torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
+
+
+def _gpt_tensors(config, reader: CheckpointReader, vocab: int):
+    from miles.ckpt.megatron_gpt import hf_to_megatron
+
+    for name, tensor in hf_to_megatron(config, reader.read):
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            tensor = _pad_rows(tensor, vocab)
+        yield name, tensor
+
+
+def _fill_gpt(model, config, reader: CheckpointReader, vocab: int, progress: Progress | None) -> None:
+    import torch
+
+    params = {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
+    seen = set()
+    with torch.no_grad():
+        for name, tensor in _gpt_tensors(config, reader, vocab):
+            target = params.get(name)
+            if target is None or tuple(target.shape) != tuple(tensor.shape):
+                want = None if target is None else list(target.shape)
+                raise CheckpointError(
+                    f"torch_dist: {name} is {list(tensor.shape)} from the HF weights; megatron wants {want}"
+                )
+            target.copy_(tensor)
+            seen.add(name)
+            if progress is not None:
+                progress.advance(tensor.numel() * tensor.element_size(), 1)
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise CheckpointError(f"torch_dist: the HF weights give no value for megatron's {missing[:5]}")
+
+
+def _hf_named_state(reader: CheckpointReader, progress: Progress | None) -> dict:
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    state = {}
+    for name in sorted(reader.files.weight_map):
+        tensor = reader.read(name)
+        state[name] = ShardedTensor.from_rank_offsets(name, tensor, replica_id=0)
+        if progress is not None:
+            progress.advance(tensor.numel() * tensor.element_size(), 1)
+    return state
+
+
+def _save(sharded: dict, common: dict, out: Path) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+    from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+
+    class Writer(dcp.FileSystemWriter):
+        def storage_meta(self):
+            return None  # it would record the temp path and a random save id; the bytes must not depend on either
+
+    tensors, common_part = save_preprocess(sharded, validate_access_integrity=True)
+    torch.save({**common_part, **common}, out / "common.pt")
+    flat, _, _ = _replace_state_dict_keys_with_sharded_keys(tensors, keep_only_main_replica=True)
+    state = mcore_to_pyt_state_dict(flat, is_loading=False)
+    dcp.save(
+        state, storage_writer=Writer(out, thread_count=1), planner=MCoreSavePlanner(flatten_state_dict=False)
+    )
+    save_config(CheckpointingConfig("torch_dist", 1), out)
+
+
+def _verify(release: Path, config, reader: CheckpointReader, gpt: bool, vocab: int) -> None:
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    if gpt:
+        from miles.ckpt.megatron_gpt import build_model
+
+        model = build_model(config, vocab)
+        state = dist_checkpointing.load(model.sharded_state_dict(), str(release))
+        model.load_state_dict({k: v for k, v in state.items() if k not in _COMMON_KEYS})
+        loaded = model.state_dict()
+        expected = _gpt_tensors(config, reader, vocab)
+    else:
+        template = {}
+        for name in reader.files.weight_map:
+            _, info = reader.info(name)
+            empty = torch.empty(info.shape, dtype=torch_dtype(info.dtype))
+            template[name] = ShardedTensor.from_rank_offsets(name, empty, replica_id=0)
+        loaded = dist_checkpointing.load(template, str(release))
+        expected = ((name, reader.read(name)) for name in sorted(reader.files.weight_map))
+    for name, tensor in expected:
+        got = loaded.get(name)
+        if got is None or got.dtype != tensor.dtype or not torch.equal(got, tensor):
+            raise CheckpointError(
+                f"{release}: {name} differs from the HF weights after loading back; rerun the step"
+            )
