@@ -1,0 +1,5 @@
+import sys
+
+from miles.ckpt.cli import main
+
+sys.exit(main())

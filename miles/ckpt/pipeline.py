@@ -1,0 +1,343 @@
+"""Run a CheckpointPlan: fetch, validate, trim, fp8, torch_dist, stage, each at most once.
+
+Every step that writes does so through `atomic_dir` (temp sibling, manifest last, rename),
+and records a fingerprint of its input. A rerun skips a step whose output's manifest
+matches its current input and redoes one whose input changed or that was interrupted;
+a downstream step sees the change through its input's fingerprint. One run per plan at a
+time (a lock beside the model dir); `dry=True` reports what would run and touches nothing.
+
+Directories (DESIGN.md): <model_dir>/<model_name> (HF), <model_name>_fp8,
+<model_name>_torch_dist, and <model_dir>/.miles-ckpt/ for locks and validation records.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from miles.ckpt.errors import CheckpointError, StepFailed
+from miles.ckpt.families import layers_in_name, num_layers
+from miles.ckpt.hub import Source, materialize, parse_source, resolve_hub, resolve_local
+from miles.ckpt.manifest import (
+    Manifest,
+    atomic_dir,
+    clean_stale,
+    fingerprint,
+    finished,
+    json_safe,
+    plan_lock,
+    read_manifest,
+    write_manifest,
+)
+from miles.ckpt.plan import STEPS, CheckpointPlan
+from miles.ckpt.progress import Progress, say
+from miles.ckpt.tiny import DEFAULT_SHARD_BYTES, TINY_STEP, make_tiny_checkpoint, tiny_params
+
+STATE_DIR = ".miles-ckpt"
+DEFAULT_TINY_LAYERS = 4
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: str
+    status: str  # "ran" | "skipped" | "not applicable" | "would run"
+    detail: str = ""
+    output: str | None = None
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class PrepareResult:
+    plan: CheckpointPlan
+    steps: tuple[StepResult, ...] = field(default_factory=tuple)
+
+    @property
+    def ran(self) -> tuple[str, ...]:
+        return tuple(s.step for s in self.steps if s.status == "ran")
+
+    def table(self) -> str:
+        width = max(len(s) for s in STEPS)
+        lines = [f"{self.plan.model_name} ({self.plan.family}, source {self.plan.source})"]
+        for s in self.steps:
+            where = f" -> {s.output}" if s.output else ""
+            took = f" [{s.seconds:.1f}s]" if s.status == "ran" else ""
+            lines.append(f"  {s.step:<{width}}  {s.status:<14} {s.detail}{where}{took}".rstrip())
+        return "\n".join(lines)
+
+
+def prepare(
+    plan: CheckpointPlan,
+    *,
+    steps: Sequence[str] | None = None,
+    dry: bool = False,
+    progress: bool = True,
+    workers: int | None = None,
+    scan_fraction: float = 0.0,
+) -> PrepareResult:
+    """Run the plan's steps (or the subset `steps`, which must belong to the plan) in order."""
+    chosen = _chosen_steps(plan, steps)
+    run = _Run(plan, dry=dry, progress=progress, workers=workers, scan_fraction=scan_fraction)
+    results: list[StepResult] = []
+    if dry:
+        for step in chosen:
+            results.append(run.step(step))
+        return PrepareResult(plan, tuple(results))
+    with plan_lock(run.state / f"{plan.model_name}.lock"):
+        for path in (run.hf, run.fp8, run.torch_dist):
+            clean_stale(path)
+        for step in chosen:
+            results.append(run.step(step))
+    return PrepareResult(plan, tuple(results))
+
+
+def _chosen_steps(plan: CheckpointPlan, steps: Sequence[str] | None) -> list[str]:
+    if steps is None:
+        return list(plan.steps)
+    unknown = [s for s in steps if s not in STEPS]
+    if unknown:
+        raise CheckpointError(f"unknown step(s) {unknown}; known: {', '.join(STEPS)}")
+    outside = [s for s in steps if s not in plan.steps]
+    if outside:
+        raise CheckpointError(
+            f"step(s) {outside} do not apply to {plan.model_name}; its plan has {', '.join(plan.steps)}"
+        )
+    return [s for s in plan.steps if s in steps]
+
+
+class _Run:
+    def __init__(self, plan: CheckpointPlan, *, dry: bool, progress: bool, workers, scan_fraction: float):
+        self.plan = plan
+        self.dry = dry
+        self.show = progress
+        self.workers = workers
+        self.scan_fraction = scan_fraction
+        self.hf = Path(plan.hf_dir)
+        self.fp8 = Path(plan.fp8_dir)
+        self.torch_dist = Path(plan.torch_dist_dir)
+        self.state = Path(plan.model_dir) / STATE_DIR
+        self.source: Source = parse_source(plan.source)
+        self.layers = plan.num_layers or layers_in_name(plan.model_name)
+        self._source_dir: Path | None = None
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _with_progress(self, label: str, fn: Callable, *args, **kwargs):
+        """Call fn(*args, progress=...) with a progress line closed when it returns."""
+        with Progress(f"{label} {self.plan.model_name}", 0, 0, enabled=self.show) as progress:
+            return fn(*args, progress=progress, **kwargs)
+
+    def source_dir(self, download: bool = True) -> Path | None:
+        """The fetched checkpoint before any trim (the HF dir itself for tiny sources)."""
+        if self._source_dir is None:
+            if self.source.kind == "tiny":
+                self._source_dir = self.hf
+            elif self.source.kind == "local":
+                self._source_dir = resolve_local(self.source)
+            else:
+                keep = self.layers if "trim" in self.plan.steps else None
+                self._source_dir = resolve_hub(
+                    self.source, keep_layers=keep, download=download and not self.dry
+                )
+        return self._source_dir
+
+    def trim_applies(self, src: Path | None) -> bool:
+        if (
+            "trim" not in self.plan.steps
+            or self.layers is None
+            or src is None
+            or not (src / "config.json").is_file()
+        ):
+            return False
+        total = num_layers(json.loads((src / "config.json").read_text()))
+        return total is not None and total > self.layers
+
+    def step(self, name: str) -> StepResult:
+        start = time.monotonic()
+        try:
+            result = getattr(self, f"_{name}")()
+        except StepFailed:
+            raise
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                raise StepFailed(
+                    f"{name} of {self.plan.model_name}: out of space writing {exc.filename or 'its output'} "
+                    f"({exc.strerror}); nothing was marked done and the inputs are untouched; free space and rerun"
+                ) from exc
+            raise StepFailed(f"{name} of {self.plan.model_name}: {exc}; nothing was marked done") from exc
+        except CheckpointError as exc:
+            raise StepFailed(f"{name} of {self.plan.model_name}: {exc}") from exc
+        if result.status == "ran":
+            result = StepResult(
+                result.step, result.status, result.detail, result.output, time.monotonic() - start
+            )
+        if self.show and not self.dry:
+            say(f"[ckpt] {name}: {result.status} {result.detail}".rstrip())
+        return result
+
+    def _produce(self, step: str, out: Path, inputs: str, params: dict, make: Callable[[Path], dict | None]):
+        """Skip when `out` already holds this step's result for these inputs, else build it atomically."""
+        if finished(out, step, inputs, params):
+            return StepResult(step, "skipped", "up to date", str(out))
+        if self.dry:
+            reason = "missing" if read_manifest(out) is None else "inputs or parameters changed"
+            return StepResult(step, "would run", reason, str(out))
+        say(f"[ckpt] {step}: writing {out}", self.show)
+        with atomic_dir(out) as tmp:
+            records = make(tmp)
+            write_manifest(tmp, step, inputs, params, records)
+        return StepResult(step, "ran", "", str(out))
+
+    def _need(self, path: Path, step: str) -> str:
+        if not (path / "config.json").is_file():
+            if self.dry:
+                return "pending"
+            raise StepFailed(
+                f"{step} needs {path}, which does not exist yet; run the fetch (and trim) steps first"
+            )
+        return fingerprint(path)
+
+    # -- steps ---------------------------------------------------------------------------
+
+    def _fetch(self) -> StepResult:
+        if self.source.kind == "tiny":
+            layers = self.layers or DEFAULT_TINY_LAYERS
+            params = tiny_params(self.source.value, layers, 0, "bfloat16", DEFAULT_SHARD_BYTES, {})
+            if finished(self.hf, TINY_STEP, self.plan.source, params):
+                return StepResult("fetch", "skipped", "tiny checkpoint up to date", str(self.hf))
+            if self.dry:
+                return StepResult(
+                    "fetch", "would run", f"build a tiny {self.source.value} ({layers} layers)", str(self.hf)
+                )
+            make_tiny_checkpoint(self.source.value, layers, self.hf)
+            return StepResult("fetch", "ran", f"built tiny {self.source.value}", str(self.hf))
+        src = self.source_dir()
+        if src is None:
+            return StepResult("fetch", "would run", f"download {self.source.value}", None)
+        if self.trim_applies(src):
+            return StepResult("fetch", "skipped" if self.dry else "ran", "trim reads it in place", str(src))
+        if src.resolve() == self.hf.resolve():
+            return StepResult("fetch", "skipped", "the source is the model dir", str(src))
+        return self._produce(
+            "fetch",
+            self.hf,
+            fingerprint(src),
+            {},
+            lambda tmp: self._with_progress("fetch", materialize, src, tmp),
+        )
+
+    def _validate(self) -> StepResult:
+        from miles.ckpt.validate import validate_checkpoint
+
+        src = self.source_dir(download=False) if self.source.kind != "tiny" else self.hf
+        target = src if src is not None and self.trim_applies(src) else self.hf
+        inputs = self._need(target, "validate")
+        trimming = target != self.hf
+        params = {
+            "family": self.plan.family,
+            "layers": self.layers,
+            "trimming": trimming,
+            "allow_auto_map": self.plan.allow_auto_map,
+            "scan": self.scan_fraction,
+        }
+        record = self.state / f"{self.plan.model_name}.validate.json"
+        old = _read_record(record)
+        if old is not None and (old.inputs, old.params) == (inputs, json_safe(params)):
+            return StepResult("validate", "skipped", "already validated", str(target))
+        if self.dry:
+            return StepResult("validate", "would run", "", str(target))
+        report = validate_checkpoint(
+            target,
+            self.plan.family,
+            expect_layers=None if trimming else self.layers,
+            min_layers=self.layers if trimming else None,
+            allow_auto_map=self.plan.allow_auto_map,
+            scan_fraction=self.scan_fraction,
+        )
+        _write_record(record, Manifest("validate", inputs, json_safe(params)))
+        return StepResult(
+            "validate", "ran", f"{report.tensors} tensors in {report.shards} shards", str(target)
+        )
+
+    def _trim(self) -> StepResult:
+        from miles.ckpt.trim import trim_checkpoint
+        from miles.ckpt.validate import validate_checkpoint
+
+        src = self.source_dir(download=False) if self.source.kind != "tiny" else self.hf
+        if not self.trim_applies(src):
+            return StepResult(
+                "trim", "not applicable", f"the source already has {self.layers or 'the planned'} layers"
+            )
+
+        def make(tmp: Path):
+            records = self._with_progress("trim", trim_checkpoint, src, tmp, self.layers)
+            validate_checkpoint(
+                tmp, self.plan.family, expect_layers=self.layers, allow_auto_map=self.plan.allow_auto_map
+            )
+            return records
+
+        return self._produce("trim", self.hf, fingerprint(src), {"layers": self.layers}, make)
+
+    def _fp8(self) -> StepResult:
+        from miles.ckpt.fp8 import BLOCK, convert_to_fp8
+        from miles.ckpt.validate import validate_checkpoint
+
+        def make(tmp: Path):
+            records = self._with_progress("fp8", convert_to_fp8, self.hf, tmp, workers=self.workers)
+            validate_checkpoint(
+                tmp, self.plan.family, expect_layers=self.layers, allow_auto_map=self.plan.allow_auto_map
+            )
+            return records
+
+        return self._produce("fp8", self.fp8, self._need(self.hf, "fp8"), {"block": BLOCK}, make)
+
+    def _torch_dist(self) -> StepResult:
+        from miles.ckpt.torch_dist import convert_to_torch_dist
+
+        def make(tmp: Path):
+            self._with_progress("torch_dist", convert_to_torch_dist, self.hf, tmp, self.plan.family)
+            return None
+
+        return self._produce(
+            "torch_dist", self.torch_dist, self._need(self.hf, "torch_dist"), {"vocab_multiple": 1}, make
+        )
+
+    def _stage(self) -> StepResult:
+        from miles.ckpt.stage import stage_dir
+
+        assert self.plan.stage_dir is not None  # CheckpointPlan requires it with the stage step
+        dirs = [self.hf] + [
+            d for s, d in (("fp8", self.fp8), ("torch_dist", self.torch_dist)) if s in self.plan.steps
+        ]
+        pending = [d for d in dirs if read_manifest(d) is None]
+        if pending:
+            if self.dry:
+                return StepResult("stage", "would run", "after the steps above", self.plan.stage_dir)
+            raise StepFailed(
+                f"stage needs finished {[str(d) for d in pending]}; run the steps that make them first"
+            )
+        targets = [(d, Path(self.plan.stage_dir) / d.name) for d in dirs]
+        if all(read_manifest(t) == read_manifest(d) for d, t in targets):
+            return StepResult("stage", "skipped", "staged copies up to date", self.plan.stage_dir)
+        if self.dry:
+            return StepResult("stage", "would run", f"{len(targets)} dirs", self.plan.stage_dir)
+        copied = sum(self._with_progress("stage", stage_dir, d, t) for d, t in targets)
+        return StepResult("stage", "ran", f"copied {copied} bytes", self.plan.stage_dir)
+
+
+def _read_record(path: Path) -> Manifest | None:
+    try:
+        return Manifest.from_json(path.read_text())
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_record(path: Path, record: Manifest) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(record.to_json())
+    os.replace(tmp, path)

@@ -1,0 +1,93 @@
+"""Copy prepared checkpoints to a node-local directory, skipping files already there.
+
+A staged directory carries the source's manifest, so a complete copy is recognised
+without reading it, and a file whose size and sha256 match the manifest is never copied
+again. The copy is made in `.<name>.partial-<pid>` (an existing copy or a killed run's
+partial is moved there and updated in place) and renamed into place when every file
+is there, with the manifest written last: a half-staged directory never looks finished.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from miles.ckpt.errors import CheckpointError
+from miles.ckpt.manifest import MANIFEST_NAME, clean_stale, partial_path, read_manifest
+from miles.ckpt.progress import Progress
+from miles.ckpt.shards import sha256_file
+
+
+def stage_dir(src: Path, dst: Path, *, progress: Progress | None = None) -> int:
+    """Make `dst` a copy of the finished directory `src`; return the bytes actually copied."""
+    src, dst = Path(src), Path(dst)
+    manifest = read_manifest(src)
+    if manifest is None:
+        raise CheckpointError(f"{src} has no {MANIFEST_NAME}; only finished steps' outputs can be staged")
+    if read_manifest(dst) == manifest:
+        return 0
+    if dst.exists() and read_manifest(dst) is None:
+        raise CheckpointError(
+            f"{dst} exists and was not staged by miles; move it away or choose another stage dir"
+        )
+    old = read_manifest(dst)
+    known = {rel: r.sha256 for rel, r in old.files.items()} if old else {}
+    work = _workspace(dst)
+    if progress is not None:
+        progress.total_bytes = sum(r.size for r in manifest.files.values())
+        progress.total_tensors = 0
+    copied = 0
+    for rel, record in sorted(manifest.files.items()):
+        target = work / rel
+        if _same(target, record.size, record.sha256, known.get(rel)):
+            if progress is not None:
+                progress.advance(record.size)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(target.name + ".copying")
+        shutil.copyfile(src / rel, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+        copied += record.size
+        if progress is not None:
+            progress.advance(record.size)
+    for path in sorted(work.rglob("*"), reverse=True):
+        rel = path.relative_to(work).as_posix()
+        if path.is_file() and rel not in manifest.files:
+            path.unlink()
+        elif path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
+    (work / MANIFEST_NAME).write_text(manifest.to_json())
+    work.rename(dst)
+    return copied
+
+
+def _workspace(dst: Path) -> Path:
+    """The partial directory to update: the old copy, a killed run's partial, or a new one."""
+    work = partial_path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    leftovers = sorted(
+        p
+        for p in dst.parent.glob(f".{dst.name}.partial-*")
+        if p.is_dir() and p != work and p.name.rsplit("-", 1)[-1].isdigit()
+    )
+    if dst.exists():
+        (dst / MANIFEST_NAME).unlink(missing_ok=True)  # from here on the copy is being changed
+        dst.rename(work)
+    elif leftovers:
+        leftovers[-1].rename(work)
+    else:
+        work.mkdir(exist_ok=True)
+    clean_stale(dst, keep=work)
+    return work
+
+
+def _same(target: Path, size: int, sha256: str, known: str | None) -> bool:
+    try:
+        if target.stat().st_size != size:
+            return False
+    except OSError:
+        return False
+    return (known or sha256_file(target)) == sha256
