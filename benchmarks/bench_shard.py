@@ -132,7 +132,7 @@ def overhead(files: int) -> None:
             names.append(name)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("MILES_CI_", "GITHUB_"))}
         settings = Settings(root=root, grace=1.0, base_env=env)
-        direct, runner = [], []
+        direct, runner, runner_cpu = [], [], []
         for round_ in range(2):
             for i, name in enumerate(names):
                 junit = root / f"direct-{round_}-{i}.xml"
@@ -142,9 +142,10 @@ def overhead(files: int) -> None:
                 )
                 direct.append(time.perf_counter() - start)
                 test = TestRun(name, "cpu", "stage-b-cpu", "cpu", "1/1", 10.0, 120.0)
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.process_time()
                 attempt = run_attempt(test, root / f"runner-{round_}-{i}", settings, CancelToken())
                 runner.append(time.perf_counter() - start)
+                runner_cpu.append(time.process_time() - cpu)
                 assert attempt.status == "passed", attempt.message
         delta = [r - d for r, d in zip(runner, direct, strict=True)]
         print(f"\n## Runner overhead per test file ({len(direct)} files each way, interleaved)")
@@ -153,6 +154,10 @@ def overhead(files: int) -> None:
         print(
             f"overhead per file    median {statistics.median(delta) * 1000:+7.1f} ms  "
             f"(ratio {statistics.median(runner) / statistics.median(direct):.3f}; target <= 50 ms)"
+        )
+        print(
+            f"runner's own CPU per file (process time, insensitive to machine load) "
+            f"median {statistics.median(runner_cpu) * 1000:.1f} ms, max {max(runner_cpu) * 1000:.1f} ms"
         )
 
         os.environ["MILES_DURATIONS_PATH"] = str(root / "durations.json")
