@@ -43,9 +43,10 @@ def decode_value(value: float | int | str) -> float:
 class MetricRecorder:
     """Accumulates series in memory and rewrites the record file on every log call.
 
-    Every numeric value is kept, so whatever key a gate declares is in the record. A
-    metric's line is re-encoded only when that metric changed, so a long run with many
-    keys does not pay for re-serialising everything on every step.
+    Every numeric value is kept, so whatever key a gate declares is in the record. Each
+    point is encoded once: a new step appends its text to the metric's line, and only a
+    step logged out of order or twice makes that metric's line be encoded again, so a long
+    run does not pay for re-encoding its whole history on every step.
     """
 
     def __init__(self, directory: Path | str):
@@ -53,30 +54,39 @@ class MetricRecorder:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.path = self.directory / f"{os.getpid()}-{uuid.uuid4().hex}.jsonl"
         self._series: dict[str, dict[int, float]] = {}
-        self._lines: dict[str, str] = {}
+        self._encoded: dict[str, list[str]] = {}  # the points' JSON text, in step order
+        self._last_step: dict[str, int] = {}
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        changed = set()
+        step = int(step)
         for key, value in metrics.items():
             try:
                 number = float(value)
             except (TypeError, ValueError):
                 continue  # strings and other non-numbers are not gateable
-            self._series.setdefault(key, {})[int(step)] = number
-            changed.add(key)
-        for key in changed:
-            points = sorted(self._series[key].items())
-            self._lines[key] = json.dumps(
-                {"metric": key, "series": [[s, encode_value(v)] for s, v in points]}
-            )
+            points = self._series.setdefault(key, {})
+            points[step] = number
+            if key in self._last_step and step > self._last_step[key]:
+                self._encoded[key].append(_point(step, number))
+            else:  # first point, or a step out of order or logged again
+                self._encoded[key] = [_point(s, v) for s, v in sorted(points.items())]
+            self._last_step[key] = max(points)
         self._write()
 
     def _write(self) -> None:
+        lines = [
+            f'{{"metric": {json.dumps(key)}, "series": [{", ".join(points)}]}}\n'
+            for key, points in self._encoded.items()
+        ]
         # Same directory as the record, so the rename is atomic: a reader (or a process
         # killed mid-write) only ever sees the previous complete record or the new one.
         tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text("".join(line + "\n" for line in self._lines.values()), encoding="utf-8")
+        tmp.write_text("".join(lines), encoding="utf-8")
         os.replace(tmp, self.path)
+
+
+def _point(step: int, value: float) -> str:
+    return json.dumps([step, encode_value(value)])
 
 
 _recorder: MetricRecorder | None = None

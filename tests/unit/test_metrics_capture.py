@@ -43,6 +43,14 @@ def test_log_writes_one_line_per_metric_in_the_record_format(record_dir):
     ]
 
 
+def test_a_step_logged_out_of_order_or_twice_keeps_the_series_sorted_with_the_latest_value(record_dir):
+    for step, value in [(0, 1.0), (2, 2.0), (1, 3.0), (1, 4.0), (3, 5.0)]:
+        capture.log(step, {"train/grad_norm": value})
+    (path,) = record_dir.glob("*.jsonl")
+    assert read_record(path) == {"train/grad_norm": {0: 1.0, 1: 4.0, 2: 2.0, 3: 5.0}}
+    assert json.loads(path.read_text())["series"] == [[0, 1.0], [1, 4.0], [2, 2.0], [3, 5.0]]
+
+
 def test_non_finite_values_are_written_as_strings_and_read_back(record_dir):
     capture.log(3, {"a": math.nan, "b": math.inf, "c": -math.inf})
     (path,) = record_dir.glob("*.jsonl")
