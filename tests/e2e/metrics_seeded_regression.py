@@ -129,13 +129,15 @@ def toy_trainer() -> Trainer:
     toy = _load_toy()
     import torch
 
-    # Warm torch up once (kernels, allocator) single-threaded, so that forking is safe and
-    # every child starts from a ready process. The warm-up logs nowhere.
-    torch.set_num_threads(1)
+    # Warm torch up once (kernels, allocator) so every child starts from a ready process.
+    # Children train single-threaded, so a thread pool the parent may hold is never entered
+    # after the fork. The warm-up logs nowhere and leaves the parent's thread count alone.
+    threads = torch.get_num_threads()
     saved = os.environ.pop(RECORD_DIR_ENV, None)
     try:
         toy.train(toy.ToyConfig(steps=1))
     finally:
+        torch.set_num_threads(threads)
         if saved is not None:
             os.environ[RECORD_DIR_ENV] = saved
 
