@@ -37,7 +37,13 @@ def load_causal_lm(path: str | Path, *, dtype: torch.dtype, device: str = "cpu")
             f"{path}/config.json has auto_map (remote code); miles loads built-in classes only"
         )
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+        except ValueError as exc:
+            if "attention implementation" not in str(exc):
+                raise
+            # Some architectures (deepseek_v4) have only their own attention; eager is exact.
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
     except (ValueError, KeyError, OSError) as exc:
         raise ModelLoadError(
             f"{path}: cannot load as a causal LM ({config.get('model_type')}): {exc}"
