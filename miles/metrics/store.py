@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from miles.metrics.spec import Coordinate
 
@@ -27,6 +27,7 @@ HISTORY_URL_ENV = "MILES_HISTORY_URL"
 DEFAULT_SQLITE_PATH = Path(".miles") / "history.sqlite"
 BASELINE_CADENCES = ("nightly", "weekly")
 _COMMIT_PREFIX = re.compile(r"[0-9a-fA-F]{7,64}")
+_QUERY_PASSWORD = re.compile(r"((?:^|&)password=)([^&]*)")
 
 
 class StoreError(RuntimeError):
@@ -151,27 +152,40 @@ def writes_baseline(cadence: str) -> bool:
 
 
 def mask_url(url: str) -> str:
-    """The URL with its password replaced by ***; safe to print or log."""
+    """The URL with its password (user:pw@ or ?password=) replaced by ***; safe to print."""
     try:
         parts = urlsplit(url)
+        port = parts.port
     except ValueError:
         return "<unparseable store URL>"
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    if parts.password is not None:
+        host = parts.hostname or ""
+        if ":" in host:
+            host = f"[{host}]"
+        netloc = f"{parts.username or ''}:***@{host}" + (f":{port}" if port else "")
+        parts = parts._replace(netloc=netloc)
+    if _QUERY_PASSWORD.search(parts.query):
+        parts = parts._replace(query=_QUERY_PASSWORD.sub(r"\1***", parts.query))
+    return urlunsplit(parts)
 
 
 def scrub(text: str, url: str) -> str:
     """Remove the URL's password from text that a driver produced (errors can echo DSNs)."""
+    for secret in _passwords(url):
+        text = text.replace(secret, "***")
+    return text
+
+
+def _passwords(url: str) -> list[str]:
     try:
-        password = urlsplit(url).password
+        parts = urlsplit(url)
     except ValueError:
-        password = None
-    return text.replace(password, "***") if password else text
+        return []
+    found = {parts.password, unquote(parts.password)} if parts.password else set()
+    for match in _QUERY_PASSWORD.finditer(parts.query):
+        if match.group(2):  # a driver may echo the value as written or decoded
+            found |= {match.group(2), unquote(match.group(2))}
+    return sorted(found, key=len, reverse=True)
 
 
 def resolve_url(url: str | None = None, *, root: Path | str = ".") -> str:

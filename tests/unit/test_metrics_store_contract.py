@@ -259,6 +259,13 @@ def test_an_unreachable_postgres_is_reported_with_the_password_masked():
     assert "s3cret-pw" not in message and "after 3 attempts" in message
 
 
+def test_a_password_given_as_a_query_parameter_is_masked_too():
+    url = f"postgresql://127.0.0.1:{_free_port()}/nothing?user=miles&password=s3cret%21pw"
+    with pytest.raises(StoreUnreachable) as info:
+        open_store(url)
+    assert "s3cret" not in str(info.value) and "password=***" in str(info.value)
+
+
 def test_an_unusable_sqlite_path_is_reported_as_unreachable(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -289,6 +296,10 @@ def test_an_unknown_url_scheme_is_refused_with_the_accepted_forms():
         ("postgresql://miles:hunter2@db.example:5432/h", "postgresql://miles:***@db.example:5432/h"),
         ("postgresql://miles@db/h", "postgresql://miles@db/h"),
         ("postgresql://u:p@[::1]:5433/h?sslmode=require", "postgresql://u:***@[::1]:5433/h?sslmode=require"),
+        (
+            "postgresql://db/h?user=u&password=s%40cret&sslmode=disable",
+            "postgresql://db/h?user=u&password=***&sslmode=disable",
+        ),
     ],
 )
 def test_urls_are_shown_with_the_password_masked(url, shown):
