@@ -1,0 +1,49 @@
+"""Tiny checkpoints shared by the checkpoint tests (built once per session, a few MB each)."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> Callable[..., Path]:
+    """tiny(family, layers=4) -> a finished tiny checkpoint dir; treat it as read-only."""
+    from miles.ckpt.tiny import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny")
+
+    def get(family: str, layers: int = 4) -> Path:
+        return make_tiny_checkpoint(family, layers, root / f"{family}-{layers}")
+
+    return get
+
+
+@pytest.fixture
+def tiny_copy(tiny, tmp_path) -> Callable[..., Path]:
+    """tiny_copy(family, layers=4) -> a private copy the test may damage."""
+
+    def get(family: str, layers: int = 4) -> Path:
+        dst = tmp_path / f"copy-{family}-{layers}"
+        shutil.copytree(tiny(family, layers), dst)
+        return dst
+
+    return get
+
+
+def _tree_digest(root: Path) -> dict[str, str]:
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(Path(root).rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="session")
+def tree_digest() -> Callable[[Path], dict[str, str]]:
+    """tree_digest(root) -> {relative path: sha256} of every file, to prove a tree was not touched."""
+    return _tree_digest

@@ -1,0 +1,65 @@
+"""Tiny checkpoints: the families' real classes, loadable by the Auto classes, with a usable tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from miles.ci.register import register_cpu_ci
+from miles.ckpt.errors import CheckpointError
+from miles.ckpt.families import family
+from miles.ckpt.plan import FAMILIES
+from miles.ckpt.tiny import make_tiny_checkpoint
+from miles.ckpt.validate import validate_checkpoint
+
+register_cpu_ci(est_time=20, suite="stage-b-cpu")
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_tiny_checkpoint_loads_with_auto_classes_and_generates_on_cpu(tiny, name):
+    path = tiny(name)
+    attention = "sdpa" if family(name).sdpa else "eager"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attention)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert type(model).__name__ in json.loads((path / "config.json").read_text())["architectures"]
+    messages = [{"role": "user", "content": "copy 0427:"}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    assert out.shape[1] > ids.shape[1]
+    validate_checkpoint(path, name, expect_layers=4)
+
+
+def test_tiny_checkpoint_is_sharded_with_an_index_and_a_few_megabytes(tiny):
+    path = tiny("qwen3_moe")
+    shards = sorted(path.glob("*.safetensors"))
+    assert len(shards) >= 2 and (path / "model.safetensors.index.json").is_file()
+    assert sum(p.stat().st_size for p in shards) < 8_000_000
+
+
+def test_tokenizer_spells_digits_and_letters_one_token_each_and_ends_turns_with_eos(tiny):
+    tokenizer = AutoTokenizer.from_pretrained(tiny("qwen3"))
+    text = "copy 0427: abcXYZ"
+    ids = tokenizer(text)["input_ids"]
+    assert len(ids) == len(text) and tokenizer.decode(ids) == text
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token_id is not None
+
+
+def test_same_arguments_give_the_same_bytes(tiny, tmp_path, tree_digest):
+    again = make_tiny_checkpoint("glm_moe_dsa", 4, tmp_path / "again")
+    assert tree_digest(again) == tree_digest(tiny("glm_moe_dsa"))
+
+
+def test_dims_override_the_family_defaults_and_a_bad_dim_is_refused(tmp_path):
+    path = make_tiny_checkpoint("qwen3", 2, tmp_path / "wide", seed=3, hidden_size=256, intermediate_size=512)
+    config = json.loads((path / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"]) == (256, 2)
+    with pytest.raises(CheckpointError, match="vocab_size 100 < 259"):
+        make_tiny_checkpoint("qwen3", 2, tmp_path / "small-vocab", vocab_size=100)

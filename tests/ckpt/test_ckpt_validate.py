@@ -1,0 +1,137 @@
+"""Validation: every bad input is an error naming file, tensor and rule, and the source is untouched."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from miles.ci.register import register_cpu_ci
+from miles.ckpt.errors import CheckpointError
+from miles.ckpt.shards import read_header, read_weight_map
+from miles.ckpt.validate import validate_checkpoint
+
+register_cpu_ci(est_time=10, suite="stage-b-cpu")
+
+
+def _fails(path: Path, family: str, match: str, **kwargs) -> str:
+    with pytest.raises(CheckpointError, match=match) as info:
+        validate_checkpoint(path, family, **kwargs)
+    return str(info.value)
+
+
+def _shard_of(path: Path, tensor: str) -> Path:
+    return path / read_weight_map(path).weight_map[tensor]
+
+
+def _edit_config(path: Path, **changes) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_truncated_shard_is_named_and_nothing_is_written(tiny_copy, tree_digest):
+    path = tiny_copy("qwen3")
+    shard = _shard_of(path, "model.layers.3.mlp.down_proj.weight")
+    shard.write_bytes(shard.read_bytes()[:-1000])
+    before = tree_digest(path)
+    message = _fails(path, "qwen3", "truncated")
+    assert f"{shard}: [header]" in message and "fetch it again" in message
+    assert tree_digest(path) == before
+
+
+def test_header_offset_mismatch_is_named(tiny_copy):
+    path = tiny_copy("qwen3_moe")
+    shard = _shard_of(path, "model.norm.weight")
+    raw = shard.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    begin, end = header[name]["data_offsets"]
+    header[name]["data_offsets"] = [begin, end + 2]
+    text = json.dumps(header).encode()
+    shard.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n :])
+    _fails(path, "qwen3_moe", rf"tensor {name}: shape .* data_offsets span")
+
+
+def test_shard_named_in_the_index_but_missing_is_named_with_its_tensor_count(tiny_copy):
+    path = tiny_copy("glm_moe_dsa")
+    shard = _shard_of(path, "model.layers.1.self_attn.o_proj.weight")
+    count = sum(1 for v in read_weight_map(path).weight_map.values() if v == shard.name)
+    shard.unlink()
+    _fails(path, "glm_moe_dsa", rf"{shard.name}: \[missing shard\] the index maps {count} tensors here")
+
+
+def test_wrong_layer_count_says_how_to_fix_it(tiny):
+    message = _fails(
+        tiny("inkling"),
+        "inkling",
+        r"\[num_hidden_layers\] is 4 but the model is a 5-layer slice",
+        expect_layers=5,
+    )
+    assert "fetch a deeper checkpoint" in message
+    _fails(tiny("inkling"), "inkling", "add the trim step", expect_layers=2)
+
+
+def test_shape_that_contradicts_the_config_names_the_tensor(tiny_copy):
+    path = tiny_copy("qwen3")
+    _edit_config(path, intermediate_size=512)
+    message = _fails(
+        path, "qwen3", r"tensor model\.layers\.0\.mlp\.down_proj\.weight: \[shape\] has shape \[128, 384\]"
+    )
+    assert "implies [128, 512]" in message and "different models" in message
+
+
+def test_tensor_the_config_does_not_expect_is_reported(tiny_copy):
+    path = tiny_copy("deepseek_v4")
+    _edit_config(path, num_hidden_layers=3, layer_types=None, mlp_layer_types=None)
+    _fails(path, "deepseek_v4", r"model\.layers\.3\..*\[unexpected tensor\]")
+
+
+def test_index_and_shards_must_list_the_same_tensors(tiny_copy):
+    path = tiny_copy("qwen3")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    moved = "model.norm.weight"
+    other = next(s for s in set(index["weight_map"].values()) if s != index["weight_map"][moved])
+    index["weight_map"][moved] = other
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    message = _fails(path, "qwen3", r"\[index\]")
+    assert f"tensor {moved}" in message and f"the index places it in {other}" in message
+
+
+def test_family_model_type_and_architectures_are_checked(tiny, tiny_copy):
+    _fails(tiny("qwen3"), "qwen3_moe", r"\[model_type\] is 'qwen3'; family qwen3_moe expects qwen3_moe")
+    path = tiny_copy("qwen3")
+    _edit_config(path, architectures=["Qwen3Model"])
+    _fails(
+        path,
+        "qwen3",
+        r"\[architectures\] is \['Qwen3Model'\]; qwen3 checkpoints declare \['Qwen3ForCausalLM'\]",
+    )
+
+
+def test_auto_map_is_refused_unless_the_plan_allows_it(tiny_copy):
+    path = tiny_copy("qwen3")
+    _edit_config(path, auto_map={"AutoModelForCausalLM": "modeling_x.X"})
+    _fails(path, "qwen3", r"\[auto_map\] asks for remote code")
+    validate_checkpoint(path, "qwen3", allow_auto_map=True)
+
+
+def test_nan_scan_finds_a_planted_nan(tiny_copy):
+    path = tiny_copy("qwen3")
+    tensor = "model.layers.2.self_attn.o_proj.weight"
+    shard = _shard_of(path, tensor)
+    header = read_header(shard)
+    offset = header.offset(header.tensors[tensor]) + 200
+    with open(shard, "r+b") as f:
+        f.seek(offset)
+        f.write(b"\xc0\x7f")  # bf16 NaN
+    validate_checkpoint(path, "qwen3")  # headers only: not looked at
+    _fails(path, "qwen3", rf"tensor {tensor}: \[nan/inf\] 1 non-finite", scan_fraction=1.0)
+
+
+def test_wrong_dtype_for_the_config_is_reported(tiny_copy):
+    path = tiny_copy("qwen3")
+    _edit_config(path, dtype="float16")
+    _fails(path, "qwen3", r"\[dtype\] is BF16; config dtype allows \['F16', 'F32'\]")
