@@ -146,9 +146,18 @@ def convert_to_fp8(src: Path, dst: Path, *, workers: int | None = None, progress
     return _convert(src, dst, _QuantizePlan(), workers, progress)
 
 
-def convert_from_fp8(src: Path, dst: Path, *, workers: int | None = None, progress: Progress | None = None):
-    """Write the bf16 form of FP8 checkpoint `src` into `dst` (weights dequantized, scales dropped)."""
-    return _convert(src, dst, _DequantizePlan(), workers, progress)
+def convert_from_fp8(
+    src: Path,
+    dst: Path,
+    *,
+    dtype: str = "bfloat16",
+    workers: int | None = None,
+    progress: Progress | None = None,
+):
+    """Write the `dtype` form of FP8 checkpoint `src` into `dst` (weights dequantized, scales dropped)."""
+    if dtype not in _DEQUANT_DTYPES:
+        raise CheckpointError(f"dequantize to {dtype!r}: choose one of {', '.join(_DEQUANT_DTYPES)}")
+    return _convert(src, dst, _DequantizePlan(dtype), workers, progress)
 
 
 class _QuantizePlan:
@@ -170,13 +179,19 @@ class _QuantizePlan:
         return {**config, "quantization_config": quantization_config(kept)}
 
 
+_DEQUANT_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
 class _DequantizePlan:
+    def __init__(self, dtype: str):
+        self.dtype = dtype
+
     def layout(self, info: TensorInfo, names: set[str]):
         if info.name.endswith(SCALE_SUFFIX) and info.name.removesuffix(SCALE_SUFFIX) in names:
             return []  # folded into its weight
         if info.dtype != "F8_E4M3" or info.name + SCALE_SUFFIX not in names:
             return None
-        return [(info.name, "BF16", info.shape)]
+        return [(info.name, _DEQUANT_DTYPES[self.dtype], info.shape)]
 
     def work(self, job):
         import torch
@@ -184,7 +199,7 @@ class _DequantizePlan:
         fd, header, info, r0, r1, scale = job
         rows = _read_rows(fd, header, info, r0, r1)
         part = scale[r0 // BLOCK : math.ceil(r1 / BLOCK)]
-        return [tensor_bytes(dequantize_blockwise(rows, part, torch.bfloat16))], None
+        return [tensor_bytes(dequantize_blockwise(rows, part, getattr(torch, self.dtype)))], None
 
     def config(self, config: dict, kept: list[str]) -> dict:
         return {k: v for k, v in config.items() if k != "quantization_config"}

@@ -47,7 +47,9 @@ def transformer_config(config: Mapping[str, Any]):
             "moe_router_topk": config["num_experts_per_tok"],
             "moe_ffn_hidden_size": config["moe_intermediate_size"],
             "moe_grouped_gemm": False,
-            "moe_layer_freq": [int(m) for m in moe],
+            # An int (all layers MoE) keeps Megatron's stacked per-layer keys, as a job run
+            # with the default --moe-layer-freq builds them; a mixed pattern must be a list.
+            "moe_layer_freq": 1 if all(moe) else [int(m) for m in moe],
         }
     return TransformerConfig(
         num_layers=config["num_hidden_layers"],

@@ -33,7 +33,10 @@ from miles.ckpt.shards import CheckpointReader, torch_dtype
 
 RELEASE = "release"
 TRACKER = "latest_checkpointed_iteration.txt"
-_COMMON = {"checkpoint_version": 3.0, "iteration": 0}
+# Megatron-LM rebuilds the model's sharded state dict with the content_metadata it finds in
+# common.pt, so recording the (default) metadata used here makes a loader ask for these keys.
+SHARDED_METADATA: dict = {}
+_COMMON = {"checkpoint_version": 3.0, "iteration": 0, "content_metadata": SHARDED_METADATA}
 _COMMON_KEYS = (*_COMMON, "miles")
 
 
@@ -87,7 +90,7 @@ def convert_to_torch_dist(
 
             model = build_model(config, vocab)
             _fill_gpt(model, config, reader, vocab, progress)
-            sharded = model.sharded_state_dict()
+            sharded = model.sharded_state_dict(metadata=dict(SHARDED_METADATA))
         else:
             sharded = _hf_named_state(reader, progress)
         release = dst / RELEASE
@@ -197,7 +200,9 @@ def _verify(release: Path, config, reader: CheckpointReader, gpt: bool, vocab: i
         from miles.ckpt.megatron_gpt import build_model
 
         model = build_model(config, vocab)
-        state = dist_checkpointing.load(model.sharded_state_dict(), str(release))
+        state = dist_checkpointing.load(
+            model.sharded_state_dict(metadata=dict(SHARDED_METADATA)), str(release)
+        )
         model.load_state_dict({k: v for k, v in state.items() if k not in _COMMON_KEYS})
         loaded = model.state_dict()
         expected = _gpt_tensors(config, reader, vocab)
