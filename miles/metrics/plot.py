@@ -6,6 +6,7 @@ One panel per history (backend, suite) and coordinate, since histories never mix
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 from miles.metrics.report import HistoryRow, history_rows
@@ -50,8 +51,10 @@ def plot_history(
     fig.tight_layout()
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output, dpi=100)
+    tmp = output.with_name(f".{output.name}.tmp")  # a half-drawn image never takes the name
+    fig.savefig(tmp, dpi=100, format=output.suffix.lstrip(".") or "png")
     plt.close(fig)
+    os.replace(tmp, output)
     return len(keys)
 
 
