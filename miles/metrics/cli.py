@@ -94,13 +94,12 @@ def _test_path(root: Path, test: str) -> str:
 
 def cmd_history_show(args: argparse.Namespace) -> int:
     from miles.metrics.report import history_rows, render_history
+    from miles.metrics.store import StoreError
 
     store = _open(args)
     if store is None:
         return 1
     test = _test_path(args.root, args.test)
-    from miles.metrics.store import StoreError
-
     try:
         rows = history_rows(
             store, test, backend=args.backend, suite=args.suite, metric=args.metric, limit=args.limit
