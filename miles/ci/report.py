@@ -317,6 +317,11 @@ def render_markdown(run: RunRecord) -> str:
         out += ["### Disabled", "", "| file | suite | reason |", "| --- | --- | --- |"]
         out += [f"| `{e.file}` | {e.suite} | {_cell(e.reason)} |" for e in disabled]
         out.append("")
+    not_run = [a for a in run.final_attempts if a.status == SKIPPED]
+    if not_run:
+        out += ["### Not run", "", "| file | suite | why |", "| --- | --- | --- |"]
+        out += [f"| `{a.file}` | {a.suite} | {_cell(a.message)} |" for a in not_run]
+        out.append("")
     other = [e for e in run.excluded if e.kind != "disabled"]
     if other:
         out += ["### Not selected", "", "| file | suite | why |", "| --- | --- | --- |"]
@@ -350,8 +355,9 @@ def _gantt(run: RunRecord) -> list[str]:
         if a.suite != section:
             section = a.suite
             lines.append(f"    section {section}")
-        start = int((a.started_at - run.started_at) * 1000)
-        end = max(start + 1, int((a.finished_at - run.started_at) * 1000))
+        # wall-clock milliseconds: the axis then shows when each test ran, in the reader's time zone
+        start = int(a.started_at * 1000)
+        end = max(start + 1, int(a.finished_at * 1000))
         tag = "done" if a.status == PASSED else ("active" if id(a) not in finals else "crit")
         name = re.sub(r"[:#;]", "_", a.file) + (f" (attempt {a.attempt})" if a.attempt > 1 else "")
         lines.append(f"    {name} :{tag}, t{n}, {start}, {end}")

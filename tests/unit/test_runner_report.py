@@ -185,6 +185,13 @@ def _run() -> RunRecord:
             flaky.replace(
                 attempt=2, status="passed", classification="passed", retry_reason="attempt 1: NCCL init"
             ),
+            _attempt(
+                "tests/e2e/test_later.py",
+                "skipped",
+                classification="fast-fail",
+                elapsed=0.0,
+                message="not run: fast-fail after tests/e2e/test_train.py ended failed",
+            ),
         ),
         excluded=(
             Exclusion("tests/e2e/test_off.py", "stage-b-cpu", "disabled", "tokenizer download 404s, #42"),
@@ -209,25 +216,23 @@ def test_junit_report_is_xunit1_with_file_and_gate_verdicts():
     assert gate[0].find("failure").get("message") == "failed: 0.9 is above the band [0.1, 0.5]"
     skipped = [c for c in suites["excluded"].iter("testcase")]
     assert "tokenizer download 404s" in skipped[0].find("skipped").get("message")
-    assert root.get("failures") == "1" and root.get("skipped") == "1"
+    assert root.get("failures") == "1" and root.get("skipped") == "2"  # the excluded test and the one not run
 
 
 def test_markdown_has_failed_retried_disabled_gate_tables_and_a_gantt():
     text = render_markdown(_run())
-    for heading in (
-        "### Failed",
-        "### Retried",
-        "### Disabled",
-        "### Metric gates",
-        "### Passed",
-        "```mermaid",
-    ):
+    headings = ("### Failed", "### Retried", "### Not run", "### Disabled", "### Metric gates", "### Passed")
+    for heading in (*headings, "```mermaid"):
         assert heading in text
     assert (
         "| `tests/e2e/test_train.py` | `train/grad_norm` | failed | 0.9 is above the band [0.1, 0.5] |"
         in text
     )
     assert "tests/e2e/test_flaky.py (attempt 2) :done" in text
+    assert (
+        "| `tests/e2e/test_later.py` | stage-b-cpu | not run: fast-fail after tests/e2e/test_train.py ended failed |"
+        in text
+    )
 
 
 def test_reports_are_written_together_and_appended_to_the_step_summary(tmp_path, monkeypatch):
