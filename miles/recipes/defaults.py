@@ -1,0 +1,126 @@
+"""Argument groups every recipe starts from, and the CPU `tiny` profile they all share.
+
+The GRPO numbers are the seeds' defaults: lr 1e-6, weight decay 0.1, Adam betas 0.9/0.98,
+eps-clip 0.2/0.28, 32 prompts x 8 samples per rollout, global batch 256, k3 (low_var_kl) KL.
+"""
+
+from __future__ import annotations
+
+from miles.parallel import ParallelConfig
+from miles.recipes.args import Args
+from miles.recipes.models import TINY
+from miles.recipes.recipe import ParallelProfile, groups
+
+CHECKPOINT: Args = (
+    ("--hf-checkpoint", "{hf_checkpoint}"),
+    ("--ref-load", "{ref_load}"),
+    ("--load", "{save_dir}"),
+    ("--save", "{save_dir}"),
+    ("--save-interval", 20),
+)
+
+ROLLOUT: Args = (
+    ("--prompt-data", "{data_dir}/dapo-math-17k.jsonl"),
+    ("--input-key", "prompt"),
+    ("--label-key", "label"),
+    ("--apply-chat-template", True),
+    ("--rollout-shuffle", True),
+    ("--rm-type", "deepscaler"),
+    ("--num-rollout", 3000),
+    ("--rollout-batch-size", 32),
+    ("--n-samples-per-prompt", 8),
+    ("--rollout-max-response-len", 8192),
+    ("--rollout-temperature", 1.0),
+    ("--global-batch-size", 256),
+    ("--balance-data", True),
+)
+
+GRPO: Args = (
+    ("--advantage-estimator", "grpo"),
+    ("--use-kl-loss", True),
+    ("--kl-loss-coef", 0.001),
+    ("--kl-loss-type", "low_var_kl"),
+    ("--entropy-coef", 0.0),
+    ("--eps-clip", 0.2),
+    ("--eps-clip-high", 0.28),
+)
+
+OPTIMIZER: Args = (
+    ("--optimizer", "adam"),
+    ("--lr", 1e-6),
+    ("--lr-decay-style", "constant"),
+    ("--weight-decay", 0.1),
+    ("--adam-beta1", 0.9),
+    ("--adam-beta2", 0.98),
+)
+
+ROLLOUT_ENGINE: Args = (("--sglang-mem-fraction-static", 0.7),)
+
+# Megatron memory and kernel settings; the CPU profile removes them.
+PERF: Args = (
+    ("--colocate", True),
+    ("--bf16", True),
+    ("--recompute-granularity", "full"),
+    ("--recompute-method", "uniform"),
+    ("--recompute-num-layers", 1),
+    ("--use-dynamic-batch-size", True),
+    ("--max-tokens-per-gpu", 9216),
+    ("--attention-dropout", 0.0),
+    ("--hidden-dropout", 0.0),
+    ("--accumulate-allreduce-grads-in-fp32", True),
+    ("--attention-softmax-in-fp32", True),
+)
+
+MISC: Args = (("--seed", 1234),)
+
+ENV: tuple[tuple[str, str], ...] = (("PYTHONUNBUFFERED", "1"),)
+
+# The CPU lane trains the same recipe on a tiny random checkpoint: 2 gloo ranks, a small
+# batch, three rollouts of the trainer's synthetic task, FSDP instead of Megatron.
+TINY_OVERRIDES = groups(
+    checkpoint=(("--save-interval", 3),),
+    rollout=(
+        ("--prompt-data", "synthetic:fixed"),
+        ("--rm-type", "synthetic"),
+        ("--apply-chat-template", None),
+        ("--rollout-shuffle", None),
+        ("--balance-data", None),
+        ("--num-rollout", 3),
+        ("--rollout-batch-size", 4),
+        ("--n-samples-per-prompt", 4),
+        ("--global-batch-size", 16),
+        ("--micro-batch-size", 4),
+        ("--rollout-max-response-len", 16),
+    ),
+    optimizer=(("--optimizer-cpu-offload", None), ("--use-precision-aware-optimizer", None)),
+    perf=(
+        ("--bf16", None),
+        ("--recompute-granularity", None),
+        ("--recompute-method", None),
+        ("--recompute-num-layers", None),
+        ("--use-dynamic-batch-size", None),
+        ("--max-tokens-per-gpu", None),
+        ("--attention-dropout", None),
+        ("--hidden-dropout", None),
+        ("--accumulate-allreduce-grads-in-fp32", None),
+        ("--attention-softmax-in-fp32", None),
+        ("--distributed-backend", "gloo"),
+        ("--num-threads", 1),
+    ),
+    misc=(("--ci-test", True),),
+)
+
+
+def cpu_tiny_profile() -> ParallelProfile:
+    """Two gloo ranks on one CPU machine, data-parallel, the trainer's own sampler."""
+    return ParallelProfile(
+        platform="cpu",
+        nodes=1,
+        gpus_per_node=2,
+        model=TINY,
+        parallel=ParallelConfig(),
+        rollout_engine="torch",
+        overrides=TINY_OVERRIDES,
+        suite="stage-b-cpu",
+        source="the CPU lane's recipe tests train it on every PR",
+    )

@@ -1,0 +1,1 @@
+"""One module per recipe: `RECIPE` (the shared form) with its declared platform overlays."""

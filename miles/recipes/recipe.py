@@ -1,0 +1,325 @@
+"""A training recipe as data: model, argument groups, environment, verified parallel profiles.
+
+The shared recipe serves CUDA (and the CPU `tiny` profile); a platform's form is the shared
+recipe plus a declared `Overlay` (its own profiles, rollout/attention backends, environment,
+pins), applied by `for_platform()`. Nothing is copied, so `python -m miles.recipes diff`
+can print every difference, and every profile is validated against the Megatron rules when
+the recipe is defined: an impossible layout cannot be committed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from miles.ckpt.plan import CheckpointPlan
+from miles.parallel import LayoutError, ParallelConfig, validate
+from miles.recipes.args import Args, drop, fill, merge, render
+from miles.recipes.models import TINY, ModelSpec, ResolvedModel, resolve_model
+
+# The argument groups, in the order they appear on the command line.
+GROUPS = ("checkpoint", "rollout", "grpo", "optimizer", "rollout_engine", "perf", "misc")
+SHARED = "shared"
+GPU_PLATFORMS = ("cuda", "rocm")
+CPU_BACKEND = "fsdp"  # the CPU trainer runs data-parallel over gloo ranks
+
+
+class RecipeError(ValueError):
+    pass
+
+
+def groups(**named: Args) -> tuple[tuple[str, Args], ...]:
+    """Argument groups by name, in command-line order; an unknown group name is an error."""
+    unknown = set(named) - set(GROUPS)
+    if unknown:
+        raise RecipeError(f"unknown argument group(s) {sorted(unknown)}; known: {', '.join(GROUPS)}")
+    return tuple((g, tuple(named[g])) for g in GROUPS if g in named)
+
+
+def _lookup(pairs: tuple[tuple[str, Args], ...], group: str) -> Args:
+    return next((args for g, args in pairs if g == group), ())
+
+
+@dataclass(frozen=True)
+class ParallelProfile:
+    """A layout verified for one model on (platform, nodes, GPUs per node)."""
+
+    platform: str  # cpu | cuda | rocm
+    nodes: int
+    gpus_per_node: int  # on cpu: gloo ranks per node
+    model: str  # the model name it was verified with ("tiny" for the CPU profile)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout_gpus_per_engine: int = 1
+    rollout_engine: str = "sglang"  # sglang on GPUs; torch (the trainer's own sampler) on CPU
+    overrides: tuple[tuple[str, Args], ...] = ()  # flags this profile sets or removes, by group
+    suite: str | None = None  # the CI suite that runs it (checked against the catalog)
+    source: str = ""  # what else vouches for it
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def key(self) -> tuple[str, str, int, int]:
+        return (self.model, self.platform, self.nodes, self.gpus_per_node)
+
+    def describe(self) -> str:
+        return f"{self.platform} {self.nodes}x{self.gpus_per_node} {self.model}: {self.parallel.describe()}"
+
+    def evidence(self) -> str:
+        parts = [f"runs in {self.suite}" if self.suite else "", self.source]
+        return "; ".join(p for p in parts if p) or "no evidence recorded"
+
+
+@dataclass(frozen=True)
+class Overlay:
+    """What a platform changes in the shared recipe, and why."""
+
+    platform: str
+    reason: str
+    args: tuple[tuple[str, Args], ...] = ()  # merged into the shared groups (None removes a flag)
+    env: tuple[tuple[str, str | None], ...] = ()  # merged into the shared environment (None removes)
+    profiles: tuple[ParallelProfile, ...] = ()  # replace the shared profiles on this platform
+    pins: tuple[tuple[str, str], ...] = ()  # package == version the platform's stack needs
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    description: str
+    model: ModelSpec
+    models: tuple[str, ...]  # the model names offered; the first is the default on GPUs
+    args: tuple[tuple[str, Args], ...]
+    profiles: tuple[ParallelProfile, ...]
+    defined_in: str  # the file to edit (shown in errors)
+    fp8_rollout: bool = False  # rollout reads the FP8 checkpoint (GPU profiles)
+    train_backend: str = "megatron"  # on GPUs
+    env: tuple[tuple[str, str], ...] = ()
+    pins: tuple[tuple[str, str], ...] = ()
+    overlays: tuple[Overlay, ...] = ()
+    variant: str = SHARED  # "shared", or the platform whose overlay was applied
+
+    def __post_init__(self) -> None:
+        unknown = [g for g, _ in self.args if g not in GROUPS]
+        if unknown:
+            raise RecipeError(
+                f"{self.defined_in}: unknown argument group(s) {unknown}; known: {', '.join(GROUPS)}"
+            )
+        for profile in self.profiles:
+            self._check_profile(profile)
+
+    def _check_profile(self, profile: ParallelProfile) -> None:
+        where = f"{self.defined_in}: {self.name} ({self.variant}) profile {profile.platform} {profile.nodes}x{profile.gpus_per_node}"
+        if profile.model != TINY and profile.model not in self.models:
+            raise RecipeError(
+                f"{where}: model {profile.model} is not offered ({', '.join(self.models)}, {TINY})"
+            )
+        if (profile.platform == "cpu") != (profile.model == TINY):
+            raise RecipeError(f"{where}: the {TINY} model runs on cpu and only there (got {profile.model})")
+        model = self.resolve(profile.model)
+        verdict = validate(profile.parallel, profile.world_size, model.shape)
+        if not verdict.ok:
+            raise LayoutError(verdict, where)
+
+    # --- lookups -----------------------------------------------------------------------------
+
+    def group(self, name: str) -> Args:
+        return _lookup(self.args, name)
+
+    @property
+    def platforms(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(p.platform for p in self.profiles))
+
+    def resolve(self, model: str | None = None, env=None) -> ResolvedModel:
+        import os
+
+        return resolve_model(model or self.models[0], self.model, os.environ if env is None else env)
+
+    def for_platform(self, platform: str) -> Recipe:
+        """The form of this recipe for `platform`: itself on cpu/cuda, else with that overlay."""
+        platform = str(platform)
+        if self.variant != SHARED:
+            if platform == self.variant:
+                return self
+            raise RecipeError(
+                f"{self.name} is the {self.variant} form; load the shared recipe for {platform}"
+            )
+        if platform in ("cpu", "cuda"):
+            return self
+        overlay = next((o for o in self.overlays if o.platform == platform), None)
+        if overlay is None:
+            raise RecipeError(f"{self.name} declares no {platform} overlay; add one in {self.defined_in}")
+        return apply_overlay(self, overlay)
+
+    def default_model(self, platform: str) -> str:
+        return TINY if platform == "cpu" else self.models[0]
+
+    def profile(
+        self, model: str | None, platform: str, nodes: int | None = None, gpus_per_node: int | None = None
+    ) -> ParallelProfile:
+        """The verified profile for this model and machine shape; NotImplementedError names the
+        verified ones and where to add another."""
+        model = model or self.default_model(platform)
+        for p in self.profiles:
+            if (p.model, p.platform) != (model, platform):
+                continue
+            if nodes in (None, p.nodes) and gpus_per_node in (None, p.gpus_per_node):
+                return p
+        shape = f"{nodes or 'any number of'} node(s) x {gpus_per_node or 'any number of'} GPU(s)"
+        verified = "; ".join(p.describe() for p in self.profiles) or "none"
+        holder = "RECIPE" if self.variant == SHARED else f"the {self.variant.upper()} overlay"
+        raise NotImplementedError(
+            f"{self.name} ({self.variant}) has no verified parallel profile for {model} on {platform} with "
+            f"{shape}. Verified: {verified}. To add one, put a ParallelProfile in {holder}.profiles in "
+            f"{self.defined_in} after the layout has run there (`python -m miles.parallel check` validates it)."
+        )
+
+    # --- what the recipe produces ------------------------------------------------------------
+
+    def backend_of(self, profile: ParallelProfile) -> str:
+        return CPU_BACKEND if profile.platform == "cpu" else self.train_backend
+
+    def checkpoint_plan(
+        self,
+        model: str | None = None,
+        *,
+        model_dir: str = ".miles/models",
+        source: str | None = None,
+        stage_dir: str | None = None,
+        env=None,
+    ) -> CheckpointPlan:
+        """The checkpoint pipeline's plan for `model`: fetch and validate always; trim for an
+        -Nlayer slice; fp8 for FP8-rollout recipes; torch_dist for Megatron training; stage when
+        a node-local stage_dir is given. `tiny` builds a random checkpoint of the family locally."""
+        resolved = self.resolve(model, env)
+        steps = ["fetch", "validate"]
+        if not resolved.tiny:
+            if resolved.is_slice:
+                steps.append("trim")
+            if self.fp8_rollout:
+                steps.append("fp8")
+            if self.train_backend == "megatron":
+                steps.append("torch_dist")
+        if stage_dir:
+            steps.append("stage")
+        return CheckpointPlan(
+            family=resolved.spec.family,
+            model_name=resolved.name,
+            source=f"tiny:{resolved.spec.family}" if resolved.tiny else (source or resolved.spec.hf_repo),
+            model_dir=model_dir,
+            num_layers=resolved.num_layers if (resolved.tiny or resolved.is_slice) else None,
+            steps=tuple(steps),
+            stage_dir=stage_dir,
+        )
+
+    def arg_groups(self, profile: ParallelProfile, fields: dict, env=None) -> tuple[tuple[str, Args], ...]:
+        """The resolved flags by group for `profile` (model flags first, as group "model");
+        `env` is where MODEL_ARGS_NUM_LAYERS is read (default: os.environ)."""
+        backend = self.backend_of(profile)
+        resolved = self.resolve(profile.model, env)
+        out: list[tuple[str, Args]] = []
+        if backend == "megatron":
+            out.append(("model", resolved.model_args()))
+        for group in GROUPS:
+            args = merge(self.group(group), _lookup(profile.overrides, group))
+            if group == "rollout_engine" and profile.rollout_engine == "sglang":
+                args = (("--rollout-num-gpus-per-engine", profile.rollout_gpus_per_engine), *args)
+            if group == "perf":
+                args = (*_placement(profile, backend), *args)
+            if profile.rollout_engine != "sglang":
+                args = drop(args, "--sglang-")
+                if group == "rollout_engine":
+                    args = (("--rollout-engine", profile.rollout_engine), *args)
+            out.append((group, fill(args, fields, f"{self.defined_in}: group {group}")))
+        return tuple(out)
+
+    def train_args(
+        self, profile: ParallelProfile, fields: dict, extra_args: tuple[str, ...] = (), env=None
+    ) -> tuple[str, ...]:
+        """The trainer's argv: every group in order, then `extra_args` last so they win."""
+        argv: list[str] = []
+        for _, args in self.arg_groups(profile, fields, env):
+            argv += render(args)
+        return (*argv, *extra_args)
+
+    def environment(self) -> dict[str, str]:
+        return {k: v for k, v in self.env if v is not None}
+
+
+def _placement(profile: ParallelProfile, backend: str) -> Args:
+    out: list = [
+        ("--train-backend", backend),
+        ("--actor-num-nodes", profile.nodes),
+        ("--actor-num-gpus-per-node", profile.gpus_per_node),
+    ]
+    if backend == "megatron":
+        c = profile.parallel
+        out += [
+            ("--tensor-model-parallel-size", c.tp),
+            ("--pipeline-model-parallel-size", c.pp),
+            ("--context-parallel-size", c.cp),
+            ("--expert-model-parallel-size", c.ep),
+            ("--expert-tensor-parallel-size", c.expert_tp),
+            ("--sequence-parallel", c.sp),
+            ("--decoder-first-pipeline-num-layers", c.first_stage_layers),
+            ("--decoder-last-pipeline-num-layers", c.last_stage_layers),
+        ]
+    return tuple(out)
+
+
+def apply_overlay(recipe: Recipe, overlay: Overlay) -> Recipe:
+    """The shared recipe with `overlay` applied: groups and env merged, profiles replaced."""
+    names = [g for g, _ in overlay.args if g not in GROUPS]
+    if names:
+        raise RecipeError(f"{recipe.defined_in}: {overlay.platform} overlay names unknown group(s) {names}")
+    args = groups(**{g: merge(recipe.group(g), _lookup(overlay.args, g)) for g in GROUPS})
+    env = dict(recipe.env)
+    for key, value in overlay.env:
+        env[key] = value
+    pins = dict(recipe.pins) | dict(overlay.pins)
+    return replace(
+        recipe,
+        args=args,
+        env=tuple((k, v) for k, v in env.items() if v is not None),
+        profiles=overlay.profiles,
+        pins=tuple(pins.items()),
+        variant=overlay.platform,
+    )
+
+
+def gpu_profile(
+    platform: str,
+    nodes: int,
+    gpus_per_node: int,
+    model: str,
+    parallel: ParallelConfig,
+    *,
+    rollout_gpus_per_engine: int,
+    suite: str,
+    source: str = "",
+    **overrides: Args,
+) -> ParallelProfile:
+    """A GPU profile; `suite` must be a catalog suite of this platform with this many GPUs."""
+    if platform not in GPU_PLATFORMS:
+        raise RecipeError(f"gpu_profile platform must be one of {GPU_PLATFORMS}, got {platform}")
+    check_suite(suite, platform, nodes * gpus_per_node)
+    return ParallelProfile(
+        platform, nodes, gpus_per_node, model, parallel, rollout_gpus_per_engine, "sglang", groups(**overrides),
+        suite, source,
+    )  # fmt: skip
+
+
+def check_suite(suite: str, platform: str, gpus: int) -> None:
+    """The suite exists in the CI catalog for `platform` and its runners have `gpus` GPUs."""
+    from miles.ci.catalog import UnknownName, load_catalog
+
+    try:
+        entry = load_catalog().suite(suite, platform)
+    except UnknownName as exc:
+        raise RecipeError(f"profile suite: {exc}") from None
+    if entry.gpus != gpus:
+        raise RecipeError(f"profile for {gpus} GPU(s) names suite {suite}, whose runners have {entry.gpus}")
+
+
+def source_file(module_name: str) -> str:
+    """`miles.recipes.library.inkling` -> `miles/recipes/library/inkling.py` (for error messages)."""
+    return module_name.replace(".", "/") + ".py"

@@ -1,0 +1,288 @@
+"""miles.recipes: recipes as data, platform overlays and dispatch, model specs, checkpoint plans."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from miles.parallel import LayoutError, ParallelConfig, validate
+from miles.platform import PlatformMismatch
+from miles.recipes import load, names, shared, variants
+from miles.recipes.args import ArgsError, fill, merge, render
+from miles.recipes.diff import recipe_diff
+from miles.recipes.models import INKLING_SMALL, QWEN3_4B, UnknownModel, moe_layer_freq, resolve_model
+from miles.recipes.recipe import RecipeError, gpu_profile, groups
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _flags(recipe, platform, model=None) -> list[str]:
+    profile = recipe.profile(model, platform)
+    fields = {
+        "hf_checkpoint": "/m/hf", "ref_load": "/m/ref", "save_dir": "/r/ckpt", "data_dir": "/d",
+        "rollout_gpus_per_engine": profile.rollout_gpus_per_engine,
+    }  # fmt: skip
+    return list(recipe.train_args(profile, fields))
+
+
+def test_the_five_recipes_each_declare_a_rocm_overlay():
+    assert names() == ("qwen3_4b", "qwen3_30b_a3b", "inkling", "glm5_2_744b_a40b", "deepseek_v4")
+    for name in names():
+        assert [r.variant for r in variants(name)] == ["shared", "rocm"]
+
+
+def test_every_verified_profile_passes_validate():
+    for name in names():
+        for recipe in variants(name):
+            for p in recipe.profiles:
+                verdict = validate(p.parallel, p.world_size, recipe.resolve(p.model).shape)
+                assert verdict.ok, f"{name} {p.describe()}: {verdict.summary()}"
+
+
+def test_an_impossible_profile_is_refused_where_the_recipe_is_defined():
+    recipe = shared("qwen3_30b_a3b")
+    bad = gpu_profile(
+        "cuda", 1, 4, "Qwen3-30B-A3B-4layer", ParallelConfig(tp=2, pp=2, ep=4, etp=1),
+        rollout_gpus_per_engine=4, suite="stage-c-4-gpu-h200",
+    )  # fmt: skip
+    with pytest.raises(LayoutError) as err:
+        replace(recipe, profiles=(bad,))
+    message = str(err.value)
+    assert message.startswith(
+        "miles/recipes/library/qwen3_30b_a3b.py: qwen3_30b_a3b (shared) profile cuda 1x4"
+    )
+    assert "ep=4 → ep=2 makes etp·ep·pp = 4 divide world 4" in message
+
+
+def test_a_profile_on_a_suite_the_catalog_lacks_is_refused():
+    with pytest.raises(RecipeError, match="stage-c-4-gpu-mi300x"):
+        gpu_profile(
+            "rocm",
+            1,
+            4,
+            "Qwen3-4B",
+            ParallelConfig(tp=2),
+            rollout_gpus_per_engine=1,
+            suite="stage-c-4-gpu-mi300x",
+        )
+
+
+def test_a_profile_whose_gpu_count_differs_from_its_suite_is_refused():
+    with pytest.raises(RecipeError, match="names suite stage-c-8-gpu-h200, whose runners have 8"):
+        gpu_profile(
+            "cuda",
+            1,
+            4,
+            "Qwen3-4B",
+            ParallelConfig(tp=2),
+            rollout_gpus_per_engine=1,
+            suite="stage-c-8-gpu-h200",
+        )
+
+
+def test_an_unverified_profile_lists_the_verified_ones_and_where_to_add_one():
+    recipe = load("inkling", platform="rocm")
+    with pytest.raises(NotImplementedError) as err:
+        recipe.profile("Inkling-Small-4layer", "rocm", nodes=1, gpus_per_node=8)
+    message = str(err.value)
+    assert (
+        "no verified parallel profile for Inkling-Small-4layer on rocm with 1 node(s) x 8 GPU(s)" in message
+    )
+    assert "Verified: rocm 1x4 Inkling-Small-4layer: tp4·pp1·cp1·ep4·etp1+sp" in message
+    assert "the ROCM overlay.profiles in miles/recipes/library/inkling.py" in message
+
+
+def test_load_dispatches_on_this_machine_platform():
+    assert load("inkling", env={}).variant == "shared"
+    assert load("inkling", platform="rocm").variant == "rocm"
+
+
+def test_load_refuses_rocm_on_a_cpu_torch_naming_both_facts():
+    with pytest.raises(PlatformMismatch, match=r"MILES_HARDWARE_PLATFORM=rocm but .*torch build cpu"):
+        load("inkling", env={"MILES_HARDWARE_PLATFORM": "rocm"})
+
+
+def test_unknown_recipe_lists_the_known_ones():
+    with pytest.raises(RecipeError, match="unknown recipe 'inkling2'; known: qwen3_4b, qwen3_30b_a3b"):
+        shared("inkling2")
+
+
+def test_rocm_overlay_replaces_deepep_with_mori_and_keeps_everything_else():
+    cuda = _flags(shared("qwen3_30b_a3b"), "cuda")
+    rocm = _flags(load("qwen3_30b_a3b", platform="rocm"), "rocm")
+    assert cuda[cuda.index("--sglang-moe-a2a-backend") + 1] == "deepep"
+    assert rocm[rocm.index("--sglang-moe-a2a-backend") + 1] == "mori"
+    assert [f for f in cuda if f.startswith("--")] == [f for f in rocm if f.startswith("--")]
+
+
+def test_four_gpu_rocm_moe_layout_uses_ep_2_under_pp_2():
+    flags = _flags(load("qwen3_30b_a3b", platform="rocm"), "rocm")
+    layout = {
+        f: flags[flags.index(f) + 1]
+        for f in ("--pipeline-model-parallel-size", "--expert-model-parallel-size")
+    }
+    assert layout == {"--pipeline-model-parallel-size": "2", "--expert-model-parallel-size": "2"}
+
+
+def test_diff_lists_every_rocm_delta_of_inkling():
+    base = shared("inkling")
+    lines = recipe_diff(base, base.for_platform("rocm"))
+    assert "  + SGLANG_USE_AITER=1" in lines
+    assert "  + numba==0.65.1" in lines
+    assert any(
+        line.startswith("  + rocm 1x4 Inkling-Small-4layer: tp4·pp1·cp1·ep4·etp1+sp") for line in lines
+    )
+    assert any(line.startswith("  - cuda 1x4 Inkling-Small-4layer") for line in lines)
+
+
+def test_diff_shows_a_changed_flag_with_both_values():
+    base = shared("glm5_2_744b_a40b")
+    lines = recipe_diff(base, base.for_platform("rocm"))
+    assert "  ~ --sglang-moe-a2a-backend deepep -> --sglang-moe-a2a-backend mori" in lines
+
+
+def test_a_recipe_does_not_differ_from_itself():
+    assert recipe_diff(shared("qwen3_4b"), shared("qwen3_4b")) == []
+
+
+def test_diff_command_prints_the_amd_deltas():
+    proc = subprocess.run(
+        [sys.executable, "-m", "miles.recipes", "diff", "inkling"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "inkling: shared -> rocm" in proc.stdout and "+ numba==0.65.1" in proc.stdout
+
+
+def test_overlay_removes_a_flag_given_none():
+    assert merge((("--a", 1), ("--b", True)), (("--b", None), ("--c", "x"))) == (("--a", 1), ("--c", "x"))
+
+
+def test_merge_keeps_the_flag_position_and_takes_the_new_value():
+    assert merge((("--a", 1), ("--b", 2)), (("--a", 3),)) == (("--a", 3), ("--b", 2))
+
+
+def test_render_spells_switches_lists_and_numbers():
+    assert render((("--x", True), ("--y", ("a", "b")), ("--lr", 1e-6), ("--t", 1.0), ("--off", None))) == [
+        "--x", "--y", "a", "b", "--lr", "1e-06", "--t", "1",
+    ]  # fmt: skip
+
+
+def test_unknown_template_field_names_the_flag_and_the_known_fields():
+    with pytest.raises(ArgsError, match=r"recipe.py: --save: unknown field \{save_path\}.*known: run_dir"):
+        fill((("--save", "{save_path}"),), {"run_dir": "/r"}, "recipe.py")
+
+
+def test_unknown_argument_group_is_refused():
+    with pytest.raises(RecipeError, match="unknown argument group"):
+        groups(sglang=(("--x", 1),))
+
+
+def test_slice_chosen_by_keyword():
+    model = resolve_model("Inkling-Small-4layer", INKLING_SMALL, env={})
+    assert (model.num_layers, model.is_slice, model.how) == (4, True, "keyword")
+
+
+def test_slice_chosen_by_model_args_num_layers():
+    model = resolve_model("Qwen3-4B", QWEN3_4B, env={"MODEL_ARGS_NUM_LAYERS": "6"})
+    assert (model.name, model.num_layers) == ("Qwen3-4B-6layer", 6)
+
+
+def test_keyword_wins_over_model_args_num_layers():
+    model = resolve_model("Inkling-Small-4layer", INKLING_SMALL, env={"MODEL_ARGS_NUM_LAYERS": "8"})
+    assert model.num_layers == 4
+
+
+def test_full_depth_without_keyword_or_variable():
+    assert resolve_model("Qwen3-4B", QWEN3_4B, env={}).num_layers == 36
+
+
+def test_slice_deeper_than_the_model_is_refused():
+    with pytest.raises(UnknownModel, match="Qwen3-4B has 36 layers"):
+        resolve_model("Qwen3-4B-40layer", QWEN3_4B, env={})
+
+
+def test_unknown_model_name_says_what_is_accepted():
+    with pytest.raises(UnknownModel, match="is not Qwen3-4B, Qwen3-4B-<N>layer or tiny"):
+        resolve_model("Qwen3-8B", QWEN3_4B, env={})
+
+
+def test_moe_layer_frequency_is_regenerated_for_the_slice():
+    flags = dict(resolve_model("Inkling-Small-4layer", INKLING_SMALL, env={}).model_args())
+    assert flags["--moe-layer-freq"] == "[0]*2+[1]*2"
+    assert dict(INKLING_SMALL.model_args())["--moe-layer-freq"] == "[0]*2+[1]*40"
+    assert moe_layer_freq(3, 2) == "[0]*2"  # a slice shallower than the dense prefix stays dense
+
+
+def test_tiny_plan_builds_the_family_locally_and_skips_conversions():
+    plan = shared("glm5_2_744b_a40b").checkpoint_plan("tiny", model_dir="/models")
+    assert (plan.source, plan.model_name, plan.num_layers) == (
+        "tiny:glm_moe_dsa",
+        "GLM-5.2-744B-A40B-tiny",
+        2,
+    )
+    assert plan.steps == ("fetch", "validate")
+
+
+def test_fp8_recipe_slice_plan_trims_converts_and_builds_torch_dist():
+    plan = shared("qwen3_30b_a3b").checkpoint_plan("Qwen3-30B-A3B-4layer", model_dir="/models")
+    assert plan.steps == ("fetch", "validate", "trim", "fp8", "torch_dist")
+    assert (plan.source, plan.num_layers, plan.hf_dir) == (
+        "Qwen/Qwen3-30B-A3B",
+        4,
+        "/models/Qwen3-30B-A3B-4layer",
+    )
+
+
+def test_bf16_recipe_at_full_depth_has_no_trim_and_no_fp8():
+    plan = shared("qwen3_4b").checkpoint_plan("Qwen3-4B", env={})
+    assert plan.steps == ("fetch", "validate", "torch_dist") and plan.num_layers is None
+
+
+def test_stage_dir_adds_the_stage_step_and_source_overrides_the_repo():
+    plan = shared("inkling").checkpoint_plan(stage_dir="/local/ssd", source="/mirror/Inkling-Small-4layer")
+    assert plan.steps[-1] == "stage" and plan.source == "/mirror/Inkling-Small-4layer"
+
+
+def test_fp8_recipe_rolls_out_from_the_fp8_checkpoint_and_references_torch_dist():
+    from miles.recipes.launch import RunOptions, build_plan
+
+    plan = build_plan(
+        shared("deepseek_v4"), RunOptions(model="DeepSeek-V4-Flash-4layer", model_dir="/m"), base_env={}
+    )
+    args = plan.train_args
+    assert args[args.index("--hf-checkpoint") + 1] == "/m/DeepSeek-V4-Flash-4layer_fp8"
+    assert args[args.index("--ref-load") + 1] == "/m/DeepSeek-V4-Flash-4layer_torch_dist"
+
+
+def test_tiny_profile_is_data_parallel_fsdp_with_the_trainers_sampler():
+    flags = _flags(shared("qwen3_30b_a3b"), "cpu")
+    assert flags[flags.index("--train-backend") + 1] == "fsdp"
+    assert flags[flags.index("--rollout-engine") + 1] == "torch"
+    assert not [f for f in flags if f.startswith("--sglang-") or f.startswith("--tensor-model-parallel")]
+    assert "--num-layers" not in flags  # fsdp reads the architecture from the HF config
+
+
+def test_every_generated_command_parses_with_the_trainer():
+    args_module = pytest.importorskip("miles.train.args")
+    for name in names():
+        for recipe in variants(name):
+            for p in recipe.profiles:
+                parsed = args_module.parse_args(_flags(recipe, p.platform, p.model))
+                assert parsed.train_backend == recipe.backend_of(p)
+
+
+def test_importing_recipes_imports_no_torch():
+    code = "import sys, miles.recipes.script; sys.exit('torch' in sys.modules)"
+    assert (
+        subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ}, check=False).returncode
+        == 0
+    )
