@@ -1,0 +1,293 @@
+"""Build a launch plan from a recipe (command, environment, working directories) and run it.
+
+One node: `python -m torch.distributed.run --standalone` starts the trainer's ranks (gloo on
+CPU, NCCL/RCCL on GPUs). Several nodes: a Ray job submission, with the `ray start` commands
+each node runs first; miles prints that plan but does not start clusters. `--dry-run` in the
+scripts prints the plan and stops.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from miles.ckpt.plan import CheckpointPlan
+from miles.parallel import validate
+from miles.platform import job_env, require
+from miles.recipes.recipe import ParallelProfile, Recipe
+
+TRAINER_MODULE = "miles.train"
+RAY_DASHBOARD_PORT = 8265
+RAY_GCS_PORT = 6379
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What a run needs beyond the recipe; the scripts fill it from flags and MILES_SCRIPT_*."""
+
+    model: str | None = None
+    nodes: int | None = None
+    gpus_per_node: int | None = None
+    model_dir: str = ".miles/models"
+    data_dir: str = ".miles/data"
+    output_dir: str = ".miles/runs"
+    run_id: str = "run"
+    source: str | None = None  # checkpoint source override (a pre-sliced repo, a local path)
+    stage_dir: str | None = None
+    num_rollout: int | None = None
+    extra_args: tuple[str, ...] = ()
+    extra_env: tuple[tuple[str, str], ...] = ()
+    python: str = "python"
+    head_address: str = "127.0.0.1"  # multi-node: the Ray head node
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    recipe: str
+    variant: str
+    platform: str
+    model: str
+    profile: ParallelProfile
+    mode: str  # "torchrun" (one node) | "ray" (several nodes)
+    command: tuple[str, ...]
+    train_args: tuple[str, ...]  # the trainer's flags alone (what miles.train parses)
+    env: tuple[tuple[str, str], ...]  # what the plan sets on top of the caller's environment
+    workdirs: tuple[tuple[str, str], ...]  # role -> directory
+    checkpoint: CheckpointPlan
+    layout: str  # the layout check's verdict
+    prelude: tuple[tuple[str, ...], ...] = ()  # commands each node runs before the job (ray)
+    pins: tuple[tuple[str, str], ...] = ()
+    groups: tuple[tuple[str, tuple[str, ...]], ...] = field(default=(), compare=False)  # for display
+
+    def to_json(self) -> dict:
+        return {
+            "recipe": self.recipe,
+            "variant": self.variant,
+            "platform": self.platform,
+            "model": self.model,
+            "profile": f"{self.profile.nodes}x{self.profile.gpus_per_node}",
+            "parallel": self.profile.parallel.to_json(),
+            "mode": self.mode,
+            "command": list(self.command),
+            "env": dict(self.env),
+            "workdirs": dict(self.workdirs),
+            "prelude": [list(c) for c in self.prelude],
+            "pins": dict(self.pins),
+            "checkpoint": _checkpoint_json(self.checkpoint),
+            "layout": self.layout,
+        }
+
+
+def _checkpoint_json(plan: CheckpointPlan) -> dict:
+    return {
+        "family": plan.family,
+        "model_name": plan.model_name,
+        "source": plan.source,
+        "model_dir": plan.model_dir,
+        "num_layers": plan.num_layers,
+        "steps": list(plan.steps),
+        "stage_dir": plan.stage_dir,
+    }
+
+
+def build_plan(
+    recipe: Recipe,
+    options: RunOptions,
+    platform: str | None = None,
+    base_env: Mapping[str, str] | None = None,
+) -> LaunchPlan:
+    """The plan for `recipe` with `options` on `platform` (default: the recipe form's own; for
+    the shared form, cpu for the tiny model and cuda otherwise). Raises NotImplementedError
+    for a profile that is not verified."""
+    base = dict(os.environ if base_env is None else base_env)
+    platform = str(platform or _platform(recipe, options.model))
+    profile = recipe.profile(options.model, platform, options.nodes, options.gpus_per_node)
+    resolved = recipe.resolve(profile.model, base)
+    checkpoint = recipe.checkpoint_plan(
+        profile.model,
+        model_dir=options.model_dir,
+        source=options.source,
+        stage_dir=options.stage_dir,
+        env=base,
+    )
+    run_dir = f"{options.output_dir}/{options.run_id}"
+    fields = _fields(recipe, profile, checkpoint, options, run_dir)
+    extra = tuple(options.extra_args)
+    if options.num_rollout is not None:
+        extra = ("--num-rollout", str(options.num_rollout), *extra)
+    groups = recipe.arg_groups(profile, fields, base)
+    train_args = recipe.train_args(profile, fields, extra, base)
+    env = _env(recipe, platform, base, dict(options.extra_env))
+    mode = "torchrun" if profile.nodes == 1 else "ray"
+    command, prelude = _command(mode, profile, train_args, env, options)
+    verdict = validate(profile.parallel, profile.world_size, resolved.shape)
+    return LaunchPlan(
+        recipe=recipe.name,
+        variant=recipe.variant,
+        platform=platform,
+        model=resolved.name,
+        profile=profile,
+        mode=mode,
+        command=command,
+        train_args=train_args,
+        env=tuple(sorted(env.items())),
+        workdirs=(("run", run_dir), ("checkpoints", f"{run_dir}/checkpoints"), ("models", options.model_dir)),
+        checkpoint=checkpoint,
+        layout=verdict.summary(),
+        prelude=prelude,
+        pins=recipe.pins,
+        groups=tuple((g, tuple(_render(a))) for g, a in groups),
+    )
+
+
+def _render(args) -> list[str]:
+    from miles.recipes.args import render
+
+    return render(args)
+
+
+def _platform(recipe: Recipe, model: str | None) -> str:
+    if recipe.variant != "shared":
+        return recipe.variant
+    from miles.recipes.models import TINY
+
+    return "cpu" if model in (None, TINY) else "cuda"
+
+
+def _fields(
+    recipe: Recipe, profile: ParallelProfile, ckpt: CheckpointPlan, options: RunOptions, run_dir: str
+) -> dict:
+    megatron = recipe.backend_of(profile) == "megatron"
+    fp8 = recipe.fp8_rollout and "fp8" in ckpt.steps
+    return {
+        "hf_checkpoint": ckpt.fp8_dir if fp8 else ckpt.hf_dir,
+        "hf_dir": ckpt.hf_dir,
+        "ref_load": ckpt.torch_dist_dir if megatron else ckpt.hf_dir,
+        "torch_dist_dir": ckpt.torch_dist_dir,
+        "save_dir": f"{run_dir}/checkpoints",
+        "run_dir": run_dir,
+        "model_dir": options.model_dir,
+        "data_dir": options.data_dir,
+        "run_id": options.run_id,
+        "model_name": ckpt.model_name,
+        "nodes": profile.nodes,
+        "gpus_per_node": profile.gpus_per_node,
+        "world_size": profile.world_size,
+        "rollout_gpus_per_engine": profile.rollout_gpus_per_engine,
+    }
+
+
+def _env(recipe: Recipe, platform: str, base: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
+    """What the job's environment adds to or changes in `base`: the recipe's, the platform's
+    device settings, then `extra` last so it wins."""
+    full = job_env(platform, {**base, **recipe.environment()})
+    if platform == "cpu":
+        full.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores; one thread each
+    full.update(extra)
+    return {k: v for k, v in full.items() if base.get(k) != v}
+
+
+def _command(
+    mode: str, profile: ParallelProfile, train_args: tuple[str, ...], env: dict, options: RunOptions
+):
+    trainer = (options.python, "-m", TRAINER_MODULE, *train_args)
+    if mode == "torchrun":
+        launcher = (options.python, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1")
+        return (
+            *launcher,
+            "--nproc-per-node",
+            str(profile.gpus_per_node),
+            "-m",
+            TRAINER_MODULE,
+            *train_args,
+        ), ()
+    head = options.head_address
+    gpus = str(profile.gpus_per_node)
+    prelude = (
+        ("ray", "start", "--head", "--node-ip-address", head, "--port", str(RAY_GCS_PORT), "--num-gpus", gpus,
+         "--disable-usage-stats"),
+        ("ray", "start", "--address", f"{head}:{RAY_GCS_PORT}", "--num-gpus", gpus, "--disable-usage-stats"),
+    )  # fmt: skip
+    submit = (
+        "ray", "job", "submit", "--address", f"http://{head}:{RAY_DASHBOARD_PORT}",
+        "--runtime-env-json", json.dumps({"env_vars": env}, sort_keys=True), "--",
+    )  # fmt: skip
+    return (*submit, *trainer), prelude
+
+
+def format_plan(plan: LaunchPlan) -> str:
+    """The plan for people: what runs, where, with which layout, environment and flags."""
+    p = plan.profile
+    lines = [
+        f"recipe     {plan.recipe} ({plan.variant} form)",
+        f"platform   {plan.platform}, {p.nodes} node(s) x {p.gpus_per_node} {'rank' if plan.platform == 'cpu' else 'GPU'}(s), {plan.mode}",
+        f"model      {plan.model}",
+        f"layout     {plan.layout}",
+        f"profile    verified: {p.evidence()}",
+        f"checkpoint {plan.checkpoint.source} -> {plan.checkpoint.hf_dir} (steps: {', '.join(plan.checkpoint.steps)})",
+    ]  # fmt: skip
+    if plan.pins:
+        lines.append("pins       " + ", ".join(f"{k}=={v}" for k, v in plan.pins))
+    lines.append("workdirs")
+    lines += [f"  {role:<12}{path}" for role, path in plan.workdirs]
+    lines.append("environment (set on top of the caller's)")
+    lines += [f"  {k}={v}" for k, v in plan.env] or ["  (nothing)"]
+    for i, cmd in enumerate(plan.prelude):
+        lines.append(f"node setup {'(head)' if i == 0 else '(each other node)'}")
+        lines.append("  " + shlex.join(cmd))
+    shown = [(g, flags) for g, flags in plan.groups if flags]
+    extra = plan.train_args[sum(len(f) for _, f in plan.groups) :]
+    if extra:
+        shown.append(("extra_args", extra))
+    lines.append("arguments (extra_args come last, so they win)")
+    lines += [f"  {group:<15}{shlex.join(flags)}" for group, flags in shown]
+    launcher = plan.command[: len(plan.command) - len(plan.train_args)]
+    lines.append("command")
+    body = [shlex.join(launcher)] + [f"  {shlex.join(flags)}" for _, flags in shown]
+    lines += ["  " + line + (" \\" if i < len(body) - 1 else "") for i, line in enumerate(body)]
+    return "\n".join(lines)
+
+
+def run(plan: LaunchPlan, env: Mapping[str, str] | None = None) -> int:
+    """Run a one-node plan: check the machine and the pins, make the directories, start the
+    command with the plan's environment on top of `env`. Returns its exit status."""
+    base = dict(os.environ if env is None else env)
+    if plan.mode != "torchrun":
+        raise LaunchError(
+            f"{plan.recipe}: a {plan.profile.nodes}-node run is planned, not started, by miles: run the node "
+            "setup commands of `--dry-run` on each node, then its `ray job submit` command on the head"
+        )
+    if plan.platform != "cpu":
+        require(plan.platform, plan.profile.gpus_per_node, env=base)
+    check_pins(plan.pins)
+    for _, path in plan.workdirs:
+        os.makedirs(path, exist_ok=True)
+    return subprocess.run(list(plan.command), env={**base, **dict(plan.env)}, check=False).returncode
+
+
+def check_pins(pins) -> None:
+    """Every pinned package installed at its pinned version, or one error naming them all."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    wrong = []
+    for name, wanted in pins:
+        try:
+            found = version(name)
+        except PackageNotFoundError:
+            found = "not installed"
+        if found != wanted:
+            wrong.append(f"{name}=={wanted} (found {found})")
+    if wrong:
+        raise LaunchError(
+            "pinned packages missing or at another version: "
+            + ", ".join(wrong)
+            + "; install the lane's requirements"
+        )

@@ -1,0 +1,1 @@
+"""ROCm forms of the recipe scripts: the shared recipe plus a declared overlay."""

@@ -1,0 +1,12 @@
+"""DeepSeek-V4-Flash GRPO recipe: `python scripts/run_deepseek_v4.py {prepare,train,full-train} [--dry-run] [--help]`.
+
+The recipe is data in miles/recipes/library/deepseek_v4.py. On a ROCm machine this script runs the
+ROCm form (the recipe plus its declared overlay), the same one scripts/amd/run_deepseek_v4.py runs.
+"""
+
+import sys
+
+from miles.recipes.script import main
+
+if __name__ == "__main__":
+    sys.exit(main("deepseek_v4"))

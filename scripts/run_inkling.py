@@ -1,0 +1,12 @@
+"""Inkling-Small GRPO recipe: `python scripts/run_inkling.py {prepare,train,full-train} [--dry-run] [--help]`.
+
+The recipe is data in miles/recipes/library/inkling.py. On a ROCm machine this script runs the
+ROCm form (the recipe plus its declared overlay), the same one scripts/amd/run_inkling.py runs.
+"""
+
+import sys
+
+from miles.recipes.script import main
+
+if __name__ == "__main__":
+    sys.exit(main("inkling"))

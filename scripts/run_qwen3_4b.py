@@ -1,0 +1,12 @@
+"""Qwen3-4B GRPO recipe: `python scripts/run_qwen3_4b.py {prepare,train,full-train} [--dry-run] [--help]`.
+
+The recipe is data in miles/recipes/library/qwen3_4b.py. On a ROCm machine this script runs the
+ROCm form (the recipe plus its declared overlay), the same one scripts/amd/run_qwen3_4b.py runs.
+"""
+
+import sys
+
+from miles.recipes.script import main
+
+if __name__ == "__main__":
+    sys.exit(main("qwen3_4b"))

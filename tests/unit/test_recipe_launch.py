@@ -1,0 +1,182 @@
+"""miles.recipes.launch and the recipe scripts: plans, environment merging, dry runs, real runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from miles.recipes import load, shared
+from miles.recipes.launch import LaunchError, RunOptions, build_plan, check_pins, format_plan, run
+from miles.recipes.script import ScriptError, main, parse_env_vars, resolve_fields
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXED = RunOptions(model_dir="/models", data_dir="/data", output_dir="/runs", run_id="t", python="python")
+
+
+def test_one_node_cpu_plan_starts_two_gloo_ranks_with_torchrun():
+    plan = build_plan(shared("qwen3_4b"), FIXED, base_env={})
+    assert plan.mode == "torchrun" and plan.platform == "cpu"
+    assert plan.command[:9] == (
+        "python", "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2", "-m",
+    )  # fmt: skip
+    assert plan.command[9] == "miles.train"
+    assert dict(plan.env)["OMP_NUM_THREADS"] == "1"
+
+
+def test_extra_args_come_last_so_they_win():
+    plan = build_plan(shared("qwen3_4b"), replace(FIXED, extra_args=("--lr", "5e-6")), base_env={})
+    assert plan.command[-2:] == ("--lr", "5e-6")
+    assert plan.command.index("--lr") < len(plan.command) - 2  # the recipe's own value stays, earlier
+
+
+def test_num_rollout_goes_before_extra_args():
+    plan = build_plan(
+        shared("qwen3_4b"), replace(FIXED, num_rollout=2, extra_args=("--num-rollout", "5")), base_env={}
+    )
+    assert plan.train_args[-4:] == ("--num-rollout", "2", "--num-rollout", "5")
+
+
+def test_extra_env_vars_merge_last_over_the_recipe_and_platform():
+    options = replace(FIXED, extra_env=(("SGLANG_USE_AITER", "0"), ("MY_FLAG", "1")))
+    plan = build_plan(load("inkling", platform="rocm"), options, base_env={})
+    env = dict(plan.env)
+    assert env["SGLANG_USE_AITER"] == "0" and env["MY_FLAG"] == "1"
+
+
+def test_rocm_plan_mirrors_hip_visible_devices():
+    plan = build_plan(load("inkling", platform="rocm"), FIXED, base_env={"HIP_VISIBLE_DEVICES": "4,5,6,7"})
+    env = dict(plan.env)
+    assert env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    assert env["NCCL_NVLS_ENABLE"] == "0"
+    assert "HIP_VISIBLE_DEVICES" not in env  # unchanged from the caller's, so not part of the plan
+
+
+def test_cuda_plan_carries_no_rocm_settings():
+    plan = build_plan(shared("inkling"), replace(FIXED, model="Inkling-Small-4layer"), base_env={})
+    assert plan.platform == "cuda"
+    assert not [k for k, _ in plan.env if k.startswith("RAY_EXPERIMENTAL") or k.startswith("NCCL")]
+
+
+def test_several_nodes_plan_a_ray_job_with_node_setup(monkeypatch):
+    from miles.recipes.recipe import ParallelProfile
+
+    recipe = load("qwen3_4b", platform="rocm")
+    two_nodes = replace(recipe.profiles[0], nodes=2, suite=None)
+    recipe = replace(recipe, profiles=(*recipe.profiles, two_nodes))
+    plan = build_plan(recipe, replace(FIXED, nodes=2, gpus_per_node=4, head_address="10.0.0.1"), base_env={})
+    assert isinstance(plan.profile, ParallelProfile) and plan.mode == "ray"
+    assert plan.command[:5] == ("ray", "job", "submit", "--address", "http://10.0.0.1:8265")
+    runtime_env = json.loads(plan.command[plan.command.index("--runtime-env-json") + 1])
+    assert runtime_env["env_vars"]["NCCL_NVLS_ENABLE"] == "0"
+    assert plan.prelude[0][:3] == ("ray", "start", "--head")
+    with pytest.raises(LaunchError, match="planned, not started"):
+        run(plan, env={})
+
+
+def test_format_plan_shows_layout_environment_and_a_runnable_command():
+    text = format_plan(build_plan(load("inkling", platform="rocm"), FIXED, base_env={}))
+    assert "layout     tp4·pp1·cp1·ep4·etp1+sp on 4 rank(s) for Inkling-Small-4layer: valid (dp=1)" in text
+    assert "  NCCL_NVLS_ENABLE=0" in text
+    assert (
+        "  python -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 4 -m miles.train \\"
+        in text
+    )
+    assert text.rstrip().endswith("--seed 1234")
+
+
+def test_run_starts_the_command_with_the_plan_environment_and_makes_the_directories(tmp_path):
+    out = tmp_path / "seen.json"
+    options = replace(FIXED, output_dir=str(tmp_path / "runs"), model_dir=str(tmp_path / "models"))
+    plan = build_plan(shared("qwen3_4b"), options, base_env={})
+    probe = f"import json, os; json.dump(dict(os.environ), open({str(out)!r}, 'w')); raise SystemExit(3)"
+    plan = replace(plan, command=(sys.executable, "-c", probe))
+    assert run(plan, env={"PATH": os.environ["PATH"], "CALLER": "kept"}) == 3
+    seen = json.loads(out.read_text())
+    assert seen["CALLER"] == "kept" and seen["OMP_NUM_THREADS"] == "1" and seen["PYTHONUNBUFFERED"] == "1"
+    assert (tmp_path / "runs" / "t" / "checkpoints").is_dir()
+
+
+def test_run_refuses_a_gpu_plan_on_this_machine():
+    plan = build_plan(load("inkling", platform="rocm"), FIXED, base_env={})
+    with pytest.raises(Exception, match="needs rocm with 4 GPU"):
+        run(plan, env={})
+
+
+def test_pins_at_another_version_are_named():
+    with pytest.raises(LaunchError, match=r"numba==0.65.1 \(found not installed\), pytest==0.0.1 \(found "):
+        check_pins((("numba", "0.65.1"), ("pytest", "0.0.1")))
+
+
+def test_script_arguments_bind_to_miles_script_variables_and_flags_win():
+    values = resolve_fields(
+        {"num_rollout": 7}, {"MILES_SCRIPT_NUM_ROLLOUT": "3", "MILES_SCRIPT_MODEL": "tiny"}
+    )
+    assert values["num_rollout"] == (7, "flag")
+    assert values["model"] == ("tiny", "MILES_SCRIPT_MODEL")
+    assert values["output_dir"] == (".miles/runs", "default")
+
+
+def test_a_malformed_boolean_variable_is_named():
+    with pytest.raises(ScriptError, match="MILES_SCRIPT_DRY_RUN='maybe' is not a boolean"):
+        resolve_fields({}, {"MILES_SCRIPT_DRY_RUN": "maybe"})
+
+
+def test_extra_env_vars_accept_json_and_name_value_pairs():
+    assert parse_env_vars('{"A": 1, "B": "x y"}') == (("A", "1"), ("B", "x y"))
+    assert parse_env_vars("A=1 B='x y'") == (("A", "1"), ("B", "x y"))
+    with pytest.raises(ScriptError, match="'B' is not NAME=value"):
+        parse_env_vars("A=1 B")
+
+
+def test_script_dry_run_echoes_the_arguments_table(capsys):
+    env = {"MILES_SCRIPT_RUN_ID": "from-env", "MILES_SCRIPT_DRY_RUN": "1"}
+    assert main("qwen3_4b", argv=["train", "--platform", "cpu"], env=env) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^run_id +from-env +MILES_SCRIPT_RUN_ID$", out, re.MULTILINE)
+    assert re.search(r"^num_gpus_per_node +2 +recipe profile$", out, re.MULTILINE)
+    assert "miles.train" in out
+
+
+def test_script_train_without_a_prepared_checkpoint_says_to_prepare(tmp_path, capsys):
+    argv = ["train", "--platform", "cpu", "--model-dir", str(tmp_path)]
+    assert main("inkling", argv=argv, env={}) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint {tmp_path}/Inkling-Small-tiny is missing" in err
+    assert "run `python scripts/run_inkling.py prepare --model tiny` first" in err
+
+
+def test_amd_script_dry_run_prints_a_complete_plan():
+    proc = subprocess.run(
+        [sys.executable, "scripts/amd/run_inkling.py", "train", "--dry-run", "--run-id", "x"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    for part in (
+        "recipe     inkling (rocm form)",
+        "pins       numba==0.65.1",
+        "SGLANG_USE_AITER=1",
+        "--sequence-parallel",
+    ):
+        assert part in proc.stdout
+
+
+def test_prepare_dry_run_prints_the_checkpoint_plan(capsys):
+    assert main("glm5_2_744b_a40b", argv=["prepare", "--dry-run", "--platform", "cuda"], env={}) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint plan: zai-org/GLM-5.2 -> .miles/models/GLM-5.2-744B-A40B-5layer" in out
+    assert "steps: fetch, validate, trim, fp8, torch_dist" in out
+
+
+def test_shared_script_under_a_wrong_platform_variable_refuses(capsys):
+    assert main("inkling", argv=["train", "--dry-run"], env={"MILES_HARDWARE_PLATFORM": "rocm"}) == 2
+    assert "MILES_HARDWARE_PLATFORM=rocm but this machine is cpu" in capsys.readouterr().err
