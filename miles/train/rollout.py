@@ -48,9 +48,125 @@ class RolloutEngine(abc.ABC):
 class TorchRolloutEngine(RolloutEngine):
     """Samples from an in-process Hugging Face causal LM.
 
-    Prompts are left-padded into one batch, the prompt is prefilled once, and each step feeds
-    only the new token against the KV cache. Finished rows are dropped from the batch and
-    the cache, so a batch where most samples stop early does not keep paying for them.
+    Distinct prompts are left-padded into one batch and prefilled once (a GRPO group of G
+    samples shares its prompt's cache), and each step feeds only the new token against the
+    KV cache. Finished rows are dropped from the batch and the cache, so a batch where most
+    samples stop early does not keep paying for them.
+    """
+
+    def __init__(self, model, *, pad_token_id: int = 0):
+        self.model = model.eval()
+        self.pad_token_id = pad_token_id
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, seed: int
+    ) -> list[Generation]:
+        import torch
+
+        if not prompts:
+            return []
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("a prompt encoded to zero tokens; every prompt needs at least one")
+        device = next(self.model.parameters()).device
+        generator = torch.Generator(device=device).manual_seed(seed)
+        with torch.inference_mode():
+            return self._generate(prompts, sampling, generator, device)
+
+    def _generate(self, prompts, sampling: SamplingConfig, generator, device) -> list[Generation]:
+        import torch
+        from transformers import DynamicCache
+
+        # GRPO asks for G samples of each prompt: prefill each distinct prompt once and give
+        # every sample its own copy of that prompt's cache.
+        distinct: dict[tuple[int, ...], int] = {}
+        row_of = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
+        cache = DynamicCache(config=self.model.config)
+        logits, attention = self._prefill(list(distinct), cache, device)
+        rows = torch.tensor(row_of, device=device)
+        cache.batch_select_indices(rows)
+        logits, attention = logits[rows], attention[rows]
+        positions = attention.sum(dim=1, keepdim=True) - 1  # of the last prompt token
+        stop = torch.tensor(sorted(sampling.stop_token_ids) or [-1], device=device)
+        active = torch.arange(len(prompts), device=device)  # original row of each live row
+        tokens: list[list[int]] = [[] for _ in prompts]
+        logprobs: list[list[float]] = [[] for _ in prompts]
+        finish = ["length"] * len(prompts)
+        for step in range(sampling.max_response_len):
+            next_ids, next_logprobs = sample_tokens(logits / sampling.temperature, sampling, generator)
+            done = torch.isin(next_ids, stop)
+            for row, tok, lp, d in zip(
+                active.tolist(), next_ids.tolist(), next_logprobs.tolist(), done.tolist(), strict=True
+            ):
+                tokens[row].append(tok)
+                logprobs[row].append(lp)
+                if d:
+                    finish[row] = "stop"
+            keep = (~done).nonzero().squeeze(1)
+            if keep.numel() == 0 or step == sampling.max_response_len - 1:
+                break
+            if keep.numel() < active.numel():
+                # Finished rows leave the batch and the cache: no compute is spent on padding.
+                cache.batch_select_indices(keep)
+                active, next_ids, attention, positions = (
+                    active[keep],
+                    next_ids[keep],
+                    attention[keep],
+                    positions[keep],
+                )
+            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
+            positions = positions + 1
+            out = self.model(
+                input_ids=next_ids.unsqueeze(1),
+                attention_mask=attention,
+                position_ids=positions,
+                cache=cache,
+                use_cache=True,
+            )
+            logits = out.logits[:, -1, :].float()
+        return [
+            Generation(tuple(p), tuple(t), tuple(lp), f)
+            for p, t, lp, f in zip(prompts, tokens, logprobs, finish, strict=True)
+        ]
+
+    def _prefill(self, prompts: list[tuple[int, ...]], cache, device):
+        """Left-padded forward of the prompts into `cache`; last-position logits and the mask."""
+        import torch
+
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long, device=device)
+        attention = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            attention[row, width - len(prompt) :] = 1
+        positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :].float(), attention
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, object]]) -> None:
+        """Load the trainer's current weights (full, unsharded tensors by HF parameter name)."""
+
+    @abc.abstractmethod
+    def named_weights(self) -> Iterator[tuple[str, object]]:
+        """The weights the engine samples with, for the weight-update check."""
+
+    def close(self) -> None:  # noqa: B027 (engines without resources need no cleanup)
+        """Release processes or memory the engine holds."""
+
+
+class TorchRolloutEngine(RolloutEngine):
+    """Samples from an in-process Hugging Face causal LM.
+
+    Distinct prompts are left-padded into one batch and prefilled once (a GRPO group of G
+    samples shares its prompt's cache), and each step feeds only the new token against the
+    KV cache. Finished rows are dropped from the batch and the cache, so a batch where most
+    samples stop early does not keep paying for them.
     """
 
     def __init__(self, model, *, pad_token_id: int = 0):

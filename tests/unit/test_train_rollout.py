@@ -122,3 +122,12 @@ def test_unknown_weight_name_is_refused(model):
     engine = TorchRolloutEngine(model)
     with pytest.raises(KeyError, match="no parameter"):
         engine.update_weights([("model.layers.9.mlp.weight", torch.zeros(1))])
+
+
+def test_samples_of_one_prompt_share_its_prefill_but_are_sampled_independently(model):
+    engine = TorchRolloutEngine(model)
+    gens = engine.generate([PROMPTS[0]] * 6 + [PROMPTS[2]] * 2, sampling(temperature=1.5), seed=4)
+    assert len({g.response_ids for g in gens[:6]}) > 1
+    for gen in gens:
+        expected = full_forward_logprobs(model, gen.prompt_ids, gen.response_ids, 1.5)
+        assert gen.logprobs == pytest.approx(expected, abs=1e-4)
