@@ -8,20 +8,14 @@ changes a message or a verdict fails here first.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from miles.ci.register import register_cpu_ci
 from miles.parallel import ModelShape, ParallelConfig, stage_sizes, validate
 from miles.parallel.megatron import Case, prove
+from miles.recipes import names, variants
 
 register_cpu_ci(est_time=60, suite="stage-b-cpu")
-
-ROOT = Path(__file__).resolve().parents[2]
 
 DENSE = ModelShape("Qwen3-4B-4layer", 4, 32, 8)
 MOE = ModelShape("Qwen3-30B-A3B-4layer", 4, 32, 4, 128)
@@ -130,13 +124,30 @@ STRICTER = [
 
 def _id(row) -> str:
     world, config, model = row[:3]
-    return f"w{world}-{config.describe()}-{model.name if model else 'grid'}".replace("·", "-")
+    tag = f"-{row[3]}" if len(row) == 4 else ""
+    return f"w{world}-{config.describe()}-{model.name if model else 'grid'}{tag}".replace("·", "-")
+
+
+# Every verified GPU profile of every recipe form, with its model's real shape.
+RECIPE_PROFILES = [
+    (
+        p.world_size,
+        p.parallel,
+        recipe.resolve(p.model, env={}).shape,
+        f"{recipe.name}-{recipe.variant}-{p.platform}",
+    )
+    for name in names()
+    for recipe in variants(name)
+    for p in recipe.profiles
+    if p.platform != "cpu"
+]
 
 
 @pytest.fixture(scope="module")
 def megatron_verdicts():
-    cases = [Case(config, world, model) for world, config, model, *_ in TABLE + STRICTER]
-    return dict(zip([_id(row) for row in TABLE + STRICTER], prove(cases), strict=True))
+    rows = TABLE + STRICTER + RECIPE_PROFILES
+    cases = [Case(config, world, model) for world, config, model, *_ in rows]
+    return dict(zip([_id(row) for row in rows], prove(cases), strict=True))
 
 
 def test_the_table_covers_at_least_thirty_layouts_and_every_rule():
@@ -166,30 +177,17 @@ def test_miles_is_stricter_only_where_recorded(row, megatron_verdicts):
     assert theirs.ok and theirs.layers_per_stage == megatron_split
 
 
+@pytest.mark.parametrize("row", RECIPE_PROFILES, ids=_id)
+def test_megatron_core_accepts_every_verified_recipe_profile(row, megatron_verdicts):
+    world, config, model, _ = row
+    theirs = megatron_verdicts[_id(row)]
+    assert theirs.ok, theirs.summary()
+    assert theirs.layers_per_stage == stage_sizes(config, model)
+
+
 def test_megatron_rank_grids_match_the_layout(megatron_verdicts):
     groups = megatron_verdicts[_id(TABLE[20])].groups  # tp2·pp2·ep2·etp1 on 4 ranks
     assert groups["tp"] == [[0, 1], [2, 3]]
     assert groups["pp"] == [[0, 2], [1, 3]]
     assert groups["ep"] == [[0, 1], [2, 3]]
     assert groups["etp"] == [[0], [1], [2], [3]]
-
-
-def _check(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "miles.parallel", "check", "--megatron", "--json", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-
-
-def test_check_command_fails_like_megatron_core_and_suggests_ep_2():
-    proc = _check("--world-size", "4", "--tp", "2", "--pp", "2", "--ep", "4", "--etp", "1")
-    assert proc.returncode == 1, proc.stderr
-    out = json.loads(proc.stdout)
-    assert out["megatron"]["error"] == expert_grid(4, 8)
-    assert out["megatron"]["agrees"] is True
-    assert out["violations"][0]["fixes"][0] == "ep=4 → ep=2 makes etp·ep·pp = 4 divide world 4"
-

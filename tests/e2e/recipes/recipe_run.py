@@ -1,0 +1,49 @@
+"""Run a recipe end to end the way CI does: `scripts/run_<name>.py full-train`.
+
+The recipe comes from `miles.recipes.load()`, which dispatches on the platform (and refuses a
+MILES_HARDWARE_PLATFORM that disagrees with torch); the shared script dispatches the same way,
+so a ROCm runner trains the ROCm form without any import switch. On CPU the tiny profile
+builds its random checkpoint locally; on GPUs the prepared checkpoints come from
+MILES_SCRIPT_MODEL_DIR and the run uses the trainer's synthetic task, so no dataset is needed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from miles.platform import resolve
+from miles.recipes import load
+
+ROOT = Path(__file__).resolve().parents[3]
+ROLLOUTS = 3
+
+
+def run_recipe(name: str, workdir: Path) -> Path:
+    """Prepare and train `name` on this machine; returns the run's checkpoint directory."""
+    platform = str(resolve().platform)
+    recipe = load(name)
+    assert recipe.variant == ("rocm" if platform == "rocm" else "shared"), (platform, recipe.variant)
+    runs = workdir / "runs"
+    argv = [
+        sys.executable,
+        f"scripts/run_{name}.py",
+        "full-train",
+        "--run-id",
+        "e2e",
+        "--output-dir",
+        str(runs),
+    ]
+    argv += ["--num-rollout", str(ROLLOUTS)]
+    if platform == "cpu":
+        argv += ["--model-dir", str(workdir / "models")]
+    else:
+        argv += ["--extra-args", "--prompt-data synthetic:fixed --rm-type synthetic --ci-test"]
+    proc = subprocess.run(argv, cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, check=False)
+    tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+    assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{tail}"
+    checkpoints = runs / "e2e" / "checkpoints"
+    assert checkpoints.is_dir() and any(checkpoints.iterdir()), f"{name} saved no checkpoint:\n{tail}"
+    return checkpoints

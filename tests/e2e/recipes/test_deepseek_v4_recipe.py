@@ -1,0 +1,39 @@
+"""The deepseek_v4 recipe end to end: DeepSeek-V4-Flash (4-layer slice).
+
+On 4 GPUs the verified CUDA or ROCm profile runs. The CPU run of the tiny profile is
+registered but disabled until the trainer handles this architecture (see the reason).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+from miles.ci.register import register_ci_gate, register_cpu_ci, register_cuda_ci, register_rocm_ci
+
+register_cpu_ci(
+    est_time=60,
+    suite="stage-b-cpu",
+    disabled=(
+        "miles.train TorchRolloutEngine decode fails on the tiny DeepSeek-V4: the compressor "
+        "buffer gets 7 of 8 positions (RuntimeError in store_compression_weights); trainer issue "
+        "#7"
+    ),
+)
+register_cuda_ci(est_time=1900, suite="stage-c-4-gpu-h200", labels=["megatron", "model-scripts"])
+register_rocm_ci(est_time=1900, suite="stage-c-4-gpu-mi350", labels=["megatron", "model-scripts", "amd"])
+register_ci_gate(metric_key="train/grad_norm")
+
+
+def _recipe_run():
+    path = Path(__file__).with_name("recipe_run.py")
+    spec = importlib.util.spec_from_file_location("recipe_run", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_deepseek_v4_recipe_prepares_and_trains(tmp_path):
+    _recipe_run().run_recipe("deepseek_v4", tmp_path)

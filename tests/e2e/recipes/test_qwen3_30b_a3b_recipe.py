@@ -1,0 +1,31 @@
+"""The qwen3_30b_a3b recipe end to end: Qwen3-30B-A3B (4-layer slice).
+
+On CPU the tiny profile (two gloo ranks, FSDP, the trainer's sampler) is prepared and
+trained; on 4 GPUs the verified CUDA or ROCm profile runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+from miles.ci.register import register_ci_gate, register_cpu_ci, register_cuda_ci, register_rocm_ci
+
+register_cpu_ci(est_time=60, suite="stage-b-cpu")
+register_cuda_ci(est_time=1600, suite="stage-c-4-gpu-h200", labels=["megatron", "model-scripts"])
+register_rocm_ci(est_time=1600, suite="stage-c-4-gpu-mi350", labels=["megatron", "model-scripts", "amd"])
+register_ci_gate(metric_key="train/grad_norm")
+
+
+def _recipe_run():
+    path = Path(__file__).with_name("recipe_run.py")
+    spec = importlib.util.spec_from_file_location("recipe_run", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_qwen3_30b_a3b_recipe_prepares_and_trains(tmp_path):
+    _recipe_run().run_recipe("qwen3_30b_a3b", tmp_path)
