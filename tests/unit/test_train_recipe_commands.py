@@ -1,0 +1,40 @@
+"""Every recipe x platform x profile's generated trainer command parses with miles.train's
+flag parser: the recipes and the trainer agree on every flag name, type and rule."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from miles.recipes import names, variants
+from miles.recipes.launch import TRAINER_MODULE, build_plan
+from miles.recipes.snapshot import FIXED
+from miles.train.args import parse_args
+
+PLANS = [(recipe, profile) for name in names() for recipe in variants(name) for profile in recipe.profiles]
+
+
+@pytest.mark.parametrize(
+    ("recipe", "profile"),
+    PLANS,
+    ids=[f"{r.name}-{p.platform}-{p.nodes}x{p.gpus_per_node}-{p.model}" for r, p in PLANS],
+)
+def test_recipe_command_parses_with_the_trainer_flags(recipe, profile):
+    options = replace(FIXED, model=profile.model, nodes=profile.nodes, gpus_per_node=profile.gpus_per_node)
+    plan = build_plan(recipe, options, profile.platform, base_env={})
+    assert TRAINER_MODULE in plan.command
+    args = parse_args(list(plan.train_args))
+    world = profile.nodes * profile.gpus_per_node
+    assert args.actor_num_nodes * args.actor_num_gpus_per_node == world
+    if profile.platform == "cpu":
+        # The CPU profile must be something the CPU trainer runs: data parallel, torch engine.
+        assert args.train_backend in ("fsdp", "ddp") and args.rollout_engine in ("torch", "auto")
+    else:
+        assert args.tensor_model_parallel_size == profile.parallel.tp
+        assert args.expert_model_parallel_size == profile.parallel.ep
+
+
+def test_every_recipe_has_a_cpu_tiny_profile():
+    cpu = {r.name for r, p in PLANS if p.platform == "cpu"}
+    assert cpu == set(names())
