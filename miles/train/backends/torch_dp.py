@@ -60,6 +60,8 @@ class TorchDPBackend(TrainBackend):
         )
 
     def _wrap(self, model, *, trainable: bool):
+        if self.dist.world_size == 1:
+            return model  # one rank: nothing to shard or all-reduce, and no wrapper overhead
         if self.mode == "fsdp":
             from torch.distributed.fsdp import fully_shard
 
@@ -69,7 +71,7 @@ class TorchDPBackend(TrainBackend):
                     fully_shard(module)
             fully_shard(model)
             return model
-        if trainable and self.dist.world_size > 1:
+        if trainable:
             from torch.nn.parallel import DistributedDataParallel
 
             device_ids = [self.dist.local_rank] if self.dist.device != "cpu" else None
@@ -141,7 +143,7 @@ class TorchDPBackend(TrainBackend):
         return contextlib.nullcontext() if last else self.model.no_sync()
 
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        if self.mode == "fsdp":
+        if self.mode == "fsdp" and self.dist.world_size > 1:
             state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
         else:
             state = self._inner.state_dict()
