@@ -30,15 +30,17 @@ class Scope:
     lane: Lane | None
     backend: str
     suites: tuple[Suite, ...]
+    narrowed: bool = False  # --suite picked some of the lane's suites
 
     @property
     def name(self) -> str:
-        """What reports and directories are named after: the lane, else the suite(s)."""
-        if self.lane is not None:
+        """What reports and directories are named after: the whole lane, else the one suite
+        (so two suites of one lane run on one machine do not share a report directory)."""
+        if self.lane is not None and not self.narrowed:
             return self.lane.name
         if len(self.suites) == 1:
             return self.suites[0].name
-        return self.backend
+        return self.lane.name if self.lane is not None else self.backend
 
     def lane_of(self, suite: Suite) -> str:
         return self.lane.name if self.lane is not None else suite.lane
@@ -83,7 +85,7 @@ def resolve_scope(
                         f"lane '{lane}' runs: {', '.join(sorted(names))}"
                     )
                 chosen.append(suite)
-        return Scope(lane_rec, lane_rec.backend, _unique(chosen))
+        return Scope(lane_rec, lane_rec.backend, _unique(chosen), narrowed=bool(suites))
     if suites:
         chosen = [catalog.suite(name, backend) for name in suites]
         backends = {s.backend for s in chosen}

@@ -203,3 +203,9 @@ def test_terminal_progress_shows_position_share_and_eta(make_tree):
     progress.start(0, TestRun(first.file, "rocm", first.suite, "rocm-mi350", "1/2", first.est_time, 375.0))
     progress.tick(150.0)
     assert "[1/6 ·" in screen.getvalue() and "ETA 1h27m" in screen.getvalue()
+
+
+def test_a_run_narrowed_to_one_suite_of_a_lane_reports_under_the_suite_name(make_tree):
+    root = make_tree(GPU_TREE)
+    plan = _plan(root, lane="cuda-h200", suites=("stage-c-4-gpu-h200",), shard="1/2")
+    assert plan.report_dir.name == "stage-c-4-gpu-h200-1of2"
