@@ -58,8 +58,22 @@ def single_process_group() -> Iterator[None]:
         finally:
             if own_mp:
                 parallel_state.destroy_model_parallel()
+                _drop_group_handles(parallel_state)
             if own_pg:
                 dist.destroy_process_group()
+
+
+def _drop_group_handles(module) -> None:
+    """Forget process groups megatron-core 0.16.1's destroy_model_parallel leaves behind.
+
+    It keeps the intra-partial data-parallel groups; a stale group's destructor, run later
+    (in a forked child it waits forever on threads that were not forked), must not be left.
+    """
+    import torch.distributed as dist
+
+    for name, value in list(vars(module).items()):
+        if name.startswith("_") and isinstance(value, dist.ProcessGroup):
+            setattr(module, name, None)
 
 
 def convert_to_torch_dist(
