@@ -63,14 +63,16 @@ def resolve_local(source: Source) -> Path:
     return path
 
 
-def resolve_hub(source: Source, *, keep_layers: int | None = None, download: bool = True) -> Path | None:
-    """The snapshot directory holding what the plan needs, downloading only what is missing.
+def resolve_hub(
+    source: Source, *, keep_layers: int | None = None, download: bool = True
+) -> tuple[Path | None, bool]:
+    """(snapshot directory holding what the plan needs, whether anything was downloaded).
 
     keep_layers: the plan cuts this many layers, so only shards holding them are needed.
-    download=False only looks in the cache (for --dry) and returns None when files are missing.
+    download=False only looks in the cache (for --dry) and gives None when files are missing.
     """
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    from huggingface_hub.errors import HfHubHTTPError, IncompleteSnapshotError, LocalEntryNotFoundError
 
     def fetch(patterns: list[str], local_only: bool) -> Path | None:
         try:
@@ -82,7 +84,7 @@ def resolve_hub(source: Source, *, keep_layers: int | None = None, download: boo
                     local_files_only=local_only,
                 )
             )
-        except (LocalEntryNotFoundError, FileNotFoundError):
+        except (LocalEntryNotFoundError, IncompleteSnapshotError, FileNotFoundError):
             return None
         except (HfHubHTTPError, OSError) as exc:
             raise CheckpointError(f"cannot download {source.value}: {exc}") from exc
@@ -96,9 +98,9 @@ def resolve_hub(source: Source, *, keep_layers: int | None = None, download: boo
         patterns = META_PATTERNS + _weight_files(root, keep_layers)
         root = fetch(patterns, local_only)
         if root is not None and _has_weights(root, keep_layers):
-            return root
+            return root, not local_only
     if not download:
-        return None
+        return None, False
     hint = "HF_HUB_OFFLINE is set and " if offline() else ""
     raise CheckpointError(
         f"{source.value}: {hint}the Hugging Face cache ({os.environ.get('HF_HOME', '~/.cache/huggingface')}) "

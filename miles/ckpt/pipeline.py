@@ -123,6 +123,7 @@ class _Run:
         self.source: Source = parse_source(plan.source)
         self.layers = plan.num_layers or layers_in_name(plan.model_name)
         self._source_dir: Path | None = None
+        self._downloaded = False
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -219,7 +220,13 @@ class _Run:
         if src is None:
             return StepResult("fetch", "would run", f"download {self.source.value}", None)
         if self.trim_applies(src):
-            return StepResult("fetch", "skipped" if self.dry else "ran", "trim reads it in place", str(src))
+            status = "ran" if self._downloaded else "skipped"
+            return StepResult(
+                "fetch",
+                status,
+                "downloaded; trim reads it in place" if self._downloaded else "trim reads it in place",
+                str(src),
+            )
         if src.resolve() == self.hf.resolve():
             return StepResult("fetch", "skipped", "the source is the model dir", str(src))
         return self._produce(

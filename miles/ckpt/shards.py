@@ -239,7 +239,10 @@ class ShardWriter:
         self._emit(len(raw).to_bytes(8, "little") + raw)
 
     def _emit(self, data) -> None:
-        self._file.write(data)
+        try:
+            self._file.write(data)
+        except OSError as exc:  # name the file: ENOSPC/EFBIG from write() carry no path
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
         self._hash.update(data)
         self._size += len(data)
 
@@ -280,13 +283,19 @@ class ShardWriter:
     def close(self) -> tuple[int, str]:
         if self._next != len(self._sizes) or self._filled:
             raise CheckpointError(f"{self.path}: closed after {self._next} of {len(self._sizes)} tensors")
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
         self._file.close()
         return self._size, self._hash.hexdigest()
 
     def abort(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError:
+            pass  # the flush of a failed write fails again; the file is deleted with its temp dir
 
 
 def sha256_file(path: Path) -> str:
