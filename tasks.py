@@ -77,3 +77,68 @@ def check_image(c, tag, variant=None):
     print(result.render())
     if not result.ok:
         raise Exit(code=1)
+
+
+@task(
+    help={
+        "recipe": "recipe whose plan to run (python -m miles.recipes list)",
+        "model": "model name: the recipe's model, an -Nlayer slice of it, or tiny",
+        "steps": "run only these of the plan's steps, comma-separated (fetch,validate,trim,fp8,torch_dist,stage)",
+        "platform": "recipe platform (cpu, cuda, rocm); default: this machine's",
+        "dry": "print what each step would do; change nothing",
+        "model_dir": "parent of the prepared dirs (default: the recipe's, or $MILES_MODEL_DIR)",
+        "stage_dir": "node-local directory to stage the prepared dirs into",
+        "source": "override the source: tiny:<family>, a local dir, or org/name[@revision]",
+        "family": "without --recipe: the model family",
+        "layers": "without --recipe: N of the N-layer slice",
+        "scan_nan": "validate: share of each tensor scanned for NaN/Inf (0-1)",
+    }
+)
+def prepare_ckpt(
+    c, model, recipe=None, steps=None, platform=None, dry=False, model_dir=None, stage_dir=None,
+    source=None, family=None, layers=None, scan_nan=0.0,
+):  # fmt: skip
+    """Prepare a model's checkpoints (fetch, validate, trim, FP8, torch_dist, stage); resumable."""
+    from invoke import Exit
+
+    from miles.ckpt.cli import main
+
+    options = {
+        "--recipe": recipe, "--platform": platform, "--steps": steps, "--model-dir": model_dir,
+        "--stage-dir": stage_dir, "--source": source, "--family": family, "--layers": layers,
+        "--scan-nan": scan_nan or None,
+    }  # fmt: skip
+    argv = ["prepare", "--model", model]
+    argv += [str(x) for k, v in options.items() if v is not None for x in (k, v)]
+    code = main(argv + (["--dry"] if dry or c.config.run.dry else []))
+    if code:
+        raise Exit(code=code)
+
+
+@task(
+    help={
+        "family": "qwen3, qwen3_moe, deepseek_v4, glm_moe_dsa or inkling",
+        "layers": "number of decoder layers",
+        "out": "directory to create",
+        "seed": "random seed of the weights",
+        "dim": "config override KEY=INT, repeatable (e.g. --dim hidden_size=2048)",
+        "shard_bytes": "largest shard size in bytes",
+        "dry": "print what would be built; build nothing",
+    },
+    iterable=["dim"],
+)
+def make_tiny_ckpt(c, family, out, layers=4, seed=0, dim=None, shard_bytes=None, dry=False):
+    """Build a tiny random checkpoint of a family's real architecture, with a local tokenizer."""
+    from invoke import Exit
+
+    from miles.ckpt.cli import main
+
+    argv = ["make-tiny", "--family", family, "--layers", str(layers), "--out", out, "--seed", str(seed)]
+    argv += [x for d in dim or [] for x in ("--dim", d)]
+    argv += ["--shard-bytes", str(shard_bytes)] if shard_bytes else []
+    if dry or c.config.run.dry:
+        print("would run: python -m miles.ckpt " + " ".join(argv))
+        return
+    code = main(argv)
+    if code:
+        raise Exit(code=code)
