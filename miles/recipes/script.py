@@ -52,7 +52,7 @@ FIELDS = (
     ),
     Field("num_nodes", int, None, "nodes (default: the verified profile's)"),
     Field("num_gpus_per_node", int, None, "GPUs per node, gloo ranks on cpu (default: the profile's)"),
-    Field("model_dir", str, ".miles/models", "where prepared checkpoints live"),
+    Field("model_dir", str, ".miles/models", "where prepared checkpoints live (also MILES_MODEL_DIR)"),
     Field("data_dir", str, ".miles/data", "where prompt datasets live"),
     Field("output_dir", str, ".miles/runs", "where runs write checkpoints and logs"),
     Field("run_id", str, None, "run directory name (default: time and a random suffix)"),
@@ -91,32 +91,40 @@ def build_parser(prog: str, fixed_platform: str | None) -> argparse.ArgumentPars
     return parser
 
 
+# Variables other miles commands already read for the same value (the checkpoint CLI and the
+# GPU-lane preflight use MILES_MODEL_DIR); MILES_SCRIPT_<FIELD> still wins over them.
+SHARED_ENV = {"model_dir": "MILES_MODEL_DIR"}
+
+
 def resolve_fields(cli: Mapping[str, object], env: Mapping[str, str]) -> dict[str, tuple[object, str]]:
-    """Each field's value and where it came from: the flag, MILES_SCRIPT_<FIELD>, or the default."""
+    """Each field's value and where it came from: the flag, MILES_SCRIPT_<FIELD> (or a shared
+    variable such as MILES_MODEL_DIR), or the default."""
     out = {}
     for f in FIELDS:
+        names = [env_name(f.name), *([SHARED_ENV[f.name]] if f.name in SHARED_ENV else [])]
+        given = next((n for n in names if env.get(n, "") != ""), None)
         if f.name in cli:
             out[f.name] = (cli[f.name], "flag")
-        elif env.get(env_name(f.name), "") != "":
-            out[f.name] = (_from_env(f, env[env_name(f.name)]), env_name(f.name))
+        elif given:
+            out[f.name] = (_from_env(f, env[given], given), given)
         else:
             out[f.name] = (f.default, "default")
     return out
 
 
-def _from_env(f: Field, text: str) -> object:
+def _from_env(f: Field, text: str, name: str) -> object:
     if f.kind is bool:
         lowered = text.strip().lower()
         if lowered in ("1", "true", "yes", "on"):
             return True
         if lowered in ("0", "false", "no", "off"):
             return False
-        raise ScriptError(f"{env_name(f.name)}={text!r} is not a boolean; use 1/0, true/false")
+        raise ScriptError(f"{name}={text!r} is not a boolean; use 1/0, true/false")
     if f.kind is int:
         try:
             return int(text)
         except ValueError:
-            raise ScriptError(f"{env_name(f.name)}={text!r} is not an integer") from None
+            raise ScriptError(f"{name}={text!r} is not an integer") from None
     return text
 
 

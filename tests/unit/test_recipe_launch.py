@@ -123,6 +123,15 @@ def test_script_arguments_bind_to_miles_script_variables_and_flags_win():
     assert values["output_dir"] == (".miles/runs", "default")
 
 
+def test_model_dir_falls_back_to_the_shared_miles_model_dir():
+    assert resolve_fields({}, {"MILES_MODEL_DIR": "/data/models"})["model_dir"] == (
+        "/data/models",
+        "MILES_MODEL_DIR",
+    )
+    both = {"MILES_MODEL_DIR": "/data/models", "MILES_SCRIPT_MODEL_DIR": "/fast/models"}
+    assert resolve_fields({}, both)["model_dir"] == ("/fast/models", "MILES_SCRIPT_MODEL_DIR")
+
+
 def test_a_malformed_boolean_variable_is_named():
     with pytest.raises(ScriptError, match="MILES_SCRIPT_DRY_RUN='maybe' is not a boolean"):
         resolve_fields({}, {"MILES_SCRIPT_DRY_RUN": "maybe"})

@@ -4,7 +4,7 @@ The recipe comes from `miles.recipes.load()`, which dispatches on the platform (
 MILES_HARDWARE_PLATFORM that disagrees with torch); the shared script dispatches the same way,
 so a ROCm runner trains the ROCm form without any import switch. On CPU the tiny profile
 builds its random checkpoint locally; on GPUs the prepared checkpoints come from
-MILES_SCRIPT_MODEL_DIR and the run uses the trainer's synthetic task, so no dataset is needed.
+MILES_MODEL_DIR (or MILES_SCRIPT_MODEL_DIR) and the run uses the trainer's synthetic task, so no dataset is needed.
 """
 
 from __future__ import annotations
