@@ -9,6 +9,7 @@ the recipe is defined: an impossible layout cannot be committed.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 
 from miles.ckpt.plan import CheckpointPlan
@@ -130,8 +131,7 @@ class Recipe:
         return tuple(dict.fromkeys(p.platform for p in self.profiles))
 
     def resolve(self, model: str | None = None, env=None) -> ResolvedModel:
-        import os
-
+        """`model` (default: the first offered) at its depth; `env` holds MODEL_ARGS_NUM_LAYERS."""
         return resolve_model(model or self.models[0], self.model, os.environ if env is None else env)
 
     def for_platform(self, platform: str) -> Recipe:
