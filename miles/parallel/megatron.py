@@ -103,13 +103,18 @@ def prove(cases: Sequence[Case], timeout_s: float = 600) -> list[MegatronVerdict
     with tempfile.TemporaryDirectory(prefix="miles-megatron-") as tmp:
         inp, out = Path(tmp, "cases.json"), Path(tmp, "verdicts.json")
         inp.write_text(json.dumps([c.to_json() for c in cases]))
-        proc = subprocess.run(
-            [sys.executable, "-m", "miles.parallel.megatron", str(inp), str(out)],
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            check=False,
-        )
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "miles.parallel.megatron", str(inp), str(out)],
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            raise ProofError(
+                f"megatron-core proof of {len(cases)} layout(s) did not finish in {timeout_s:g} s"
+            ) from None
         if proc.returncode != 0 or not out.exists():
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
             raise ProofError(f"megatron-core proof failed (exit {proc.returncode}):\n" + "\n".join(tail))
