@@ -141,7 +141,7 @@ class _Run:
                 self._source_dir = resolve_local(self.source)
             else:
                 keep = self.layers if "trim" in self.plan.steps else None
-                self._source_dir = resolve_hub(
+                self._source_dir, self._downloaded = resolve_hub(
                     self.source, keep_layers=keep, download=download and not self.dry
                 )
         return self._source_dir

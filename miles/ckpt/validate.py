@@ -25,6 +25,7 @@ from typing import Any
 from miles.ckpt.errors import CheckpointError
 from miles.ckpt.families import expected_architectures, family, num_layers
 from miles.ckpt.shards import FLOAT_DTYPES, ShardHeader, pread_into, read_header, read_weight_map, torch_dtype
+from miles.ckpt.trim import trimmed_name
 
 FP8_SCALE_SUFFIX = "_scale_inv"
 _MAX_LISTED = 20
@@ -65,15 +66,17 @@ def validate_checkpoint(
     """Validate `root` for `family_name`; raise CheckpointError listing every problem found.
 
     expect_layers: num_hidden_layers must equal it (the N of an -Nlayer slice).
-    min_layers: num_hidden_layers must be at least it (a source that trim will cut).
+    min_layers: num_hidden_layers must be at least it (a source that trim will cut to it);
+        only what the slice keeps is checked, so a sliced download may lack the deep shards.
     scan_fraction: share of each float tensor read to look for NaN/Inf (0 = headers only).
     """
     root = Path(root)
     findings: list[Finding] = []
     config = _check_config(root, family_name, expect_layers, min_layers, allow_auto_map, findings)
-    headers = _check_files(root, findings)
+    keep = _kept(config, min_layers)
+    headers = _check_files(root, findings, keep)
     if config is not None and headers is not None and not findings:
-        _check_tensors(root, config, headers, findings)
+        _check_tensors(root, config, headers, findings, keep)
         if scan_fraction > 0 and not findings:
             _scan_nonfinite(headers, scan_fraction, findings)
     if findings:
@@ -150,7 +153,15 @@ def _check_config(root, family_name, expect_layers, min_layers, allow_auto_map, 
     return config
 
 
-def _check_files(root: Path, out: list[Finding]) -> dict[str, ShardHeader] | None:
+def _kept(config: dict | None, keep_layers: int | None):
+    """name -> whether a `keep_layers` slice keeps the tensor (everything when not slicing)."""
+    total = num_layers(config) if config else None
+    if keep_layers is None or total is None:
+        return lambda name: True
+    return lambda name: trimmed_name(name, keep_layers, total) is not None
+
+
+def _check_files(root: Path, out: list[Finding], keep) -> dict[str, ShardHeader] | None:
     findings: list[Finding] = []
     try:
         files = read_weight_map(root)
@@ -158,7 +169,8 @@ def _check_files(root: Path, out: list[Finding]) -> dict[str, ShardHeader] | Non
         out.append(Finding(str(root), "index", str(exc)))
         return None
     headers: dict[str, ShardHeader] = {}
-    for shard in files.shards:
+    needed = {shard for name, shard in files.weight_map.items() if keep(name)}
+    for shard in sorted(needed):
         path = root / shard
         if not path.is_file():
             named = sum(1 for v in files.weight_map.values() if v == shard)
@@ -195,10 +207,11 @@ def _check_files(root: Path, out: list[Finding]) -> dict[str, ShardHeader] | Non
 
 
 def _check_tensors(
-    root: Path, config: dict, headers: Mapping[str, ShardHeader], findings: list[Finding]
+    root: Path, config: dict, headers: Mapping[str, ShardHeader], findings: list[Finding], keep
 ) -> None:
-    on_disk = {name: (h, t) for h in headers.values() for name, t in h.tensors.items()}
+    on_disk = {name: (h, t) for h in headers.values() for name, t in h.tensors.items() if keep(name)}
     expected, ignore = expected_tensors(config)
+    expected = {name: value for name, value in expected.items() if keep(name)}
     quantized = (config.get("quantization_config") or {}).get("quant_method") == "fp8"
     declared = _safetensors_dtype(str(config.get("dtype") or config.get("torch_dtype") or "bfloat16"))
     for name, (shape, is_float) in expected.items():
