@@ -7,9 +7,10 @@
 
 Every run is its own process writing its metric record through miles.metrics.capture; the
 gates are the five standard metrics declared with one line each in a test file that
-discovery reads. `python tests/e2e/metrics_seeded_regression.py [--trainer miles]` prints
-the table; the default trainer is the toy GRPO script next to this file, `miles` runs
-`python -m miles.train` on a tiny Qwen3 (about half a minute per run on CPU).
+discovery reads. `python tests/e2e/metrics_seeded_regression.py [--trainer miles]
+[--fixed-seed 1234]` prints the table; the default trainer is the toy GRPO script next to
+this file, `miles` runs `python -m miles.train` on a tiny Qwen3 (about half a minute per
+run on CPU).
 """
 
 from __future__ import annotations
@@ -46,12 +47,22 @@ class Case:
     baseline: bool = False
 
 
-CASES = (
-    *(Case(f"baseline seed {s}", s, baseline=True) for s in range(5)),
-    Case("lr x100", 5, lr_scale=100.0),
-    Case("temperature 1.5", 5, temperature=1.5),
-    *(Case(f"rerun seed {s}", s) for s in (5, 6, 7)),
-)
+def make_cases(fixed_seed: int | None = None) -> tuple[Case, ...]:
+    """Seeds 0-4 for the baseline and 5-7 for the reruns, or one seed for every run (the way
+    a recipe test pins it; on CPU its unchanged reruns are then bit-identical)."""
+
+    def seed(s: int) -> int:
+        return s if fixed_seed is None else fixed_seed
+
+    return (
+        *(Case(f"baseline seed {seed(s)}", seed(s), baseline=True) for s in range(5)),
+        Case("lr x100", seed(5), lr_scale=100.0),
+        Case("temperature 1.5", seed(5), temperature=1.5),
+        *(Case(f"rerun seed {seed(s)}", seed(s)) for s in (5, 6, 7)),
+    )
+
+
+CASES = make_cases()
 
 
 @dataclass(frozen=True)
@@ -87,8 +98,8 @@ def run_protocol(trainer: Trainer, workdir: Path, store_url: str, cases=CASES) -
     found = discover(workdir, catalog=load_catalog(), cache=False).raise_for_problems()
     gates = found.file(GATED_TEST).gates
     rows = []
-    for case in cases:
-        records = workdir / "records" / case.name.replace(" ", "-")
+    for index, case in enumerate(cases):
+        records = workdir / "records" / f"{index:02d}-{case.name.replace(' ', '-')}"
         code = trainer(case, records)
         if code != 0 and case.baseline:
             raise RuntimeError(
@@ -206,11 +217,13 @@ def miles_trainer(workdir: Path) -> Trainer:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trainer", choices=("toy", "miles"), default="toy")
+    parser.add_argument("--fixed-seed", type=int, help="one seed for every run (default: seeds 0-7)")
     parser.add_argument("--workdir", type=Path, help="default: a fresh temporary directory")
     args = parser.parse_args(argv)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="miles-seeded-"))
     trainer = toy_trainer() if args.trainer == "toy" else miles_trainer(workdir)
-    rows = run_protocol(trainer, workdir, f"sqlite:///{workdir / 'history.sqlite'}")
+    cases = make_cases(args.fixed_seed)
+    rows = run_protocol(trainer, workdir, f"sqlite:///{workdir / 'history.sqlite'}", cases)
     print(f"trainer: {args.trainer}; history: {workdir / 'history.sqlite'}")
     print(format_table(rows), end="")
     return 0
