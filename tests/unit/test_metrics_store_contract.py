@@ -225,10 +225,10 @@ for i in range(runs):
 
 
 def test_eight_writer_processes_at_once_lose_nothing(store_url, tmp_path):
-    writers, runs = 8, 15
+    writers, runs = 8, 8
     script = tmp_path / "writer.py"
     script.write_text(_WRITER)
-    start_at = str(time.time() + 1.5)
+    start_at = str(time.time() + 1.0)
     procs = [
         subprocess.Popen(
             [sys.executable, str(script), store_url, str(w), str(runs), start_at], stderr=subprocess.PIPE
