@@ -25,12 +25,21 @@ from miles.ci.registration import (
 
 CACHE_FILE = Path(".miles") / "cache" / "discover.json"
 _RACY_WINDOW_NS = 2_000_000_000
-_CODE = ("discover.py", "rules.py", "registration.py", "discover_cache.py", "register.py")
+_PACKAGE = Path(__file__).resolve().parents[1]
+# The code whose behaviour decides a file's records and problems.
+_CODE = (
+    "ci/discover.py",
+    "ci/rules.py",
+    "ci/registration.py",
+    "ci/discover_cache.py",
+    "ci/register.py",
+    "metrics/spec.py",
+)
 
 
 def fingerprint(catalog_path: Path) -> str:
     digest = hashlib.sha256()
-    for path in (catalog_path, *(Path(__file__).with_name(name) for name in _CODE)):
+    for path in (catalog_path, *(_PACKAGE / name for name in _CODE)):
         digest.update(path.read_bytes())
     return digest.hexdigest()
 
