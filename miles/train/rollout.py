@@ -83,7 +83,7 @@ class TorchRolloutEngine(RolloutEngine):
         cache = DynamicCache(config=self.model.config)
         logits, attention = self._prefill(list(distinct), cache, device)
         rows = torch.tensor(row_of, device=device)
-        cache.batch_select_indices(rows)
+        cache.reorder_cache(rows)
         logits, attention = logits[rows], attention[rows]
         positions = attention.sum(dim=1, keepdim=True) - 1  # of the last prompt token
         stop = torch.tensor(sorted(sampling.stop_token_ids) or [-1], device=device)
@@ -106,7 +106,7 @@ class TorchRolloutEngine(RolloutEngine):
                 break
             if keep.numel() < active.numel():
                 # Finished rows leave the batch and the cache: no compute is spent on padding.
-                cache.batch_select_indices(keep)
+                cache.reorder_cache(keep)
                 active, next_ids, attention, positions = (
                     active[keep],
                     next_ids[keep],
