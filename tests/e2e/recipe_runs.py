@@ -1,0 +1,57 @@
+"""Launching a recipe's trainer command the way the lanes do, for the training e2e tests.
+
+Not a test module: the test files import it. The plan comes from the recipe (miles.recipes),
+the checkpoint from miles.ckpt.tiny, and the run from the recipe launcher, so these tests
+exercise the same command a user's `python scripts/run_<model>.py train` starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from miles.metrics.capture import RECORD_DIR_ENV, decode_value
+
+
+def tiny_plan(recipe_name: str, workdir: Path, *extra_args: str, run_id: str = "run"):
+    """The recipe's CPU `tiny` launch plan, its tiny checkpoint built under workdir/models."""
+    from miles.ckpt.tiny import make_tiny_checkpoint
+    from miles.recipes import load
+    from miles.recipes.launch import RunOptions, build_plan
+
+    options = RunOptions(
+        model="tiny",
+        model_dir=str(workdir / "models"),
+        output_dir=str(workdir / "runs"),
+        run_id=run_id,
+        python=sys.executable,
+        extra_args=tuple(extra_args),
+    )
+    plan = build_plan(load(recipe_name, platform="cpu"), options, "cpu", base_env={})
+    ckpt = plan.checkpoint
+    make_tiny_checkpoint(ckpt.family, ckpt.num_layers or 2, ckpt.hf_dir, seed=0)
+    return plan
+
+
+def launch(plan, record_dir: Path) -> int:
+    """Run a one-node plan with the recipe launcher; its metric record lands in record_dir."""
+    from miles.recipes.launch import run
+
+    return run(plan, env={**os.environ, RECORD_DIR_ENV: str(record_dir)})
+
+
+def series(record_dir: Path, key: str) -> dict[int, float]:
+    """One metric's {step: value} from the capture records in record_dir."""
+    points: dict[int, float] = {}
+    for record in record_dir.glob("*.jsonl"):
+        for line in record.read_text().splitlines():
+            row = json.loads(line)
+            if row["metric"] == key:
+                points.update({int(s): decode_value(v) for s, v in row["series"]})
+    return points
+
+
+def checkpoint_dir(plan) -> Path:
+    return Path(dict(plan.workdirs)["checkpoints"])
