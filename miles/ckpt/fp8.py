@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -75,6 +76,7 @@ def quantize_blockwise(weight, block: int = BLOCK):
     """(e4m3 tensor, fp32 scale_inv) of a 2-D tensor; scale_inv[i, j] = amax of tile (i, j) / 448."""
     import torch
 
+    weight = weight.contiguous()
     rows, cols = weight.shape
     q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
     scales = torch.empty(math.ceil(rows / block), math.ceil(cols / block), dtype=torch.float32)
@@ -91,15 +93,36 @@ def _quantize_strip(strip, block: int):
 
     rows, cols = strip.shape
     prow, pcol = math.ceil(rows / block) * block, math.ceil(cols / block) * block
+    x = _scratch("f32", prow * pcol, torch.float32).view(prow, pcol)
     if (prow, pcol) == (rows, cols):
-        x = strip.to(torch.float32)
+        # max/min of the input dtype are exact, and the scaled copy is one fused pass
+        tiles_in = strip.view(prow // block, block, pcol // block, block)
+        amax = torch.maximum(tiles_in.amax(dim=(1, 3)), tiles_in.amin(dim=(1, 3)).neg()).float()
+        amax.clamp_(min=_AMAX_FLOOR)
+        torch.mul(tiles_in, (E4M3_MAX / amax)[:, None, :, None], out=x.view(tiles_in.shape))
     else:  # zero padding leaves every tile's amax unchanged
-        x = torch.zeros(prow, pcol, dtype=torch.float32)
+        x.zero_()
         x[:rows, :cols] = strip
-    tiles = x.view(prow // block, block, pcol // block, block)
-    amax = torch.maximum(tiles.amax(dim=(1, 3)), tiles.amin(dim=(1, 3)).neg()).clamp_(min=_AMAX_FLOOR)
-    tiles.mul_((E4M3_MAX / amax)[:, None, :, None])
-    return x[:rows, :cols].to(torch.float8_e4m3fn), amax / E4M3_MAX
+        tiles = x.view(prow // block, block, pcol // block, block)
+        amax = torch.maximum(tiles.amax(dim=(1, 3)), tiles.amin(dim=(1, 3)).neg()).clamp_(min=_AMAX_FLOOR)
+        tiles.mul_((E4M3_MAX / amax)[:, None, :, None])
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    q.copy_(x[:rows, :cols])
+    return q, amax / E4M3_MAX
+
+
+_local = threading.local()
+
+
+def _scratch(name: str, numel: int, dtype):
+    """A per-thread buffer reused across strips: fresh multi-MB allocations cost page faults."""
+    import torch
+
+    buf = getattr(_local, name, None)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=dtype)
+        setattr(_local, name, buf)
+    return buf[:numel]
 
 
 def dequantize_blockwise(q, scale_inv, dtype=None, block: int = BLOCK):
@@ -134,11 +157,12 @@ def _read_rows(fd: int, header: ShardHeader, info: TensorInfo, r0: int, r1: int)
 
     cols = info.shape[1]
     item = info.nbytes // max(info.numel, 1)
-    buf = bytearray((r1 - r0) * cols * item)
-    if buf:
-        pread_into(fd, memoryview(buf), header.offset(info) + r0 * cols * item, header.path)
-        return torch.frombuffer(buf, dtype=torch_dtype(info.dtype)).view(r1 - r0, cols)
-    return torch.empty(0, cols, dtype=torch_dtype(info.dtype))
+    nbytes = (r1 - r0) * cols * item
+    if not nbytes:
+        return torch.empty(0, cols, dtype=torch_dtype(info.dtype))
+    buf = _scratch("read", nbytes, torch.uint8)  # valid until this thread's next read
+    pread_into(fd, memoryview(buf.numpy()), header.offset(info) + r0 * cols * item, header.path)
+    return buf.view(torch_dtype(info.dtype)).view(r1 - r0, cols)
 
 
 def convert_to_fp8(src: Path, dst: Path, *, workers: int | None = None, progress: Progress | None = None):
