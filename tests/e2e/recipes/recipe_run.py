@@ -2,9 +2,9 @@
 
 The recipe comes from `miles.recipes.load()`, which dispatches on the platform (and refuses a
 MILES_HARDWARE_PLATFORM that disagrees with torch); the shared script dispatches the same way,
-so a ROCm runner trains the ROCm form without any import switch. On CPU the tiny profile
-builds its random checkpoint locally; on GPUs the prepared checkpoints come from
-MILES_MODEL_DIR (or MILES_SCRIPT_MODEL_DIR) and the run uses the trainer's synthetic task, so no dataset is needed.
+so a ROCm runner trains the ROCm form without any import switch. The prepared checkpoints
+come from MILES_MODEL_DIR (or MILES_SCRIPT_MODEL_DIR) and the run uses the trainer's
+synthetic task, so no dataset is needed.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ ROLLOUTS = 3
 
 
 def run_recipe(name: str, workdir: Path) -> Path:
-    """Prepare and train `name` on this machine; returns the run's checkpoint directory."""
+    """Prepare and train `name` on this machine's GPUs; returns the run's checkpoint directory."""
     platform = str(resolve().platform)
     recipe = load(name)
     assert recipe.variant == ("rocm" if platform == "rocm" else "shared"), (platform, recipe.variant)
@@ -36,11 +36,12 @@ def run_recipe(name: str, workdir: Path) -> Path:
         "--output-dir",
         str(runs),
     ]
-    argv += ["--num-rollout", str(ROLLOUTS)]
-    if platform == "cpu":
-        argv += ["--model-dir", str(workdir / "models")]
-    else:
-        argv += ["--extra-args", "--prompt-data synthetic:fixed --rm-type synthetic --ci-test"]
+    argv += [
+        "--num-rollout",
+        str(ROLLOUTS),
+        "--extra-args",
+        "--prompt-data synthetic:fixed --rm-type synthetic --ci-test",
+    ]
     proc = subprocess.run(argv, cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, check=False)
     tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
     assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{tail}"

@@ -1,7 +1,8 @@
 """The deepseek_v4 recipe end to end: DeepSeek-V4-Flash (4-layer slice).
 
-On 4 GPUs the verified CUDA or ROCm profile runs. The CPU run of the tiny profile is
-registered but disabled until the trainer handles this architecture (see the reason).
+On 4 GPUs the verified CUDA or ROCm profile prepares and trains; the recipe comes from
+miles.recipes.load(), which picks the ROCm form on a ROCm runner. On CPU every recipe's tiny
+profile is trained by tests/e2e/test_train_recipes_tiny.py.
 """
 
 from __future__ import annotations
@@ -10,17 +11,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from miles.ci.register import register_ci_gate, register_cpu_ci, register_cuda_ci, register_rocm_ci
+from miles.ci.register import register_ci_gate, register_cuda_ci, register_rocm_ci
 
-register_cpu_ci(
-    est_time=60,
-    suite="stage-b-cpu",
-    disabled=(
-        "miles.train TorchRolloutEngine decode fails on the tiny DeepSeek-V4: the compressor "
-        "buffer gets 7 of 8 positions (RuntimeError in store_compression_weights); trainer issue "
-        "#7"
-    ),
-)
 register_cuda_ci(est_time=1900, suite="stage-c-4-gpu-h200", labels=["megatron", "model-scripts"])
 register_rocm_ci(est_time=1900, suite="stage-c-4-gpu-mi350", labels=["megatron", "model-scripts", "amd"])
 register_ci_gate(metric_key="train/grad_norm")

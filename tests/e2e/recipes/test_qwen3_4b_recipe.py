@@ -1,6 +1,8 @@
 """The qwen3_4b recipe end to end: Qwen3-4B.
 
-GPU lanes only: on CPU it would train the same qwen3 tiny architecture the trainer's own e2e test trains.
+On 4 GPUs the verified CUDA or ROCm profile prepares and trains; the recipe comes from
+miles.recipes.load(), which picks the ROCm form on a ROCm runner. On CPU its tiny profile is
+trained by tests/e2e/test_train_grpo_tiny.py.
 """
 
 from __future__ import annotations
