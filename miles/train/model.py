@@ -69,3 +69,22 @@ def eos_token_ids(model, tokenizer) -> tuple[int, ...]:
         elif isinstance(value, (list, tuple)):
             ids.extend(int(v) for v in value)
     return tuple(dict.fromkeys(ids))
+
+
+CAUSALITY_TOL = 1e-3
+
+
+def causality_leak(model, *, length: int = 40, prefix: int = 24, seed: int = 0) -> float:
+    """How much the logits of the first `prefix` positions change when tokens are appended.
+
+    A causal LM gives float noise (~1e-6). transformers 5.x's glm_moe_dsa does not once a
+    sequence is longer than its sparse-attention top-k: its full forward lets later tokens
+    change earlier positions, so no rollout engine can reproduce the trainer's logprobs.
+    """
+    device = next(model.parameters()).device
+    vocab = min(int(model.config.vocab_size), 250)
+    ids = torch.randint(3, vocab, (1, length), generator=torch.Generator().manual_seed(seed)).to(device)
+    with torch.no_grad():
+        full = model(input_ids=ids).logits[0, :prefix].float()
+        cut = model(input_ids=ids[:, :prefix]).logits[0].float()
+    return (full - cut).abs().max().item()

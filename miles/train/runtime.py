@@ -73,9 +73,13 @@ def build_run(args: argparse.Namespace) -> Run:
         raise ValueError("--rm-url (a remote reward model) is not supported; use a rule or --custom-rm-path")
     backend = make_backend(args, dist_info)
     engine = make_engine(args, dist_info)
-    model_eos = getattr(engine, "model", None)
-    sampling = sampling_config(args, eos_token_ids(model_eos, tokenizer) if model_eos is not None else ())
+    engine_model = getattr(engine, "model", None)
+    sampling = sampling_config(
+        args, eos_token_ids(engine_model, tokenizer) if engine_model is not None else ()
+    )
     run = Run(args, dist_info, tokenizer, prompts, reward_fn, backend, engine, sampling)
+    if engine_model is not None:
+        warn_if_not_causal(run)
     run.start_rollout = resume(run)
     engine.update_weights(backend.full_weights())
     kl = f", KL {args.kl_loss_type} x {args.kl_loss_coef} vs {getattr(backend, 'ref_source', '-')}"
@@ -86,6 +90,21 @@ def build_run(args: argparse.Namespace) -> Run:
         f"{kl if args.use_kl_loss else ''} | rollouts {run.start_rollout}..{args.num_rollout}"
     )
     return run
+
+
+def warn_if_not_causal(run: Run) -> None:
+    """Say up front when the model's forward is not causal: the logprob check would otherwise
+    blame the weight sync for a gap no engine can close."""
+    from miles.train.model import CAUSALITY_TOL, causality_leak
+
+    leak = causality_leak(run.engine.model)
+    if leak > CAUSALITY_TOL:
+        run.log(
+            f"miles.train: warning: {run.engine.model.config.model_type}'s forward is not causal here: logits "
+            f"of earlier positions change by up to {leak:.2g} when tokens are appended (24 -> 40 tokens), so "
+            "rollout and trainer logprobs differ on long sequences; keep prompt + response short (a tiny "
+            "glm_moe_dsa: within its index_topk) or raise --ci-logprob-abs-diff-tol"
+        )
 
 
 def make_engine(args: argparse.Namespace, dist_info: DistInfo) -> RolloutEngine:

@@ -131,3 +131,24 @@ def test_samples_of_one_prompt_share_its_prefill_but_are_sampled_independently(m
     for gen in gens:
         expected = full_forward_logprobs(model, gen.prompt_ids, gen.response_ids, 1.5)
         assert gen.logprobs == pytest.approx(expected, abs=1e-4)
+
+
+def test_causality_probe_passes_a_causal_lm_and_flags_a_model_that_sees_ahead(model):
+    from types import SimpleNamespace
+
+    from miles.train.model import CAUSALITY_TOL, causality_leak
+
+    assert causality_leak(model) < CAUSALITY_TOL
+
+    class SeesAhead(torch.nn.Module):  # every position's logits mix in the whole sequence
+        config = SimpleNamespace(vocab_size=VOCAB)
+
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(VOCAB, VOCAB)
+
+        def forward(self, input_ids):
+            h = self.embed(input_ids)
+            return SimpleNamespace(logits=h + h.mean(dim=1, keepdim=True))
+
+    assert causality_leak(SeesAhead()) > CAUSALITY_TOL
