@@ -1,8 +1,9 @@
 """Launching a recipe's trainer command the way the lanes do, for the training e2e tests.
 
 Not a test module: the test files import it. The plan comes from the recipe (miles.recipes),
-the checkpoint from miles.ckpt.tiny, and the run from the recipe launcher, so these tests
-exercise the same command a user's `python scripts/run_<model>.py train` starts.
+the tiny checkpoint from the checkpoint pipeline (miles.ckpt.pipeline, source tiny:<family>),
+and the run from the recipe launcher, so these tests exercise what a user's
+`python scripts/run_<model>.py full-train` does.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from miles.metrics.capture import RECORD_DIR_ENV, decode_value
 
 
 def tiny_plan(recipe_name: str, workdir: Path, *extra_args: str, run_id: str = "run"):
-    """The recipe's CPU `tiny` launch plan, its tiny checkpoint built under workdir/models."""
-    from miles.ckpt.tiny import make_tiny_checkpoint
+    """The recipe's CPU `tiny` launch plan, its tiny checkpoint prepared under workdir/models."""
+    from miles.ckpt.pipeline import prepare
     from miles.recipes import load
     from miles.recipes.launch import RunOptions, build_plan
 
@@ -30,8 +31,7 @@ def tiny_plan(recipe_name: str, workdir: Path, *extra_args: str, run_id: str = "
         extra_args=tuple(extra_args),
     )
     plan = build_plan(load(recipe_name, platform="cpu"), options, "cpu", base_env={})
-    ckpt = plan.checkpoint
-    make_tiny_checkpoint(ckpt.family, ckpt.num_layers or 2, ckpt.hf_dir, seed=0)
+    prepare(plan.checkpoint, progress=False)
     return plan
 
 
