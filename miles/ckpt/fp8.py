@@ -97,8 +97,8 @@ def _quantize_strip(strip, block: int):
     if (prow, pcol) == (rows, cols):
         # max/min of the input dtype are exact, and the scaled copy is one fused pass
         tiles_in = strip.view(prow // block, block, pcol // block, block)
-        amax = torch.maximum(tiles_in.amax(dim=(1, 3)), tiles_in.amin(dim=(1, 3)).neg()).float()
-        amax.clamp_(min=_AMAX_FLOOR)
+        magnitude = _scratch(f"abs-{strip.dtype}", rows * cols, strip.dtype).view(tiles_in.shape)
+        amax = torch.abs(tiles_in, out=magnitude).amax(dim=(1, 3)).float().clamp_(min=_AMAX_FLOOR)
         torch.mul(tiles_in, (E4M3_MAX / amax)[:, None, :, None], out=x.view(tiles_in.shape))
     else:  # zero padding leaves every tile's amax unchanged
         x.zero_()
@@ -245,18 +245,23 @@ def _convert(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # parallelism comes from the pool; nested OpenMP would oversubscribe
     records, weight_map, kept, total = {}, {}, set(), 0
+    closing = {}
     try:
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fp8") as pool:
+        # A shard's fsync runs on its own thread while the next shard is converted.
+        with (
+            ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fp8") as pool,
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsync") as syncer,
+        ):
             for shard, header in headers.items():
-                size, digest, written = _convert_shard(
-                    header, dst / shard, plan, names, pool, workers, progress
-                )
-                records[shard] = FileRecord(size, digest)
+                writer, written = _convert_shard(header, dst / shard, plan, names, pool, workers, progress)
+                closing[shard] = syncer.submit(_close, writer)
                 for name, dtype, shape, nbytes, converted in written:
                     weight_map[name] = shard
                     total += nbytes
                     if not converted and dtype in FLOAT_DTYPES and len(shape) >= 2:
                         kept.add(_module_pattern(name))
+            for shard, future in closing.items():
+                records[shard] = FileRecord(*future.result())
     finally:
         torch.set_num_threads(threads)
     config = json.loads((src / "config.json").read_text())
@@ -302,7 +307,8 @@ def _convert_shard(header: ShardHeader, out: Path, plan, names, pool, workers, p
                             else (fd, header, info, r0, r1)
                         )
 
-        results = ordered_map(pool, plan.work, jobs(), window=2 * workers + 2)
+        # Enough strips in flight to keep the workers busy while a write waits on the disk.
+        results = ordered_map(pool, plan.work, jobs(), window=4 * workers + 4)
         for info in infos:
             entry = layouts[info.name]
             if entry is None:
@@ -318,7 +324,6 @@ def _convert_shard(header: ShardHeader, out: Path, plan, names, pool, workers, p
                     writer.write(entry[1][0], tensor_bytes(torch.cat(parts)))
             if progress is not None:
                 progress.advance(info.nbytes, 1)
-        size, digest = writer.close()
     except BaseException:
         writer.abort()
         raise
@@ -328,7 +333,15 @@ def _convert_shard(header: ShardHeader, out: Path, plan, names, pool, workers, p
         (name, dtype, shape, _nbytes(dtype, shape), layouts.get(name.removesuffix(SCALE_SUFFIX)) is not None)
         for name, dtype, shape in layout
     ]
-    return size, digest, written
+    return writer, written
+
+
+def _close(writer: ShardWriter) -> tuple[int, str]:
+    try:
+        return writer.close()
+    except BaseException:
+        writer.abort()
+        raise
 
 
 def _nbytes(dtype: str, shape) -> int:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import shutil
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -209,12 +211,43 @@ def tensor_bytes(tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
+class _Hasher:
+    """sha256 of a byte stream, computed on its own thread so it overlaps the writes.
+
+    Chunks are queued by reference: a caller must not modify a chunk after handing it over.
+    """
+
+    def __init__(self):
+        self._hash = hashlib.sha256()
+        self._queue: queue.Queue = queue.Queue(maxsize=16)
+        self._thread = threading.Thread(target=self._run, name="sha256", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (chunk := self._queue.get()) is not None:
+            self._hash.update(chunk)
+
+    def update(self, chunk) -> None:
+        self._queue.put(chunk)
+
+    def hexdigest(self) -> str:
+        self._queue.put(None)
+        self._thread.join()
+        return self._hash.hexdigest()
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+
 class ShardWriter:
     """Writes one shard tensor by tensor in a fixed order, hashing as it goes.
 
     The layout (name, dtype, shape) is given up front so the header can be written first;
     each `write`/`copy_from` must then come in layout order with exactly the declared size.
-    `close` fsyncs and returns (size, sha256) for the step's manifest.
+    Data handed to `write`/`write_part` must not change afterwards (it is hashed on another
+    thread). `close` fsyncs and returns (size, sha256) for the step's manifest.
     """
 
     def __init__(self, path: Path, layout: Iterable[tuple[str, str, tuple[int, ...]]], metadata=None):
@@ -231,7 +264,7 @@ class ShardWriter:
             offset += n
         raw = json.dumps(entries, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
-        self._hash = hashlib.sha256()
+        self._hash = _Hasher()
         self._file = open(self.path, "wb")
         self._size = 0
         self._next = 0
@@ -272,16 +305,16 @@ class ShardWriter:
         if nbytes == 0:
             self.write(name, b"")
             return
-        buf = memoryview(bytearray(min(nbytes, _COPY_CHUNK)))
         done = 0
         while done < nbytes:
-            view = buf[: min(len(buf), nbytes - done)]
+            view = memoryview(bytearray(min(_COPY_CHUNK, nbytes - done)))  # fresh: the hasher holds the last
             pread_into(fd, view, offset + done, src)
             self.write_part(name, view)
             done += len(view)
 
     def close(self) -> tuple[int, str]:
         if self._next != len(self._sizes) or self._filled:
+            self.abort()
             raise CheckpointError(f"{self.path}: closed after {self._next} of {len(self._sizes)} tensors")
         try:
             self._file.flush()
@@ -292,6 +325,7 @@ class ShardWriter:
         return self._size, self._hash.hexdigest()
 
     def abort(self) -> None:
+        self._hash.stop()
         try:
             self._file.close()
         except OSError:
