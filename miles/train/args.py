@@ -10,6 +10,9 @@ its source of truth.
 
 `parse_args(argv)` returns the validated namespace; the small frozen configs the other
 modules take (`SamplingConfig`, `LossConfig`, `OptimConfig`) are derived from it here.
+The file is long because it is the one list of every flag, kept whole so that a recipe
+author reads all of them in one place. Standard library only: recipes and tests parse
+commands without importing torch.
 """
 
 from __future__ import annotations
