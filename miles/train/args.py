@@ -127,7 +127,7 @@ def _add_data(p: argparse.ArgumentParser) -> None:
     g.add_argument("--system-prompt", help="system message added when the chat template is applied")
     g.add_argument("--rollout-shuffle", action="store_true", help="shuffle prompts each epoch (seeded)")
     g.add_argument("--num-epoch", type=_positive_int)
-    g.add_argument("--eval-prompt-data", nargs="+", help="NAME PATH pairs (evaluation runs on GPU lanes)")
+    g.add_argument("--eval-prompt-data", nargs="+", help="NAME PATH pairs, scored as eval/NAME")
     g.add_argument("--eval-interval", type=_positive_int)
     g.add_argument("--n-samples-per-eval-prompt", type=_positive_int, default=1)
     g.add_argument("--eval-max-response-len", type=_positive_int)
@@ -445,6 +445,11 @@ def validate(args: argparse.Namespace) -> None:
             )
     if args.train_backend == "megatron":
         _check_megatron_layout(args)
+    if args.eval_prompt_data and len(args.eval_prompt_data) % 2:
+        raise ArgsError(
+            f"--eval-prompt-data takes NAME PATH pairs, got {len(args.eval_prompt_data)} value(s): "
+            f"{' '.join(args.eval_prompt_data)}"
+        )
     if args.load_debug_rollout_data and args.debug_rollout_only:
         raise ArgsError("--load-debug-rollout-data and --debug-rollout-only exclude each other")
 

@@ -59,6 +59,7 @@ def console_line(rollout_id: int, num_rollout: int, metrics: Mapping[str, float]
     for label, key, fmt in CONSOLE_KEYS:
         if key in metrics:
             parts.append(f"{label} {fmt.format(metrics[key])}")
+    parts += [f"{key} {value:.3f}" for key, value in metrics.items() if key.startswith("eval/")]
     timing = f"{metrics.get('perf/step_time', 0):.2f}s"
     if "perf/train_time" in metrics:
         timing += f" (rollout {metrics['perf/rollout_time']:.2f}s, train {metrics['perf/train_time']:.2f}s)"

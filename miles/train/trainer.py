@@ -7,7 +7,7 @@
         4. learn      for each minibatch: clipped policy loss (+ KL to the reference,
                       - entropy bonus), AdamW step with gradient clipping
         5. sync       push the new weights to the rollout engine
-        log the metrics; save every --save-interval rollouts
+        evaluate every --eval-interval rollouts; log the metrics; save every --save-interval
 
 Ranks split the prompts for step 1-2, gather the samples, and split them again for step 4
 (data parallel, FSDP2 or DDP). The machinery lives in runtime.py (setup), checks.py,
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from miles.train import checkpoint, checks, report
+from miles.train import checkpoint, checks, evaluation, report
 from miles.train.algorithm import group_advantages
 from miles.train.args import parse_args
 from miles.train.batch import Sample, TokenBatch, collate
@@ -35,6 +35,7 @@ from miles.train.runtime import Run, build_run
 
 def train(run: Run) -> None:
     args = run.args
+    eval_sets = evaluation.eval_sets(args)
     for rollout_id in range(run.start_rollout, args.num_rollout):
         started = time.perf_counter()
         samples = generate_and_score(run, rollout_id)  # 1, 2
@@ -46,6 +47,8 @@ def train(run: Run) -> None:
             metrics |= learn(run, rollout_id, samples)  # 4
             metrics |= sync_weights(run, rollout_id)  # 5
         metrics["perf/step_time"] = time.perf_counter() - started
+        if evaluation.due(args, rollout_id):
+            metrics |= evaluation.evaluate(run, eval_sets, rollout_id)
         if run.dist.is_main:
             report.record(rollout_id, metrics)
             run.log(report.console_line(rollout_id, args.num_rollout, metrics))

@@ -116,3 +116,23 @@ def test_ci_check_catches_a_rollout_engine_left_with_stale_weights(full_run, cap
     # update behind at rollout 1.
     assert main(list(plan.train_args)) == 1
     assert "CheckFailed: rollout 1: train/train_rollout_logprob_abs_diff" in capsys.readouterr().err
+
+
+def test_evaluation_scores_held_out_prompts_at_the_interval(full_run, tmp_path, monkeypatch):
+    import json
+
+    from miles.train.trainer import main
+
+    workdir, _, _ = full_run
+    eval_file = tmp_path / "held_out.jsonl"
+    eval_file.write_text(
+        "".join(json.dumps({"prompt": f"code {i:04d}:", "label": "7777"}) + "\n" for i in range(5))
+    )
+    monkeypatch.setenv(RECORD_DIR_ENV, str(tmp_path / "record"))
+    plan = runs.tiny_plan(
+        "qwen3_4b", workdir, *LEARNING_ARGS, "--num-rollout", "4", "--eval-prompt-data", "held_out", str(eval_file),
+        "--eval-interval", "2", "--eval-temperature", "0", "--n-samples-per-eval-prompt", "2", run_id="eval",
+    )  # fmt: skip
+    assert main(list(plan.train_args)) == 0
+    scores = runs.series(tmp_path / "record", "eval/held_out")
+    assert sorted(scores) == [1, 3] and all(0.0 <= v <= 1.0 for v in scores.values())

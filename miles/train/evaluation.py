@@ -1,0 +1,75 @@
+"""Evaluation every --eval-interval rollouts: mean reward on held-out prompt sets.
+
+`--eval-prompt-data NAME PATH [NAME PATH ...]` names the sets; each is loaded like
+--prompt-data (same keys, same reward rule). Ranks split the prompts, sample
+--n-samples-per-eval-prompt responses each with the eval sampling settings (temperature 0
+is greedy), and the mean reward is logged as `eval/<NAME>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from miles.train import data
+from miles.train.args import SamplingConfig
+from miles.train.distributed import all_reduce_sum, sampling_seed
+from miles.train.rewards import score
+
+EVAL_SEED_OFFSET = 1_000_000_007  # eval draws never reuse a training rollout's random stream
+
+
+def eval_sets(args: argparse.Namespace) -> dict[str, list[data.Prompt]]:
+    """The named evaluation prompt sets (the parser checked that NAME PATH come in pairs)."""
+    pairs = args.eval_prompt_data or []
+    return {
+        name: data.load_prompts(
+            path, input_key=args.input_key, label_key=args.label_key, metadata_key=args.metadata_key
+        )
+        for name, path in zip(pairs[::2], pairs[1::2], strict=True)
+    }
+
+
+def eval_sampling(args: argparse.Namespace, train: SamplingConfig) -> SamplingConfig:
+    temperature = train.temperature if args.eval_temperature is None else args.eval_temperature
+    greedy = temperature == 0
+    return SamplingConfig(
+        temperature=1.0 if greedy else temperature,
+        top_p=train.top_p if args.eval_top_p is None else args.eval_top_p,
+        top_k=1 if greedy else train.top_k,
+        max_response_len=args.eval_max_response_len or train.max_response_len,
+        stop_token_ids=train.stop_token_ids,
+    )
+
+
+def due(args: argparse.Namespace, rollout_id: int) -> bool:
+    return bool(args.eval_interval and args.eval_prompt_data and (rollout_id + 1) % args.eval_interval == 0)
+
+
+def evaluate(run, sets: dict[str, list[data.Prompt]], rollout_id: int) -> dict[str, float]:
+    """`eval/<name>`: mean reward over every prompt of each set and its samples, all ranks."""
+    args, rank, world = run.args, run.dist.rank, run.dist.world_size
+    sampling = eval_sampling(args, run.sampling)
+    metrics = {}
+    for name, prompts in sets.items():
+        mine = prompts[rank::world]
+        encoded = [
+            data.encode_prompt(
+                p,
+                run.tokenizer,
+                apply_chat_template=args.apply_chat_template,
+                system_prompt=args.system_prompt,
+            )
+            for p in mine
+        ]  # not run.encode: its cache is keyed by the training set's indices
+        requests = [ids for ids in encoded for _ in range(args.n_samples_per_eval_prompt)]
+        seed = sampling_seed(args.rollout_seed + EVAL_SEED_OFFSET, rollout_id, rank)
+        total = 0.0
+        for i, generation in enumerate(
+            run.engine.generate(requests, sampling, seed=seed) if requests else []
+        ):
+            prompt = mine[i // args.n_samples_per_eval_prompt]
+            text = run.tokenizer.decode(list(generation.response_ids), skip_special_tokens=True)
+            total += score(run.reward_fn, text, prompt.label, prompt.metadata, args.reward_key)
+        reward_sum, count = all_reduce_sum([total, float(len(requests))])
+        metrics[f"eval/{name}"] = reward_sum / count
+    return metrics
