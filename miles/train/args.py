@@ -349,6 +349,50 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Flags the recipes emit for the GPU stack that the data-parallel backends and the built-in
+# engine do not act on; run_notes() names the ones a command sets, so none is silently dropped.
+GPU_STACK_ONLY = (
+    "colocate offload offload_train offload_rollout balance_data use_dynamic_batch_size max_tokens_per_gpu "
+    "partial_rollout over_sampling_batch_size dynamic_sampling_filter_path rollout_function_path "
+    "rollout_num_gpus update_weight_buffer_size optimizer_cpu_offload overlap_cpu_optimizer_d2h_h2d "
+    "use_precision_aware_optimizer fp16 keep_old_actor finetune use_wandb wandb_project wandb_group "
+    "wandb_key wandb_host wandb_mode wandb_team disable_wandb_random_suffix use_tensorboard log_passrate "
+    "num_layers_per_virtual_pipeline_stage debug_train_only tool_key"
+).split()
+SGLANG_ONLY = ("rollout_num_gpus_per_engine", "sglang_mem_fraction_static")
+MEGATRON_GROUP = "megatron model (megatron backend; fsdp/ddp read the HF config)"
+
+
+def run_notes(args: argparse.Namespace, engine: str) -> list[str]:
+    """Flags this command sets that the chosen backend and rollout engine ignore."""
+    parser = build_parser()
+    changed = {
+        a.dest: a.option_strings[0]
+        for a in parser._actions
+        if a.option_strings and getattr(args, a.dest, None) != a.default and a.default != argparse.SUPPRESS
+    }
+    notes = []
+    if args.train_backend != "megatron":
+        megatron = [
+            a.dest for g in parser._action_groups if g.title == MEGATRON_GROUP for a in g._group_actions
+        ]
+        ignored = [changed[d] for d in GPU_STACK_ONLY if d in changed]
+        if ignored:
+            notes.append(f"without effect on --train-backend {args.train_backend}: {' '.join(ignored)}")
+        count = sum(d in changed for d in megatron)
+        if count:
+            notes.append(
+                f"{count} Megatron model flag(s) are read by the megatron backend only (shape from the HF config)"
+            )
+    if engine != "sglang":
+        ignored = [changed[d] for d in SGLANG_ONLY if d in changed] + [
+            f"--sglang-{k}" for k in args.sglang_args
+        ]
+        if ignored:
+            notes.append(f"without effect on the {engine} rollout engine: {' '.join(ignored)}")
+    return notes
+
+
 def split_sglang_args(
     argv: Sequence[str], known: set[str]
 ) -> tuple[list[str], dict[str, str | bool | list[str]]]:

@@ -10,7 +10,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from miles.train import checkpoint, data
-from miles.train.args import SamplingConfig, sampling_config, validate_world
+from miles.train.args import SamplingConfig, run_notes, sampling_config, validate_world
 from miles.train.backends import TrainBackend, make_backend
 from miles.train.distributed import DistInfo, init_distributed, seed_everything
 from miles.train.rewards import RewardFn, load_reward
@@ -89,6 +89,9 @@ def build_run(args: argparse.Namespace) -> Run:
         f"data {args.prompt_data} ({len(prompts)} prompts) | reward {args.custom_rm_path or args.rm_type}"
         f"{kl if args.use_kl_loss else ''} | rollouts {run.start_rollout}..{args.num_rollout}"
     )
+    engine_name = "sglang" if type(engine).__name__.startswith("SGLang") else "torch"
+    for note in run_notes(args, engine_name):
+        run.log(f"miles.train: note: {note}")
     return run
 
 

@@ -145,3 +145,22 @@ def test_parsing_flags_imports_no_heavy_package():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_flags_the_chosen_stack_ignores_are_named_not_dropped():
+    from miles.train.args import run_notes
+
+    args = parse_args(
+        "--hf-checkpoint m --colocate --balance-data --num-layers 4 --hidden-size 64 "
+        "--sglang-mem-fraction-static 0.7 --sglang-enable-dp-attention".split()
+    )
+    notes = run_notes(args, "torch")
+    assert "without effect on --train-backend fsdp: --colocate --balance-data" in notes
+    assert (
+        "2 Megatron model flag(s) are read by the megatron backend only (shape from the HF config)" in notes
+    )
+    assert (
+        "without effect on the torch rollout engine: --sglang-mem-fraction-static --sglang-enable-dp-attention"
+        in notes
+    )
+    assert run_notes(parse_args(["--hf-checkpoint", "m"]), "torch") == []
