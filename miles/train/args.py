@@ -386,7 +386,7 @@ def run_notes(args: argparse.Namespace, engine: str) -> list[str]:
             )
     if engine != "sglang":
         ignored = [changed[d] for d in SGLANG_ONLY if d in changed] + [
-            f"--sglang-{k}" for k in args.sglang_args
+            f"--sglang-{k.replace('_', '-')}" for k in args.sglang_args
         ]
         if ignored:
             notes.append(f"without effect on the {engine} rollout engine: {' '.join(ignored)}")
