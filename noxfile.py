@@ -26,6 +26,9 @@ nox.options.reuse_venv = "yes"
 nox.options.sessions = ["cpu"]
 
 CATALOG = load_catalog()
+# `nox -s <lane> -- --plan` needs only the standard-library core, so a plan runs on the
+# interpreter nox itself runs on: a laptop without the lane's Python still gets its plan.
+PLANNING = "--plan" in sys.argv[sys.argv.index("--") + 1 :] if "--" in sys.argv else False
 
 
 # The interpreter of the CI image, for `-- --system`: found before nox puts a venv on PATH.
@@ -88,7 +91,8 @@ def _make_lane(lane_name: str):
         session.run("python", *run)
 
     lane_session.__doc__ = f"{lane.description} Suites: {suites}."
-    return nox.session(name=lane_name, python=lane.python, default=lane_name == "cpu")(lane_session)
+    python = None if PLANNING else lane.python
+    return nox.session(name=lane_name, python=python, default=lane_name == "cpu")(lane_session)
 
 
 for _lane in CATALOG.lanes:
