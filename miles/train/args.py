@@ -357,6 +357,7 @@ GPU_STACK_ONLY = (
     "rollout_num_gpus update_weight_buffer_size optimizer_cpu_offload overlap_cpu_optimizer_d2h_h2d "
     "use_precision_aware_optimizer fp16 keep_old_actor finetune use_wandb wandb_project wandb_group "
     "wandb_key wandb_host wandb_mode wandb_team disable_wandb_random_suffix use_tensorboard log_passrate "
+    "megatron_to_hf_mode ckpt_format num_epoch log_interval "
     "num_layers_per_virtual_pipeline_stage debug_train_only tool_key"
 ).split()
 SGLANG_ONLY = ("rollout_num_gpus_per_engine", "sglang_mem_fraction_static")
@@ -489,6 +490,8 @@ def validate(args: argparse.Namespace) -> None:
             )
     if args.train_backend == "megatron":
         _check_megatron_layout(args)
+    if (args.ci_metric_checker_key is None) != (args.ci_metric_checker_threshold is None):
+        raise ArgsError("--ci-metric-checker-key and --ci-metric-checker-threshold go together")
     if args.eval_prompt_data and len(args.eval_prompt_data) % 2:
         raise ArgsError(
             f"--eval-prompt-data takes NAME PATH pairs, got {len(args.eval_prompt_data)} value(s): "

@@ -6,6 +6,7 @@
    sampled tokens agree within a tolerance (the numerics differ: KV cache vs full forward).
 3. After a weight sync the engine's weights equal the trainer's, bit for bit, except names
    matching `--check-weight-update-skip-list`.
+4. With --ci-metric-checker-key, the metric's last value reaches --ci-metric-checker-threshold.
 A failed check raises `CheckFailed` naming the rollout, the metric, the value and the bound.
 """
 
@@ -38,6 +39,17 @@ def check_logprob_agreement(rollout_id: int, abs_diff: float, tol: float) -> Non
             f"rollout {rollout_id}: train/train_rollout_logprob_abs_diff = {abs_diff:.3g} > {tol:g}: the "
             "rollout engine samples with different weights or numerics than the trainer (missed weight "
             "sync?); raise --ci-logprob-abs-diff-tol only for a known precision gap"
+        )
+
+
+def check_metric_threshold(key: str, values: dict[int, float], threshold: float) -> None:
+    """--ci-metric-checker-key/threshold: the metric's last logged value must reach the threshold."""
+    if not values:
+        raise CheckFailed(f"--ci-metric-checker-key {key}: the run never logged it (is --eval-interval set?)")
+    step = max(values)
+    if not values[step] >= threshold:
+        raise CheckFailed(
+            f"{key} = {values[step]:.4g} at rollout {step}, below --ci-metric-checker-threshold {threshold:g}"
         )
 
 

@@ -36,6 +36,7 @@ from miles.train.runtime import Run, build_run
 def train(run: Run) -> None:
     args = run.args
     eval_sets = evaluation.eval_sets(args)
+    watched: dict[int, float] = {}  # --ci-metric-checker-key's values by rollout
     for rollout_id in range(run.start_rollout, args.num_rollout):
         started = time.perf_counter()
         samples = generate_and_score(run, rollout_id)  # 1, 2
@@ -52,7 +53,11 @@ def train(run: Run) -> None:
         if run.dist.is_main:
             report.record(rollout_id, metrics)
             run.log(report.console_line(rollout_id, args.num_rollout, metrics))
+        if args.ci_metric_checker_key in metrics:
+            watched[rollout_id] = metrics[args.ci_metric_checker_key]
         maybe_save(run, rollout_id)
+    if args.ci_metric_checker_key:
+        checks.check_metric_threshold(args.ci_metric_checker_key, watched, args.ci_metric_checker_threshold)
 
 
 def generate_and_score(run: Run, rollout_id: int) -> list[Sample]:

@@ -118,7 +118,9 @@ def test_ci_check_catches_a_rollout_engine_left_with_stale_weights(full_run, cap
     assert "CheckFailed: rollout 1: train/train_rollout_logprob_abs_diff" in capsys.readouterr().err
 
 
-def test_evaluation_scores_held_out_prompts_at_the_interval(full_run, tmp_path, monkeypatch):
+def test_evaluation_scores_held_out_prompts_and_the_metric_checker_reads_them(
+    full_run, tmp_path, monkeypatch, capsys
+):
     import json
 
     from miles.train.trainer import main
@@ -131,8 +133,13 @@ def test_evaluation_scores_held_out_prompts_at_the_interval(full_run, tmp_path, 
     monkeypatch.setenv(RECORD_DIR_ENV, str(tmp_path / "record"))
     plan = runs.tiny_plan(
         "qwen3_4b", workdir, *LEARNING_ARGS, "--num-rollout", "4", "--eval-prompt-data", "held_out", str(eval_file),
-        "--eval-interval", "2", "--eval-temperature", "0", "--n-samples-per-eval-prompt", "2", run_id="eval",
+        "--eval-interval", "2", "--eval-temperature", "0", "--n-samples-per-eval-prompt", "2",
+        "--ci-metric-checker-key", "eval/held_out", "--ci-metric-checker-threshold", "1.5", run_id="eval",
     )  # fmt: skip
-    assert main(list(plan.train_args)) == 0
+    assert main(list(plan.train_args)) == 1  # a reward never reaches 1.5
     scores = runs.series(tmp_path / "record", "eval/held_out")
     assert sorted(scores) == [1, 3] and all(0.0 <= v <= 1.0 for v in scores.values())
+    assert (
+        f"eval/held_out = {scores[3]:.4g} at rollout 3, below --ci-metric-checker-threshold 1.5"
+        in capsys.readouterr().err
+    )

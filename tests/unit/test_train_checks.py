@@ -8,7 +8,7 @@ import pytest
 
 from miles.train import checkpoint
 from miles.train.backends.torch_dp import lr_factor
-from miles.train.checks import CheckFailed, check_first_step, check_logprob_agreement
+from miles.train.checks import CheckFailed, check_first_step, check_logprob_agreement, check_metric_threshold
 
 
 def test_first_step_kl_above_tolerance_fails_with_the_value():
@@ -69,3 +69,13 @@ def test_resuming_with_other_batch_flags_is_refused():
 def test_lr_schedule_warms_up_then_decays_to_min_lr():
     cfg = SimpleNamespace(lr=1.0, min_lr=0.1, lr_decay_style="linear", lr_warmup_iters=2, lr_decay_iters=None)
     assert [round(lr_factor(s, cfg, 6), 3) for s in range(7)] == [0.5, 1.0, 1.0, 0.775, 0.55, 0.325, 0.1]
+
+
+def test_metric_checker_reads_the_last_value_and_needs_one():
+    check_metric_threshold("eval/gsm8k", {0: 0.1, 5: 0.8}, 0.7)
+    with pytest.raises(
+        CheckFailed, match="eval/gsm8k = 0.6 at rollout 5, below --ci-metric-checker-threshold 0.7"
+    ):
+        check_metric_threshold("eval/gsm8k", {0: 0.9, 5: 0.6}, 0.7)
+    with pytest.raises(CheckFailed, match="never logged it"):
+        check_metric_threshold("eval/gsm8k", {}, 0.7)
