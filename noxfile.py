@@ -24,6 +24,8 @@ nox.needs_version = ">=2024.3.2"
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.reuse_venv = "yes"
 nox.options.sessions = ["cpu"]
+# A lane whose Python is missing must fail, not be skipped with a green exit code.
+nox.options.error_on_missing_interpreters = True
 
 CATALOG = load_catalog()
 # `nox -s <lane> -- --plan` needs only the standard-library core, so a plan runs on the
