@@ -9,7 +9,8 @@ its sharded state dict, so the checkpoint keys are the ones a TE-spec model on G
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from miles.ckpt.errors import CheckpointError
@@ -93,56 +94,63 @@ def build_model(config: Mapping[str, Any], vocab_size: int | None = None):
     return model.to(tc.params_dtype)
 
 
-def fuse_qkv(q, k, v, groups: int):
-    """[q; k; v] rows regrouped per query group, as megatron's linear_qkv holds them."""
-    import torch
+@dataclass(frozen=True)
+class Piece:
+    """Rows [start, stop) of a Hugging Face tensor, placed at row `at` of a megatron tensor."""
 
-    hidden = q.shape[-1]
-    q = q.reshape(groups, -1, hidden)
-    k = k.reshape(groups, -1, hidden)
-    v = v.reshape(groups, -1, hidden)
-    return torch.cat([q, k, v], dim=1).reshape(-1, hidden)
+    hf_name: str
+    start: int
+    stop: int
+    at: int
 
 
-def split_qkv(qkv, heads: int, groups: int, head_dim: int):
-    """The inverse of fuse_qkv: (q, k, v) in Hugging Face's row order."""
-    hidden = qkv.shape[-1]
-    per_group = qkv.reshape(groups, (heads // groups + 2) * head_dim, hidden)
+def _whole(hf_name: str, rows: int, at: int = 0) -> Piece:
+    return Piece(hf_name, 0, rows, at)
+
+
+def qkv_pieces(prefix: str, heads: int, groups: int, head_dim: int) -> tuple[Piece, ...]:
+    """linear_qkv holds, for each query group, its q heads, then its k head, then its v head."""
     q_rows = heads // groups * head_dim
-    q = per_group[:, :q_rows].reshape(-1, hidden)
-    k = per_group[:, q_rows : q_rows + head_dim].reshape(-1, hidden)
-    v = per_group[:, q_rows + head_dim :].reshape(-1, hidden)
-    return q, k, v
+    block = q_rows + 2 * head_dim
+    pieces = []
+    for g in range(groups):
+        pieces.append(Piece(prefix + "q_proj.weight", g * q_rows, (g + 1) * q_rows, g * block))
+        pieces.append(Piece(prefix + "k_proj.weight", g * head_dim, (g + 1) * head_dim, g * block + q_rows))
+        pieces.append(
+            Piece(prefix + "v_proj.weight", g * head_dim, (g + 1) * head_dim, g * block + q_rows + head_dim)
+        )
+    return tuple(pieces)
 
 
-def hf_to_megatron(config: Mapping[str, Any], read: Callable[[str], Any]) -> Iterator[tuple[str, Any]]:
-    """(megatron state-dict name, tensor) for every weight, reading HF tensors through `read`."""
-    import torch
+def gate_up_pieces(prefix: str, rows: int) -> tuple[Piece, ...]:
+    """linear_fc1 is [gate; up]: megatron's SwiGLU activates the first half."""
+    return (_whole(prefix + "gate_proj.weight", rows), _whole(prefix + "up_proj.weight", rows, rows))
 
-    groups = config["num_key_value_heads"]
-    yield "embedding.word_embeddings.weight", read("model.embed_tokens.weight")
+
+def layout(config: Mapping[str, Any]) -> Iterator[tuple[str, tuple[Piece, ...]]]:
+    """(megatron state-dict name, where each of its rows comes from) for every weight."""
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    heads, groups = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    yield "embedding.word_embeddings.weight", (_whole("model.embed_tokens.weight", vocab),)
     for i, is_moe in enumerate(_moe_layers(config)):
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
-        yield mg + "input_layernorm.weight", read(hf + "input_layernorm.weight")
-        qkv = [read(hf + f"self_attn.{p}_proj.weight") for p in "qkv"]
-        yield mg + "self_attention.linear_qkv.weight", fuse_qkv(*qkv, groups)
-        yield mg + "self_attention.q_layernorm.weight", read(hf + "self_attn.q_norm.weight")
-        yield mg + "self_attention.k_layernorm.weight", read(hf + "self_attn.k_norm.weight")
-        yield mg + "self_attention.linear_proj.weight", read(hf + "self_attn.o_proj.weight")
-        yield mg + "pre_mlp_layernorm.weight", read(hf + "post_attention_layernorm.weight")
+        yield mg + "input_layernorm.weight", (_whole(hf + "input_layernorm.weight", hidden),)
+        yield mg + "self_attention.linear_qkv.weight", qkv_pieces(hf + "self_attn.", heads, groups, head_dim)
+        yield mg + "self_attention.q_layernorm.weight", (_whole(hf + "self_attn.q_norm.weight", head_dim),)
+        yield mg + "self_attention.k_layernorm.weight", (_whole(hf + "self_attn.k_norm.weight", head_dim),)
+        yield mg + "self_attention.linear_proj.weight", (_whole(hf + "self_attn.o_proj.weight", hidden),)
+        yield mg + "pre_mlp_layernorm.weight", (_whole(hf + "post_attention_layernorm.weight", hidden),)
         if not is_moe:
-            gate_up = [read(hf + f"mlp.{p}_proj.weight") for p in ("gate", "up")]
-            yield mg + "mlp.linear_fc1.weight", torch.cat(gate_up)
-            yield mg + "mlp.linear_fc2.weight", read(hf + "mlp.down_proj.weight")
+            yield mg + "mlp.linear_fc1.weight", gate_up_pieces(hf + "mlp.", config["intermediate_size"])
+            yield mg + "mlp.linear_fc2.weight", (_whole(hf + "mlp.down_proj.weight", hidden),)
             continue
-        yield mg + "mlp.router.weight", read(hf + "mlp.gate.weight")
-        for e in range(num_experts(config)):
+        experts = num_experts(config)
+        yield mg + "mlp.router.weight", (_whole(hf + "mlp.gate.weight", experts),)
+        for e in range(experts):
             src, dst = hf + f"mlp.experts.{e}.", mg + f"mlp.experts.local_experts.{e}."
-            yield (
-                dst + "linear_fc1.weight",
-                torch.cat([read(src + "gate_proj.weight"), read(src + "up_proj.weight")]),
-            )
-            yield dst + "linear_fc2.weight", read(src + "down_proj.weight")
-    yield "decoder.final_layernorm.weight", read("model.norm.weight")
+            yield dst + "linear_fc1.weight", gate_up_pieces(src, config["moe_intermediate_size"])
+            yield dst + "linear_fc2.weight", (_whole(src + "down_proj.weight", hidden),)
+    yield "decoder.final_layernorm.weight", (_whole("model.norm.weight", hidden),)
     if not config.get("tie_word_embeddings"):
-        yield "output_layer.weight", read("lm_head.weight")
+        yield "output_layer.weight", (_whole("lm_head.weight", vocab),)

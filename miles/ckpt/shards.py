@@ -185,11 +185,10 @@ def read_tensor(fd: int, header: ShardHeader, info: TensorInfo):
     """One tensor as a torch tensor that owns its memory (read with pread, not mmap)."""
     import torch
 
-    buf = bytearray(info.nbytes)
-    pread_into(fd, memoryview(buf), header.offset(info), header.path)
-    if info.numel == 0:
-        return torch.empty(info.shape, dtype=torch_dtype(info.dtype))
-    return torch.frombuffer(buf, dtype=torch_dtype(info.dtype)).reshape(info.shape)
+    buf = torch.empty(info.nbytes, dtype=torch.uint8)  # not zero-filled: pread overwrites it all
+    if info.nbytes:
+        pread_into(fd, memoryview(buf.numpy()), header.offset(info), header.path)
+    return buf.view(torch_dtype(info.dtype)).reshape(info.shape)
 
 
 def pread_into(fd: int, view: memoryview, offset: int, path: Path) -> None:
@@ -379,6 +378,38 @@ class CheckpointReader:
     def read(self, name: str):
         header, info = self.info(name)
         return read_tensor(self._fds[self.files.weight_map[name]], header, info)
+
+    def read_rows(self, name: str, start: int, stop: int, out=None):
+        """Rows [start, stop) of a tensor (elements of a 1-D one), read straight into `out` if given.
+
+        `out` must be contiguous with the tensor's dtype and row shape; the bytes go there
+        without an intermediate copy.
+        """
+        import torch
+
+        header, info = self.info(name)
+        rows = info.shape[0] if info.shape else 1
+        row_bytes = info.nbytes // rows if rows else 0
+        shape = (stop - start, *info.shape[1:])
+        if not 0 <= start <= stop <= rows:
+            raise CheckpointError(
+                f"{header.path}: tensor {name} has {rows} rows; rows {start}:{stop} do not exist"
+            )
+        if out is None:
+            out = torch.empty(shape, dtype=torch_dtype(info.dtype))
+        if tuple(out.shape) != shape or out.dtype != torch_dtype(info.dtype) or not out.is_contiguous():
+            raise CheckpointError(
+                f"{header.path}: tensor {name} rows {start}:{stop} are {info.dtype} {list(shape)}"
+            )
+        if out.numel():
+            view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+            pread_into(
+                view=view,
+                fd=self._fds[self.files.weight_map[name]],
+                offset=header.offset(info) + start * row_bytes,
+                path=header.path,
+            )
+        return out
 
     def close(self) -> None:
         for fd in self._fds.values():

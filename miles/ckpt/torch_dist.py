@@ -137,35 +137,47 @@ def _pad_rows(tensor, rows: int):
     return torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
 
 
-def _gpt_tensors(config, reader: CheckpointReader, vocab: int):
-    from miles.ckpt.megatron_gpt import hf_to_megatron
-
-    for name, tensor in hf_to_megatron(config, reader.read):
-        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            tensor = _pad_rows(tensor, vocab)
-        yield name, tensor
-
-
 def _fill_gpt(model, config, reader: CheckpointReader, vocab: int, progress: Progress | None) -> None:
+    """Read every HF row block straight into its place in the megatron parameters."""
     import torch
+
+    from miles.ckpt.megatron_gpt import layout
 
     params = {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
     seen = set()
     with torch.no_grad():
-        for name, tensor in _gpt_tensors(config, reader, vocab):
-            target = params.get(name)
-            if target is None or tuple(target.shape) != tuple(tensor.shape):
-                want = None if target is None else list(target.shape)
-                raise CheckpointError(
-                    f"torch_dist: {name} is {list(tensor.shape)} from the HF weights; megatron wants {want}"
-                )
-            target.copy_(tensor)
+        for name, pieces in layout(config):
+            target = _target(params, name, pieces, reader)
+            for piece in pieces:
+                dst = target[piece.at : piece.at + piece.stop - piece.start]
+                if dst.dtype == torch_dtype(reader.info(piece.hf_name)[1].dtype):
+                    reader.read_rows(piece.hf_name, piece.start, piece.stop, out=dst)
+                else:  # e.g. fp32 norms in a bf16 checkpoint: megatron keeps one dtype
+                    dst.copy_(reader.read_rows(piece.hf_name, piece.start, piece.stop))
+                if progress is not None:
+                    progress.advance(dst.numel() * dst.element_size(), 1)
+            target[sum(p.stop - p.start for p in pieces) :].zero_()  # padded vocabulary rows
             seen.add(name)
-            if progress is not None:
-                progress.advance(tensor.numel() * tensor.element_size(), 1)
     missing = sorted(set(params) - seen)
     if missing:
         raise CheckpointError(f"torch_dist: the HF weights give no value for megatron's {missing[:5]}")
+
+
+def _target(params, name: str, pieces, reader: CheckpointReader):
+    """The megatron parameter `name`, checked against the HF tensors that fill it."""
+    target = params.get(name)
+    rows = sum(p.stop - p.start for p in pieces)
+    padded = name in ("embedding.word_embeddings.weight", "output_layer.weight")
+    if target is None or rows > target.shape[0] or (rows != target.shape[0] and not padded):
+        want = None if target is None else list(target.shape)
+        raise CheckpointError(f"torch_dist: {name} needs {want}; the HF weights give {rows} rows")
+    for piece in pieces:
+        _, info = reader.info(piece.hf_name)
+        if tuple(info.shape[1:]) != tuple(target.shape[1:]):
+            raise CheckpointError(
+                f"torch_dist: {piece.hf_name} is {list(info.shape)}; megatron's {name} needs rows of {list(target.shape[1:])}"
+            )
+    return target
 
 
 def _hf_named_state(reader: CheckpointReader, progress: Progress | None) -> dict:
@@ -206,12 +218,13 @@ def _save(sharded: dict, common: dict, out: Path) -> None:
 
 
 def _verify(release: Path, config, reader: CheckpointReader, gpt: bool, vocab: int) -> None:
+    """Load `release` back with megatron-core and compare every tensor with the HF weights."""
     import torch
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
 
     if gpt:
-        from miles.ckpt.megatron_gpt import build_model
+        from miles.ckpt.megatron_gpt import build_model, layout
 
         model = build_model(config, vocab)
         state = dist_checkpointing.load(
@@ -219,7 +232,11 @@ def _verify(release: Path, config, reader: CheckpointReader, gpt: bool, vocab: i
         )
         model.load_state_dict({k: v for k, v in state.items() if k not in _COMMON_KEYS})
         loaded = model.state_dict()
-        expected = _gpt_tensors(config, reader, vocab)
+        checks = (
+            (name, loaded[name][p.at : p.at + p.stop - p.start], p.hf_name, p.start, p.stop)
+            for name, pieces in layout(config)
+            for p in pieces
+        )
     else:
         template = {}
         for name in reader.files.weight_map:
@@ -227,10 +244,13 @@ def _verify(release: Path, config, reader: CheckpointReader, gpt: bool, vocab: i
             empty = torch.empty(info.shape, dtype=torch_dtype(info.dtype))
             template[name] = ShardedTensor.from_rank_offsets(name, empty, replica_id=0)
         loaded = dist_checkpointing.load(template, str(release))
-        expected = ((name, reader.read(name)) for name in sorted(reader.files.weight_map))
-    for name, tensor in expected:
-        got = loaded.get(name)
-        if got is None or got.dtype != tensor.dtype or not torch.equal(got, tensor):
+        checks = (
+            (name, loaded[name], name, 0, reader.info(name)[1].shape[0] if reader.info(name)[1].shape else 1)
+            for name in sorted(reader.files.weight_map)
+        )
+    for name, got, hf_name, start, stop in checks:
+        want = reader.read_rows(hf_name, start, stop)
+        if not torch.equal(got.reshape(want.shape), want.to(got.dtype)):
             raise CheckpointError(
-                f"{release}: {name} differs from the HF weights after loading back; rerun the step"
+                f"{release}: {name} differs from {hf_name} rows {start}:{stop} after loading back; rerun the step"
             )

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from miles.ci.register import register_cpu_ci
-from miles.ckpt.megatron_gpt import build_model, split_qkv
+from miles.ckpt.megatron_gpt import build_model, layout
 from miles.ckpt.plan import FAMILIES
 from miles.ckpt.shards import CheckpointReader
 from miles.ckpt.torch_dist import RELEASE, TRACKER, convert_to_torch_dist, single_process_group
@@ -126,12 +126,18 @@ def test_loaded_megatron_experts_and_router_hold_the_hf_experts(tiny, torch_dist
             assert torch.allclose(out, expected, atol=1e-5)
 
 
-def test_split_qkv_inverts_the_fused_layout(tiny):
-    from miles.ckpt.megatron_gpt import fuse_qkv
-
-    config = json.loads((tiny("qwen3") / "config.json").read_text())
-    with CheckpointReader(tiny("qwen3")) as hf:
-        q, k, v = (hf.read(f"model.layers.0.self_attn.{p}_proj.weight") for p in "qkv")
-    fused = fuse_qkv(q, k, v, config["num_key_value_heads"])
-    back = split_qkv(fused, config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"])
-    assert all(torch.equal(a, b) for a, b in zip(back, (q, k, v), strict=True))
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+def test_layout_fills_every_row_of_every_megatron_weight_exactly_once(tiny, name):
+    config = json.loads((tiny(name) / "config.json").read_text())
+    with single_process_group():
+        shapes = {
+            k: tuple(v.shape)
+            for k, v in build_model(config).state_dict().items()
+            if not k.endswith("_extra_state")
+        }
+    placed = dict(layout(config))
+    assert set(placed) == set(shapes)
+    for tensor, pieces in placed.items():
+        rows = sorted((p.at, p.at + p.stop - p.start) for p in pieces)
+        assert rows[0][0] == 0 and rows[-1][1] == shapes[tensor][0], tensor
+        assert all(a[1] == b[0] for a, b in zip(rows, rows[1:], strict=False)), tensor  # no gap, no overlap
