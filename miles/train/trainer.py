@@ -95,23 +95,57 @@ def with_advantages(samples: Sequence[Sample], group_size: int, no_std: bool) ->
     return [Sample(**{**s.__dict__, "advantage": a}) for s, a in zip(samples, advantages, strict=True)]
 
 
+STEP_SUMS = ("pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss", "entropy", "tis_weight", "tokens")
+
+
 def learn(run: Run, rollout_id: int, samples: Sequence[Sample]) -> dict[str, float]:
     """Step 4: old (and reference) logprobs of this rank's share, then one optimizer step per
     minibatch of --global-batch-size samples (split over ranks and micro-batches)."""
-    args, rank, world = run.args, run.dist.rank, run.dist.world_size
+    args, world = run.args, run.dist.world_size
     started = time.perf_counter()
     minibatches = len(samples) // args.global_batch_size
     per_rank = args.global_batch_size // world
-    mine = [
-        m * args.global_batch_size + i
-        for m in range(minibatches)
-        for i in range(rank, args.global_batch_size, world)
-    ]
-    local = collate([samples[i] for i in mine], run.tokenizer.pad_token_id or 0)
+    local, mismatch = with_old_logprobs(run, share_of_rank(run, samples))
+    if args.ci_test and not args.use_rollout_logprobs:
+        checks.check_logprob_agreement(
+            rollout_id, mismatch["train/train_rollout_logprob_abs_diff"], args.ci_logprob_abs_diff_tol
+        )
+    sums = dict.fromkeys(STEP_SUMS, 0.0)
+    totals = {"loss": 0.0, "grad_norm": 0.0, "lr": 0.0}
+    for m in range(minibatches):
+        step = optimizer_step(run, local.rows(slice(m * per_rank, (m + 1) * per_rank)))
+        if m == 0 and args.ci_test and not args.ci_disable_kl_checker:
+            tokens = step["tokens"]
+            checks.check_first_step(
+                rollout_id, step["ppo_kl"] / tokens, step["pg_clipfrac"] / tokens, args.ci_step0_kl_tol
+            )
+        for k in sums:
+            sums[k] += step[k]
+        for k in totals:
+            totals[k] += step[k]
+    metrics = {f"train/{k}": v / minibatches for k, v in totals.items()}
+    metrics |= {
+        f"train/{k}": sums[k] / sums["tokens"] for k in STEP_SUMS if k not in ("tokens", "tis_weight")
+    }
+    if args.use_tis:
+        metrics["train/tis_weight"] = sums["tis_weight"] / sums["tokens"]
+    return metrics | mismatch | {"perf/train_time": time.perf_counter() - started}
+
+
+def share_of_rank(run: Run, samples: Sequence[Sample]) -> TokenBatch:
+    """This rank's rows of every minibatch, minibatch after minibatch (strided, so groups spread)."""
+    gbs, rank, world = run.args.global_batch_size, run.dist.rank, run.dist.world_size
+    mine = [m * gbs + i for m in range(len(samples) // gbs) for i in range(rank, gbs, world)]
+    return collate([samples[i] for i in mine], run.tokenizer.pad_token_id or 0)
+
+
+def with_old_logprobs(run: Run, local: TokenBatch) -> tuple[TokenBatch, dict[str, float]]:
+    """The batch with old (and reference) logprobs, and how far the rollout engine's are from
+    the trainer's: mean |diff| and KL(rollout || trainer), over every rank's tokens."""
+    args = run.args
     trainer_logp = batched_logprobs(run, local, reference=False)
     ref_logp = batched_logprobs(run, local, reference=True) if args.use_kl_loss else None
     old_logp = local.rollout_logp if args.use_rollout_logprobs else trainer_logp
-    local = local.with_(old_logp=old_logp, ref_logp=ref_logp)
     mask = local.loss_mask
     diff_sum, kl_sum, tokens = all_reduce_sum(
         [
@@ -120,47 +154,32 @@ def learn(run: Run, rollout_id: int, samples: Sequence[Sample]) -> dict[str, flo
             float(mask.sum()),
         ]
     )
-    totals = {"loss": 0.0, "grad_norm": 0.0, "lr": 0.0}
-    sums = {
-        k: 0.0 for k in ("pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss", "entropy", "tis_weight", "tokens")
+    mismatch = {
+        "train/train_rollout_logprob_abs_diff": diff_sum / tokens,
+        "train/train_rollout_kl": kl_sum / tokens,
     }
-    for m in range(minibatches):
-        mb = local.rows(slice(m * per_rank, (m + 1) * per_rank))
-        micro = [
-            mb.rows(slice(i, i + args.micro_batch_size)) for i in range(0, per_rank, args.micro_batch_size)
-        ]
-        normalizer = (
-            all_reduce_sum([float(mb.loss_mask.sum())])[0] / world
-            if args.calculate_per_token_loss
-            else per_rank
-        )
-        result = run.backend.train_step(micro, normalizer)
-        step = {k: sum(getattr(t, k) for t in result.terms) for k in sums}
-        loss = sum(float(t.loss.detach()) for t in result.terms) / normalizer
-        reduced = dict(zip([*step, "loss"], all_reduce_sum([*step.values(), loss]), strict=True))
-        if m == 0 and (args.ci_test and not args.ci_disable_kl_checker):
-            checks.check_first_step(
-                rollout_id,
-                reduced["ppo_kl"] / reduced["tokens"],
-                reduced["pg_clipfrac"] / reduced["tokens"],
-                args.ci_step0_kl_tol,
-            )
-        for k in sums:
-            sums[k] += reduced[k]
-        totals["loss"] += reduced["loss"] / world
-        totals["grad_norm"] += result.grad_norm
-        totals["lr"] += result.lr
-    if args.ci_test and not args.use_rollout_logprobs:
-        checks.check_logprob_agreement(rollout_id, diff_sum / tokens, args.ci_logprob_abs_diff_tol)
-    metrics = {f"train/{k}": v / minibatches for k, v in totals.items()}
-    for k in ("pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss", "entropy"):
-        metrics[f"train/{k}"] = sums[k] / sums["tokens"]
-    if args.use_tis:
-        metrics["train/tis_weight"] = sums["tis_weight"] / sums["tokens"]
-    metrics["train/train_rollout_logprob_abs_diff"] = diff_sum / tokens
-    metrics["train/train_rollout_kl"] = kl_sum / tokens
-    metrics["perf/train_time"] = time.perf_counter() - started
-    return metrics
+    return local.with_(old_logp=old_logp, ref_logp=ref_logp), mismatch
+
+
+def optimizer_step(run: Run, minibatch: TokenBatch) -> dict[str, float]:
+    """One AdamW step on this rank's part of a minibatch; loss terms summed over all ranks."""
+    args, world = run.args, run.dist.world_size
+    size = minibatch.size
+    micro = [
+        minibatch.rows(slice(i, i + args.micro_batch_size)) for i in range(0, size, args.micro_batch_size)
+    ]
+    # Each rank's loss is divided so that the data-parallel gradient average is the mean over
+    # the global minibatch: per sample by default, per token with --calculate-per-token-loss.
+    if args.calculate_per_token_loss:
+        normalizer = all_reduce_sum([float(minibatch.loss_mask.sum())])[0] / world
+    else:
+        normalizer = size
+    result = run.backend.train_step(micro, normalizer)
+    local = [sum(getattr(t, k) for t in result.terms) for k in STEP_SUMS]
+    loss = sum(float(t.loss.detach()) for t in result.terms) / normalizer
+    reduced = dict(zip([*STEP_SUMS, "loss"], all_reduce_sum([*local, loss]), strict=True))
+    reduced["loss"] /= world
+    return reduced | {"grad_norm": result.grad_norm, "lr": result.lr}
 
 
 def batched_logprobs(run: Run, batch: TokenBatch, *, reference: bool) -> torch.Tensor:
