@@ -28,6 +28,10 @@ class DistInfo:
         return self.rank == 0
 
 
+# Where collective tensors live: NCCL/RCCL only reduce GPU tensors, gloo takes CPU ones.
+_collective_device = "cpu"
+
+
 def init_distributed(requested_backend: str | None = None) -> DistInfo:
     """Join (or create) the default process group; NCCL/RCCL on GPU, gloo on CPU."""
     gpu = torch.cuda.is_available()
@@ -38,6 +42,8 @@ def init_distributed(requested_backend: str | None = None) -> DistInfo:
     device = f"cuda:{local_rank}" if gpu else "cpu"
     if gpu:
         torch.cuda.set_device(local_rank)
+    global _collective_device
+    _collective_device = device if backend == "nccl" else "cpu"
     if not dist.is_initialized():
         if "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend)
@@ -69,9 +75,9 @@ def all_gather_objects(obj: Any) -> list[Any]:
     return out
 
 
-def all_reduce_sum(values: list[float], device: str = "cpu") -> list[float]:
+def all_reduce_sum(values: list[float]) -> list[float]:
     """Sum a list of floats over ranks (float64, so token counts stay exact)."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
+    t = torch.tensor(values, dtype=torch.float64, device=_collective_device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.tolist()
 
