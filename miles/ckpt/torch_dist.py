@@ -11,7 +11,7 @@ layer spec's model produces them, so they match what a TE model on GPU loads). T
 families have no GPT layer spec in megatron-core 0.16.1; their tensors are stored under
 their Hugging Face names in the same container. megatron-core's save path synchronises
 CUDA, so the tensors are translated with megatron's own functions and written with
-torch.distributed.checkpoint's synchronous writer; a world of one process over a file
+torch.distributed.checkpoint's synchronous writer; a world of one process over an in-memory
 store stands in for the training job (no network). After writing, the checkpoint is
 loaded back with `megatron.core.dist_checkpointing.load` and compared tensor by tensor.
 """
@@ -19,7 +19,6 @@ loaded back with `megatron.core.dist_checkpointing.load` and compared tensor by 
 from __future__ import annotations
 
 import json
-import tempfile
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -46,21 +45,20 @@ def single_process_group() -> Iterator[None]:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    with tempfile.TemporaryDirectory(prefix="miles-pg-") as store:
-        own_pg = not dist.is_initialized()
-        if own_pg:
-            dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=0, world_size=1)
-        own_mp = not parallel_state.model_parallel_is_initialized()
+    own_pg = not dist.is_initialized()
+    if own_pg:  # an in-memory store: no port, no file left behind by a killed run
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    own_mp = not parallel_state.model_parallel_is_initialized()
+    if own_mp:
+        parallel_state.initialize_model_parallel(1, 1)
+    try:
+        yield
+    finally:
         if own_mp:
-            parallel_state.initialize_model_parallel(1, 1)
-        try:
-            yield
-        finally:
-            if own_mp:
-                parallel_state.destroy_model_parallel()
-                _drop_group_handles(parallel_state)
-            if own_pg:
-                dist.destroy_process_group()
+            parallel_state.destroy_model_parallel()
+            _drop_group_handles(parallel_state)
+        if own_pg:
+            dist.destroy_process_group()
 
 
 def _drop_group_handles(module) -> None:
