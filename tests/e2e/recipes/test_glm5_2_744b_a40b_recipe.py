@@ -13,8 +13,18 @@ from pathlib import Path
 
 from miles.ci.register import register_ci_gate, register_cuda_ci, register_rocm_ci
 
-register_cuda_ci(est_time=900, suite="stage-c-4-gpu-h200", labels=["megatron", "model-scripts"])
-register_rocm_ci(est_time=900, suite="stage-c-4-gpu-mi350", labels=["megatron", "model-scripts", "amd"])
+register_cuda_ci(
+    est_time=900,
+    suite="stage-c-4-gpu-h200",
+    labels=["megatron", "model-scripts"],
+    disabled="the Megatron training loop is not built yet: MegatronBackend validates the layout, then raises BackendUnavailable (see #7)",
+)
+register_rocm_ci(
+    est_time=900,
+    suite="stage-c-4-gpu-mi350",
+    labels=["megatron", "model-scripts", "amd"],
+    disabled="the Megatron training loop is not built yet: MegatronBackend validates the layout, then raises BackendUnavailable (see #7)",
+)
 register_ci_gate(metric_key="train/grad_norm")
 
 
