@@ -7,10 +7,6 @@ profile is trained by tests/e2e/test_train_recipes_tiny.py.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 from miles.ci.register import register_ci_gate, register_cuda_ci, register_rocm_ci
 
 register_cuda_ci(
@@ -28,14 +24,5 @@ register_rocm_ci(
 register_ci_gate(metric_key="train/grad_norm")
 
 
-def _recipe_run():
-    path = Path(__file__).with_name("recipe_run.py")
-    spec = importlib.util.spec_from_file_location("recipe_run", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_qwen3_30b_a3b_recipe_prepares_and_trains(tmp_path):
-    _recipe_run().run_recipe("qwen3_30b_a3b", tmp_path)
+def test_qwen3_30b_a3b_recipe_prepares_and_trains(train_recipe):
+    train_recipe("qwen3_30b_a3b")

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from miles.platform import resolve
 from miles.recipes import load
 
@@ -48,3 +50,9 @@ def run_recipe(name: str, workdir: Path) -> Path:
     checkpoints = runs / "e2e" / "checkpoints"
     assert checkpoints.is_dir() and any(checkpoints.iterdir()), f"{name} saved no checkpoint:\n{tail}"
     return checkpoints
+
+
+@pytest.fixture
+def train_recipe(tmp_path: Path):
+    """`train_recipe(name)` runs the recipe's full-train in a fresh working directory."""
+    return lambda name: run_recipe(name, tmp_path)
