@@ -71,7 +71,7 @@ _SPECS = (
         {
             **_COMMON_TINY, "intermediate_size": 384, "moe_intermediate_size": 64, "num_key_value_heads": 4,
             "n_routed_experts": 8, "num_experts_per_tok": 2, "kv_lora_rank": 32, "q_lora_rank": 64,
-            "qk_rope_head_dim": 16, "qk_nope_head_dim": 48, "v_head_dim": 16, "index_topk": 16,
+            "qk_rope_head_dim": 16, "qk_nope_head_dim": 48, "v_head_dim": 16, "index_topk": 64,
             "index_head_dim": 32, "index_n_heads": 2, "first_k_dense_replace": 1,
         },
     ),
