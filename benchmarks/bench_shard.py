@@ -91,7 +91,7 @@ def balance_table(title: str, make, seeds: int) -> list[tuple[float, float, bool
 def repository_suites() -> None:
     from miles.ci.catalog import load_catalog
     from miles.ci.discover import discover
-    from miles.ci.runner import _shard_count
+    from miles.ci.plan import shard_count
 
     catalog = load_catalog()
     discovery = discover(ROOT, catalog=catalog)
@@ -103,7 +103,7 @@ def repository_suites() -> None:
         if not jobs:
             print(f"{suite.name:<30} {0:>5}      -        -        -        -   (no tests registered yet)")
             continue
-        for n in sorted({_shard_count(suite, jobs, None, False)[0], 2, 4}):
+        for n in sorted({shard_count(suite, jobs, None, False)[0], 2, 4}):
             lpt, ours = lpt_partition(jobs, n), balanced_partition(jobs, n)
             print(
                 f"{suite.name:<30} {len(jobs):>5} {n:>6} {ours.lower_bound:>8.0f} {lpt.ratio:>8.4f} "
@@ -115,8 +115,9 @@ def overhead(files: int) -> None:
     from miles.ci.catalog import load_catalog
     from miles.ci.discover import discover
     from miles.ci.execute import CancelToken, Settings, TestRun, pytest_command, run_attempt
+    from miles.ci.plan import RunOptions, build_plan
     from miles.ci.report import write_reports
-    from miles.ci.runner import RunOptions, build_plan, execute_plan
+    from miles.ci.runner import execute_plan
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

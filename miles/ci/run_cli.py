@@ -84,7 +84,7 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _options(args: argparse.Namespace):
-    from miles.ci.runner import DEFAULT_GRACE, DEFAULT_TIMEOUT_FLOOR, RunOptions
+    from miles.ci.plan import DEFAULT_GRACE, DEFAULT_TIMEOUT_FLOOR, RunOptions
 
     return RunOptions(
         root=args.root,
@@ -106,8 +106,8 @@ def _options(args: argparse.Namespace):
 
 
 def _usage_errors():
+    from miles.ci.plan import PlanError
     from miles.ci.policy import PolicyError
-    from miles.ci.runner import PlanError
     from miles.ci.select import ScopeError
 
     return (PlanError, PolicyError, ScopeError)
@@ -130,8 +130,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_matrix(args: argparse.Namespace) -> int:
     from miles.ci.catalog import load_catalog
     from miles.ci.discover import discover
+    from miles.ci.plan import DEFAULT_TIMEOUT_FLOOR, RunOptions, build_plan
     from miles.ci.policy import write_github_outputs
-    from miles.ci.runner import DEFAULT_TIMEOUT_FLOOR, RunOptions, build_plan
 
     catalog = load_catalog()
     options = RunOptions(

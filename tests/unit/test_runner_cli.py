@@ -12,7 +12,7 @@ from miles.ci.catalog import load_catalog
 from miles.ci.cli import main
 from miles.ci.discover import discover
 from miles.ci.durations import durations_path, load_durations
-from miles.ci.runner import RunOptions, build_plan, timeout_for
+from miles.ci.plan import RunOptions, build_plan, timeout_for
 
 ROCM = "from miles.ci.register import register_rocm_ci\n"
 GPU_TREE = {
@@ -190,7 +190,7 @@ def test_terminal_progress_shows_position_share_and_eta(make_tree):
     import io
 
     from miles.ci.execute import TestRun
-    from miles.ci.runner import Progress
+    from miles.ci.progress import Progress
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:

@@ -21,8 +21,9 @@ import pytest
 from miles.ci.catalog import load_catalog
 from miles.ci.discover import discover
 from miles.ci.execute import CancelToken, Settings, TestRun, run_attempt
+from miles.ci.plan import RunOptions, build_plan
 from miles.ci.register import register_cpu_ci
-from miles.ci.runner import RunOptions, build_plan, execute_plan
+from miles.ci.runner import execute_plan
 
 register_cpu_ci(est_time=60, suite="stage-a-cpu")
 

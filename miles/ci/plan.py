@@ -1,0 +1,272 @@
+"""Planning a run: which tests of which suites run in this shard, with what timeouts.
+
+Planning reads only the catalog and the tests' syntax trees, so `--plan` works on any
+machine with nothing heavy installed. `build_plan()` computes everything the run will do;
+`format_plan()` prints it as people read it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from miles.ci.catalog import Catalog, Suite
+from miles.ci.discover import Discovery
+from miles.ci.execute import Settings, TestRun, format_command, pytest_command
+from miles.ci.policy import effective_cadence, parse_labels
+from miles.ci.registration import Registration
+from miles.ci.select import Selection, default_cadence, resolve_scope, select
+from miles.ci.shard import Job, Partition, balanced_partition, shards_for_budget
+
+DEFAULT_TIMEOUT_FLOOR = 60.0  # seconds; short tests still get time to import torch
+DEFAULT_GRACE = 10.0  # seconds between SIGTERM and SIGKILL
+TIMEOUT_FACTOR = 1.25
+
+
+class PlanError(ValueError):
+    """The run cannot be planned from this input (exit 2)."""
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    root: Path = Path(".")
+    lane: str | None = None
+    backend: str | None = None
+    suites: tuple[str, ...] = ()
+    cadence: str | None = None
+    labels: str | None = None  # raw PR labels; None = not given (every label admitted)
+    shard: str | None = None  # "k/N" or "k/auto"
+    shards: str | None = None  # "N" or "auto": how many shards the plan splits each suite into
+    max_attempts: int | None = None  # default: the lane's
+    continue_on_error: bool = False
+    timeout_floor: float = DEFAULT_TIMEOUT_FLOOR
+    grace: float = DEFAULT_GRACE
+    report_dir: Path | None = None
+    stream: bool | None = None  # echo test output live; default: on under GitHub Actions
+    pytest_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PlannedTest:
+    registration: Registration
+    lane: str
+    shard: int
+    n_shards: int
+    timeout: float
+
+    @property
+    def shard_label(self) -> str:
+        return f"{self.shard}/{self.n_shards}"
+
+
+@dataclass(frozen=True)
+class SuitePlan:
+    suite: Suite
+    n_shards: int
+    how: str  # where the shard count came from
+    partition: Partition
+    run_shards: tuple[int, ...]  # 1-based shards this invocation runs
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    selection: Selection
+    suites: tuple[SuitePlan, ...]
+    tests: tuple[PlannedTest, ...]  # what this invocation runs, in order
+    shard: str  # "k/N", or "all"
+    report_dir: Path
+    max_attempts: int
+    continue_on_error: bool
+    settings: Settings = field(repr=False)
+    timeout_floor: float = DEFAULT_TIMEOUT_FLOOR
+
+
+def timeout_for(est_time: float, floor: float) -> float:
+    """The per-file limit: est_time x 1.25, but never below the floor."""
+    return max(floor, TIMEOUT_FACTOR * est_time)
+
+
+def parse_shard(text: str) -> tuple[int, int | None]:
+    """ "k/N" -> (k, N); "k/auto" -> (k, None). Raises PlanError."""
+    k_text, sep, n_text = text.partition("/")
+    try:
+        k = int(k_text)
+        n = None if n_text == "auto" else int(n_text)
+    except ValueError:
+        raise PlanError(f"--shard {text!r} must look like k/N (1-based, e.g. 2/3) or k/auto") from None
+    if not sep or k < 1 or (n is not None and not 1 <= k <= n):
+        raise PlanError(f"--shard {text!r}: need 1 <= k <= N")
+    return k, n
+
+
+def parse_shards(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        raise PlanError(f"--shards {text!r} must be a positive number or 'auto'") from None
+    if n < 1:
+        raise PlanError(f"--shards {text!r} must be >= 1")
+    return n
+
+
+def shard_count(suite: Suite, jobs: list[Job], requested: int | None, explicit: bool) -> tuple[int, str]:
+    if explicit and requested is not None:
+        return requested, "requested"
+    if suite.budget_s is not None:
+        return shards_for_budget(jobs, suite.budget_s), f"auto: budget {suite.budget_s:g}s per shard"
+    return suite.shards or 1, "catalog"
+
+
+def build_plan(options: RunOptions, catalog: Catalog, discovery: Discovery) -> RunPlan:
+    """Everything the run will do, computed without running anything."""
+    if discovery.problems:
+        lines = "\n".join(f"  {p}" for p in discovery.problems)
+        raise PlanError(f"{len(discovery.problems)} registration problem(s); fix them first:\n{lines}")
+    scope = resolve_scope(catalog, lane=options.lane, backend=options.backend, suites=options.suites)
+    labels = parse_labels(options.labels, catalog) if options.labels is not None else None
+    cadence = effective_cadence(options.cadence or default_cadence(scope), labels)
+    selection = select(discovery, scope, cadence=cadence, labels=labels)
+
+    k, n_requested, explicit = None, None, False
+    if options.shard is not None:
+        k, n_requested = parse_shard(options.shard)
+        explicit = n_requested is not None
+        if options.shards is not None and parse_shards(options.shards) != n_requested:
+            raise PlanError(f"--shard {options.shard} and --shards {options.shards} disagree; give one")
+    elif options.shards is not None:
+        n_requested = parse_shards(options.shards)
+        explicit = n_requested is not None
+
+    suite_plans, tests = [], []
+    for suite in scope.suites:
+        regs = {r.file: r for r in selection.of_suite(suite.name)}
+        jobs = [Job(r.file, r.est_time) for r in regs.values()]
+        n, how = shard_count(suite, jobs, n_requested, explicit)
+        partition = balanced_partition(jobs, n)
+        run_shards = tuple(range(1, n + 1)) if k is None else ((k,) if k <= n else ())
+        suite_plans.append(SuitePlan(suite, n, how, partition, run_shards))
+        for index in run_shards:
+            # Shortest first: quick feedback, and fast-fail spares the expensive tests.
+            for job in sorted(partition.shards[index - 1], key=lambda j: (j.weight, j.key)):
+                reg = regs[job.key]
+                tests.append(
+                    PlannedTest(
+                        reg, scope.lane_of(suite), index, n, timeout_for(reg.est_time, options.timeout_floor)
+                    )
+                )
+
+    if options.shard is not None:
+        shard = options.shard
+    elif all(p.n_shards == 1 for p in suite_plans):
+        shard = "1/1"
+    else:
+        shard = "all"
+    tag = shard.replace("/", "of")
+    root = options.root.resolve()
+    report_dir = options.report_dir or Path(".miles") / "reports" / f"{scope.name}-{tag}"
+    report_dir = report_dir if report_dir.is_absolute() else root / report_dir
+    lane_attempts = (
+        scope.lane.max_attempts
+        if scope.lane
+        else max((catalog.lanes[s.lane].max_attempts for s in scope.suites), default=1)
+    )
+    max_attempts = options.max_attempts if options.max_attempts is not None else lane_attempts
+    if max_attempts < 1:
+        raise PlanError(f"--max-attempts {max_attempts} must be >= 1")
+    continue_on_error = options.continue_on_error or bool(labels and labels.bypass_fastfail)
+    stream = options.stream if options.stream is not None else os.environ.get("GITHUB_ACTIONS") == "true"
+    settings = Settings(
+        root=root,
+        grace=options.grace,
+        pytest_args=options.pytest_args,
+        echo=sys.stdout if stream else None,
+    )
+    return RunPlan(
+        selection,
+        tuple(suite_plans),
+        tuple(tests),
+        shard,
+        report_dir,
+        max_attempts,
+        continue_on_error,
+        settings,
+        options.timeout_floor,
+    )
+
+
+def attempt_dir(plan: RunPlan, test: PlannedTest, attempt: int) -> Path:
+    slug = test.registration.file.replace("/", "__").removesuffix(".py")
+    return plan.report_dir / "attempts" / test.registration.suite / slug / str(attempt)
+
+
+def test_run(
+    plan: RunPlan, test: PlannedTest, attempt: int, retry_reason: str | None, commit: str
+) -> TestRun:
+    reg = test.registration
+    return TestRun(
+        file=reg.file,
+        backend=reg.backend,
+        suite=reg.suite,
+        lane=test.lane,
+        shard=test.shard_label,
+        est_time=reg.est_time,
+        timeout=test.timeout,
+        attempt=attempt,
+        retry_reason=retry_reason,
+        commit=commit,
+    )
+
+
+def format_plan(plan: RunPlan) -> str:
+    """The plan as people read it: shards, predicted totals, bounds, timeouts, commands."""
+    sel = plan.selection
+    labels = "(not given: every label admitted)" if sel.labels is None else str(sel.labels)
+    out = [
+        f"plan · {sel.scope.name} · backend {sel.scope.backend} · cadence {sel.cadence} · labels {labels} · "
+        f"shard {plan.shard} · max attempts {plan.max_attempts} · "
+        f"{'continue on error' if plan.continue_on_error else 'fast-fail'}"
+    ]
+    for sp in plan.suites:
+        p = sp.partition
+        total = sum(p.loads)
+        longest = max((j.weight for s in p.shards for j in s), default=0.0)
+        n_tests = sum(len(s) for s in p.shards)
+        out.append("")
+        out.append(
+            f"suite {sp.suite.name}: {n_tests} test(s), {sp.n_shards} shard(s) ({sp.how}), total est {total:g}s"
+        )
+        if n_tests:
+            out.append(
+                f"  lower bound {p.lower_bound:.0f}s = max(total/N {total / sp.n_shards:.0f}s, longest {longest:g}s); "
+                f"predicted makespan {p.makespan:.0f}s; ratio {p.ratio:.3f} ({p.method}"
+                f"{', optimal' if p.optimal else ''})"
+            )
+        for index, shard in enumerate(p.shards, start=1):
+            here = " ← this run" if index in sp.run_shards else ""
+            out.append(
+                f"  shard {index}/{sp.n_shards}: {len(shard)} test(s), predicted {p.loads[index - 1]:g}s{here}"
+            )
+            for job in sorted(shard, key=lambda j: (j.weight, j.key)):
+                limit = timeout_for(job.weight, plan.timeout_floor)
+                out.append(f"    est {job.weight:>6g}s  timeout {limit:>6g}s  {job.key}")
+        if not sp.run_shards and plan.shard != "all":
+            out.append(
+                f"  shard {plan.shard} asked, but this suite has {sp.n_shards}: nothing of it runs here"
+            )
+        for e in (e for e in sel.excluded if e.suite == sp.suite.name):
+            out.append(f"  not run ({e.kind}): {e.file}: {e.reason}")
+    if plan.tests:
+        out += ["", "commands (attempt 1; cwd = project root):"]
+        for test in plan.tests:
+            run = test_run(plan, test, 1, None, "")
+            junit = attempt_dir(plan, test, 1) / "junit.xml"
+            env = run.env(attempt_dir(plan, test, 1) / "metrics")
+            out.append(f"  {format_command(pytest_command(plan.settings, run.file, junit), env)}")
+    else:
+        out += ["", "nothing to run in this shard."]
+    out.append(f"reports: {plan.report_dir}/{{junit.xml,summary.md,run.json}}")
+    return "\n".join(out) + "\n"
