@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 from miles.ci.catalog import load_catalog  # noqa: E402
-from miles.ci.preflight import split_lane_args  # noqa: E402
+from miles.ci.preflight import python_available, split_lane_args  # noqa: E402
 from miles.image.config import stack_for_lane  # noqa: E402
 from miles.image.install import install_arguments, torch_source_warning  # noqa: E402
 
@@ -93,7 +93,11 @@ def _make_lane(lane_name: str):
         session.run("python", *run)
 
     lane_session.__doc__ = f"{lane.description} Suites: {suites}."
-    python = None if PLANNING else lane.python
+    python = lane.python
+    if PLANNING or (lane.backend != "cpu" and not python_available(lane.python)):
+        # A plan needs no stack; a GPU lane whose Python is missing still reaches its
+        # preflight, which names the missing interpreter beside every other missing thing.
+        python = None
     return nox.session(name=lane_name, python=python, default=lane_name == "cpu")(lane_session)
 
 

@@ -1,6 +1,6 @@
 """Check the machine before a GPU lane runs a single test: `python -m miles.ci preflight`.
 
-A lane needs the right vendor with enough visible GPUs for its suites, its pinned stack
+A lane needs its Python, the right vendor with enough visible GPUs for its suites, its pinned stack
 installed, `MILES_HARDWARE_PLATFORM` consistent with the torch build, free disk for
 checkpoints, and no processes left over from an earlier job. Each missing thing is one line;
 any problem exits 3, before a GPU job starts and fails an hour later for the same reason.
@@ -13,10 +13,12 @@ is consulted through miles.platform when it is installed.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -124,6 +126,30 @@ def _visible(detected: int, backend: str, env: Mapping[str, str]) -> int:
             listed = [d for d in env[name].split(",") if d.strip()]
             count = min(count, len(listed))
     return count
+
+
+@functools.cache
+def python_available(version: str) -> bool:
+    """Whether `python<version>` on PATH really runs (a pyenv shim of an unselected version does not)."""
+    if "{}.{}".format(*sys.version_info[:2]) == version:
+        return True
+    exe = shutil.which(f"python{version}")
+    if exe is None:
+        return False
+    try:
+        return subprocess.run([exe, "-c", "pass"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def check_python(lane: str, catalog: Catalog | None = None) -> list[str]:
+    version = (catalog or load_catalog()).lane(lane).python
+    if python_available(version):
+        return []
+    return [
+        f"python: lane {lane} runs on Python {version}, and no working python{version} is on PATH; "
+        f"install it (with pyenv: pyenv install {version} and add it to `pyenv global`)"
+    ]
 
 
 def check_pins(lane: str, installed: Mapping[str, str] | None = None, root: Path | None = None) -> list[str]:
@@ -264,7 +290,7 @@ def preflight(
     """Every check for `lane`; returns (problems, notes)."""
     env = os.environ if env is None else env
     need = need_for(lane, suites)
-    problems = check_vendor(need, env)
+    problems = check_python(lane) + check_vendor(need, env)
     if not machine_only:
         problems += check_pins(lane)
     threshold = (

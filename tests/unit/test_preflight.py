@@ -25,6 +25,7 @@ from miles.ci.preflight import (
     check_vendor,
     find_leftovers,
     need_for,
+    python_available,
     split_lane_args,
 )
 from miles.image.pins import parse_lock
@@ -186,12 +187,29 @@ def test_cli_on_a_machine_without_amd_gpus_exits_3_with_one_line_per_problem(tmp
     assert done.returncode == EXIT_PREFLIGHT
     lines = done.stderr.splitlines()
     assert all(line.startswith("preflight: ") for line in lines)
-    assert (
-        lines[0] == "preflight: tools: none of amd-smi, rocm-smi is on PATH; the AMD driver tools are missing"
+    # a machine without Python 3.12 adds its line first; the rest follow in order
+    tools = lines.index(
+        "preflight: tools: none of amd-smi, rocm-smi is on PATH; the AMD driver tools are missing"
     )
-    assert lines[1].startswith("preflight: vendor: lane rocm-mi350 needs 4 AMD GPU(s)")
+    assert all(line.startswith("preflight: python: ") for line in lines[:tools])
+    assert lines[tools + 1].startswith("preflight: vendor: lane rocm-mi350 needs 4 AMD GPU(s)")
     # processes other jobs on this machine left running may add lines; the count covers them all
     assert (
         lines[-1]
         == f"preflight: lane rocm-mi350 cannot run here ({len(lines) - 1} problem(s)); no test was started"
     )
+
+
+def test_the_running_interpreter_counts_as_available():
+    assert python_available("{}.{}".format(*sys.version_info[:2]))
+
+
+def test_a_python_nobody_installed_is_reported_with_how_to_get_it(monkeypatch):
+    from miles.ci import preflight as module
+
+    monkeypatch.setattr(module, "python_available", lambda version: False)
+    (line,) = module.check_python("rocm-mi350")
+    assert line.startswith(
+        "python: lane rocm-mi350 runs on Python 3.12, and no working python3.12 is on PATH"
+    )
+    assert python_available("3.99") is False
