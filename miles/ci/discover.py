@@ -87,14 +87,15 @@ def discover(
     """Read every `test_*.py` under `root/tests_dir`; paths in records are relative to `root`.
 
     With `cache` (the default), results of unchanged files come from
-    `root/.miles/cache/discover.json` instead of being parsed again.
+    `root/.miles/cache/discover.pickle` instead of being parsed again.
     """
     root = Path(root)
     catalog = catalog if catalog is not None else load_catalog()
     memo = DiscoveryCache(root, catalog.path) if cache else None
     files, problems, seen = [], [], set()
+    base = str(root)
     for rel in iter_test_files(root, tests_dir):
-        path = root / rel
+        path = os.path.join(base, rel)
         seen.add(rel)
         try:
             stat = os.stat(path)
@@ -102,7 +103,7 @@ def discover(
             stat = None
         hit = memo.get(rel, stat) if memo is not None and stat is not None else None
         if hit is None:
-            hit = parse_test_file(path, rel, catalog, tests_dir=tests_dir)
+            hit = parse_test_file(Path(path), rel, catalog, tests_dir=tests_dir)
             if memo is not None and stat is not None:
                 memo.put(rel, stat, *hit)
         files.append(hit[0])

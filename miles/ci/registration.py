@@ -79,13 +79,3 @@ class TestFile:
 
     def for_backend(self, backend: str) -> tuple[Registration, ...]:
         return tuple(r for r in self.registrations if r.backend == backend)
-
-
-def registration_from_json(data: dict) -> Registration:
-    return Registration(**{**data, "labels": tuple(data["labels"])})
-
-
-def gate_from_json(data: dict) -> GateDeclaration:
-    steps = data["steps"] if isinstance(data["steps"], str) else tuple(data["steps"])
-    constraint = tuple(sorted((k, float(v)) for k, v in data["constraint"].items()))
-    return GateDeclaration(**{**data, "steps": steps, "constraint": constraint})
