@@ -125,13 +125,13 @@ def audit(catalog: Catalog, discovery: Discovery, *, root: Path | None = None) -
         if enabled == 0:
             note = f" ({off} disabled)" if off else ""
             findings.append(Finding(WARNING, "empty-suite", f"suite '{name}' has nothing to run{note}"))
+    enabled_in = {name: enabled for name, enabled, _ in suite_counts}
     for lane in catalog.lanes.values():
-        if not any(per_suite_enabled(per_suite, s.name) for s in catalog.suites_of_lane(lane.name)):
+        if not any(enabled_in[s.name] for s in catalog.suites_of_lane(lane.name)):
             findings.append(Finding(WARNING, "empty-lane", f"lane '{lane.name}' has nothing to run"))
 
+    # A suite without consumers never gets this far: the catalog refuses to load.
     for suite in catalog.suites.values():
-        if not suite.consumers:
-            findings.append(Finding(ERROR, "unconsumed", f"suite '{suite.name}' is consumed by nobody"))
         for consumer in suite.consumers:
             if consumer.kind == "workflow" and not (root / ".github" / "workflows" / consumer.name).is_file():
                 # The workflows exist now, so a consumer naming a missing one is a broken promise.
@@ -140,7 +140,8 @@ def audit(catalog: Catalog, discovery: Discovery, *, root: Path | None = None) -
                         ERROR,
                         "missing-workflow",
                         f"suite '{suite.name}' names consumer {consumer} but "
-                        f".github/workflows/{consumer.name} does not exist",
+                        f".github/workflows/{consumer.name} does not exist; add the workflow "
+                        "or fix the suite's consumers in miles/ci/catalog.toml",
                     )
                 )
 
@@ -165,10 +166,6 @@ def audit(catalog: Catalog, discovery: Discovery, *, root: Path | None = None) -
     order = {ERROR: 0, WARNING: 1, INFO: 2}
     findings.sort(key=lambda f: order[f.severity])
     return AuditReport(tuple(findings), disabled, coverage, suite_counts)
-
-
-def per_suite_enabled(per_suite: dict[str, list[Registration]], suite: str) -> bool:
-    return any(r.enabled for r in per_suite.get(suite, ()))
 
 
 def _coverage(discovery: Discovery) -> tuple[CoverageRow, ...]:
