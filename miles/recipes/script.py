@@ -21,8 +21,9 @@ import sys
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from miles.ckpt.errors import CheckpointError
 from miles.platform import PlatformError
 from miles.recipes.launch import LaunchError, RunOptions, build_plan, format_plan, run
 from miles.recipes.recipe import Recipe, RecipeError
@@ -68,6 +69,11 @@ FIELDS = (
 
 class ScriptError(ValueError):
     pass
+
+
+def script_path(name: str, platform: str | None) -> str:
+    """The recipe's script: scripts/amd/run_<name>.py for the ROCm form, else scripts/run_<name>.py."""
+    return f"scripts/{'amd/' if platform == 'rocm' else ''}run_{name}.py"
 
 
 def env_name(field: str) -> str:
@@ -176,12 +182,13 @@ def main(
     """Run a recipe script. `platform` fixes the form (the scripts in scripts/amd/ pass "rocm");
     None dispatches on this machine's platform."""
     env = os.environ if env is None else env
-    prog = f"scripts/{'amd/' if platform == 'rocm' else ''}run_{name}.py"
-    args = vars(build_parser(prog, platform).parse_args(argv))
+    args = vars(build_parser(script_path(name, platform), platform).parse_args(argv))
     command = args.pop("command")
     try:
         return _main(name, platform, command, args, env)
-    except (ScriptError, RecipeError, PlatformError, LaunchError, NotImplementedError, ValueError) as exc:
+    except (
+        ScriptError, RecipeError, PlatformError, LaunchError, CheckpointError, NotImplementedError, ValueError
+    ) as exc:  # fmt: skip
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
@@ -220,9 +227,9 @@ def _main(name: str, fixed: str | None, command: str, cli: dict, env: Mapping[st
     options = _with_profile(options, profile)
     dry = value["dry_run"]
     if command in ("prepare", "full-train"):
-        status = _prepare(recipe, options, dry, out)
-        if status or command == "prepare":
-            return status
+        _prepare(recipe, options, dry, out)
+        if command == "prepare":
+            return 0
     plan = build_plan(recipe, options, platform, base_env=env)
     if value["json"]:
         print(json.dumps(plan.to_json(), indent=2))
@@ -241,12 +248,12 @@ def _detected(env: Mapping[str, str]) -> str:
 
 
 def _with_profile(options: RunOptions, profile) -> RunOptions:
-    from dataclasses import replace
-
     return replace(options, model=profile.model, nodes=profile.nodes, gpus_per_node=profile.gpus_per_node)
 
 
-def _prepare(recipe: Recipe, options: RunOptions, dry: bool, out) -> int:
+def _prepare(recipe: Recipe, options: RunOptions, dry: bool, out) -> None:
+    from miles.ckpt.pipeline import prepare  # reads checkpoints: only `prepare` needs it
+
     plan = recipe.checkpoint_plan(
         options.model, model_dir=options.model_dir, source=options.source, stage_dir=options.stage_dir
     )
@@ -254,26 +261,8 @@ def _prepare(recipe: Recipe, options: RunOptions, dry: bool, out) -> int:
     print(
         f"  family {plan.family}, layers {plan.num_layers or 'all'}, steps: {', '.join(plan.steps)}", file=out
     )
-    try:
-        from miles.ckpt.pipeline import prepare
-    except ModuleNotFoundError as exc:
-        if exc.name != "miles.ckpt.pipeline":
-            raise
-        if dry:
-            print(
-                "  (miles.ckpt.pipeline is not in this checkout yet: the plan above is what it will run)",
-                file=out,
-            )
-            return 0
-        raise ScriptError(
-            "the checkpoint pipeline (miles.ckpt.pipeline) is not installed; cannot prepare"
-        ) from None
-    result = prepare(plan, steps=None, dry=dry)
-    table = getattr(result, "table", None)
-    if callable(table):
-        print(table(), file=out)
+    print(prepare(plan, dry=dry).table(), file=out)
     print(file=out)
-    return 0
 
 
 def _check_checkpoint(plan, name: str, fixed: str | None) -> None:
@@ -283,8 +272,7 @@ def _check_checkpoint(plan, name: str, fixed: str | None) -> None:
         needed.append(ckpt.torch_dist_dir)
     missing = [d for d in needed if not os.path.isdir(d)]
     if missing:
-        script = f"scripts/{'amd/' if fixed == 'rocm' else ''}run_{name}.py"
         raise LaunchError(
-            f"checkpoint {', '.join(missing)} is missing; run `python {script} prepare --model {plan.profile.model}` "
+            f"checkpoint {', '.join(missing)} is missing; run `python {script_path(name, fixed)} prepare --model {plan.profile.model}` "
             f"first (or full-train)"
         )

@@ -186,6 +186,15 @@ def test_prepare_dry_run_prints_the_checkpoint_plan(capsys):
     assert "steps: fetch, validate, trim, fp8, torch_dist" in out
 
 
+def test_prepare_with_a_bad_checkpoint_source_exits_2_with_one_line(tmp_path, capsys):
+    missing = tmp_path / "no-such-checkpoint"
+    argv = ["prepare", "--platform", "cuda", "--source", str(missing), "--model-dir", str(tmp_path)]
+    assert main("qwen3_4b", argv=argv, env={}) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: fetch of Qwen3-4B: source {missing} has no config.json")
+    assert "Traceback" not in err
+
+
 def test_shared_script_under_a_wrong_platform_variable_refuses(capsys):
     assert main("inkling", argv=["train", "--dry-run"], env={"MILES_HARDWARE_PLATFORM": "rocm"}) == 2
     assert "MILES_HARDWARE_PLATFORM=rocm but this machine is cpu" in capsys.readouterr().err
