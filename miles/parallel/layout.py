@@ -71,21 +71,28 @@ class ParallelConfig:
             text += f" stages(first={self.first_stage_layers}, last={self.last_stage_layers})"
         return text
 
+    def trainer_args(self) -> tuple[tuple[str, int | bool | None], ...]:
+        """The Megatron trainer flags for this layout as (flag, value) pairs, the names
+        `python -m miles.train` parses; False or None means the flag is not passed."""
+        return (
+            ("--tensor-model-parallel-size", self.tp),
+            ("--pipeline-model-parallel-size", self.pp),
+            ("--context-parallel-size", self.cp),
+            ("--expert-model-parallel-size", self.ep),
+            ("--expert-tensor-parallel-size", self.expert_tp),
+            ("--sequence-parallel", self.sp),
+            ("--decoder-first-pipeline-num-layers", self.first_stage_layers),
+            ("--decoder-last-pipeline-num-layers", self.last_stage_layers),
+        )
+
     def trainer_flags(self) -> tuple[str, ...]:
-        """The Megatron trainer flags for this layout (the names `python -m miles.train` parses)."""
-        out = [
-            "--tensor-model-parallel-size", str(self.tp),
-            "--pipeline-model-parallel-size", str(self.pp),
-            "--context-parallel-size", str(self.cp),
-            "--expert-model-parallel-size", str(self.ep),
-            "--expert-tensor-parallel-size", str(self.expert_tp),
-        ]  # fmt: skip
-        if self.sp:
-            out.append("--sequence-parallel")
-        if self.first_stage_layers is not None:
-            out += ["--decoder-first-pipeline-num-layers", str(self.first_stage_layers)]
-        if self.last_stage_layers is not None:
-            out += ["--decoder-last-pipeline-num-layers", str(self.last_stage_layers)]
+        """`trainer_args()` as argv tokens."""
+        out: list[str] = []
+        for flag, value in self.trainer_args():
+            if value is True:
+                out.append(flag)
+            elif value not in (None, False):
+                out += [flag, str(value)]
         return tuple(out)
 
     def to_json(self) -> dict:

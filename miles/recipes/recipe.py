@@ -252,17 +252,7 @@ def _placement(profile: ParallelProfile, backend: str) -> Args:
         ("--actor-num-gpus-per-node", profile.gpus_per_node),
     ]
     if backend == "megatron":
-        c = profile.parallel
-        out += [
-            ("--tensor-model-parallel-size", c.tp),
-            ("--pipeline-model-parallel-size", c.pp),
-            ("--context-parallel-size", c.cp),
-            ("--expert-model-parallel-size", c.ep),
-            ("--expert-tensor-parallel-size", c.expert_tp),
-            ("--sequence-parallel", c.sp),
-            ("--decoder-first-pipeline-num-layers", c.first_stage_layers),
-            ("--decoder-last-pipeline-num-layers", c.last_stage_layers),
-        ]
+        out += profile.parallel.trainer_args()
     return tuple(out)
 
 
