@@ -7,7 +7,7 @@ eps-clip 0.2/0.28, 32 prompts x 8 samples per rollout, global batch 256, k3 (low
 from __future__ import annotations
 
 from miles.parallel import ParallelConfig
-from miles.recipes.args import Args
+from miles.recipes.args import Args, merge
 from miles.recipes.models import TINY
 from miles.recipes.recipe import ParallelProfile, groups
 
@@ -56,6 +56,13 @@ OPTIMIZER: Args = (
 
 ROLLOUT_ENGINE: Args = (("--sglang-mem-fraction-static", 0.7),)
 
+# SGLang's MoE rollout on CUDA: experts spread over the engine's GPUs, all-to-all via DeepEP.
+DEEPEP_ROLLOUT_ENGINE: Args = (
+    ("--sglang-ep-size", "{rollout_gpus_per_engine}"),
+    ("--sglang-moe-a2a-backend", "deepep"),
+    ("--sglang-deepep-mode", "auto"),
+)
+
 # Megatron memory and kernel settings; the CPU profile removes them.
 PERF: Args = (
     ("--colocate", True),
@@ -74,6 +81,21 @@ PERF: Args = (
 MISC: Args = (("--seed", 1234),)
 
 ENV: tuple[tuple[str, str], ...] = (("PYTHONUNBUFFERED", "1"),)
+
+
+# Every group's starting flags; a recipe names only what it changes (args_with).
+DEFAULT_ARGS = groups(
+    checkpoint=CHECKPOINT, rollout=ROLLOUT, grpo=GRPO, optimizer=OPTIMIZER, rollout_engine=ROLLOUT_ENGINE,
+    perf=PERF, misc=MISC,
+)  # fmt: skip
+
+
+def args_with(**changes: Args) -> tuple[tuple[str, Args], ...]:
+    """The default groups with a recipe's own flags merged into the groups it names: a new flag
+    is appended, a changed one keeps its place, a None value removes one."""
+    own = dict(groups(**changes))
+    return tuple((group, merge(base, own.get(group, ()))) for group, base in DEFAULT_ARGS)
+
 
 # The CPU lane trains the same recipe on a tiny random checkpoint: 2 gloo ranks, a small
 # batch, three rollouts of the trainer's synthetic task, FSDP instead of Megatron.

@@ -12,7 +12,7 @@ import pytest
 
 from miles.parallel import LayoutError, ParallelConfig, validate
 from miles.platform import PlatformMismatch
-from miles.recipes import load, names, shared, variants
+from miles.recipes import GROUPS, load, names, shared, variants
 from miles.recipes.args import ArgsError, fill, merge, render
 from miles.recipes.diff import recipe_diff
 from miles.recipes.models import INKLING_SMALL, QWEN3_4B, UnknownModel, moe_layer_freq, resolve_model
@@ -179,6 +179,20 @@ def test_render_spells_switches_lists_and_numbers():
 def test_unknown_template_field_names_the_flag_and_the_known_fields():
     with pytest.raises(ArgsError, match=r"recipe.py: --save: unknown field \{save_path\}.*known: run_dir"):
         fill((("--save", "{save_path}"),), {"run_dir": "/r"}, "recipe.py")
+
+
+def test_recipe_args_are_the_defaults_with_the_recipes_own_flags_merged_in():
+    from miles.recipes import defaults as d
+
+    args = dict(d.args_with(rollout=(("--num-rollout", 5), ("--balance-data", None), ("--new", 1))))
+    assert [g for g in args] == list(GROUPS)
+    flags = [flag for flag, _ in args["rollout"]]
+    assert flags.index("--num-rollout") == [flag for flag, _ in d.ROLLOUT].index("--num-rollout")
+    assert dict(args["rollout"])["--num-rollout"] == 5 and args["rollout"][-1] == ("--new", 1)
+    assert "--balance-data" not in dict(args["rollout"])
+    assert args["grpo"] == d.GRPO and args["perf"] == d.PERF
+    with pytest.raises(RecipeError, match="unknown argument group"):
+        d.args_with(sglang=(("--x", 1),))
 
 
 def test_unknown_argument_group_is_refused():

@@ -2,7 +2,6 @@
 
 from miles.parallel import ParallelConfig
 from miles.recipes import defaults as d
-from miles.recipes.args import merge
 from miles.recipes.models import DEEPSEEK_V4_FLASH
 from miles.recipes.recipe import Overlay, Recipe, gpu_profile, groups, source_file
 
@@ -10,15 +9,7 @@ MODEL = "DeepSeek-V4-Flash-4layer"
 FOUR_GPUS = ParallelConfig(tp=4, sp=True, ep=4, etp=1)
 EIGHT_GPUS = ParallelConfig(tp=8, sp=True, ep=8, etp=1)
 
-ROLLOUT_ENGINE = merge(
-    d.ROLLOUT_ENGINE,
-    (
-        ("--sglang-ep-size", "{rollout_gpus_per_engine}"),
-        ("--sglang-moe-a2a-backend", "deepep"),
-        ("--sglang-deepep-mode", "auto"),
-        ("--sglang-attention-backend", "nsa"),
-    ),
-)
+ROLLOUT_ENGINE = (*d.DEEPEP_ROLLOUT_ENGINE, ("--sglang-attention-backend", "nsa"))
 
 ROCM = Overlay(
     platform="rocm",
@@ -39,15 +30,7 @@ RECIPE = Recipe(
     models=(MODEL,),
     defined_in=source_file(__name__),
     fp8_rollout=True,
-    args=groups(
-        checkpoint=d.CHECKPOINT,
-        rollout=d.ROLLOUT,
-        grpo=d.GRPO,
-        optimizer=d.OPTIMIZER,
-        rollout_engine=ROLLOUT_ENGINE,
-        perf=d.PERF,
-        misc=d.MISC,
-    ),
+    args=d.args_with(rollout_engine=ROLLOUT_ENGINE),
     env=d.ENV,
     profiles=(
         gpu_profile("cuda", 1, 4, MODEL, FOUR_GPUS, rollout_gpus_per_engine=4, suite="stage-c-4-gpu-h200"),

@@ -2,7 +2,6 @@
 
 from miles.parallel import ParallelConfig
 from miles.recipes import defaults as d
-from miles.recipes.args import merge
 from miles.recipes.models import GLM5_2_744B_A40B
 from miles.recipes.recipe import Overlay, Recipe, gpu_profile, groups, source_file
 
@@ -11,18 +10,13 @@ MODEL = "GLM-5.2-744B-A40B-5layer"
 FOUR_GPUS = ParallelConfig(tp=4, sp=True, ep=4, etp=1)
 EIGHT_GPUS = ParallelConfig(tp=8, sp=True, ep=8, etp=1)
 
-ROLLOUT_ENGINE = merge(
-    d.ROLLOUT_ENGINE,
-    (
-        # 0.70 leaves room for the weight checker's snapshot; higher turns the trimmed
-        # model's spare memory into KV cache.
-        ("--sglang-mem-fraction-static", 0.7),
-        ("--sglang-ep-size", "{rollout_gpus_per_engine}"),
-        ("--sglang-router-policy", "consistent_hashing"),
-        ("--sglang-moe-a2a-backend", "deepep"),
-        ("--sglang-deepep-mode", "auto"),
-        ("--sglang-attention-backend", "nsa"),
-    ),
+ROLLOUT_ENGINE = (
+    # 0.70 leaves room for the weight checker's snapshot; higher turns the trimmed
+    # model's spare memory into KV cache.
+    ("--sglang-mem-fraction-static", 0.7),
+    *d.DEEPEP_ROLLOUT_ENGINE,
+    ("--sglang-router-policy", "consistent_hashing"),
+    ("--sglang-attention-backend", "nsa"),
 )
 
 ROCM = Overlay(
@@ -51,16 +45,9 @@ RECIPE = Recipe(
     models=(MODEL,),
     defined_in=source_file(__name__),
     fp8_rollout=True,
-    args=groups(
-        checkpoint=d.CHECKPOINT,
-        rollout=d.ROLLOUT,
-        grpo=d.GRPO,
-        optimizer=merge(
-            d.OPTIMIZER, (("--optimizer-cpu-offload", True), ("--use-precision-aware-optimizer", True))
-        ),
+    args=d.args_with(
+        optimizer=(("--optimizer-cpu-offload", True), ("--use-precision-aware-optimizer", True)),
         rollout_engine=ROLLOUT_ENGINE,
-        perf=d.PERF,
-        misc=d.MISC,
     ),
     env=d.ENV,
     profiles=(

@@ -2,9 +2,8 @@
 
 from miles.parallel import ParallelConfig
 from miles.recipes import defaults as d
-from miles.recipes.args import merge
 from miles.recipes.models import INKLING_SMALL
-from miles.recipes.recipe import Overlay, Recipe, gpu_profile, groups, source_file
+from miles.recipes.recipe import Overlay, Recipe, gpu_profile, source_file
 
 MODEL = "Inkling-Small-4layer"
 # TP4 with sequence parallel and all experts spread over the 4 GPUs (ETP1).
@@ -29,15 +28,7 @@ RECIPE = Recipe(
     model=INKLING_SMALL,
     models=(MODEL,),
     defined_in=source_file(__name__),
-    args=groups(
-        checkpoint=d.CHECKPOINT,
-        rollout=d.ROLLOUT,
-        grpo=d.GRPO,
-        optimizer=d.OPTIMIZER,
-        rollout_engine=merge(d.ROLLOUT_ENGINE, (("--sglang-ep-size", "{rollout_gpus_per_engine}"),)),
-        perf=d.PERF,
-        misc=d.MISC,
-    ),
+    args=d.args_with(rollout_engine=(("--sglang-ep-size", "{rollout_gpus_per_engine}"),)),
     env=d.ENV,
     profiles=(
         gpu_profile("cuda", 1, 4, MODEL, TP4_EP4, rollout_gpus_per_engine=4, suite="stage-c-4-gpu-h200"),

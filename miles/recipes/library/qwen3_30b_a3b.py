@@ -2,7 +2,6 @@
 
 from miles.parallel import ParallelConfig
 from miles.recipes import defaults as d
-from miles.recipes.args import merge
 from miles.recipes.models import QWEN3_30B_A3B
 from miles.recipes.recipe import Overlay, Recipe, gpu_profile, groups, source_file
 
@@ -11,15 +10,6 @@ FULL = "Qwen3-30B-A3B"
 # On 4 GPUs with PP2, etp·ep·pp must divide 4: EP2 with ETP1 (EP4 would need 8 ranks).
 FOUR_GPUS = ParallelConfig(tp=2, sp=True, pp=2, ep=2, etp=1)
 EIGHT_GPUS = ParallelConfig(tp=4, sp=True, ep=8, etp=1)
-
-ROLLOUT_ENGINE = merge(
-    d.ROLLOUT_ENGINE,
-    (
-        ("--sglang-ep-size", "{rollout_gpus_per_engine}"),
-        ("--sglang-moe-a2a-backend", "deepep"),
-        ("--sglang-deepep-mode", "auto"),
-    ),
-)
 
 ROCM = Overlay(
     platform="rocm",
@@ -50,15 +40,7 @@ RECIPE = Recipe(
     models=(SLICE, FULL),
     defined_in=source_file(__name__),
     fp8_rollout=True,
-    args=groups(
-        checkpoint=d.CHECKPOINT,
-        rollout=d.ROLLOUT,
-        grpo=d.GRPO,
-        optimizer=d.OPTIMIZER,
-        rollout_engine=ROLLOUT_ENGINE,
-        perf=d.PERF,
-        misc=d.MISC,
-    ),
+    args=d.args_with(rollout_engine=d.DEEPEP_ROLLOUT_ENGINE),
     env=d.ENV,
     profiles=(
         gpu_profile("cuda", 1, 4, SLICE, FOUR_GPUS, rollout_gpus_per_engine=4, suite="stage-c-4-gpu-h200"),

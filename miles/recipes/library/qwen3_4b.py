@@ -2,13 +2,11 @@
 
 from miles.parallel import ParallelConfig
 from miles.recipes import defaults as d
-from miles.recipes.args import merge
 from miles.recipes.models import QWEN3_4B
 from miles.recipes.recipe import Overlay, Recipe, gpu_profile, groups, source_file
 
 MODEL = "Qwen3-4B"
 TP2 = ParallelConfig(tp=2, sp=True)
-ROLLOUT = merge(d.ROLLOUT, (("--rollout-max-response-len", 4096),))
 
 ROCM = Overlay(
     platform="rocm",
@@ -27,14 +25,9 @@ RECIPE = Recipe(
     model=QWEN3_4B,
     models=(MODEL,),
     defined_in=source_file(__name__),
-    args=groups(
-        checkpoint=d.CHECKPOINT,
-        rollout=ROLLOUT,
-        grpo=d.GRPO,
-        optimizer=d.OPTIMIZER,
-        rollout_engine=merge(d.ROLLOUT_ENGINE, (("--sglang-attention-backend", "flashinfer"),)),
-        perf=d.PERF,
-        misc=d.MISC,
+    args=d.args_with(
+        rollout=(("--rollout-max-response-len", 4096),),
+        rollout_engine=(("--sglang-attention-backend", "flashinfer"),),
     ),
     env=d.ENV,
     profiles=(
