@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from miles.recipes import load, shared
+from miles.recipes import load, names, shared
 from miles.recipes.launch import LaunchError, RunOptions, build_plan, check_pins, format_plan, run
 from miles.recipes.script import ScriptError, main, parse_env_vars, resolve_fields
 
@@ -159,6 +160,27 @@ def test_script_train_without_a_prepared_checkpoint_says_to_prepare(tmp_path, ca
     err = capsys.readouterr().err
     assert f"checkpoint {tmp_path}/Inkling-Small-tiny is missing" in err
     assert "run `python scripts/run_inkling.py prepare --model tiny` first" in err
+
+
+def _script_calls(path: Path) -> list[tuple]:
+    """The main(...) calls of a recipe script, as (name, platform) pairs."""
+    calls = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "main":
+            platform = next((k.value.value for k in node.keywords if k.arg == "platform"), None)
+            calls.append((node.args[0].value, platform))
+    return calls
+
+
+def test_every_recipe_has_a_shared_and_an_amd_script_that_run_it_and_nothing_else():
+    shared_scripts = sorted((ROOT / "scripts").glob("run_*.py"))
+    amd_scripts = sorted((ROOT / "scripts" / "amd").glob("run_*.py"))
+    assert sorted(p.stem for p in shared_scripts) == sorted(f"run_{n}" for n in names())
+    assert sorted(p.stem for p in amd_scripts) == sorted(f"run_{n}" for n in names())
+    for path in shared_scripts:
+        assert _script_calls(path) == [(path.stem.removeprefix("run_"), None)], path
+    for path in amd_scripts:
+        assert _script_calls(path) == [(path.stem.removeprefix("run_"), "rocm")], path
 
 
 def test_amd_script_dry_run_prints_a_complete_plan():
