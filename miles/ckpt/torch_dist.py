@@ -108,11 +108,7 @@ def convert_to_torch_dist(
         release = dst / RELEASE
         release.mkdir()
         layout = "megatron-gpt" if gpt else "hf-names"
-        common = {
-            "checkpoint_version": 3.0,
-            "iteration": 0,
-            "miles": {"layout": layout, "model_type": config["model_type"]},
-        }
+        common = {**_COMMON, "miles": {"layout": layout, "model_type": config["model_type"]}}
         _save(sharded, common, release)
         del sharded
         if gpt:
@@ -125,14 +121,6 @@ def convert_to_torch_dist(
 def _padded_vocab(config: Mapping[str, Any], multiple: int) -> int:
     vocab = config["vocab_size"]
     return -(-vocab // multiple) * multiple
-
-
-def _pad_rows(tensor, rows: int):
-    import torch
-
-    if tensor.shape[0] == rows:
-        return tensor
-    return torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
 
 
 def _fill_gpt(model, config, reader: CheckpointReader, vocab: int, progress: Progress | None) -> None:

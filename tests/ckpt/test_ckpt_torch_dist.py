@@ -17,7 +17,13 @@ from miles.ci.register import register_cpu_ci
 from miles.ckpt.megatron_gpt import build_model, layout
 from miles.ckpt.plan import FAMILIES
 from miles.ckpt.shards import CheckpointReader
-from miles.ckpt.torch_dist import RELEASE, TRACKER, convert_to_torch_dist, single_process_group
+from miles.ckpt.torch_dist import (
+    RELEASE,
+    SHARDED_METADATA,
+    TRACKER,
+    convert_to_torch_dist,
+    single_process_group,
+)
 
 register_cpu_ci(est_time=25, suite="stage-b-cpu")
 
@@ -62,6 +68,16 @@ def test_torch_dist_has_megatrons_layout_and_loads_back_equal(tiny, torch_dist_o
         loaded = dist_checkpointing.load(template, str(release))
         for tensor in hf.files.weight_map:
             assert torch.equal(loaded[tensor], hf.read(tensor)), tensor
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_torch_dist_records_the_sharded_state_metadata_it_was_written_with(torch_dist_of, name):
+    # Megatron-LM rebuilds its sharded keys from this record; without it a loader falls back
+    # to metadata of its own, which need not name the keys this checkpoint holds.
+    from megatron.core import dist_checkpointing
+
+    common = dist_checkpointing.load_common_state_dict(str(torch_dist_of(name) / RELEASE))
+    assert dist_checkpointing.load_content_metadata(preloaded_state_dict=common) == SHARDED_METADATA
 
 
 def _megatron_from(torch_dist_dir, config):
