@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from miles.ckpt.plan import CheckpointPlan
 from miles.parallel import validate
 from miles.platform import job_env, require
-from miles.recipes.recipe import ParallelProfile, Recipe
+from miles.recipes.args import render
+from miles.recipes.models import TINY
+from miles.recipes.recipe import SHARED, ParallelProfile, Recipe
 
 TRAINER_MODULE = "miles.train"
 RAY_DASHBOARD_PORT = 8265
@@ -144,21 +146,13 @@ def build_plan(
         layout=verdict.summary(),
         prelude=prelude,
         pins=recipe.pins,
-        groups=tuple((g, tuple(_render(a))) for g, a in groups),
+        groups=tuple((g, tuple(render(a))) for g, a in groups),
     )
 
 
-def _render(args) -> list[str]:
-    from miles.recipes.args import render
-
-    return render(args)
-
-
 def _platform(recipe: Recipe, model: str | None) -> str:
-    if recipe.variant != "shared":
+    if recipe.variant != SHARED:
         return recipe.variant
-    from miles.recipes.models import TINY
-
     return "cpu" if model in (None, TINY) else "cuda"
 
 
@@ -197,7 +191,8 @@ def _env(recipe: Recipe, platform: str, base: dict[str, str], extra: dict[str, s
 
 def _command(
     mode: str, profile: ParallelProfile, train_args: tuple[str, ...], env: dict, options: RunOptions
-):
+) -> tuple[tuple[str, ...], tuple[tuple[str, ...], ...]]:
+    """The command that starts the job, and the commands each node runs first (Ray only)."""
     trainer = (options.python, "-m", TRAINER_MODULE, *train_args)
     if mode == "torchrun":
         launcher = (options.python, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1")
@@ -273,7 +268,7 @@ def run(plan: LaunchPlan, env: Mapping[str, str] | None = None) -> int:
     return subprocess.run(list(plan.command), env={**base, **dict(plan.env)}, check=False).returncode
 
 
-def check_pins(pins) -> None:
+def check_pins(pins: tuple[tuple[str, str], ...]) -> None:
     """Every pinned package installed at its pinned version, or one error naming them all."""
     from importlib.metadata import PackageNotFoundError, version
 

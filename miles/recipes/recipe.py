@@ -10,6 +10,7 @@ the recipe is defined: an impossible layout cannot be committed.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from miles.ckpt.plan import CheckpointPlan
@@ -130,7 +131,7 @@ class Recipe:
     def platforms(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(p.platform for p in self.profiles))
 
-    def resolve(self, model: str | None = None, env=None) -> ResolvedModel:
+    def resolve(self, model: str | None = None, env: Mapping[str, str] | None = None) -> ResolvedModel:
         """`model` (default: the first offered) at its depth; `env` holds MODEL_ARGS_NUM_LAYERS."""
         return resolve_model(model or self.models[0], self.model, os.environ if env is None else env)
 
@@ -185,7 +186,7 @@ class Recipe:
         model_dir: str = ".miles/models",
         source: str | None = None,
         stage_dir: str | None = None,
-        env=None,
+        env: Mapping[str, str] | None = None,
     ) -> CheckpointPlan:
         """The checkpoint pipeline's plan for `model`: fetch and validate always; trim for an
         -Nlayer slice; fp8 for FP8-rollout recipes; torch_dist for Megatron training; stage when
@@ -211,7 +212,9 @@ class Recipe:
             stage_dir=stage_dir,
         )
 
-    def arg_groups(self, profile: ParallelProfile, fields: dict, env=None) -> tuple[tuple[str, Args], ...]:
+    def arg_groups(
+        self, profile: ParallelProfile, fields: Mapping[str, object], env: Mapping[str, str] | None = None
+    ) -> tuple[tuple[str, Args], ...]:
         """The resolved flags by group for `profile` (model flags first, as group "model");
         `env` is where MODEL_ARGS_NUM_LAYERS is read (default: os.environ)."""
         backend = self.backend_of(profile)
@@ -233,7 +236,11 @@ class Recipe:
         return tuple(out)
 
     def train_args(
-        self, profile: ParallelProfile, fields: dict, extra_args: tuple[str, ...] = (), env=None
+        self,
+        profile: ParallelProfile,
+        fields: Mapping[str, object],
+        extra_args: tuple[str, ...] = (),
+        env: Mapping[str, str] | None = None,
     ) -> tuple[str, ...]:
         """The trainer's argv: every group in order, then `extra_args` last so they win."""
         argv: list[str] = []

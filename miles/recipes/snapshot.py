@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from miles.recipes import names, variants
@@ -27,8 +28,6 @@ FIXED = RunOptions(
 
 def render(name: str) -> str:
     """The snapshot file's text for one recipe."""
-    from dataclasses import replace
-
     out = {}
     for recipe in variants(name):
         for p in recipe.profiles:
@@ -48,6 +47,7 @@ def render(name: str) -> str:
 
 
 def update(directory: Path = DEFAULT_DIR) -> list[Path]:
+    """Rewrite the snapshots that differ or are missing; returns the files written."""
     directory.mkdir(parents=True, exist_ok=True)
     written = []
     for name in names():
