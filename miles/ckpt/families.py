@@ -104,11 +104,6 @@ def family(name: str) -> Family:
         raise CheckpointError(f"unknown model family '{name}'; known: {', '.join(SPECS)}") from None
 
 
-def layer_index(tensor_name: str) -> int | None:
-    m = LAYER_RE.match(tensor_name)
-    return int(m.group("index")) if m else None
-
-
 def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
     """The decoder's part of a config (multimodal configs nest it under text_config)."""
     nested = config.get("text_config")

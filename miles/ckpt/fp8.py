@@ -27,6 +27,7 @@ from miles.ckpt.families import LAYER_RE
 from miles.ckpt.manifest import FileRecord
 from miles.ckpt.progress import Progress
 from miles.ckpt.shards import (
+    DTYPE_OF_TORCH_NAME,
     DTYPE_SIZES,
     FLOAT_DTYPES,
     ShardHeader,
@@ -203,7 +204,7 @@ class _QuantizePlan:
         return {**config, "quantization_config": quantization_config(kept)}
 
 
-_DEQUANT_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+_DEQUANT_DTYPES = ("bfloat16", "float16", "float32")
 
 
 class _DequantizePlan:
@@ -215,7 +216,7 @@ class _DequantizePlan:
             return []  # folded into its weight
         if info.dtype != "F8_E4M3" or info.name + SCALE_SUFFIX not in names:
             return None
-        return [(info.name, _DEQUANT_DTYPES[self.dtype], info.shape)]
+        return [(info.name, DTYPE_OF_TORCH_NAME[self.dtype], info.shape)]
 
     def work(self, job):
         import torch

@@ -29,6 +29,8 @@ DTYPE_SIZES = {
     "I32": 4, "U32": 4, "F32": 4, "F64": 8, "I64": 8, "U64": 8,
 }  # fmt: skip
 FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
+# config.json's dtype (torch's name) -> the safetensors name of the same float type
+DTYPE_OF_TORCH_NAME = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64"}
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 _COPY_CHUNK = 16 * 1024 * 1024
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")

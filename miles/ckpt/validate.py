@@ -24,10 +24,18 @@ from typing import Any
 
 from miles.ckpt.errors import CheckpointError
 from miles.ckpt.families import expected_architectures, family, num_layers
-from miles.ckpt.shards import FLOAT_DTYPES, ShardHeader, pread_into, read_header, read_weight_map, torch_dtype
+from miles.ckpt.fp8 import BLOCK, SCALE_SUFFIX
+from miles.ckpt.shards import (
+    DTYPE_OF_TORCH_NAME,
+    FLOAT_DTYPES,
+    ShardHeader,
+    pread_into,
+    read_header,
+    read_weight_map,
+    torch_dtype,
+)
 from miles.ckpt.trim import trimmed_name
 
-FP8_SCALE_SUFFIX = "_scale_inv"
 _MAX_LISTED = 20
 _SCAN_WINDOW = 1 << 20
 
@@ -213,7 +221,8 @@ def _check_tensors(
     expected, ignore = expected_tensors(config)
     expected = {name: value for name, value in expected.items() if keep(name)}
     quantized = (config.get("quantization_config") or {}).get("quant_method") == "fp8"
-    declared = _safetensors_dtype(str(config.get("dtype") or config.get("torch_dtype") or "bfloat16"))
+    declared_name = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16").removeprefix("torch.")
+    declared = DTYPE_OF_TORCH_NAME.get(declared_name, "BF16")
     for name, (shape, is_float) in expected.items():
         if name not in on_disk:
             findings.append(
@@ -245,10 +254,10 @@ def _check_tensors(
     for name, (header, info) in on_disk.items():
         if name in expected or any(p.search(name) for p in ignore):
             continue
-        base = name.removesuffix(FP8_SCALE_SUFFIX)
-        if quantized and name.endswith(FP8_SCALE_SUFFIX) and base in expected:
+        base = name.removesuffix(SCALE_SUFFIX)
+        if quantized and name.endswith(SCALE_SUFFIX) and base in expected:
             rows, cols = expected[base][0][-2:]
-            block = config["quantization_config"].get("weight_block_size") or [128, 128]
+            block = config["quantization_config"].get("weight_block_size") or [BLOCK, BLOCK]
             want = (*expected[base][0][:-2], math.ceil(rows / block[0]), math.ceil(cols / block[1]))
             if info.shape != want:
                 findings.append(
@@ -279,12 +288,6 @@ def expected_tensors(config: Mapping[str, Any]):
     state = revert_weight_conversion(model, model.state_dict())
     ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
     return {k: (tuple(v.shape), v.is_floating_point()) for k, v in state.items()}, ignore
-
-
-def _safetensors_dtype(torch_name: str) -> str:
-    return {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64"}.get(
-        torch_name.removeprefix("torch."), "BF16"
-    )
 
 
 def _scan_nonfinite(headers: Mapping[str, ShardHeader], fraction: float, findings: list[Finding]) -> None:

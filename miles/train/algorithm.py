@@ -44,10 +44,6 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
     raise ValueError(f"unknown KL type '{kind}'; known: k1, k2, k3, low_var_kl")
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum() / mask.sum().clamp(min=1)
-
-
 def importance_log_ratio(
     logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, estimator: str
 ) -> torch.Tensor:
