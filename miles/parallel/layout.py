@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 
 ATTENTION_KINDS = ("gqa", "mla", "dsa")  # dsa: DeepSeek sparse attention (indexer + top-k)
 
@@ -181,9 +181,9 @@ class Rule:
     id: str
     check: Check  # message when violated, else None
     factors: tuple[str, ...]  # the ParallelConfig fields a fix may change, preferred first
-    outcome: Callable[[ParallelConfig, int, ModelShape | None], str] = field(
-        default=lambda c, w, m: "makes the layout valid"
-    )
+    # What a fix achieves for this rule; without one, a fix is described by whether the
+    # whole layout becomes valid.
+    outcome: Callable[[ParallelConfig, int, ModelShape | None], str] | None = None
     needs_model: bool = False
 
 
@@ -230,6 +230,13 @@ def _stage_layers(c: ParallelConfig, world: int, m: ModelShape) -> str | None:
         return None
     layers, stages = _middle(c, m)
     given = f"first stage {c.first_stage_layers}, last stage {c.last_stage_layers}"
+    if stages < 0:
+        # megatron-core accepts this and builds only the last stage's layers: a silently
+        # truncated model. Refuse it here.
+        return (
+            f"{m.name}: pp({c.pp}) has one stage, which is both first and last, so {given} "
+            f"cannot both be set; unset them (the stage holds all {m.num_layers} layers)"
+        )
     if bool(layers) != bool(stages):
         return (
             f"{m.name}: {m.num_layers} layers with pp({c.pp}) and {given} leave {layers} layer(s) "
@@ -362,8 +369,16 @@ def _fixes(rule: Rule, config: ParallelConfig, world: int, model: ModelShape | N
             spread = _imbalance(changed, model) if whole else 0
             found.append((not whole, _distance(name, config, value), spread, order, name, value, changed))
     found.sort(key=lambda f: f[:4])
-    for *_, name, value, changed in found[:_MAX_FIXES]:
-        yield f"{_show(name, config)} → {name}={_show_value(name, value)} {rule.outcome(changed, world, model)}"
+    for partial, *_, name, value, changed in found[:_MAX_FIXES]:
+        if rule.outcome is not None:
+            outcome = rule.outcome(changed, world, model)
+        else:
+            outcome = (
+                f"clears {rule.id}, but the layout still breaks another rule"
+                if partial
+                else "makes the layout valid"
+            )
+        yield f"{_show(name, config)} → {name}={_show_value(name, value)} {outcome}"
 
 
 def _imbalance(config: ParallelConfig, model: ModelShape | None) -> int:

@@ -119,6 +119,9 @@ STRICTER = [
     # megatron-core accepts first+last stages larger than the model and builds a middle stage
     # of -2 layers; miles refuses the layout.
     (3, P(pp=3, first_stage_layers=3, last_stage_layers=3), MOE, "stage-layers", (3, -2, 3)),
+    # With one stage that is both first and last, megatron-core builds only the last size:
+    # 1 of the model's 4 layers.
+    (1, P(first_stage_layers=1, last_stage_layers=1), MOE, "stage-layers", (1,)),
 ]
 
 

@@ -112,6 +112,21 @@ def test_stage_sizes_larger_than_the_model_are_refused():
     assert verdict.rules == ("stage-layers",)
 
 
+def test_first_and_last_stage_sizes_on_a_single_stage_are_refused():
+    # megatron-core would build only the last stage's 1 layer of the model's 4.
+    verdict = validate(ParallelConfig(first_stage_layers=1, last_stage_layers=1), 1, MOE)
+    assert verdict.rules == ("stage-layers",)
+    assert "pp(1) has one stage, which is both first and last" in verdict.violations[0].message
+
+
+def test_a_fix_that_leaves_another_rule_broken_does_not_claim_a_valid_layout():
+    fixes = validate(ParallelConfig(first_stage_layers=1, last_stage_layers=1), 4, MOE).violations[0].fixes
+    assert fixes == (
+        "pp=1 → pp=4 makes the layout valid",
+        "pp=1 → pp=3 clears stage-layers, but the layout still breaks another rule",
+    )
+
+
 def test_stage_sizes_follow_megatron_assignment():
     assert stage_sizes(ParallelConfig(pp=4, first_stage_layers=2), ModelShape("m", 5, 8)) == (2, 1, 1, 1)
     assert stage_sizes(ParallelConfig(pp=2), MOE) == (2, 2)
