@@ -87,7 +87,11 @@ def cmd_diff(args: argparse.Namespace) -> int:
     base = shared(args.name)
     overlays = [o for o in base.overlays if args.platform in (None, o.platform)]
     if not overlays:
-        raise RecipeError(f"{base.name} declares no {args.platform or ''} overlay".replace("  ", " "))
+        declared = ", ".join(o.platform for o in base.overlays) or "none"
+        raise RecipeError(
+            f"{base.name} declares no {args.platform or 'platform'} overlay (declared: {declared}); the shared form "
+            f"serves cpu and cuda, and an overlay is added as an Overlay in {base.defined_in}"
+        )
     for overlay in overlays:
         form = base.for_platform(overlay.platform)
         print(f"{base.name}: shared -> {overlay.platform} ({base.defined_in}: {overlay.platform.upper()})")

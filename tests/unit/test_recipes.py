@@ -162,6 +162,15 @@ def test_diff_command_prints_the_amd_deltas():
     assert "inkling: shared -> rocm" in proc.stdout and "+ numba==0.65.1" in proc.stdout
 
 
+def test_diff_of_a_platform_without_an_overlay_names_the_declared_ones(capsys):
+    from miles.recipes.__main__ import main
+
+    assert main(["diff", "inkling", "--platform", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "inkling declares no cuda overlay (declared: rocm)" in err
+    assert "miles/recipes/library/inkling.py" in err
+
+
 def test_overlay_removes_a_flag_given_none():
     assert merge((("--a", 1), ("--b", True)), (("--b", None), ("--c", "x"))) == (("--a", 1), ("--c", "x"))
 
