@@ -8,7 +8,7 @@ may name fields of the run in braces (`{hf_checkpoint}`), filled in when the com
 from __future__ import annotations
 
 import string
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 Value = str | int | float | bool | tuple[str, ...] | None
 Args = tuple[tuple[str, Value], ...]
@@ -71,7 +71,3 @@ def _format(text: str, fields: Mapping[str, object], where: str) -> str:
             f"{where}: unknown field {{{missing[0]}}} in {text!r}; known: {', '.join(sorted(fields))}"
         )
     return text.format(**fields)
-
-
-def flags_of(args: Iterable[tuple[str, Value]]) -> list[str]:
-    return [flag for flag, _ in args]

@@ -127,10 +127,6 @@ class Recipe:
     def group(self, name: str) -> Args:
         return _lookup(self.args, name)
 
-    @property
-    def platforms(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(p.platform for p in self.profiles))
-
     def resolve(self, model: str | None = None, env: Mapping[str, str] | None = None) -> ResolvedModel:
         """`model` (default: the first offered) at its depth; `env` holds MODEL_ARGS_NUM_LAYERS."""
         return resolve_model(model or self.models[0], self.model, os.environ if env is None else env)
