@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from miles.platform import PlatformError
 from miles.recipes import load, names, shared
 from miles.recipes.launch import LaunchError, RunOptions, build_plan, check_pins, format_plan, run
 from miles.recipes.script import ScriptError, main, parse_env_vars, resolve_fields
@@ -106,7 +107,7 @@ def test_run_starts_the_command_with_the_plan_environment_and_makes_the_director
 
 def test_run_refuses_a_gpu_plan_on_this_machine():
     plan = build_plan(load("inkling", platform="rocm"), FIXED, base_env={})
-    with pytest.raises(Exception, match="needs rocm with 4 GPU"):
+    with pytest.raises(PlatformError, match="needs rocm with 4 GPU"):
         run(plan, env={})
 
 
