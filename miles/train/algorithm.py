@@ -6,7 +6,7 @@ Shapes: `rewards` is [samples]; per-token tensors are [samples, response_len] wi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -95,6 +95,9 @@ class LossTerms:
     entropy: float
     tis_weight: float
     tokens: float
+
+
+LOSS_SUMS = tuple(f.name for f in fields(LossTerms) if f.name != "loss")  # the additive stats
 
 
 def policy_loss(

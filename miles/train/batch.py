@@ -6,8 +6,9 @@ for token t+1 of the sequence, and `loss_mask` is 1 exactly on response tokens.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -63,6 +64,29 @@ class TokenBatch:
 
     def _fields(self) -> dict[str, torch.Tensor | None]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def save_samples(path: str, samples: Sequence[Sample]) -> None:
+    """Write a rollout's samples as JSON (--save-debug-rollout-data)."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump([asdict(s) for s in samples], f)
+
+
+def load_samples(path: str) -> list[Sample]:
+    """The samples `save_samples` wrote (--load-debug-rollout-data)."""
+    with open(path, encoding="utf-8") as f:
+        rows = json.load(f)
+    return [
+        Sample(
+            **{
+                **row,
+                "generation": Generation(
+                    **{k: tuple(v) if isinstance(v, list) else v for k, v in row["generation"].items()}
+                ),
+            }
+        )
+        for row in rows
+    ]
 
 
 def collate(samples: Sequence[Sample], pad_token_id: int = 0) -> TokenBatch:

@@ -39,6 +39,19 @@ class TrainerState:
     with_optimizer: bool
 
 
+def state_of(args, rollouts_done: int) -> TrainerState:
+    """What the checkpoint written after `rollouts_done` rollouts of this command records."""
+    return TrainerState(
+        rollouts_done=rollouts_done,
+        hf_checkpoint=args.hf_checkpoint,
+        seed=args.seed,
+        rollout_batch_size=args.rollout_batch_size,
+        n_samples_per_prompt=args.n_samples_per_prompt,
+        prompt_data=args.prompt_data,
+        with_optimizer=not args.no_save_optim,
+    )
+
+
 def iteration_dir(root: str | Path, rollouts_done: int) -> Path:
     return Path(root) / f"iter_{rollouts_done:07d}"
 

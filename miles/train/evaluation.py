@@ -13,7 +13,6 @@ import argparse
 from miles.train import data
 from miles.train.args import SamplingConfig
 from miles.train.distributed import all_reduce_sum, sampling_seed
-from miles.train.rewards import score
 
 EVAL_SEED_OFFSET = 1_000_000_007  # eval draws never reuse a training rollout's random stream
 
@@ -49,27 +48,15 @@ def evaluate(run, sets: dict[str, list[data.Prompt]], rollout_id: int) -> dict[s
     """`eval/<name>`: mean reward over every prompt of each set and its samples, all ranks."""
     args, rank, world = run.args, run.dist.rank, run.dist.world_size
     sampling = eval_sampling(args, run.sampling)
+    n = args.n_samples_per_eval_prompt
     metrics = {}
     for name, prompts in sets.items():
         mine = prompts[rank::world]
-        encoded = [
-            data.encode_prompt(
-                p,
-                run.tokenizer,
-                apply_chat_template=args.apply_chat_template,
-                system_prompt=args.system_prompt,
-            )
-            for p in mine
-        ]  # not run.encode: its cache is keyed by the training set's indices
-        requests = [ids for ids in encoded for _ in range(args.n_samples_per_eval_prompt)]
+        # not run.encode: its cache is keyed by the training set's indices
+        requests = [ids for ids in map(run.prompt_ids, mine) for _ in range(n)]
         seed = sampling_seed(args.rollout_seed + EVAL_SEED_OFFSET, rollout_id, rank)
-        total = 0.0
-        for i, generation in enumerate(
-            run.engine.generate(requests, sampling, seed=seed) if requests else []
-        ):
-            prompt = mine[i // args.n_samples_per_eval_prompt]
-            text = run.tokenizer.decode(list(generation.response_ids), skip_special_tokens=True)
-            total += score(run.reward_fn, text, prompt.label, prompt.metadata, args.reward_key)
+        generations = run.engine.generate(requests, sampling, seed=seed) if requests else []
+        total = sum(run.score(mine[i // n], generation)[1] for i, generation in enumerate(generations))
         reward_sum, count = all_reduce_sum([total, float(len(requests))])
         metrics[f"eval/{name}"] = reward_sum / count
     return metrics

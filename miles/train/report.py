@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from miles.metrics import capture
+from miles.train.algorithm import LOSS_SUMS
 from miles.train.batch import Sample
 
 CONSOLE_KEYS = (
@@ -48,6 +49,15 @@ def _zero_std_groups(samples: Sequence[Sample]) -> float:
     for s in samples:
         groups.setdefault(s.group, set()).add(s.reward)
     return sum(len(v) == 1 for v in groups.values()) / max(1, len(groups))
+
+
+def train_metrics(steps: Sequence[Mapping[str, float]], use_tis: bool) -> dict[str, float]:
+    """`train/*` of one rollout's optimizer steps: loss, grad_norm and lr averaged over the
+    steps; each loss term (token-summed over ranks, see `LOSS_SUMS`) per token of the rollout."""
+    total = {k: sum(step[k] for step in steps) for k in (*LOSS_SUMS, "loss", "grad_norm", "lr")}
+    metrics = {f"train/{k}": total[k] / len(steps) for k in ("loss", "grad_norm", "lr")}
+    per_token = [k for k in LOSS_SUMS if k != "tokens" and (use_tis or k != "tis_weight")]
+    return metrics | {f"train/{k}": total[k] / total["tokens"] for k in per_token}
 
 
 def record(rollout_id: int, metrics: Mapping[str, float]) -> None:

@@ -13,8 +13,8 @@ from miles.train import checkpoint, data
 from miles.train.args import SamplingConfig, run_notes, sampling_config, validate_world
 from miles.train.backends import TrainBackend, make_backend
 from miles.train.distributed import DistInfo, init_distributed, seed_everything
-from miles.train.rewards import RewardFn, load_reward
-from miles.train.rollout import RolloutEngine
+from miles.train.rewards import RewardFn, load_reward, score
+from miles.train.rollout import Generation, RolloutEngine
 
 
 @dataclass
@@ -30,16 +30,20 @@ class Run:
     start_rollout: int = 0
     _encoded: dict[int, list[int]] = field(default_factory=dict)
 
+    def prompt_ids(self, prompt: data.Prompt) -> list[int]:
+        """Token ids of any prompt (training or evaluation), through the chat template if asked."""
+        return data.encode_prompt(
+            prompt,
+            self.tokenizer,
+            apply_chat_template=self.args.apply_chat_template,
+            system_prompt=self.args.system_prompt,
+        )
+
     def encode(self, prompt: data.Prompt) -> list[int]:
-        """Token ids of a prompt (cached); a prompt over --rollout-max-prompt-len is an error."""
+        """Token ids of a training prompt (cached by its index); over --rollout-max-prompt-len is an error."""
         ids = self._encoded.get(prompt.index)
         if ids is None:
-            ids = data.encode_prompt(
-                prompt,
-                self.tokenizer,
-                apply_chat_template=self.args.apply_chat_template,
-                system_prompt=self.args.system_prompt,
-            )
+            ids = self.prompt_ids(prompt)
             limit = self.args.rollout_max_prompt_len
             if limit and len(ids) > limit:
                 raise data.DataError(
@@ -48,6 +52,11 @@ class Run:
                 )
             self._encoded[prompt.index] = ids
         return ids
+
+    def score(self, prompt: data.Prompt, generation: Generation) -> tuple[str, float]:
+        """The decoded response and its reward under the run's rule."""
+        text = self.tokenizer.decode(list(generation.response_ids), skip_special_tokens=True)
+        return text, score(self.reward_fn, text, prompt.label, prompt.metadata, self.args.reward_key)
 
     def log(self, message: str) -> None:
         if self.dist.is_main:

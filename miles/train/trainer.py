@@ -16,37 +16,35 @@ checkpoint.py and report.py; this file is the algorithm.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
 from miles.train import checkpoint, checks, evaluation, report
-from miles.train.algorithm import group_advantages
+from miles.train.algorithm import LOSS_SUMS, group_advantages
 from miles.train.args import parse_args
-from miles.train.batch import Sample, TokenBatch, collate
+from miles.train.batch import Sample, TokenBatch, collate, load_samples, save_samples
 from miles.train.data import batch_for_rollout
 from miles.train.distributed import all_gather_objects, all_reduce_sum, barrier, sampling_seed, shutdown
-from miles.train.rewards import score
 from miles.train.runtime import Run, build_run
 
 
 def train(run: Run) -> None:
+    """The loop of this module's docstring, from the first rollout not yet done to --num-rollout."""
     args = run.args
     eval_sets = evaluation.eval_sets(args)
     watched: dict[int, float] = {}  # --ci-metric-checker-key's values by rollout
     for rollout_id in range(run.start_rollout, args.num_rollout):
         started = time.perf_counter()
-        samples = generate_and_score(run, rollout_id)  # 1, 2
-        samples = with_advantages(
-            samples, args.n_samples_per_prompt, args.disable_grpo_std_normalization
-        )  # 3
+        samples = generate_and_score(run, rollout_id)  # 1 rollout, 2 reward
+        samples = with_advantages(run, samples)  # 3 advantage
         metrics = report.rollout_metrics(samples, time.perf_counter() - started)
         if not args.debug_rollout_only:
-            metrics |= learn(run, rollout_id, samples)  # 4
-            metrics |= sync_weights(run, rollout_id)  # 5
+            metrics |= learn(run, rollout_id, samples)  # 4 loss and optimizer steps
+            metrics |= sync_weights(run, rollout_id)  # 5 sync
         metrics["perf/step_time"] = time.perf_counter() - started
         if evaluation.due(args, rollout_id):
             metrics |= evaluation.evaluate(run, eval_sets, rollout_id)
@@ -64,7 +62,7 @@ def generate_and_score(run: Run, rollout_id: int) -> list[Sample]:
     """This rank's share of the prompts, G samples each, scored; then every rank's, in order."""
     args, rank, world = run.args, run.dist.rank, run.dist.world_size
     if args.load_debug_rollout_data:
-        return load_debug_samples(args.load_debug_rollout_data.format(rollout_id=rollout_id))
+        return load_samples(args.load_debug_rollout_data.format(rollout_id=rollout_id))
     prompts = batch_for_rollout(
         run.prompts, rollout_id, args.rollout_batch_size, seed=args.seed, shuffle=args.rollout_shuffle
     )
@@ -78,24 +76,24 @@ def generate_and_score(run: Run, rollout_id: int) -> list[Sample]:
     samples = []
     for i, generation in enumerate(generations):
         prompt = mine[i // group_size]
-        text = run.tokenizer.decode(list(generation.response_ids), skip_special_tokens=True)
-        reward = score(run.reward_fn, text, prompt.label, prompt.metadata, args.reward_key)
+        text, reward = run.score(prompt, generation)
         samples.append(
             Sample(prompt.index, rank * per_rank + i // group_size, generation, text, prompt.label, reward)
         )
     gathered = [s for part in all_gather_objects(samples) for s in part]
     if args.save_debug_rollout_data and run.dist.is_main:
-        save_debug_samples(args.save_debug_rollout_data.format(rollout_id=rollout_id), gathered)
+        save_samples(args.save_debug_rollout_data.format(rollout_id=rollout_id), gathered)
     return gathered
 
 
-def with_advantages(samples: Sequence[Sample], group_size: int, no_std: bool) -> list[Sample]:
+def with_advantages(run: Run, samples: Sequence[Sample]) -> list[Sample]:
+    """Step 3: each sample's advantage within its group of --n-samples-per-prompt."""
     rewards = torch.tensor([s.reward for s in samples])
-    advantages = group_advantages(rewards, group_size, normalize_std=not no_std).tolist()
-    return [Sample(**{**s.__dict__, "advantage": a}) for s, a in zip(samples, advantages, strict=True)]
-
-
-STEP_SUMS = ("pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss", "entropy", "tis_weight", "tokens")
+    normalize_std = not run.args.disable_grpo_std_normalization
+    advantages = group_advantages(
+        rewards, run.args.n_samples_per_prompt, normalize_std=normalize_std
+    ).tolist()
+    return [replace(s, advantage=a) for s, a in zip(samples, advantages, strict=True)]
 
 
 def learn(run: Run, rollout_id: int, samples: Sequence[Sample]) -> dict[str, float]:
@@ -103,32 +101,19 @@ def learn(run: Run, rollout_id: int, samples: Sequence[Sample]) -> dict[str, flo
     minibatch of --global-batch-size samples (split over ranks and micro-batches)."""
     args, world = run.args, run.dist.world_size
     started = time.perf_counter()
-    minibatches = len(samples) // args.global_batch_size
     per_rank = args.global_batch_size // world
     local, mismatch = with_old_logprobs(run, share_of_rank(run, samples))
     if args.ci_test and not args.use_rollout_logprobs:
         checks.check_logprob_agreement(
             rollout_id, mismatch["train/train_rollout_logprob_abs_diff"], args.ci_logprob_abs_diff_tol
         )
-    sums = dict.fromkeys(STEP_SUMS, 0.0)
-    totals = {"loss": 0.0, "grad_norm": 0.0, "lr": 0.0}
-    for m in range(minibatches):
-        step = optimizer_step(run, local.rows(slice(m * per_rank, (m + 1) * per_rank)))
+    steps = []
+    for m in range(len(samples) // args.global_batch_size):
+        steps.append(optimizer_step(run, local.rows(slice(m * per_rank, (m + 1) * per_rank))))
         if m == 0 and args.ci_test and not args.ci_disable_kl_checker:
-            tokens = step["tokens"]
-            checks.check_first_step(
-                rollout_id, step["ppo_kl"] / tokens, step["pg_clipfrac"] / tokens, args.ci_step0_kl_tol
-            )
-        for k in sums:
-            sums[k] += step[k]
-        for k in totals:
-            totals[k] += step[k]
-    metrics = {f"train/{k}": v / minibatches for k, v in totals.items()}
-    metrics |= {
-        f"train/{k}": sums[k] / sums["tokens"] for k in STEP_SUMS if k not in ("tokens", "tis_weight")
-    }
-    if args.use_tis:
-        metrics["train/tis_weight"] = sums["tis_weight"] / sums["tokens"]
+            kl, clipfrac, tokens = steps[0]["ppo_kl"], steps[0]["pg_clipfrac"], steps[0]["tokens"]
+            checks.check_first_step(rollout_id, kl / tokens, clipfrac / tokens, args.ci_step0_kl_tol)
+    metrics = report.train_metrics(steps, args.use_tis)
     return metrics | mismatch | {"perf/train_time": time.perf_counter() - started}
 
 
@@ -175,9 +160,9 @@ def optimizer_step(run: Run, minibatch: TokenBatch) -> dict[str, float]:
     else:
         normalizer = size
     result = run.backend.train_step(micro, normalizer)
-    local = [sum(getattr(t, k) for t in result.terms) for k in STEP_SUMS]
+    local = [sum(getattr(t, k) for t in result.terms) for k in LOSS_SUMS]
     loss = sum(float(t.loss.detach()) for t in result.terms) / normalizer
-    reduced = dict(zip([*STEP_SUMS, "loss"], all_reduce_sum([*local, loss]), strict=True))
+    reduced = dict(zip([*LOSS_SUMS, "loss"], all_reduce_sum([*local, loss]), strict=True))
     reduced["loss"] /= world
     return reduced | {"grad_norm": result.grad_norm, "lr": result.lr}
 
@@ -202,65 +187,34 @@ def sync_weights(run: Run, rollout_id: int) -> dict[str, float]:
     run.engine.update_weights(weights.items())
     elapsed = time.perf_counter() - started
     if run.args.ci_test or run.args.check_weight_update_equal:
-        failure = None
-        try:
-            checks.check_weights_equal(
-                rollout_id, run.engine.named_weights(), weights, run.args.check_weight_update_skip_list
-            )
-        except checks.CheckFailed as exc:
-            failure = exc
-        # Every rank must stop together, or the healthy ones would wait in the next collective.
-        if all_reduce_sum([float(failure is not None)])[0]:
-            raise failure or checks.CheckFailed(
-                f"rollout {rollout_id}: the weight check failed on another rank"
-            )
+        verify_weight_sync(run, rollout_id, weights)
     return {"perf/weight_sync_time": elapsed}
 
 
+def verify_weight_sync(run: Run, rollout_id: int, weights: dict[str, torch.Tensor]) -> None:
+    """The engine holds exactly the trainer's weights, on every rank; all ranks fail together."""
+    failure = None
+    try:
+        checks.check_weights_equal(
+            rollout_id, run.engine.named_weights(), weights, run.args.check_weight_update_skip_list
+        )
+    except checks.CheckFailed as exc:
+        failure = exc
+    # Every rank must stop together, or the healthy ones would wait in the next collective.
+    if all_reduce_sum([float(failure is not None)])[0]:
+        raise failure or checks.CheckFailed(f"rollout {rollout_id}: the weight check failed on another rank")
+
+
 def maybe_save(run: Run, rollout_id: int) -> None:
+    """--save every --save-interval rollouts and after the last one."""
     args, done = run.args, rollout_id + 1
     if not args.save or args.debug_rollout_only:
         return
     if done != args.num_rollout and not (args.save_interval and done % args.save_interval == 0):
         return
-    state = checkpoint.TrainerState(
-        rollouts_done=done,
-        hf_checkpoint=args.hf_checkpoint,
-        seed=args.seed,
-        rollout_batch_size=args.rollout_batch_size,
-        n_samples_per_prompt=args.n_samples_per_prompt,
-        prompt_data=args.prompt_data,
-        with_optimizer=not args.no_save_optim,
-    )
+    state = checkpoint.state_of(args, done)
     path = checkpoint.save(run.backend, args.save, state, is_main=run.dist.is_main, barrier=barrier)
     run.log(f"miles.train: saved {path}")
-
-
-def save_debug_samples(path: str, samples: Sequence[Sample]) -> None:
-    rows = [
-        {**{k: v for k, v in s.__dict__.items() if k != "generation"}, "generation": s.generation.__dict__}
-        for s in samples
-    ]
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(rows, f)
-
-
-def load_debug_samples(path: str) -> list[Sample]:
-    from miles.train.rollout import Generation
-
-    with open(path, encoding="utf-8") as f:
-        rows = json.load(f)
-    return [
-        Sample(
-            **{
-                **row,
-                "generation": Generation(
-                    **{k: tuple(v) if isinstance(v, list) else v for k, v in row["generation"].items()}
-                ),
-            }
-        )
-        for row in rows
-    ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,7 +17,8 @@ from miles.train.algorithm import (
     token_logprobs_and_entropy,
 )
 from miles.train.args import LossConfig
-from miles.train.batch import Sample, collate
+from miles.train.batch import Sample, collate, load_samples, save_samples
+from miles.train.report import train_metrics
 from miles.train.rollout import Generation
 
 
@@ -134,3 +135,22 @@ def test_collate_aligns_response_tokens_with_next_token_targets():
     assert batch.loss_mask.tolist() == [[0, 0, 1, 1], [1, 0, 0, 0]]
     assert batch.rollout_logp[0].tolist() == pytest.approx([0, 0, -0.1, -0.2])
     assert batch.rows([1]).input_ids.tolist() == [[5, 8]]
+
+
+def test_saved_rollout_samples_load_back_equal(tmp_path):
+    gen = Generation(prompt_ids=(5, 6), response_ids=(8, 2), logprobs=(-0.1, -0.2), finish_reason="stop")
+    samples = [Sample(3, 0, gen, "x", "7777", 0.25, 1.5), Sample(3, 0, gen, "y", "7777", 0.0, -1.5)]
+    save_samples(str(tmp_path / "rollout_0.json"), samples)
+    assert load_samples(str(tmp_path / "rollout_0.json")) == samples
+
+
+def test_train_metrics_average_steps_and_divide_loss_terms_by_the_rollouts_tokens():
+    def step(tokens, pg_loss, loss, grad_norm):
+        terms = dict(pg_clipfrac=0.0, ppo_kl=0.0, kl_loss=0.0, entropy=0.0, tis_weight=tokens)
+        return dict(terms, tokens=tokens, pg_loss=pg_loss, loss=loss, grad_norm=grad_norm, lr=1e-6)
+
+    metrics = train_metrics([step(10, 5.0, 1.0, 2.0), step(30, 3.0, 3.0, 4.0)], use_tis=False)
+    assert metrics["train/loss"] == 2.0 and metrics["train/grad_norm"] == 3.0
+    assert metrics["train/pg_loss"] == pytest.approx(8.0 / 40)
+    assert "train/tis_weight" not in metrics and "train/tokens" not in metrics
+    assert train_metrics([step(10, 5.0, 1.0, 2.0)], use_tis=True)["train/tis_weight"] == 1.0
