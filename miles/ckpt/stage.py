@@ -25,13 +25,13 @@ def stage_dir(src: Path, dst: Path, *, progress: Progress | None = None) -> int:
     manifest = read_manifest(src)
     if manifest is None:
         raise CheckpointError(f"{src} has no {MANIFEST_NAME}; only finished steps' outputs can be staged")
-    if read_manifest(dst) == manifest:
+    old = read_manifest(dst)
+    if old == manifest:
         return 0
-    if dst.exists() and read_manifest(dst) is None:
+    if dst.exists() and old is None:
         raise CheckpointError(
             f"{dst} exists and was not staged by miles; move it away or choose another stage dir"
         )
-    old = read_manifest(dst)
     known = {rel: r.sha256 for rel, r in old.files.items()} if old else {}
     work = _workspace(dst)
     if progress is not None:
