@@ -472,6 +472,10 @@ def validate(args: argparse.Namespace) -> None:
         )
     if args.kl_coef:
         raise ArgsError(f"--kl-coef {args.kl_coef}: KL in the reward is not supported; use --use-kl-loss")
+    if args.rm_url:
+        raise ArgsError(
+            f"--rm-url {args.rm_url}: a remote reward model is not supported; use --rm-type or --custom-rm-path"
+        )
     if args.tis_clip_low > args.tis_clip:
         raise ArgsError(f"--tis-clip-low ({args.tis_clip_low}) must not exceed --tis-clip ({args.tis_clip})")
     if args.train_backend != "megatron":

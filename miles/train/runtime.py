@@ -78,8 +78,6 @@ def build_run(args: argparse.Namespace) -> Run:
         args.prompt_data, input_key=args.input_key, label_key=args.label_key, metadata_key=args.metadata_key
     )
     reward_fn = load_reward(args.custom_rm_path or args.rm_type)
-    if args.rm_url:
-        raise ValueError("--rm-url (a remote reward model) is not supported; use a rule or --custom-rm-path")
     backend = make_backend(args, dist_info)
     engine = make_engine(args, dist_info)
     engine_model = getattr(engine, "model", None)

@@ -109,6 +109,11 @@ def test_dual_clip_constant_must_exceed_one(capsys):
     assert "--eps-clip-c must be > 1" in _error(["--eps-clip-c", "0.5"], capsys)
 
 
+def test_remote_reward_model_is_refused_before_anything_loads(capsys):
+    err = _error(["--rm-url", "http://127.0.0.1:8000"], capsys)
+    assert "--rm-url http://127.0.0.1:8000: a remote reward model is not supported" in err
+
+
 def test_megatron_layout_is_checked_by_miles_parallel_with_the_fix(tmp_path, capsys):
     model = tmp_path / "moe"
     model.mkdir()
