@@ -26,7 +26,12 @@ STANDARD_METRICS = (
 )
 
 
+# JSON has no non-finite numbers; every miles output (records, store, reports) spells them so.
+NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
 def encode_value(value: float) -> float | str:
+    """The value itself, or its NON_FINITE spelling when it is NaN or infinite."""
     if math.isnan(value):
         return "NaN"
     if math.isinf(value):
@@ -35,8 +40,9 @@ def encode_value(value: float) -> float | str:
 
 
 def decode_value(value: float | int | str) -> float:
+    """Inverse of encode_value; KeyError for a string that is not a NON_FINITE spelling."""
     if isinstance(value, str):
-        return {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}[value]
+        return NON_FINITE[value]
     return float(value)
 
 

@@ -16,6 +16,7 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from miles.metrics.capture import encode_value
 from miles.metrics.records import MetricSeries
 from miles.metrics.spec import LAST_STEP, Band, Coordinate, GateSpec
 
@@ -60,7 +61,7 @@ class Check:
             "step": self.coordinate.step,
             "logged_step": self.step,
             "status": self.status,
-            "value": _json_number(self.value),
+            "value": None if self.value is None else encode_value(self.value),
             "ref": self.ref,
             "low": self.low,
             "high": self.high,
@@ -99,12 +100,6 @@ class GateVerdict:
             "where": self.where,
             "checks": [c.to_json() for c in self.checks],
         }
-
-
-def _json_number(value: float | None) -> float | str | None:
-    if value is None or math.isfinite(value):
-        return value
-    return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
 
 
 def observed_values(

@@ -14,9 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles.metrics.capture import decode_value
-
-_NON_FINITE = ("NaN", "Infinity", "-Infinity")
+from miles.metrics.capture import NON_FINITE, decode_value
 
 
 class RecordError(ValueError):
@@ -92,7 +90,7 @@ def _parse_line(line: str, where: str) -> tuple[str, dict[int, float]]:
         ):
             raise RecordError(
                 f"{where}: point {point!r} of '{obj['metric']}' is not [step, value] with an integer "
-                f"step and a number or one of {', '.join(_NON_FINITE)}"
+                f"step and a number or one of {', '.join(NON_FINITE)}"
             )
         points[point[0]] = decode_value(point[1])
     return obj["metric"], points
@@ -100,7 +98,7 @@ def _parse_line(line: str, where: str) -> tuple[str, dict[int, float]]:
 
 def _is_value(value: object) -> bool:
     if isinstance(value, str):
-        return value in _NON_FINITE
+        return value in NON_FINITE
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 

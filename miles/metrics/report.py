@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from miles.metrics.capture import encode_value
 from miles.metrics.spec import LAST_STEP
 from miles.metrics.store import HistoryStore, MetricValue, StoredRun
 
@@ -23,7 +23,6 @@ class HistoryRow:
 
     def to_json(self) -> dict:
         c, v, r = self.value.coordinate, self.value, self.run
-        number = v.value if math.isfinite(v.value) else str(v.value)
         return {
             "run": r.id,
             "created_at": r.created_at.isoformat(),
@@ -40,7 +39,7 @@ class HistoryRow:
             "steps": c.steps_key,
             "constraint": c.constraint_key,
             "step": "last" if c.step == LAST_STEP else c.step,
-            "value": number,
+            "value": encode_value(v.value),
             "ref": v.ref,
             "low": v.low,
             "high": v.high,

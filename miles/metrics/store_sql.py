@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
+from miles.metrics.capture import decode_value, encode_value
 from miles.metrics.spec import Coordinate
 from miles.metrics.store import (
     DurationRecord,
@@ -251,7 +252,7 @@ class SqlStore(HistoryStore):
         for run_id, metric_, steps_key, constraint_key, step, value, nonfinite, verdict, ref, low, high in (
             self._transaction(read, write=False) if ids else []
         ):
-            number = float(value) if value is not None else _decode_nonfinite(nonfinite)
+            number = float(value) if value is not None else decode_value(nonfinite or "NaN")
             out[int(run_id)].append(
                 MetricValue(
                     Coordinate(metric_, steps_key, constraint_key, int(step)), number, verdict, ref, low, high
@@ -318,14 +319,8 @@ def _filters(**columns: str | None) -> tuple[str, list]:
 
 def _value_row(run_id: int, v: MetricValue) -> tuple:
     c = v.coordinate
-    nonfinite = None
-    if not math.isfinite(v.value):
-        nonfinite = "NaN" if math.isnan(v.value) else ("Infinity" if v.value > 0 else "-Infinity")
+    nonfinite = None if math.isfinite(v.value) else encode_value(v.value)
     return (
         run_id, c.metric, c.steps_key, c.constraint_key, c.step, finite_or_none(v.value), nonfinite, v.verdict,
         finite_or_none(v.ref), finite_or_none(v.low), finite_or_none(v.high),
     )  # fmt: skip
-
-
-def _decode_nonfinite(text: str | None) -> float:
-    return {"Infinity": math.inf, "-Infinity": -math.inf}.get(text or "NaN", math.nan)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -236,6 +237,19 @@ def test_history_show_lists_runs_with_values_bands_and_verdicts(project, url, ca
     rows = {(r["run"], r["metric"]): r for r in json.loads(capsys.readouterr().out)["rows"]}
     assert rows[6, "train/grad_norm"]["verdict"] == "PASS" and rows[6, "train/grad_norm"]["step"] == "last"
     assert rows[6, "rollout/raw_reward"]["verdict"] == "INACTIVE"  # no history for it yet
+
+
+def test_history_show_json_writes_non_finite_values_as_the_record_does(project, url, capsys):
+    store = open_store(url)
+    coordinates = [
+        gate_spec(GateDeclaration(TEST, 3, "train/grad_norm", steps=(1, 2, 3))).coordinate(s)
+        for s in (1, 2, 3)
+    ]
+    values = [MetricValue(c, v, ERROR) for c, v in zip(coordinates, (math.nan, math.inf, -math.inf), strict=True)]
+    store.add_run(RunEntry(TEST, "cpu", "stage-b-cpu", "cpu", "nightly", False, created_at=T0), values)
+    assert _cli(project, url, "history", "show", "--test", TEST, "--json") == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["value"] for r in rows] == ["NaN", "Infinity", "-Infinity"]
 
 
 def test_history_untrust_by_run_and_by_commit(project, url, capsys):
