@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,11 +128,3 @@ def merge_records(directory: Path | str) -> dict[str, MetricSeries]:
 
 def _same(a: float, b: float) -> bool:
     return a == b or (math.isnan(a) and math.isnan(b))
-
-
-def series_from_mapping(metrics: Mapping[str, Mapping[int, float]]) -> dict[str, MetricSeries]:
-    """Build series from {metric: {step: value}}; handy for callers that hold values in memory."""
-    return {
-        m: MetricSeries(m, tuple(sorted((int(s), float(v)) for s, v in p.items())))
-        for m, p in metrics.items()
-    }

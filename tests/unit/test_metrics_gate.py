@@ -11,7 +11,7 @@ from miles.ci.discover import discover
 from miles.ci.registration import GateDeclaration
 from miles.metrics.capture import STANDARD_METRICS
 from miles.metrics.gate import ERROR, FAIL, INACTIVE, PASS, GatePolicy, check_value, evaluate, is_trusted
-from miles.metrics.records import series_from_mapping
+from miles.metrics.records import MetricSeries
 from miles.metrics.spec import DEFAULT_BANDS, GENERIC_BAND, LAST_STEP, Band, Coordinate, gate_spec
 
 POLICY = GatePolicy(k=20, min_history=5, mad_k=3.0)
@@ -146,5 +146,5 @@ def test_policy_rejects_impossible_settings():
         GatePolicy(k=3, min_history=5)
 
 
-def _series(points: dict[int, float], metric: str = "train/grad_norm"):
-    return series_from_mapping({metric: points})[metric]
+def _series(points: dict[int, float], metric: str = "train/grad_norm") -> MetricSeries:
+    return MetricSeries(metric, tuple(sorted(points.items())))
