@@ -26,8 +26,7 @@ def install_arguments(stack: Stack, root: Path, *, venv_backend: str, env: Mappi
     """Arguments for `session.install` that install exactly the stack's lock."""
     args: list[str] = []
     if venv_backend == "uv":
-        for location in env.get("PIP_FIND_LINKS", "").split():
-            args += ["--find-links", location]
+        args += find_links_arguments(env)
         extra = env.get("PIP_EXTRA_INDEX_URL", "").split()
         for url in extra:
             args += ["--extra-index-url", url]
@@ -38,6 +37,11 @@ def install_arguments(stack: Stack, root: Path, *, venv_backend: str, env: Mappi
         # The lock leaves out packages on purpose (CUDA kernels on ROCm): it is the whole set.
         args.append("--no-deps")
     return [*args, "-r", str(root / stack.lock_path)]
+
+
+def find_links_arguments(env: Mapping[str, str]) -> list[str]:
+    """pip's PIP_FIND_LINKS (space separated), which uv does not read, as uv arguments."""
+    return [arg for location in env.get("PIP_FIND_LINKS", "").split() for arg in ("--find-links", location)]
 
 
 def torch_source_warning(stack: Stack, root: Path, env: Mapping[str, str]) -> str | None:

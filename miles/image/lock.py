@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from miles.image.config import Stack, normalize
+from miles.image.install import find_links_arguments
 from miles.image.pins import parse_lock
 
 Run = Callable[[Sequence[str]], subprocess.CompletedProcess]
@@ -58,15 +59,6 @@ class LockResult:
 def uv_executable() -> list[str]:
     found = shutil.which("uv")
     return [found] if found else [sys.executable, "-m", "uv"]
-
-
-def find_links_from_env(env: dict[str, str] | None = None) -> list[str]:
-    """pip's PIP_FIND_LINKS (space separated), which uv does not read, as uv arguments."""
-    env = os.environ if env is None else env
-    out = []
-    for location in env.get("PIP_FIND_LINKS", "").split():
-        out += ["--find-links", location]
-    return out
 
 
 def compile_command(
@@ -111,7 +103,7 @@ def lock_stack(
     run: Run = _run,
 ) -> LockResult:
     """Resolve `stack` and rewrite its lock; raises LockFailed and leaves the lock untouched."""
-    extra = find_links_from_env() if extra is None else list(extra)
+    extra = find_links_arguments(os.environ) if extra is None else list(extra)
     source = root / stack.input_path
     target = root / stack.lock_path
     if not source.is_file():
