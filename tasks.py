@@ -45,7 +45,8 @@ def refresh_image(c, variant, push=False, dry=False, image=None):
     import os
     from pathlib import Path
 
-    from miles.image.plan import pins_problems, plan_refresh, refresh, write_github_output
+    from miles.ci.policy import write_github_outputs
+    from miles.image.plan import pins_problems, plan_refresh, refresh
 
     root = Path(__file__).resolve().parent
     plan = plan_refresh(root, variant, push=push, image=image or os.environ.get("MILES_IMAGE"))
@@ -59,7 +60,7 @@ def refresh_image(c, variant, push=False, dry=False, image=None):
         return
     result = refresh(root, plan)
     print(result.message)
-    write_github_output("tag", result.tag)  # the workflow's test jobs run in exactly this tag
+    write_github_outputs({"tag": result.tag})  # the workflow's test jobs run in exactly this tag
 
 
 @task(

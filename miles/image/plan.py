@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 import shlex
 import shutil
 import subprocess
@@ -167,16 +166,6 @@ def stage_context(root: Path, plan: RefreshPlan) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(root / path, target)
     return context
-
-
-def write_github_output(key: str, value: str, env: dict[str, str] | None = None) -> bool:
-    """Append `key=value` to $GITHUB_OUTPUT when running in a workflow; True if written."""
-    target = (os.environ if env is None else env).get("GITHUB_OUTPUT")
-    if not target:
-        return False
-    with open(target, "a", encoding="utf-8") as fh:
-        fh.write(f"{key}={value}\n")
-    return True
 
 
 @dataclass(frozen=True)
