@@ -7,8 +7,10 @@ other commands of `python -m miles.ci` stay bare-Python.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -72,14 +74,26 @@ def _usage(message: str) -> Exception:
     return UsageError(message)
 
 
-def _open(args: argparse.Namespace):
-    from miles.metrics.store import StoreError, open_store
+def _store_errors_exit_1(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """A store that refuses or cannot be reached ends the command with its reason and exit 1."""
 
-    try:
-        return open_store(args.store, root=args.root)
-    except StoreError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return None
+    @functools.wraps(handler)
+    def run(args: argparse.Namespace) -> int:
+        from miles.metrics.store import StoreError
+
+        try:
+            return handler(args)
+        except StoreError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+
+    return run
+
+
+def _open(args: argparse.Namespace):
+    from miles.metrics.store import open_store
+
+    return open_store(args.store, root=args.root)
 
 
 def _test_path(root: Path, test: str) -> str:
@@ -92,21 +106,15 @@ def _test_path(root: Path, test: str) -> str:
     return path.as_posix().removeprefix("./")
 
 
+@_store_errors_exit_1
 def cmd_history_show(args: argparse.Namespace) -> int:
     from miles.metrics.report import history_rows, render_history
-    from miles.metrics.store import StoreError
 
     store = _open(args)
-    if store is None:
-        return 1
     test = _test_path(args.root, args.test)
-    try:
-        rows = history_rows(
-            store, test, backend=args.backend, suite=args.suite, metric=args.metric, limit=args.limit
-        )
-    except StoreError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    rows = history_rows(
+        store, test, backend=args.backend, suite=args.suite, metric=args.metric, limit=args.limit
+    )
     if args.json:
         print(json.dumps({"store": store.url, "test": test, "rows": [r.to_json() for r in rows]}, indent=2))
     else:
@@ -114,17 +122,10 @@ def cmd_history_show(args: argparse.Namespace) -> int:
     return 0
 
 
+@_store_errors_exit_1
 def cmd_history_untrust(args: argparse.Namespace) -> int:
-    from miles.metrics.store import StoreError
-
     store = _open(args)
-    if store is None:
-        return 1
-    try:
-        count = store.mark_untrusted(run_id=args.run, commit=args.commit, reason=args.reason)
-    except StoreError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    count = store.mark_untrusted(run_id=args.run, commit=args.commit, reason=args.reason)
     which = f"run {args.run}" if args.run is not None else f"commit {args.commit}"
     if not count:
         print(f"error: no stored run matches {which} in {store.url}", file=sys.stderr)
@@ -133,21 +134,16 @@ def cmd_history_untrust(args: argparse.Namespace) -> int:
     return 0
 
 
+@_store_errors_exit_1
 def cmd_history_plot(args: argparse.Namespace) -> int:
     from miles.metrics.plot import plot_history
-    from miles.metrics.store import StoreError
 
     store = _open(args)
-    if store is None:
-        return 1
     test = _test_path(args.root, args.test)
     try:
         panels = plot_history(
             store, test, args.metric, args.output, backend=args.backend, suite=args.suite, limit=args.limit
         )
-    except StoreError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
     except LookupError as exc:
         raise _usage(str(exc.args[0])) from exc
     print(f"wrote {args.output} ({panels} panel(s))")

@@ -245,7 +245,9 @@ def test_history_show_json_writes_non_finite_values_as_the_record_does(project, 
         gate_spec(GateDeclaration(TEST, 3, "train/grad_norm", steps=(1, 2, 3))).coordinate(s)
         for s in (1, 2, 3)
     ]
-    values = [MetricValue(c, v, ERROR) for c, v in zip(coordinates, (math.nan, math.inf, -math.inf), strict=True)]
+    values = [
+        MetricValue(c, v, ERROR) for c, v in zip(coordinates, (math.nan, math.inf, -math.inf), strict=True)
+    ]
     store.add_run(RunEntry(TEST, "cpu", "stage-b-cpu", "cpu", "nightly", False, created_at=T0), values)
     assert _cli(project, url, "history", "show", "--test", TEST, "--json") == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
@@ -259,6 +261,14 @@ def test_history_untrust_by_run_and_by_commit(project, url, capsys):
     assert _cli(project, url, "history", "untrust", "--commit", "1234567") == 1
     assert "no stored run matches commit 1234567" in capsys.readouterr().err
     assert [r.trusted for r in open_store(url).runs()] == [True, False]
+
+
+def test_history_commands_report_an_unreachable_store_with_exit_1(project, tmp_path, capsys):
+    url = f"sqlite:///{_blocked(tmp_path)}"
+    assert _cli(project, url, "history", "show", "--test", TEST) == 1
+    assert capsys.readouterr().err.startswith("error: history store unreachable: sqlite:///")
+    assert _cli(project, url, "history", "untrust", "--run", "1") == 1
+    assert "history store unreachable" in capsys.readouterr().err
 
 
 def test_history_plot_writes_an_image(project, url, capsys):
