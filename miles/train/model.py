@@ -21,16 +21,21 @@ def is_hf_dir(path: str | Path) -> bool:
     return (Path(path) / "config.json").is_file()
 
 
-def load_causal_lm(path: str | Path, *, dtype: torch.dtype, device: str = "cpu"):
-    """The Hugging Face model of `path` (its own architecture class), on `device`."""
-    from transformers import AutoModelForCausalLM
-
+def require_hf_dir(path: str | Path) -> Path:
     path = Path(path)
     if not is_hf_dir(path):
         raise ModelLoadError(
             f"{path}: no config.json; --hf-checkpoint must be a Hugging Face model directory "
             "(e.g. one made by `invoke make-tiny-ckpt` or `invoke prepare-ckpt`)"
         )
+    return path
+
+
+def load_causal_lm(path: str | Path, *, dtype: torch.dtype, device: str = "cpu"):
+    """The Hugging Face model of `path` (its own architecture class), on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    path = require_hf_dir(path)
     config = json.loads((path / "config.json").read_text())
     if config.get("auto_map"):
         raise ModelLoadError(
@@ -54,7 +59,7 @@ def load_causal_lm(path: str | Path, *, dtype: torch.dtype, device: str = "cpu")
 def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(require_hf_dir(path))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -25,11 +25,27 @@ import torch
 
 from miles.train import checkpoint, checks, evaluation, report
 from miles.train.algorithm import LOSS_SUMS, group_advantages
-from miles.train.args import parse_args
+from miles.train.args import ArgsError, parse_args
+from miles.train.backends import BackendUnavailable
 from miles.train.batch import Sample, TokenBatch, collate, load_samples, save_samples
-from miles.train.data import batch_for_rollout
+from miles.train.data import DataError, batch_for_rollout
 from miles.train.distributed import all_gather_objects, all_reduce_sum, barrier, sampling_seed, shutdown
+from miles.train.model import ModelLoadError
+from miles.train.rewards import RewardError
 from miles.train.runtime import Run, build_run
+from miles.train.sglang_engine import SGLangUnavailable
+
+# Errors whose message names the file or flag, the rule and the fix: one line and exit 1.
+FOR_PEOPLE = (
+    ArgsError,
+    BackendUnavailable,
+    checkpoint.CheckpointError,
+    checks.CheckFailed,
+    DataError,
+    ModelLoadError,
+    RewardError,
+    SGLangUnavailable,
+)
 
 
 def train(run: Run) -> None:
@@ -222,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         run = build_run(args)
         train(run)
-    except (checks.CheckFailed, checkpoint.CheckpointError) as exc:
+    except FOR_PEOPLE as exc:
         print(f"miles.train: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:

@@ -79,3 +79,14 @@ def test_metric_checker_reads_the_last_value_and_needs_one():
         check_metric_threshold("eval/gsm8k", {0: 0.9, 5: 0.6}, 0.7)
     with pytest.raises(CheckFailed, match="never logged it"):
         check_metric_threshold("eval/gsm8k", {}, 0.7)
+
+
+def test_a_run_stopped_by_bad_input_prints_one_line_naming_it_and_exits_1(tmp_path, capsys):
+    from miles.train.trainer import main
+
+    assert main(["--hf-checkpoint", str(tmp_path / "nowhere")]) == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        f"miles.train: ModelLoadError: {tmp_path / 'nowhere'}: no config.json; --hf-checkpoint must be a "
+        "Hugging Face model directory (e.g. one made by `invoke make-tiny-ckpt` or `invoke prepare-ckpt`)"
+    ]
