@@ -15,7 +15,7 @@ from pathlib import Path
 
 from miles.metrics.gate import GatePolicy, GateVerdict, error_verdict, evaluate, is_trusted, observed_values
 from miles.metrics.records import RecordError, merge_records
-from miles.metrics.spec import Declaration, gate_spec
+from miles.metrics.spec import Declaration, GateSpec, gate_spec
 from miles.metrics.store import HistoryStore, MetricValue, RunEntry, StoreError, open_store, writes_baseline
 
 _PR_REF = re.compile(r"refs/pull/(\d+)/")
@@ -34,6 +34,10 @@ class GateRun:
     commit: str | None = None
     pr: str | None = None
     ci_run_id: str | None = None
+
+    def enforces(self, spec: GateSpec) -> bool:
+        """Whether the gate can fail the test: the lane enforces, or the declaration asks to."""
+        return self.lane_enforces or spec.enforce
 
 
 @dataclass(frozen=True)
@@ -71,7 +75,6 @@ def gate_attempt(
     write_baseline: bool,
     store_url: str | None = None,
     root: Path | str = ".",
-    policy: GatePolicy | None = None,
     store: HistoryStore | None = None,
 ) -> GateOutcome:
     """Gate the records in `record_dir` against the history of (test, backend, suite).
@@ -82,14 +85,13 @@ def gate_attempt(
     """
     if not gates:
         return NO_GATES
-    policy = policy or GatePolicy()
+    policy = GatePolicy()
     specs = [gate_spec(g) for g in gates]
-    enforced = {id(s): run.lane_enforces or s.enforce for s in specs}
     try:
         series = merge_records(record_dir)
     except RecordError as exc:
         verdicts = tuple(
-            error_verdict(s, f"metric record refused: {exc}", enforce=enforced[id(s)]) for s in specs
+            error_verdict(s, f"metric record refused: {exc}", enforce=run.enforces(s)) for s in specs
         )
         return _outcome(verdicts, trusted=False, store_error="", run_id=None)
 
@@ -102,7 +104,7 @@ def gate_attempt(
         store_error = str(exc)
     note = "history not checked: store unreachable" if store_error else ""
     verdicts = tuple(
-        evaluate(s, series.get(s.metric), history, policy, enforce=enforced[id(s)], history_note=note)
+        evaluate(s, series.get(s.metric), history, policy, enforce=run.enforces(s), history_note=note)
         for s in specs
     )
     trusted = is_trusted(verdicts)
