@@ -16,7 +16,7 @@ from miles.ci.catalog import Catalog, Suite
 from miles.ci.discover import Discovery
 from miles.ci.execute import Settings, TestRun, format_command, pytest_command
 from miles.ci.policy import effective_cadence, parse_labels
-from miles.ci.registration import Registration
+from miles.ci.registration import GateDeclaration, Registration
 from miles.ci.select import Selection, default_cadence, resolve_scope, select
 from miles.ci.shard import Job, Partition, balanced_partition, shards_for_budget
 
@@ -55,6 +55,7 @@ class PlannedTest:
     shard: int
     n_shards: int
     timeout: float
+    gates: tuple[GateDeclaration, ...] = ()  # the file's register_ci_gate(...) declarations
 
     @property
     def shard_label(self) -> str:
@@ -153,11 +154,9 @@ def build_plan(options: RunOptions, catalog: Catalog, discovery: Discovery) -> R
             # Shortest first: quick feedback, and fast-fail spares the expensive tests.
             for job in sorted(partition.shards[index - 1], key=lambda j: (j.weight, j.key)):
                 reg = regs[job.key]
-                tests.append(
-                    PlannedTest(
-                        reg, scope.lane_of(suite), index, n, timeout_for(reg.est_time, options.timeout_floor)
-                    )
-                )
+                limit = timeout_for(reg.est_time, options.timeout_floor)
+                gates = discovery.file(reg.file).gates
+                tests.append(PlannedTest(reg, scope.lane_of(suite), index, n, limit, gates))
 
     if options.shard is not None:
         shard = options.shard

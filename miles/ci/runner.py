@@ -36,12 +36,12 @@ from miles.ci.plan import (
 )
 from miles.ci.progress import Progress
 from miles.ci.record import CANCELLED, FAILED, PASSED, SKIPPED, Attempt, RunRecord
-from miles.ci.registration import Registration
+from miles.ci.registration import GateDeclaration
 
 
 def apply_gates(
     attempt: Attempt,
-    registration: Registration,
+    gates: tuple[GateDeclaration, ...],
     lane: Lane,
     *,
     cadence: str | None = None,
@@ -51,22 +51,17 @@ def apply_gates(
     `attempt.record_dir`) against the history store and return it with `gate_verdicts`
     filled, and with status `failed` when an enforced gate (enforce lane, or a declaration
     with enforce=True) fails or cannot reach the store. A nightly/weekly `cadence` stores the
-    run as history. Files without register_ci_gate(...) are returned unchanged."""
-    from miles.ci.catalog import load_catalog
-    from miles.ci.discover import parse_test_file
+    run as history. An attempt of a file without register_ci_gate(...) is returned unchanged."""
+    if not gates:
+        return attempt
     from miles.metrics.gating import GateRun, ci_identity, gate_attempt
 
-    test_file, _ = parse_test_file(Path(root) / registration.file, registration.file, load_catalog())
-    if not test_file.gates:
-        return attempt
     pr, ci_run_id = ci_identity()
     run = GateRun(
         attempt.file, attempt.backend, attempt.suite, lane.name, cadence or lane.cadence,
         lane.gate_mode == "enforce", attempt.commit or None, pr, ci_run_id,
     )  # fmt: skip
-    outcome = gate_attempt(
-        attempt.record_dir, test_file.gates, run, write_baseline=attempt.status == PASSED, root=root
-    )
+    outcome = gate_attempt(attempt.record_dir, gates, run, write_baseline=True, root=root)
     for warning in outcome.warnings:
         print(f"{attempt.file}: {warning}", file=sys.stderr)
     if outcome.failed:
@@ -145,7 +140,7 @@ def execute_plan(
             if attempt.status == PASSED:
                 attempt = apply_gates(
                     attempt,
-                    test.registration,
+                    test.gates,
                     catalog.lanes[test.lane],
                     cadence=plan.selection.cadence,
                     root=plan.settings.root,

@@ -209,3 +209,17 @@ def test_a_run_narrowed_to_one_suite_of_a_lane_reports_under_the_suite_name(make
     root = make_tree(GPU_TREE)
     plan = _plan(root, lane="cuda-h200", suites=("stage-c-4-gpu-h200",), shard="1/2")
     assert plan.report_dir.name == "stage-c-4-gpu-h200-1of2"
+
+
+def test_the_plan_carries_each_files_gate_declarations(make_tree):
+    gated = (
+        CPU_PASS["tests/e2e/test_ok.py"]
+        .replace("register_cpu_ci(", 'register_ci_gate(metric_key="train/loss")\n        register_cpu_ci(')
+        .replace("import register_cpu_ci", "import register_ci_gate, register_cpu_ci")
+    )
+    root = make_tree({"tests/e2e/test_gated.py": gated, **CPU_PASS})
+    gates = {
+        t.registration.file: [g.metric_key for g in t.gates]
+        for t in _plan(root, suites=("stage-b-cpu",)).tests
+    }
+    assert gates == {"tests/e2e/test_gated.py": ["train/loss"], "tests/e2e/test_ok.py": []}
