@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from miles.ci.record import CANCELLED, ERROR, FAILED, PASSED, TIMEOUT, Attempt
 from miles.ci.report import JUnitResult, read_junit
@@ -80,6 +80,28 @@ class TestRun:
     commit: str = ""
 
     __test__ = False  # not a pytest class
+
+    def record(self, status: str, classification: str, **outcome: Any) -> Attempt:
+        """An Attempt of this run, started now; `outcome` fills in what happened."""
+        return Attempt(
+            file=self.file,
+            backend=self.backend,
+            suite=self.suite,
+            lane=self.lane,
+            shard=self.shard,
+            attempt=self.attempt,
+            status=status,
+            exit_code=None,
+            signal=None,
+            elapsed=0.0,
+            est_time=self.est_time,
+            retry_reason=self.retry_reason,
+            classification=classification,
+            commit=self.commit,
+            started_at=time.time(),
+            timeout=self.timeout,
+            **outcome,
+        )
 
     def env(self, record_dir: Path) -> dict[str, str]:
         """The variables every test process gets (the contract with tests and trainers)."""
@@ -136,25 +158,7 @@ def run_attempt(
     record_dir.mkdir(parents=True, exist_ok=True)
     junit_path = attempt_dir / "junit.xml"
     log_path = attempt_dir / "output.log"
-    base = Attempt(
-        file=test.file,
-        backend=test.backend,
-        suite=test.suite,
-        lane=test.lane,
-        shard=test.shard,
-        attempt=test.attempt,
-        status=FAILED,
-        exit_code=None,
-        signal=None,
-        elapsed=0.0,
-        est_time=test.est_time,
-        retry_reason=test.retry_reason,
-        classification="",
-        commit=test.commit,
-        record_dir=str(record_dir),
-        started_at=time.time(),
-        timeout=test.timeout,
-    )
+    base = test.record(FAILED, "", record_dir=str(record_dir))
     if cancel.cancelled:
         return base.replace(
             status=CANCELLED,

@@ -17,6 +17,7 @@ from miles.ci.discover import Discovery
 from miles.ci.execute import Settings, TestRun, format_command, pytest_command
 from miles.ci.policy import effective_cadence, parse_labels
 from miles.ci.registration import GateDeclaration, Registration
+from miles.ci.report import REPORT_FILES
 from miles.ci.select import Selection, default_cadence, resolve_scope, select
 from miles.ci.shard import Job, Partition, balanced_partition, shards_for_budget
 
@@ -267,5 +268,5 @@ def format_plan(plan: RunPlan) -> str:
             out.append(f"  {format_command(pytest_command(plan.settings, run.file, junit), env)}")
     else:
         out += ["", "nothing to run in this shard."]
-    out.append(f"reports: {plan.report_dir}/{{junit.xml,summary.md,run.json}}")
+    out.append(f"reports: {plan.report_dir}/{{{','.join(REPORT_FILES)}}}")
     return "\n".join(out) + "\n"

@@ -37,6 +37,7 @@ from miles.ci.plan import (
 from miles.ci.progress import Progress
 from miles.ci.record import CANCELLED, FAILED, PASSED, SKIPPED, Attempt, RunRecord
 from miles.ci.registration import GateDeclaration
+from miles.ci.report import REPORT_FILES, write_reports
 
 
 def apply_gates(
@@ -84,26 +85,8 @@ def current_commit(root: Path) -> str:
 
 
 def _not_run(plan: RunPlan, test: PlannedTest, status: str, message: str, commit: str) -> Attempt:
-    run = test_run(plan, test, 1, None, commit)
-    return Attempt(
-        file=run.file,
-        backend=run.backend,
-        suite=run.suite,
-        lane=run.lane,
-        shard=run.shard,
-        attempt=1,
-        status=status,
-        exit_code=None,
-        signal=None,
-        elapsed=0.0,
-        est_time=run.est_time,
-        retry_reason=None,
-        classification="cancelled" if status == CANCELLED else "fast-fail",
-        commit=commit,
-        started_at=time.time(),
-        timeout=test.timeout,
-        message=message,
-    )
+    classification = "cancelled" if status == CANCELLED else "fast-fail"
+    return test_run(plan, test, 1, None, commit).record(status, classification, message=message)
 
 
 def execute_plan(
@@ -111,7 +94,7 @@ def execute_plan(
 ) -> RunRecord:
     """Run the plan's tests in order; always returns a complete record (cancellation included)."""
     out = out if out is not None else sys.stdout
-    for name in ("attempts", "junit.xml", "summary.md", "run.json"):  # a rerun starts clean
+    for name in ("attempts", *REPORT_FILES):  # a rerun starts clean
         path = plan.report_dir / name
         if path.is_dir():
             shutil.rmtree(path)
@@ -207,7 +190,6 @@ def run(options: RunOptions, *, plan_only: bool = False, out: IO[str] | None = N
     if plan_only:
         return 0
     from miles.ci.durations import durations_path, record_durations
-    from miles.ci.report import write_reports
 
     cancel = CancelToken()
     with cancel_on_signals(cancel):
