@@ -4,21 +4,13 @@ process group, its own JUnit file, a timeout, and nothing of it left alive after
 On timeout or cancellation the whole group (and any member of the session that moved to
 another group) gets SIGTERM, a grace period, then SIGKILL. The same sweep runs after a
 normal exit, so a server a test forgot to stop cannot hold a port or a GPU for the next one.
-The outcome is read from the exit status, the JUnit file and the tail of the output, and
-classified so the runner knows whether a retry may help.
-
-Retries are for infrastructure only. An attempt is `infra:<name>` when it failed (not by a
-signal, not by timeout), no failing test raised AssertionError, no import failed, nothing
-ran out of memory, and one of INFRA_PATTERNS matches the tail of its output or a failing
-test's message. Everything else (assertions, import errors, out-of-memory, crashes,
-timeouts) is never retried: running it again costs a runner and hides a real failure.
+What happened is read and classified by miles.ci.outcome.
 """
 
 from __future__ import annotations
 
 import collections
 import os
-import re
 import select
 import shlex
 import signal
@@ -31,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from miles.ci.record import CANCELLED, ERROR, FAILED, PASSED, TIMEOUT, Attempt
-from miles.ci.report import JUnitResult, read_junit
+from miles.ci.outcome import classify_attempt, read_junit, signal_name
+from miles.ci.record import CANCELLED, FAILED, Attempt
 
 TAIL_LINES = 80
 TAIL_CHARS = 12_000
@@ -212,22 +204,13 @@ def run_attempt(
     return base.replace(
         status=status,
         exit_code=returncode if returncode is not None and returncode >= 0 else None,
-        signal=_signal_name(returncode),
+        signal=signal_name(returncode),
         elapsed=elapsed,
         classification=classification,
         message=message,
         output_tail=text,
         cases=parsed.cases if parsed.ok else (),
     )
-
-
-def _signal_name(returncode: int | None) -> str | None:
-    if returncode is None or returncode >= 0:
-        return None
-    try:
-        return signal.Signals(-returncode).name
-    except ValueError:
-        return f"signal {-returncode}"
 
 
 def _pump(stream: IO[bytes], log: IO[bytes], tail: collections.deque, echo: IO[str] | None) -> None:
@@ -357,99 +340,3 @@ def sweep_group(proc: subprocess.Popen, grace: float, cancel: CancelToken | None
     """After a normal exit: stop whatever the test left running in its group."""
     if _alive(proc.pid):
         terminate_group(proc, grace, cancel)
-
-
-# Infrastructure failures worth one more attempt, matched on the output tail. Keep this
-# list short and specific: a pattern that matches a real bug turns it into a flake.
-INFRA_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
-    (
-        "nccl-init",
-        re.compile(
-            r"(?:NCCL|RCCL) error[^\n]*(?:unhandled system error|remote process exited|socket|bootstrap)"
-            r"|nccl(?:System|Remote|Internal)Error|(?:NCCL|RCCL) (?:WARN|INFO)[^\n]*Bootstrap[^\n]*(?:fail|error)"
-            r"|Failed to initiali[sz]e (?:NCCL|RCCL)",
-            re.IGNORECASE,
-        ),
-    ),
-    (
-        "cuda-802",
-        re.compile(r"CUDA error[^\n]*(?:\b802\b|system not yet initiali[sz]ed)|cudaErrorSystemNotReady"),
-    ),
-    ("hip-runtime", re.compile(r"\bHIP error\b|\bhipError[A-Z]\w*|HSA_STATUS_ERROR\w*")),
-    (
-        "local-port-refused",
-        re.compile(
-            r"^(?=[^\n]*(?:127\.0\.0\.1|localhost|\[?::1\]?:\d))[^\n]*"
-            r"(?:Connection refused|ECONNREFUSED|Errno 111)[^\n]*$",
-            re.IGNORECASE | re.MULTILINE,
-        ),
-    ),
-    ("disk-full", re.compile(r"No space left on device|\bENOSPC\b|\[Errno 28\]")),
-)
-# Never retried, and checked first: the same error would come back.
-OOM_PATTERN = re.compile(
-    r"out of memory|OutOfMemoryError|\bMemoryError\b|hipErrorOutOfMemory|cudaErrorMemoryAllocation",
-    re.IGNORECASE,
-)
-IMPORT_PATTERN = re.compile(r"ImportError while importing test module|\b(?:ModuleNotFound|Import)Error\b")
-CRASH_SIGNALS = frozenset({"SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT"})
-PYTEST_EXIT = {2: "interrupted or collection failed", 3: "pytest internal error", 4: "pytest usage error"}
-
-
-def is_retryable(classification: str) -> bool:
-    return classification.startswith("infra:")
-
-
-def classify_attempt(
-    *,
-    returncode: int | None,
-    timed_out: bool,
-    cancelled_by: str | None,
-    junit: JUnitResult,
-    tail: str,
-    timeout: float,
-    est_time: float,
-) -> tuple[str, str, str]:
-    """(status, classification, one-line message) of a finished attempt."""
-    if cancelled_by:
-        return CANCELLED, "cancelled", f"stopped: the run was cancelled by {cancelled_by}"
-    if timed_out:
-        return (
-            TIMEOUT,
-            "timeout",
-            f"timed out after {timeout:g}s (est_time {est_time:g}s x 1.25, or the floor)",
-        )
-    sig = _signal_name(returncode)
-    if sig is not None:
-        if sig in CRASH_SIGNALS:
-            return FAILED, "crash", f"crashed with {sig}"
-        if sig == "SIGKILL":
-            return (
-                FAILED,
-                "killed",
-                "killed by SIGKILL from outside the runner (often the kernel's OOM killer)",
-            )
-        return FAILED, "killed", f"killed by {sig} from outside the runner"
-    if not junit.ok:
-        return ERROR, junit.problem_kind, f"{junit.problem} (exit code {returncode}); see the output tail"
-    failing = [c for c in junit.cases if c.outcome in ("failed", "error")]
-    if returncode == 0 and not failing:
-        return PASSED, "passed", ""
-    if returncode == 5:
-        return FAILED, "no-tests", "pytest collected no tests from this file"
-    text = tail + "\n" + "\n".join(f"{c.kind}: {c.message}" for c in failing)
-    first = failing[0] if failing else None
-    where = f"{first.classname}::{first.name}: " if first else ""
-    detail = (
-        f"{where}{first.message}" if first else PYTEST_EXIT.get(returncode or 0, f"exit code {returncode}")
-    )
-    if OOM_PATTERN.search(text):
-        return FAILED, "oom", f"out of memory: {detail}"
-    if any(c.kind in ("ImportError", "ModuleNotFoundError") for c in failing) or IMPORT_PATTERN.search(text):
-        return FAILED, "import-error", detail
-    if any(c.kind == "AssertionError" for c in failing):
-        return FAILED, "assertion", detail
-    for name, pattern in INFRA_PATTERNS:
-        if pattern.search(text):
-            return FAILED, f"infra:{name}", f"infrastructure ({name}): {detail}"
-    return FAILED, "test-failure", detail

@@ -1,8 +1,7 @@
-"""JUnit in and out, Markdown and JSON: renderers of one RunRecord.
+"""JUnit, Markdown and JSON: renderers of one RunRecord.
 
-Reading: `read_junit` turns the JUnit file pytest wrote for one attempt into CaseResults.
-Writing: `render_junit`, `render_markdown` and `render_json` each take the same RunRecord
-and nothing else; `write_reports` writes all three atomically (temp file, rename) and
+`render_junit`, `render_markdown` and `render_json` each take the same RunRecord and
+nothing else; `write_reports` writes all three atomically (temp file, rename) and
 appends the Markdown to `$GITHUB_STEP_SUMMARY` when it is set.
 """
 
@@ -12,7 +11,6 @@ import json
 import os
 import re
 import xml.etree.ElementTree as ET
-from dataclasses import dataclass
 from pathlib import Path
 
 from miles.ci.record import (
@@ -23,92 +21,12 @@ from miles.ci.record import (
     SKIPPED,
     TIMEOUT,
     Attempt,
-    CaseResult,
     RunRecord,
     verdict_fields,
 )
 
 REPORT_FILES = ("junit.xml", "summary.md", "run.json")
 FAILING_VERDICTS = frozenset({"failed", "fail", "failure", "regressed", "error"})
-_KIND_AT_END = re.compile(r"^\S+:\d+: ([A-Za-z_][\w.]*)$")
-_KIND_E_LINE = re.compile(r"^E\s+([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt))\b")
-_KIND_PREFIX = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception)):")
-
-
-# ---------------------------------------------------------------- reading pytest's JUnit
-
-
-@dataclass(frozen=True)
-class JUnitResult:
-    ok: bool
-    cases: tuple[CaseResult, ...] = ()
-    problem: str = ""
-    problem_kind: str = ""  # no-junit | bad-junit
-
-
-def read_junit(path: Path) -> JUnitResult:
-    """The test cases of one pytest JUnit file, or why it cannot be trusted."""
-    if not path.is_file():
-        return JUnitResult(False, problem="pytest wrote no JUnit file", problem_kind="no-junit")
-    try:
-        root = ET.parse(path).getroot()
-    except (ET.ParseError, OSError) as exc:
-        return JUnitResult(False, problem=f"the JUnit file is corrupt ({exc})", problem_kind="bad-junit")
-    if root.tag not in ("testsuites", "testsuite"):
-        return JUnitResult(
-            False,
-            problem=f"the JUnit file's root is <{root.tag}>, not <testsuites>",
-            problem_kind="bad-junit",
-        )
-    cases = []
-    for case in root.iter("testcase"):
-        outcome, message, kind = "passed", "", ""
-        for tag in ("failure", "error", "skipped"):
-            child = case.find(tag)
-            if child is not None:
-                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
-                message = (child.get("message") or "").strip().splitlines()[0:1]
-                message = message[0] if message else ""
-                kind = _exception_kind(message, child.text or "") if tag != "skipped" else ""
-                break
-        try:
-            line = int(case.get("line")) if case.get("line") else None
-            seconds = float(case.get("time") or 0.0)
-        except ValueError:
-            return JUnitResult(
-                False, problem="the JUnit file has a malformed testcase", problem_kind="bad-junit"
-            )
-        cases.append(
-            CaseResult(
-                name=case.get("name", ""),
-                classname=case.get("classname", ""),
-                file=case.get("file", ""),
-                line=line,
-                time=seconds,
-                outcome=outcome,
-                message=message,
-                kind=kind,
-            )
-        )
-    return JUnitResult(True, tuple(cases))
-
-
-def _exception_kind(message: str, text: str) -> str:
-    """The exception type pytest reported: from the traceback's last line, an `E` line, or
-    the message ("assert ..." messages are AssertionError)."""
-    lines = [ln.rstrip() for ln in text.strip().splitlines() if ln.strip()]
-    if lines:
-        match = _KIND_AT_END.match(lines[-1])
-        if match:
-            return match.group(1).rsplit(".", 1)[-1]
-    for line in reversed(lines):
-        match = _KIND_E_LINE.match(line)
-        if match:
-            return match.group(1).rsplit(".", 1)[-1]
-    if message.startswith("assert"):
-        return "AssertionError"
-    match = _KIND_PREFIX.match(message)
-    return match.group(1).rsplit(".", 1)[-1] if match else ""
 
 
 # ---------------------------------------------------------------- JUnit out

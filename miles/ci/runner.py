@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import IO
 
 from miles.ci.catalog import Catalog, Lane
-from miles.ci.execute import CancelToken, is_retryable, run_attempt
+from miles.ci.execute import CancelToken, run_attempt
+from miles.ci.outcome import is_retryable
 from miles.ci.plan import (
     PlannedTest,
     RunOptions,

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from miles.ci.execute import classify_attempt, is_retryable
+from miles.ci.outcome import JUnitResult, classify_attempt, is_retryable, read_junit
 from miles.ci.record import Attempt, CaseResult, Exclusion, RunRecord
-from miles.ci.report import JUnitResult, read_junit, render_junit, render_markdown, write_reports
+from miles.ci.report import render_junit, render_markdown, write_reports
 
 JUNIT_FAILED = """<?xml version="1.0" encoding="utf-8"?><testsuites name="pytest tests"><testsuite
  name="pytest" errors="0" failures="2" skipped="1" tests="4"><testcase classname="tests.e2e.test_a" name="test_ok"
