@@ -76,7 +76,7 @@ class MetricRecorder:
                 self._encoded[key].append(_point(step, number))
             else:  # first point, or a step out of order or logged again
                 self._encoded[key] = [_point(s, v) for s, v in sorted(points.items())]
-            self._last_step[key] = max(points)
+            self._last_step[key] = max(step, self._last_step.get(key, step))
         self._write()
 
     def _write(self) -> None:
