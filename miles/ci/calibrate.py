@@ -120,11 +120,6 @@ def format_seconds(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
-def rewrite_est_time(source: bytes, reg: Registration, new: float) -> bytes:
-    """`source` with the est_time of `reg`'s call replaced by `new`, nothing else touched."""
-    return _replace_spans(source, [(_est_time_span(source, reg), format_seconds(new))])
-
-
 def _est_time_span(source: bytes, reg: Registration) -> tuple[int, int]:
     """Byte offsets of the est_time literal in `reg`'s register_*_ci call."""
     tree = ast.parse(source, reg.file)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from miles.ci.catalog import Catalog, Lane, Suite, UnknownName
+from miles.ci.catalog import CADENCES, Catalog, Lane, Suite, UnknownName
 from miles.ci.discover import Discovery
 from miles.ci.policy import LabelSet
 from miles.ci.record import Exclusion
@@ -110,8 +110,7 @@ def default_cadence(scope: Scope) -> str:
     """The lane's cadence; without a lane, the least frequent of the suites' cadences."""
     if scope.lane is not None:
         return scope.lane.cadence
-    order = ("regular", "nightly", "weekly", "release")
-    return max((s.cadence for s in scope.suites), key=order.index, default="regular")
+    return max((s.cadence for s in scope.suites), key=CADENCES.index, default=CADENCES[0])
 
 
 def exclusion(reg: Registration, suite: Suite, cadence: str, labels: LabelSet | None) -> Exclusion | None:
