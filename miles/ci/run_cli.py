@@ -13,9 +13,9 @@ import math
 import sys
 from pathlib import Path
 
+from miles.ci.catalog import CADENCES
 from miles.ci.cli import UsageError, add_root_argument
 
-CADENCE_CHOICES = ("regular", "nightly", "weekly", "release")
 MATRIX_SETUP_MINUTES = {"cpu": 10, "gpu": 30}  # install, preflight, checkpoint staging
 
 
@@ -33,7 +33,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     add_root_argument(p)
     p.add_argument("--lane", required=True)
     p.add_argument("--suite", action="append", default=[], help="only this suite (repeatable)")
-    p.add_argument("--cadence", choices=CADENCE_CHOICES)
+    p.add_argument("--cadence", choices=CADENCES)
     p.add_argument("--labels", help="raw PR labels, as passed to run")
     p.add_argument("--shards", help="N or auto (default: the catalog's)")
     p.add_argument("--timeout-floor", type=float, default=None)
@@ -42,7 +42,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("policy", help="cadence and CI labels of a GitHub event (writes $GITHUB_OUTPUT)")
     p.add_argument("--event", required=True, help="github.event_name")
     p.add_argument("--labels-json", default="", help="toJSON(github.event.pull_request.labels)")
-    p.add_argument("--cadence", choices=CADENCE_CHOICES, help="cadence chosen for workflow_dispatch")
+    p.add_argument("--cadence", choices=CADENCES, help="cadence chosen for workflow_dispatch")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=cmd_policy)
 
@@ -66,7 +66,7 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lane", help="a lane (nox session) from the catalog")
     p.add_argument("--backend", choices=("cpu", "cuda", "rocm"))
     p.add_argument("--suite", action="append", default=[], help="limit to this suite (repeatable)")
-    p.add_argument("--cadence", choices=CADENCE_CHOICES, help="default: the lane's")
+    p.add_argument("--cadence", choices=CADENCES, help="default: the lane's")
     p.add_argument("--labels", help="raw PR labels, comma or space separated (run-ci-<label>, nightly, ...)")
     p.add_argument("--shard", help="k/N (1-based) or k/auto: run only that shard")
     p.add_argument("--shards", help="N or auto: how many shards to split each suite into")
@@ -141,7 +141,7 @@ def cmd_matrix(args: argparse.Namespace) -> int:
         cadence=args.cadence,
         labels=args.labels,
         shards=args.shards,
-        timeout_floor=args.timeout_floor or DEFAULT_TIMEOUT_FLOOR,
+        timeout_floor=DEFAULT_TIMEOUT_FLOOR if args.timeout_floor is None else args.timeout_floor,
     )
     try:
         plan = build_plan(options, catalog, discover(args.root, catalog=catalog))

@@ -223,3 +223,14 @@ def test_the_plan_carries_each_files_gate_declarations(make_tree):
         for t in _plan(root, suites=("stage-b-cpu",)).tests
     }
     assert gates == {"tests/e2e/test_gated.py": ["train/loss"], "tests/e2e/test_ok.py": []}
+
+
+def test_matrix_honours_a_zero_timeout_floor(make_tree, capsys):
+    short = {f"tests/e2e/test_s{i}.py": CPU_PASS["tests/e2e/test_ok.py"] for i in range(3)}
+    root = make_tree(short)
+    minutes = []
+    for floor in ("0", "1"):
+        argv = ["matrix", "--root", str(root), "--lane", "cpu", "--suite", "stage-b-cpu"]
+        assert main([*argv, "--timeout-floor", floor]) == 0
+        minutes.append(json.loads(capsys.readouterr().out)["include"][0]["timeout_minutes"])
+    assert minutes[0] == minutes[1]  # 20 s x 1.25 each under both floors
