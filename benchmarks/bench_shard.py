@@ -114,6 +114,7 @@ def repository_suites() -> None:
 def overhead(files: int) -> None:
     from miles.ci.catalog import load_catalog
     from miles.ci.discover import discover
+    from miles.ci.durations import record_durations
     from miles.ci.execute import CancelToken, Settings, TestRun, pytest_command, run_attempt
     from miles.ci.plan import RunOptions, build_plan
     from miles.ci.report import write_reports
@@ -161,7 +162,7 @@ def overhead(files: int) -> None:
             f"median {statistics.median(runner_cpu) * 1000:.1f} ms, max {max(runner_cpu) * 1000:.1f} ms"
         )
 
-        os.environ["MILES_DURATIONS_PATH"] = str(root / "durations.json")
+        os.environ["MILES_DURATIONS_PATH"] = str(root / "durations.sqlite")
         catalog = load_catalog()
         loops, wholes, outside = [], [], []
         for rep in range(3):  # alternate, so a change in machine load hits both sides
@@ -180,6 +181,7 @@ def overhead(files: int) -> None:
             )
             record = execute_plan(plan, catalog, CancelToken(), out=io.StringIO())
             write_reports(record, plan.report_dir)
+            record_durations(record.attempts)
             wholes.append(time.perf_counter() - start)
             outside.append(wholes[-1] - sum(a.elapsed for a in record.attempts))
             assert record.passed
