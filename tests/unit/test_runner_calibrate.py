@@ -59,7 +59,7 @@ def project(make_tree):
 
 
 def test_durations_round_trip_per_backend_and_suite(tmp_path):
-    store = tmp_path / "durations.json"
+    store = tmp_path / "durations.sqlite"
     added = record_durations([_attempt(10), _attempt(12, "failed"), _attempt(99, backend="rocm")], store)
     assert added == 3
     assert load_durations("cpu", "stage-b-cpu", store) == {FILE: [(10.0, True), (12.0, False)]}
@@ -67,7 +67,7 @@ def test_durations_round_trip_per_backend_and_suite(tmp_path):
 
 
 def test_cancelled_and_never_started_attempts_are_not_durations(tmp_path):
-    store = tmp_path / "durations.json"
+    store = tmp_path / "durations.sqlite"
     cancelled = _attempt(3, "cancelled").replace(exit_code=None)
     missing = _attempt(0, "failed").replace(exit_code=None, classification="missing-file")
     assert record_durations([cancelled, missing], store) == 0
@@ -75,7 +75,7 @@ def test_cancelled_and_never_started_attempts_are_not_durations(tmp_path):
 
 
 def test_durations_path_comes_from_the_environment(tmp_path, monkeypatch):
-    monkeypatch.setenv("MILES_DURATIONS_PATH", str(tmp_path / "elsewhere.json"))
+    monkeypatch.setenv("MILES_DURATIONS_PATH", str(tmp_path / "elsewhere.sqlite"))
     record_durations([_attempt(5)])
     assert load_durations("cpu") == {FILE: [(5.0, True)]}
 
@@ -86,21 +86,21 @@ def test_buckets_round_up_and_quantile_is_a_measured_value():
 
 
 def test_no_proposal_from_fewer_than_three_passed_runs(project, tmp_path):
-    store = tmp_path / "d.json"
+    store = tmp_path / "d.sqlite"
     record_durations([_attempt(30), _attempt(31), _attempt(500, "failed")], store)
     (row,) = propose(discover(project, catalog=CATALOG, cache=False), store, backend="cpu").rows
     assert row.proposed is None and "needs 3 passed runs" in row.note
 
 
 def test_proposal_is_high_quantile_times_one_and_a_quarter_rounded_up(project, tmp_path):
-    store = tmp_path / "d.json"
+    store = tmp_path / "d.sqlite"
     record_durations([_attempt(s) for s in (30, 31, 33, 40)] + [_attempt(400, "failed")], store)
     (row,) = propose(discover(project, catalog=CATALOG, cache=False), store, backend="cpu").rows
     assert row.measured == 40 and row.proposed == 50  # 40 x 1.25 = 50, already on a 5 s step
 
 
 def test_write_changes_only_the_numbers_and_prints_a_diff(project, tmp_path):
-    store = tmp_path / "d.json"
+    store = tmp_path / "d.sqlite"
     record_durations([_attempt(s) for s in (30, 31, 33, 40)], store)
     record_durations(
         [_attempt(s, backend="rocm", suite="stage-c-4-gpu-mi350") for s in (1000, 1100, 1200)], store
@@ -115,7 +115,7 @@ def test_write_changes_only_the_numbers_and_prints_a_diff(project, tmp_path):
 
 
 def test_calibrate_command_lists_proposals_and_writes_on_request(project, capsys, monkeypatch):
-    monkeypatch.setenv("MILES_DURATIONS_PATH", str(project / "d.json"))
+    monkeypatch.setenv("MILES_DURATIONS_PATH", str(project / "d.sqlite"))
     record_durations([_attempt(s) for s in (30, 31, 33, 40)])
     assert main(["calibrate", "--root", str(project), "--suite", "stage-b-cpu"]) == 0
     out = capsys.readouterr().out
