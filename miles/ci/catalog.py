@@ -122,7 +122,7 @@ class Catalog:
 
     def lane(self, name: str) -> Lane:
         if name not in self.lanes:
-            raise UnknownName(_unknown("lane", name, self.lanes))
+            raise UnknownName(unknown_name_message("lane", name, self.lanes))
         return self.lanes[name]
 
     def suite(self, name: str, backend: str | None = None) -> Suite:
@@ -135,15 +135,18 @@ class Catalog:
         extra = ""
         if suite is not None:
             extra = f" (it belongs to {suite.backend})"
-        raise UnknownName(_unknown("suite", name, pool, where=where, extra=extra))
+        raise UnknownName(unknown_name_message("suite", name, pool, where=where, extra=extra))
 
     def check_label(self, name: str) -> str:
         if name not in self.labels:
-            raise UnknownName(_unknown("label", name, self.labels))
+            raise UnknownName(unknown_name_message("label", name, self.labels))
         return name
 
 
-def _unknown(kind: str, name: str, known: Iterable[str], *, where: str = "", extra: str = "") -> str:
+def unknown_name_message(
+    kind: str, name: str, known: Iterable[str], *, where: str = "", extra: str = ""
+) -> str:
+    """ "<kind> '<name>' is not in the catalog…; did you mean …? known: …" for any closed list."""
     known = sorted(known)
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
     hint = f"; did you mean '{close[0]}'?" if close else ""

@@ -16,7 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 from types import MappingProxyType
 
-from miles.ci.catalog import Catalog, UnknownName, _unknown, load_catalog
+from miles.ci.catalog import Catalog, UnknownName, load_catalog, unknown_name_message
 
 IMAGES_PATH = Path(__file__).with_name("images.toml")
 REQUIREMENTS_DIR = "requirements"
@@ -76,12 +76,12 @@ class ImageConfig:
 
     def stack(self, name: str) -> Stack:
         if name not in self.stacks:
-            raise UnknownName(_unknown("stack", name, self.stacks))
+            raise UnknownName(unknown_name_message("stack", name, self.stacks))
         return self.stacks[name]
 
     def variant(self, name: str) -> Variant:
         if name not in self.variants:
-            raise UnknownName(_unknown("image variant", name, self.variants))
+            raise UnknownName(unknown_name_message("image variant", name, self.variants))
         return self.variants[name]
 
     def stack_of_backend(self, backend: str) -> Stack:
