@@ -66,7 +66,9 @@ class Attempt:
     est_time: float
     retry_reason: str | None  # why this attempt follows a failed one (None on the first)
     classification: str  # passed, assertion, import-error, oom, crash, timeout, infra:<pattern>, ...
-    gate_verdicts: tuple = ()  # filled by the metric-gate step; each has metric, status, message
+    # GateVerdict.to_json() of each declared gate (metric, status, message, ...), filled by the
+    # gate step: JSON from the start, so a record read back from run.json equals the live one
+    gate_verdicts: tuple[dict, ...] = ()
     commit: str = ""
     output_tail: str = ""
     record_dir: str = ""  # MILES_CI_GATE_RECORD_DIR of this attempt
@@ -88,7 +90,7 @@ class Attempt:
 
     def to_json(self) -> dict:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        data["gate_verdicts"] = [verdict_to_json(v) for v in self.gate_verdicts]
+        data["gate_verdicts"] = [dict(v) for v in self.gate_verdicts]
         data["cases"] = [c.to_json() for c in self.cases]
         return data
 
@@ -203,30 +205,3 @@ class RunRecord:
             cancelled_by=data.get("cancelled_by"),
             report_dir=data.get("report_dir", ""),
         )
-
-
-def verdict_to_json(verdict: object) -> dict:
-    """A gate verdict as JSON, whatever record type the gate step uses."""
-    if isinstance(verdict, dict):
-        return dict(verdict)
-    to_json = getattr(verdict, "to_json", None)
-    if callable(to_json):
-        return to_json()
-    if dataclasses.is_dataclass(verdict) and not isinstance(verdict, type):
-        return dataclasses.asdict(verdict)
-    return {"metric": str(verdict), "status": "", "message": ""}
-
-
-def verdict_fields(verdict: object) -> tuple[str, str, str]:
-    """(metric, status, message) of a verdict record or of its JSON form."""
-    if isinstance(verdict, dict):
-        return (
-            str(verdict.get("metric", "")),
-            str(verdict.get("status", "")),
-            str(verdict.get("message", "")),
-        )
-    return (
-        str(getattr(verdict, "metric", "")),
-        str(getattr(verdict, "status", "")),
-        str(getattr(verdict, "message", "")),
-    )

@@ -22,11 +22,11 @@ from miles.ci.record import (
     TIMEOUT,
     Attempt,
     RunRecord,
-    verdict_fields,
 )
+from miles.metrics import gate
 
 REPORT_FILES = ("junit.xml", "summary.md", "run.json")
-FAILING_VERDICTS = frozenset({"failed", "fail", "failure", "regressed", "error"})
+FAILING_VERDICTS = frozenset({gate.FAIL, gate.ERROR})  # the gate statuses that can fail a test
 
 
 # ---------------------------------------------------------------- JUnit out
@@ -95,7 +95,7 @@ def _junit_suite(final: Attempt, history: list[Attempt]) -> ET.Element:
         elif c.outcome == "skipped":
             ET.SubElement(case, "skipped", message=c.message)
     failing_gate = final.status == FAILED and any(
-        verdict_fields(v)[1].lower() in FAILING_VERDICTS for v in final.gate_verdicts
+        v["status"] in FAILING_VERDICTS for v in final.gate_verdicts
     )
     # A failure neither the cases nor the gates show (timeout, crash, no JUnit, cancelled)
     # gets a case of its own, and so does a file that never ran or reported no case at all.
@@ -116,11 +116,11 @@ def _junit_suite(final: Attempt, history: list[Attempt]) -> ET.Element:
         elif final.status == SKIPPED:
             ET.SubElement(case, "skipped", message=final.message)
     for verdict in final.gate_verdicts:
-        metric, status, message = verdict_fields(verdict)
+        metric, status, message = verdict["metric"], verdict["status"], verdict["message"]
         case = ET.SubElement(
             el, "testcase", classname="metric-gates", name=f"gate[{metric}]", file=final.file
         )
-        if status.lower() in FAILING_VERDICTS and final.status == FAILED:
+        if status in FAILING_VERDICTS and final.status == FAILED:
             ET.SubElement(case, "failure", message=f"{status}: {message}", type="gate")
         else:
             ET.SubElement(case, "system-out").text = f"{status}: {message}"
@@ -227,7 +227,7 @@ def render_markdown(run: RunRecord) -> str:
     if gated:
         out += ["### Metric gates", "", "| file | metric | status | message |", "| --- | --- | --- | --- |"]
         for a, v in gated:
-            metric, status, message = verdict_fields(v)
+            metric, status, message = v["metric"], v["status"], v["message"]
             out.append(f"| `{a.file}` | `{metric}` | {status} | {_cell(message)} |")
         out.append("")
     disabled = [e for e in run.excluded if e.kind == "disabled"]

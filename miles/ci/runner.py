@@ -66,11 +66,12 @@ def apply_gates(
     outcome = gate_attempt(attempt.record_dir, gates, run, write_baseline=True, root=root)
     for warning in outcome.warnings:
         print(f"{attempt.file}: {warning}", file=sys.stderr)
+    verdicts = tuple(v.to_json() for v in outcome.verdicts)
     if outcome.failed:
         return attempt.replace(
-            gate_verdicts=outcome.verdicts, status=FAILED, classification="gate", message=outcome.message
+            gate_verdicts=verdicts, status=FAILED, classification="gate", message=outcome.message
         )
-    return attempt.replace(gate_verdicts=outcome.verdicts)
+    return attempt.replace(gate_verdicts=verdicts)
 
 
 def current_commit(root: Path) -> str:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import signal
 import xml.etree.ElementTree as ET
-from dataclasses import dataclass
 
 import pytest
 
 from miles.ci.outcome import JUnitResult, classify_attempt, is_retryable, read_junit
 from miles.ci.record import Attempt, CaseResult, Exclusion, RunRecord
 from miles.ci.report import render_junit, render_markdown, write_reports
+from miles.metrics.gate import GateVerdict
 
 JUNIT_FAILED = """<?xml version="1.0" encoding="utf-8"?><testsuites name="pytest tests"><testsuite
  name="pytest" errors="0" failures="2" skipped="1" tests="4"><testcase classname="tests.e2e.test_a" name="test_ok"
@@ -122,15 +122,6 @@ def test_timeout_and_cancel_win_over_everything_else():
     assert _classify(empty, returncode=-signal.SIGTERM, cancelled_by="SIGTERM")[0] == "cancelled"
 
 
-@dataclass(frozen=True)
-class FakeVerdict:
-    """Stands in for the metric-gate record type, which only promises these three fields."""
-
-    metric: str
-    status: str
-    message: str
-
-
 def _attempt(file: str, status: str, **kw) -> Attempt:
     base = dict(
         file=file,
@@ -154,7 +145,9 @@ def _attempt(file: str, status: str, **kw) -> Attempt:
 
 
 def _run() -> RunRecord:
-    verdict = FakeVerdict("train/grad_norm", "failed", "0.9 is above the band [0.1, 0.5]")
+    verdict = GateVerdict(
+        "train/grad_norm", "last", "FAIL", True, "0.9 is above the band [0.1, 0.5]"
+    ).to_json()
     flaky = _attempt(
         "tests/e2e/test_flaky.py", "failed", classification="infra:nccl-init", message="NCCL init"
     )
@@ -202,7 +195,7 @@ def _run() -> RunRecord:
 def test_run_record_round_trips_through_json():
     run = _run()
     back = RunRecord.from_json(json.loads(json.dumps(run.to_json())))
-    assert back.final_attempts[1] == run.final_attempts[1]
+    assert back == run
     assert back.attempts[0].gate_verdicts[0]["message"] == "0.9 is above the band [0.1, 0.5]"
     assert back.exit_code == run.exit_code == 1
 
@@ -213,7 +206,7 @@ def test_junit_report_is_xunit1_with_file_and_gate_verdicts():
     train = suites["stage-b-cpu:tests/e2e/test_train.py"]
     assert train.get("file") == "tests/e2e/test_train.py"
     gate = [c for c in train.iter("testcase") if c.get("name") == "gate[train/grad_norm]"]
-    assert gate[0].find("failure").get("message") == "failed: 0.9 is above the band [0.1, 0.5]"
+    assert gate[0].find("failure").get("message") == "FAIL: 0.9 is above the band [0.1, 0.5]"
     skipped = [c for c in suites["excluded"].iter("testcase")]
     assert "tokenizer download 404s" in skipped[0].find("skipped").get("message")
     assert root.get("failures") == "1" and root.get("skipped") == "2"  # the excluded test and the one not run
@@ -225,8 +218,7 @@ def test_markdown_has_failed_retried_disabled_gate_tables_and_a_gantt():
     for heading in (*headings, "```mermaid"):
         assert heading in text
     assert (
-        "| `tests/e2e/test_train.py` | `train/grad_norm` | failed | 0.9 is above the band [0.1, 0.5] |"
-        in text
+        "| `tests/e2e/test_train.py` | `train/grad_norm` | FAIL | 0.9 is above the band [0.1, 0.5] |" in text
     )
     assert "tests/e2e/test_flaky.py (attempt 2) :done" in text
     assert (
@@ -240,6 +232,6 @@ def test_reports_are_written_together_and_appended_to_the_step_summary(tmp_path,
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
     paths = write_reports(_run(), tmp_path / "reports")
     assert sorted(p.name for p in paths.values()) == ["junit.xml", "run.json", "summary.md"]
-    assert json.loads(paths["run.json"].read_text())["attempts"][0]["gate_verdicts"][0]["status"] == "failed"
+    assert json.loads(paths["run.json"].read_text())["attempts"][0]["gate_verdicts"][0]["status"] == "FAIL"
     assert summary.read_text() == paths["summary.md"].read_text()
     assert not list((tmp_path / "reports").glob(".*tmp"))
