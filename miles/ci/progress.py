@@ -11,8 +11,7 @@ from miles.ci.record import Attempt
 
 
 class Progress:
-    """What a person watching the run sees: a live line with ETA (from est_times) in a
-    terminal, `::group::` folds per test under GitHub Actions, plain lines elsewhere."""
+    """Draws the run as it goes; the ETA counts the est_times of the tests still to run."""
 
     def __init__(self, tests: tuple[PlannedTest, ...], out: IO[str], *, github: bool, streaming: bool):
         self.tests = tests

@@ -82,7 +82,8 @@ def _check(jobs: list[Job], n: int) -> None:
         raise ValueError(f"shard count must be >= 1, got {n}")
     keys = [j.key for j in jobs]
     if len(set(keys)) != len(keys):
-        raise ValueError("job keys must be unique")
+        repeated = sorted({k for k in keys if keys.count(k) > 1})
+        raise ValueError(f"job keys must be unique; repeated: {', '.join(repeated)}")
     bad = [j for j in jobs if not (math.isfinite(j.weight) and j.weight >= 0)]
     if bad:
         raise ValueError(f"job {bad[0].key} has weight {bad[0].weight!r}; weights must be finite and >= 0")

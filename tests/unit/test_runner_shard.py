@@ -67,7 +67,7 @@ def test_first_shard_is_the_longest():
 
 
 def test_rejects_duplicate_keys_and_bad_weights():
-    with pytest.raises(ValueError, match="unique"):
+    with pytest.raises(ValueError, match="unique; repeated: a"):
         balanced_partition([Job("a", 1), Job("a", 2)], 2)
     with pytest.raises(ValueError, match="finite"):
         balanced_partition([Job("a", float("nan"))], 2)
