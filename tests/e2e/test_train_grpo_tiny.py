@@ -27,6 +27,8 @@ from miles.metrics.capture import RECORD_DIR_ENV
 register_cpu_ci(est_time=100, suite="stage-b-cpu")
 register_cuda_ci(est_time=120, suite="stage-b-2-gpu-h200", labels=["fsdp", "short"])
 register_rocm_ci(est_time=150, suite="stage-c-4-gpu-mi350", labels=["fsdp", "short", "amd"])
+# The nightly MI350 lane runs it too, so its baselines of rollout/raw_reward exist to gate PRs against.
+register_rocm_ci(est_time=150, suite="nightly-stage-c-2-gpu-mi350", labels=["fsdp", "short", "amd"])
 register_ci_gate(metric_key="rollout/raw_reward")
 
 _here = Path(__file__).with_name("recipe_runs.py")
