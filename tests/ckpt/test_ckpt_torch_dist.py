@@ -25,7 +25,7 @@ from miles.ckpt.torch_dist import (
     single_process_group,
 )
 
-register_cpu_ci(est_time=25, suite="stage-b-cpu")
+register_cpu_ci(est_time=35, suite="stage-b-cpu")
 
 
 @pytest.fixture(scope="module")
