@@ -183,6 +183,23 @@ def _cli(project: Path, url: str, *args: str) -> int:
     return main([*args, "--root", str(project), "--store", url])
 
 
+def _gate_nightly(project: Path, url: str, record: Path, *extra: str) -> int:
+    """Gate `record` by hand as a nightly run would, writing it to the history."""
+    return _cli(
+        project,
+        url,
+        "gate",
+        "--record",
+        str(record),
+        "--test",
+        TEST,
+        "--write",
+        "--cadence",
+        "nightly",
+        *extra,
+    )
+
+
 def test_gate_command_gates_a_record_by_hand(project, url, capsys):
     _seed(url, {GRAD: 1.0, REWARD: 0.5})
     _record(project / "good", 1.1)
@@ -199,36 +216,14 @@ def test_gate_command_writes_only_with_a_baseline_cadence(project, url, capsys):
     _record(project / "r", 1.0)
     assert _cli(project, url, "gate", "--record", str(project / "r"), "--test", TEST, "--write") == 2
     assert "only nightly or weekly runs write baselines" in capsys.readouterr().err
-    args = (
-        "gate",
-        "--record",
-        str(project / "r"),
-        "--test",
-        TEST,
-        "--write",
-        "--cadence",
-        "nightly",
-        "--json",
-    )
-    assert _cli(project, url, *args) == 0
+    assert _gate_nightly(project, url, project / "r", "--json") == 0
     assert json.loads(capsys.readouterr().out)["baseline_run_id"] == 1
 
 
 def test_history_show_lists_runs_with_values_bands_and_verdicts(project, url, capsys):
     _seed(url, {GRAD: 1.0}, runs=5)
     _record(project / "r", 1.05)
-    _cli(
-        project,
-        url,
-        "gate",
-        "--record",
-        str(project / "r"),
-        "--test",
-        TEST,
-        "--write",
-        "--cadence",
-        "nightly",
-    )
+    _gate_nightly(project, url, project / "r")
     capsys.readouterr()
     assert _cli(project, url, "history", "show", "--test", TEST, "--metric", "train/grad_norm") == 0
     out = capsys.readouterr().out
@@ -274,18 +269,7 @@ def test_history_commands_report_an_unreachable_store_with_exit_1(project, tmp_p
 def test_history_plot_writes_an_image(project, url, capsys):
     _seed(url, {GRAD: 1.0}, runs=5)
     _record(project / "r", 4.0)
-    _cli(
-        project,
-        url,
-        "gate",
-        "--record",
-        str(project / "r"),
-        "--test",
-        TEST,
-        "--write",
-        "--cadence",
-        "nightly",
-    )
+    _gate_nightly(project, url, project / "r")
     out_png = project / "plots" / "grad.png"
     assert (
         _cli(
