@@ -91,6 +91,10 @@ def convert_to_torch_dist(
     src, dst = Path(src), Path(dst)
     config = json.loads((src / "config.json").read_text())
     gpt = family(family_name).megatron_gpt
+    if gpt:
+        from miles.train.backends.megatron.compat import install_without_gpu
+
+        install_without_gpu()  # megatron-core's MoE layers and forward assume CUDA otherwise
     with warnings.catch_warnings(), single_process_group(), CheckpointReader(src) as reader:
         warnings.simplefilter("ignore")  # megatron warns about optional CUDA extensions it cannot use here
         if progress is not None:

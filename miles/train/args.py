@@ -520,13 +520,23 @@ def _check_megatron_layout(args: argparse.Namespace) -> None:
         ) from exc
 
 
+def data_parallel_size(args: argparse.Namespace, world_size: int) -> int:
+    """Ranks that train on different rows: all of them, except that Megatron's tensor, pipeline
+    and context parallel peers share theirs."""
+    if args.train_backend != "megatron":
+        return world_size
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
+    return max(1, world_size // model_parallel)
+
+
 def validate_world(args: argparse.Namespace, world_size: int) -> None:
     """Rules that need the number of ranks (known once the process group is up)."""
-    per_rank, rest = divmod(args.global_batch_size, world_size)
+    dp = data_parallel_size(args, world_size)
+    per_rank, rest = divmod(args.global_batch_size, dp)
     if rest:
         raise ArgsError(
-            f"--global-batch-size ({args.global_batch_size}) must split evenly over {world_size} "
-            f"data-parallel ranks; e.g. --global-batch-size {args.global_batch_size + world_size - rest}"
+            f"--global-batch-size ({args.global_batch_size}) must split evenly over {dp} "
+            f"data-parallel ranks; e.g. --global-batch-size {args.global_batch_size + dp - rest}"
         )
     if args.rollout_batch_size % world_size:
         raise ArgsError(

@@ -56,6 +56,6 @@ def model_shape(args):
         num_layers=layers,
         num_attention_heads=heads,
         num_query_groups=args.num_query_groups or hf.get("num_key_value_heads"),
-        num_experts=args.num_experts or hf.get("num_experts") or hf.get("n_routed_experts"),
+        num_experts=args.num_experts or hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts"),
         attention=attention,
     )

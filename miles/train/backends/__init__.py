@@ -28,6 +28,15 @@ class StepResult:
 
 
 class TrainBackend(abc.ABC):
+    @property
+    def data_parallel(self) -> tuple[int, int, object]:
+        """(rank, size, process group) of the data-parallel dimension: the ranks that train on
+        different rows. Model-parallel peers (tensor, pipeline) share their rows. By default
+        every rank is a replica of its own (the whole world, group None)."""
+        import torch.distributed as dist
+
+        return dist.get_rank(), dist.get_world_size(), None
+
     @abc.abstractmethod
     def logprobs(self, batch: TokenBatch, *, reference: bool = False) -> object:
         """Per-token logprobs [B, T-1] of the batch's targets (no gradient), policy or reference."""
@@ -51,7 +60,7 @@ class TrainBackend(abc.ABC):
 
 def make_backend(args, dist_info) -> TrainBackend:
     if args.train_backend == "megatron":
-        from miles.train.backends.megatron import MegatronBackend
+        from miles.train.backends.megatron.backend import MegatronBackend
 
         return MegatronBackend(args, dist_info)
     from miles.train.backends.torch_dp import TorchDPBackend

@@ -1,0 +1,257 @@
+"""`--train-backend megatron`: the policy as a megatron-core GPTModel, on GPUs or on CPU under gloo.
+
+The layout of the recipe (TP, SP, PP, VPP, EP, ETP, DP) becomes megatron's process groups;
+the model is built from the HF config with the Transformer Engine layer spec and loaded
+from the torch_dist checkpoint `prepare-ckpt` writes (`--ref-load`); micro-batches go
+through megatron's `forward_backward_func` (so pipeline parallelism runs its real
+schedule) with the GRPO/GSPO loss of `miles.train.algorithm` computed on vocabulary-parallel
+logits; gradients are reduced by megatron's DDP and applied by its distributed optimizer
+(fp32 main parameters). Without a GPU, `compat.install()` first redirects megatron-core's
+CUDA assumptions to the CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from miles.train import algorithm
+from miles.train.args import loss_config, optim_config
+from miles.train.backends import BackendUnavailable, StepResult, TrainBackend
+from miles.train.backends.megatron import model as mm
+from miles.train.backends.megatron.loss import micro_batches, vocab_parallel_logprobs
+from miles.train.backends.megatron.weights import WeightExporter
+from miles.train.batch import TokenBatch
+
+
+class MegatronBackend(TrainBackend):
+    def __init__(self, args, dist_info):
+        self.args = args
+        self.on_cpu = dist_info.device == "cpu"
+        if self.on_cpu:
+            from miles.train.backends.megatron import compat
+
+            compat.install()
+        self.device = dist_info.device
+        self.loss_cfg = loss_config(args)
+        self.optim_cfg = optim_config(args)
+        self.config = mm.hf_config(args.hf_checkpoint)
+        self.source = _weights_source(args)
+        self.layout = mm.layout_from_args(args, dist_info.world_size, self.config["num_hidden_layers"])
+        mm.init_parallel_state(self.layout, args.seed)
+        self.tc = mm.transformer_config_for(args, self.config, self.layout, on_cpu=self.on_cpu)
+        # The reference model gets a config of its own: the policy's gains DDP hooks below.
+        ref_tc = copy.copy(self.tc)
+        self.vocab = _checkpoint_vocab(self.source, self.config)
+        chunks = mm.build_chunks(self.config, self.tc, self.vocab)
+        mm.load_weights(chunks, self.source)
+        mm.freeze_padding_embedding(chunks, self.config.get("pad_token_id"))
+        self.chunks = [c.to(self.device) for c in chunks]
+        self.model = mm.wrap_ddp(self.chunks, self.tc)
+        self.optimizer = mm.build_optimizer(self.model, self.optim_cfg, self.tc)
+        self._connect_schedule(self.tc, self.model)
+        self.ref_chunks = None
+        self.ref_source = self.source
+        if args.use_kl_loss:
+            ref = mm.build_chunks(self.config, ref_tc, self.vocab)
+            mm.load_weights(ref, self.source)
+            self.ref_chunks = [c.to(self.device).eval().requires_grad_(False) for c in ref]
+        self.fused_experts = _hf_fuses_experts(args.hf_checkpoint)
+        steps_per_rollout = args.rollout_batch_size * args.n_samples_per_prompt // args.global_batch_size
+        self.total_steps = args.num_rollout * steps_per_rollout
+        self.steps_done = 0
+
+    # --- the trainer's interface -------------------------------------------------------
+
+    @property
+    def data_parallel(self) -> tuple[int, int, object]:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
+
+    def logprobs(self, batch: TokenBatch, *, reference: bool = False) -> torch.Tensor:
+        chunks = self.ref_chunks if reference else self.chunks
+        for chunk in chunks:
+            chunk.eval()
+        with torch.no_grad():
+            results = self._run([batch], chunks, functools.partial(self._logprob_loss), forward_only=True)
+        return torch.cat([r["logp"] for r in results])
+
+    def train_step(self, micro: Sequence[TokenBatch], normalizer: float) -> StepResult:
+        for chunk in self.model:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        loss = functools.partial(self._policy_loss, normalizer=normalizer, count=len(micro))
+        results = self._run(micro, self.model, loss, forward_only=False)
+        lr = self._set_lr()
+        applied, grad_norm = guarded_step(self.optimizer, self.optim_cfg.clip_grad)
+        if applied:
+            self.steps_done += 1
+        return StepResult(grad_norm=float(grad_norm), lr=lr, terms=tuple(r["terms"] for r in results))
+
+    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from WeightExporter(self.chunks, self.config, fused_experts=self.fused_experts)
+
+    def save(self, directory: str, *, with_optimizer: bool) -> None:
+        from megatron.core import dist_checkpointing
+
+        state = mm.model_state_template(self.chunks)
+        if with_optimizer:
+            state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=False)
+            state["schedule"] = _common({"steps_done": self.steps_done})
+        dist_checkpointing.save(state, directory)
+
+    def load(self, directory: str, *, with_optimizer: bool) -> None:
+        from megatron.core import dist_checkpointing
+
+        state = mm.model_state_template(self.chunks)
+        if with_optimizer:
+            state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=True)
+            state["schedule"] = _common({"steps_done": 0})
+        loaded = dist_checkpointing.load(state, directory)
+        for i, chunk in enumerate(self.chunks):
+            chunk.load_state_dict(loaded[f"model{i}"], strict=False)
+        if with_optimizer:
+            self.optimizer.load_state_dict(loaded["optimizer"])
+            self.steps_done = int(loaded["schedule"]["steps_done"])
+        dist.barrier()
+
+    # --- machinery ----------------------------------------------------------------------
+
+    def _connect_schedule(self, tc, wrapped) -> None:
+        """What megatron's schedule calls around the micro-batches: no gradient sync until the
+        last one, then the DP/SP/embedding gradient reductions."""
+        from megatron.core.distributed import finalize_model_grads
+
+        no_sync = [m.no_sync for m in wrapped]
+        tc.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        tc.finalize_model_grads_func = finalize_model_grads
+        tc.grad_scale_func = None
+
+    def _run(self, parts: Sequence[TokenBatch], chunks, loss_fn, *, forward_only: bool) -> list[dict]:
+        """The micro-batches through megatron's schedule; the last stage's loss outputs, on every rank."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        rows = max(self.args.micro_batch_size, max(p.size for p in parts))
+        seq_multiple = self.layout.parallel.tp if self.tc.sequence_parallel else 1
+        micro, seq = micro_batches(parts, rows, seq_multiple, self.device)
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            return model(mb.tokens, mb.position_ids, None), functools.partial(loss_fn, mb)
+
+        iterators = [iter(micro) for _ in chunks]
+        results = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(chunks) > 1 else iterators[0],
+            model=list(chunks),
+            num_microbatches=len(micro),
+            seq_length=seq,
+            micro_batch_size=rows,
+            forward_only=forward_only,
+        )
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            box = [results if ps.is_pipeline_last_stage(ignore_virtual=True) else None]
+            last = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())[-1]
+            dist.broadcast_object_list(box, src=last, group=ps.get_pipeline_model_parallel_group())
+            results = box[0]
+        return results
+
+    def _token_logprobs(self, mb, output, *, with_entropy: bool):
+        batch = mb.batch
+        logits = output[: batch.size, : mb.width - 1]
+        targets = mb.tokens[: batch.size, 1 : mb.width]
+        return vocab_parallel_logprobs(
+            logits, targets, self.loss_cfg.temperature, self.config["vocab_size"], with_entropy=with_entropy
+        )
+
+    def _logprob_loss(self, mb, output):
+        logp, _ = self._token_logprobs(mb, output, with_entropy=False)
+        return output.sum() * 0.0, {"logp": logp.detach().float().cpu()}
+
+    def _policy_loss(self, mb, output, *, normalizer: float, count: int):
+        logp, entropy = self._token_logprobs(mb, output, with_entropy=True)
+        batch = mb.batch
+        device = logp.device
+        terms = algorithm.policy_loss(
+            logp,
+            entropy,
+            batch.old_logp.to(device),
+            batch.advantages.to(device),
+            batch.loss_mask.to(device),
+            self.loss_cfg,
+            ref_logp=None if batch.ref_logp is None else batch.ref_logp.to(device),
+            rollout_logp=batch.rollout_logp.to(device),
+        )
+        # megatron's schedule divides each micro-batch's loss by their count; the trainer's
+        # normaliser (samples or tokens of this rank's minibatch) is what it must be divided by.
+        loss = terms.loss * count / normalizer
+        return loss, {"terms": replace(terms, loss=terms.loss.detach().cpu())}
+
+    def _set_lr(self) -> float:
+        from miles.train.backends.torch_dp import lr_factor
+
+        lr = self.optim_cfg.lr * lr_factor(self.steps_done, self.optim_cfg, self.total_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+
+def guarded_step(optimizer, clip_grad: float) -> tuple[bool, float]:
+    """megatron's optimizer step, except that a non-finite gradient norm applies nothing."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    found_inf = optimizer.prepare_grads()
+    grad_norm = float(optimizer.get_grad_norm() or 0.0)
+    if found_inf or not math.isfinite(grad_norm):
+        return False, grad_norm
+    if clip_grad > 0:
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            params = opt.get_parameters()
+            if params:
+                clip_grad_by_total_norm_fp32(params, max_norm=clip_grad, total_norm=grad_norm)
+    return bool(optimizer.step_with_ready_grads()), grad_norm
+
+
+def _common(values: dict) -> dict:
+    """Plain values stored once per checkpoint (rank 0's copy)."""
+    return dict(values)
+
+
+def _weights_source(args) -> str:
+    """The torch_dist checkpoint the policy (and reference) start from."""
+    if mm.is_torch_dist_dir(args.ref_load):
+        return args.ref_load
+    given = f"--ref-load {args.ref_load} is not a torch_dist checkpoint" if args.ref_load else "no --ref-load"
+    raise BackendUnavailable(
+        f"--train-backend megatron loads its starting weights from a Megatron torch_dist checkpoint; {given}. "
+        f"Convert {args.hf_checkpoint} with `invoke prepare-ckpt` (it writes <model>_torch_dist) and pass that "
+        "directory as --ref-load"
+    )
+
+
+def _hf_fuses_experts(path: str) -> bool:
+    """Whether the installed transformers class keeps a layer's experts as fused 3-D tensors."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        names = AutoModelForCausalLM.from_config(config).state_dict().keys()
+    return any(name.endswith("mlp.experts.gate_up_proj") for name in names)
+
+
+def _checkpoint_vocab(source: str, config: dict) -> int:
+    """Rows of the checkpoint's embedding: the HF vocabulary, padded if the converter padded it."""
+    from megatron.core import dist_checkpointing
+
+    meta = dist_checkpointing.load_tensors_metadata(str(mm.torch_dist_release(source)))
+    embedding = meta.get("embedding.word_embeddings.weight")
+    return int(embedding.global_shape[0]) if embedding is not None else int(config["vocab_size"])
