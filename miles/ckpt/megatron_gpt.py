@@ -157,6 +157,7 @@ def transformer_config(
         hidden_dropout=0.0,
         attention_dropout=float(config.get("attention_dropout", 0.0)),
         params_dtype=dtype,
+        pipeline_dtype=dtype,  # what pipeline stages exchange
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=on_cpu,
         perform_initialization=initialize,

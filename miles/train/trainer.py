@@ -189,13 +189,7 @@ def optimizer_step(run: Run, minibatch: TokenBatch) -> dict[str, float]:
 
 def batched_logprobs(run: Run, batch: TokenBatch, *, reference: bool) -> torch.Tensor:
     """Logprobs of a whole local batch, computed --micro-batch-size rows at a time."""
-    out = torch.zeros_like(batch.loss_mask)
-    size = run.args.micro_batch_size
-    for start in range(0, batch.size, size):
-        part = batch.rows(slice(start, start + size))
-        logp = run.backend.logprobs(part, reference=reference)
-        out[start : start + size, : logp.shape[1]] = logp
-    return out
+    return run.backend.batch_logprobs(batch, run.args.micro_batch_size, reference=reference)
 
 
 def sync_weights(run: Run, rollout_id: int) -> dict[str, float]:

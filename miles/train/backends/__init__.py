@@ -41,6 +41,17 @@ class TrainBackend(abc.ABC):
     def logprobs(self, batch: TokenBatch, *, reference: bool = False) -> object:
         """Per-token logprobs [B, T-1] of the batch's targets (no gradient), policy or reference."""
 
+    def batch_logprobs(self, batch: TokenBatch, micro_batch_size: int, *, reference: bool = False) -> object:
+        """Logprobs [B, T-1] of a whole local batch, `micro_batch_size` rows per forward."""
+        import torch
+
+        out = torch.zeros_like(batch.loss_mask)
+        for start in range(0, batch.size, micro_batch_size):
+            part = batch.rows(slice(start, start + micro_batch_size))
+            logp = self.logprobs(part, reference=reference)
+            out[start : start + micro_batch_size, : logp.shape[1]] = logp
+        return out
+
     @abc.abstractmethod
     def train_step(self, micro_batches: Sequence[TokenBatch], normalizer: float) -> StepResult:
         """One optimizer step over the micro-batches; each loss is divided by `normalizer`."""

@@ -76,19 +76,28 @@ class MegatronBackend(TrainBackend):
         return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
 
     def logprobs(self, batch: TokenBatch, *, reference: bool = False) -> torch.Tensor:
+        return self.batch_logprobs(batch, batch.size, reference=reference)
+
+    def batch_logprobs(self, batch: TokenBatch, micro_batch_size: int, *, reference: bool = False) -> torch.Tensor:
+        """All micro-batches of the batch in one pass of megatron's schedule (a pipeline stays full)."""
         chunks = self.ref_chunks if reference else self.chunks
         for chunk in chunks:
             chunk.eval()
+        parts = [batch.rows(slice(s, s + micro_batch_size)) for s in range(0, batch.size, micro_batch_size)]
         with torch.no_grad():
-            results = self._run([batch], chunks, functools.partial(self._logprob_loss), forward_only=True)
-        return torch.cat([r["logp"] for r in results])
+            results = self._run(parts, chunks, self._logprob_loss, forward_only=True)
+        out = torch.zeros_like(batch.loss_mask)
+        for start, result in zip(range(0, batch.size, micro_batch_size), results, strict=False):
+            logp = result["logp"]
+            out[start : start + logp.shape[0], : logp.shape[1]] = logp
+        return out
 
     def train_step(self, micro: Sequence[TokenBatch], normalizer: float) -> StepResult:
         for chunk in self.model:
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        loss = functools.partial(self._policy_loss, normalizer=normalizer, count=len(micro))
+        loss = functools.partial(self._policy_loss, normalizer=normalizer, count=self._schedule_count(len(micro)))
         results = self._run(micro, self.model, loss, forward_only=False)
         lr = self._set_lr()
         applied, grad_norm = guarded_step(self.optimizer, self.optim_cfg.clip_grad)
@@ -142,6 +151,12 @@ class MegatronBackend(TrainBackend):
 
         rows = max(self.args.micro_batch_size, max(p.size for p in parts))
         seq_multiple = self.layout.parallel.tp if self.tc.sequence_parallel else 1
+        # The interleaved (VPP) schedule takes micro-batches in multiples of the pipeline size;
+        # extra ones are all padding and add nothing to any loss or result.
+        parts = list(parts)
+        if len(chunks) > 1:
+            pp = self.layout.parallel.pp
+            parts += [parts[-1].rows(slice(0, 0))] * (-len(parts) % pp)
         micro, seq = micro_batches(parts, rows, seq_multiple, self.device)
 
         def forward_step(data_iterator, model):
@@ -164,6 +179,12 @@ class MegatronBackend(TrainBackend):
             dist.broadcast_object_list(box, src=last, group=ps.get_pipeline_model_parallel_group())
             results = box[0]
         return results
+
+    def _schedule_count(self, parts: int) -> int:
+        """How many micro-batches _run hands megatron's schedule for `parts` of them."""
+        if self.layout.parallel.vpp:
+            return parts + (-parts % self.layout.parallel.pp)
+        return parts
 
     def _token_logprobs(self, mb, output, *, with_entropy: bool):
         batch = mb.batch

@@ -117,6 +117,12 @@ def transformer_config_for(args, config: dict, layout: Layout, *, on_cpu: bool):
         overrides["recompute_granularity"] = args.recompute_granularity
         overrides["recompute_method"] = args.recompute_method
         overrides["recompute_num_layers"] = args.recompute_num_layers
+    if on_cpu:
+        # gloo pairs point-to-point messages first-in first-out per pair of ranks. Batched p2p
+        # posts a two-stage pipeline's activation and gradient to the same peer in an order the
+        # peer does not mirror (the interleaved schedule swaps them); megatron's unbatched path
+        # sends the two directions over two communicators.
+        overrides["batch_p2p_comm"] = False
     dtype = torch.bfloat16 if args.bf16 and not on_cpu else torch.float32
     return transformer_config(config, layout.parallel, dtype=dtype, on_cpu=on_cpu, initialize=True, **overrides)
 
@@ -212,12 +218,17 @@ def freeze_padding_embedding(chunks: Sequence, pad_token_id: int | None) -> None
     is done here with a forward hook, for the trainer to learn what the HF model would."""
     if pad_token_id is None:
         return
+    import torch
 
     def stop_pad_gradient(module, inputs, output):
-        pad = (inputs[0] == pad_token_id).unsqueeze(-1)
-        return torch.where(pad, output.detach(), output) if bool(pad.any()) else output
-
-    import torch
+        pad = inputs[0] == pad_token_id  # [batch, seq]
+        if not bool(pad.any()):
+            return output
+        if module.reduce_scatter_embeddings:  # output is this rank's sequence slice, [seq/tp, batch, h]
+            rows = output.shape[0]
+            rank = torch.distributed.get_rank(module.tp_group)
+            pad = pad.transpose(0, 1)[rank * rows : (rank + 1) * rows]
+        return torch.where(pad.unsqueeze(-1), output.detach(), output)
 
     for chunk in chunks:
         embedding = getattr(chunk, "embedding", None)
