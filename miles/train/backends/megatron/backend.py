@@ -30,6 +30,10 @@ from miles.train.backends.megatron.weights import WeightExporter
 from miles.train.batch import TokenBatch
 
 
+# Optimizer states in a canonical per-parameter form, so a run resumes at any layout.
+OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
 class MegatronBackend(TrainBackend):
     def __init__(self, args, dist_info):
         self.args = args
@@ -113,7 +117,7 @@ class MegatronBackend(TrainBackend):
 
         state = mm.model_state_template(self.chunks)
         if with_optimizer:
-            state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=False)
+            state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=False, metadata=OPTIMIZER_FORMAT)
             state["schedule"] = _common({"steps_done": self.steps_done})
         dist_checkpointing.save(state, directory)
 
@@ -122,14 +126,17 @@ class MegatronBackend(TrainBackend):
 
         state = mm.model_state_template(self.chunks)
         if with_optimizer:
-            state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=True)
+            _materialize_adam_state(self.optimizer)
+            state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=True, metadata=OPTIMIZER_FORMAT)
             state["schedule"] = _common({"steps_done": 0})
         loaded = dist_checkpointing.load(state, directory)
         for i, chunk in enumerate(self.chunks):
             chunk.load_state_dict(loaded[f"model{i}"], strict=False)
         if with_optimizer:
-            self.optimizer.load_state_dict(loaded["optimizer"])
+            with torch.no_grad():  # fp32 main parameters are views of the model's own
+                self.optimizer.load_state_dict(loaded["optimizer"])
             self.steps_done = int(loaded["schedule"]["steps_done"])
+            _set_adam_steps(self.optimizer, self.steps_done)
         dist.barrier()
 
     # --- machinery ----------------------------------------------------------------------
@@ -240,6 +247,37 @@ def guarded_step(optimizer, clip_grad: float) -> tuple[bool, float]:
             if params:
                 clip_grad_by_total_norm_fp32(params, max_norm=clip_grad, total_norm=grad_norm)
     return bool(optimizer.step_with_ready_grads()), grad_norm
+
+
+def _materialize_adam_state(optimizer) -> None:
+    """Give every parameter the AdamW state torch creates lazily at the first step (zeros, step 0).
+
+    Without Apex or Transformer Engine, megatron's distributed optimizer describes its state
+    from torch's AdamW, which has none before a step; a fresh optimizer about to load a
+    checkpoint needs the tensors to load into.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for param in group["params"]:
+                state = inner.state[param]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def _set_adam_steps(optimizer, steps: int) -> None:
+    """AdamW's per-parameter step count (its bias correction) after a load.
+
+    megatron-core 0.16.1 restores it for torch's AdamW from its common state as one tensor
+    shared by every parameter, which each parameter's update then increments again; every
+    parameter gets a count of its own, the number of steps applied before the checkpoint.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in opt.optimizer.state.values():
+            if "step" in state:
+                state["step"] = torch.tensor(float(steps))
 
 
 def _common(values: dict) -> dict:

@@ -127,6 +127,31 @@ REDIRECTS: tuple[Redirect, ...] = (
         "the distributed optimizer accepts parameters only by their CUDA tensor type names",
     ),
     Redirect(
+        "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.load_state_dict",
+        "torch.cuda.current_device()",
+        "loading optimizer state allocates its step and state buffers on the GPU",
+    ),
+    Redirect(
+        "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.get_parameter_state_dp_zero",
+        "torch.cuda.current_device()",
+        "saving optimizer state gathers each data-parallel shard through a GPU buffer",
+    ),
+    Redirect(
+        "megatron.core.dist_checkpointing.strategies.filesystem_async:FileSystemWriterAsync.preload_tensors",
+        "torch.cuda.synchronize()",
+        "checkpoint saving waits for the GPU after its device-to-host copies",
+    ),
+    Redirect(
+        "megatron.core.dist_checkpointing.strategies.state_dict_saver:verify_global_md_reuse",
+        "device='cuda'",
+        "ranks agree on reusing a cached save plan through a GPU tensor",
+    ),
+    Redirect(
+        "megatron.core.dist_checkpointing.strategies.state_dict_saver:save_state_dict_async_finalize",
+        "torch.cuda.current_device()",
+        "ranks learn of a failed checkpoint write through a GPU tensor",
+    ),
+    Redirect(
         "megatron.core.optimizer.optimizer:MixedPrecisionOptimizer.__init__",
         "device='cuda'",
         "the found-inf flag of a mixed-precision step lives on the GPU",
