@@ -71,11 +71,15 @@ def _refuse_unmapped(config: Mapping[str, Any]) -> None:
             f"no megatron GPT mapping for model_type {model_type!r}; mapped: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     if config.get("attention_bias"):
-        raise CheckpointError("config.json attention_bias=true is not mapped to megatron (Qwen3 checkpoints have none)")
+        raise CheckpointError(
+            "config.json attention_bias=true is not mapped to megatron (Qwen3 checkpoints have none)"
+        )
     if config.get("use_sliding_window"):
         raise CheckpointError("config.json use_sliding_window=true is not mapped to megatron's GPTModel")
     if config.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"config.json hidden_act {config.get('hidden_act')!r}: only silu (SwiGLU) is mapped")
+        raise CheckpointError(
+            f"config.json hidden_act {config.get('hidden_act')!r}: only silu (SwiGLU) is mapped"
+        )
     rope = rope_parameters(config)
     if rope.get("rope_type", "default") not in ("default", "linear"):
         raise CheckpointError(
@@ -183,8 +187,16 @@ def build_model(
     rope = rope_parameters(config)
     interpolation = float(rope["factor"]) if rope.get("rope_type") == "linear" else None
     pp_initialized = parallel_state.model_parallel_is_initialized()
-    first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage) if pp_initialized else True
-    last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage) if pp_initialized else True
+    first = (
+        parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        if pp_initialized
+        else True
+    )
+    last = (
+        parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        if pp_initialized
+        else True
+    )
     model = GPTModel(
         config=tc,
         transformer_layer_spec=decoder_block_spec(tc, vp_stage=vp_stage),
@@ -256,7 +268,9 @@ def layer_layout(config: Mapping[str, Any], i: int, mg: str) -> Iterator[tuple[s
         yield from expert_layout(config, i, e, mg + f"mlp.experts.local_experts.{e}.")
 
 
-def expert_layout(config: Mapping[str, Any], i: int, e: int, mg: str) -> Iterator[tuple[str, tuple[Piece, ...]]]:
+def expert_layout(
+    config: Mapping[str, Any], i: int, e: int, mg: str
+) -> Iterator[tuple[str, tuple[Piece, ...]]]:
     src = f"model.layers.{i}.mlp.experts.{e}."
     yield mg + "linear_fc1.weight", gate_up_pieces(src, config["moe_intermediate_size"])
     yield mg + "linear_fc2.weight", (_whole(src + "down_proj.weight", config["hidden_size"]),)

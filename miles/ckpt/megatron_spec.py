@@ -76,7 +76,11 @@ def _column_parallel_linear():
 
         def forward(self, input_, weight=None, runtime_gather_output=None):
             normed = _norm_fn(
-                self.config, input_, self.layer_norm_weight, self.layer_norm_bias, self.config.layernorm_epsilon
+                self.config,
+                input_,
+                self.layer_norm_weight,
+                self.layer_norm_bias,
+                self.config.layernorm_epsilon,
             )
             return super().forward(normed, weight=weight, runtime_gather_output=runtime_gather_output)
 
@@ -156,7 +160,9 @@ def decoder_block_spec(config, *, vp_stage: int | None = None, pp_rank: int | No
     if has_transformer_engine():
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-        return get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage, pp_rank=pp_rank)
+        return get_gpt_decoder_block_spec(
+            config, use_transformer_engine=True, vp_stage=vp_stage, pp_rank=pp_rank
+        )
     with _te_layout_spec_functions() as specs:
         return specs.get_gpt_decoder_block_spec(
             config, use_transformer_engine=True, vp_stage=vp_stage, pp_rank=pp_rank

@@ -29,8 +29,8 @@ from miles.train.backends.megatron.loss import micro_batches, vocab_parallel_log
 from miles.train.backends.megatron.weights import WeightExporter
 from miles.train.batch import TokenBatch
 
-
-# Optimizer states in a canonical per-parameter form, so a run resumes at any layout.
+# The distributed optimizer's shards as they are: a run resumes at the same model-parallel
+# layout with any number of data-parallel replicas (weights alone load at any layout).
 OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
@@ -82,7 +82,9 @@ class MegatronBackend(TrainBackend):
     def logprobs(self, batch: TokenBatch, *, reference: bool = False) -> torch.Tensor:
         return self.batch_logprobs(batch, batch.size, reference=reference)
 
-    def batch_logprobs(self, batch: TokenBatch, micro_batch_size: int, *, reference: bool = False) -> torch.Tensor:
+    def batch_logprobs(
+        self, batch: TokenBatch, micro_batch_size: int, *, reference: bool = False
+    ) -> torch.Tensor:
         """All micro-batches of the batch in one pass of megatron's schedule (a pipeline stays full)."""
         chunks = self.ref_chunks if reference else self.chunks
         for chunk in chunks:
@@ -101,7 +103,9 @@ class MegatronBackend(TrainBackend):
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        loss = functools.partial(self._policy_loss, normalizer=normalizer, count=self._schedule_count(len(micro)))
+        loss = functools.partial(
+            self._policy_loss, normalizer=normalizer, count=self._schedule_count(len(micro))
+        )
         results = self._run(micro, self.model, loss, forward_only=False)
         lr = self._set_lr()
         applied, grad_norm = guarded_step(self.optimizer, self.optim_cfg.clip_grad)
@@ -117,7 +121,9 @@ class MegatronBackend(TrainBackend):
 
         state = mm.model_state_template(self.chunks)
         if with_optimizer:
-            state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=False, metadata=OPTIMIZER_FORMAT)
+            state["optimizer"] = self.optimizer.sharded_state_dict(
+                state, is_loading=False, metadata=OPTIMIZER_FORMAT
+            )
             state["schedule"] = _common({"steps_done": self.steps_done})
         dist_checkpointing.save(state, directory)
 
@@ -127,7 +133,9 @@ class MegatronBackend(TrainBackend):
         state = mm.model_state_template(self.chunks)
         if with_optimizer:
             _materialize_adam_state(self.optimizer)
-            state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=True, metadata=OPTIMIZER_FORMAT)
+            state["optimizer"] = self.optimizer.sharded_state_dict(
+                state, is_loading=True, metadata=OPTIMIZER_FORMAT
+            )
             state["schedule"] = _common({"steps_done": 0})
         loaded = dist_checkpointing.load(state, directory)
         for i, chunk in enumerate(self.chunks):

@@ -179,6 +179,7 @@ MISSING_SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("megatron.core.transformer.moe.moe_utils", "te_general_gemm", "te_general_gemm is not None"),
 )
 
+
 class _CpuStream:
     """A CUDA stream or event on a machine where every operation is already synchronous."""
 
@@ -396,7 +397,9 @@ def stale() -> list[str]:
         fn = getattr(fn, "__func__", fn)
         fn = getattr(fn, "__wrapped__", fn) if getattr(fn, "__miles_cpu_redirect__", False) else fn
         if redirect.marker not in inspect.getsource(fn):
-            problems.append(f"{redirect.target}: its source no longer contains {redirect.marker!r} ({redirect.why})")
+            problems.append(
+                f"{redirect.target}: its source no longer contains {redirect.marker!r} ({redirect.why})"
+            )
     for module_name, symbol, marker in MISSING_SYMBOLS:
         source = inspect.getsource(importlib.import_module(module_name))
         if marker not in source:

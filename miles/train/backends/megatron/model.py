@@ -124,7 +124,9 @@ def transformer_config_for(args, config: dict, layout: Layout, *, on_cpu: bool):
         # sends the two directions over two communicators.
         overrides["batch_p2p_comm"] = False
     dtype = torch.bfloat16 if args.bf16 and not on_cpu else torch.float32
-    return transformer_config(config, layout.parallel, dtype=dtype, on_cpu=on_cpu, initialize=True, **overrides)
+    return transformer_config(
+        config, layout.parallel, dtype=dtype, on_cpu=on_cpu, initialize=True, **overrides
+    )
 
 
 def build_chunks(config: dict, tc, vocab_size: int) -> list:
@@ -209,7 +211,9 @@ def load_weights(chunks: Sequence, path: str | Path) -> None:
         missing, unexpected = chunk.load_state_dict(loaded[f"model{i}"], strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing:
-            raise MegatronSetupError(f"{release}: holds no value for {missing[:5]}; is it a GPT torch_dist of this model?")
+            raise MegatronSetupError(
+                f"{release}: holds no value for {missing[:5]}; is it a GPT torch_dist of this model?"
+            )
 
 
 def freeze_padding_embedding(chunks: Sequence, pad_token_id: int | None) -> None:

@@ -175,7 +175,9 @@ def _fuse_experts(full: dict[str, torch.Tensor], prefix: str) -> dict[str, torch
     return rest
 
 
-def _to_hf(config, i: int, prefix: str, full: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+def _to_hf(
+    config, i: int, prefix: str, full: Mapping[str, torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The HF tensors of decoder layer i, cut out of megatron's fused ones."""
     for name, tensor in full.items():
         if name.startswith(f"{prefix}mlp.experts.") and name.rsplit(".", 1)[-1] in _FUSED.values():
@@ -193,4 +195,3 @@ def _to_hf(config, i: int, prefix: str, full: Mapping[str, torch.Tensor]) -> Ite
         for name, p in parts:
             out[p.start : p.stop] = full[name][p.at : p.at + p.stop - p.start]
         yield hf_name, out
-
