@@ -135,6 +135,7 @@ def _fill_gpt(model, config, reader: CheckpointReader, vocab: int, progress: Pro
 
     params = {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
     seen = set()
+    read = set()  # HF tensors read so far (q/k/v and gate/up arrive in several pieces)
     with torch.no_grad():
         for name, pieces in layout(config):
             target = _target(params, name, pieces, reader)
@@ -145,7 +146,8 @@ def _fill_gpt(model, config, reader: CheckpointReader, vocab: int, progress: Pro
                 else:  # e.g. fp32 norms in a bf16 checkpoint: megatron keeps one dtype
                     dst.copy_(reader.read_rows(piece.hf_name, piece.start, piece.stop))
                 if progress is not None:
-                    progress.advance(dst.numel() * dst.element_size(), 1)
+                    progress.advance(dst.numel() * dst.element_size(), int(piece.hf_name not in read))
+                read.add(piece.hf_name)
             target[sum(p.stop - p.start for p in pieces) :].zero_()  # padded vocabulary rows
             seen.add(name)
     missing = sorted(set(params) - seen)

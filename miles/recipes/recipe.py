@@ -55,6 +55,7 @@ class ParallelProfile:
     overrides: tuple[tuple[str, Args], ...] = ()  # flags this profile sets or removes, by group
     suite: str | None = None  # the CI suite that runs it (checked against the catalog)
     source: str = ""  # what else vouches for it
+    train_backend: str | None = None  # None: the recipe's on GPUs, fsdp on the CPU
 
     @property
     def world_size(self) -> int:
@@ -173,6 +174,8 @@ class Recipe:
     # --- what the recipe produces ------------------------------------------------------------
 
     def backend_of(self, profile: ParallelProfile) -> str:
+        if profile.train_backend:
+            return profile.train_backend
         return CPU_BACKEND if profile.platform == "cpu" else self.train_backend
 
     def checkpoint_plan(
@@ -183,10 +186,12 @@ class Recipe:
         source: str | None = None,
         stage_dir: str | None = None,
         env: Mapping[str, str] | None = None,
+        train_backend: str | None = None,
     ) -> CheckpointPlan:
         """The checkpoint pipeline's plan for `model`: fetch and validate always; trim for an
-        -Nlayer slice; fp8 for FP8-rollout recipes; torch_dist for Megatron training; stage when
-        a node-local stage_dir is given. `tiny` builds a random checkpoint of the family locally."""
+        -Nlayer slice; fp8 for FP8-rollout recipes; torch_dist for Megatron training (the
+        recipe's backend unless `train_backend` says otherwise); stage when a node-local
+        stage_dir is given. `tiny` builds a random checkpoint of the family locally."""
         resolved = self.resolve(model, env)
         steps = ["fetch", "validate"]
         if not resolved.tiny:
@@ -194,8 +199,8 @@ class Recipe:
                 steps.append("trim")
             if self.fp8_rollout:
                 steps.append("fp8")
-            if self.train_backend == "megatron":
-                steps.append("torch_dist")
+        if (train_backend or self.train_backend) == "megatron" and (not resolved.tiny or train_backend):
+            steps.append("torch_dist")
         if stage_dir:
             steps.append("stage")
         return CheckpointPlan(
@@ -216,7 +221,7 @@ class Recipe:
         backend = self.backend_of(profile)
         resolved = self.resolve(profile.model, env)
         out: list[tuple[str, Args]] = []
-        if backend == "megatron":
+        if backend == "megatron" and not resolved.tiny:  # a tiny model's shape is its config.json
             out.append(("model", resolved.model_args()))
         for group in GROUPS:
             args = merge(self.group(group), _lookup(profile.overrides, group))

@@ -10,6 +10,8 @@ FULL = "Qwen3-30B-A3B"
 # On 4 GPUs with PP2, etp·ep·pp must divide 4: EP2 with ETP1 (EP4 would need 8 ranks).
 FOUR_GPUS = ParallelConfig(tp=2, sp=True, pp=2, ep=2, etp=1)
 EIGHT_GPUS = ParallelConfig(tp=4, sp=True, ep=8, etp=1)
+# The CPU lane's two gloo ranks: the experts split over both, attention data-parallel.
+CPU_EP2 = ParallelConfig(ep=2, etp=1)
 
 ROCM = Overlay(
     platform="rocm",
@@ -45,7 +47,7 @@ RECIPE = Recipe(
     profiles=(
         gpu_profile("cuda", 1, 4, SLICE, FOUR_GPUS, rollout_gpus_per_engine=4, suite="stage-c-4-gpu-h200"),
         gpu_profile("cuda", 1, 8, FULL, EIGHT_GPUS, rollout_gpus_per_engine=8, suite="stage-c-8-gpu-h200"),
-        d.cpu_tiny_profile(),
+        d.cpu_tiny_profile(CPU_EP2, "megatron"),
     ),
     overlays=(ROCM,),
 )
