@@ -15,7 +15,7 @@ from pathlib import Path
 from miles.ci.catalog import Catalog, Suite
 from miles.ci.discover import Discovery
 from miles.ci.execute import Settings, TestRun, format_command, pytest_command
-from miles.ci.policy import effective_cadence, parse_labels
+from miles.ci.policy import CiEvent, effective_cadence, history_decision, parse_labels
 from miles.ci.registration import GateDeclaration, Registration
 from miles.ci.report import REPORT_FILES
 from miles.ci.select import Selection, default_cadence, resolve_scope, select
@@ -83,6 +83,8 @@ class RunPlan:
     continue_on_error: bool
     settings: Settings = field(repr=False)
     timeout_floor: float = DEFAULT_TIMEOUT_FLOOR
+    store_history: bool = False  # passing gated attempts are stored as trusted history
+    history_reason: str = ""  # why (policy.history_decision)
 
 
 def timeout_for(est_time: float, floor: float) -> float:
@@ -130,7 +132,10 @@ def build_plan(options: RunOptions, catalog: Catalog, discovery: Discovery) -> R
         raise PlanError(f"{len(discovery.problems)} registration problem(s); fix them first:\n{lines}")
     scope = resolve_scope(catalog, lane=options.lane, backend=options.backend, suites=options.suites)
     labels = parse_labels(options.labels, catalog) if options.labels is not None else None
-    cadence = effective_cadence(options.cadence or default_cadence(scope), labels)
+    base_cadence = options.cadence or default_cadence(scope)
+    cadence = effective_cadence(base_cadence, labels)
+    # from the event and the cadence it asked for: a label widens the tests, never the trust
+    store_history, history_reason = history_decision(CiEvent.from_env(os.environ), base_cadence, catalog)
     selection = select(discovery, scope, cadence=cadence, labels=labels)
 
     k, n_requested, explicit = None, None, False
@@ -195,6 +200,8 @@ def build_plan(options: RunOptions, catalog: Catalog, discovery: Discovery) -> R
         continue_on_error,
         settings,
         options.timeout_floor,
+        store_history,
+        history_reason,
     )
 
 
@@ -228,7 +235,8 @@ def format_plan(plan: RunPlan) -> str:
     out = [
         f"plan · {sel.scope.name} · backend {sel.scope.backend} · cadence {sel.cadence} · labels {labels} · "
         f"shard {plan.shard} · max attempts {plan.max_attempts} · "
-        f"{'continue on error' if plan.continue_on_error else 'fast-fail'}"
+        f"{'continue on error' if plan.continue_on_error else 'fast-fail'}",
+        f"metric history is {'stored' if plan.store_history else 'not stored'}: {plan.history_reason}",
     ]
     for sp in plan.suites:
         p = sp.partition

@@ -47,13 +47,15 @@ def apply_gates(
     lane: Lane,
     *,
     cadence: str | None = None,
+    store_history: bool = False,
     root: Path = Path("."),
 ) -> Attempt:
     """The metric-gate step for a passing attempt: gate its metric records (in
     `attempt.record_dir`) against the history store and return it with `gate_verdicts`
     filled, and with status `failed` when an enforced gate (enforce lane, or a declaration
-    with enforce=True) fails or cannot reach the store. A nightly/weekly `cadence` stores the
-    run as history. An attempt of a file without register_ci_gate(...) is returned unchanged."""
+    with enforce=True) fails or cannot reach the store. The run is stored as history only
+    with `store_history` (policy.stores_history said so for this run's event and cadence).
+    An attempt of a file without register_ci_gate(...) is returned unchanged."""
     if not gates:
         return attempt
     from miles.metrics.gating import GateRun, ci_identity, gate_attempt
@@ -63,7 +65,7 @@ def apply_gates(
         attempt.file, attempt.backend, attempt.suite, lane.name, cadence or lane.cadence,
         lane.gate_mode == "enforce", attempt.commit or None, pr, ci_run_id,
     )  # fmt: skip
-    outcome = gate_attempt(attempt.record_dir, gates, run, write_baseline=True, root=root)
+    outcome = gate_attempt(attempt.record_dir, gates, run, write_baseline=store_history, root=root)
     for warning in outcome.warnings:
         print(f"{attempt.file}: {warning}", file=sys.stderr)
     verdicts = tuple(v.to_json() for v in outcome.verdicts)
@@ -128,6 +130,7 @@ def execute_plan(
                     test.gates,
                     catalog.lanes[test.lane],
                     cadence=plan.selection.cadence,
+                    store_history=plan.store_history,
                     root=plan.settings.root,
                 )
             progress.finish(index, attempt)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -152,8 +153,8 @@ def cmd_history_plot(args: argparse.Namespace) -> int:
 
 def cmd_gate(args: argparse.Namespace) -> int:
     from miles.ci.catalog import load_catalog
+    from miles.ci.policy import CiEvent, history_decision
     from miles.metrics.gating import GateRun, ci_identity, gate_attempt
-    from miles.metrics.store import writes_baseline
 
     catalog = load_catalog()
     test = _test_path(args.root, args.test)
@@ -163,8 +164,10 @@ def cmd_gate(args: argparse.Namespace) -> int:
     backend, suite = _pick_registration(test_file, args.backend, args.suite)
     lane = catalog.lane(catalog.suite(suite, backend).lane)
     cadence = args.cadence or lane.cadence
-    if args.write and not writes_baseline(cadence):
-        raise _usage(f"--write with cadence '{cadence}': only nightly or weekly runs write baselines")
+    if args.write:
+        stores, why = history_decision(CiEvent.from_env(os.environ), cadence, catalog)
+        if not stores:
+            raise _usage(f"--write: {why}")
     pr, ci_run_id = ci_identity()
     run = GateRun(
         test, backend, suite, lane.name, cadence, lane.gate_mode == "enforce", args.commit, pr, ci_run_id

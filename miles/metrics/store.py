@@ -147,7 +147,8 @@ class HistoryStore(ABC):
 
 
 def writes_baseline(cadence: str) -> bool:
-    """Only scheduled runs of the main line may extend a baseline; PR runs never do."""
+    """Whether runs of this cadence extend baselines. Whether a given run may store history at
+    all (only runs of the main line, never a PR) is miles.ci.policy.stores_history's call."""
     return cadence in BASELINE_CADENCES
 
 
