@@ -144,7 +144,9 @@ class CiEvent:
         """The event of a run under GitHub Actions; None outside it (a person at a terminal)."""
         if env.get("GITHUB_ACTIONS") != "true":
             return None
-        return cls(env.get("GITHUB_EVENT_NAME", ""), env.get("GITHUB_REF", ""), env.get("GITHUB_WORKFLOW_REF", ""))
+        return cls(
+            env.get("GITHUB_EVENT_NAME", ""), env.get("GITHUB_REF", ""), env.get("GITHUB_WORKFLOW_REF", "")
+        )
 
 
 def baseline_workflows(catalog: Catalog) -> frozenset[str]:
@@ -171,7 +173,10 @@ def history_decision(event: CiEvent | None, cadence: str, catalog: Catalog) -> t
         return False, f"a {event.name} run on {event.ref or 'an unknown ref'} is not on {MAIN_REF}"
     if event.name == "workflow_dispatch" and event.workflow_file not in baseline_workflows(catalog):
         writers = ", ".join(sorted(baseline_workflows(catalog))) or "none"
-        return False, f"a dispatch of {event.workflow_file or 'an unknown workflow'} (baseline workflows: {writers})"
+        return (
+            False,
+            f"a dispatch of {event.workflow_file or 'an unknown workflow'} (baseline workflows: {writers})",
+        )
     return True, f"a {cadence} {event.name} run on {MAIN_REF}"
 
 

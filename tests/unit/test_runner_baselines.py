@@ -56,7 +56,11 @@ def _event(name: str, ref: str, workflow: str) -> CiEvent:
         (_event("workflow_dispatch", MAIN, NIGHTLY_WF), "nightly", True),
         (_event("workflow_dispatch", MAIN, NIGHTLY_WF), "weekly", True),
         # a regular cadence extends no baseline, whatever the event
-        (_event("push", MAIN, "miles-ci/miles/.github/workflows/pr-test.yml@refs/heads/main"), "regular", False),
+        (
+            _event("push", MAIN, "miles-ci/miles/.github/workflows/pr-test.yml@refs/heads/main"),
+            "regular",
+            False,
+        ),
         (_event("schedule", MAIN, NIGHTLY_WF), "regular", False),
         # unmerged code never does: a PR at nightly cadence (the `nightly` label) ...
         (_event("pull_request", "refs/pull/7/merge", PR_WF), "nightly", False),
@@ -64,8 +68,11 @@ def _event(name: str, ref: str, workflow: str) -> CiEvent:
         (_event("merge_group", "refs/heads/gh-readonly-queue/main/pr-7", PR_WF), "nightly", False),
         # ... a dispatch on a branch, or by a workflow that is not a baseline writer
         (_event("workflow_dispatch", "refs/heads/feature", NIGHTLY_WF), "nightly", False),
-        (_event("workflow_dispatch", MAIN, "miles-ci/miles/.github/workflows/pr-test.yml@refs/heads/main"),
-         "nightly", False),  # fmt: skip
+        (
+            _event("workflow_dispatch", MAIN, "miles-ci/miles/.github/workflows/pr-test.yml@refs/heads/main"),
+            "nightly",
+            False,
+        ),  # fmt: skip
         (_event("push", "refs/heads/feature", NIGHTLY_WF), "nightly", False),
         (_event("push", "refs/tags/v1", NIGHTLY_WF), "nightly", False),
         # under CI an event the runner cannot see is not trusted
