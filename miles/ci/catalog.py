@@ -21,6 +21,7 @@ CATALOG_PATH = Path(__file__).with_name("catalog.toml")
 CADENCES = ("regular", "nightly", "weekly", "release")
 GATE_MODES = ("shadow", "enforce")
 CONSUMER_KINDS = ("workflow", "external")
+MAX_SHARDS = 64  # shards of one suite: more runners than any pool has, and a bound on planning
 
 _SUITE_NAME = re.compile(
     r"^(?P<nightly>nightly-)?stage-(?P<tier>[abc])-(?:cpu|(?P<gpus>[1-9][0-9]*)-gpu-(?P<hw>[a-z0-9]+))$"

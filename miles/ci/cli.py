@@ -27,13 +27,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "root", None) is not None:
+            check_root(args.root, needs_tests=getattr(args, "needs_tests", False))
         return args.handler(args)
     except (UsageError, UnknownName) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except CatalogError as exc:
+    except CatalogError as exc:  # the catalog is input too: a broken one is bad input
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,7 +48,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_root_argument(parser: argparse.ArgumentParser) -> None:
+    """--root of a command that discovers tests: it must hold a tests/ directory."""
     parser.add_argument("--root", type=Path, default=Path("."), help="project root (default: .)")
+    parser.set_defaults(needs_tests=True)
+
+
+def check_root(root: Path, *, needs_tests: bool) -> None:
+    """UsageError unless `root` is a directory (holding tests/ when `needs_tests`): a
+    mistyped --root must not read as an empty project that passes."""
+    if not root.exists():
+        raise UsageError(f"--root {root} does not exist")
+    if not root.is_dir():
+        raise UsageError(f"--root {root} is not a directory")
+    if needs_tests and not (root / "tests").is_dir():
+        raise UsageError(f"--root {root} has no tests/ directory; point --root at the project root")
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:

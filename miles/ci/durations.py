@@ -22,11 +22,33 @@ KEEP_PER_KEY = 50  # newest rows read per (backend, suite, file)
 
 
 def durations_path(root: Path | str = ".") -> Path | str:
-    """Where durations go: $MILES_DURATIONS_PATH, else the history store of `root`."""
-    from miles.metrics.store import resolve_url
+    """Where durations go: $MILES_DURATIONS_PATH (a SQLite file), else the history store of
+    `root`. A URL in MILES_DURATIONS_PATH is a StoreError: it would become directories named
+    after its password; a PostgreSQL store belongs in MILES_HISTORY_URL."""
+    from miles.metrics.store import StoreError, check_store_url, is_keyword_dsn, mask_url, resolve_url
 
-    env = os.environ.get(PATH_ENV)
-    return Path(env) if env else resolve_url(None, root=root)
+    env = os.environ.get(PATH_ENV, "").strip()
+    if not env:
+        return check_store_url(resolve_url(None, root=root), name="MILES_HISTORY_URL")
+    if env.startswith("sqlite:///"):
+        return env
+    if "://" in env or is_keyword_dsn(env):
+        raise StoreError(
+            f"{PATH_ENV} names a SQLite file, but {mask_url(env)!r} is a store URL; "
+            f"put it in MILES_HISTORY_URL and unset {PATH_ENV}"
+        )
+    return Path(check_store_url(env, name=PATH_ENV))
+
+
+def check_store_settings(root: Path | str = ".") -> None:
+    """Raise StoreError (one line, password masked) when MILES_HISTORY_URL or
+    MILES_DURATIONS_PATH cannot name a store, before anything runs."""
+    from miles.metrics.store import HISTORY_URL_ENV, check_store_url
+
+    url = os.environ.get(HISTORY_URL_ENV, "").strip()
+    if url:
+        check_store_url(url, name=HISTORY_URL_ENV)
+    durations_path(root)
 
 
 def _ran_to_an_end(a: Attempt) -> bool:
@@ -81,6 +103,6 @@ def _call(path: Path | str | None, action):
     try:
         return action(open_store(str(target)))
     except StoreUnreachable as exc:
-        raise OSError(f"durations not stored: {exc}") from exc
+        raise OSError(str(exc)) from None
     except StoreError as exc:
-        raise ValueError(str(exc)) from exc
+        raise ValueError(str(exc)) from None

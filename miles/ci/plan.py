@@ -7,12 +7,13 @@ machine with nothing heavy installed. `build_plan()` computes everything the run
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from miles.ci.catalog import Catalog, Suite
+from miles.ci.catalog import MAX_SHARDS, Catalog, Suite
 from miles.ci.discover import Discovery
 from miles.ci.execute import Settings, TestRun, format_command, pytest_command
 from miles.ci.policy import CiEvent, effective_cadence, history_decision, parse_labels
@@ -24,6 +25,11 @@ from miles.ci.shard import Job, Partition, balanced_partition, shards_for_budget
 DEFAULT_TIMEOUT_FLOOR = 60.0  # seconds; short tests still get time to import torch
 DEFAULT_GRACE = 10.0  # seconds between SIGTERM and SIGKILL
 TIMEOUT_FACTOR = 1.25
+# Bounds of the numbers a person passes: beyond them a run hangs on one signal (an infinite
+# grace), never times out (a NaN floor) or plans millions of empty shards.
+MAX_TIMEOUT_FLOOR = 86_400.0  # a day, the longest est_time a registration may state
+MAX_GRACE = 600.0
+MAX_ATTEMPTS = 10
 
 
 class PlanError(ValueError):
@@ -100,6 +106,8 @@ def parse_shard(text: str) -> tuple[int, int | None]:
         n = None if n_text == "auto" else int(n_text)
     except ValueError:
         raise PlanError(f"--shard {text!r} must look like k/N (1-based, e.g. 2/3) or k/auto") from None
+    if n is not None and not 1 <= n <= MAX_SHARDS:
+        raise PlanError(f"--shard {text}: N must be between 1 and {MAX_SHARDS}")
     if not sep or k < 1 or (n is not None and not 1 <= k <= n):
         raise PlanError(f"--shard {text!r}: need 1 <= k <= N")
     return k, n
@@ -112,21 +120,44 @@ def parse_shards(text: str) -> int | None:
         n = int(text)
     except ValueError:
         raise PlanError(f"--shards {text!r} must be a positive number or 'auto'") from None
-    if n < 1:
-        raise PlanError(f"--shards {text!r} must be >= 1")
+    if not 1 <= n <= MAX_SHARDS:
+        raise PlanError(f"--shards {text} must be between 1 and {MAX_SHARDS}")
     return n
+
+
+def check_seconds(flag: str, value: float, low: float, high: float) -> float:
+    """`value` if it is a finite number of seconds in [low, high]; else PlanError."""
+    if not math.isfinite(value):
+        raise PlanError(f"{flag} {value:g} must be a finite number of seconds")
+    if not low <= value <= high:
+        raise PlanError(f"{flag} {value:g} must be between {low:g} and {high:g} seconds")
+    return value
+
+
+def check_options(options: RunOptions) -> None:
+    """The numeric options' bounds and a usable --report-dir, before anything is planned."""
+    check_seconds("--timeout-floor", options.timeout_floor, 0.0, MAX_TIMEOUT_FLOOR)
+    check_seconds("--grace", options.grace, 0.0, MAX_GRACE)
+    if options.max_attempts is not None and not 1 <= options.max_attempts <= MAX_ATTEMPTS:
+        raise PlanError(f"--max-attempts {options.max_attempts} must be between 1 and {MAX_ATTEMPTS}")
+    report_dir = options.report_dir
+    if report_dir is not None and report_dir.exists() and not report_dir.is_dir():
+        raise PlanError(f"--report-dir {report_dir} exists and is not a directory; name a directory")
 
 
 def shard_count(suite: Suite, jobs: list[Job], requested: int | None, explicit: bool) -> tuple[int, str]:
     if explicit and requested is not None:
         return requested, "requested"
     if suite.budget_s is not None:
-        return shards_for_budget(jobs, suite.budget_s), f"auto: budget {suite.budget_s:g}s per shard"
+        return shards_for_budget(
+            jobs, suite.budget_s, max_shards=MAX_SHARDS
+        ), f"auto: budget {suite.budget_s:g}s per shard"
     return suite.shards or 1, "catalog"
 
 
 def build_plan(options: RunOptions, catalog: Catalog, discovery: Discovery) -> RunPlan:
     """Everything the run will do, computed without running anything."""
+    check_options(options)
     if discovery.problems:
         lines = "\n".join(f"  {p}" for p in discovery.problems)
         raise PlanError(f"{len(discovery.problems)} registration problem(s); fix them first:\n{lines}")
@@ -180,8 +211,6 @@ def build_plan(options: RunOptions, catalog: Catalog, discovery: Discovery) -> R
         else max((catalog.lanes[s.lane].max_attempts for s in scope.suites), default=1)
     )
     max_attempts = options.max_attempts if options.max_attempts is not None else lane_attempts
-    if max_attempts < 1:
-        raise PlanError(f"--max-attempts {max_attempts} must be >= 1")
     continue_on_error = options.continue_on_error or bool(labels and labels.bypass_fastfail)
     stream = options.stream if options.stream is not None else os.environ.get("GITHUB_ACTIONS") == "true"
     settings = Settings(

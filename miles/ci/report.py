@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -324,6 +325,13 @@ def write_reports(run: RunRecord, report_dir: Path) -> dict[str, Path]:
         paths[name] = path
     step_summary = os.environ.get("GITHUB_STEP_SUMMARY")
     if step_summary:
-        with open(step_summary, "a", encoding="utf-8") as fh:
-            fh.write(rendered["summary.md"])
+        try:
+            with open(step_summary, "a", encoding="utf-8") as fh:
+                fh.write(rendered["summary.md"])
+        except OSError as exc:  # the reports above are written; the run's verdict stands
+            print(
+                f"warning: the summary was not appended to $GITHUB_STEP_SUMMARY ({step_summary}): "
+                f"{exc.strerror or exc}",
+                file=sys.stderr,
+            )
     return paths

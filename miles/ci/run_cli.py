@@ -247,11 +247,16 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if not 0 < quantile <= 1:
         raise UsageError(f"--quantile {quantile} must be in (0, 1]")
     discovery = discover(args.root, catalog=catalog)
+    from miles.metrics.store import StoreError
+
     try:
         proposals = propose(
             discovery, durations_path(args.root), backend=args.backend, suite=args.suite, quantile=quantile
         )
-    except ValueError as exc:
+    except OSError as exc:  # the store is down: the reason, password masked, and exit 1
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except (ValueError, StoreError) as exc:
         raise UsageError(str(exc)) from None
     for line in proposals.table():
         print(line)

@@ -27,6 +27,7 @@ from miles.ci.catalog import Catalog, Lane
 from miles.ci.execute import CancelToken, run_attempt
 from miles.ci.outcome import is_retryable
 from miles.ci.plan import (
+    PlanError,
     PlannedTest,
     RunOptions,
     RunPlan,
@@ -187,13 +188,23 @@ def run(options: RunOptions, *, plan_only: bool = False, out: IO[str] | None = N
     out = out if out is not None else sys.stdout
     from miles.ci.catalog import load_catalog
     from miles.ci.discover import discover
+    from miles.ci.durations import check_store_settings
+    from miles.metrics.store import StoreError
 
+    try:  # a store setting that would leak its password or pick a wrong store stops here
+        check_store_settings(options.root)
+    except StoreError as exc:
+        raise PlanError(str(exc)) from None
     catalog = load_catalog()
     plan = build_plan(options, catalog, discover(options.root, catalog=catalog))
     out.write(format_plan(plan))
     out.flush()
     if plan_only:
         return 0
+    try:
+        plan.report_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PlanError(f"--report-dir {plan.report_dir}: cannot create it ({exc.strerror})") from None
     from miles.ci.durations import durations_path, record_durations
 
     cancel = CancelToken()
@@ -202,7 +213,7 @@ def run(options: RunOptions, *, plan_only: bool = False, out: IO[str] | None = N
         paths = write_reports(record, plan.report_dir)
         try:
             record_durations(record.attempts, durations_path(plan.settings.root))
-        except (OSError, ValueError, TimeoutError) as exc:
+        except (OSError, ValueError, TimeoutError, StoreError) as exc:
             print(f"warning: durations not stored: {exc}", file=sys.stderr)
     counts = record.counts()
     summary = ", ".join(

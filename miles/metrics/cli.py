@@ -97,6 +97,11 @@ def _open(args: argparse.Namespace):
     return open_store(args.store, root=args.root)
 
 
+def _check_limit(limit: int) -> None:
+    if limit < 1:  # the stores would read -1 differently (SQLite: no limit; PostgreSQL: error)
+        raise _usage(f"--limit {limit} must be at least 1")
+
+
 def _test_path(root: Path, test: str) -> str:
     path = Path(test)
     if path.is_absolute():
@@ -111,6 +116,7 @@ def _test_path(root: Path, test: str) -> str:
 def cmd_history_show(args: argparse.Namespace) -> int:
     from miles.metrics.report import history_rows, render_history
 
+    _check_limit(args.limit)
     store = _open(args)
     test = _test_path(args.root, args.test)
     rows = history_rows(
@@ -139,6 +145,7 @@ def cmd_history_untrust(args: argparse.Namespace) -> int:
 def cmd_history_plot(args: argparse.Namespace) -> int:
     from miles.metrics.plot import plot_history
 
+    _check_limit(args.limit)
     store = _open(args)
     test = _test_path(args.root, args.test)
     try:
