@@ -227,11 +227,9 @@ def check_store_url(url: str, *, name: str = "store URL") -> str:
     if _BAD_PERCENT.search(url):
         raise refuse("it has a '%' that does not start a %XX escape; percent-encode '%' as %25")
     try:
-        port_ok = urlsplit(f"{scheme}://{rest[:authority_end]}").port is not None or True
+        _ = urlsplit(f"{scheme}://{rest[:authority_end]}").port  # raises for a bad port
     except ValueError:
-        port_ok = False
-    if not port_ok:
-        raise refuse("the port is not a number from 1 to 65535")
+        raise refuse("the port is not a number from 1 to 65535") from None
     return url
 
 
