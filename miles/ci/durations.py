@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 
-from miles.ci.record import FAILED, PASSED, TIMEOUT, Attempt
+from miles.ci.record import FAILED, FLAKY, PASSED, TIMEOUT, Attempt
 
 PATH_ENV = "MILES_DURATIONS_PATH"
 KEEP_PER_KEY = 50  # newest rows read per (backend, suite, file)
@@ -57,7 +57,7 @@ def _ran_to_an_end(a: Attempt) -> bool:
     attempts are left out."""
     if a.status == TIMEOUT:
         return True
-    return a.status in (PASSED, FAILED) and (a.exit_code is not None or a.signal is not None)
+    return a.status in (PASSED, FLAKY, FAILED) and (a.exit_code is not None or a.signal is not None)
 
 
 def record_durations(attempts: Iterable[Attempt], path: Path | str | None = None) -> int:
@@ -92,7 +92,7 @@ def load_durations(
     out: dict[str, list[tuple[float, bool]]] = {}
     # The store answers newest first; reversed and stably sorted, equal times keep write order.
     for r in sorted(reversed(records), key=lambda r: r.created_at):
-        out.setdefault(r.file, []).append((r.elapsed_s, r.status == PASSED))
+        out.setdefault(r.file, []).append((r.elapsed_s, r.status in (PASSED, FLAKY)))
     return out
 
 
