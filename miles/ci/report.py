@@ -195,13 +195,13 @@ def write_reports(run: RunRecord, report_dir: Path, *, step_summary: bool = True
     for name, text in rendered.items():
         path = report_dir / name
         tmp = path.with_name(f".{name}.tmp")
-        tmp.write_text(text, encoding="utf-8")
+        tmp.write_text(text, encoding="utf-8", errors="backslashreplace")
         os.replace(tmp, path)
         paths[name] = path
     summary_path = os.environ.get("GITHUB_STEP_SUMMARY") if step_summary else None
     if summary_path:
         try:
-            with open(summary_path, "a", encoding="utf-8") as fh:
+            with open(summary_path, "a", encoding="utf-8", errors="backslashreplace") as fh:
                 fh.write(rendered["summary.md"])
         except OSError as exc:  # the reports above are written; the run's verdict stands
             print(

@@ -22,8 +22,8 @@ STATUS_ICON = {
     SKIPPED: "⏭️",
 }
 ANSI = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[@-Z\\-_])")
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\u2028\u2029]")
-_CONTROL_OR_NEWLINE = re.compile(r"[\x00-\x1f\x7f\u2028\u2029]")
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\u2028\u2029\ud800-\udfff]")
+_CONTROL_OR_NEWLINE = re.compile(r"[\x00-\x1f\x7f\u2028\u2029\ud800-\udfff]")
 _MERMAID_UNSAFE = re.compile(r"[^\w ./()\[\]+=,@-]")
 
 
