@@ -230,7 +230,6 @@ def run_attempt(
         timed_out=outcome == "timeout",
         cancelled_by=cancel.name if outcome == "cancelled" else None,
         junit=parsed,
-        tail=text,
         timeout=test.timeout,
         est_time=test.est_time,
     )

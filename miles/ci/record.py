@@ -42,6 +42,7 @@ class CaseResult:
     outcome: str  # passed | failed | error | skipped
     message: str = ""  # first line of the failure, error or skip reason
     kind: str = ""  # exception type pytest named (AssertionError, ImportError, ...)
+    chain: str = ""  # the failure's exceptions, chained ones included (outcome.exception_chain)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
