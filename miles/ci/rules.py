@@ -19,20 +19,79 @@ _REG_PARAMS = ("est_time", "suite", "labels", "nightly", "disabled")
 _REG_POSITIONAL = ("est_time", "suite")
 _GATE_PARAMS = ("metric_key", "steps", "constraint", "enforce")
 
-_TRACKING_REF = re.compile(r"(?:\b[\w.-]+/[\w.-]+)?#\d+\b|https?://\S+")
-_WORD = re.compile(r"[a-z0-9][a-z0-9_.+/-]*")
-# Words that say a test is off without saying why. A reason made only of these (plus up to
-# two other words) carries no diagnosis.
-_FILLER_WORDS = frozenset(
-    """a an the this that it its is are be been was for to of in on at by as with when once
-    until after before now still yet some sometimes randomly please see later soon again
-    disable disabled disabling enable enabled re-enable reenable skip skipped skipping
-    due failure failures fail fails failed failing fixme todo xxx hack tbd wip n/a na
-    flaky flakey flake flakes broken breaks break unstable temporarily temporary temp
-    test tests case cases passes pass passing works work working fixed fix not known
-    unknown investigate investigating issue issues error errors problem problems ci
-    runner runners job jobs machine machines""".split()
+# A disabled= reason is read for its content: a tracking reference, or a named subject
+# (a component, kernel, model, error, hardware) together with a concrete symptom or cause.
+_TRACKING_REF = re.compile(r"(?:\b[\w.-]+/[\w.-]+)?#\d+\b|https?://\S+|\b[A-Z][A-Z0-9]+-\d+\b")
+_TOKEN = re.compile(r"[A-Za-z0-9][\w.+/:-]*[A-Za-z0-9]|[A-Za-z0-9]")
+_GENERIC_ACRONYMS = frozenset("PR CI TODO FIXME WIP TBD NA XXX OK AI HACK NOTE".split())
+_DOMAIN_WORDS = frozenset(
+    """nccl rccl cuda rocm hip sglang megatron fsdp ddp torch pytorch triton aiter mori deepep
+    flashinfer transformers ray gloo numba vllm kernel kernels driver drivers firmware image
+    container docker checkpoint checkpoints tokenizer rollout rollouts reward rewards optimizer
+    allreduce all-to-all moe expert experts attention model models weights weight gradient
+    gradients logprob logprobs loss lora quantization fp8 bf16 fp16 dataset server port memory
+    disk network gpu gpus cpu node nodes rank ranks host hosts compiler wheel dependency upstream
+    api endpoint download hub proxy dns clock timer seed scheduler dataloader""".split()
 )
+_SYMPTOM = re.compile(
+    r"\b(?:[A-Za-z]*Error[A-Za-z]*|[A-Za-z]+Exception|error\s*(?:code\s*)?\d+|errno|exit(?:s|ed)?\s+(?:code\s+)?\d+"
+    r"|HTTP\s*\d{3}|segfaults?|segmentation fault|SIG[A-Z]+|core dump(?:ed|s)?|crash(?:es|ed|ing)?"
+    r"|hang(?:s|ing)?|hung|deadlocks?|stall(?:s|ed)?|times? out|timed out|timeouts?|OOMs?|out of memory"
+    r"|NaNs?|inf(?:inite)?|diverg\w*|mismatch\w*|differ(?:s|ent)?|drift\w*|drops?|aborts?|aborted"
+    r"|assert(?:ion)?s?|illegal (?:memory|instruction)|leaks?|wrong|incorrect|miscompil\w*|regress\w*"
+    r"|corrupt\w*|lose|loses|lost|exceeds?|exceeding|over (?:the )?[\w ]*budget|takes \d+|slower|too slow"
+    r"|fails? to \w+|failed to \w+|cannot \w+|can't \w+|unable to \w+|not divisible|not supported|unsupported"
+    r"|not (?:yet )?(?:implemented|available|ported|installed|released)|deprecated|removed|no longer"
+    r"|missing|requires?|needs?|depends on|waiting (?:for|on)|blocked (?:by|on)|until|rate.limited"
+    r"|no (?:module|wheel|kernel|support|space)|refused|unreachable)\b",
+    re.IGNORECASE,
+)
+
+
+def _subjects(reason: str) -> list[str]:
+    """Words that name a specific thing: identifiers, versions, acronyms, domain nouns."""
+    found = []
+    for token in _TOKEN.findall(reason):
+        core = token.strip(".:/-")
+        if not core or core.upper() in _GENERIC_ACRONYMS:
+            continue
+        identifier = (
+            re.search(r"[A-Za-z]", core)
+            and re.search(r"\d", core)  # gfx950, H200, fp8, M2.7
+            or re.search(r"[_/]|::|\w\.\w", core)  # world_size, a/b, torch.distributed
+            or re.search(r"[a-z][A-Z]", core)  # MiniMax, hipErrorNoDevice
+            or (core.isupper() and len(core) >= 2)  # NCCL, HIP, OOM
+        )
+        if identifier or core.lower() in _DOMAIN_WORDS:
+            found.append(core)
+    return found
+
+
+def disabled_reason_problem(reason: str) -> str | None:
+    """Why `reason` is not an acceptable `disabled=` value, or None when it is.
+
+    A reason is accepted when it cites a tracking reference (#123, owner/repo#123, a URL or
+    a ticket like ROCM-123), or names what fails (a component, kernel, model, error or
+    hardware: 'aiter fused-MoE kernel', 'MiniMax M2.7') and how or why (a symptom or cause:
+    'aborts with HIP error 700', 'is deprecated', 'needs 8 GPUs'). Words like "flaky",
+    "broken", "random bugs" or "failure" say neither.
+    """
+    if _TRACKING_REF.search(reason):
+        return None
+    subject, symptom = _subjects(reason), _SYMPTOM.search(reason)
+    if subject and symptom:
+        return None
+    shown = reason if reason.strip() else "(empty)"
+    missing = (
+        "what fails (a component, kernel, model, error or hardware)"
+        if not subject
+        else "how or why it fails (the error, symptom or cause)"
+    )
+    return (
+        f"disabled={shown!r} gives no diagnosis: it does not say {missing}; say what fails and why "
+        "(e.g. 'aiter fused-MoE kernel aborts with HIP error 700 on gfx950') "
+        "or cite a tracking reference (#123 or a URL)"
+    )
 
 
 class FileReader:
@@ -285,24 +344,4 @@ class FileReader:
 def _positive_number(value: object) -> bool:
     return (
         isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-    )
-
-
-def disabled_reason_problem(reason: str) -> str | None:
-    """Why `reason` is not an acceptable `disabled=` value, or None when it is.
-
-    A reason must carry a diagnosis (what fails and why) or cite a tracking reference
-    (#123, owner/repo#123 or a URL). "Disable due to failure", "FIXME", "flaky" do neither.
-    """
-    if _TRACKING_REF.search(reason):
-        return None
-    words = _WORD.findall(reason.lower())
-    informative = [w for w in words if w.strip(".-") not in _FILLER_WORDS]
-    if len(informative) >= 3:
-        return None
-    shown = reason if reason.strip() else "(empty)"
-    return (
-        f"disabled={shown!r} gives no diagnosis; say what fails and why "
-        "(e.g. 'aiter fused-MoE kernel aborts with HIP error 700 on gfx950') "
-        "or cite a tracking reference (#123 or a URL)"
     )
