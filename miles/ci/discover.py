@@ -9,8 +9,11 @@ the fix.
 from __future__ import annotations
 
 import ast
+import io
 import os
 import re
+import stat
+import tokenize
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,7 +133,7 @@ def iter_test_files(root: Path, tests_dir: str = "tests") -> Iterator[str]:
                     if not name.startswith(".") and name != "__pycache__":
                         stack.append((entry.path, f"{rel}/{name}"))
                 elif name.startswith("test_") and name.endswith(".py"):
-                    found.append(f"{rel}/{name}")
+                    found.append(f"{rel}/{name}")  # not-regular files are reported when read
     yield from sorted(found)
 
 
@@ -140,8 +143,8 @@ def parse_test_file(
     """Registrations, gate declarations and problems of one file."""
     problems: list[Problem] = []
     try:
-        source = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        source = read_source(path)
+    except (OSError, UnicodeDecodeError, SyntaxError, LookupError) as exc:
         return TestFile(rel, ()), [Problem(rel, 1, f"cannot read the file: {exc}")]
     try:
         tree, mentions = _parse_marker_region(source, rel)
@@ -168,6 +171,22 @@ def parse_test_file(
                 )
             )
     return TestFile(rel, tuple(registrations), tuple(reader.gates)), problems
+
+
+def read_source(path: Path) -> str:
+    """The text of a Python file as Python reads it: a UTF-8 BOM or a PEP 263 coding cookie
+    is honoured. Anything but a regular file (a FIFO would block the read forever) is an
+    OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path.name} is not a regular file; a test file must be one")
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            raw = fh.read()
+    finally:
+        os.close(fd)
+    encoding, _ = tokenize.detect_encoding(io.BytesIO(raw).readline)
+    return raw.decode(encoding)
 
 
 def _parse_marker_region(source: str, filename: str) -> tuple[ast.Module | None, int]:

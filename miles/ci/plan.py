@@ -20,7 +20,7 @@ from miles.ci.policy import CiEvent, effective_cadence, history_decision, parse_
 from miles.ci.registration import GateDeclaration, Registration
 from miles.ci.report import REPORT_FILES
 from miles.ci.select import Selection, default_cadence, resolve_scope, select
-from miles.ci.shard import Job, Partition, balanced_partition, shards_for_budget
+from miles.ci.shard import Job, Partition, balanced_partition, lower_bound, shards_for_budget
 
 DEFAULT_TIMEOUT_FLOOR = 60.0  # seconds; short tests still get time to import torch
 DEFAULT_GRACE = 10.0  # seconds between SIGTERM and SIGKILL
@@ -269,23 +269,27 @@ def format_plan(plan: RunPlan) -> str:
     ]
     for sp in plan.suites:
         p = sp.partition
-        total = sum(p.loads)
+        loads = p.loads  # a computed property: read once, not once per shard line
+        running = set(sp.run_shards)
+        total = sum(loads)
         longest = max((j.weight for s in p.shards for j in s), default=0.0)
         n_tests = sum(len(s) for s in p.shards)
         out.append("")
         out.append(
             f"suite {sp.suite.name}: {n_tests} test(s), {sp.n_shards} shard(s) ({sp.how}), total est {total:g}s"
         )
+        makespan = max(loads, default=0.0)
+        bound = lower_bound([j.weight for s in p.shards for j in s], sp.n_shards)
         if n_tests:
             out.append(
-                f"  lower bound {p.lower_bound:.0f}s = max(total/N {total / sp.n_shards:.0f}s, longest {longest:g}s); "
-                f"predicted makespan {p.makespan:.0f}s; ratio {p.ratio:.3f} ({p.method}"
+                f"  lower bound {bound:.0f}s = max(total/N {total / sp.n_shards:.0f}s, longest {longest:g}s); "
+                f"predicted makespan {makespan:.0f}s; ratio {makespan / bound if bound > 0 else 1.0:.3f} ({p.method}"
                 f"{', optimal' if p.optimal else ''})"
             )
         for index, shard in enumerate(p.shards, start=1):
-            here = " ← this run" if index in sp.run_shards else ""
+            here = " ← this run" if index in running else ""
             out.append(
-                f"  shard {index}/{sp.n_shards}: {len(shard)} test(s), predicted {p.loads[index - 1]:g}s{here}"
+                f"  shard {index}/{sp.n_shards}: {len(shard)} test(s), predicted {loads[index - 1]:g}s{here}"
             )
             for job in sorted(shard, key=lambda j: (j.weight, j.key)):
                 limit = timeout_for(job.weight, plan.timeout_floor)

@@ -140,11 +140,20 @@ class FileReader:
         if isinstance(node, ast.alias):
             if node.name in MARKERS or node.asname in MARKERS:
                 self.named_a_marker = True
-                if id(node) not in accepted:
+                if id(node) in accepted:
+                    return
+                if node.asname not in (None, node.name):
                     self.problem(
                         line,
                         f"'{node.name}' is imported as '{node.asname}': discovery reads calls by "
                         f"the marker's own name; write 'from miles.ci.register import {node.name}'",
+                    )
+                else:
+                    self.problem(
+                        line,
+                        f"'{node.name}' is imported inside a function or block: registrations are "
+                        "read from top-level statements only; import it at the top of the module "
+                        f"and call {node.name}(...) there",
                     )
         elif isinstance(node, ast.Name) and node.id in MARKERS:
             self.named_a_marker = True
@@ -240,7 +249,12 @@ class FileReader:
                 fail(f"missing '{required}'")
         est_time = args.get("est_time")
         if "est_time" in args and not _positive_number(est_time):
-            fail(f"est_time={est_time!r} must be a positive number of seconds")
+            fail(f"est_time={_short(est_time)} must be a positive number of seconds")
+        elif "est_time" in args and est_time > MAX_EST_TIME:
+            fail(
+                f"est_time={_short(est_time)} must be at most {MAX_EST_TIME:g} s (a day): it sets the "
+                "file's timeout and the shard budget; measure it with `python -m miles.ci calibrate`"
+            )
         suite = args.get("suite")
         if "suite" in args:
             if not isinstance(suite, str):
@@ -251,6 +265,8 @@ class FileReader:
                 except UnknownName as exc:
                     fail(f"{exc}; fix the name or add the suite to miles/ci/catalog.toml")
         labels = args.get("labels", ())
+        if labels is None:  # the seed framework's markers document labels=None as "no labels"
+            labels = ()
         if not isinstance(labels, list | tuple) or not all(isinstance(x, str) for x in labels):
             fail(f"labels={labels!r} must be a list of strings")
             labels = ()
@@ -341,7 +357,18 @@ class FileReader:
         )
 
 
+MAX_EST_TIME = 86_400.0
+
+
 def _positive_number(value: object) -> bool:
-    return (
-        isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-    )
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value) and value > 0
+    except OverflowError:  # an integer literal too long for a float: positive or not, it is finite
+        return value > 0
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 24 else f"{text[:12]}...({len(text)} digits)"
