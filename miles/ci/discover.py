@@ -20,7 +20,7 @@ from pathlib import Path
 
 from miles.ci.catalog import Catalog, load_catalog
 from miles.ci.discover_cache import DiscoveryCache
-from miles.ci.register import MARKERS
+from miles.ci.register import BACKEND_OF_MARKER, MARKERS
 from miles.ci.registration import GateDeclaration, Problem, Registration, TestFile
 from miles.ci.rules import FileReader, disabled_reason_problem
 
@@ -149,14 +149,21 @@ def parse_test_file(
     try:
         tree, mentions = _parse_marker_region(source, rel)
     except SyntaxError as exc:
-        return TestFile(rel, ()), [
-            Problem(rel, exc.lineno or 1, f"syntax error, registrations cannot be read: {exc.msg}")
-        ]
+        named = {BACKEND_OF_MARKER[m] for m in _MARKER_RE.findall(source) if m in BACKEND_OF_MARKER}
+        if rel.startswith(f"{tests_dir}/{UNIT_DIR}/"):
+            named.add("cpu")
+        message = f"syntax error, registrations cannot be read: {exc.msg}"
+        return TestFile(rel, ()), [Problem(rel, exc.lineno or 1, message, tuple(sorted(named)))]
     reader = FileReader(rel, catalog, problems)
     if tree is not None:
         reader.read(tree, mentions)
     registrations = reader.registrations
     in_unit = rel.startswith(f"{tests_dir}/{UNIT_DIR}/")
+    # A problem of the whole file (a gate, an import, a misplaced call) concerns every
+    # backend the file's markers name; a unit file also runs on cpu.
+    named = {BACKEND_OF_MARKER[m] for m in _MARKER_RE.findall(source) if m in BACKEND_OF_MARKER}
+    backends = tuple(sorted(named | ({"cpu"} if in_unit else set())))
+    problems[:] = [p.with_backends(backends) for p in problems]
     if not registrations and not reader.named_a_marker:
         if in_unit:
             registrations = [Registration("cpu", rel, 0, IMPLICIT_EST_TIME, IMPLICIT_SUITE, implicit=True)]

@@ -7,6 +7,7 @@ machine with nothing heavy installed. `build_plan()` computes everything the run
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import sys
@@ -17,9 +18,9 @@ from miles.ci.catalog import MAX_SHARDS, Catalog, Suite
 from miles.ci.discover import Discovery
 from miles.ci.execute import Settings, TestRun, format_command, pytest_command
 from miles.ci.policy import CiEvent, effective_cadence, history_decision, parse_labels
-from miles.ci.registration import GateDeclaration, Registration
+from miles.ci.registration import GateDeclaration, Problem, Registration
 from miles.ci.report import REPORT_FILES
-from miles.ci.select import Selection, default_cadence, resolve_scope, select
+from miles.ci.select import Scope, Selection, default_cadence, resolve_scope, select
 from miles.ci.shard import Job, Partition, balanced_partition, lower_bound, shards_for_budget
 
 DEFAULT_TIMEOUT_FLOOR = 60.0  # seconds; short tests still get time to import torch
@@ -91,6 +92,7 @@ class RunPlan:
     timeout_floor: float = DEFAULT_TIMEOUT_FLOOR
     store_history: bool = False  # passing gated attempts are stored as trusted history
     history_reason: str = ""  # why (policy.history_decision)
+    warnings: tuple[Problem, ...] = ()  # registration problems of other suites: not this run's
 
 
 def timeout_for(est_time: float, floor: float) -> float:
@@ -158,10 +160,11 @@ def shard_count(suite: Suite, jobs: list[Job], requested: int | None, explicit: 
 def build_plan(options: RunOptions, catalog: Catalog, discovery: Discovery) -> RunPlan:
     """Everything the run will do, computed without running anything."""
     check_options(options)
-    if discovery.problems:
-        lines = "\n".join(f"  {p}" for p in discovery.problems)
-        raise PlanError(f"{len(discovery.problems)} registration problem(s); fix them first:\n{lines}")
     scope = resolve_scope(catalog, lane=options.lane, backend=options.backend, suites=options.suites)
+    own = [p for p in discovery.problems if blocks(p, scope, catalog)]
+    if own:
+        lines = "\n".join(f"  {p}" for p in own)
+        raise PlanError(f"{len(own)} registration problem(s) in this run's suites; fix them first:\n{lines}")
     labels = parse_labels(options.labels, catalog) if options.labels is not None else None
     base_cadence = options.cadence or default_cadence(scope)
     cadence = effective_cadence(base_cadence, labels)
@@ -231,7 +234,25 @@ def build_plan(options: RunOptions, catalog: Catalog, discovery: Discovery) -> R
         options.timeout_floor,
         store_history,
         history_reason,
+        tuple(p for p in discovery.problems if not blocks(p, scope, catalog)),
     )
+
+
+def blocks(problem: Problem, scope: Scope, catalog: Catalog) -> bool:
+    """Whether a registration problem stops a run of `scope`: only a problem in one of its
+    own suites does (or one that cannot be placed in a suite of its backend). The others are
+    warnings here; `audit --strict` (the lint lane) fails on every problem."""
+    if scope.backend not in problem.backends:
+        return False
+    names = {s.name for s in scope.suites}
+    if problem.suite is None:
+        return True
+    suite = catalog.suites.get(problem.suite)
+    if suite is not None and suite.backend == scope.backend:
+        return suite.name in names
+    pool = [s.name for s in catalog.suites_for_backend(scope.backend)]
+    close = difflib.get_close_matches(problem.suite, pool, n=1, cutoff=0.75)
+    return close[0] in names if close else True
 
 
 def attempt_dir(plan: RunPlan, test: PlannedTest, attempt: int) -> Path:
@@ -300,6 +321,10 @@ def format_plan(plan: RunPlan) -> str:
             )
         for e in (e for e in sel.excluded if e.suite == sp.suite.name):
             out.append(f"  not run ({e.kind}): {e.file}: {e.reason}")
+    if plan.warnings:
+        out += ["", f"warning: {len(plan.warnings)} registration problem(s) in other suites (not run here; "
+                "`audit --strict` fails on them):"]  # fmt: skip
+        out += [f"  {p}" for p in plan.warnings]
     if plan.tests:
         out += ["", "commands (attempt 1; cwd = project root):"]
         for test in plan.tests:

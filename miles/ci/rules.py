@@ -104,9 +104,14 @@ class FileReader:
         self.registrations: list[Registration] = []
         self.gates: list[GateDeclaration] = []
         self.named_a_marker = False
+        self._call: tuple[str, str | None] | None = None  # (backend, suite) of the call being read
 
     def problem(self, line: int, message: str) -> None:
-        self.problems.append(Problem(self.rel, line, message))
+        if self._call is not None:  # a refused registration: it concerns its backend and suite
+            backend, suite = self._call
+            self.problems.append(Problem(self.rel, line, message, (backend,), suite, refused=True))
+        else:
+            self.problems.append(Problem(self.rel, line, message))
 
     def read(self, tree: ast.Module, mentions: int) -> None:
         """Read top-level marker calls; flag every other place a marker is named.
@@ -178,9 +183,19 @@ class FileReader:
             if args is not None:
                 self._read_gate(call.lineno, args)
         else:
-            args = self._arguments(call, name, _REG_PARAMS, positional=_REG_POSITIONAL)
-            if args is not None:
-                self._read_registration(call.lineno, BACKEND_OF_MARKER[name], name, args)
+            suite = next((k.value for k in call.keywords if k.arg == "suite"), None)
+            if suite is None and len(call.args) > 1:
+                suite = call.args[1]
+            literal = (
+                suite.value if isinstance(suite, ast.Constant) and isinstance(suite.value, str) else None
+            )
+            self._call = (BACKEND_OF_MARKER[name], literal)
+            try:
+                args = self._arguments(call, name, _REG_PARAMS, positional=_REG_POSITIONAL)
+                if args is not None:
+                    self._read_registration(call.lineno, BACKEND_OF_MARKER[name], name, args)
+            finally:
+                self._call = None
 
     def _arguments(
         self, call: ast.Call, name: str, params: tuple[str, ...], positional: tuple[str, ...]
