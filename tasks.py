@@ -36,11 +36,12 @@ def lock(c, stack=None, upgrade=False):
     help={
         "variant": "cu13, rocm720-mi35x or rocm720-mi30x (miles/image/images.toml)",
         "push": "push the dated tag and move the rolling alias to it",
+        "no_alias": "with --push: push only the dated tag, never moving the rolling alias (PR builds)",
         "dry": "print the plan and the buildx command; run nothing",
         "image": "registry path (default: images.toml's image, or $MILES_IMAGE)",
     }
 )
-def refresh_image(c, variant, push=False, dry=False, image=None):
+def refresh_image(c, variant, push=False, dry=False, image=None, no_alias=False):
     """Build the variant's image under a dated, input-hashed tag, unless one with those inputs exists."""
     import os
     from pathlib import Path
@@ -49,7 +50,9 @@ def refresh_image(c, variant, push=False, dry=False, image=None):
     from miles.image.plan import pins_problems, plan_refresh, refresh
 
     root = Path(__file__).resolve().parent
-    plan = plan_refresh(root, variant, push=push, image=image or os.environ.get("MILES_IMAGE"))
+    plan = plan_refresh(
+        root, variant, push=push, image=image or os.environ.get("MILES_IMAGE"), move_alias=not no_alias
+    )
     print(plan.render())
     if dry:
         problems = pins_problems(root, plan.variant)
