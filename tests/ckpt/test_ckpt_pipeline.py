@@ -1,8 +1,8 @@
 """prepare(): every step once, a rerun does nothing, a killed run resumes to the same bytes.
 
 Kills are real SIGKILLs of a forked child that runs the pipeline (forked so it starts with
-the test's imports already loaded); the disk-full case is a real write refused by the kernel
-(RLIMIT_FSIZE with SIGXFSZ ignored, the same OSError path as ENOSPC).
+the test's imports already loaded); a file-size limit is a real write refused by the kernel
+(RLIMIT_FSIZE with SIGXFSZ ignored). Full and read-only disks: test_ckpt_disk_failures.py.
 """
 
 from __future__ import annotations
@@ -219,7 +219,7 @@ def test_sigkill_at_random_points_then_rerun_gives_the_bytes_of_an_uninterrupted
         assert leftovers == []
 
 
-def test_disk_full_mid_step_fails_clearly_marks_nothing_done_and_a_rerun_finishes(
+def test_a_file_size_limit_mid_step_fails_in_one_line_marks_nothing_done_and_a_rerun_finishes(
     tmp_path, tree_digest, monkeypatch
 ):
     plan = _plan(tmp_path, "qwen3", steps=("fetch", "validate", "fp8"))
@@ -237,8 +237,9 @@ def test_disk_full_mid_step_fails_clearly_marks_nothing_done_and_a_rerun_finishe
     status = _wait(_fork(full_disk_run))
     assert os.waitstatus_to_exitcode(status) == 3
     message = err.read_text()
-    assert "fp8 of qwen3-tiny-4layer: out of space writing" in message and ".safetensors" in message
-    assert "nothing was marked done and the inputs are untouched" in message
+    assert "fp8 of qwen3-tiny-4layer: file too large writing" in message and ".safetensors" in message
+    assert "nothing was marked done and the inputs are untouched; raise the file size limit" in message
+    assert "\n" not in message
     assert not Path(plan.fp8_dir).exists()
     assert not [p for p in Path(plan.model_dir).iterdir() if ".partial-" in p.name]
     assert tree_digest(Path(plan.hf_dir)) == hf_before

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -85,7 +86,7 @@ def test_shape_that_contradicts_the_config_names_the_tensor(tiny_copy):
 
 def test_tensor_the_config_does_not_expect_is_reported(tiny_copy):
     path = tiny_copy("deepseek_v4")
-    _edit_config(path, num_hidden_layers=3, layer_types=None, mlp_layer_types=None)
+    _edit_config(path, num_hidden_layers=3, layer_types=None, mlp_layer_types=None, num_nextn_predict_layers=0)
     _fails(path, "deepseek_v4", r"model\.layers\.3\..*\[unexpected tensor\]")
 
 
@@ -118,17 +119,40 @@ def test_auto_map_is_refused_unless_the_plan_allows_it(tiny_copy):
     validate_checkpoint(path, "qwen3", allow_auto_map=True)
 
 
-def test_nan_scan_finds_a_planted_nan(tiny_copy):
-    path = tiny_copy("qwen3")
-    tensor = "model.layers.2.self_attn.o_proj.weight"
+def _plant(path: Path, tensor: str, index: tuple[int, int], raw: bytes) -> None:
     shard = _shard_of(path, tensor)
     header = read_header(shard)
-    offset = header.offset(header.tensors[tensor]) + 200
+    info = header.tensors[tensor]
+    item = info.nbytes // info.numel
     with open(shard, "r+b") as f:
-        f.seek(offset)
-        f.write(b"\xc0\x7f")  # bf16 NaN
-    validate_checkpoint(path, "qwen3")  # headers only: not looked at
-    _fails(path, "qwen3", rf"tensor {tensor}: \[nan/inf\] 1 non-finite", scan_fraction=1.0)
+        f.seek(header.offset(info) + (index[0] * info.shape[1] + index[1]) * item)
+        f.write(raw)
+
+
+def test_every_value_is_scanned_and_a_nan_is_one_line_naming_tensor_and_index(tiny_copy):
+    path = tiny_copy("qwen3")
+    tensor = "model.layers.2.self_attn.o_proj.weight"
+    _plant(path, tensor, (100, 37), b"\xc0\x7f")  # bf16 NaN deep inside the tensor
+    message = _fails(path, "qwen3", rf"tensor {tensor}: \[nan/inf\] NaN at index \[100, 37\]")
+    assert "\n" not in message and "fetch the checkpoint again or repair it" in message
+    validate_checkpoint(path, "qwen3", scan_fraction=0)  # --scan-nan 0: headers only
+
+
+def test_inf_in_an_fp32_tensor_and_nan_in_an_fp8_tensor_are_found(tiny_copy, fp8_of, tmp_path):
+    path = tiny_copy("deepseek_v4")
+    _plant(path, "model.layers.1.hc_ffn_fn", (3, 5), b"\x00\x00\x80\xff")  # fp32 -Inf
+    _fails(path, "deepseek_v4", r"tensor model\.layers\.1\.hc_ffn_fn: \[nan/inf\] -Inf at index \[3, 5\]")
+    fp8 = tmp_path / "fp8"
+    shutil.copytree(fp8_of("qwen3"), fp8)
+    _plant(fp8, "model.layers.0.mlp.down_proj.weight", (7, 9), b"\x7f")  # e4m3 NaN
+    _fails(fp8, "qwen3", r"down_proj\.weight: \[nan/inf\] NaN at index \[7, 9\]")
+
+
+def test_a_sampled_scan_reads_evenly_spaced_windows(tiny_copy):
+    path = tiny_copy("qwen3")
+    tensor = "model.embed_tokens.weight"
+    _plant(path, tensor, (0, 0), b"\x80\x7f")  # the first window of every sample holds the start
+    _fails(path, "qwen3", rf"{tensor}: \[nan/inf\] \+Inf at index \[0, 0\]", scan_fraction=0.01)
 
 
 def test_wrong_dtype_for_the_config_is_reported(tiny_copy):
