@@ -55,11 +55,33 @@ def os_error_in(exc: BaseException | None) -> OSError | None:
     return None
 
 
-def free_space(path: Path) -> str:
-    """'<free> free of <size> on <mount point>' for the file system holding `path` (or its nearest ancestor)."""
+def full_disk_error(path: Path, exc: BaseException) -> OSError | None:
+    """ENOSPC for a writer that failed without an errno (torch.save's zip writer reports only
+    "unexpected pos") while the file system under `path` has (almost) nothing left: call it
+    before the failed step's partial output is deleted."""
+    if os_error_in(exc) is not None:
+        return None
+    try:
+        if shutil.disk_usage(_existing(path)).free >= _NEARLY_FULL:
+            return None
+    except OSError:
+        return None
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+_NEARLY_FULL = 1 << 20
+
+
+def _existing(path: Path) -> Path:
     probe = Path(path).absolute()
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
+    return probe
+
+
+def free_space(path: Path) -> str:
+    """'<free> free of <size> on <mount point>' for the file system holding `path` (or its nearest ancestor)."""
+    probe = _existing(path)
     try:
         usage = shutil.disk_usage(probe)
     except OSError:
@@ -70,11 +92,31 @@ def free_space(path: Path) -> str:
     return f"{human_bytes(usage.free)} free of {human_bytes(usage.total)} on {mount}"
 
 
-def describe_os_error(exc: OSError, writing: Path, *, reading: bool = False, note: str = "") -> str:
+_FREE_AT_FAILURE = "miles_free_space_at_failure"
+
+
+def remember_free_space(exc: BaseException, path: Path) -> None:
+    """Record on `exc` how much space the disk under `path` had when it was raised: a failed
+    step deletes its partial output, after which the disk no longer looks full."""
+    if not hasattr(exc, _FREE_AT_FAILURE) and os_error_in(exc) is not None:
+        try:
+            setattr(exc, _FREE_AT_FAILURE, free_space(path))
+        except AttributeError:
+            pass  # an exception type without a __dict__
+
+
+def free_space_at_failure(exc: BaseException) -> str | None:
+    return getattr(exc, _FREE_AT_FAILURE, None)
+
+
+def describe_os_error(
+    exc: OSError, writing: Path, *, reading: bool = False, note: str = "", free: str | None = None
+) -> str:
     """'<what went wrong> writing <path> (<free space>); <note>; <fix>' in one line.
 
     `writing` is where the failing step writes (used when the error names no file); a
-    file the error names outside it is reported as read, not written.
+    file the error names outside it is reported as read, not written. `free` is the free
+    space when the error happened, if known (else it is measured now).
     """
     path = Path(exc.filename2 or exc.filename or writing)
     inside = _is_under(path, writing)
@@ -87,7 +129,7 @@ def describe_os_error(exc: OSError, writing: Path, *, reading: bool = False, not
     if reading or not inside:
         return f"{what} reading {path}{note}; check that it exists and is readable, then rerun"
     fix = _FIXES.get(exc.errno, "fix the cause and rerun")
-    return f"{what} writing {path} ({free_space(path)}){note}; {fix}"
+    return f"{what} writing {path} ({free or free_space(path)}){note}; {fix}"
 
 
 def _is_under(path: Path, target: Path) -> bool:

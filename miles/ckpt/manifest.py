@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from miles.ckpt.errors import CheckpointError
+from miles.ckpt.errors import CheckpointError, remember_free_space
 from miles.ckpt.shards import sha256_file
 
 MANIFEST_NAME = ".miles-ckpt.json"
@@ -169,7 +169,8 @@ def atomic_dir(final: Path) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
-    except BaseException:
+    except BaseException as exc:
+        remember_free_space(exc, tmp)  # before the partial output goes and the disk looks roomy again
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if (final.exists() or final.is_symlink()) and not read_manifest(final):

@@ -19,7 +19,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from miles.ckpt.errors import CheckpointError, StepFailed, describe_os_error, os_error_in
+from miles.ckpt.errors import (
+    CheckpointError,
+    StepFailed,
+    describe_os_error,
+    free_space_at_failure,
+    os_error_in,
+)
 from miles.ckpt.families import layers_in_name, num_layers
 from miles.ckpt.hub import Source, materialize, parse_source, resolve_hub, resolve_local
 from miles.ckpt.manifest import (
@@ -92,7 +98,7 @@ def prepare(
         held = plan_lock(lock)
         held.__enter__()
     except OSError as exc:
-        return _without_lock(plan, chosen, run, exc, lock)
+        return _without_lock(plan, chosen, run, exc)
     try:
         for path in (run.hf, run.fp8, run.torch_dist):
             clean_stale(path)
@@ -101,7 +107,7 @@ def prepare(
         held.__exit__(None, None, None)
 
 
-def _without_lock(plan: CheckpointPlan, chosen: list[str], run: _Run, exc: OSError, lock: Path) -> PrepareResult:
+def _without_lock(plan: CheckpointPlan, chosen: list[str], run: _Run, exc: OSError) -> PrepareResult:
     """The lock cannot even be created (a read-only or foreign model dir): a plan whose steps
     are all done still answers, since nothing needs writing; anything else stops in one line."""
     looked = _Run(plan, dry=True, progress=False, workers=run.workers, scan_fraction=run.scan_fraction)
@@ -110,7 +116,7 @@ def _without_lock(plan: CheckpointPlan, chosen: list[str], run: _Run, exc: OSErr
     if not pending:
         return PrepareResult(plan, results)
     raise StepFailed(
-        f"{', '.join(pending)} of {plan.model_name} cannot run: {describe_os_error(exc, lock)}"
+        f"{', '.join(pending)} of {plan.model_name} cannot run: {describe_os_error(exc, run.state)}"
     ) from exc
 
 
@@ -129,7 +135,9 @@ def _chosen_steps(plan: CheckpointPlan, steps: Sequence[str] | None) -> list[str
 
 
 class _Run:
-    def __init__(self, plan: CheckpointPlan, *, dry: bool, progress: bool, workers, scan_fraction: float = 1.0):
+    def __init__(
+        self, plan: CheckpointPlan, *, dry: bool, progress: bool, workers, scan_fraction: float = 1.0
+    ):
         self.plan = plan
         self.dry = dry
         self.show = progress
@@ -199,7 +207,8 @@ class _Run:
                 raise
             note = "nothing was marked done and the inputs are untouched"
             raise StepFailed(
-                f"{name} of {self.plan.model_name}: {describe_os_error(cause, self.writes(name), note=note)}"
+                f"{name} of {self.plan.model_name}: "
+                + describe_os_error(cause, self.writes(name), note=note, free=free_space_at_failure(exc))
             ) from exc
         if result.status == "ran":
             result = StepResult(

@@ -98,7 +98,9 @@ def _save_model(spec, layers: int, seed: int, dtype: str, shard_bytes: int, dims
         config = AutoConfig.for_model(spec.tiny_model_type, **fixed, **kwargs)
     except (TypeError, ValueError) as exc:
         message = str(exc).replace("\n", " ")
-        raise CheckpointError(f"make_tiny_checkpoint: {spec.name} config rejects {kwargs}: {message}") from exc
+        raise CheckpointError(
+            f"make_tiny_checkpoint: {spec.name} config rejects {kwargs}: {message}"
+        ) from exc
     if config.vocab_size < 256 + len(SPECIAL_TOKENS):
         raise CheckpointError(f"make_tiny_checkpoint: vocab_size {config.vocab_size} < 259 byte-level tokens")
     with torch.random.fork_rng(devices=[]):

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from miles.ckpt.errors import CheckpointError
+from miles.ckpt.errors import CheckpointError, full_disk_error
 from miles.ckpt.families import family
 from miles.ckpt.progress import Progress
 from miles.ckpt.shards import CheckpointReader, torch_dtype
@@ -93,8 +93,7 @@ def convert_to_torch_dist(
     src, dst = Path(src), Path(dst)
     config = json.loads((src / "config.json").read_text())
     gpt = family(family_name).megatron_gpt
-    with warnings.catch_warnings(), single_process_group(), CheckpointReader(src) as reader:
-        warnings.simplefilter("ignore")  # megatron warns about optional CUDA extensions it cannot use here
+    with _quiet(), single_process_group(), CheckpointReader(src) as reader:
         if progress is not None:
             progress.total_bytes = sum(reader.info(n)[1].nbytes for n in reader.files.weight_map)
             progress.total_tensors = len(reader.files.weight_map)
@@ -120,6 +119,14 @@ def convert_to_torch_dist(
         if verify:
             _verify(release, config, reader, gpt, vocab)
     (dst / TRACKER).write_text(RELEASE)
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """No warnings: megatron warns (also while it is imported) about CUDA extensions it cannot use here."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
 
 
 def megatron_args(config: Mapping[str, Any], vocab: int, vocab_multiple: int = 1) -> argparse.Namespace:
@@ -245,9 +252,17 @@ def _save(sharded: dict, common: dict, out: Path) -> None:
     (out / "common.pt").write_bytes(buffer.getvalue())
     flat, _, _ = _replace_state_dict_keys_with_sharded_keys(tensors, keep_only_main_replica=True)
     state = mcore_to_pyt_state_dict(flat, is_loading=False)
-    dcp.save(
-        state, storage_writer=Writer(out, thread_count=1), planner=MCoreSavePlanner(flatten_state_dict=False)
-    )
+    try:
+        dcp.save(
+            state,
+            storage_writer=Writer(out, thread_count=1),
+            planner=MCoreSavePlanner(flatten_state_dict=False),
+        )
+    except BaseException as exc:  # torch.save inside DCP reports a full disk without its errno
+        full = full_disk_error(out, exc)
+        if full is None:
+            raise
+        raise full from exc
     save_config(CheckpointingConfig("torch_dist", 1), out)
 
 

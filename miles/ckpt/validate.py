@@ -307,7 +307,9 @@ def expected_tensors(config: Mapping[str, Any]):
     return {k: (tuple(v.shape), v.is_floating_point()) for k, v in state.items()}, ignore
 
 
-def _scan_nonfinite(headers: Mapping[str, ShardHeader], fraction: float, findings: list[Finding], keep) -> None:
+def _scan_nonfinite(
+    headers: Mapping[str, ShardHeader], fraction: float, findings: list[Finding], keep
+) -> None:
     """Read `fraction` of each float tensor (all of it at 1.0) in bounded windows; report NaN/Inf."""
     import torch
 
@@ -360,7 +362,11 @@ def _first_nonfinite(fd: int, header: ShardHeader, info, fraction: float, buf):
             if not bool(hits.any()):
                 continue
             pos = int(hits.nonzero()[0])
-            kind = "NaN" if info.dtype != "F8_E5M2" or raw[pos] & 0x03 else ("-Inf" if raw[pos] & 0x80 else "+Inf")
+            kind = (
+                "NaN"
+                if info.dtype != "F8_E5M2" or raw[pos] & 0x03
+                else ("-Inf" if raw[pos] & 0x80 else "+Inf")
+            )
         else:
             values = raw.view(torch_dtype(info.dtype))
             low, high = torch.aminmax(values)  # NaN and Inf propagate: one fast pass per window

@@ -113,7 +113,11 @@ def test_loaded_megatron_attention_computes_what_hf_attention_computes(tiny, tor
             assert torch.equal(attn.linear_proj.weight, ref.o_proj.weight)
         assert torch.equal(mg.embedding.word_embeddings.weight, hf.model.embed_tokens.weight)
         # with tied embeddings (Qwen3-4B) megatron's output layer has no weight of its own
-        output = mg.output_layer.weight if not config["tie_word_embeddings"] else mg.shared_embedding_or_output_weight()
+        output = (
+            mg.output_layer.weight
+            if not config["tie_word_embeddings"]
+            else mg.shared_embedding_or_output_weight()
+        )
         assert torch.equal(output, hf.lm_head.weight)
         assert torch.equal(mg.decoder.final_layernorm.weight, hf.model.norm.weight)
 

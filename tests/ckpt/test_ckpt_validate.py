@@ -86,7 +86,9 @@ def test_shape_that_contradicts_the_config_names_the_tensor(tiny_copy):
 
 def test_tensor_the_config_does_not_expect_is_reported(tiny_copy):
     path = tiny_copy("deepseek_v4")
-    _edit_config(path, num_hidden_layers=3, layer_types=None, mlp_layer_types=None, num_nextn_predict_layers=0)
+    _edit_config(
+        path, num_hidden_layers=3, layer_types=None, mlp_layer_types=None, num_nextn_predict_layers=0
+    )
     _fails(path, "deepseek_v4", r"model\.layers\.3\..*\[unexpected tensor\]")
 
 

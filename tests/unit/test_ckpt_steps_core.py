@@ -127,7 +127,9 @@ def test_fp8_power_of_two_scales_cover_each_tile_exactly():
     assert torch.all((back - w.float()).abs() <= w.float().abs() * 2**-4 + scale.max() * 2**-10)
 
 
-@pytest.mark.parametrize("bad,kind", [(float("nan"), "NaN"), (float("inf"), r"\+Inf"), (-float("inf"), "-Inf")])
+@pytest.mark.parametrize(
+    "bad,kind", [(float("nan"), "NaN"), (float("inf"), r"\+Inf"), (-float("inf"), "-Inf")]
+)
 def test_fp8_refuses_non_finite_values_naming_the_index(bad, kind):
     w = torch.randn(600, 8192).bfloat16()
     w[515, 4000] = bad
