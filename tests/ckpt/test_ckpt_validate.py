@@ -161,3 +161,30 @@ def test_wrong_dtype_for_the_config_is_reported(tiny_copy):
     path = tiny_copy("qwen3")
     _edit_config(path, dtype="float16")
     _fails(path, "qwen3", r"\[dtype\] is BF16; config dtype allows \['F16', 'F32'\]")
+
+
+def test_prepare_ckpt_stops_at_validate_with_one_line_and_without_the_scan_fp8_refuses(tiny_copy, tmp_path):
+    import subprocess
+    import sys
+
+    source = tiny_copy("qwen3")
+    tensor = "model.layers.3.mlp.gate_proj.weight"
+    _plant(source, tensor, (200, 64), b"\x80\xff")  # bf16 -Inf
+
+    def prepare(*extra: str) -> subprocess.CompletedProcess:
+        argv = [sys.executable, "-m", "miles.ckpt", "prepare", "--quiet", "--family", "qwen3",
+                "--model", "q", "--source", str(source), "--model-dir", str(tmp_path / "models"),
+                "--layers", "4", "--plan-steps", "fetch,validate,fp8", *extra]  # fmt: skip
+        return subprocess.run(argv, capture_output=True, text=True, check=False)
+
+    first = prepare()
+    assert first.returncode == 1 and len(first.stderr.strip().splitlines()) == 1, first.stderr
+    assert (
+        first.stderr.startswith("error: validate of q: ")
+        and f"{tensor}: [nan/inf] -Inf at index [200, 64]" in first.stderr
+    )
+    assert not (tmp_path / "models" / "q_fp8").exists()
+    unscanned = prepare("--scan-nan", "0")
+    assert unscanned.returncode == 1 and len(unscanned.stderr.strip().splitlines()) == 1, unscanned.stderr
+    assert unscanned.stderr.startswith("error: fp8 of q: ") and "-Inf at index [200, 64]" in unscanned.stderr
+    assert not (tmp_path / "models" / "q_fp8").exists()
