@@ -8,6 +8,7 @@ untied embeddings), then alternates, round after round, within this one invocati
                   the floor, a copy that decodes nothing
   safetensors-mt  safetensors load_file + save_file + fsync of every shard, one thread per
                   shard (as many as the CPUs allow): the peer's fastest way to rewrite shards
+  validate        miles.ckpt.validate.validate_checkpoint, every value scanned for NaN/Inf
   fp8             miles.ckpt.fp8.convert_to_fp8 (block-wise e4m3, fsynced; all CPUs)
   torch_dist      miles.ckpt.torch_dist.convert_to_torch_dist (Megatron layout, loaded back)
   torch_dist-noverify  the same without the load-back check
@@ -51,7 +52,7 @@ DIMS = {  # ~1.1 B parameters: 2.2 GB in bf16
 LAYERS = 20
 SHARD_BYTES = 1_000_000_000
 BASELINES = ("cp", "safetensors-mt")
-STEPS = (*BASELINES, "fp8", "torch_dist", "torch_dist-noverify")
+STEPS = (*BASELINES, "validate", "fp8", "torch_dist", "torch_dist-noverify")
 
 
 def _status_kb(field: str) -> int:
@@ -114,9 +115,11 @@ def measure(step: str, src: Path, dst: Path) -> dict:
 
     from miles.ckpt.fp8 import convert_to_fp8
     from miles.ckpt.torch_dist import convert_to_torch_dist
+    from miles.ckpt.validate import validate_checkpoint
 
     run = {
         "safetensors-mt": lambda: extra.update(threads=safetensors_baseline(src, dst)),
+        "validate": lambda: validate_checkpoint(src, "qwen3", expect_layers=LAYERS),
         "fp8": lambda: convert_to_fp8(src, dst),
         "torch_dist": lambda: convert_to_torch_dist(src, dst, "qwen3"),
         "torch_dist-noverify": lambda: convert_to_torch_dist(src, dst, "qwen3", verify=False),

@@ -170,3 +170,19 @@ def test_transformers_reads_the_fp8_checkpoint_as_miles_dequantizes_it(fp8_of, t
         with torch.no_grad():
             logits.append(model(ids).logits)
     assert torch.allclose(logits[0], logits[1], atol=1e-5, rtol=1e-4)
+
+
+def test_dequantize_restores_fused_experts_within_the_fp8_error(tiny, fp8_of, tmp_path):
+    back = tmp_path / "back"
+    back.mkdir()
+    convert_from_fp8(fp8_of("inkling"), back, dtype="float32")
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    with (
+        CheckpointReader(tiny("inkling")) as src,
+        CheckpointReader(back) as out,
+        CheckpointReader(fp8_of("inkling")) as q,
+    ):
+        x, got = src.read(name).float(), out.read(name)
+        _, grid = dequantize_tensor(name, q.read(name), q.read(name + SCALE_SUFFIX), torch.float32, grid=True)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    assert torch.all((got - x).abs() <= torch.maximum(x.abs() * 2**-4, grid * 2**-10) * (1 + 1e-6))

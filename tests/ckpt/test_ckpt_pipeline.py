@@ -110,6 +110,18 @@ def test_trim_cuts_a_deeper_local_checkpoint_and_leaves_the_source_untouched(tmp
     assert prepare(plan, progress=False).ran == ()
 
 
+def test_trim_keeps_the_mtp_layer_renumbered_after_the_slice(tmp_path, tiny):
+    # GLM-5 names its MTP layer model.layers.<L>: a 4-layer slice of a 6-layer model keeps it as layer 4
+    plan = _plan(
+        tmp_path, "glm_moe_dsa", source=str(tiny("glm_moe_dsa", 6)), steps=("fetch", "validate", "trim")
+    )
+    prepare(plan, progress=False)
+    names = set(read_weight_map(Path(plan.hf_dir)).weight_map)
+    assert "model.layers.4.eh_proj.weight" in names and not any(
+        ".layers.5." in n or ".layers.6." in n for n in names
+    )
+
+
 def test_a_source_with_the_wrong_layer_count_stops_at_validate(tmp_path, tiny):
     plan = _plan(tmp_path, "qwen3", source=str(tiny("qwen3", 6)), steps=("fetch", "validate", "fp8"))
     with pytest.raises(

@@ -190,6 +190,7 @@ def test_trim_keeps_low_layers_drops_the_rest_and_renumbers_mtp_layers():
     assert trimmed_name("model.layers.61.eh_proj.weight", 4, 61) == "model.layers.4.eh_proj.weight"
     assert trimmed_name("model.language_model.layers.9.x", 4, 61) is None
     assert trimmed_name("model.visual.blocks.9.x", 4, 61) == "model.visual.blocks.9.x"
+    assert trimmed_name("model.llm.layers.9.attn.wq_du.weight", 4, 61) is None  # Inkling's published naming
 
 
 def test_trim_config_cuts_every_per_layer_list():
