@@ -27,7 +27,7 @@ from miles.ckpt.manifest import read_manifest
 from miles.ckpt.pipeline import prepare
 from miles.ckpt.plan import CheckpointPlan
 
-register_cpu_ci(est_time=90, suite="stage-b-cpu")
+register_cpu_ci(est_time=60, suite="stage-b-cpu")
 
 MODEL = "qwen3-tiny-4layer"
 STEPS = ("fetch", "validate", "fp8", "torch_dist")
