@@ -95,12 +95,12 @@ def check_image(c, tag, variant=None):
         "source": "override the source: tiny:<family>, a local dir, or org/name[@revision]",
         "family": "without --recipe: the model family",
         "layers": "without --recipe: N of the N-layer slice",
-        "scan_nan": "validate: share of each tensor scanned for NaN/Inf (0-1)",
+        "scan_nan": "validate: share of every float tensor read for NaN/Inf (default 1: all; 0: headers only)",
     }
 )
 def prepare_ckpt(
     c, model, recipe=None, steps=None, platform=None, dry=False, model_dir=None, stage_dir=None,
-    source=None, family=None, layers=None, scan_nan=0.0,
+    source=None, family=None, layers=None, scan_nan=None,
 ):  # fmt: skip
     """Prepare a model's checkpoints (fetch, validate, trim, FP8, torch_dist, stage); resumable."""
     from invoke import Exit
@@ -110,7 +110,7 @@ def prepare_ckpt(
     options = {
         "--recipe": recipe, "--platform": platform, "--steps": steps, "--model-dir": model_dir,
         "--stage-dir": stage_dir, "--source": source, "--family": family, "--layers": layers,
-        "--scan-nan": scan_nan or None,
+        "--scan-nan": scan_nan,
     }  # fmt: skip
     argv = ["prepare", "--model", model]
     argv += [str(x) for k, v in options.items() if v is not None for x in (k, v)]
@@ -125,7 +125,7 @@ def prepare_ckpt(
         "layers": "number of decoder layers",
         "out": "directory to create",
         "seed": "random seed of the weights",
-        "dim": "config override KEY=INT, repeatable (e.g. --dim hidden_size=2048)",
+        "dim": "config override KEY=VALUE, repeatable (--dim hidden_size=2048, 0/1 for a switch: --dim tie_word_embeddings=0)",
         "shard_bytes": "largest shard size in bytes",
         "dry": "print what would be built; build nothing",
     },
