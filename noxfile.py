@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import nox
+import nox.command
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
@@ -63,6 +64,17 @@ def lint(session: nox.Session) -> None:
     session.run("python", "-m", "miles.ci", "audit", "--strict")
 
 
+def run_keeping_exit_code(session: nox.Session, *args: str, **kwargs) -> None:
+    """session.run, except that the runner's 2 (bad input) and the preflight's 3 (machine not
+    fit) end nox with that same code instead of nox's own 1, so CI can tell them apart."""
+    try:
+        session.run(*args, **kwargs)
+    except nox.command.CommandFailed as exc:
+        if exc.return_code in (2, 3):
+            raise SystemExit(exc.return_code) from None
+        raise
+
+
 def _make_lane(lane_name: str):
     lane = CATALOG.lanes[lane_name]
     suites = ", ".join(s.name for s in CATALOG.suites_of_lane(lane_name))
@@ -72,25 +84,26 @@ def _make_lane(lane_name: str):
         run = ["-m", "miles.ci", "run", "--lane", lane_name, *args.runner]
         if args.plan:
             # Planning needs only the standard-library core, so it works on any machine.
-            session.install("--no-deps", "-e", str(ROOT))
-            session.run("python", *run)
+            if session.venv_backend != "none":
+                session.install("--no-deps", "-e", str(ROOT))
+            run_keeping_exit_code(session, "python", *run)
             return
         preflight = ["-m", "miles.ci", "preflight", "--lane", lane_name]
         preflight += [f"--suite={s}" for s in args.suites] + (["--clean"] if args.clean else [])
         if args.system or session.venv_backend == "none":
             # Inside the CI image: verify the installed stack against the lock (with a diff), install nothing.
             python = "python" if session.venv_backend == "none" else SYSTEM_PYTHON
-            session.run(python, *preflight, external=True)
-            session.run(python, *run, external=True)
+            run_keeping_exit_code(session, python, *preflight, external=True)
+            run_keeping_exit_code(session, python, *run, external=True)
             return
         if lane.backend != "cpu":
             # Check the machine before downloading a GPU stack that could not run here anyway.
             session.install("--no-deps", "-e", str(ROOT))
-            session.run("python", *preflight, "--machine-only")
+            run_keeping_exit_code(session, "python", *preflight, "--machine-only")
         install_lane_stack(session, lane_name)
         if lane.backend != "cpu":
-            session.run("python", *preflight)
-        session.run("python", *run)
+            run_keeping_exit_code(session, "python", *preflight)
+        run_keeping_exit_code(session, "python", *run)
 
     lane_session.__doc__ = f"{lane.description} Suites: {suites}."
     python = lane.python

@@ -36,11 +36,12 @@ def lock(c, stack=None, upgrade=False):
     help={
         "variant": "cu13, rocm720-mi35x or rocm720-mi30x (miles/image/images.toml)",
         "push": "push the dated tag and move the rolling alias to it",
+        "no_alias": "with --push: push only the dated tag, never moving the rolling alias (PR builds)",
         "dry": "print the plan and the buildx command; run nothing",
         "image": "registry path (default: images.toml's image, or $MILES_IMAGE)",
     }
 )
-def refresh_image(c, variant, push=False, dry=False, image=None):
+def refresh_image(c, variant, push=False, dry=False, image=None, no_alias=False):
     """Build the variant's image under a dated, input-hashed tag, unless one with those inputs exists."""
     import os
     from pathlib import Path
@@ -49,7 +50,9 @@ def refresh_image(c, variant, push=False, dry=False, image=None):
     from miles.image.plan import pins_problems, plan_refresh, refresh
 
     root = Path(__file__).resolve().parent
-    plan = plan_refresh(root, variant, push=push, image=image or os.environ.get("MILES_IMAGE"))
+    plan = plan_refresh(
+        root, variant, push=push, image=image or os.environ.get("MILES_IMAGE"), move_alias=not no_alias
+    )
     print(plan.render())
     if dry:
         problems = pins_problems(root, plan.variant)
@@ -92,12 +95,12 @@ def check_image(c, tag, variant=None):
         "source": "override the source: tiny:<family>, a local dir, or org/name[@revision]",
         "family": "without --recipe: the model family",
         "layers": "without --recipe: N of the N-layer slice",
-        "scan_nan": "validate: share of each tensor scanned for NaN/Inf (0-1)",
+        "scan_nan": "validate: share of every float tensor read for NaN/Inf (default 1: all; 0: headers only)",
     }
 )
 def prepare_ckpt(
     c, model, recipe=None, steps=None, platform=None, dry=False, model_dir=None, stage_dir=None,
-    source=None, family=None, layers=None, scan_nan=0.0,
+    source=None, family=None, layers=None, scan_nan=None,
 ):  # fmt: skip
     """Prepare a model's checkpoints (fetch, validate, trim, FP8, torch_dist, stage); resumable."""
     from invoke import Exit
@@ -107,7 +110,7 @@ def prepare_ckpt(
     options = {
         "--recipe": recipe, "--platform": platform, "--steps": steps, "--model-dir": model_dir,
         "--stage-dir": stage_dir, "--source": source, "--family": family, "--layers": layers,
-        "--scan-nan": scan_nan or None,
+        "--scan-nan": scan_nan,
     }  # fmt: skip
     argv = ["prepare", "--model", model]
     argv += [str(x) for k, v in options.items() if v is not None for x in (k, v)]
@@ -122,7 +125,7 @@ def prepare_ckpt(
         "layers": "number of decoder layers",
         "out": "directory to create",
         "seed": "random seed of the weights",
-        "dim": "config override KEY=INT, repeatable (e.g. --dim hidden_size=2048)",
+        "dim": "config override KEY=VALUE, repeatable (--dim hidden_size=2048, 0/1 for a switch: --dim tie_word_embeddings=0)",
         "shard_bytes": "largest shard size in bytes",
         "dry": "print what would be built; build nothing",
     },

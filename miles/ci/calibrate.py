@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import ast
 import difflib
+import io
 import math
 import os
+import re
 import shutil
+import tokenize
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,9 +123,12 @@ def format_seconds(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
-def _est_time_span(source: bytes, reg: Registration) -> tuple[int, int]:
-    """Byte offsets of the est_time literal in `reg`'s register_*_ci call."""
-    tree = ast.parse(source, reg.file)
+_LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")  # lines as the tokenizer counts them
+
+
+def _est_time_span(text: str, reg: Registration) -> tuple[int, int]:
+    """Character offsets of the est_time literal in `reg`'s register_*_ci call."""
+    tree = ast.parse(text, reg.file)
     marker = MARKER_OF_BACKEND[reg.backend]
     for stmt in tree.body:
         call = stmt.value if isinstance(stmt, ast.Expr) else None
@@ -135,18 +141,23 @@ def _est_time_span(source: bytes, reg: Registration) -> tuple[int, int]:
         )
         if not isinstance(node, ast.Constant) or isinstance(node.value, bool):
             break
-        starts = [0]
-        for line in source.splitlines(keepends=True):
-            starts.append(starts[-1] + len(line))
-        # ast column offsets count UTF-8 bytes, so they index the raw bytes directly
-        return starts[node.lineno - 1] + node.col_offset, starts[node.end_lineno - 1] + node.end_col_offset
+        lines = _LINE.findall(text)
+        return _offset(lines, node.lineno, node.col_offset), _offset(
+            lines, node.end_lineno, node.end_col_offset
+        )
     raise ValueError(f"{reg.file}:{reg.line}: no {marker}(...) call with a literal est_time at this line")
 
 
-def _replace_spans(source: bytes, edits: list[tuple[tuple[int, int], str]]) -> bytes:
+def _offset(lines: list[str], lineno: int, col: int) -> int:
+    """Character offset in the text of (line, ast column); ast columns count UTF-8 bytes."""
+    before = sum(len(line) for line in lines[: lineno - 1])
+    return before + len(lines[lineno - 1].encode("utf-8")[:col].decode("utf-8"))
+
+
+def _replace_spans(source: str, edits: list[tuple[tuple[int, int], str]]) -> str:
     out = source
     for (start, end), text in sorted(edits, key=lambda e: e[0][0], reverse=True):
-        out = out[:start] + text.encode("utf-8") + out[end:]
+        out = out[:start] + text + out[end:]
     return out
 
 
@@ -160,19 +171,22 @@ def apply_proposals(root: Path | str, proposals: Sequence[Proposal]) -> str:
     diffs = []
     for rel, items in sorted(by_file.items()):
         path = root / rel
-        before = path.read_bytes()
+        raw = path.read_bytes()
+        # the file's own encoding (a BOM, a PEP 263 cookie) in and out: only the number changes
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(raw).readline)
+        before = raw.decode(encoding)
         after = _replace_spans(
             before, [(_est_time_span(before, p.registration), format_seconds(p.proposed)) for p in items]
         )
         ast.parse(after, rel)  # never leave a file that no longer parses
         tmp = path.with_name(f".{path.name}.calibrate.tmp")
-        tmp.write_bytes(after)
+        tmp.write_bytes(after.encode(encoding))
         shutil.copymode(path, tmp)
         os.replace(tmp, path)
         diffs.extend(
             difflib.unified_diff(
-                before.decode("utf-8").splitlines(keepends=True),
-                after.decode("utf-8").splitlines(keepends=True),
+                before.splitlines(keepends=True),
+                after.splitlines(keepends=True),
                 fromfile=f"a/{rel}",
                 tofile=f"b/{rel}",
             )

@@ -8,6 +8,7 @@ keeps a list of suites.
 from __future__ import annotations
 
 import difflib
+import math
 import re
 import tomllib
 from collections.abc import Iterable, Mapping
@@ -17,10 +18,12 @@ from pathlib import Path
 from types import MappingProxyType
 
 CATALOG_PATH = Path(__file__).with_name("catalog.toml")
+CATALOG_SCHEMA = 1  # the `schema = N` this miles reads
 
 CADENCES = ("regular", "nightly", "weekly", "release")
 GATE_MODES = ("shadow", "enforce")
 CONSUMER_KINDS = ("workflow", "external")
+MAX_SHARDS = 64  # shards of one suite: more runners than any pool has, and a bound on planning
 
 _SUITE_NAME = re.compile(
     r"^(?P<nightly>nightly-)?stage-(?P<tier>[abc])-(?:cpu|(?P<gpus>[1-9][0-9]*)-gpu-(?P<hw>[a-z0-9]+))$"
@@ -182,8 +185,10 @@ def load_catalog(path: Path | str | None = None) -> Catalog:
     try:
         with open(path, "rb") as fh:
             raw = tomllib.load(fh)
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise CatalogError(path, [f"not valid TOML: {exc}"]) from None
+    except OSError as exc:
+        raise CatalogError(path, [f"cannot read it: {exc.strerror or exc}"]) from None
     problems: list[str] = []
     catalog = _build(path, raw, problems)
     problems.extend(validate_catalog(catalog))
@@ -193,12 +198,25 @@ def load_catalog(path: Path | str | None = None) -> Catalog:
 
 
 def _build(path: Path, raw: dict, problems: list[str]) -> Catalog:
+    schema = raw.get("schema")
+    if schema is None:
+        problems.append(f"missing `schema = {CATALOG_SCHEMA}` at the top")
+    elif schema != CATALOG_SCHEMA or isinstance(schema, bool):
+        problems.append(f"schema = {schema!r}: this miles reads catalog schema {CATALOG_SCHEMA}")
+
     def table(name: str) -> dict:
         value = raw.get(name, {})
         if not isinstance(value, dict):
             problems.append(f"[{name}] must be a table")
             return {}
-        return value
+        entries = {}
+        for key, entry in value.items():
+            if name != "labels" and not isinstance(entry, dict):
+                where = f'[{name}."{key}"]' if name == "suites" else f"[{name}.{key}]"
+                problems.append(f"{where} must be a table, not {type(entry).__name__} {entry!r:.40}")
+                continue
+            entries[key] = entry
+        return entries
 
     def field(where: str, entry: dict, key: str, kind: type, fallback):
         """A required field; reports it missing or mistyped and returns `fallback`."""
@@ -281,6 +299,11 @@ def _build(path: Path, raw: dict, problems: list[str]) -> Catalog:
 def validate_catalog(catalog: Catalog) -> list[str]:
     """Every rule the catalog must satisfy, as a list of readable problems."""
     problems = []
+    for name, kind in (("backends", "backend"), ("lanes", "lane"), ("suites", "suite")):
+        if not getattr(catalog, name):
+            problems.append(
+                f"the catalog defines no {name}: every lane runs suites of a backend; add a [{name}.<{kind}>]"
+            )
     for hw in catalog.hardware.values():
         if hw.backend not in catalog.backends:
             problems.append(f"[hardware.{hw.name}]: backend '{hw.backend}' is not a known backend")
@@ -342,10 +365,10 @@ def _suite_problems(catalog: Catalog, suite: Suite) -> list[str]:
         problems.append(f"{where}: no consumers; a suite nobody runs silently drops its tests")
     if (suite.shards is None) == (suite.budget_s is None):
         problems.append(f"{where}: set exactly one of `shards` (count) or `budget_s` (seconds per shard)")
-    if suite.shards is not None and suite.shards < 1:
-        problems.append(f"{where}: shards must be >= 1")
-    if suite.budget_s is not None and suite.budget_s <= 0:
-        problems.append(f"{where}: budget_s must be > 0")
+    if suite.shards is not None and not 1 <= suite.shards <= MAX_SHARDS:
+        problems.append(f"{where}: shards must be between 1 and {MAX_SHARDS}, not {suite.shards}")
+    if suite.budget_s is not None and not (math.isfinite(suite.budget_s) and suite.budget_s > 0):
+        problems.append(f"{where}: budget_s must be a finite number > 0, not {suite.budget_s!r}")
     if suite.gpus > 0 and not suite.runner_labels:
         problems.append(f"{where}: a GPU suite needs runner_labels")
     return problems

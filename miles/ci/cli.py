@@ -27,13 +27,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "root", None) is not None:
+            check_root(args.root, needs_tests=getattr(args, "needs_tests", False))
         return args.handler(args)
     except (UsageError, UnknownName) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except CatalogError as exc:
+    except CatalogError as exc:  # the catalog is input too: a broken one is bad input
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,7 +48,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_root_argument(parser: argparse.ArgumentParser) -> None:
+    """--root of a command that discovers tests: it must hold a tests/ directory."""
     parser.add_argument("--root", type=Path, default=Path("."), help="project root (default: .)")
+    parser.set_defaults(needs_tests=True)
+
+
+def check_root(root: Path, *, needs_tests: bool) -> None:
+    """UsageError unless `root` is a directory (holding tests/ when `needs_tests`): a
+    mistyped --root must not read as an empty project that passes."""
+    if not root.exists():
+        raise UsageError(f"--root {root} does not exist")
+    if not root.is_dir():
+        raise UsageError(f"--root {root} is not a directory")
+    if needs_tests and not (root / "tests").is_dir():
+        raise UsageError(f"--root {root} has no tests/ directory; point --root at the project root")
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -95,25 +110,55 @@ def cmd_list(args: argparse.Namespace) -> int:
         and (suites is None or r.suite in suites)
         and (args.label is None or args.label in r.labels)
     ]
+    refused = _refusals(discovery.problems, args.backend, suites)
     if args.json:
         payload = {
-            "registrations": [r.to_json() for r in regs],
+            "registrations": [{**r.to_json(), "status": _status(r)} for r in regs] + refused,
             "problems": [str(p) for p in discovery.problems],
         }
         print(json.dumps(payload, indent=2))
     else:
-        _print_table(regs)
+        _print_table(regs, refused)
     for problem in discovery.problems:
         print(problem, file=sys.stderr)
     return 1 if discovery.problems else 0
 
 
-def _print_table(regs) -> None:
+def _status(r) -> str:
+    return "disabled" if r.disabled else "enabled"
+
+
+def _refusals(problems, backend: str | None, suites: set[str] | None) -> list[dict]:
+    """Registrations a rule refused, one entry per call, so they stay visible."""
+    seen: dict[tuple[str, int], dict] = {}
+    for p in problems:
+        if not p.refused or (backend is not None and backend not in p.backends):
+            continue
+        if suites is not None and p.suite not in suites:
+            continue
+        entry = seen.setdefault((p.file, p.line), p.refusal_json())
+        if p.message not in entry["rule"]:
+            entry["rule"] += "; " + p.message
+    return list(seen.values())
+
+
+def _print_table(regs, refused=()) -> None:
     rows = [("BACKEND", "SUITE", "EST(s)", "FILE", "LABELS", "STATUS")]
     for r in sorted(regs, key=lambda r: (r.backend, r.suite, r.file)):
         status = "disabled: " + r.disabled if r.disabled else ("nightly" if r.nightly else "enabled")
         where = r.file if r.implicit else f"{r.file}:{r.line}"
         rows.append((r.backend, r.suite, f"{r.est_time:g}", where, ",".join(r.labels) or "-", status))
+    for x in refused:
+        rows.append(
+            (
+                x["backend"] or "-",
+                x["suite"] or "-",
+                "-",
+                f"{x['file']}:{x['line']}",
+                "-",
+                f"refused: {x['rule']}",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths, strict=True)) + "  " + row[-1])
@@ -153,8 +198,11 @@ def cmd_manifest(args: argparse.Namespace) -> int:
                 if r.enabled
             ],
             "disabled": [{"file": r.file, "reason": r.disabled} for r in regs if not r.enabled],
+            "refused": _refusals(discovery.problems, suite.backend, {suite.name}),
         }
-    print(json.dumps({"schema": 1, "suites": suites}, indent=2))
+    placed = {(x["file"], x["line"]) for s in suites.values() for x in s["refused"]}
+    elsewhere = [x for x in _refusals(discovery.problems, None, None) if (x["file"], x["line"]) not in placed]
+    print(json.dumps({"schema": 1, "suites": suites, "refused": elsewhere}, indent=2))
     for problem in discovery.problems:
         print(problem, file=sys.stderr)
     return 1 if discovery.problems else 0

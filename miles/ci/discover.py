@@ -9,15 +9,18 @@ the fix.
 from __future__ import annotations
 
 import ast
+import io
 import os
 import re
+import stat
+import tokenize
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from miles.ci.catalog import Catalog, load_catalog
 from miles.ci.discover_cache import DiscoveryCache
-from miles.ci.register import MARKERS
+from miles.ci.register import BACKEND_OF_MARKER, MARKERS
 from miles.ci.registration import GateDeclaration, Problem, Registration, TestFile
 from miles.ci.rules import FileReader, disabled_reason_problem
 
@@ -130,7 +133,7 @@ def iter_test_files(root: Path, tests_dir: str = "tests") -> Iterator[str]:
                     if not name.startswith(".") and name != "__pycache__":
                         stack.append((entry.path, f"{rel}/{name}"))
                 elif name.startswith("test_") and name.endswith(".py"):
-                    found.append(f"{rel}/{name}")
+                    found.append(f"{rel}/{name}")  # not-regular files are reported when read
     yield from sorted(found)
 
 
@@ -140,20 +143,27 @@ def parse_test_file(
     """Registrations, gate declarations and problems of one file."""
     problems: list[Problem] = []
     try:
-        source = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        source = read_source(path)
+    except (OSError, UnicodeDecodeError, SyntaxError, LookupError) as exc:
         return TestFile(rel, ()), [Problem(rel, 1, f"cannot read the file: {exc}")]
     try:
         tree, mentions = _parse_marker_region(source, rel)
     except SyntaxError as exc:
-        return TestFile(rel, ()), [
-            Problem(rel, exc.lineno or 1, f"syntax error, registrations cannot be read: {exc.msg}")
-        ]
+        named = {BACKEND_OF_MARKER[m] for m in _MARKER_RE.findall(source) if m in BACKEND_OF_MARKER}
+        if rel.startswith(f"{tests_dir}/{UNIT_DIR}/"):
+            named.add("cpu")
+        message = f"syntax error, registrations cannot be read: {exc.msg}"
+        return TestFile(rel, ()), [Problem(rel, exc.lineno or 1, message, tuple(sorted(named)))]
     reader = FileReader(rel, catalog, problems)
     if tree is not None:
         reader.read(tree, mentions)
     registrations = reader.registrations
     in_unit = rel.startswith(f"{tests_dir}/{UNIT_DIR}/")
+    # A problem of the whole file (a gate, an import, a misplaced call) concerns every
+    # backend the file's markers name; a unit file also runs on cpu.
+    named = {BACKEND_OF_MARKER[m] for m in _MARKER_RE.findall(source) if m in BACKEND_OF_MARKER}
+    backends = tuple(sorted(named | ({"cpu"} if in_unit else set())))
+    problems[:] = [p.with_backends(backends) for p in problems]
     if not registrations and not reader.named_a_marker:
         if in_unit:
             registrations = [Registration("cpu", rel, 0, IMPLICIT_EST_TIME, IMPLICIT_SUITE, implicit=True)]
@@ -168,6 +178,22 @@ def parse_test_file(
                 )
             )
     return TestFile(rel, tuple(registrations), tuple(reader.gates)), problems
+
+
+def read_source(path: Path) -> str:
+    """The text of a Python file as Python reads it: a UTF-8 BOM or a PEP 263 coding cookie
+    is honoured. Anything but a regular file (a FIFO would block the read forever) is an
+    OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path.name} is not a regular file; a test file must be one")
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            raw = fh.read()
+    finally:
+        os.close(fd)
+    encoding, _ = tokenize.detect_encoding(io.BytesIO(raw).readline)
+    return raw.decode(encoding)
 
 
 def _parse_marker_region(source: str, filename: str) -> tuple[ast.Module | None, int]:

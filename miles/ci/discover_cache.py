@@ -24,7 +24,7 @@ from pathlib import Path
 from miles.ci.registration import Problem, TestFile
 
 CACHE_FILE = Path(".miles") / "cache" / "discover.pickle"
-CACHE_FORMAT = 3  # bump when the shape of an entry changes
+CACHE_FORMAT = 4  # bump when the shape of an entry changes
 _RACY_WINDOW_NS = 2_000_000_000
 _PACKAGE = Path(__file__).resolve().parents[1]
 # The code whose behaviour decides a file's records and problems.

@@ -15,18 +15,40 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 
-from miles.ci.record import FAILED, PASSED, TIMEOUT, Attempt
+from miles.ci.record import FAILED, FLAKY, PASSED, TIMEOUT, Attempt
 
 PATH_ENV = "MILES_DURATIONS_PATH"
 KEEP_PER_KEY = 50  # newest rows read per (backend, suite, file)
 
 
 def durations_path(root: Path | str = ".") -> Path | str:
-    """Where durations go: $MILES_DURATIONS_PATH, else the history store of `root`."""
-    from miles.metrics.store import resolve_url
+    """Where durations go: $MILES_DURATIONS_PATH (a SQLite file), else the history store of
+    `root`. A URL in MILES_DURATIONS_PATH is a StoreError: it would become directories named
+    after its password; a PostgreSQL store belongs in MILES_HISTORY_URL."""
+    from miles.metrics.store import StoreError, check_store_url, is_keyword_dsn, mask_url, resolve_url
 
-    env = os.environ.get(PATH_ENV)
-    return Path(env) if env else resolve_url(None, root=root)
+    env = os.environ.get(PATH_ENV, "").strip()
+    if not env:
+        return check_store_url(resolve_url(None, root=root), name="MILES_HISTORY_URL")
+    if env.startswith("sqlite:///"):
+        return env
+    if "://" in env or is_keyword_dsn(env):
+        raise StoreError(
+            f"{PATH_ENV} names a SQLite file, but {mask_url(env)!r} is a store URL; "
+            f"put it in MILES_HISTORY_URL and unset {PATH_ENV}"
+        )
+    return Path(check_store_url(env, name=PATH_ENV))
+
+
+def check_store_settings(root: Path | str = ".") -> None:
+    """Raise StoreError (one line, password masked) when MILES_HISTORY_URL or
+    MILES_DURATIONS_PATH cannot name a store, before anything runs."""
+    from miles.metrics.store import HISTORY_URL_ENV, check_store_url
+
+    url = os.environ.get(HISTORY_URL_ENV, "").strip()
+    if url:
+        check_store_url(url, name=HISTORY_URL_ENV)
+    durations_path(root)
 
 
 def _ran_to_an_end(a: Attempt) -> bool:
@@ -35,7 +57,7 @@ def _ran_to_an_end(a: Attempt) -> bool:
     attempts are left out."""
     if a.status == TIMEOUT:
         return True
-    return a.status in (PASSED, FAILED) and (a.exit_code is not None or a.signal is not None)
+    return a.status in (PASSED, FLAKY, FAILED) and (a.exit_code is not None or a.signal is not None)
 
 
 def record_durations(attempts: Iterable[Attempt], path: Path | str | None = None) -> int:
@@ -70,7 +92,7 @@ def load_durations(
     out: dict[str, list[tuple[float, bool]]] = {}
     # The store answers newest first; reversed and stably sorted, equal times keep write order.
     for r in sorted(reversed(records), key=lambda r: r.created_at):
-        out.setdefault(r.file, []).append((r.elapsed_s, r.status == PASSED))
+        out.setdefault(r.file, []).append((r.elapsed_s, r.status in (PASSED, FLAKY)))
     return out
 
 
@@ -81,6 +103,6 @@ def _call(path: Path | str | None, action):
     try:
         return action(open_store(str(target)))
     except StoreUnreachable as exc:
-        raise OSError(f"durations not stored: {exc}") from exc
+        raise OSError(str(exc)) from None
     except StoreError as exc:
-        raise ValueError(str(exc)) from exc
+        raise ValueError(str(exc)) from None

@@ -1,9 +1,11 @@
 """Run one test file once: its own `python -m pytest <file>` process in its own session and
 process group, its own JUnit file, a timeout, and nothing of it left alive afterwards.
 
-On timeout or cancellation the whole group (and any member of the session that moved to
-another group) gets SIGTERM, a grace period, then SIGKILL. The same sweep runs after a
-normal exit, so a server a test forgot to stop cannot hold a port or a GPU for the next one.
+Every process the test starts is tracked (miles.ci.processes: a cgroup where one can be
+made, always a subreaper and a walk of /proc), so a `setsid` daemon or a server in a new
+session is found too. On timeout or cancellation they all get SIGTERM, a grace period, then
+SIGKILL; the same sweep runs after a normal exit, so a server a test forgot to stop cannot
+hold a port or a GPU for the next one. The attempt's record names every process stopped.
 What happened is read and classified by miles.ci.outcome.
 """
 
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from miles.ci.outcome import classify_attempt, read_junit, signal_name
+from miles.ci.processes import Containment
 from miles.ci.record import CANCELLED, FAILED, Attempt
 
 TAIL_LINES = 80
@@ -32,15 +35,32 @@ POLL_S = 0.25  # how often the wait loop looks at the cancel flag and the progre
 
 
 class CancelToken:
-    """Set from a signal handler; the executor stops the running test when it sees it."""
+    """Set from a signal handler; the executor stops the running test when it sees it. The
+    handler also writes to a pipe the wait loop selects on, so a cancel is seen at once."""
 
     def __init__(self) -> None:
         self.signal: int | None = None
         self.count = 0
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
 
     def cancel(self, signum: int) -> None:
         self.signal = signum if self.signal is None else self.signal
         self.count += 1
+        try:
+            os.write(self._write, b"x")
+        except OSError:  # the pipe is full: the loop has been told already
+            pass
+
+    def fileno(self) -> int:
+        return self._read
+
+    def close(self) -> None:
+        for fd in (self._read, self._write):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     @property
     def cancelled(self) -> bool:
@@ -115,6 +135,7 @@ class Settings:
     pytest_args: tuple[str, ...] = ()
     echo: IO[str] | None = None  # where to stream the test's output live, if anywhere
     base_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+    use_cgroup: bool = True  # track the test's processes in a cgroup of its own where possible
 
 
 def pytest_command(settings: Settings, file: str, junit_path: Path | str) -> list[str]:
@@ -143,8 +164,11 @@ def run_attempt(
     settings: Settings,
     cancel: CancelToken,
     tick: Callable[[float], None] | None = None,
+    on_cancel: Callable[[Attempt], None] | None = None,
 ) -> Attempt:
-    """Run `test` once and return its record; never raises for anything the test does."""
+    """Run `test` once and return its record; never raises for anything the test does.
+    `on_cancel` gets the attempt as cancelled the moment a cancel is seen, before any
+    waiting (the grace period, the output pipe), so reports can be written first."""
     attempt_dir.mkdir(parents=True, exist_ok=True)
     record_dir = attempt_dir / "metrics"
     record_dir.mkdir(parents=True, exist_ok=True)
@@ -163,32 +187,41 @@ def run_attempt(
         return base.replace(classification="missing-file", message=message, output_tail=message)
 
     argv = pytest_command(settings, test.file, junit_path)
-    env = {**settings.base_env, **test.env(record_dir)}
+    containment = Containment(use_cgroup=settings.use_cgroup)
+    env = {**settings.base_env, **test.env(record_dir), **containment.env()}
     started = time.monotonic()
-    with open(log_path, "wb") as log:
-        try:
-            proc = subprocess.Popen(
-                argv,
-                cwd=settings.root,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # own session and group: the unit we kill
-            )
-        except OSError as exc:
-            message = f"could not start {argv[0]}: {exc}"
-            return base.replace(classification="launch-error", message=message, output_tail=message)
-        tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-        reader = threading.Thread(target=_pump, args=(proc.stdout, log, tail, settings.echo), daemon=True)
-        reader.start()
-        outcome = _wait(proc, started + test.timeout, cancel, tick, started)
-        elapsed = time.monotonic() - started
-        if outcome != "exited":
-            terminate_group(proc, settings.grace, cancel)
-        else:
-            sweep_group(proc, settings.grace, cancel)
-        reader.join(timeout=5)
+    try:
+        with open(log_path, "wb") as log:
+            try:
+                proc = _start(argv, settings.root, env, containment)
+            except (OSError, subprocess.SubprocessError) as exc:
+                message = f"could not start {argv[0]}: {exc}"
+                return base.replace(classification="launch-error", message=message, output_tail=message)
+            containment.started(proc.pid)
+            tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+            reader = threading.Thread(target=_pump, args=(proc.stdout, log, tail, settings.echo), daemon=True)
+            reader.start()
+            outcome = _wait(proc, started + test.timeout, cancel, tick, started)
+            elapsed = time.monotonic() - started
+            if outcome == "cancelled" and on_cancel is not None:
+                on_cancel(
+                    base.replace(
+                        status=CANCELLED,
+                        classification="cancelled",
+                        elapsed=elapsed,
+                        message=f"stopped: the run was cancelled by {cancel.name}",
+                        output_tail="".join(tail)[-TAIL_CHARS:],
+                    )
+                )
+            killed = containment.stop(settings.grace, hurry=lambda: cancel.hurry)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # stuck in the kernel (a hung GPU driver call); go on
+                print(f"warning: test process {proc.pid} did not die within 30 s of SIGKILL", file=sys.stderr)
+            # Every holder of the pipe is gone by now; the bound is for one stuck in the kernel.
+            reader.join(timeout=1 if cancel.cancelled else 5)
+    finally:
+        containment.close()
     returncode = proc.returncode
     text = "".join(tail)[-TAIL_CHARS:]
     parsed = read_junit(junit_path)
@@ -197,7 +230,6 @@ def run_attempt(
         timed_out=outcome == "timeout",
         cancelled_by=cancel.name if outcome == "cancelled" else None,
         junit=parsed,
-        tail=text,
         timeout=test.timeout,
         est_time=test.est_time,
     )
@@ -210,7 +242,28 @@ def run_attempt(
         message=message,
         output_tail=text,
         cases=parsed.cases if parsed.ok else (),
+        killed=killed,
     )
+
+
+def _start(argv: list[str], cwd: Path, env: dict[str, str], containment: Containment) -> subprocess.Popen:
+    """Popen in a new session; the child enters the attempt's cgroup (if any) before exec."""
+    kwargs: dict[str, Any] = dict(
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # own session and group
+    )
+    preexec = containment.preexec()
+    if preexec is None:
+        return subprocess.Popen(argv, **kwargs)
+    try:
+        return subprocess.Popen(argv, preexec_fn=preexec, **kwargs)
+    except subprocess.SubprocessError:  # the cgroup refused the move: the other nets remain
+        containment.drop_cgroup()
+        return subprocess.Popen(argv, **kwargs)
 
 
 def _pump(stream: IO[bytes], log: IO[bytes], tail: collections.deque, echo: IO[str] | None) -> None:
@@ -225,7 +278,7 @@ def _pump(stream: IO[bytes], log: IO[bytes], tail: collections.deque, echo: IO[s
                 echo.flush()
         log.flush()
     except (OSError, ValueError):
-        pass  # the log was closed under us: a process outside the test's session held the pipe
+        pass  # the log was closed under us: a process the sweep could not stop held the pipe
     finally:
         stream.close()
 
@@ -238,8 +291,8 @@ def _wait(
     started: float,
 ) -> str:
     """Block until the process exits ("exited"), the deadline passes ("timeout") or the run
-    is cancelled ("cancelled"). A pidfd makes the exit visible at once; polling is the
-    fallback where the kernel has none."""
+    is cancelled ("cancelled"). A pidfd makes the exit visible at once and the cancel
+    token's pipe the cancel; polling is the fallback where the kernel has no pidfd."""
     pidfd = None
     if hasattr(os, "pidfd_open"):
         try:
@@ -257,86 +310,11 @@ def _wait(
                 return "timeout"
             step = min(deadline - now, POLL_S)
             if pidfd is not None:
-                select.select([pidfd], [], [], step)
+                select.select([pidfd, cancel], [], [], step)
             else:
-                time.sleep(min(step, 0.01))
+                select.select([cancel], [], [], min(step, 0.01))
             if tick is not None:
                 tick(time.monotonic() - started)
     finally:
         if pidfd is not None:
             os.close(pidfd)
-
-
-def _members(pgid: int) -> list[tuple[int, int]]:
-    """(pid, pgid) of live processes in process group or session `pgid` (which equal the
-    test's pid, as it was started with a new session). Zombies do not count."""
-    found = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return found
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        state, pgrp, session = fields[0], int(fields[2]), int(fields[3])
-        if state in (b"Z", b"X"):
-            continue
-        if pgrp == pgid or session == pgid:
-            found.append((int(entry), pgrp))
-    return found
-
-
-def _alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return bool(_members(pgid))  # a member may have moved to its own group
-    except PermissionError:
-        return True
-    return bool(_members(pgid)) if os.path.isdir("/proc") else True
-
-
-def _signal_all(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-    for pid, pgrp in _members(pgid):
-        if pgrp != pgid:
-            try:
-                os.kill(pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-
-def terminate_group(proc: subprocess.Popen, grace: float, cancel: CancelToken | None = None) -> None:
-    """SIGTERM the test's group, wait up to `grace` seconds, SIGKILL what is left; returns
-    when no process of the group is alive (or after a last few seconds of waiting)."""
-    pgid = proc.pid
-    _signal_all(pgid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and not (cancel is not None and cancel.hurry):
-        proc.poll()
-        if not _alive(pgid):
-            break
-        time.sleep(0.02)
-    _signal_all(pgid, signal.SIGKILL)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:  # stuck in the kernel (a hung GPU driver call); go on
-        print(f"warning: test process {pgid} did not die within 30 s of SIGKILL", file=sys.stderr)
-    end = time.monotonic() + 5
-    while _alive(pgid) and time.monotonic() < end:
-        time.sleep(0.02)
-
-
-def sweep_group(proc: subprocess.Popen, grace: float, cancel: CancelToken | None = None) -> None:
-    """After a normal exit: stop whatever the test left running in its group."""
-    if _alive(proc.pid):
-        terminate_group(proc, grace, cancel)

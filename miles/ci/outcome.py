@@ -1,11 +1,14 @@
-"""What happened in one attempt: read from its exit status, its JUnit file and the tail of
-its output, and classified so the runner knows whether a retry may help.
+"""What happened in one attempt: read from its exit status and its JUnit file, and
+classified so the runner knows whether a retry may help.
 
-Retries are for infrastructure only. An attempt is `infra:<name>` when it failed (not by a
-signal, not by timeout), no failing test raised AssertionError, no import failed, nothing
-ran out of memory, and one of INFRA_PATTERNS matches the tail of its output or a failing
-test's message. Everything else (assertions, import errors, out-of-memory, crashes,
-timeouts) is never retried: running it again costs a runner and hides a real failure.
+Retries are for infrastructure only, and the evidence is each failing test's own
+exception: its type, its message and the exceptions chained to it (the `E` lines of the
+JUnit failure), never the rest of the output, where another test's warning, a test id or
+another rank's message can say anything. An attempt is `infra:<name>` only when every
+failing test is: no AssertionError, import error or out-of-memory anywhere in its chain,
+its exception not a programming error (KeyError, TypeError, ...), and one of INFRA_PATTERNS
+in its chain (or a ConnectionRefusedError). Everything else, and every crash, timeout or
+missing JUnit, is never retried: running it again costs a runner and hides a real failure.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from miles.ci.record import CANCELLED, ERROR, FAILED, PASSED, TIMEOUT, CaseResul
 _KIND_AT_END = re.compile(r"^\S+:\d+: ([A-Za-z_][\w.]*)$")
 _KIND_E_LINE = re.compile(r"^E\s+([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt))\b")
 _KIND_PREFIX = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception)):")
+_E_LINE = re.compile(r"^E\s{1,8}(.*)$")
+_CHAIN_LIMIT = 4000
 
 
 @dataclass(frozen=True)
@@ -47,14 +52,16 @@ def read_junit(path: Path) -> JUnitResult:
         )
     cases = []
     for case in root.iter("testcase"):
-        outcome, message, kind = "passed", "", ""
+        outcome, message, kind, chain = "passed", "", "", ""
         for tag in ("failure", "error", "skipped"):
             child = case.find(tag)
             if child is not None:
                 outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
                 message = (child.get("message") or "").strip().splitlines()[0:1]
                 message = message[0] if message else ""
-                kind = _exception_kind(message, child.text or "") if tag != "skipped" else ""
+                if tag != "skipped":
+                    kind = _exception_kind(message, child.text or "")
+                    chain = exception_chain(child.text or "")
                 break
         try:
             line = int(case.get("line")) if case.get("line") else None
@@ -73,9 +80,24 @@ def read_junit(path: Path) -> JUnitResult:
                 outcome=outcome,
                 message=message,
                 kind=kind,
+                chain=chain,
             )
         )
     return JUnitResult(True, tuple(cases))
+
+
+def exception_chain(text: str) -> str:
+    """The exceptions of a pytest failure, as text: the `E` lines (each exception's message,
+    chained ones included) and the `path:line: Type` line that ends each traceback. Source
+    lines, locals and captured output are left out."""
+    kept = []
+    for line in text.splitlines():
+        match = _E_LINE.match(line)
+        if match:
+            kept.append(match.group(1))
+        elif _KIND_AT_END.match(line.strip()):
+            kept.append(line.strip().rsplit(": ", 1)[-1])
+    return "\n".join(kept)[-_CHAIN_LIMIT:]
 
 
 def _exception_kind(message: str, text: str) -> str:
@@ -120,18 +142,21 @@ INFRA_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ),
     (
         "cuda-802",
-        re.compile(r"CUDA error[^\n]*(?:\b802\b|system not yet initiali[sz]ed)|cudaErrorSystemNotReady"),
-    ),
-    ("hip-runtime", re.compile(r"\bHIP error\b|\bhipError[A-Z]\w*|HSA_STATUS_ERROR\w*")),
-    (
-        "local-port-refused",
         re.compile(
-            r"^(?=[^\n]*(?:127\.0\.0\.1|localhost|\[?::1\]?:\d))[^\n]*"
-            r"(?:Connection refused|ECONNREFUSED|Errno 111)[^\n]*$",
-            re.IGNORECASE | re.MULTILINE,
+            r"CUDA error[^\n]*(?:\b802\b|system not yet initiali[sz]ed)|cudaErrorSystemNotReady"
+            r"|\bError 802\b|system not yet initiali[sz]ed"
         ),
     ),
+    ("hip-runtime", re.compile(r"\bHIP error\b|\bhipError[A-Z]\w*|HSA_STATUS_ERROR\w*")),
+    ("connection-refused", re.compile(r"Connection refused|\bECONNREFUSED\b|\[Errno 111\]", re.IGNORECASE)),
     ("disk-full", re.compile(r"No space left on device|\bENOSPC\b|\[Errno 28\]")),
+)
+# A failing test whose own exception is one of these is a bug in the code, whatever its
+# message says (a KeyError('ENOSPC') is a lookup, not a full disk).
+PROGRAMMING_ERRORS = frozenset(
+    """KeyError IndexError LookupError AttributeError TypeError NameError UnboundLocalError
+    ZeroDivisionError NotImplementedError SyntaxError IndentationError RecursionError
+    AssertionError ImportError ModuleNotFoundError""".split()
 )
 # Never retried, and checked first: the same error would come back.
 OOM_PATTERN = re.compile(
@@ -147,13 +172,36 @@ def is_retryable(classification: str) -> bool:
     return classification.startswith("infra:")
 
 
+def classify_case(case: CaseResult) -> str:
+    """oom | import-error | assertion | infra:<name> | test-failure, from the case's own
+    exception chain only."""
+    text = f"{case.kind}: {case.message}\n{case.chain}"
+    if OOM_PATTERN.search(text):
+        return "oom"
+    if case.kind in ("ImportError", "ModuleNotFoundError") or IMPORT_PATTERN.search(case.message):
+        return "import-error"
+    if case.kind == "AssertionError" or re.search(r"\bAssertionError\b", text):
+        return "assertion"  # even beside another rank's NCCL error: the real failure is here
+    if case.kind in PROGRAMMING_ERRORS:
+        return "test-failure"
+    for name, pattern in INFRA_PATTERNS:
+        if pattern.search(text):
+            return f"infra:{name}"
+    if case.kind == "ConnectionRefusedError":
+        return "infra:connection-refused"
+    return "test-failure"
+
+
+# When the failing tests disagree, the most telling class wins; infra only if all are.
+_PRECEDENCE = ("oom", "import-error", "assertion", "test-failure")
+
+
 def classify_attempt(
     *,
     returncode: int | None,
     timed_out: bool,
     cancelled_by: str | None,
     junit: JUnitResult,
-    tail: str,
     timeout: float,
     est_time: float,
 ) -> tuple[str, str, str]:
@@ -184,19 +232,14 @@ def classify_attempt(
         return PASSED, "passed", ""
     if returncode == 5:
         return FAILED, "no-tests", "pytest collected no tests from this file"
-    text = tail + "\n" + "\n".join(f"{c.kind}: {c.message}" for c in failing)
-    first = failing[0] if failing else None
-    where = f"{first.classname}::{first.name}: " if first else ""
-    detail = (
-        f"{where}{first.message}" if first else PYTEST_EXIT.get(returncode or 0, f"exit code {returncode}")
-    )
-    if OOM_PATTERN.search(text):
+    if not failing:
+        return FAILED, "test-failure", PYTEST_EXIT.get(returncode or 0, f"exit code {returncode}")
+    verdicts = [classify_case(c) for c in failing]
+    chosen = next((v for v in _PRECEDENCE if v in verdicts), verdicts[0])
+    first = failing[verdicts.index(chosen)]
+    detail = f"{first.classname}::{first.name}: {first.message}"
+    if chosen == "oom":
         return FAILED, "oom", f"out of memory: {detail}"
-    if any(c.kind in ("ImportError", "ModuleNotFoundError") for c in failing) or IMPORT_PATTERN.search(text):
-        return FAILED, "import-error", detail
-    if any(c.kind == "AssertionError" for c in failing):
-        return FAILED, "assertion", detail
-    for name, pattern in INFRA_PATTERNS:
-        if pattern.search(text):
-            return FAILED, f"infra:{name}", f"infrastructure ({name}): {detail}"
-    return FAILED, "test-failure", detail
+    if chosen.startswith("infra:"):
+        return FAILED, chosen, f"infrastructure ({chosen[6:]}): {detail}"
+    return FAILED, chosen, detail

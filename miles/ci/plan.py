@@ -7,23 +7,30 @@ machine with nothing heavy installed. `build_plan()` computes everything the run
 
 from __future__ import annotations
 
+import difflib
+import math
 import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from miles.ci.catalog import Catalog, Suite
+from miles.ci.catalog import MAX_SHARDS, Catalog, Suite
 from miles.ci.discover import Discovery
 from miles.ci.execute import Settings, TestRun, format_command, pytest_command
-from miles.ci.policy import effective_cadence, parse_labels
-from miles.ci.registration import GateDeclaration, Registration
+from miles.ci.policy import CiEvent, effective_cadence, history_decision, parse_labels
+from miles.ci.registration import GateDeclaration, Problem, Registration
 from miles.ci.report import REPORT_FILES
-from miles.ci.select import Selection, default_cadence, resolve_scope, select
-from miles.ci.shard import Job, Partition, balanced_partition, shards_for_budget
+from miles.ci.select import Scope, Selection, default_cadence, resolve_scope, select
+from miles.ci.shard import Job, Partition, balanced_partition, lower_bound, shards_for_budget
 
 DEFAULT_TIMEOUT_FLOOR = 60.0  # seconds; short tests still get time to import torch
 DEFAULT_GRACE = 10.0  # seconds between SIGTERM and SIGKILL
 TIMEOUT_FACTOR = 1.25
+# Bounds of the numbers a person passes: beyond them a run hangs on one signal (an infinite
+# grace), never times out (a NaN floor) or plans millions of empty shards.
+MAX_TIMEOUT_FLOOR = 86_400.0  # a day, the longest est_time a registration may state
+MAX_GRACE = 600.0
+MAX_ATTEMPTS = 10
 
 
 class PlanError(ValueError):
@@ -83,6 +90,9 @@ class RunPlan:
     continue_on_error: bool
     settings: Settings = field(repr=False)
     timeout_floor: float = DEFAULT_TIMEOUT_FLOOR
+    store_history: bool = False  # passing gated attempts are stored as trusted history
+    history_reason: str = ""  # why (policy.history_decision)
+    warnings: tuple[Problem, ...] = ()  # registration problems of other suites: not this run's
 
 
 def timeout_for(est_time: float, floor: float) -> float:
@@ -98,6 +108,8 @@ def parse_shard(text: str) -> tuple[int, int | None]:
         n = None if n_text == "auto" else int(n_text)
     except ValueError:
         raise PlanError(f"--shard {text!r} must look like k/N (1-based, e.g. 2/3) or k/auto") from None
+    if n is not None and not 1 <= n <= MAX_SHARDS:
+        raise PlanError(f"--shard {text}: N must be between 1 and {MAX_SHARDS}")
     if not sep or k < 1 or (n is not None and not 1 <= k <= n):
         raise PlanError(f"--shard {text!r}: need 1 <= k <= N")
     return k, n
@@ -110,27 +122,54 @@ def parse_shards(text: str) -> int | None:
         n = int(text)
     except ValueError:
         raise PlanError(f"--shards {text!r} must be a positive number or 'auto'") from None
-    if n < 1:
-        raise PlanError(f"--shards {text!r} must be >= 1")
+    if not 1 <= n <= MAX_SHARDS:
+        raise PlanError(f"--shards {text} must be between 1 and {MAX_SHARDS}")
     return n
+
+
+def check_seconds(flag: str, value: float, low: float, high: float) -> float:
+    """`value` if it is a finite number of seconds in [low, high]; else PlanError."""
+    if not math.isfinite(value):
+        raise PlanError(f"{flag} {value:g} must be a finite number of seconds")
+    if not low <= value <= high:
+        raise PlanError(f"{flag} {value:g} must be between {low:g} and {high:g} seconds")
+    return value
+
+
+def check_options(options: RunOptions) -> None:
+    """The numeric options' bounds and a usable --report-dir, before anything is planned."""
+    check_seconds("--timeout-floor", options.timeout_floor, 0.0, MAX_TIMEOUT_FLOOR)
+    check_seconds("--grace", options.grace, 0.0, MAX_GRACE)
+    if options.max_attempts is not None and not 1 <= options.max_attempts <= MAX_ATTEMPTS:
+        raise PlanError(f"--max-attempts {options.max_attempts} must be between 1 and {MAX_ATTEMPTS}")
+    report_dir = options.report_dir
+    if report_dir is not None and report_dir.exists() and not report_dir.is_dir():
+        raise PlanError(f"--report-dir {report_dir} exists and is not a directory; name a directory")
 
 
 def shard_count(suite: Suite, jobs: list[Job], requested: int | None, explicit: bool) -> tuple[int, str]:
     if explicit and requested is not None:
         return requested, "requested"
     if suite.budget_s is not None:
-        return shards_for_budget(jobs, suite.budget_s), f"auto: budget {suite.budget_s:g}s per shard"
+        return shards_for_budget(
+            jobs, suite.budget_s, max_shards=MAX_SHARDS
+        ), f"auto: budget {suite.budget_s:g}s per shard"
     return suite.shards or 1, "catalog"
 
 
 def build_plan(options: RunOptions, catalog: Catalog, discovery: Discovery) -> RunPlan:
     """Everything the run will do, computed without running anything."""
-    if discovery.problems:
-        lines = "\n".join(f"  {p}" for p in discovery.problems)
-        raise PlanError(f"{len(discovery.problems)} registration problem(s); fix them first:\n{lines}")
+    check_options(options)
     scope = resolve_scope(catalog, lane=options.lane, backend=options.backend, suites=options.suites)
+    own = [p for p in discovery.problems if blocks(p, scope, catalog)]
+    if own:
+        lines = "\n".join(f"  {p}" for p in own)
+        raise PlanError(f"{len(own)} registration problem(s) in this run's suites; fix them first:\n{lines}")
     labels = parse_labels(options.labels, catalog) if options.labels is not None else None
-    cadence = effective_cadence(options.cadence or default_cadence(scope), labels)
+    base_cadence = options.cadence or default_cadence(scope)
+    cadence = effective_cadence(base_cadence, labels)
+    # from the event and the cadence it asked for: a label widens the tests, never the trust
+    store_history, history_reason = history_decision(CiEvent.from_env(os.environ), base_cadence, catalog)
     selection = select(discovery, scope, cadence=cadence, labels=labels)
 
     k, n_requested, explicit = None, None, False
@@ -175,8 +214,6 @@ def build_plan(options: RunOptions, catalog: Catalog, discovery: Discovery) -> R
         else max((catalog.lanes[s.lane].max_attempts for s in scope.suites), default=1)
     )
     max_attempts = options.max_attempts if options.max_attempts is not None else lane_attempts
-    if max_attempts < 1:
-        raise PlanError(f"--max-attempts {max_attempts} must be >= 1")
     continue_on_error = options.continue_on_error or bool(labels and labels.bypass_fastfail)
     stream = options.stream if options.stream is not None else os.environ.get("GITHUB_ACTIONS") == "true"
     settings = Settings(
@@ -195,7 +232,27 @@ def build_plan(options: RunOptions, catalog: Catalog, discovery: Discovery) -> R
         continue_on_error,
         settings,
         options.timeout_floor,
+        store_history,
+        history_reason,
+        tuple(p for p in discovery.problems if not blocks(p, scope, catalog)),
     )
+
+
+def blocks(problem: Problem, scope: Scope, catalog: Catalog) -> bool:
+    """Whether a registration problem stops a run of `scope`: only a problem in one of its
+    own suites does (or one that cannot be placed in a suite of its backend). The others are
+    warnings here; `audit --strict` (the lint lane) fails on every problem."""
+    if scope.backend not in problem.backends:
+        return False
+    names = {s.name for s in scope.suites}
+    if problem.suite is None:
+        return True
+    suite = catalog.suites.get(problem.suite)
+    if suite is not None and suite.backend == scope.backend:
+        return suite.name in names
+    pool = [s.name for s in catalog.suites_for_backend(scope.backend)]
+    close = difflib.get_close_matches(problem.suite, pool, n=1, cutoff=0.75)
+    return close[0] in names if close else True
 
 
 def attempt_dir(plan: RunPlan, test: PlannedTest, attempt: int) -> Path:
@@ -228,27 +285,32 @@ def format_plan(plan: RunPlan) -> str:
     out = [
         f"plan · {sel.scope.name} · backend {sel.scope.backend} · cadence {sel.cadence} · labels {labels} · "
         f"shard {plan.shard} · max attempts {plan.max_attempts} · "
-        f"{'continue on error' if plan.continue_on_error else 'fast-fail'}"
+        f"{'continue on error' if plan.continue_on_error else 'fast-fail'}",
+        f"metric history is {'stored' if plan.store_history else 'not stored'}: {plan.history_reason}",
     ]
     for sp in plan.suites:
         p = sp.partition
-        total = sum(p.loads)
+        loads = p.loads  # a computed property: read once, not once per shard line
+        running = set(sp.run_shards)
+        total = sum(loads)
         longest = max((j.weight for s in p.shards for j in s), default=0.0)
         n_tests = sum(len(s) for s in p.shards)
         out.append("")
         out.append(
             f"suite {sp.suite.name}: {n_tests} test(s), {sp.n_shards} shard(s) ({sp.how}), total est {total:g}s"
         )
+        makespan = max(loads, default=0.0)
+        bound = lower_bound([j.weight for s in p.shards for j in s], sp.n_shards)
         if n_tests:
             out.append(
-                f"  lower bound {p.lower_bound:.0f}s = max(total/N {total / sp.n_shards:.0f}s, longest {longest:g}s); "
-                f"predicted makespan {p.makespan:.0f}s; ratio {p.ratio:.3f} ({p.method}"
+                f"  lower bound {bound:.0f}s = max(total/N {total / sp.n_shards:.0f}s, longest {longest:g}s); "
+                f"predicted makespan {makespan:.0f}s; ratio {makespan / bound if bound > 0 else 1.0:.3f} ({p.method}"
                 f"{', optimal' if p.optimal else ''})"
             )
         for index, shard in enumerate(p.shards, start=1):
-            here = " ← this run" if index in sp.run_shards else ""
+            here = " ← this run" if index in running else ""
             out.append(
-                f"  shard {index}/{sp.n_shards}: {len(shard)} test(s), predicted {p.loads[index - 1]:g}s{here}"
+                f"  shard {index}/{sp.n_shards}: {len(shard)} test(s), predicted {loads[index - 1]:g}s{here}"
             )
             for job in sorted(shard, key=lambda j: (j.weight, j.key)):
                 limit = timeout_for(job.weight, plan.timeout_floor)
@@ -259,6 +321,10 @@ def format_plan(plan: RunPlan) -> str:
             )
         for e in (e for e in sel.excluded if e.suite == sp.suite.name):
             out.append(f"  not run ({e.kind}): {e.file}: {e.reason}")
+    if plan.warnings:
+        out += ["", f"warning: {len(plan.warnings)} registration problem(s) in other suites (not run here; "
+                "`audit --strict` fails on them):"]  # fmt: skip
+        out += [f"  {p}" for p in plan.warnings]
     if plan.tests:
         out += ["", "commands (attempt 1; cwd = project root):"]
         for test in plan.tests:

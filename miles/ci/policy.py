@@ -1,4 +1,11 @@
-"""What a CI event asks for: the cadence and the PR labels that widen a run.
+"""What a CI event asks for: the cadence, the PR labels that widen a run, and whether the
+run may store trusted metric history.
+
+History (the baselines every later run is gated against) is stored by one rule,
+`stores_history`: only a run of merged code (a schedule, a push to main, or a manual
+dispatch on main of a workflow that consumes a nightly or weekly suite) at a cadence that
+writes baselines. The rule reads the event, never a label: a PR with the `nightly` label runs
+the nightly tests but stores nothing.
 
 PR labels end up in shell commands (workflow steps pass them to `--labels`), so only names
 that cannot carry shell syntax pass: `run-ci-<name>` with `<name>` made of letters, digits,
@@ -13,10 +20,11 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from miles.ci.catalog import CADENCES, Catalog
+from miles.metrics.store import BASELINE_CADENCES
 
 LABEL_PREFIX = "run-ci-"
 SAFE_LABEL = re.compile(r"run-ci-[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
@@ -35,6 +43,12 @@ EVENT_CADENCE = {
     "schedule": "nightly",
     "release": "release",
 }
+
+
+MAIN_REF = "refs/heads/main"
+# Events whose code is already on the main line; anything else (pull_request,
+# pull_request_target, merge_group, release, ...) runs code that was not merged there.
+MAIN_LINE_EVENTS = ("schedule", "push", "workflow_dispatch")
 
 
 class PolicyError(ValueError):
@@ -114,6 +128,64 @@ def effective_cadence(cadence: str, labels: LabelSet | None) -> str:
 
 
 @dataclass(frozen=True)
+class CiEvent:
+    """The GitHub event a run belongs to, as the Actions environment names it."""
+
+    name: str  # GITHUB_EVENT_NAME
+    ref: str  # GITHUB_REF
+    workflow: str  # GITHUB_WORKFLOW_REF: owner/repo/.github/workflows/<file>@<ref>
+
+    @property
+    def workflow_file(self) -> str:
+        return self.workflow.split("@", 1)[0].rsplit("/", 1)[-1]
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> CiEvent | None:
+        """The event of a run under GitHub Actions; None outside it (a person at a terminal)."""
+        if env.get("GITHUB_ACTIONS") != "true":
+            return None
+        return cls(
+            env.get("GITHUB_EVENT_NAME", ""), env.get("GITHUB_REF", ""), env.get("GITHUB_WORKFLOW_REF", "")
+        )
+
+
+def baseline_workflows(catalog: Catalog) -> frozenset[str]:
+    """Workflow files that run a suite of a baseline-writing cadence (the nightly workflow)."""
+    return frozenset(
+        c.name
+        for s in catalog.suites.values()
+        if s.cadence in BASELINE_CADENCES
+        for c in s.consumers
+        if c.kind == "workflow"
+    )
+
+
+def history_decision(event: CiEvent | None, cadence: str, catalog: Catalog) -> tuple[bool, str]:
+    """(whether the run stores trusted history, why); `cadence` is the one the event or the
+    person chose, never one a label widened. See the module docstring for the rule."""
+    if cadence not in BASELINE_CADENCES:
+        return False, f"cadence '{cadence}' writes no baselines: only nightly or weekly runs write baselines"
+    if event is None:
+        return True, f"a {cadence} run outside CI"
+    if event.name not in MAIN_LINE_EVENTS:
+        return False, f"a {event.name or 'run of an unknown event'} run never stores history"
+    if event.ref != MAIN_REF:
+        return False, f"a {event.name} run on {event.ref or 'an unknown ref'} is not on {MAIN_REF}"
+    if event.name == "workflow_dispatch" and event.workflow_file not in baseline_workflows(catalog):
+        writers = ", ".join(sorted(baseline_workflows(catalog))) or "none"
+        return (
+            False,
+            f"a dispatch of {event.workflow_file or 'an unknown workflow'} (baseline workflows: {writers})",
+        )
+    return True, f"a {cadence} {event.name} run on {MAIN_REF}"
+
+
+def stores_history(event: CiEvent | None, cadence: str, catalog: Catalog) -> bool:
+    """The one rule for storing trusted metric history (see history_decision)."""
+    return history_decision(event, cadence, catalog)[0]
+
+
+@dataclass(frozen=True)
 class Policy:
     """What a workflow passes on to the runner for one event."""
 
@@ -121,6 +193,7 @@ class Policy:
     cadence: str
     labels: LabelSet
     ignored: tuple[str, ...]  # PR labels that are not CI labels
+    store_history: bool = False  # stores_history() of the event at its own cadence
 
     @property
     def continue_on_error(self) -> bool:
@@ -133,6 +206,7 @@ class Policy:
             "labels": " ".join(self.labels.raw),
             "continue_on_error": "true" if self.continue_on_error else "false",
             "run_all": "true" if self.labels.all or self.cadence != "regular" else "false",
+            "store_history": "true" if self.store_history else "false",
         }
 
 
@@ -159,10 +233,17 @@ def labels_from_json(text: str) -> list[str]:
 
 
 def resolve_policy(
-    event: str, pr_labels: Iterable[str], catalog: Catalog, *, cadence: str | None = None
+    event: str,
+    pr_labels: Iterable[str],
+    catalog: Catalog,
+    *,
+    cadence: str | None = None,
+    ref: str = "",
+    workflow: str = "",
 ) -> Policy:
-    """Cadence and CI labels for a GitHub event. `cadence` is the choice of a manually
-    dispatched run; a `nightly` label makes a PR run nightly-cadence tests too."""
+    """Cadence, CI labels and history storage for a GitHub event. `cadence` is the choice of a
+    manually dispatched run; a `nightly` label makes a PR run nightly-cadence tests too, but
+    storing history is decided from the event alone."""
     if event not in EVENT_CADENCE:
         raise PolicyError(f"event '{event}' is not one of {', '.join(EVENT_CADENCE)}")
     if cadence is not None:
@@ -176,7 +257,14 @@ def resolve_policy(
         (ci if name.startswith(LABEL_PREFIX) or name in SPECIAL_LABELS else ignored).append(name)
     labels = parse_labels(ci, catalog)
     base = cadence or EVENT_CADENCE[event]
-    return Policy(event=event, cadence=effective_cadence(base, labels), labels=labels, ignored=tuple(ignored))
+    store = stores_history(CiEvent(event, ref, workflow), base, catalog)
+    return Policy(
+        event=event,
+        cadence=effective_cadence(base, labels),
+        labels=labels,
+        ignored=tuple(ignored),
+        store_history=store,
+    )
 
 
 def write_github_outputs(outputs: dict[str, str], path: str | None = None) -> str | None:

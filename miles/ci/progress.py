@@ -8,6 +8,7 @@ from typing import IO
 from miles.ci.execute import TestRun
 from miles.ci.plan import PlannedTest
 from miles.ci.record import Attempt
+from miles.ci.summary import printable
 
 
 class Progress:
@@ -39,11 +40,14 @@ class Progress:
             f"est {run.est_time:g}s, timeout {run.timeout:g}s{again})"
         )
         if self.github:
-            self._write(f"::group::{head}\n")
+            # a workflow command's value escapes %, CR and LF, so a file name cannot end the
+            # group line and start a command of its own
+            title = head.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+            self._write(f"::group::{title}\n")
         elif self.tty:
             self._draw(0.0)
         else:
-            self._write(f"start  {head}\n")
+            self._write(f"start  {printable(head)}\n")
 
     def tick(self, elapsed: float) -> None:
         if self.tty and int(elapsed) != self.last_draw:  # redraw once per displayed second
@@ -64,10 +68,10 @@ class Progress:
         elif self.tty:
             self._write("\r\x1b[K")
         icon = {"passed": "ok", "skipped": "skip"}.get(attempt.status, attempt.status.upper())
-        why = f" · {attempt.classification}: {attempt.message}" if not attempt.ok else ""
+        why = f" · {attempt.classification}: {printable(attempt.message)}" if not attempt.ok else ""
         verdicts = f" · {len(attempt.gate_verdicts)} gate verdict(s)" if attempt.gate_verdicts else ""
         self._write(
-            f"{icon:<9} {attempt.file} [{attempt.suite} {attempt.shard}] {attempt.elapsed:.1f}s "
+            f"{icon:<9} {printable(attempt.file)} [{attempt.suite} {attempt.shard}] {attempt.elapsed:.1f}s "
             f"(est {attempt.est_time:g}s){why}{verdicts} · ETA {self._eta(attempt.est_time)}\n"
         )
         if not attempt.ok and not self.streaming and attempt.output_tail.strip():

@@ -12,19 +12,21 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-SCHEMA = 1
+SCHEMA = 2  # 2: attempts name the processes they stopped; `flaky`; `complete`
 
 # Attempt statuses. `error` means the runner could not tell what happened (no or corrupt
-# JUnit); `skipped` means the test was selected but not started (fast-fail).
-PASSED, FAILED, TIMEOUT, CANCELLED, SKIPPED, ERROR = (
+# JUnit); `skipped` means the test was selected but not started (fast-fail); `flaky` is a
+# passing attempt that follows a failed one (an infrastructure failure, retried).
+PASSED, FAILED, TIMEOUT, CANCELLED, SKIPPED, ERROR, FLAKY = (
     "passed",
     "failed",
     "timeout",
     "cancelled",
     "skipped",
     "error",
+    "flaky",
 )
-STATUSES = (PASSED, FAILED, TIMEOUT, CANCELLED, SKIPPED, ERROR)
+STATUSES = (PASSED, FLAKY, FAILED, TIMEOUT, CANCELLED, SKIPPED, ERROR)
 BAD_STATUSES = frozenset({FAILED, TIMEOUT, CANCELLED, ERROR})
 
 
@@ -40,6 +42,7 @@ class CaseResult:
     outcome: str  # passed | failed | error | skipped
     message: str = ""  # first line of the failure, error or skip reason
     kind: str = ""  # exception type pytest named (AssertionError, ImportError, ...)
+    chain: str = ""  # the failure's exceptions, chained ones included (outcome.exception_chain)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -76,6 +79,7 @@ class Attempt:
     timeout: float = 0.0  # the limit this attempt ran under, seconds
     message: str = ""  # one line a person reads first: why it failed, or why it did not run
     cases: tuple[CaseResult, ...] = ()
+    killed: tuple[str, ...] = ()  # processes the runner stopped ("pid 12 (sleep 600)")
 
     @property
     def ok(self) -> bool:
@@ -92,6 +96,7 @@ class Attempt:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         data["gate_verdicts"] = [dict(v) for v in self.gate_verdicts]
         data["cases"] = [c.to_json() for c in self.cases]
+        data["killed"] = list(self.killed)
         return data
 
     @classmethod
@@ -99,6 +104,7 @@ class Attempt:
         data = dict(data)
         data["gate_verdicts"] = tuple(data.get("gate_verdicts", ()))
         data["cases"] = tuple(CaseResult.from_json(c) for c in data.get("cases", ()))
+        data["killed"] = tuple(data.get("killed", ()))
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 
@@ -137,6 +143,11 @@ class RunRecord:
     excluded: tuple[Exclusion, ...] = ()
     cancelled_by: str | None = None  # signal name when the run itself was cancelled
     report_dir: str = ""
+    complete: bool = True  # False in the reports written while the run is still going
+
+    @property
+    def flaky(self) -> tuple[Attempt, ...]:
+        return tuple(a for a in self.final_attempts if a.status == FLAKY)
 
     @property
     def final_attempts(self) -> tuple[Attempt, ...]:
@@ -152,7 +163,7 @@ class RunRecord:
 
     @property
     def passed(self) -> bool:
-        return self.cancelled_by is None and all(a.ok for a in self.final_attempts)
+        return self.complete and self.cancelled_by is None and all(a.ok for a in self.final_attempts)
 
     @property
     def exit_code(self) -> int:
@@ -180,6 +191,7 @@ class RunRecord:
             "finished_at": self.finished_at,
             "cancelled_by": self.cancelled_by,
             "report_dir": self.report_dir,
+            "complete": self.complete,
             "passed": self.passed,
             "exit_code": self.exit_code,
             "counts": self.counts(),
@@ -204,4 +216,5 @@ class RunRecord:
             excluded=tuple(Exclusion.from_json(e) for e in data.get("excluded", ())),
             cancelled_by=data.get("cancelled_by"),
             report_dir=data.get("report_dir", ""),
+            complete=data.get("complete", True),
         )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -64,9 +64,28 @@ class Problem:
     file: str
     line: int
     message: str
+    # Which runs the problem concerns: the backends it touches (the refused call's, or every
+    # backend the file's markers name) and, for a refused registration, the suite it named.
+    backends: tuple[str, ...] = ()
+    suite: str | None = None
+    refused: bool = False  # a register_*_ci(...) call refused by a rule
 
     def __str__(self) -> str:
         return f"{self.file}:{self.line}: {self.message}"
+
+    def with_backends(self, backends: tuple[str, ...]) -> Problem:
+        return self if self.backends else replace(self, backends=backends)
+
+    def refusal_json(self) -> dict:
+        """A refused registration as `list --json` and `manifest --json` show it."""
+        return {
+            "backend": self.backends[0] if self.backends else None,
+            "file": self.file,
+            "line": self.line,
+            "suite": self.suite,
+            "status": "refused",
+            "rule": self.message,
+        }
 
 
 @dataclass(frozen=True)

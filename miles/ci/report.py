@@ -1,8 +1,10 @@
 """JUnit, Markdown and JSON: renderers of one RunRecord.
 
-`render_junit`, `render_markdown` and `render_json` each take the same RunRecord and
-nothing else; `write_reports` writes all three atomically (temp file, rename) and
-appends the Markdown to `$GITHUB_STEP_SUMMARY` when it is set.
+`render_junit`, `render_markdown` (miles.ci.summary) and `render_json` each take the same
+RunRecord and nothing else; `write_reports` writes all three atomically (temp file, rename)
+and appends the Markdown to `$GITHUB_STEP_SUMMARY` when it is set. The JUnit file is valid
+XML 1.0 whatever the tests printed: colour codes are dropped and characters XML cannot hold
+(the C0 controls but tab and newline) are written as visible `\\xNN` escapes.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -17,13 +20,15 @@ from miles.ci.record import (
     CANCELLED,
     ERROR,
     FAILED,
-    PASSED,
     SKIPPED,
     TIMEOUT,
     Attempt,
     RunRecord,
 )
+from miles.ci.summary import ANSI, escape_char, render_markdown, run_title
 from miles.metrics import gate
+
+__all__ = ["REPORT_FILES", "render_json", "render_junit", "render_markdown", "write_reports", "xml_safe"]
 
 REPORT_FILES = ("junit.xml", "summary.md", "run.json")
 FAILING_VERDICTS = frozenset({gate.FAIL, gate.ERROR})  # the gate statuses that can fail a test
@@ -62,7 +67,28 @@ def render_junit(run: RunRecord) -> str:
         root.set(key, str(value))
     root.set("time", f"{run.finished_at - run.started_at:.3f}")
     ET.indent(root)
+    _make_xml_safe(root)
     return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
+
+
+# XML 1.0 allows tab, newline, carriage return and everything from U+0020 except the
+# surrogates and U+FFFE/U+FFFF; the rest makes lxml and ElementTree refuse the whole file.
+_NOT_XML = re.compile("[^\t\n\r\u0020-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def xml_safe(text: str) -> str:
+    """`text` without colour codes, with characters XML 1.0 cannot hold as visible escapes."""
+    return _NOT_XML.sub(escape_char, ANSI.sub("", text))
+
+
+def _make_xml_safe(root: ET.Element) -> None:
+    for el in root.iter():
+        if el.text:
+            el.text = xml_safe(el.text)
+        if el.tail:
+            el.tail = xml_safe(el.tail)
+        for key, value in el.attrib.items():
+            el.attrib[key] = xml_safe(value)
 
 
 def _junit_suite(final: Attempt, history: list[Attempt]) -> ET.Element:
@@ -131,6 +157,9 @@ def _junit_suite(final: Attempt, history: list[Attempt]) -> ET.Element:
             for a in history
         ]
         ET.SubElement(el, "system-out").text = "\n".join(lines)
+    stopped = [f"attempt {a.attempt}: stopped {p}" for a in history for p in a.killed]
+    if stopped:
+        ET.SubElement(el, "system-err").text = "processes the runner stopped:\n" + "\n".join(stopped)
     counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
     for case in el.iter("testcase"):
         counts["tests"] += 1
@@ -146,159 +175,6 @@ def _dotted(file: str) -> str:
     return file.removesuffix(".py").replace("/", ".")
 
 
-# ---------------------------------------------------------------- Markdown
-
-
-STATUS_ICON = {PASSED: "✅", FAILED: "❌", TIMEOUT: "⏱️", ERROR: "💥", CANCELLED: "🛑", SKIPPED: "⏭️"}
-
-
-def run_title(run: RunRecord) -> str:
-    return f"{run.lane or run.backend} shard {run.shard}"
-
-
-def render_markdown(run: RunRecord) -> str:
-    """The step summary: counts, then failed, retried, gate, disabled and passed tables,
-    then a mermaid gantt of the shard's timeline."""
-    counts = run.counts()
-    verdict = "✅ passed" if run.passed else ("🛑 cancelled" if run.cancelled_by else "❌ failed")
-    wall = run.finished_at - run.started_at
-    predicted = sum(a.est_time for a in run.final_attempts)
-    labels = "(not given: all labels admitted)" if run.labels is None else (" ".join(run.labels) or "(none)")
-    out = [
-        f"## miles CI · {run_title(run)} · {verdict}",
-        "",
-        f"suites {', '.join(run.suites) or '-'} · backend {run.backend} · cadence {run.cadence} · "
-        f"labels {labels} · commit `{run.commit[:12] or 'unknown'}` · "
-        f"wall {_duration(wall)} (predicted {_duration(predicted)})",
-        "",
-    ]
-    if run.cancelled_by:
-        out += [
-            f"**The run was cancelled by {run.cancelled_by}**; unfinished tests are marked cancelled.",
-            "",
-        ]
-    out += [
-        "| passed | failed | timed out | errors | cancelled | not run | retried | disabled |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-        f"| {counts[PASSED]} | {counts[FAILED]} | {counts[TIMEOUT]} | {counts[ERROR]} | {counts[CANCELLED]} "
-        f"| {counts[SKIPPED]} | {counts['retried']} | {counts['disabled']} |",
-        "",
-    ]
-    bad = [a for a in run.final_attempts if not a.ok]
-    if bad:
-        out += [
-            "### Failed",
-            "",
-            "| file | suite | status | why | attempts | elapsed / est |",
-            "| --- | --- | --- | --- | ---: | --- |",
-        ]
-        out += [
-            f"| `{a.file}` | {a.suite} | {STATUS_ICON[a.status]} {a.status} ({a.classification}) | "
-            f"{_cell(a.message)} | {a.attempt} | {a.elapsed:.1f}s / {a.est_time:g}s |"
-            for a in bad
-        ]
-        out.append("")
-        for a in bad:
-            if a.output_tail.strip():
-                fence = "`" * max(3, _longest_backtick_run(a.output_tail) + 1)
-                out += [
-                    f"<details><summary>output tail of <code>{a.file}</code></summary>",
-                    "",
-                    fence,
-                    a.output_tail.rstrip("\n")[-4000:],
-                    fence,
-                    "",
-                    "</details>",
-                    "",
-                ]
-    if run.retried:
-        out += [
-            "### Retried",
-            "",
-            "| file | attempt | result | why it was retried |",
-            "| --- | ---: | --- | --- |",
-        ]
-        out += [
-            f"| `{a.file}` | {a.attempt} | {a.status} ({a.classification}) | {_cell(a.retry_reason or '')} |"
-            for a in run.retried
-        ]
-        out.append("")
-    gated = [(a, v) for a in run.final_attempts for v in a.gate_verdicts]
-    if gated:
-        out += ["### Metric gates", "", "| file | metric | status | message |", "| --- | --- | --- | --- |"]
-        for a, v in gated:
-            metric, status, message = v["metric"], v["status"], v["message"]
-            out.append(f"| `{a.file}` | `{metric}` | {status} | {_cell(message)} |")
-        out.append("")
-    disabled = [e for e in run.excluded if e.kind == "disabled"]
-    if disabled:
-        out += ["### Disabled", "", "| file | suite | reason |", "| --- | --- | --- |"]
-        out += [f"| `{e.file}` | {e.suite} | {_cell(e.reason)} |" for e in disabled]
-        out.append("")
-    not_run = [a for a in run.final_attempts if a.status == SKIPPED]
-    if not_run:
-        out += ["### Not run", "", "| file | suite | why |", "| --- | --- | --- |"]
-        out += [f"| `{a.file}` | {a.suite} | {_cell(a.message)} |" for a in not_run]
-        out.append("")
-    other = [e for e in run.excluded if e.kind != "disabled"]
-    if other:
-        out += ["### Not selected", "", "| file | suite | why |", "| --- | --- | --- |"]
-        out += [f"| `{e.file}` | {e.suite} | {_cell(e.reason)} |" for e in other]
-        out.append("")
-    passed = [a for a in run.final_attempts if a.status == PASSED]
-    if passed:
-        out += [
-            "### Passed",
-            "",
-            "| file | suite | elapsed | est_time | tests |",
-            "| --- | --- | ---: | ---: | ---: |",
-        ]
-        out += [
-            f"| `{a.file}` | {a.suite} | {a.elapsed:.1f}s | {a.est_time:g}s | {len(a.cases)} |"
-            for a in passed
-        ]
-        out.append("")
-    out += _gantt(run)
-    return "\n".join(out) + "\n"
-
-
-def _gantt(run: RunRecord) -> list[str]:
-    ran = [a for a in run.attempts if a.elapsed > 0]
-    if not ran:
-        return []
-    lines = ["### Timeline", "", "```mermaid", "gantt", "    dateFormat x", "    axisFormat %H:%M:%S"]
-    finals = {id(a) for a in run.final_attempts}
-    section = None
-    for n, a in enumerate(ran):
-        if a.suite != section:
-            section = a.suite
-            lines.append(f"    section {section}")
-        # wall-clock milliseconds: the axis then shows when each test ran, in the reader's time zone
-        start = int(a.started_at * 1000)
-        end = max(start + 1, int(a.finished_at * 1000))
-        tag = "done" if a.status == PASSED else ("active" if id(a) not in finals else "crit")
-        name = re.sub(r"[:#;]", "_", a.file) + (f" (attempt {a.attempt})" if a.attempt > 1 else "")
-        lines.append(f"    {name} :{tag}, t{n}, {start}, {end}")
-    return [*lines, "```", ""]
-
-
-def _duration(seconds: float) -> str:
-    seconds = max(0.0, seconds)
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    minutes, sec = divmod(int(round(seconds)), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m{sec:02d}s" if hours else f"{minutes}m{sec:02d}s"
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ").strip()
-
-
-def _longest_backtick_run(text: str) -> int:
-    return max((len(m) for m in re.findall(r"`+", text)), default=0)
-
-
 # ---------------------------------------------------------------- JSON and writing
 
 
@@ -306,9 +182,9 @@ def render_json(run: RunRecord) -> str:
     return json.dumps(run.to_json(), indent=2) + "\n"
 
 
-def write_reports(run: RunRecord, report_dir: Path) -> dict[str, Path]:
+def write_reports(run: RunRecord, report_dir: Path, *, step_summary: bool = True) -> dict[str, Path]:
     """Write junit.xml, summary.md and run.json (each complete or absent, never half
-    written); append the summary to $GITHUB_STEP_SUMMARY when set."""
+    written); append the summary to $GITHUB_STEP_SUMMARY when set and `step_summary`."""
     report_dir.mkdir(parents=True, exist_ok=True)
     rendered = {
         "junit.xml": render_junit(run),
@@ -319,11 +195,18 @@ def write_reports(run: RunRecord, report_dir: Path) -> dict[str, Path]:
     for name, text in rendered.items():
         path = report_dir / name
         tmp = path.with_name(f".{name}.tmp")
-        tmp.write_text(text, encoding="utf-8")
+        tmp.write_text(text, encoding="utf-8", errors="backslashreplace")
         os.replace(tmp, path)
         paths[name] = path
-    step_summary = os.environ.get("GITHUB_STEP_SUMMARY")
-    if step_summary:
-        with open(step_summary, "a", encoding="utf-8") as fh:
-            fh.write(rendered["summary.md"])
+    summary_path = os.environ.get("GITHUB_STEP_SUMMARY") if step_summary else None
+    if summary_path:
+        try:
+            with open(summary_path, "a", encoding="utf-8", errors="backslashreplace") as fh:
+                fh.write(rendered["summary.md"])
+        except OSError as exc:  # the reports above are written; the run's verdict stands
+            print(
+                f"warning: the summary was not appended to $GITHUB_STEP_SUMMARY ({summary_path}): "
+                f"{exc.strerror or exc}",
+                file=sys.stderr,
+            )
     return paths

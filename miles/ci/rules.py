@@ -19,20 +19,79 @@ _REG_PARAMS = ("est_time", "suite", "labels", "nightly", "disabled")
 _REG_POSITIONAL = ("est_time", "suite")
 _GATE_PARAMS = ("metric_key", "steps", "constraint", "enforce")
 
-_TRACKING_REF = re.compile(r"(?:\b[\w.-]+/[\w.-]+)?#\d+\b|https?://\S+")
-_WORD = re.compile(r"[a-z0-9][a-z0-9_.+/-]*")
-# Words that say a test is off without saying why. A reason made only of these (plus up to
-# two other words) carries no diagnosis.
-_FILLER_WORDS = frozenset(
-    """a an the this that it its is are be been was for to of in on at by as with when once
-    until after before now still yet some sometimes randomly please see later soon again
-    disable disabled disabling enable enabled re-enable reenable skip skipped skipping
-    due failure failures fail fails failed failing fixme todo xxx hack tbd wip n/a na
-    flaky flakey flake flakes broken breaks break unstable temporarily temporary temp
-    test tests case cases passes pass passing works work working fixed fix not known
-    unknown investigate investigating issue issues error errors problem problems ci
-    runner runners job jobs machine machines""".split()
+# A disabled= reason is read for its content: a tracking reference, or a named subject
+# (a component, kernel, model, error, hardware) together with a concrete symptom or cause.
+_TRACKING_REF = re.compile(r"(?:\b[\w.-]+/[\w.-]+)?#\d+\b|https?://\S+|\b[A-Z][A-Z0-9]+-\d+\b")
+_TOKEN = re.compile(r"[A-Za-z0-9][\w.+/:-]*[A-Za-z0-9]|[A-Za-z0-9]")
+_GENERIC_ACRONYMS = frozenset("PR CI TODO FIXME WIP TBD NA XXX OK AI HACK NOTE".split())
+_DOMAIN_WORDS = frozenset(
+    """nccl rccl cuda rocm hip sglang megatron fsdp ddp torch pytorch triton aiter mori deepep
+    flashinfer transformers ray gloo numba vllm kernel kernels driver drivers firmware image
+    container docker checkpoint checkpoints tokenizer rollout rollouts reward rewards optimizer
+    allreduce all-to-all moe expert experts attention model models weights weight gradient
+    gradients logprob logprobs loss lora quantization fp8 bf16 fp16 dataset server port memory
+    disk network gpu gpus cpu node nodes rank ranks host hosts compiler wheel dependency upstream
+    api endpoint download hub proxy dns clock timer seed scheduler dataloader""".split()
 )
+_SYMPTOM = re.compile(
+    r"\b(?:[A-Za-z]*Error[A-Za-z]*|[A-Za-z]+Exception|error\s*(?:code\s*)?\d+|errno|exit(?:s|ed)?\s+(?:code\s+)?\d+"
+    r"|HTTP\s*\d{3}|segfaults?|segmentation fault|SIG[A-Z]+|core dump(?:ed|s)?|crash(?:es|ed|ing)?"
+    r"|hang(?:s|ing)?|hung|deadlocks?|stall(?:s|ed)?|times? out|timed out|timeouts?|OOMs?|out of memory"
+    r"|NaNs?|inf(?:inite)?|diverg\w*|mismatch\w*|differ(?:s|ent)?|drift\w*|drops?|aborts?|aborted"
+    r"|assert(?:ion)?s?|illegal (?:memory|instruction)|leaks?|wrong|incorrect|miscompil\w*|regress\w*"
+    r"|corrupt\w*|lose|loses|lost|exceeds?|exceeding|over (?:the )?[\w ]*budget|takes \d+|slower|too slow"
+    r"|fails? to \w+|failed to \w+|cannot \w+|can't \w+|unable to \w+|not divisible|not supported|unsupported"
+    r"|not (?:yet )?(?:implemented|available|ported|installed|released)|deprecated|removed|no longer"
+    r"|missing|requires?|needs?|depends on|waiting (?:for|on)|blocked (?:by|on)|until|rate.limited"
+    r"|no (?:module|wheel|kernel|support|space)|refused|unreachable)\b",
+    re.IGNORECASE,
+)
+
+
+def _subjects(reason: str) -> list[str]:
+    """Words that name a specific thing: identifiers, versions, acronyms, domain nouns."""
+    found = []
+    for token in _TOKEN.findall(reason):
+        core = token.strip(".:/-")
+        if not core or core.upper() in _GENERIC_ACRONYMS:
+            continue
+        identifier = (
+            re.search(r"[A-Za-z]", core)
+            and re.search(r"\d", core)  # gfx950, H200, fp8, M2.7
+            or re.search(r"[_/]|::|\w\.\w", core)  # world_size, a/b, torch.distributed
+            or re.search(r"[a-z][A-Z]", core)  # MiniMax, hipErrorNoDevice
+            or (core.isupper() and len(core) >= 2)  # NCCL, HIP, OOM
+        )
+        if identifier or core.lower() in _DOMAIN_WORDS:
+            found.append(core)
+    return found
+
+
+def disabled_reason_problem(reason: str) -> str | None:
+    """Why `reason` is not an acceptable `disabled=` value, or None when it is.
+
+    A reason is accepted when it cites a tracking reference (#123, owner/repo#123, a URL or
+    a ticket like ROCM-123), or names what fails (a component, kernel, model, error or
+    hardware: 'aiter fused-MoE kernel', 'MiniMax M2.7') and how or why (a symptom or cause:
+    'aborts with HIP error 700', 'is deprecated', 'needs 8 GPUs'). Words like "flaky",
+    "broken", "random bugs" or "failure" say neither.
+    """
+    if _TRACKING_REF.search(reason):
+        return None
+    subject, symptom = _subjects(reason), _SYMPTOM.search(reason)
+    if subject and symptom:
+        return None
+    shown = reason if reason.strip() else "(empty)"
+    missing = (
+        "what fails (a component, kernel, model, error or hardware)"
+        if not subject
+        else "how or why it fails (the error, symptom or cause)"
+    )
+    return (
+        f"disabled={shown!r} gives no diagnosis: it does not say {missing}; say what fails and why "
+        "(e.g. 'aiter fused-MoE kernel aborts with HIP error 700 on gfx950') "
+        "or cite a tracking reference (#123 or a URL)"
+    )
 
 
 class FileReader:
@@ -45,9 +104,14 @@ class FileReader:
         self.registrations: list[Registration] = []
         self.gates: list[GateDeclaration] = []
         self.named_a_marker = False
+        self._call: tuple[str, str | None] | None = None  # (backend, suite) of the call being read
 
     def problem(self, line: int, message: str) -> None:
-        self.problems.append(Problem(self.rel, line, message))
+        if self._call is not None:  # a refused registration: it concerns its backend and suite
+            backend, suite = self._call
+            self.problems.append(Problem(self.rel, line, message, (backend,), suite, refused=True))
+        else:
+            self.problems.append(Problem(self.rel, line, message))
 
     def read(self, tree: ast.Module, mentions: int) -> None:
         """Read top-level marker calls; flag every other place a marker is named.
@@ -81,11 +145,20 @@ class FileReader:
         if isinstance(node, ast.alias):
             if node.name in MARKERS or node.asname in MARKERS:
                 self.named_a_marker = True
-                if id(node) not in accepted:
+                if id(node) in accepted:
+                    return
+                if node.asname not in (None, node.name):
                     self.problem(
                         line,
                         f"'{node.name}' is imported as '{node.asname}': discovery reads calls by "
                         f"the marker's own name; write 'from miles.ci.register import {node.name}'",
+                    )
+                else:
+                    self.problem(
+                        line,
+                        f"'{node.name}' is imported inside a function or block: registrations are "
+                        "read from top-level statements only; import it at the top of the module "
+                        f"and call {node.name}(...) there",
                     )
         elif isinstance(node, ast.Name) and node.id in MARKERS:
             self.named_a_marker = True
@@ -110,9 +183,19 @@ class FileReader:
             if args is not None:
                 self._read_gate(call.lineno, args)
         else:
-            args = self._arguments(call, name, _REG_PARAMS, positional=_REG_POSITIONAL)
-            if args is not None:
-                self._read_registration(call.lineno, BACKEND_OF_MARKER[name], name, args)
+            suite = next((k.value for k in call.keywords if k.arg == "suite"), None)
+            if suite is None and len(call.args) > 1:
+                suite = call.args[1]
+            literal = (
+                suite.value if isinstance(suite, ast.Constant) and isinstance(suite.value, str) else None
+            )
+            self._call = (BACKEND_OF_MARKER[name], literal)
+            try:
+                args = self._arguments(call, name, _REG_PARAMS, positional=_REG_POSITIONAL)
+                if args is not None:
+                    self._read_registration(call.lineno, BACKEND_OF_MARKER[name], name, args)
+            finally:
+                self._call = None
 
     def _arguments(
         self, call: ast.Call, name: str, params: tuple[str, ...], positional: tuple[str, ...]
@@ -181,7 +264,12 @@ class FileReader:
                 fail(f"missing '{required}'")
         est_time = args.get("est_time")
         if "est_time" in args and not _positive_number(est_time):
-            fail(f"est_time={est_time!r} must be a positive number of seconds")
+            fail(f"est_time={_short(est_time)} must be a positive number of seconds")
+        elif "est_time" in args and est_time > MAX_EST_TIME:
+            fail(
+                f"est_time={_short(est_time)} must be at most {MAX_EST_TIME:g} s (a day): it sets the "
+                "file's timeout and the shard budget; measure it with `python -m miles.ci calibrate`"
+            )
         suite = args.get("suite")
         if "suite" in args:
             if not isinstance(suite, str):
@@ -192,6 +280,8 @@ class FileReader:
                 except UnknownName as exc:
                     fail(f"{exc}; fix the name or add the suite to miles/ci/catalog.toml")
         labels = args.get("labels", ())
+        if labels is None:  # the seed framework's markers document labels=None as "no labels"
+            labels = ()
         if not isinstance(labels, list | tuple) or not all(isinstance(x, str) for x in labels):
             fail(f"labels={labels!r} must be a list of strings")
             labels = ()
@@ -282,27 +372,18 @@ class FileReader:
         )
 
 
+MAX_EST_TIME = 86_400.0
+
+
 def _positive_number(value: object) -> bool:
-    return (
-        isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-    )
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value) and value > 0
+    except OverflowError:  # an integer literal too long for a float: positive or not, it is finite
+        return value > 0
 
 
-def disabled_reason_problem(reason: str) -> str | None:
-    """Why `reason` is not an acceptable `disabled=` value, or None when it is.
-
-    A reason must carry a diagnosis (what fails and why) or cite a tracking reference
-    (#123, owner/repo#123 or a URL). "Disable due to failure", "FIXME", "flaky" do neither.
-    """
-    if _TRACKING_REF.search(reason):
-        return None
-    words = _WORD.findall(reason.lower())
-    informative = [w for w in words if w.strip(".-") not in _FILLER_WORDS]
-    if len(informative) >= 3:
-        return None
-    shown = reason if reason.strip() else "(empty)"
-    return (
-        f"disabled={shown!r} gives no diagnosis; say what fails and why "
-        "(e.g. 'aiter fused-MoE kernel aborts with HIP error 700 on gfx950') "
-        "or cite a tracking reference (#123 or a URL)"
-    )
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 24 else f"{text[:12]}...({len(text)} digits)"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -43,6 +44,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--event", required=True, help="github.event_name")
     p.add_argument("--labels-json", default="", help="toJSON(github.event.pull_request.labels)")
     p.add_argument("--cadence", choices=CADENCES, help="cadence chosen for workflow_dispatch")
+    p.add_argument("--ref", help="github.ref (default: $GITHUB_REF)")
+    p.add_argument("--workflow", help="github.workflow_ref (default: $GITHUB_WORKFLOW_REF)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=cmd_policy)
 
@@ -179,9 +182,16 @@ def cmd_policy(args: argparse.Namespace) -> int:
     from miles.ci.catalog import load_catalog
     from miles.ci.policy import PolicyError, labels_from_json, resolve_policy, write_github_outputs
 
+    ref = args.ref if args.ref is not None else os.environ.get("GITHUB_REF", "")
+    workflow = args.workflow if args.workflow is not None else os.environ.get("GITHUB_WORKFLOW_REF", "")
     try:
         policy = resolve_policy(
-            args.event, labels_from_json(args.labels_json), load_catalog(), cadence=args.cadence
+            args.event,
+            labels_from_json(args.labels_json),
+            load_catalog(),
+            cadence=args.cadence,
+            ref=ref,
+            workflow=workflow,
         )
         outputs = policy.outputs()
         written = write_github_outputs(outputs)
@@ -193,7 +203,10 @@ def cmd_policy(args: argparse.Namespace) -> int:
         for key, value in outputs.items():
             print(f"{key}={value}")
         if policy.ignored:
-            print(f"# not CI labels, ignored: {', '.join(policy.ignored)}", file=sys.stderr)
+            # PR labels are anyone's text: quoted and escaped, so none can start a line that
+            # GitHub would read as a workflow command (::warning::, ::add-mask::, ...)
+            shown = ", ".join(json.dumps(label) for label in policy.ignored)
+            print(f"# not CI labels, ignored: {shown}", file=sys.stderr)
     if written:
         print(f"# written to {written}", file=sys.stderr)
     return 0
@@ -234,11 +247,16 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if not 0 < quantile <= 1:
         raise UsageError(f"--quantile {quantile} must be in (0, 1]")
     discovery = discover(args.root, catalog=catalog)
+    from miles.metrics.store import StoreError
+
     try:
         proposals = propose(
             discovery, durations_path(args.root), backend=args.backend, suite=args.suite, quantile=quantile
         )
-    except ValueError as exc:
+    except OSError as exc:  # the store is down: the reason, password masked, and exit 1
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except (ValueError, StoreError) as exc:
         raise UsageError(str(exc)) from None
     for line in proposals.table():
         print(line)

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
@@ -27,6 +27,7 @@ from miles.ci.catalog import Catalog, Lane
 from miles.ci.execute import CancelToken, run_attempt
 from miles.ci.outcome import is_retryable
 from miles.ci.plan import (
+    PlanError,
     PlannedTest,
     RunOptions,
     RunPlan,
@@ -36,7 +37,7 @@ from miles.ci.plan import (
     test_run,
 )
 from miles.ci.progress import Progress
-from miles.ci.record import CANCELLED, FAILED, PASSED, SKIPPED, Attempt, RunRecord
+from miles.ci.record import CANCELLED, FAILED, FLAKY, PASSED, SKIPPED, Attempt, RunRecord
 from miles.ci.registration import GateDeclaration
 from miles.ci.report import REPORT_FILES, write_reports
 
@@ -47,13 +48,15 @@ def apply_gates(
     lane: Lane,
     *,
     cadence: str | None = None,
+    store_history: bool = False,
     root: Path = Path("."),
 ) -> Attempt:
     """The metric-gate step for a passing attempt: gate its metric records (in
     `attempt.record_dir`) against the history store and return it with `gate_verdicts`
     filled, and with status `failed` when an enforced gate (enforce lane, or a declaration
-    with enforce=True) fails or cannot reach the store. A nightly/weekly `cadence` stores the
-    run as history. An attempt of a file without register_ci_gate(...) is returned unchanged."""
+    with enforce=True) fails or cannot reach the store. The run is stored as history only
+    with `store_history` (policy.stores_history said so for this run's event and cadence).
+    An attempt of a file without register_ci_gate(...) is returned unchanged."""
     if not gates:
         return attempt
     from miles.metrics.gating import GateRun, ci_identity, gate_attempt
@@ -63,7 +66,7 @@ def apply_gates(
         attempt.file, attempt.backend, attempt.suite, lane.name, cadence or lane.cadence,
         lane.gate_mode == "enforce", attempt.commit or None, pr, ci_run_id,
     )  # fmt: skip
-    outcome = gate_attempt(attempt.record_dir, gates, run, write_baseline=True, root=root)
+    outcome = gate_attempt(attempt.record_dir, gates, run, write_baseline=store_history, root=root)
     for warning in outcome.warnings:
         print(f"{attempt.file}: {warning}", file=sys.stderr)
     verdicts = tuple(v.to_json() for v in outcome.verdicts)
@@ -91,10 +94,42 @@ def _not_run(plan: RunPlan, test: PlannedTest, status: str, message: str, commit
     return test_run(plan, test, 1, None, commit).record(status, classification, message=message)
 
 
+UNFINISHED = "unfinished: the runner stopped (killed or interrupted) before this test ended"
+NEVER_REACHED = "not started: the runner stopped before reaching this test"
+
+
+def _gate_safely(attempt: Attempt, plan: RunPlan, test: PlannedTest, catalog: Catalog) -> Attempt:
+    """The gate step; whatever goes wrong in it (a record no parser expected, a store driver's
+    surprise) fails this attempt with the reason instead of ending the run."""
+    try:
+        return apply_gates(
+            attempt,
+            test.gates,
+            catalog.lanes[test.lane],
+            cadence=plan.selection.cadence,
+            store_history=plan.store_history,
+            root=plan.settings.root,
+        )
+    except Exception as exc:  # one test's gate must not stop the others
+        from miles.metrics.store import resolve_url, scrub
+
+        reason = scrub(f"{type(exc).__name__}: {exc}", resolve_url(None, root=plan.settings.root))
+        reason = " ".join(reason.split())[:500]
+        return attempt.replace(status=FAILED, classification="gate", message=f"metric gate error: {reason}")
+
+
 def execute_plan(
-    plan: RunPlan, catalog: Catalog, cancel: CancelToken, out: IO[str] | None = None
+    plan: RunPlan,
+    catalog: Catalog,
+    cancel: CancelToken,
+    out: IO[str] | None = None,
+    checkpoint: Callable[[RunRecord], None] | None = None,
 ) -> RunRecord:
-    """Run the plan's tests in order; always returns a complete record (cancellation included)."""
+    """Run the plan's tests in order; always returns a complete record (cancellation included).
+
+    `checkpoint` receives an incomplete record before each attempt starts (the running test
+    and the rest marked as not finished) and again the moment a cancel arrives, so reports
+    on disk always describe the run even if the runner is killed without warning."""
     out = out if out is not None else sys.stdout
     for name in ("attempts", *REPORT_FILES):  # a rerun starts clean
         path = plan.report_dir / name
@@ -108,6 +143,16 @@ def execute_plan(
     progress = Progress(plan.tests, out, github=github, streaming=plan.settings.echo is not None)
     attempts: list[Attempt] = []
     stop: str | None = None
+
+    def record(done: list[Attempt], *, complete: bool = True) -> RunRecord:
+        return _run_record(plan, done, started, commit, cancel.name or None, complete)
+
+    def provisional(index: int, current: Attempt, rest_message: str) -> None:
+        if checkpoint is None:
+            return
+        rest = [_not_run(plan, t, CANCELLED, rest_message, commit) for t in plan.tests[index + 1 :]]
+        checkpoint(record([*attempts, current, *rest], complete=False))
+
     for index, test in enumerate(plan.tests):
         if cancel.cancelled:
             attempts.append(
@@ -117,28 +162,51 @@ def execute_plan(
         if stop is not None:
             attempts.append(_not_run(plan, test, SKIPPED, stop, commit))
             continue
-        retry_reason = None
+        retry_reason, first_failure = None, ""
         for number in range(1, plan.max_attempts + 1):
             run = test_run(plan, test, number, retry_reason, commit)
+            provisional(index, run.record(CANCELLED, "unfinished", message=UNFINISHED), NEVER_REACHED)
             progress.start(index, run)
-            attempt = run_attempt(run, attempt_dir(plan, test, number), plan.settings, cancel, progress.tick)
+            attempt = run_attempt(
+                run,
+                attempt_dir(plan, test, number),
+                plan.settings,
+                cancel,
+                progress.tick,
+                on_cancel=lambda a, i=index: provisional(
+                    i, a, f"not started: run cancelled by {cancel.name}"
+                ),
+            )
             if attempt.status == PASSED:
-                attempt = apply_gates(
-                    attempt,
-                    test.gates,
-                    catalog.lanes[test.lane],
-                    cadence=plan.selection.cadence,
-                    root=plan.settings.root,
+                attempt = _gate_safely(attempt, plan, test, catalog)
+            if attempt.status == PASSED and number > 1:
+                # It failed as infrastructure and then passed: say so, it is not a plain pass.
+                attempt = attempt.replace(
+                    status=FLAKY,
+                    classification="flaky",
+                    message=f"passed on attempt {number} after {first_failure}",
                 )
             progress.finish(index, attempt)
             attempts.append(attempt)
             if attempt.ok or cancel.cancelled or not is_retryable(attempt.classification):
                 break
+            first_failure = first_failure or f"{attempt.classification}: {attempt.message}"
             retry_reason = f"attempt {number} failed with {attempt.classification}: {attempt.message}"
             if number < plan.max_attempts:
                 out.write(f"retrying {run.file}: {attempt.classification} counts as infrastructure\n")
         if not attempt.ok and not cancel.cancelled and not plan.continue_on_error:
             stop = f"not run: fast-fail after {test.registration.file} ended {attempt.status}"
+    return record(attempts)
+
+
+def _run_record(
+    plan: RunPlan,
+    attempts: list[Attempt],
+    started: float,
+    commit: str,
+    cancelled_by: str | None,
+    complete: bool,
+) -> RunRecord:
     sel = plan.selection
     lanes = {sel.scope.lane_of(s) for s in sel.scope.suites}
     return RunRecord(
@@ -153,8 +221,9 @@ def execute_plan(
         finished_at=time.time(),
         attempts=tuple(attempts),
         excluded=sel.excluded,
-        cancelled_by=cancel.name or None,
+        cancelled_by=cancelled_by,
         report_dir=str(plan.report_dir),
+        complete=complete,
     )
 
 
@@ -167,9 +236,9 @@ def cancel_on_signals(cancel: CancelToken) -> Iterator[None]:
 
     def handler(signum, _frame):
         cancel.cancel(signum)
-        print(
-            f"\nmiles ci: received {signal.Signals(signum).name}; stopping the running test", file=sys.stderr
-        )
+        # os.write, not print: the handler may interrupt a print to the same stream
+        name = signal.Signals(signum).name
+        os.write(2, f"\nmiles ci: received {name}; stopping the running test\n".encode())
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -184,27 +253,43 @@ def run(options: RunOptions, *, plan_only: bool = False, out: IO[str] | None = N
     out = out if out is not None else sys.stdout
     from miles.ci.catalog import load_catalog
     from miles.ci.discover import discover
+    from miles.ci.durations import check_store_settings
+    from miles.metrics.store import StoreError
 
+    try:  # a store setting that would leak its password or pick a wrong store stops here
+        check_store_settings(options.root)
+    except StoreError as exc:
+        raise PlanError(str(exc)) from None
     catalog = load_catalog()
     plan = build_plan(options, catalog, discover(options.root, catalog=catalog))
     out.write(format_plan(plan))
     out.flush()
     if plan_only:
         return 0
+    try:
+        plan.report_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PlanError(f"--report-dir {plan.report_dir}: cannot create it ({exc.strerror})") from None
     from miles.ci.durations import durations_path, record_durations
 
     cancel = CancelToken()
     with cancel_on_signals(cancel):
-        record = execute_plan(plan, catalog, cancel, out)
+        record = execute_plan(
+            plan,
+            catalog,
+            cancel,
+            out,
+            checkpoint=lambda partial: write_reports(partial, plan.report_dir, step_summary=False),
+        )
         paths = write_reports(record, plan.report_dir)
         try:
             record_durations(record.attempts, durations_path(plan.settings.root))
-        except (OSError, ValueError, TimeoutError) as exc:
+        except (OSError, ValueError, TimeoutError, StoreError) as exc:
             print(f"warning: durations not stored: {exc}", file=sys.stderr)
     counts = record.counts()
     summary = ", ".join(
         f"{counts[k]} {k}"
-        for k in ("passed", "failed", "timeout", "error", "cancelled", "skipped")
+        for k in ("passed", "flaky", "failed", "timeout", "error", "cancelled", "skipped")
         if counts[k]
     )
     out.write(f"\n{'PASSED' if record.passed else 'FAILED'}: {summary or 'nothing ran'}\n")

@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from miles.ckpt.errors import CheckpointError
+from miles.ckpt.errors import CheckpointError, describe_os_error, os_error_in
 from miles.ckpt.plan import FAMILIES, STEPS, CheckpointPlan
 
 MODEL_DIR_ENV = "MILES_MODEL_DIR"
@@ -33,6 +33,22 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as exc:
+        cause = os_error_in(exc)
+        if cause is None:
+            raise
+        print(f"error: {describe_os_error(cause, _write_target(args))}", file=sys.stderr)
+        return 1
+
+
+def _write_target(args: argparse.Namespace) -> Path:
+    """Where the command writes, for naming a failed write that names no file itself."""
+    for name in ("dst", "out", "model_dir", "path"):
+        if getattr(args, name, None):
+            return Path(getattr(args, name))
+    return Path(os.environ.get(MODEL_DIR_ENV) or ".")
 
 
 def _steps(text: str | None) -> tuple[str, ...] | None:
@@ -70,9 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--scan-nan",
         type=float,
-        default=0.0,
+        default=1.0,
         metavar="FRACTION",
-        help="validate: share of bytes scanned for NaN/Inf",
+        help="validate: share of every float tensor read for NaN/Inf (default 1: all; 0: headers only)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress display")
     p.set_defaults(handler=cmd_prepare)
@@ -84,7 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shard-bytes", type=int, help="largest shard size in bytes")
     p.add_argument(
-        "--dim", action="append", default=[], metavar="KEY=INT", help="config override, e.g. hidden_size=2048"
+        "--dim",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override: a number, or 0/1 for a switch (hidden_size=2048, tie_word_embeddings=0)",
     )
     p.set_defaults(handler=cmd_make_tiny)
 
@@ -93,7 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--family", required=True, choices=FAMILIES)
     p.add_argument("--layers", type=int, help="expected num_hidden_layers")
     p.add_argument("--allow-auto-map", action="store_true")
-    p.add_argument("--scan-nan", type=float, default=0.0, metavar="FRACTION")
+    p.add_argument(
+        "--scan-nan", type=float, default=1.0, metavar="FRACTION",
+        help="share of every float tensor read for NaN/Inf (default 1: all; 0: headers only)",
+    )  # fmt: skip
     p.set_defaults(handler=cmd_validate)
 
     for name, helptext in (
@@ -167,9 +190,12 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     dims = {}
     for item in args.dim:
         key, _, value = item.partition("=")
-        if not value.lstrip("-").isdigit():
-            raise UsageError(f"--dim {item!r}: expected KEY=INT")
-        dims[key] = int(value)
+        try:
+            dims[key] = int(value) if value.lstrip("-").isdigit() else float(value)
+        except ValueError:
+            raise UsageError(f"--dim {item!r}: expected KEY=NUMBER (0/1 for a switch)") from None
+        if not key:
+            raise UsageError(f"--dim {item!r}: expected KEY=NUMBER (0/1 for a switch)")
     extra = {"shard_bytes": args.shard_bytes} if args.shard_bytes else {}
     out = make_tiny_checkpoint(args.family, args.layers, args.out, seed=args.seed, **extra, **dims)
     print(out)

@@ -2,8 +2,14 @@
 
 The transformers classes themselves are the source of truth for tensor names and shapes
 (validate builds the model on the meta device); this file holds only what transformers
-cannot say: which model types a recipe family accepts, how small a tiny model is, and
-whether megatron-core 0.16.1 has a GPT layer spec for the architecture.
+cannot say: which model types a recipe family accepts, how small a tiny model is, whether
+megatron-core 0.16.1 has a GPT layer spec for the architecture, and how a checkpoint names
+its MTP layers (the classes do not build those).
+
+A tiny model is small in sizes only: every switch the published model sets has the
+published value (Qwen3-4B ties its embeddings; Qwen3-30B-A3B renormalizes its top-k
+weights; both have heads x head_dim != hidden and rope theta 1e6; DeepSeek-V4-Flash and
+GLM-5 carry one MTP layer), because each switch is a code path the GPU meets.
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ class Family:
     tiny_dims: Mapping[str, Any] = field(default_factory=dict)
     megatron_gpt: bool = False  # torch_dist in megatron-core GPTModel names (else HF names kept)
     sdpa: bool = True  # transformers' class supports attn_implementation="sdpa"
+    # How the checkpoint names MTP layers: "layers" = model.layers.{L+k}.* with eh_proj/enorm/hnorm
+    # (DeepSeek-V3 style, GLM-5); "mtp" = mtp.{k}.* with e_proj/h_proj (DeepSeek-V4); None = none.
+    mtp_style: str | None = None
 
 
 _SPECS = (
@@ -39,7 +48,10 @@ _SPECS = (
         "qwen3",
         ("qwen3",),
         "qwen3",
-        {**_COMMON_TINY, "intermediate_size": 384, "num_key_value_heads": 2, "head_dim": 32},
+        {
+            **_COMMON_TINY, "num_attention_heads": 8, "intermediate_size": 384, "num_key_value_heads": 2,
+            "head_dim": 32, "tie_word_embeddings": True, "rope_theta": 1_000_000,
+        },
         megatron_gpt=True,
     ),
     Family(
@@ -47,8 +59,9 @@ _SPECS = (
         ("qwen3_moe",),
         "qwen3_moe",
         {
-            **_COMMON_TINY, "intermediate_size": 384, "moe_intermediate_size": 64, "num_experts": 8,
-            "num_experts_per_tok": 2, "num_key_value_heads": 2, "head_dim": 32,
+            **_COMMON_TINY, "num_attention_heads": 8, "intermediate_size": 384, "moe_intermediate_size": 64,
+            "num_experts": 8, "num_experts_per_tok": 2, "num_key_value_heads": 2, "head_dim": 32,
+            "norm_topk_prob": True, "rope_theta": 1_000_000,
         },
         megatron_gpt=True,
     ),
@@ -60,9 +73,10 @@ _SPECS = (
             **_COMMON_TINY, "moe_intermediate_size": 64, "num_key_value_heads": 1, "head_dim": 64,
             "q_lora_rank": 64, "n_routed_experts": 8, "num_experts_per_tok": 2, "o_groups": 2,
             "o_lora_rank": 32, "index_n_heads": 2, "index_head_dim": 32, "index_topk": 16, "hc_mult": 2,
-            "sliding_window": 32, "num_nextn_predict_layers": 0,
+            "sliding_window": 32, "num_nextn_predict_layers": 1,
         },
         sdpa=False,
+        mtp_style="mtp",
     ),
     Family(
         "glm_moe_dsa",
@@ -72,8 +86,9 @@ _SPECS = (
             **_COMMON_TINY, "intermediate_size": 384, "moe_intermediate_size": 64, "num_key_value_heads": 4,
             "n_routed_experts": 8, "num_experts_per_tok": 2, "kv_lora_rank": 32, "q_lora_rank": 64,
             "qk_rope_head_dim": 16, "qk_nope_head_dim": 48, "v_head_dim": 16, "index_topk": 64,
-            "index_head_dim": 32, "index_n_heads": 2, "first_k_dense_replace": 1,
+            "index_head_dim": 32, "index_n_heads": 2, "first_k_dense_replace": 1, "num_nextn_predict_layers": 1,
         },
+        mtp_style="layers",
     ),
     Family(
         "inkling",
@@ -90,8 +105,11 @@ _SPECS = (
 SPECS: Mapping[str, Family] = {f.name: f for f in _SPECS}
 assert tuple(SPECS) == FAMILIES, "families.py and plan.FAMILIES must list the same families"
 
-# Decoder layers: model.layers.N.*, or model.language_model.layers.N.* in multimodal checkpoints.
-LAYER_RE = re.compile(r"^(?P<prefix>(?:model\.)?(?:language_model\.)?layers)\.(?P<index>\d+)\.(?P<rest>.+)$")
+# Decoder layers: model.layers.N.*, or model.language_model.layers.N.* / model.llm.layers.N.* in
+# multimodal checkpoints (the latter is Inkling's published naming).
+LAYER_RE = re.compile(
+    r"^(?P<prefix>(?:model\.)?(?:language_model\.|llm\.)?layers)\.(?P<index>\d+)\.(?P<rest>.+)$"
+)
 # Per-layer lists in config.json that must keep one entry per layer when a checkpoint is cut.
 LAYER_LIST_KEYS = ("layer_types", "mlp_layer_types", "indexer_types")
 _NAME_LAYERS_RE = re.compile(r"-(\d+)[-_]?layers?\b", re.IGNORECASE)
@@ -113,6 +131,13 @@ def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
 def num_layers(config: Mapping[str, Any]) -> int | None:
     value = text_config(config).get("num_hidden_layers")
     return value if isinstance(value, int) else None
+
+
+def mtp_layers(config: Mapping[str, Any]) -> int:
+    """How many MTP layers the config declares (they follow the decoder layers in the checkpoint)."""
+    text = text_config(config)
+    value = text.get("num_nextn_predict_layers", text.get("num_mtp_layers"))
+    return value if isinstance(value, int) else 0
 
 
 def layers_in_name(model_name: str) -> int | None:

@@ -1,10 +1,13 @@
 """Block-wise FP8 (e4m3) checkpoints on CPU, and back to bf16.
 
-Each 2-D linear weight is cut into 128x128 tiles; a tile's scale is amax/448 (fp32, saved
-as `<name>_scale_inv` with shape [ceil(rows/128), ceil(cols/128)]) and its values become
-round_e4m3(w * 448/amax). Norms, embeddings, routers/gates, lm_head, biases and anything
-not a 2-D `.weight` stay as they are. config.json gains the `quantization_config` that
-transformers' fine-grained FP8 loader and SGLang read.
+Each quantized matrix is cut into 128x128 tiles; a tile's scale is amax/448 (fp32, saved
+as `<name>_scale_inv`, one [ceil(rows/128), ceil(cols/128)] grid per matrix) and its
+values become round_e4m3(w * 448/amax). With `scale_fmt: ue8m0` (DSA models) a scale is
+rounded up to a power of two first, so a loader that keeps it as a 1-byte exponent reads
+exactly the scale the weight was divided by. Which tensors are quantized, the layout of
+their scales and the `quantization_config` written to config.json: miles.ckpt.fp8_rules.
+
+A non-finite weight has no FP8 form: conversion stops naming the tensor and the index.
 
 Conversion streams: shards one after another, each tensor in strips of 128-row blocks
 read with pread, quantized by a thread pool (torch releases the GIL), and written in
@@ -23,7 +26,21 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from miles.ckpt.errors import CheckpointError
-from miles.ckpt.families import LAYER_RE
+from miles.ckpt.families import text_config
+from miles.ckpt.fp8_rules import (
+    BLOCK,
+    SCALE_FMT_FLOAT,
+    SCALE_FMT_UE8M0,
+    SCALE_SUFFIX,
+    TIED_HEAD,
+    Geometry,
+    geometry,
+    geometry_of_scale,
+    modules_to_not_convert,
+    quantization_config,
+    scale_fmt_for,
+    should_quantize,
+)
 from miles.ckpt.manifest import FileRecord
 from miles.ckpt.progress import Progress
 from miles.ckpt.shards import (
@@ -39,42 +56,37 @@ from miles.ckpt.shards import (
     read_weight_map,
     tensor_bytes,
     torch_dtype,
-    write_index,
 )
+from miles.ckpt.shards import write_index as _write_index
 
-BLOCK = 128
+__all__ = [
+    "BLOCK", "E4M3_MAX", "SCALE_SUFFIX", "convert_from_fp8", "convert_to_fp8", "dequantize_blockwise", "dequantize_tensor",
+    "quantization_config", "quantize_blockwise", "should_quantize",
+]  # fmt: skip
+
 E4M3_MAX = 448.0
-SCALE_SUFFIX = "_scale_inv"
 _STRIP_BYTES = 8 << 20  # input bytes per work item
 _AMAX_FLOOR = 1e-12  # an all-zero tile still gets a finite, non-zero scale
-_KEEP_COMPONENTS = ("gate", "router", "lm_head", "head", "weights_proj")  # module names kept in bf16
 
 
-def quantization_config(modules_to_not_convert: list[str]) -> dict:
-    return {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [BLOCK, BLOCK],
-        "modules_to_not_convert": modules_to_not_convert,
-    }
+class _NonFinite(Exception):
+    """A strip holds NaN or Inf at (row, col) of the strip."""
+
+    def __init__(self, row: int, col: int, value: float):
+        super().__init__(row, col, value)
+        self.row, self.col, self.value = row, col, value
 
 
-def should_quantize(info: TensorInfo) -> bool:
-    """2-D float `.weight` of a projection; not a norm, embedding, router/gate or lm_head."""
-    if (
-        not info.name.endswith(".weight")
-        or len(info.shape) != 2
-        or info.dtype not in FLOAT_DTYPES
-        or not info.numel
-    ):
-        return False
-    module = info.name.removesuffix(".weight").rsplit(".", 1)[-1]
-    return "norm" not in module and "embed" not in module and module not in _KEEP_COMPONENTS
+def _kind(value: float) -> str:
+    return "NaN" if value != value else ("+Inf" if value > 0 else "-Inf")
 
 
-def quantize_blockwise(weight, block: int = BLOCK):
-    """(e4m3 tensor, fp32 scale_inv) of a 2-D tensor; scale_inv[i, j] = amax of tile (i, j) / 448."""
+def quantize_blockwise(weight, block: int = BLOCK, *, pow2_scales: bool = False):
+    """(e4m3 tensor, fp32 scale_inv) of a 2-D tensor; scale_inv[i, j] = amax of tile (i, j) / 448.
+
+    pow2_scales rounds each scale up to a power of two (scale_fmt ue8m0). A NaN or Inf
+    input raises CheckpointError naming its index.
+    """
     import torch
 
     weight = weight.contiguous()
@@ -83,13 +95,20 @@ def quantize_blockwise(weight, block: int = BLOCK):
     scales = torch.empty(math.ceil(rows / block), math.ceil(cols / block), dtype=torch.float32)
     step = max(block, (_STRIP_BYTES // max(cols * weight.element_size(), 1)) // block * block)
     for r in range(0, rows, step):
-        q[r : r + step], scales[r // block : (r + step) // block + 1] = _quantize_strip(
-            weight[r : r + step], block
-        )
+        stop = min(r + step, rows)
+        try:
+            q[r:stop], scales[r // block : math.ceil(stop / block)] = _quantize_strip(
+                weight[r:stop], block, pow2_scales
+            )
+        except _NonFinite as bad:
+            raise CheckpointError(
+                f"quantize_blockwise: {_kind(bad.value)} at index [{r + bad.row}, {bad.col}]; "
+                "FP8 has no form for a non-finite weight"
+            ) from None
     return q, scales
 
 
-def _quantize_strip(strip, block: int):
+def _quantize_strip(strip, block: int, pow2_scales: bool = False):
     import torch
 
     rows, cols = strip.shape
@@ -97,19 +116,28 @@ def _quantize_strip(strip, block: int):
     x = _scratch("f32", prow * pcol, torch.float32).view(prow, pcol)
     if (prow, pcol) == (rows, cols):
         # max/min of the input dtype are exact, and the scaled copy is one fused pass
-        tiles_in = strip.view(prow // block, block, pcol // block, block)
-        magnitude = _scratch(f"abs-{strip.dtype}", rows * cols, strip.dtype).view(tiles_in.shape)
-        amax = torch.abs(tiles_in, out=magnitude).amax(dim=(1, 3)).float().clamp_(min=_AMAX_FLOOR)
-        torch.mul(tiles_in, (E4M3_MAX / amax)[:, None, :, None], out=x.view(tiles_in.shape))
+        tiles = strip.view(prow // block, block, pcol // block, block)
+        magnitude = _scratch(f"abs-{strip.dtype}", rows * cols, strip.dtype).view(tiles.shape)
+        amax = torch.abs(tiles, out=magnitude).amax(dim=(1, 3)).float()
+        out = x.view(tiles.shape)
     else:  # zero padding leaves every tile's amax unchanged
         x.zero_()
         x[:rows, :cols] = strip
-        tiles = x.view(prow // block, block, pcol // block, block)
-        amax = torch.maximum(tiles.amax(dim=(1, 3)), tiles.amin(dim=(1, 3)).neg()).clamp_(min=_AMAX_FLOOR)
-        tiles.mul_((E4M3_MAX / amax)[:, None, :, None])
+        tiles = out = x.view(prow // block, block, pcol // block, block)
+        amax = torch.maximum(tiles.amax(dim=(1, 3)), tiles.amin(dim=(1, 3)).neg())
+    if not bool(torch.isfinite(amax).all()):  # amax propagates NaN and Inf: one check per strip
+        bad = (~torch.isfinite(strip)).nonzero()[0].tolist()
+        raise _NonFinite(bad[0], bad[1], float(strip[bad[0], bad[1]]))
+    amax.clamp_(min=_AMAX_FLOOR)
+    if pow2_scales:
+        scale = torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX)))
+        torch.mul(tiles, scale.reciprocal()[:, None, :, None], out=out)
+    else:
+        scale = amax / E4M3_MAX
+        torch.mul(tiles, (E4M3_MAX / amax)[:, None, :, None], out=out)
     q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
     q.copy_(x[:rows, :cols])
-    return q, amax / E4M3_MAX
+    return q, scale
 
 
 _local = threading.local()
@@ -131,7 +159,8 @@ def dequantize_blockwise(q, scale_inv, dtype=None, block: int = BLOCK):
     import torch
 
     rows, cols = q.shape
-    full = scale_inv.repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
+    scale = scale_inv.to(torch.float32)
+    full = scale.repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
     return (q.to(torch.float32) * full).to(dtype or torch.bfloat16)
 
 
@@ -146,18 +175,25 @@ def ordered_map(pool: ThreadPoolExecutor, fn: Callable, items: Iterable, window:
         yield pending.popleft().result()
 
 
-def _strips(info: TensorInfo) -> list[tuple[int, int]]:
-    rows, cols = info.shape
-    row_bytes = max(cols * info.nbytes // max(info.numel, 1), 1)
-    step = max(BLOCK, (_STRIP_BYTES // row_bytes) // BLOCK * BLOCK)
-    return [(r, min(r + step, rows)) for r in range(0, rows, step)] or [(0, 0)]
+def _strips(g: Geometry, item: int) -> list[tuple[int, int, int, int]]:
+    """(first row, end row, first scale row, end scale row) of each work item, rows of the
+    tensor viewed as [mats * rows, cols]; a strip never crosses a matrix."""
+    step = max(BLOCK, (_STRIP_BYTES // max(g.cols * item, 1)) // BLOCK * BLOCK)
+    per = g.scale_rows_per_mat
+    return [
+        (k * g.rows + r, k * g.rows + min(r + step, g.rows), k * per + r // BLOCK,
+         k * per + math.ceil(min(r + step, g.rows) / BLOCK))
+        for k in range(g.mats)
+        for r in range(0, g.rows, step)
+    ] or [(0, 0, 0, 0)]  # fmt: skip
 
 
 def _read_rows(fd: int, header: ShardHeader, info: TensorInfo, r0: int, r1: int):
+    """Rows r0:r1 of the tensor viewed as 2-D [all leading dims, last dim]."""
     import torch
 
-    cols = info.shape[1]
-    item = info.nbytes // max(info.numel, 1)
+    cols = info.shape[-1] if info.shape else 1
+    item = DTYPE_SIZES[info.dtype]
     nbytes = (r1 - r0) * cols * item
     if not nbytes:
         return torch.empty(0, cols, dtype=torch_dtype(info.dtype))
@@ -166,9 +202,15 @@ def _read_rows(fd: int, header: ShardHeader, info: TensorInfo, r0: int, r1: int)
     return buf.view(torch_dtype(info.dtype)).view(r1 - r0, cols)
 
 
+def _read_whole(fd: int, header: ShardHeader, info: TensorInfo):
+    rows = info.numel // (info.shape[-1] if info.shape else 1) if info.numel else 0
+    return _read_rows(fd, header, info, 0, rows).clone().reshape(info.shape)
+
+
 def convert_to_fp8(src: Path, dst: Path, *, workers: int | None = None, progress: Progress | None = None):
     """Write the FP8 form of checkpoint `src` into the empty directory `dst`; return shard records."""
-    return _convert(src, dst, _QuantizePlan(), workers, progress)
+    names = read_weight_map(src).weight_map
+    return _convert(src, dst, _QuantizePlan(scale_fmt_for(names)), workers, progress)
 
 
 def convert_from_fp8(
@@ -186,22 +228,41 @@ def convert_from_fp8(
 
 
 class _QuantizePlan:
-    def layout(self, info: TensorInfo, names: set[str]):
+    def __init__(self, scale_fmt: str = SCALE_FMT_FLOAT):
+        self.scale_fmt = scale_fmt
+
+    def layout(self, info: TensorInfo, header: ShardHeader, names: set[str]):
         if not should_quantize(info):
             return None
-        rows, cols = info.shape
-        return [
-            (info.name, "F8_E4M3", info.shape),
-            (info.name + SCALE_SUFFIX, "F32", (math.ceil(rows / BLOCK), math.ceil(cols / BLOCK))),
-        ]
+        g = geometry(info.name, info.shape)
+        return [(info.name, "F8_E4M3", info.shape), (info.name + SCALE_SUFFIX, "F32", g.scale_shape)], g
 
     def work(self, job):
-        fd, header, info, r0, r1 = job
-        q, scales = _quantize_strip(_read_rows(fd, header, info, r0, r1), BLOCK)
+        fd, header, info, (r0, r1, _, _) = job
+        try:
+            q, scales = _quantize_strip(
+                _read_rows(fd, header, info, r0, r1), BLOCK, self.scale_fmt == SCALE_FMT_UE8M0
+            )
+        except _NonFinite as bad:
+            lead = info.shape[:-1]
+            index = [*_unravel(r0 + bad.row, lead), bad.col]
+            raise CheckpointError(
+                f"{header.path}: tensor {info.name}: {_kind(bad.value)} at index {index}; FP8 has no form "
+                "for a non-finite weight and the source checkpoint is broken: fetch or repair it "
+                "(validate reports every such tensor)"
+            ) from None
         return [tensor_bytes(q)], scales
 
-    def config(self, config: dict, kept: list[str]) -> dict:
-        return {**config, "quantization_config": quantization_config(kept)}
+    def config(self, config: dict, not_converted: list[str]) -> dict:
+        return {**config, "quantization_config": quantization_config(not_converted, self.scale_fmt)}
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> list[int]:
+    index = []
+    for dim in reversed(shape):
+        flat, rest = divmod(flat, dim)
+        index.append(rest)
+    return index[::-1]
 
 
 _DEQUANT_DTYPES = ("bfloat16", "float16", "float32")
@@ -211,22 +272,32 @@ class _DequantizePlan:
     def __init__(self, dtype: str):
         self.dtype = dtype
 
-    def layout(self, info: TensorInfo, names: set[str]):
+    def layout(self, info: TensorInfo, header: ShardHeader, names: set[str]):
         if info.name.endswith(SCALE_SUFFIX) and info.name.removesuffix(SCALE_SUFFIX) in names:
-            return []  # folded into its weight
+            return [], None  # folded into its weight
         if info.dtype != "F8_E4M3" or info.name + SCALE_SUFFIX not in names:
             return None
-        return [(info.name, DTYPE_OF_TORCH_NAME[self.dtype], info.shape)]
+        scale = header.tensors.get(info.name + SCALE_SUFFIX)
+        if scale is None:
+            raise CheckpointError(
+                f"{header.path}: {info.name}{SCALE_SUFFIX} must sit in the same shard as {info.name}"
+            )
+        g = geometry_of_scale(info.name, info.shape, scale.shape)
+        if g is None:
+            raise CheckpointError(
+                f"{header.path}: tensor {info.name}{SCALE_SUFFIX} has shape {list(scale.shape)}, which does "
+                f"not tile {info.name} {list(info.shape)} in {BLOCK}x{BLOCK} blocks"
+            )
+        return [(info.name, DTYPE_OF_TORCH_NAME[self.dtype], info.shape)], g
 
     def work(self, job):
         import torch
 
-        fd, header, info, r0, r1, scale = job
+        fd, header, info, (r0, r1, s0, s1), scale = job
         rows = _read_rows(fd, header, info, r0, r1)
-        part = scale[r0 // BLOCK : math.ceil(r1 / BLOCK)]
-        return [tensor_bytes(dequantize_blockwise(rows, part, getattr(torch, self.dtype)))], None
+        return [tensor_bytes(dequantize_blockwise(rows, scale[s0:s1], getattr(torch, self.dtype)))], None
 
-    def config(self, config: dict, kept: list[str]) -> dict:
+    def config(self, config: dict, not_converted: list[str]) -> dict:
         return {k: v for k, v in config.items() if k != "quantization_config"}
 
 
@@ -241,11 +312,12 @@ def _convert(
     names = set(files.weight_map)
     if progress is not None:
         progress.total_bytes = sum(t.nbytes for h in headers.values() for t in h.tensors.values())
-        progress.total_tensors = len(names)
+        progress.total_tensors = len(files.weight_map)
     workers = workers or len(os.sched_getaffinity(0))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # parallelism comes from the pool; nested OpenMP would oversubscribe
-    records, weight_map, kept, total = {}, {}, set(), 0
+    records, weight_map, total = {}, {}, 0
+    quantized, kept = [], []
     closing = {}
     try:
         # A shard's fsync runs on its own thread while the next shard is converted.
@@ -254,75 +326,82 @@ def _convert(
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsync") as syncer,
         ):
             for shard, header in headers.items():
-                writer, written = _convert_shard(header, dst / shard, plan, names, pool, workers, progress)
+                writer, layout = _convert_shard(header, dst / shard, plan, names, pool, workers, progress)
                 closing[shard] = syncer.submit(_close, writer)
-                for name, dtype, shape, nbytes, converted in written:
+                for name, dtype, shape in layout:
                     weight_map[name] = shard
-                    total += nbytes
-                    if not converted and dtype in FLOAT_DTYPES and len(shape) >= 2:
-                        kept.add(_module_pattern(name))
+                    total += math.prod(shape) * DTYPE_SIZES[dtype]
+                    if dtype.startswith("F8"):
+                        quantized.append(name)
+                    elif dtype in FLOAT_DTYPES and len(shape) == 2 and name.endswith(".weight"):
+                        kept.append(name)  # a linear (or embedding) left in its own dtype
             for shard, future in closing.items():
                 records[shard] = FileRecord(*future.result())
     finally:
         torch.set_num_threads(threads)
     config = json.loads((src / "config.json").read_text())
+    if text_config(config).get("tie_word_embeddings") or config.get("tie_word_embeddings"):
+        kept.append(TIED_HEAD + ".weight")  # not in the files, but every loader builds it as a linear
+    not_converted = modules_to_not_convert(kept, quantized)
     (dst / "config.json").write_text(
-        json.dumps(plan.config(config, sorted(kept)), indent=2, sort_keys=True) + "\n"
+        json.dumps(plan.config(config, not_converted), indent=2, sort_keys=True) + "\n"
     )
     if files.indexed:
-        write_index(dst, weight_map, total)
+        _write_index(dst, weight_map, total)
     copy_side_files(src, dst)
     return records
 
 
-def _convert_shard(header: ShardHeader, out: Path, plan, names, pool, workers, progress):
+def _convert_shard(header: ShardHeader, out: Path, plan, names: set[str], pool, workers, progress):
     import torch
 
     infos = list(header.tensors.values())
-    layouts = {info.name: plan.layout(info, names) for info in infos}
+    plans = {info.name: plan.layout(info, header, names) for info in infos}
     layout = []
     for info in infos:
-        entry = layouts[info.name]
-        layout.extend([(info.name, info.dtype, info.shape)] if entry is None else entry)
+        entry = plans[info.name]
+        layout.extend([(info.name, info.dtype, info.shape)] if entry is None else entry[0])
     writer = ShardWriter(out, layout, header.metadata or {"format": "pt"})
     fd = os.open(header.path, os.O_RDONLY)
     try:
         scales = {}
         if isinstance(plan, _DequantizePlan):
             for info in infos:
-                if layouts[info.name] and info.name + SCALE_SUFFIX in header.tensors:
-                    s = header.tensors[info.name + SCALE_SUFFIX]
-                    scales[info.name] = _read_rows(fd, header, s, 0, s.shape[0]).clone()
-                elif layouts[info.name]:
-                    raise CheckpointError(
-                        f"{header.path}: {info.name}{SCALE_SUFFIX} must sit in the same shard as {info.name}"
-                    )
+                entry = plans[info.name]
+                if entry is not None and entry[1] is not None:
+                    s = _read_whole(fd, header, header.tensors[info.name + SCALE_SUFFIX])
+                    scales[info.name] = s.reshape(-1, s.shape[-1])
+
+        def strips(info: TensorInfo):
+            return _strips(plans[info.name][1], DTYPE_SIZES[info.dtype])
 
         def jobs():
             for info in infos:
-                if layouts[info.name]:
-                    for r0, r1 in _strips(info):
+                entry = plans[info.name]
+                if entry is not None and entry[1] is not None:
+                    for strip in strips(info):
                         yield (
-                            (fd, header, info, r0, r1, scales[info.name])
+                            (fd, header, info, strip, scales[info.name])
                             if scales
-                            else (fd, header, info, r0, r1)
+                            else (fd, header, info, strip)
                         )
 
         # Enough strips in flight to keep the workers busy while a write waits on the disk.
         results = ordered_map(pool, plan.work, jobs(), window=4 * workers + 4)
         for info in infos:
-            entry = layouts[info.name]
+            entry = plans[info.name]
             if entry is None:
                 writer.copy_from(info.name, fd, header.offset(info), info.nbytes, header.path)
-            elif entry:
+            elif entry[1] is not None:
                 parts = []
-                for _ in _strips(info):
+                for _ in strips(info):
                     chunks, scale = next(results)
                     for chunk in chunks:
                         writer.write_part(info.name, chunk)
                     parts.append(scale)
                 if parts[0] is not None:
-                    writer.write(entry[1][0], tensor_bytes(torch.cat(parts)))
+                    name, _, shape = entry[0][1]
+                    writer.write(name, tensor_bytes(torch.cat(parts).reshape(shape)))
             if progress is not None:
                 progress.advance(info.nbytes, 1)
     except BaseException:
@@ -330,11 +409,7 @@ def _convert_shard(header: ShardHeader, out: Path, plan, names, pool, workers, p
         raise
     finally:
         os.close(fd)
-    written = [
-        (name, dtype, shape, _nbytes(dtype, shape), layouts.get(name.removesuffix(SCALE_SUFFIX)) is not None)
-        for name, dtype, shape in layout
-    ]
-    return writer, written
+    return writer, layout
 
 
 def _close(writer: ShardWriter) -> tuple[int, str]:
@@ -345,12 +420,19 @@ def _close(writer: ShardWriter) -> tuple[int, str]:
         raise
 
 
-def _nbytes(dtype: str, shape) -> int:
-    return math.prod(shape) * DTYPE_SIZES[dtype]
+def dequantize_tensor(name: str, q, scale_inv, dtype=None, *, grid: bool = False):
+    """A whole FP8 tensor (2-D, or 3-D experts tiled per expert) back to `dtype` (bf16 default).
 
+    grid=True also returns each element's tile scale (fp32, q's shape), for error bounds.
+    """
+    import torch
 
-def _module_pattern(name: str) -> str:
-    """The module of a tensor, relative to its decoder layer (so one pattern covers all layers)."""
-    module = name.rsplit(".", 1)[0]
-    m = LAYER_RE.match(module + ".")
-    return m.group("rest").rstrip(".") if m else module
+    g = geometry_of_scale(name, tuple(q.shape), tuple(scale_inv.shape))
+    if g is None:
+        raise CheckpointError(
+            f"{name}: a scale of shape {list(scale_inv.shape)} does not tile {list(q.shape)} in {BLOCK}x{BLOCK} blocks"
+        )
+    scales = scale_inv.to(torch.float32).reshape(g.mats, g.scale_rows_per_mat, -1)
+    full = scales.repeat_interleave(BLOCK, 1)[:, : g.rows].repeat_interleave(BLOCK, 2)[:, :, : g.cols]
+    out = (q.reshape(g.mats, g.rows, g.cols).to(torch.float32) * full).to(dtype or torch.bfloat16)
+    return (out.reshape(q.shape), full.reshape(q.shape)) if grid else out.reshape(q.shape)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from miles.ckpt.errors import CheckpointError
+from miles.ckpt.errors import CheckpointError, remember_free_space
 from miles.ckpt.shards import sha256_file
 
 MANIFEST_NAME = ".miles-ckpt.json"
@@ -169,7 +169,8 @@ def atomic_dir(final: Path) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
-    except BaseException:
+    except BaseException as exc:
+        remember_free_space(exc, tmp)  # before the partial output goes and the disk looks roomy again
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if (final.exists() or final.is_symlink()) and not read_manifest(final):
@@ -200,11 +201,19 @@ def _fsync_dir(directory: Path) -> None:
 def plan_lock(path: Path) -> Iterator[None]:
     """Hold an exclusive lock for one plan; a second run waits, then finds the work done.
 
-    flock is released by the kernel when the holder dies, even by SIGKILL.
+    flock is released by the kernel when the holder dies, even by SIGKILL. A lock file that
+    exists but cannot be opened for writing (read-only mount, another user's dir) is locked
+    through a read-only descriptor; one that cannot be created raises the OSError.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
+    try:
+        f = open(path, "a")
+    except OSError:
+        if not path.is_file():
+            raise
+        f = open(path)  # a model dir this user cannot write: flock works on a read-only descriptor
+    with f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

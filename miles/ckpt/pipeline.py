@@ -12,7 +12,6 @@ Directories (DESIGN.md): <model_dir>/<model_name> (HF), <model_name>_fp8,
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import time
@@ -20,7 +19,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from miles.ckpt.errors import CheckpointError, StepFailed
+from miles.ckpt.errors import (
+    CheckpointError,
+    StepFailed,
+    describe_os_error,
+    free_space_at_failure,
+    os_error_in,
+)
 from miles.ckpt.families import layers_in_name, num_layers
 from miles.ckpt.hub import Source, materialize, parse_source, resolve_hub, resolve_local
 from miles.ckpt.manifest import (
@@ -77,22 +82,42 @@ def prepare(
     dry: bool = False,
     progress: bool = True,
     workers: int | None = None,
-    scan_fraction: float = 0.0,
+    scan_fraction: float = 1.0,
 ) -> PrepareResult:
-    """Run the plan's steps (or the subset `steps`, which must belong to the plan) in order."""
+    """Run the plan's steps (or the subset `steps`, which must belong to the plan) in order.
+
+    scan_fraction: share of every float tensor validate reads for NaN/Inf (1 = all, 0 = none).
+    Every failure, a full or read-only disk included, is a StepFailed with a one-line message.
+    """
     chosen = _chosen_steps(plan, steps)
     run = _Run(plan, dry=dry, progress=progress, workers=workers, scan_fraction=scan_fraction)
-    results: list[StepResult] = []
     if dry:
-        for step in chosen:
-            results.append(run.step(step))
-        return PrepareResult(plan, tuple(results))
-    with plan_lock(run.state / f"{plan.model_name}.lock"):
+        return PrepareResult(plan, tuple(run.step(step) for step in chosen))
+    lock = run.state / f"{plan.model_name}.lock"
+    try:
+        held = plan_lock(lock)
+        held.__enter__()
+    except OSError as exc:
+        return _without_lock(plan, chosen, run, exc)
+    try:
         for path in (run.hf, run.fp8, run.torch_dist):
             clean_stale(path)
-        for step in chosen:
-            results.append(run.step(step))
-    return PrepareResult(plan, tuple(results))
+        return PrepareResult(plan, tuple(run.step(step) for step in chosen))
+    finally:
+        held.__exit__(None, None, None)
+
+
+def _without_lock(plan: CheckpointPlan, chosen: list[str], run: _Run, exc: OSError) -> PrepareResult:
+    """The lock cannot even be created (a read-only or foreign model dir): a plan whose steps
+    are all done still answers, since nothing needs writing; anything else stops in one line."""
+    looked = _Run(plan, dry=True, progress=False, workers=run.workers, scan_fraction=run.scan_fraction)
+    results = tuple(looked.step(step) for step in chosen)
+    pending = [r.step for r in results if r.status not in ("skipped", "not applicable")]
+    if not pending:
+        return PrepareResult(plan, results)
+    raise StepFailed(
+        f"{', '.join(pending)} of {plan.model_name} cannot run: {describe_os_error(exc, run.state)}"
+    ) from exc
 
 
 def _chosen_steps(plan: CheckpointPlan, steps: Sequence[str] | None) -> list[str]:
@@ -110,7 +135,9 @@ def _chosen_steps(plan: CheckpointPlan, steps: Sequence[str] | None) -> list[str
 
 
 class _Run:
-    def __init__(self, plan: CheckpointPlan, *, dry: bool, progress: bool, workers, scan_fraction: float):
+    def __init__(
+        self, plan: CheckpointPlan, *, dry: bool, progress: bool, workers, scan_fraction: float = 1.0
+    ):
         self.plan = plan
         self.dry = dry
         self.show = progress
@@ -157,21 +184,32 @@ class _Run:
         total = num_layers(json.loads((src / "config.json").read_text()))
         return total is not None and total > self.layers
 
+    def writes(self, step: str) -> Path:
+        """Where `step` writes: its output dir (the validate step only records a result)."""
+        return {
+            "fetch": self.hf, "trim": self.hf, "validate": self.state, "fp8": self.fp8,
+            "torch_dist": self.torch_dist, "stage": Path(self.plan.stage_dir or self.hf),
+        }[step]  # fmt: skip
+
     def step(self, name: str) -> StepResult:
         start = time.monotonic()
         try:
             result = getattr(self, f"_{name}")()
         except StepFailed:
             raise
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-                raise StepFailed(
-                    f"{name} of {self.plan.model_name}: out of space writing {exc.filename or 'its output'} "
-                    f"({exc.strerror}); nothing was marked done and the inputs are untouched; free space and rerun"
-                ) from exc
-            raise StepFailed(f"{name} of {self.plan.model_name}: {exc}; nothing was marked done") from exc
         except CheckpointError as exc:
             raise StepFailed(f"{name} of {self.plan.model_name}: {exc}") from exc
+        except (KeyboardInterrupt, SystemExit, GeneratorExit):
+            raise
+        except BaseException as exc:  # torch.distributed.checkpoint wraps I/O errors in a BaseException
+            cause = os_error_in(exc)
+            if cause is None:
+                raise
+            note = "nothing was marked done and the inputs are untouched"
+            raise StepFailed(
+                f"{name} of {self.plan.model_name}: "
+                + describe_os_error(cause, self.writes(name), note=note, free=free_space_at_failure(exc))
+            ) from exc
         if result.status == "ran":
             result = StepResult(
                 result.step, result.status, result.detail, result.output, time.monotonic() - start
@@ -282,8 +320,12 @@ class _Run:
 
         def make(tmp: Path):
             records = self._with_progress("trim", trim_checkpoint, src, tmp, self.layers)
-            validate_checkpoint(
-                tmp, self.plan.family, expect_layers=self.layers, allow_auto_map=self.plan.allow_auto_map
+            validate_checkpoint(  # the values are the source's, which validate scanned
+                tmp,
+                self.plan.family,
+                expect_layers=self.layers,
+                allow_auto_map=self.plan.allow_auto_map,
+                scan_fraction=0,
             )
             return records
 
@@ -295,8 +337,12 @@ class _Run:
 
         def make(tmp: Path):
             records = self._with_progress("fp8", convert_to_fp8, self.hf, tmp, workers=self.workers)
-            validate_checkpoint(
-                tmp, self.plan.family, expect_layers=self.layers, allow_auto_map=self.plan.allow_auto_map
+            validate_checkpoint(  # conversion refuses non-finite input, so the values need no scan
+                tmp,
+                self.plan.family,
+                expect_layers=self.layers,
+                allow_auto_map=self.plan.allow_auto_map,
+                scan_fraction=0,
             )
             return records
 
@@ -346,5 +392,9 @@ def _read_record(path: Path) -> Manifest | None:
 def _write_record(path: Path, record: Manifest) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(record.to_json())
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(record.to_json())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

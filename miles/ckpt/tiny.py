@@ -9,11 +9,13 @@ template. Same arguments, same bytes: the CPU lane's runs are reproducible.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from miles.ckpt.errors import CheckpointError
+from miles.ckpt.families import LAYER_LIST_KEYS, LAYER_RE, mtp_layers
 from miles.ckpt.families import family as get_family
 from miles.ckpt.manifest import atomic_dir, finished, write_manifest
 
@@ -30,14 +32,17 @@ TINY_STEP = "tiny"
 
 
 def tiny_params(family: str, layers: int, seed: int, dtype: str, shard_bytes: int, dims: Mapping[str, Any]):
-    """What a tiny checkpoint is a function of; its manifest records exactly this."""
+    """What a tiny checkpoint is a function of; its manifest records exactly this.
+
+    `dims` is recorded merged over the family's defaults, so new defaults rebuild old tiny models.
+    """
     return {
         "family": family,
         "layers": layers,
         "seed": seed,
         "dtype": dtype,
         "shard_bytes": shard_bytes,
-        "dims": dict(dims),
+        "dims": {**get_family(family).tiny_dims, **dims},
     }
 
 
@@ -53,8 +58,9 @@ def make_tiny_checkpoint(
 ) -> Path:
     """Build (or find already built) a random `layers`-deep checkpoint of `family` in `out_dir`.
 
-    `dims` override the family's tiny config (hidden_size=2048, vocab_size=32768, ...), which
-    is how the benchmarks make multi-GB checkpoints with the same code.
+    `dims` override any key of the family's tiny config (hidden_size=2048, vocab_size=32768,
+    tie_word_embeddings=0, num_nextn_predict_layers=0, ...), which is how the benchmarks make
+    multi-GB checkpoints with the same code; 0/1 stand for false/true where the config wants a bool.
     """
     spec = get_family(family)
     if layers < 1:
@@ -80,19 +86,21 @@ def _save_model(spec, layers: int, seed: int, dtype: str, shard_bytes: int, dims
         name: SPECIAL_TOKENS.index(tok)
         for name, tok in (("pad", PAD_TOKEN), ("bos", PAD_TOKEN), ("eos", EOS_TOKEN))
     }
-    kwargs = {**spec.tiny_dims, **dims}
-    try:
-        config = AutoConfig.for_model(
-            spec.tiny_model_type,
-            num_hidden_layers=layers,
-            pad_token_id=ids["pad"],
-            bos_token_id=ids["bos"],
-            eos_token_id=ids["eos"],
-            tie_word_embeddings=False,
-            **kwargs,
+    kwargs = _typed(spec.tiny_model_type, {"tie_word_embeddings": False, **spec.tiny_dims, **dims})
+    fixed = {"num_hidden_layers": layers, "pad_token_id": ids["pad"], "bos_token_id": ids["bos"],
+             "eos_token_id": ids["eos"]}  # fmt: skip
+    clash = sorted(set(fixed) & set(dims))
+    if clash:
+        raise CheckpointError(
+            f"make_tiny_checkpoint: {', '.join(clash)} cannot be a dim: layers and the tokenizer's ids set it"
         )
+    try:
+        config = AutoConfig.for_model(spec.tiny_model_type, **fixed, **kwargs)
     except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"make_tiny_checkpoint: {spec.name} config rejects {kwargs}: {exc}") from exc
+        message = str(exc).replace("\n", " ")
+        raise CheckpointError(
+            f"make_tiny_checkpoint: {spec.name} config rejects {kwargs}: {message}"
+        ) from exc
     if config.vocab_size < 256 + len(SPECIAL_TOKENS):
         raise CheckpointError(f"make_tiny_checkpoint: vocab_size {config.vocab_size} < 259 byte-level tokens")
     with torch.random.fork_rng(devices=[]):
@@ -101,6 +109,18 @@ def _save_model(spec, layers: int, seed: int, dtype: str, shard_bytes: int, dims
     model.generation_config.pad_token_id = ids["pad"]
     model.generation_config.eos_token_id = ids["eos"]
     model.save_pretrained(out, max_shard_size=shard_bytes)
+    add_mtp_layers(spec, config.to_dict(), seed, dtype, out)
+
+
+def _typed(model_type: str, values: dict[str, Any]) -> dict[str, Any]:
+    """values with 0/1 turned into False/True where the config class's default is a bool."""
+    from transformers import AutoConfig
+
+    defaults = AutoConfig.for_model(model_type)
+    return {
+        k: bool(v) if isinstance(getattr(defaults, k, None), bool) and v in (0, 1) else v
+        for k, v in values.items()
+    }
 
 
 def build_tokenizer(model_max_length: int = 4096):
@@ -122,3 +142,76 @@ def build_tokenizer(model_max_length: int = 4096):
         chat_template=CHAT_TEMPLATE,
         model_max_length=model_max_length,
     )
+
+
+MTP_SHARD = "model-mtp.safetensors"
+
+
+def add_mtp_layers(spec, config: dict, seed: int, dtype: str, out: Path) -> None:
+    """Add the MTP layers `config` declares to the checkpoint in `out`, named as the family's
+    published checkpoints name them, in a shard of their own (random values from `seed`).
+
+    An MTP layer is a decoder layer (the one the class would build at index L + k) plus the
+    projection that mixes the embedding with the previous hidden state, and its norms.
+    """
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from miles.ckpt.shards import INDEX_NAME
+
+    count, layers = mtp_layers(config), config["num_hidden_layers"]
+    if not count or spec.mtp_style is None:
+        return
+    # The class built one layer deeper, on the meta device, names and types the MTP block's tensors.
+    deeper = {k: v for k, v in config.items() if k not in LAYER_LIST_KEYS}
+    deeper["num_hidden_layers"] = layers + count
+    with torch.device("meta"):
+        model = getattr(transformers, config["architectures"][0])._from_config(
+            AutoConfig.for_model(**deeper), dtype=getattr(torch, dtype)
+        )
+    state = revert_weight_conversion(model, model.state_dict())
+    norm_dtype = next(v.dtype for k, v in state.items() if k.endswith("norm.weight") and _layer(k) is None)
+    hidden = config["hidden_size"]
+    gen = torch.Generator().manual_seed(seed + 1)
+    tensors: dict[str, torch.Tensor] = {}
+
+    def make(name: str, shape, kind) -> None:
+        module, param = name.rsplit(".", 2)[-2:]
+        if "norm" in module:  # norms start as the identity, as transformers initializes them
+            value = torch.ones(shape) if param == "weight" else torch.zeros(shape)
+        else:
+            value = torch.randn(shape, generator=gen) * 0.02
+        tensors[name] = value.to(kind).contiguous()
+
+    for k in range(count):
+        prefix = f"model.layers.{layers + k}." if spec.mtp_style == "layers" else f"mtp.{k}."
+        for name, value in sorted(state.items()):
+            if _layer(name) == layers + k and value.is_floating_point():
+                make(prefix + LAYER_RE.match(name)["rest"], value.shape, value.dtype)
+        if spec.mtp_style == "layers":  # DeepSeek-V3 style (GLM-5)
+            make(prefix + "eh_proj.weight", (hidden, 2 * hidden), getattr(torch, dtype))
+            for norm in ("enorm", "hnorm", "shared_head.norm"):
+                make(f"{prefix}{norm}.weight", (hidden,), norm_dtype)
+        else:  # DeepSeek-V4: separate embedding and hidden projections, its own hyper-connection head
+            hc, head = config["hc_mult"], {k: v for k, v in state.items() if "hc_head" in k}
+            make(prefix + "e_proj.weight", (hidden, hidden), getattr(torch, dtype))
+            make(prefix + "h_proj.weight", (hidden, hidden), getattr(torch, dtype))
+            for norm in ("enorm", "hnorm", "norm"):
+                make(f"{prefix}{norm}.weight", (hidden,), norm_dtype)
+            for part, shape in (("fn", (hc, hc * hidden)), ("base", (hc,)), ("scale", (1,))):
+                make(f"{prefix}hc_head_{part}", shape, next(iter(head.values())).dtype)
+    save_file(tensors, out / MTP_SHARD, metadata={"format": "pt"})
+    index_path = out / INDEX_NAME
+    index = json.loads(index_path.read_text())
+    index["weight_map"].update({name: MTP_SHARD for name in tensors})
+    index["weight_map"] = dict(sorted(index["weight_map"].items()))
+    index["metadata"]["total_size"] += sum(t.numel() * t.element_size() for t in tensors.values())
+    index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _layer(name: str) -> int | None:
+    m = LAYER_RE.match(name)
+    return int(m["index"]) if m else None

@@ -3,7 +3,7 @@
 Layout (what Megatron-LM's `--load` with `--ckpt-format torch_dist` reads):
     <dir>/release/__0_0.distcp, .metadata   torch.distributed.checkpoint data and index
     <dir>/release/metadata.json             {"sharded_backend": "torch_dist", ...}
-    <dir>/release/common.pt                 non-tensor state
+    <dir>/release/common.pt                 non-tensor state, with the `args` Megatron-LM reads
     <dir>/latest_checkpointed_iteration.txt "release", written last: the done marker
 
 Qwen3 and Qwen3-MoE are written in megatron-core GPTModel's own sharded keys (the local
@@ -18,6 +18,8 @@ loaded back with `megatron.core.dist_checkpointing.load` and compared tensor by 
 
 from __future__ import annotations
 
+import argparse
+import io
 import json
 import warnings
 from collections.abc import Iterator, Mapping
@@ -25,7 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from miles.ckpt.errors import CheckpointError
+from miles.ckpt.errors import CheckpointError, full_disk_error
 from miles.ckpt.families import family
 from miles.ckpt.progress import Progress
 from miles.ckpt.shards import CheckpointReader, torch_dtype
@@ -36,7 +38,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 # common.pt, so recording the (default) metadata used here makes a loader ask for these keys.
 SHARDED_METADATA: dict = {}
 _COMMON = {"checkpoint_version": 3.0, "iteration": 0, "content_metadata": SHARDED_METADATA}
-_COMMON_KEYS = (*_COMMON, "miles")
+_COMMON_KEYS = (*_COMMON, "miles", "args")
 
 
 @contextmanager
@@ -95,8 +97,7 @@ def convert_to_torch_dist(
         from miles.train.backends.megatron.compat import install_without_gpu
 
         install_without_gpu()  # megatron-core's MoE layers and forward assume CUDA otherwise
-    with warnings.catch_warnings(), single_process_group(), CheckpointReader(src) as reader:
-        warnings.simplefilter("ignore")  # megatron warns about optional CUDA extensions it cannot use here
+    with _quiet(), single_process_group(), CheckpointReader(src) as reader:
         if progress is not None:
             progress.total_bytes = sum(reader.info(n)[1].nbytes for n in reader.files.weight_map)
             progress.total_tensors = len(reader.files.weight_map)
@@ -113,6 +114,8 @@ def convert_to_torch_dist(
         release.mkdir()
         layout = "megatron-gpt" if gpt else "hf-names"
         common = {**_COMMON, "miles": {"layout": layout, "model_type": config["model_type"]}}
+        if gpt:  # only a GPT layout is a checkpoint Megatron-LM can load
+            common["args"] = megatron_args(config, vocab, vocab_multiple)
         _save(sharded, common, release)
         del sharded
         if gpt:
@@ -120,6 +123,54 @@ def convert_to_torch_dist(
         if verify:
             _verify(release, config, reader, gpt, vocab)
     (dst / TRACKER).write_text(RELEASE)
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """No warnings: megatron warns (also while it is imported) about CUDA extensions it cannot use here."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def megatron_args(config: Mapping[str, Any], vocab: int, vocab_multiple: int = 1) -> argparse.Namespace:
+    """The `args` Megatron-LM's loader finds in common.pt, from the HF config.
+
+    load_checkpoint reads the TP/PP sizes the checkpoint was written with (here 1 and 1)
+    and, unless --finetune, check_checkpoint_args compares num_layers, hidden_size and
+    num_attention_heads with the run's without a default; --use-checkpoint-args takes the
+    model shape from the rest. Nothing here is a guess: each value is the HF config's.
+    """
+    rope = config.get("rope_parameters") or {}
+    heads = config["num_attention_heads"]
+    groups = config.get("num_key_value_heads") or heads
+    values: dict[str, Any] = {
+        "num_layers": config["num_hidden_layers"],
+        "hidden_size": config["hidden_size"],
+        "num_attention_heads": heads,
+        "tensor_model_parallel_size": 1,
+        "pipeline_model_parallel_size": 1,
+        "ffn_hidden_size": config.get("intermediate_size"),
+        "num_query_groups": groups,
+        "group_query_attention": groups != heads,
+        "kv_channels": config.get("head_dim") or config["hidden_size"] // heads,
+        "max_position_embeddings": config.get("max_position_embeddings"),
+        "rotary_base": rope.get("rope_theta", config.get("rope_theta")),
+        "norm_epsilon": config.get("rms_norm_eps"),
+        "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
+        "padded_vocab_size": vocab,
+        "make_vocab_size_divisible_by": vocab_multiple,
+        "ckpt_format": "torch_dist",
+        "consumed_train_samples": 0,
+        "consumed_valid_samples": 0,
+    }
+    if config.get("num_experts"):
+        values.update(
+            num_experts=config["num_experts"],
+            moe_ffn_hidden_size=config.get("moe_intermediate_size"),
+            moe_router_topk=config.get("num_experts_per_tok"),
+        )
+    return argparse.Namespace(**{k: v for k, v in values.items() if v is not None})
 
 
 def _padded_vocab(config: Mapping[str, Any], multiple: int) -> int:
@@ -200,12 +251,24 @@ def _save(sharded: dict, common: dict, out: Path) -> None:
             return None  # it would record the temp path and a random save id; the bytes must not depend on either
 
     tensors, common_part = save_preprocess(sharded, validate_access_integrity=True)
-    torch.save({**common_part, **common}, out / "common.pt")
+    # serialized in memory, then written by Python: a full disk is an OSError naming its errno
+    # (torch.save's own file writer reports "file write failed" and nothing more)
+    buffer = io.BytesIO()
+    torch.save({**common_part, **common}, buffer)
+    (out / "common.pt").write_bytes(buffer.getvalue())
     flat, _, _ = _replace_state_dict_keys_with_sharded_keys(tensors, keep_only_main_replica=True)
     state = mcore_to_pyt_state_dict(flat, is_loading=False)
-    dcp.save(
-        state, storage_writer=Writer(out, thread_count=1), planner=MCoreSavePlanner(flatten_state_dict=False)
-    )
+    try:
+        dcp.save(
+            state,
+            storage_writer=Writer(out, thread_count=1),
+            planner=MCoreSavePlanner(flatten_state_dict=False),
+        )
+    except BaseException as exc:  # torch.save inside DCP reports a full disk without its errno
+        full = full_disk_error(out, exc)
+        if full is None:
+            raise
+        raise full from exc
     save_config(CheckpointingConfig("torch_dist", 1), out)
 
 
@@ -243,6 +306,14 @@ def _verify(release: Path, config, reader: CheckpointReader, gpt: bool, vocab: i
     for name, got, hf_name, start, stop in checks:
         want = reader.read_rows(hf_name, start, stop)
         if not torch.equal(got.reshape(want.shape), want.to(got.dtype)):
+            if want.is_floating_point() and not bool(torch.isfinite(want).all()):
+                first = (~torch.isfinite(want)).nonzero()[0].tolist()
+                index = [first[0] + start, *first[1:]] if first else []
+                raise CheckpointError(
+                    f"{reader.files.root}: tensor {hf_name} holds NaN/Inf (first at index {index}), which "
+                    "never loads back equal; the source checkpoint is broken and a rerun cannot fix it: "
+                    "fetch it again or repair it (validate reports every such tensor unless --scan-nan 0)"
+                )
             raise CheckpointError(
                 f"{release}: {name} differs from {hf_name} rows {start}:{stop} after loading back; rerun the step"
             )

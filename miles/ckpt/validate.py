@@ -7,8 +7,11 @@ Rules, each reported with the file, the tensor and a fix:
 - files: every shard the index names exists; each shard's header agrees with its own size
   (truncation) and its offsets with its shapes; index and shards list the same tensors.
 - tensors: names and shapes are exactly what the family's transformers class, built on the
-  meta device from this config, saves; dtypes fit the config (fp32 and fp8 allowed where
-  used); optionally a sampled NaN/Inf scan.
+  meta device from this config, saves (plus the MTP layers the config declares, which the
+  classes do not build); dtypes fit the config (fp32 and fp8 allowed where used).
+- values: every float tensor is read once, in bounded windows, and any NaN or Inf is
+  reported with the tensor and the index of its first bad value (scan_fraction < 1 samples
+  evenly spaced windows instead; 0 reads headers only).
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from miles.ckpt.errors import CheckpointError
-from miles.ckpt.families import expected_architectures, family, num_layers
-from miles.ckpt.fp8 import BLOCK, SCALE_SUFFIX
+from miles.ckpt.families import LAYER_RE, expected_architectures, family, mtp_layers, num_layers
+from miles.ckpt.fp8_rules import SCALE_SUFFIX, geometry_of_scale
 from miles.ckpt.shards import (
     DTYPE_OF_TORCH_NAME,
     FLOAT_DTYPES,
@@ -37,7 +40,10 @@ from miles.ckpt.shards import (
 from miles.ckpt.trim import trimmed_name
 
 _MAX_LISTED = 20
-_SCAN_WINDOW = 1 << 20
+_SCAN_WINDOW = 8 << 20  # bytes read at a time by the NaN/Inf scan (one buffer, reused)
+# Bits that make a float8 byte NaN (or Inf): e4m3fn has NaN only, e5m2 IEEE-style, e8m0 0xFF.
+_F8_SPECIAL = {"F8_E4M3": (0x7F, 0x7F), "F8_E5M2": (0x7C, 0x7C), "F8_E8M0": (0xFF, 0xFF)}
+SCANNED_DTYPES = FLOAT_DTYPES | frozenset(_F8_SPECIAL)
 
 
 @dataclass(frozen=True)
@@ -69,14 +75,15 @@ def validate_checkpoint(
     expect_layers: int | None = None,
     min_layers: int | None = None,
     allow_auto_map: bool = False,
-    scan_fraction: float = 0.0,
+    scan_fraction: float = 1.0,
 ) -> ValidationReport:
     """Validate `root` for `family_name`; raise CheckpointError listing every problem found.
 
     expect_layers: num_hidden_layers must equal it (the N of an -Nlayer slice).
     min_layers: num_hidden_layers must be at least it (a source that trim will cut to it);
         only what the slice keeps is checked, so a sliced download may lack the deep shards.
-    scan_fraction: share of each float tensor read to look for NaN/Inf (0 = headers only).
+    scan_fraction: share of each float tensor read to look for NaN/Inf: 1 (default) reads
+        every value, 0 reads headers only.
     """
     root = Path(root)
     findings: list[Finding] = []
@@ -86,7 +93,9 @@ def validate_checkpoint(
     if config is not None and headers is not None and not findings:
         _check_tensors(root, config, headers, findings, keep)
         if scan_fraction > 0 and not findings:
-            _scan_nonfinite(headers, scan_fraction, findings)
+            _scan_nonfinite(headers, scan_fraction, findings, keep)
+    if len(findings) == 1:
+        raise CheckpointError(f"{root} is not a valid {family_name} checkpoint: {findings[0]}")
     if findings:
         listed = "\n".join(f"  - {f}" for f in findings[:_MAX_LISTED])
         more = f"\n  ... and {len(findings) - _MAX_LISTED} more" if len(findings) > _MAX_LISTED else ""
@@ -251,21 +260,26 @@ def _check_tensors(
             findings.append(
                 Finding(str(header.path), "dtype", f"is {info.dtype} where the model keeps integers", name)
             )
+    layers, mtp = num_layers(config) or 0, mtp_layers(config)
     for name, (header, info) in on_disk.items():
         if name in expected or any(p.search(name) for p in ignore):
             continue
         base = name.removesuffix(SCALE_SUFFIX)
-        if quantized and name.endswith(SCALE_SUFFIX) and base in expected:
-            rows, cols = expected[base][0][-2:]
-            block = config["quantization_config"].get("weight_block_size") or [BLOCK, BLOCK]
-            want = (*expected[base][0][:-2], math.ceil(rows / block[0]), math.ceil(cols / block[1]))
-            if info.shape != want:
+        if quantized and name.endswith(SCALE_SUFFIX) and base in on_disk:
+            weight = on_disk[base][1]
+            if geometry_of_scale(base, weight.shape, info.shape) is None:
                 findings.append(
                     Finding(
-                        str(header.path), "shape", f"is {list(info.shape)}; {base} needs {list(want)}", name
+                        str(header.path),
+                        "shape",
+                        f"is {list(info.shape)}, which does not tile {base} {list(weight.shape)} in 128x128 blocks",
+                        name,
                     )
                 )
             continue
+        m = LAYER_RE.match(name)
+        if m and layers <= int(m["index"]) < layers + mtp:
+            continue  # an MTP layer: the config declares it, the class does not build it
         findings.append(
             Finding(str(header.path), "unexpected tensor", "this config's model has no such tensor", name)
         )
@@ -285,40 +299,89 @@ def expected_tensors(config: Mapping[str, Any]):
         raise CheckpointError(f"no transformers class for architectures {config.get('architectures')}")
     with torch.device("meta"):
         model = getattr(transformers, arch)._from_config(cfg)
-    state = revert_weight_conversion(model, model.state_dict())
+    state = model.state_dict()
+    for tied in getattr(model, "all_tied_weights_keys", None) or {}:
+        state.pop(tied, None)  # a tied weight (lm_head with tie_word_embeddings) is not saved
+    state = revert_weight_conversion(model, state)
     ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
     return {k: (tuple(v.shape), v.is_floating_point()) for k, v in state.items()}, ignore
 
 
-def _scan_nonfinite(headers: Mapping[str, ShardHeader], fraction: float, findings: list[Finding]) -> None:
-    """Read evenly spaced windows covering `fraction` of each float tensor; report NaN/Inf."""
+def _scan_nonfinite(
+    headers: Mapping[str, ShardHeader], fraction: float, findings: list[Finding], keep
+) -> None:
+    """Read `fraction` of each float tensor (all of it at 1.0) in bounded windows; report NaN/Inf."""
     import torch
 
+    buf = torch.empty(_SCAN_WINDOW, dtype=torch.uint8)
     for header in headers.values():
         fd = os.open(header.path, os.O_RDONLY)
         try:
             for info in header.tensors.values():
-                if info.dtype not in FLOAT_DTYPES or info.nbytes == 0:
+                if info.dtype not in SCANNED_DTYPES or info.nbytes == 0 or not keep(info.name):
                     continue
-                item = info.nbytes // info.numel
-                window = min(info.nbytes, max(item, _SCAN_WINDOW - _SCAN_WINDOW % item))
-                count = min(info.nbytes // window, max(1, math.ceil(fraction * info.nbytes / window)))
-                stride = (info.nbytes - window) // max(count - 1, 1)
-                bad = 0
-                for i in range(count):
-                    start = (i * stride) // item * item
-                    buf = bytearray(window)
-                    pread_into(fd, memoryview(buf), header.offset(info) + start, header.path)
-                    values = torch.frombuffer(buf, dtype=torch_dtype(info.dtype))
-                    bad += int((~torch.isfinite(values)).sum())
-                if bad:
+                bad = _first_nonfinite(fd, header, info, fraction, buf)
+                if bad is not None:
+                    index, value = bad
                     findings.append(
                         Finding(
                             str(header.path),
                             "nan/inf",
-                            f"{bad} non-finite values in the sampled bytes",
+                            f"{value} at index {index}; the weights are broken (a NaN/Inf never trains "
+                            "back out): fetch the checkpoint again or repair it",
                             info.name,
                         )
                     )
         finally:
             os.close(fd)
+
+
+def _windows(info, fraction: float) -> list[tuple[int, int]]:
+    """(byte offset, length) of the windows to read: all of the tensor, or evenly spaced ones."""
+    item = info.nbytes // info.numel
+    window = max(item, _SCAN_WINDOW - _SCAN_WINDOW % item)
+    if fraction >= 1:
+        return [(start, min(window, info.nbytes - start)) for start in range(0, info.nbytes, window)]
+    window = min(window, info.nbytes)
+    count = min(info.nbytes // window, max(1, math.ceil(fraction * info.nbytes / window)))
+    stride = (info.nbytes - window) // max(count - 1, 1)
+    return [((i * stride) // item * item, window) for i in range(count)]
+
+
+def _first_nonfinite(fd: int, header: ShardHeader, info, fraction: float, buf):
+    """([index], "NaN" | "+Inf" | "-Inf") of the first non-finite value read, or None."""
+    import torch
+
+    item = info.nbytes // info.numel
+    for start, length in _windows(info, fraction):
+        raw = buf[:length]
+        pread_into(fd, memoryview(raw.numpy()), header.offset(info) + start, header.path)
+        if info.dtype in _F8_SPECIAL:
+            mask, special = _F8_SPECIAL[info.dtype]
+            hits = torch.bitwise_and(raw, mask) == special
+            if not bool(hits.any()):
+                continue
+            pos = int(hits.nonzero()[0])
+            kind = (
+                "NaN"
+                if info.dtype != "F8_E5M2" or raw[pos] & 0x03
+                else ("-Inf" if raw[pos] & 0x80 else "+Inf")
+            )
+        else:
+            values = raw.view(torch_dtype(info.dtype))
+            low, high = torch.aminmax(values)  # NaN and Inf propagate: one fast pass per window
+            if bool(torch.isfinite(low)) and bool(torch.isfinite(high)):
+                continue
+            pos = int((~torch.isfinite(values)).nonzero()[0])
+            value = float(values[pos])
+            kind = "NaN" if value != value else ("+Inf" if value > 0 else "-Inf")
+        return _unravel(start // item + pos, info.shape), kind
+    return None
+
+
+def _unravel(flat: int, shape) -> list[int]:
+    index = []
+    for dim in reversed(tuple(shape)):
+        flat, rest = divmod(flat, dim)
+        index.append(rest)
+    return index[::-1]

@@ -75,6 +75,7 @@ def plan_refresh(
     image: str | None = None,
     today: dt.date | None = None,
     config: ImageConfig | None = None,
+    move_alias: bool = True,
 ) -> RefreshPlan:
     config = config or load_images()
     variant = config.variant(variant_name)
@@ -102,12 +103,15 @@ def plan_refresh(
     for key, value in ((LABEL_HASH, inputs.digest), (LABEL_VARIANT, variant.name), (LABEL_TAG, tag)):
         command += ["--label", f"{key}={value}"]
     command += ["--tag", tag]
-    if push:
+    if push and move_alias:
         command += ["--tag", alias, "--push"]
+    elif push:  # a PR build: its dated tag only; the rolling alias follows the main line alone
+        command += ["--push"]
     else:
         command += ["--load"]
     command.append(context)
-    return RefreshPlan(variant, tag, alias, inputs, context, (tag, alias), tuple(command), push)
+    tags = (tag, alias) if move_alias else (tag,)
+    return RefreshPlan(variant, tag, alias, inputs, context, tags, tuple(command), push)
 
 
 def pins_problems(root: Path, variant: Variant, config: ImageConfig | None = None) -> list[Mismatch]:

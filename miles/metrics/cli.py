@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -96,6 +97,11 @@ def _open(args: argparse.Namespace):
     return open_store(args.store, root=args.root)
 
 
+def _check_limit(limit: int) -> None:
+    if limit < 1:  # the stores would read -1 differently (SQLite: no limit; PostgreSQL: error)
+        raise _usage(f"--limit {limit} must be at least 1")
+
+
 def _test_path(root: Path, test: str) -> str:
     path = Path(test)
     if path.is_absolute():
@@ -110,6 +116,7 @@ def _test_path(root: Path, test: str) -> str:
 def cmd_history_show(args: argparse.Namespace) -> int:
     from miles.metrics.report import history_rows, render_history
 
+    _check_limit(args.limit)
     store = _open(args)
     test = _test_path(args.root, args.test)
     rows = history_rows(
@@ -138,6 +145,7 @@ def cmd_history_untrust(args: argparse.Namespace) -> int:
 def cmd_history_plot(args: argparse.Namespace) -> int:
     from miles.metrics.plot import plot_history
 
+    _check_limit(args.limit)
     store = _open(args)
     test = _test_path(args.root, args.test)
     try:
@@ -152,8 +160,8 @@ def cmd_history_plot(args: argparse.Namespace) -> int:
 
 def cmd_gate(args: argparse.Namespace) -> int:
     from miles.ci.catalog import load_catalog
+    from miles.ci.policy import CiEvent, history_decision
     from miles.metrics.gating import GateRun, ci_identity, gate_attempt
-    from miles.metrics.store import writes_baseline
 
     catalog = load_catalog()
     test = _test_path(args.root, args.test)
@@ -163,8 +171,10 @@ def cmd_gate(args: argparse.Namespace) -> int:
     backend, suite = _pick_registration(test_file, args.backend, args.suite)
     lane = catalog.lane(catalog.suite(suite, backend).lane)
     cadence = args.cadence or lane.cadence
-    if args.write and not writes_baseline(cadence):
-        raise _usage(f"--write with cadence '{cadence}': only nightly or weekly runs write baselines")
+    if args.write:
+        stores, why = history_decision(CiEvent.from_env(os.environ), cadence, catalog)
+        if not stores:
+            raise _usage(f"--write: {why}")
     pr, ci_run_id = ci_identity()
     run = GateRun(
         test, backend, suite, lane.name, cadence, lane.gate_mode == "enforce", args.commit, pr, ci_run_id

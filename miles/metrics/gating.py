@@ -79,9 +79,10 @@ def gate_attempt(
 ) -> GateOutcome:
     """Gate the records in `record_dir` against the history of (test, backend, suite).
 
-    `write_baseline` says the attempt passed; the run is stored only when it did and the
-    cadence is one that writes baselines (nightly, weekly), trusted or not, so a run that
-    failed its gates is visible in the history but never moves a baseline.
+    `write_baseline` says the attempt passed and its run may store history (the caller asked
+    miles.ci.policy.stores_history); the run is stored only then and when the cadence is one
+    that writes baselines (nightly, weekly), trusted or not, so a run that failed its gates is
+    visible in the history but never moves a baseline.
     """
     if not gates:
         return NO_GATES

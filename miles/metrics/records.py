@@ -69,9 +69,13 @@ def read_record(path: Path | str) -> dict[str, dict[int, float]]:
 def _parse_line(line: str, where: str) -> tuple[str, dict[int, float]]:
     expected = 'expected {"metric": "<key>", "series": [[step, value], ...]}'
     try:
-        obj = json.loads(line)
+        obj = json.loads(line, parse_constant=_bare_constant)
     except json.JSONDecodeError as exc:
-        raise RecordError(f"{where}: not valid JSON ({exc.msg}); {expected}") from exc
+        raise RecordError(f"{where}: not valid JSON ({exc.msg}); {expected}") from None
+    except RecursionError:
+        raise RecordError(f"{where}: nested too deeply to be a record; {expected}") from None
+    except ValueError as exc:  # a bare NaN/Infinity, or an integer too long to convert
+        raise RecordError(f"{where}: {exc}; {expected}") from None
     if (
         not isinstance(obj, dict)
         or not isinstance(obj.get("metric"), str)
@@ -91,8 +95,33 @@ def _parse_line(line: str, where: str) -> tuple[str, dict[int, float]]:
                 f"{where}: point {point!r} of '{obj['metric']}' is not [step, value] with an integer "
                 f"step and a number or one of {', '.join(NON_FINITE)}"
             )
-        points[point[0]] = decode_value(point[1])
+        if not 0 <= point[0] <= MAX_STEP:
+            raise RecordError(
+                f"{where}: step {_short(point[0])} of '{obj['metric']}' is not in 0..{MAX_STEP}"
+            )
+        try:
+            value = decode_value(point[1])
+        except OverflowError:
+            value = math.nan
+        if isinstance(point[1], int | float) and not math.isfinite(value):
+            raise RecordError(
+                f"{where}: value {_short(point[1])} of '{obj['metric']}' at step {point[0]} is out of range; "
+                f"non-finite values are written as {', '.join(NON_FINITE)}"
+            )
+        points[point[0]] = value
     return obj["metric"], points
+
+
+MAX_STEP = 2**53  # steps must survive a float and both stores' integer columns
+
+
+def _bare_constant(name: str) -> float:
+    raise ValueError(f'bare {name} is not a record value (write it as the string "{name}")')
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 24 else f"{text[:12]}...({len(text)} characters)"
 
 
 def _is_value(value: object) -> bool:

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit
 
 from miles.metrics.spec import Coordinate
 
@@ -27,7 +27,7 @@ HISTORY_URL_ENV = "MILES_HISTORY_URL"
 DEFAULT_SQLITE_PATH = Path(".miles") / "history.sqlite"
 BASELINE_CADENCES = ("nightly", "weekly")
 _COMMIT_PREFIX = re.compile(r"[0-9a-fA-F]{7,64}")
-_QUERY_PASSWORD = re.compile(r"((?:^|&)password=)([^&]*)")
+_QUERY_PASSWORD = re.compile(r"((?:^|[?&])password=)([^&#]*)")
 
 
 class StoreError(RuntimeError):
@@ -147,26 +147,90 @@ class HistoryStore(ABC):
 
 
 def writes_baseline(cadence: str) -> bool:
-    """Only scheduled runs of the main line may extend a baseline; PR runs never do."""
+    """Whether runs of this cadence extend baselines. Whether a given run may store history at
+    all (only runs of the main line, never a PR) is miles.ci.policy.stores_history's call."""
     return cadence in BASELINE_CADENCES
 
 
+# libpq connection keywords: a string made of `keyword=value` pairs is a keyword DSN
+# ("host=db password=..."), which miles does not take (see check_store_url).
+_DSN_KEYWORDS = (
+    "host|hostaddr|port|dbname|user|password|passfile|sslmode|sslpassword|options|service|"
+    "connect_timeout|application_name|target_session_attrs|require_auth|channel_binding"
+)
+_DSN = re.compile(rf"^\s*(?:{_DSN_KEYWORDS})\s*=|\s(?:{_DSN_KEYWORDS})\s*=")
+_DSN_PASSWORD = re.compile(r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'?|\S*)")
+_BAD_PERCENT = re.compile(r"%(?![0-9A-Fa-f]{2})")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_POSTGRES_SCHEMES = ("postgresql", "postgres")
+URL_FORMS = (
+    "postgresql://user:password@host:port/db (password percent-encoded), sqlite:///path, or a file path"
+)
+
+
+def is_keyword_dsn(text: str) -> bool:
+    """Whether `text` is a libpq keyword DSN ("host=... password=...") rather than a URL or a path."""
+    return "://" not in text and bool(_DSN.search(text))
+
+
 def mask_url(url: str) -> str:
-    """The URL with its password (user:pw@ or ?password=) replaced by ***; safe to print."""
+    """The URL (or keyword DSN) with its password replaced by ***; safe to print.
+
+    Works on malformed text too: everything between the user name and the last '@' of the
+    authority is the password as far as masking goes, so a password holding an unencoded
+    '@', '/', '?' or '#' is still hidden (at worst with part of the host)."""
+    text = _CONTROL.sub("?", url)
+    if is_keyword_dsn(text):
+        return _DSN_PASSWORD.sub(r"\1***", text)
+    head, sep, rest = text.partition("://")
+    if not sep:
+        return text
+    at = rest.rfind("@")
+    if at >= 0:
+        user, colon, _ = rest[:at].partition(":")
+        if colon:
+            rest = f"{user}:***{rest[at:]}"
+    return head + sep + _QUERY_PASSWORD.sub(r"\1***", rest)
+
+
+def check_store_url(url: str, *, name: str = "store URL") -> str:
+    """`url` if miles can hand it to a driver as it is; otherwise StoreError with one line
+    that names the problem and shows the URL masked. Catches what drivers would misread
+    into a host name, a DNS query or a file named after the password."""
+    shown = mask_url(url)
+
+    def refuse(problem: str) -> StoreError:
+        return StoreError(f"{name} {shown!r}: {problem}; write {URL_FORMS}")
+
+    if is_keyword_dsn(url):
+        raise refuse("a libpq keyword DSN (host=... password=...) is not accepted")
+    if _CONTROL.search(url):
+        raise refuse("it contains a control character (a newline?)")
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in _POSTGRES_SCHEMES:
+        return url
+    authority_end = len(rest)
+    at = rest.rfind("@")
+    # the authority ends at the first '/', '?' or '#' after the user info
+    for mark in "/?#":
+        found = rest.find(mark, at + 1)
+        if found >= 0:
+            authority_end = min(authority_end, found)
+    userinfo = rest[:at] if at >= 0 else ""
+    if " " in url:
+        raise refuse("it contains a space; percent-encode it as %20")
+    if userinfo.count("@"):
+        raise refuse("the password contains an unencoded '@'; percent-encode it as %40")
+    for char, code in (("/", "%2F"), ("?", "%3F"), ("#", "%23")):
+        if at >= 0 and char in userinfo:
+            raise refuse(f"the password contains an unencoded '{char}'; percent-encode it as {code}")
+    if _BAD_PERCENT.search(url):
+        raise refuse("it has a '%' that does not start a %XX escape; percent-encode '%' as %25")
     try:
-        parts = urlsplit(url)
-        port = parts.port
+        _ = urlsplit(f"{scheme}://{rest[:authority_end]}").port  # raises for a bad port
     except ValueError:
-        return "<unparseable store URL>"
-    if parts.password is not None:
-        host = parts.hostname or ""
-        if ":" in host:
-            host = f"[{host}]"
-        netloc = f"{parts.username or ''}:***@{host}" + (f":{port}" if port else "")
-        parts = parts._replace(netloc=netloc)
-    if _QUERY_PASSWORD.search(parts.query):
-        parts = parts._replace(query=_QUERY_PASSWORD.sub(r"\1***", parts.query))
-    return urlunsplit(parts)
+        raise refuse("the port is not a number from 1 to 65535") from None
+    return url
 
 
 def scrub(text: str, url: str) -> str:
@@ -177,15 +241,21 @@ def scrub(text: str, url: str) -> str:
 
 
 def _passwords(url: str) -> list[str]:
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return []
-    found = {parts.password, unquote(parts.password)} if parts.password else set()
-    for match in _QUERY_PASSWORD.finditer(parts.query):
-        if match.group(2):  # a driver may echo the value as written or decoded
-            found |= {match.group(2), unquote(match.group(2))}
-    return sorted(found, key=len, reverse=True)
+    found: set[str] = set()
+    head, sep, rest = url.partition("://")
+    if sep:
+        at = rest.rfind("@")
+        user, colon, password = rest[:at].partition(":") if at >= 0 else ("", "", "")
+        if colon and password:
+            found |= {password, unquote(password)}
+        for match in _QUERY_PASSWORD.finditer(rest):
+            if match.group(2):  # a driver may echo the value as written or decoded
+                found |= {match.group(2), unquote(match.group(2))}
+    for match in _DSN_PASSWORD.finditer(url):
+        value = match.group(2).strip("'")
+        if value:
+            found.add(value)
+    return sorted((f for f in found if len(f) >= 3), key=len, reverse=True)
 
 
 def resolve_url(url: str | None = None, *, root: Path | str = ".") -> str:
@@ -197,8 +267,9 @@ def resolve_url(url: str | None = None, *, root: Path | str = ".") -> str:
 
 
 def open_store(url: str | None = None, *, root: Path | str = ".") -> HistoryStore:
-    """Open (creating or migrating the schema) the store named by `url` or the environment."""
-    url = resolve_url(url, root=root)
+    """Open (creating or migrating the schema) the store named by `url` or the environment;
+    a malformed URL is a StoreError naming the problem, with the password masked."""
+    url = check_store_url(resolve_url(url, root=root))
     scheme = url.split(":", 1)[0].lower() if "://" in url else ""
     if scheme in ("postgresql", "postgres"):
         from miles.metrics.store_postgres import PostgresStore
@@ -213,10 +284,7 @@ def open_store(url: str | None = None, *, root: Path | str = ".") -> HistoryStor
                 f"store URL {mask_url(url)!r}: write sqlite:///relative/path or sqlite:////absolute/path"
             )
         return SqliteStore(Path(path))
-    raise StoreError(
-        f"store URL {mask_url(url)!r}: unknown scheme '{scheme}'; use postgresql://user:pw@host/db, "
-        "sqlite:///path, or a file path"
-    )
+    raise StoreError(f"store URL {mask_url(url)!r}: unknown scheme '{scheme}'; use {URL_FORMS}")
 
 
 def now() -> datetime:

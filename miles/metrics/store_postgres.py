@@ -42,24 +42,28 @@ class PostgresStore(SqlStore):
         for attempt in range(ATTEMPTS):
             if attempt:
                 time.sleep(BACKOFF_S[attempt - 1])
+            # Every error is re-raised `from None`: a driver's message (or its chained cause)
+            # can hold the DSN, and a traceback printed anywhere must not show it.
             try:
                 conn = psycopg.connect(self._dsn, connect_timeout=CONNECT_TIMEOUT_S, application_name="miles")
             except psycopg.OperationalError as exc:
                 last = exc
                 continue
+            except Exception as exc:  # ProgrammingError for a DSN libpq cannot parse, and the like
+                raise StoreError(f"history store {self.url}: {self._clean(exc)}") from None
             try:
                 result = fn(conn)
                 conn.commit()
                 return result
             except psycopg.OperationalError as exc:  # dropped connection, conflict, shutdown
                 last = exc
-            except psycopg.Error as exc:
-                raise StoreError(f"history store {self.url}: {self._clean(exc)}") from exc
+            except psycopg.Error as exc:  # every other class: permissions, SQL, data
+                raise StoreError(f"history store {self.url}: {self._clean(exc)}") from None
             finally:
                 conn.close()
         raise StoreUnreachable(
             f"history store unreachable: {self.url}: {self._clean(last)} (after {ATTEMPTS} attempts)"
-        ) from last
+        ) from None
 
     def _clean(self, exc: Exception | None) -> str:
         text = " ".join(str(exc).split()) if exc is not None else "unknown error"
@@ -67,6 +71,9 @@ class PostgresStore(SqlStore):
 
     def _lock_schema(self, conn: Any) -> None:
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
+
+    def _table_exists(self, conn: Any, name: str) -> bool:
+        return conn.execute("SELECT to_regclass(%s)", (name,)).fetchone()[0] is not None
 
     def _sql(self, sql: str) -> str:
         return sql.replace("?", "%s")

@@ -105,6 +105,9 @@ class SqlStore(HistoryStore):
     @abstractmethod
     def _insert_id(self, conn: Any, sql: str, params: Sequence) -> int: ...
 
+    @abstractmethod
+    def _table_exists(self, conn: Any, name: str) -> bool: ...
+
     def _sql(self, sql: str) -> str:
         return sql
 
@@ -123,7 +126,16 @@ class SqlStore(HistoryStore):
             conn.cursor().executemany(self._sql(sql), rows)
 
     def migrate(self) -> int:
-        """Create or upgrade the schema; returns the version now in place."""
+        """Create or upgrade the schema; returns the version now in place. A store already at
+        this version is only read, so a read-only role (history show) can open it."""
+
+        def current(conn: Any) -> int:
+            return self._read_version(conn) if self._table_exists(conn, "miles_meta") else 0
+
+        version = self._transaction(current, write=False)
+        if version == SCHEMA_VERSION:
+            return version
+        self._check_not_newer(version)
 
         def run(conn: Any) -> int:
             self._lock_schema(conn)
@@ -131,11 +143,7 @@ class SqlStore(HistoryStore):
                 conn, "CREATE TABLE IF NOT EXISTS miles_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"
             )
             version = self._read_version(conn)
-            if version > SCHEMA_VERSION:
-                raise StoreError(
-                    f"history store {self.url} has schema version {version}, newer than this miles "
-                    f"understands ({SCHEMA_VERSION}); upgrade miles before writing to it"
-                )
+            self._check_not_newer(version)
             for target, statements in MIGRATIONS:
                 if target > version:
                     for statement in statements:
@@ -149,9 +157,24 @@ class SqlStore(HistoryStore):
 
         return self._transaction(run, write=True)
 
+    def _check_not_newer(self, version: int) -> None:
+        if version > SCHEMA_VERSION:
+            raise StoreError(
+                f"history store {self.url} has schema version {version}, newer than this miles "
+                f"understands ({SCHEMA_VERSION}); upgrade miles before writing to it"
+            )
+
     def _read_version(self, conn: Any) -> int:
         row = self._exec(conn, "SELECT value FROM miles_meta WHERE key = 'schema_version'").fetchone()
-        return int(row[0]) if row else 0
+        if not row:
+            return 0
+        try:
+            return int(str(row[0]).strip())
+        except ValueError:
+            raise StoreError(
+                f"history store {self.url}: miles_meta.schema_version is {str(row[0])[:40]!r}, not a number; "
+                "the table was written by something other than miles or edited by hand"
+            ) from None
 
     def schema_version(self) -> int:
         return self._transaction(self._read_version, write=False)
@@ -217,6 +240,9 @@ class SqlStore(HistoryStore):
         suite: str | None = None,
         limit: int | None = None,
     ) -> list[StoredRun]:
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            # SQLite reads LIMIT -1 as "no limit", PostgreSQL refuses it: neither is taken
+            raise StoreError(f"limit {limit} must be at least 1 (or None for every run)")
         where, params = _filters(test=test, backend=backend, suite=suite)
         sql = f"SELECT {_RUN_COLUMNS} FROM runs{where} ORDER BY created_at DESC, id DESC"
         if limit is not None:

@@ -81,6 +81,12 @@ class SqliteStore(SqlStore):
     def _lock_schema(self, conn: Any) -> None:
         pass  # BEGIN IMMEDIATE already holds the database's write lock
 
+    def _table_exists(self, conn: Any, name: str) -> bool:
+        row = conn.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)
+        ).fetchone()
+        return row is not None
+
     def _insert_id(self, conn: Any, sql: str, params: Sequence) -> int:
         return int(conn.execute(sql, tuple(params)).lastrowid)
 

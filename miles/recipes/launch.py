@@ -165,7 +165,8 @@ def _fields(
     return {
         "hf_checkpoint": ckpt.fp8_dir if fp8 else ckpt.hf_dir,
         "hf_dir": ckpt.hf_dir,
-        "ref_load": ckpt.torch_dist_dir if megatron else ckpt.hf_dir,
+        # a family without a Megatron layout plans no torch_dist: the trainer loads the HF dir
+        "ref_load": ckpt.torch_dist_dir if megatron and "torch_dist" in ckpt.steps else ckpt.hf_dir,
         "torch_dist_dir": ckpt.torch_dist_dir,
         "save_dir": f"{run_dir}/checkpoints",
         "run_dir": run_dir,

@@ -13,6 +13,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from miles.ckpt.families import family as _ckpt_family
 from miles.ckpt.plan import CheckpointPlan
 from miles.parallel import LayoutError, ParallelConfig, validate
 from miles.recipes.args import Args, drop, fill, merge, render
@@ -190,8 +191,9 @@ class Recipe:
     ) -> CheckpointPlan:
         """The checkpoint pipeline's plan for `model`: fetch and validate always; trim for an
         -Nlayer slice; fp8 for FP8-rollout recipes; torch_dist for Megatron training (the
-        recipe's backend unless `train_backend` says otherwise); stage when a node-local
-        stage_dir is given. `tiny` builds a random checkpoint of the family locally."""
+        recipe's backend unless `train_backend` says otherwise) of a family with a Megatron GPT
+        layout (the others load their HF weights through Megatron-Bridge); stage when a
+        node-local stage_dir is given. `tiny` builds a random checkpoint of the family locally."""
         resolved = self.resolve(model, env)
         steps = ["fetch", "validate"]
         if not resolved.tiny:
@@ -199,7 +201,8 @@ class Recipe:
                 steps.append("trim")
             if self.fp8_rollout:
                 steps.append("fp8")
-        if (train_backend or self.train_backend) == "megatron" and (not resolved.tiny or train_backend):
+        megatron = (train_backend or self.train_backend) == "megatron"
+        if megatron and megatron_layout(resolved.spec.family) and (not resolved.tiny or train_backend):
             steps.append("torch_dist")
         if stage_dir:
             steps.append("stage")
@@ -221,8 +224,12 @@ class Recipe:
         backend = self.backend_of(profile)
         resolved = self.resolve(profile.model, env)
         out: list[tuple[str, Args]] = []
-        if backend == "megatron" and not resolved.tiny:  # a tiny model's shape is its config.json
-            out.append(("model", resolved.model_args()))
+        if backend == "megatron":
+            model_args = () if resolved.tiny else resolved.model_args()  # a tiny model's shape is its config
+            if not megatron_layout(resolved.spec.family):  # --ref-load is the HF dir: load it via the bridge
+                model_args = (*model_args, ("--megatron-to-hf-mode", "bridge"))
+            if model_args:
+                out.append(("model", model_args))
         for group in GROUPS:
             args = merge(self.group(group), _lookup(profile.overrides, group))
             if group == "rollout_engine" and profile.rollout_engine == "sglang":
@@ -321,3 +328,9 @@ def check_suite(suite: str, platform: str, gpus: int) -> None:
 def source_file(module_name: str) -> str:
     """`miles.recipes.library.inkling` -> `miles/recipes/library/inkling.py` (for error messages)."""
     return module_name.replace(".", "/") + ".py"
+
+
+def megatron_layout(family: str) -> bool:
+    """Whether miles writes this family's torch_dist checkpoint in Megatron's own keys; for the
+    others the torch_dist dir keeps HF names, which Megatron-LM cannot load as --ref-load."""
+    return _ckpt_family(family).megatron_gpt

@@ -23,6 +23,25 @@ def tiny(tmp_path_factory) -> Callable[..., Path]:
     return get
 
 
+@pytest.fixture(scope="session")
+def fp8_of(tiny, tmp_path_factory) -> Callable[[str], Path]:
+    """fp8_of(family) -> the FP8 form of tiny(family) (4 layers), made once per session; read-only."""
+    from miles.ckpt.fp8 import convert_to_fp8
+
+    root = tmp_path_factory.mktemp("fp8")
+    made: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in made:
+            out = root / family
+            out.mkdir()
+            convert_to_fp8(tiny(family), out, workers=2)
+            made[family] = out
+        return made[family]
+
+    return get
+
+
 @pytest.fixture
 def tiny_copy(tiny, tmp_path) -> Callable[..., Path]:
     """tiny_copy(family, layers=4) -> a private copy the test may damage."""

@@ -1,8 +1,8 @@
 """prepare(): every step once, a rerun does nothing, a killed run resumes to the same bytes.
 
 Kills are real SIGKILLs of a forked child that runs the pipeline (forked so it starts with
-the test's imports already loaded); the disk-full case is a real write refused by the kernel
-(RLIMIT_FSIZE with SIGXFSZ ignored, the same OSError path as ENOSPC).
+the test's imports already loaded); a file-size limit is a real write refused by the kernel
+(RLIMIT_FSIZE with SIGXFSZ ignored). Full and read-only disks: test_ckpt_disk_failures.py.
 """
 
 from __future__ import annotations
@@ -108,6 +108,18 @@ def test_trim_cuts_a_deeper_local_checkpoint_and_leaves_the_source_untouched(tmp
     names = set(read_weight_map(hf).weight_map)
     assert "model.layers.3.mlp.up_proj.weight" in names and not any(".layers.4." in n for n in names)
     assert prepare(plan, progress=False).ran == ()
+
+
+def test_trim_keeps_the_mtp_layer_renumbered_after_the_slice(tmp_path, tiny):
+    # GLM-5 names its MTP layer model.layers.<L>: a 4-layer slice of a 6-layer model keeps it as layer 4
+    plan = _plan(
+        tmp_path, "glm_moe_dsa", source=str(tiny("glm_moe_dsa", 6)), steps=("fetch", "validate", "trim")
+    )
+    prepare(plan, progress=False)
+    names = set(read_weight_map(Path(plan.hf_dir)).weight_map)
+    assert "model.layers.4.eh_proj.weight" in names and not any(
+        ".layers.5." in n or ".layers.6." in n for n in names
+    )
 
 
 def test_a_source_with_the_wrong_layer_count_stops_at_validate(tmp_path, tiny):
@@ -219,7 +231,7 @@ def test_sigkill_at_random_points_then_rerun_gives_the_bytes_of_an_uninterrupted
         assert leftovers == []
 
 
-def test_disk_full_mid_step_fails_clearly_marks_nothing_done_and_a_rerun_finishes(
+def test_a_file_size_limit_mid_step_fails_in_one_line_marks_nothing_done_and_a_rerun_finishes(
     tmp_path, tree_digest, monkeypatch
 ):
     plan = _plan(tmp_path, "qwen3", steps=("fetch", "validate", "fp8"))
@@ -237,8 +249,9 @@ def test_disk_full_mid_step_fails_clearly_marks_nothing_done_and_a_rerun_finishe
     status = _wait(_fork(full_disk_run))
     assert os.waitstatus_to_exitcode(status) == 3
     message = err.read_text()
-    assert "fp8 of qwen3-tiny-4layer: out of space writing" in message and ".safetensors" in message
-    assert "nothing was marked done and the inputs are untouched" in message
+    assert "fp8 of qwen3-tiny-4layer: file too large writing" in message and ".safetensors" in message
+    assert "nothing was marked done and the inputs are untouched; raise the file size limit" in message
+    assert "\n" not in message
     assert not Path(plan.fp8_dir).exists()
     assert not [p for p in Path(plan.model_dir).iterdir() if ".partial-" in p.name]
     assert tree_digest(Path(plan.hf_dir)) == hf_before

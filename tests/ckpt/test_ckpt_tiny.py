@@ -12,10 +12,11 @@ from miles.ci.register import register_cpu_ci
 from miles.ckpt.errors import CheckpointError
 from miles.ckpt.families import family
 from miles.ckpt.plan import FAMILIES
+from miles.ckpt.shards import read_weight_map
 from miles.ckpt.tiny import make_tiny_checkpoint
 from miles.ckpt.validate import validate_checkpoint
 
-register_cpu_ci(est_time=20, suite="stage-b-cpu")
+register_cpu_ci(est_time=25, suite="stage-b-cpu")
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -63,3 +64,59 @@ def test_dims_override_the_family_defaults_and_a_bad_dim_is_refused(tmp_path):
     assert (config["hidden_size"], config["num_hidden_layers"]) == (256, 2)
     with pytest.raises(CheckpointError, match="vocab_size 100 < 259"):
         make_tiny_checkpoint("qwen3", 2, tmp_path / "small-vocab", vocab_size=100)
+    with pytest.raises(CheckpointError, match="num_hidden_layers cannot be a dim"):
+        make_tiny_checkpoint("qwen3", 2, tmp_path / "layers", num_hidden_layers=3)
+
+
+def _config(path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+def test_tiny_qwen3_ties_its_embeddings_like_qwen3_4b(tiny):
+    path = tiny("qwen3")
+    assert _config(path)["tie_word_embeddings"] is True
+    assert "lm_head.weight" not in read_weight_map(path).weight_map
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_tiny_qwen3_moe_renormalizes_its_top_k_like_qwen3_30b_a3b(tiny):
+    assert _config(tiny("qwen3_moe"))["norm_topk_prob"] is True
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+def test_tiny_qwen3_attention_is_wider_than_hidden_and_rope_theta_is_1e6(tiny, name):
+    config = _config(tiny(name))
+    assert config["num_attention_heads"] * config["head_dim"] != config["hidden_size"]
+    assert config["rope_parameters"]["rope_theta"] == 1_000_000
+
+
+@pytest.mark.parametrize(
+    "name,mtp_tensor",
+    [("glm_moe_dsa", "model.layers.4.eh_proj.weight"), ("deepseek_v4", "mtp.0.e_proj.weight")],
+)
+def test_tiny_models_carry_the_mtp_layer_their_config_declares(tiny, name, mtp_tensor):
+    path = tiny(name)
+    assert _config(path)["num_nextn_predict_layers"] == 1
+    names = read_weight_map(path).weight_map
+    assert mtp_tensor in names
+    block = [n for n in names if n.startswith(mtp_tensor.rsplit(".", 2)[0])]
+    assert any(".experts." in n for n in block) and any("q_b" in n or "wq_b" in n for n in block)
+    validate_checkpoint(path, name, expect_layers=4)  # declared, so not an unexpected tensor
+
+
+def test_any_switch_can_be_set_from_the_command_line(tmp_path):
+    from miles.ckpt.cli import main
+
+    untied = tmp_path / "untied"
+    assert main(["make-tiny", "--family", "qwen3", "--layers", "2", "--out", str(untied),
+                 "--dim", "tie_word_embeddings=0", "--dim", "rope_theta=10000.0"]) == 0  # fmt: skip
+    assert _config(untied)["tie_word_embeddings"] is False
+    assert _config(untied)["rope_parameters"]["rope_theta"] == 10000.0
+    assert "lm_head.weight" in read_weight_map(untied).weight_map
+    no_mtp = tmp_path / "no-mtp"
+    assert main(["make-tiny", "--family", "glm_moe_dsa", "--layers", "2", "--out", str(no_mtp),
+                 "--dim", "num_nextn_predict_layers=0"]) == 0  # fmt: skip
+    assert not [n for n in read_weight_map(no_mtp).weight_map if ".layers.2." in n]
+    tied = make_tiny_checkpoint("qwen3_moe", 2, tmp_path / "tied", tie_word_embeddings=1)
+    assert _config(tied)["tie_word_embeddings"] is True

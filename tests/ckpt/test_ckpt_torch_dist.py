@@ -59,7 +59,10 @@ def test_torch_dist_has_megatrons_layout_and_loads_back_equal(tiny, torch_dist_o
         if name in ("qwen3", "qwen3_moe"):
             keys = {k for k in dist_checkpointing.load_tensors_metadata(str(release))}
             assert "decoder.layers.self_attention.linear_qkv.weight" in keys
-            assert "embedding.word_embeddings.weight" in keys and "output_layer.weight" in keys
+            assert "embedding.word_embeddings.weight" in keys
+            tied = json.loads((tiny(name) / "config.json").read_text())["tie_word_embeddings"]
+            # Qwen3-4B ties its output layer to the embedding; Qwen3-30B-A3B has its own
+            assert ("output_layer.weight" in keys) is (not tied)
             return
         template = {}
         for tensor in hf.files.weight_map:
@@ -111,7 +114,13 @@ def test_loaded_megatron_attention_computes_what_hf_attention_computes(tiny, tor
             assert torch.allclose(v, ref.v_proj(normed).unflatten(-1, (-1, d)), atol=1e-5)
             assert torch.equal(attn.linear_proj.weight, ref.o_proj.weight)
         assert torch.equal(mg.embedding.word_embeddings.weight, hf.model.embed_tokens.weight)
-        assert torch.equal(mg.output_layer.weight, hf.lm_head.weight)
+        # with tied embeddings (Qwen3-4B) megatron's output layer has no weight of its own
+        output = (
+            mg.output_layer.weight
+            if not config["tie_word_embeddings"]
+            else mg.shared_embedding_or_output_weight()
+        )
+        assert torch.equal(output, hf.lm_head.weight)
         assert torch.equal(mg.decoder.final_layernorm.weight, hf.model.norm.weight)
 
 
@@ -160,3 +169,53 @@ def test_layout_fills_every_row_of_every_megatron_weight_exactly_once(tiny, name
         rows = sorted((p.at, p.at + p.stop - p.start) for p in pieces)
         assert rows[0][0] == 0 and rows[-1][1] == shapes[tensor][0], tensor
         assert all(a[1] == b[0] for a, b in zip(rows, rows[1:], strict=False)), tensor  # no gap, no overlap
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+def test_common_pt_carries_the_args_megatron_lm_checks_on_load(tiny, torch_dist_of, name):
+    # Megatron-LM's load_checkpoint reads the TP/PP sizes the checkpoint was written with, and
+    # check_checkpoint_args compares these three with the run's arguments without a default.
+    from megatron.core import dist_checkpointing
+
+    config = json.loads((tiny(name) / "config.json").read_text())
+    args = dist_checkpointing.load_common_state_dict(str(torch_dist_of(name) / RELEASE))["args"]
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads) == (
+        config["num_hidden_layers"],
+        config["hidden_size"],
+        config["num_attention_heads"],
+    )
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (1, 1)
+    assert args.num_query_groups == config["num_key_value_heads"] and args.kv_channels == config["head_dim"]
+    assert args.untie_embeddings_and_output_weights is (not config["tie_word_embeddings"])
+    assert args.rotary_base == config["rope_parameters"]["rope_theta"]
+
+
+def test_families_without_a_megatron_layout_carry_no_megatron_args(torch_dist_of):
+    from megatron.core import dist_checkpointing
+
+    common = dist_checkpointing.load_common_state_dict(str(torch_dist_of("inkling") / RELEASE))
+    assert common["miles"]["layout"] == "hf-names" and "args" not in common
+
+
+@pytest.mark.parametrize("name", ["qwen3", "glm_moe_dsa"])
+def test_a_nan_in_the_source_is_reported_as_a_broken_source_not_a_rerun(tiny_copy, tmp_path, name):
+    from miles.ckpt.errors import CheckpointError
+    from miles.ckpt.shards import read_header, read_weight_map
+
+    path = tiny_copy(name)
+    tensor = (
+        "model.layers.1.mlp.down_proj.weight" if name == "qwen3" else "model.layers.0.mlp.down_proj.weight"
+    )
+    shard = path / read_weight_map(path).weight_map[tensor]
+    header = read_header(shard)
+    cols = header.tensors[tensor].shape[1]
+    with open(shard, "r+b") as f:
+        f.seek(header.offset(header.tensors[tensor]) + 2 * (3 * cols + 4))
+        f.write(b"\xc0\x7f")  # bf16 NaN at [3, 4]
+    out = tmp_path / "td"
+    out.mkdir()
+    with pytest.raises(
+        CheckpointError, match=rf"tensor {tensor} holds NaN/Inf \(first at index \[3, 4\]\)"
+    ) as info:
+        convert_to_torch_dist(path, out, name)
+    assert "a rerun cannot fix it" in str(info.value) and "rerun the step" not in str(info.value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from miles.ckpt.errors import CheckpointError
 from miles.ckpt.shards import read_header, read_weight_map
 from miles.ckpt.validate import validate_checkpoint
 
-register_cpu_ci(est_time=20, suite="stage-b-cpu")
+register_cpu_ci(est_time=25, suite="stage-b-cpu")
 
 
 def _fails(path: Path, family: str, match: str, **kwargs) -> str:
@@ -85,7 +86,9 @@ def test_shape_that_contradicts_the_config_names_the_tensor(tiny_copy):
 
 def test_tensor_the_config_does_not_expect_is_reported(tiny_copy):
     path = tiny_copy("deepseek_v4")
-    _edit_config(path, num_hidden_layers=3, layer_types=None, mlp_layer_types=None)
+    _edit_config(
+        path, num_hidden_layers=3, layer_types=None, mlp_layer_types=None, num_nextn_predict_layers=0
+    )
     _fails(path, "deepseek_v4", r"model\.layers\.3\..*\[unexpected tensor\]")
 
 
@@ -118,20 +121,70 @@ def test_auto_map_is_refused_unless_the_plan_allows_it(tiny_copy):
     validate_checkpoint(path, "qwen3", allow_auto_map=True)
 
 
-def test_nan_scan_finds_a_planted_nan(tiny_copy):
-    path = tiny_copy("qwen3")
-    tensor = "model.layers.2.self_attn.o_proj.weight"
+def _plant(path: Path, tensor: str, index: tuple[int, int], raw: bytes) -> None:
     shard = _shard_of(path, tensor)
     header = read_header(shard)
-    offset = header.offset(header.tensors[tensor]) + 200
+    info = header.tensors[tensor]
+    item = info.nbytes // info.numel
     with open(shard, "r+b") as f:
-        f.seek(offset)
-        f.write(b"\xc0\x7f")  # bf16 NaN
-    validate_checkpoint(path, "qwen3")  # headers only: not looked at
-    _fails(path, "qwen3", rf"tensor {tensor}: \[nan/inf\] 1 non-finite", scan_fraction=1.0)
+        f.seek(header.offset(info) + (index[0] * info.shape[1] + index[1]) * item)
+        f.write(raw)
+
+
+def test_every_value_is_scanned_and_a_nan_is_one_line_naming_tensor_and_index(tiny_copy):
+    path = tiny_copy("qwen3")
+    tensor = "model.layers.2.self_attn.o_proj.weight"
+    _plant(path, tensor, (100, 37), b"\xc0\x7f")  # bf16 NaN deep inside the tensor
+    message = _fails(path, "qwen3", rf"tensor {tensor}: \[nan/inf\] NaN at index \[100, 37\]")
+    assert "\n" not in message and "fetch the checkpoint again or repair it" in message
+    validate_checkpoint(path, "qwen3", scan_fraction=0)  # --scan-nan 0: headers only
+
+
+def test_inf_in_an_fp32_tensor_and_nan_in_an_fp8_tensor_are_found(tiny_copy, fp8_of, tmp_path):
+    path = tiny_copy("deepseek_v4")
+    _plant(path, "model.layers.1.hc_ffn_fn", (3, 5), b"\x00\x00\x80\xff")  # fp32 -Inf
+    _fails(path, "deepseek_v4", r"tensor model\.layers\.1\.hc_ffn_fn: \[nan/inf\] -Inf at index \[3, 5\]")
+    fp8 = tmp_path / "fp8"
+    shutil.copytree(fp8_of("qwen3"), fp8)
+    _plant(fp8, "model.layers.0.mlp.down_proj.weight", (7, 9), b"\x7f")  # e4m3 NaN
+    _fails(fp8, "qwen3", r"down_proj\.weight: \[nan/inf\] NaN at index \[7, 9\]")
+
+
+def test_a_sampled_scan_reads_evenly_spaced_windows(tiny_copy):
+    path = tiny_copy("qwen3")
+    tensor = "model.embed_tokens.weight"
+    _plant(path, tensor, (0, 0), b"\x80\x7f")  # the first window of every sample holds the start
+    _fails(path, "qwen3", rf"{tensor}: \[nan/inf\] \+Inf at index \[0, 0\]", scan_fraction=0.01)
 
 
 def test_wrong_dtype_for_the_config_is_reported(tiny_copy):
     path = tiny_copy("qwen3")
     _edit_config(path, dtype="float16")
     _fails(path, "qwen3", r"\[dtype\] is BF16; config dtype allows \['F16', 'F32'\]")
+
+
+def test_prepare_ckpt_stops_at_validate_with_one_line_and_without_the_scan_fp8_refuses(tiny_copy, tmp_path):
+    import subprocess
+    import sys
+
+    source = tiny_copy("qwen3")
+    tensor = "model.layers.3.mlp.gate_proj.weight"
+    _plant(source, tensor, (200, 64), b"\x80\xff")  # bf16 -Inf
+
+    def prepare(*extra: str) -> subprocess.CompletedProcess:
+        argv = [sys.executable, "-m", "miles.ckpt", "prepare", "--quiet", "--family", "qwen3",
+                "--model", "q", "--source", str(source), "--model-dir", str(tmp_path / "models"),
+                "--layers", "4", "--plan-steps", "fetch,validate,fp8", *extra]  # fmt: skip
+        return subprocess.run(argv, capture_output=True, text=True, check=False)
+
+    first = prepare()
+    assert first.returncode == 1 and len(first.stderr.strip().splitlines()) == 1, first.stderr
+    assert (
+        first.stderr.startswith("error: validate of q: ")
+        and f"{tensor}: [nan/inf] -Inf at index [200, 64]" in first.stderr
+    )
+    assert not (tmp_path / "models" / "q_fp8").exists()
+    unscanned = prepare("--scan-nan", "0")
+    assert unscanned.returncode == 1 and len(unscanned.stderr.strip().splitlines()) == 1, unscanned.stderr
+    assert unscanned.stderr.startswith("error: fp8 of q: ") and "-Inf at index [200, 64]" in unscanned.stderr
+    assert not (tmp_path / "models" / "q_fp8").exists()

@@ -13,6 +13,7 @@ import torch
 from miles.ckpt.errors import CheckpointError
 from miles.ckpt.families import layers_in_name
 from miles.ckpt.fp8 import dequantize_blockwise, quantize_blockwise, should_quantize
+from miles.ckpt.fp8_rules import modules_to_not_convert
 from miles.ckpt.manifest import atomic_dir, clean_stale, fingerprint, finished, read_manifest, write_manifest
 from miles.ckpt.progress import Progress
 from miles.ckpt.shards import TensorInfo
@@ -102,26 +103,84 @@ def test_fp8_all_zero_tile_has_a_finite_scale_and_stays_zero():
     assert torch.equal(dequantize_blockwise(q, scale), torch.zeros(128, 128, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("shape", [(513, 8192), (576, 7168)])
+def test_fp8_quantizes_tensors_that_span_several_strips(shape):
+    # 513x8192 bf16 is 8.4 MB: more than one 8 MB strip, with a scale row shared by none
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(*shape, generator=g).bfloat16()
+    q, scale = quantize_blockwise(w)
+    assert scale.shape == (math.ceil(shape[0] / 128), math.ceil(shape[1] / 128))
+    tiles = torch.nn.functional.pad(w.float().abs(), (0, -shape[1] % 128, 0, -shape[0] % 128))
+    amax = tiles.reshape(scale.shape[0], 128, scale.shape[1], 128).amax(dim=(1, 3))
+    assert torch.equal(scale, amax / 448)
+    back = dequantize_blockwise(q, scale, torch.float32)
+    assert torch.all((back - w.float()).abs() <= w.float().abs() * 2**-4 + scale.max() * 2**-10)
+
+
+def test_fp8_power_of_two_scales_cover_each_tile_exactly():
+    w = torch.randn(300, 200, generator=torch.Generator().manual_seed(3)).bfloat16() * 3
+    q, scale = quantize_blockwise(w, pow2_scales=True)
+    assert torch.equal(torch.exp2(torch.log2(scale).round()), scale)
+    assert torch.all(q.float().abs() <= 448)
+    assert torch.all(q.float().abs().amax() > 224)  # the smallest power of two that fits
+    back = dequantize_blockwise(q, scale, torch.float32)
+    assert torch.all((back - w.float()).abs() <= w.float().abs() * 2**-4 + scale.max() * 2**-10)
+
+
+@pytest.mark.parametrize(
+    "bad,kind", [(float("nan"), "NaN"), (float("inf"), r"\+Inf"), (-float("inf"), "-Inf")]
+)
+def test_fp8_refuses_non_finite_values_naming_the_index(bad, kind):
+    w = torch.randn(600, 8192).bfloat16()
+    w[515, 4000] = bad
+    with pytest.raises(CheckpointError, match=rf"{kind} at index \[515, 4000\]"):
+        quantize_blockwise(w)
+
+
 @pytest.mark.parametrize(
     "name,shape,quantized",
     [
         ("model.layers.0.self_attn.q_proj.weight", (4, 4), True),
         ("model.layers.0.mlp.experts.3.down_proj.weight", (4, 4), True),
-        ("model.layers.0.attn.compressor.wgate.weight", (4, 4), True),
+        ("model.language_model.layers.2.mlp.up_proj.weight", (4, 4), True),
+        ("model.llm.layers.2.attn.wq_du.weight", (4, 4), True),
+        ("model.layers.0.mlp.experts.gate_up_proj", (2, 4, 4), True),
+        ("model.layers.0.mlp.experts.down_proj", (2, 4, 4), True),
+        ("mtp.0.e_proj.weight", (4, 4), True),
+        ("model.layers.61.eh_proj.weight", (4, 8), False),
+        ("model.layers.0.attn.compressor.wgate.weight", (4, 4), False),
+        ("model.layers.0.attn.indexer.compressor.wkv.weight", (4, 4), False),
+        ("model.layers.0.attn.wo_a.weight", (4, 4), False),
+        ("model.layers.0.self_attn.indexer.weights_proj.weight", (2, 4), False),
+        ("model.layers.0.self_attn.indexer.wk.weight", (4, 4), True),
         ("model.layers.0.mlp.gate.weight", (8, 4), False),
         ("model.layers.0.ffn.gate.weight", (8, 4), False),
+        ("model.layers.61.shared_head.head.weight", (9, 4), False),
         ("model.embed_tokens.weight", (9, 4), False),
         ("lm_head.weight", (9, 4), False),
         ("head.weight", (9, 4), False),
+        ("model.visual.blocks.0.attn.qkv.weight", (12, 4), False),
+        ("model.vision_tower.encoder_layers.0.projection.weight", (4, 4), False),
+        ("model.mm_projector.0.weight", (4, 4), False),
         ("model.layers.0.input_layernorm.weight", (4,), False),
         ("model.layers.0.self_attn.q_norm.weight", (4, 4), False),
-        ("model.layers.0.mlp.experts.gate_up_proj", (2, 4, 4), False),
+        ("model.layers.0.mlp.shared_experts.gate_proj", (1, 4, 4), False),
         ("model.layers.0.self_attn.o_proj.bias", (4, 4), False),
     ],
 )
 def test_fp8_skip_list(name, shape, quantized):
     info = TensorInfo(name, "BF16", shape, 0, 2 * math.prod(shape))
     assert should_quantize(info) is quantized
+
+
+def test_modules_to_not_convert_names_kept_linears_never_a_parent_of_quantized_ones():
+    kept = ["model.layers.0.mlp.gate.weight", "lm_head.weight", "model.layers.0.attn.compressor.wkv.weight"]
+    quantized = ["model.layers.0.attn.wq_a.weight", "model.layers.0.mlp.experts.gate_up_proj"]
+    assert modules_to_not_convert(kept, quantized) == [
+        "lm_head", "model.layers.0.attn.compressor.wkv", "model.layers.0.mlp.gate",
+    ]  # fmt: skip
+    # a parameter of the decoder layer itself would name the layer, which holds quantized linears
+    assert modules_to_not_convert(["model.layers.0.weight"], quantized) == []
 
 
 def test_trim_keeps_low_layers_drops_the_rest_and_renumbers_mtp_layers():
@@ -131,6 +190,7 @@ def test_trim_keeps_low_layers_drops_the_rest_and_renumbers_mtp_layers():
     assert trimmed_name("model.layers.61.eh_proj.weight", 4, 61) == "model.layers.4.eh_proj.weight"
     assert trimmed_name("model.language_model.layers.9.x", 4, 61) is None
     assert trimmed_name("model.visual.blocks.9.x", 4, 61) == "model.visual.blocks.9.x"
+    assert trimmed_name("model.llm.layers.9.attn.wq_du.weight", 4, 61) is None  # Inkling's published naming
 
 
 def test_trim_config_cuts_every_per_layer_list():

@@ -304,3 +304,20 @@ def test_an_unknown_url_scheme_is_refused_with_the_accepted_forms():
 )
 def test_urls_are_shown_with_the_password_masked(url, shown):
     assert mask_url(url) == shown
+
+
+def test_a_schema_version_that_is_not_a_number_is_refused_in_one_line(store_url):
+    open_store(store_url)
+    _raw(store_url, "UPDATE miles_meta SET value = 'abc' WHERE key = 'schema_version'")
+    with pytest.raises(StoreError, match="schema_version is 'abc', not a number") as info:
+        open_store(store_url)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("limit", [-1, 0])
+def test_a_limit_below_one_is_refused_the_same_way_by_both_stores(store_url, limit):
+    store = open_store(store_url)
+    _add(store, 1.0)
+    with pytest.raises(StoreError, match=f"limit {limit} must be at least 1"):
+        store.runs(limit=limit)
+    assert len(store.runs(limit=None)) == 1

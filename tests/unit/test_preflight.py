@@ -128,6 +128,13 @@ def stray():
     """A real process whose command line carries a unique marker, like a job's leftover."""
     marker = f"miles-leftover-{uuid.uuid4().hex[:12]}"
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", marker])
+    # Under load the child may not have exec'd yet (its command line is still the parent's):
+    # wait, bounded, until /proc shows the marker.
+    cmdline = Path(f"/proc/{proc.pid}/cmdline")
+    deadline = time.monotonic() + 60
+    while marker.encode() not in cmdline.read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert marker.encode() in cmdline.read_bytes(), "the stray process never exec'd"
     yield marker, proc
     if proc.poll() is None:
         proc.kill()

@@ -279,11 +279,25 @@ def test_fp8_recipe_rolls_out_from_the_fp8_checkpoint_and_references_torch_dist(
     from miles.recipes.launch import RunOptions, build_plan
 
     plan = build_plan(
+        shared("qwen3_30b_a3b"), RunOptions(model="Qwen3-30B-A3B-4layer", model_dir="/m"), base_env={}
+    )
+    args = plan.train_args
+    assert args[args.index("--hf-checkpoint") + 1] == "/m/Qwen3-30B-A3B-4layer_fp8"
+    assert args[args.index("--ref-load") + 1] == "/m/Qwen3-30B-A3B-4layer_torch_dist"
+
+
+def test_a_family_without_a_megatron_layout_is_referenced_by_its_hf_dir_through_the_bridge():
+    # DeepSeek-V4's torch_dist would hold HF names, which Megatron-LM cannot load as --ref-load
+    from miles.recipes.launch import RunOptions, build_plan
+
+    plan = build_plan(
         shared("deepseek_v4"), RunOptions(model="DeepSeek-V4-Flash-4layer", model_dir="/m"), base_env={}
     )
     args = plan.train_args
+    assert "torch_dist" not in plan.checkpoint.steps
     assert args[args.index("--hf-checkpoint") + 1] == "/m/DeepSeek-V4-Flash-4layer_fp8"
-    assert args[args.index("--ref-load") + 1] == "/m/DeepSeek-V4-Flash-4layer_torch_dist"
+    assert args[args.index("--ref-load") + 1] == "/m/DeepSeek-V4-Flash-4layer"
+    assert args[args.index("--megatron-to-hf-mode") + 1] == "bridge"
 
 
 def test_tiny_profile_is_data_parallel_fsdp_with_the_trainers_sampler():

@@ -209,3 +209,33 @@ def test_list_imports_no_heavy_package():
         line.split("|")[-1].strip().split(".")[0] for line in result.stderr.splitlines() if "|" in line
     }
     assert imported.isdisjoint(HEAVY_MODULES), sorted(imported & set(HEAVY_MODULES))
+
+
+def test_a_refused_registration_stays_visible_in_list_and_manifest(make_tree, capsys):
+    import json as _json
+
+    from miles.ci.cli import main as cli_main
+
+    root = make_tree(
+        {
+            "tests/e2e/test_typo.py": """
+                from miles.ci.register import register_rocm_ci
+                register_rocm_ci(est_time=60, suite="stage-c-4-gpu-mi350", labels=["amd"], disabled="flaky")
+            """
+        }
+    )
+    cli_main(["list", "--root", str(root), "--json"])
+    listed = _json.loads(capsys.readouterr().out)["registrations"]
+    (refused,) = [r for r in listed if r["status"] == "refused"]
+    assert (refused["file"], refused["suite"], refused["backend"]) == (
+        "tests/e2e/test_typo.py",
+        "stage-c-4-gpu-mi350",
+        "rocm",
+    )
+    assert "gives no diagnosis" in refused["rule"]
+    cli_main(["manifest", "--root", str(root), "--json"])
+    manifest = _json.loads(capsys.readouterr().out)
+    (entry,) = manifest["suites"]["stage-c-4-gpu-mi350"]["refused"]
+    assert entry["status"] == "refused" and entry["line"] == 2
+    cli_main(["list", "--root", str(root)])
+    assert "refused: " in capsys.readouterr().out

@@ -117,15 +117,25 @@ def test_bad_input_is_one_line_and_exit_2(make_tree, capsys, args, message):
     assert message in err and err.count("\n") == 1
 
 
-def test_registration_on_an_unknown_suite_stops_the_run_with_exit_2(make_tree, capsys):
+def test_registration_on_an_unknown_suite_stops_only_the_lanes_of_its_suite(make_tree, capsys):
     root = make_tree(
         {
             "tests/e2e/test_typo.py": ROCM
-            + 'register_rocm_ci(est_time=60, suite="stage-c-4-gpu-mi300", labels=["amd"])\n'
+            + 'register_rocm_ci(est_time=60, suite="stage-c-4-gpu-mi300", labels=["amd"])\n',
+            **GPU_TREE,
         }
     )
-    assert main(["run", "--root", str(root), "--lane", "cpu"]) == 2
+    assert main(["run", "--root", str(root), "--lane", "rocm-mi350", "--plan"]) == 2
     assert "tests/e2e/test_typo.py:2" in capsys.readouterr().err
+    # the CUDA matrix, the cpu lane and the other ROCm lanes plan, naming it as a warning
+    for argv in (["matrix", "--lane", "cuda-h200"], ["run", "--lane", "cpu", "--plan"],
+                 ["matrix", "--lane", "nightly-mi350-4gpu"]):  # fmt: skip
+        assert main([argv[0], "--root", str(root), *argv[1:]]) == 0
+        captured = capsys.readouterr()
+        if argv[0] == "run":
+            assert "warning: 1 registration problem(s) in other suites" in captured.out
+            assert "tests/e2e/test_typo.py:2" in captured.out
+    assert main(["audit", "--root", str(root), "--strict"]) == 1
 
 
 def test_run_exits_0_when_all_pass_and_prints_where_reports_went(make_tree, capsys):

@@ -70,8 +70,7 @@ def test_fails_once_on_nccl_init():
     assert list(record_dir.iterdir()) == [], "the record dir must be fresh for every attempt"
     (record_dir / "leftover.jsonl").write_text("{}")
     if os.environ["MILES_CI_ATTEMPT"] == "1":
-        print("RuntimeError: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error")
-        raise RuntimeError("process group init failed")
+        raise RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error")
 """,
     "tests/test_segv.py": HEADER
     + """
@@ -216,11 +215,13 @@ def test_processes_left_behind_by_a_passing_test_are_stopped(outcome):
     assert not _alive(int((root / "out/leak.txt").read_text()))
 
 
-def test_infrastructure_failure_is_retried_with_a_fresh_record_dir(outcome):
-    _, _, by_file = outcome
+def test_infrastructure_failure_is_retried_with_a_fresh_record_dir_and_reported_flaky(outcome):
+    _, record, by_file = outcome
     first, second = by_file["test_infra.py"]
     assert (first.status, first.classification) == ("failed", "infra:nccl-init")
-    assert second.status == "passed" and second.attempt == 2
+    assert (second.status, second.classification, second.attempt) == ("flaky", "flaky", 2)
+    assert second.message.startswith("passed on attempt 2 after infra:nccl-init: ")
+    assert record.counts()["flaky"] == 1 and second.ok
     assert "infra:nccl-init" in second.retry_reason
     assert first.record_dir != second.record_dir
 

@@ -135,6 +135,7 @@ def test_policy_of_a_pull_request_keeps_ci_labels_and_ignores_the_rest():
         "labels": "run-ci-megatron bypass-fastfail",
         "continue_on_error": "true",
         "run_all": "false",
+        "store_history": "false",
     }
     assert policy.ignored == ("bug",)
 

@@ -156,3 +156,71 @@ def test_matrix_command_gives_the_catalogs_runner_labels():
     assert done.returncode == 0, done.stderr
     for entry in json.loads(done.stdout)["include"]:
         assert entry["runner_labels"] == list(catalog.suites[entry["suite"]].runner_labels)
+
+
+# ------------------------------------------------------------------ supply chain and secrets
+
+SHA_PIN = re.compile(r"^[\w.-]+/[\w./-]+@[0-9a-f]{40}$")
+
+
+def test_every_action_is_pinned_to_a_full_commit():
+    for name, wf in workflows().items():
+        for job_name, job in wf["jobs"].items():
+            for step in job.get("steps", []):
+                if "uses" in step:
+                    assert SHA_PIN.match(step["uses"]), f"{name}: {job_name}: {step['uses']}"
+
+
+def test_no_checkout_keeps_the_token_in_the_working_tree():
+    for name, wf in workflows().items():
+        for job_name, job in wf["jobs"].items():
+            for step in job.get("steps", []):
+                if step.get("uses", "").startswith("actions/checkout@"):
+                    assert step.get("with", {}).get("persist-credentials") is False, f"{name}: {job_name}"
+
+
+def test_only_the_image_jobs_may_write_packages():
+    for name, wf in workflows().items():
+        assert wf["permissions"] == {"contents": "read"}, name
+        for job_name, job in wf["jobs"].items():
+            writes = [k for k, v in job.get("permissions", {}).items() if v == "write"]
+            assert writes in ([], ["packages"]), f"{name}: {job_name}"
+            if writes:
+                assert any("refresh-image" in run for run in _runs(job)), f"{name}: {job_name}"
+
+
+def test_store_secrets_come_through_environments_read_only_for_prs():
+    for name, wf in workflows().items():
+        for job_name, job in wf["jobs"].items():
+            if "secrets.MILES_HISTORY_URL" in json.dumps(job):
+                expected = "history-write" if "schedule" in wf[True] else "history-read"
+                assert job.get("environment") == expected, f"{name}: {job_name}"
+
+
+def test_a_pr_image_build_never_moves_the_rolling_alias():
+    for name, wf in workflows().items():
+        if "pull_request" not in wf[True]:
+            continue
+        for job in wf["jobs"].values():
+            for step in job.get("steps", []):
+                if "refresh-image" in step.get("run", "") and "--push" in step["run"]:
+                    assert "$NO_ALIAS" in step["run"], name
+                    assert (
+                        "'--no-alias'" in step["env"]["NO_ALIAS"]
+                        and "pull_request" in step["env"]["NO_ALIAS"]
+                    )
+
+
+def test_a_github_cancel_reaches_the_runner_inside_the_container():
+    """The shard runs as the container's attached command (exec'd, --init), not through
+    `docker exec`, whose client does not pass signals on."""
+    for name, wf in workflows().items():
+        for job_name, job in wf["jobs"].items():
+            if not _sessions(job):
+                continue
+            runs = " ".join(_runs(job))
+            assert "docker exec" not in runs, f"{name}: {job_name}"
+            if "docker run" in runs:
+                (shard,) = [r for r in _runs(job) if "nox -s" in r]
+                assert shard.startswith("exec docker run --rm --init "), f"{name}: {job_name}"
+                assert "-d " not in shard.split('"$IMAGE"')[0]

@@ -1,0 +1,161 @@
+"""Processes that leave the test's process group and session are still stopped.
+
+A real test file starts three escapees: `setsid sleep` (a new session, still a child),
+a `setsid -f` daemon (forked away: an orphan at once) and a server started with
+`start_new_session=True` bound to a localhost port. Each scenario (the test passes, times
+out, or the run is cancelled) must leave none of them alive, the port free, and the
+attempt's record naming what was stopped. Both ways of tracking are exercised: a cgroup of
+the attempt's own (where this machine lets one be made) and the subreaper with /proc alone.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from miles.ci.execute import CancelToken, Settings, TestRun, run_attempt
+from miles.ci.processes import Cgroup
+
+CI_ENV = ("GITHUB_ACTIONS", "GITHUB_STEP_SUMMARY", "MILES_DURATIONS_PATH", "MILES_HISTORY_URL")
+
+ESCAPEES = '''
+import os, socket, subprocess, sys, time
+from pathlib import Path
+from miles.ci.register import register_cpu_ci
+
+register_cpu_ci(est_time=5, suite="stage-b-cpu")
+OUT = Path(os.environ["ESCAPE_OUT"])
+SERVER = """
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", int(sys.argv[1]))); s.listen()
+open(sys.argv[2], "w").write("listening")
+time.sleep(600)
+"""
+
+
+def _start_escapees():
+    a = subprocess.Popen(["setsid", "sleep", "600"])  # its own session, still our child
+    (OUT / "setsid.pid").write_text(str(a.pid))
+    subprocess.run(["setsid", "-f", "sh", "-c", f"echo $$ > {OUT}/daemon.pid; exec sleep 600"], check=True)
+    server = subprocess.Popen(
+        [sys.executable, "-c", SERVER, os.environ["ESCAPE_PORT"], str(OUT / "listening")],
+        start_new_session=True,
+    )
+    (OUT / "server.pid").write_text(str(server.pid))
+    deadline = time.monotonic() + 60
+    while not ((OUT / "daemon.pid").exists() and (OUT / "listening").exists()):
+        assert time.monotonic() < deadline, "the escapees never came up"
+        time.sleep(0.02)
+    (OUT / "ready").write_text("ready")
+
+
+def test_escape():
+    _start_escapees()
+    if os.environ["ESCAPE_MODE"] == "hang":
+        time.sleep(600)
+'''
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _cgroup_or_skip() -> None:
+    probe = Cgroup.create(f"miles-ci-probe-{os.getpid()}")
+    if probe is None:
+        pytest.skip("no writable cgroup v2 here; the subreaper mode covers this machine")
+    probe.remove()
+
+
+@pytest.fixture(params=["cgroup", "subreaper"])
+def mode(request) -> str:
+    if request.param == "cgroup":
+        _cgroup_or_skip()
+    return request.param
+
+
+def _run(tmp_path: Path, mode: str, behaviour: str, *, timeout: float, cancel: CancelToken | None = None):
+    out = tmp_path / "out"
+    for stale in out.glob("*") if out.exists() else ():
+        stale.unlink()
+    out.mkdir(exist_ok=True)
+    (tmp_path / "tests").mkdir(exist_ok=True)
+    (tmp_path / "tests" / "test_escape.py").write_text(ESCAPEES)
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in CI_ENV}
+    env.update(ESCAPE_OUT=str(out), ESCAPE_PORT=str(port), ESCAPE_MODE=behaviour)
+    settings = Settings(root=tmp_path, grace=0.5, base_env=env, use_cgroup=mode == "cgroup")
+    test = TestRun("tests/test_escape.py", "cpu", "stage-b-cpu", "cpu", "1/1", 5.0, timeout)
+    attempt = run_attempt(test, tmp_path / "attempt", settings, cancel or CancelToken())
+    names = ("setsid", "daemon", "server")
+    pids = {name: int((out / f"{name}.pid").read_text()) for name in names if (out / f"{name}.pid").exists()}
+    return attempt, pids, port
+
+
+def _assert_all_stopped(attempt, pids: dict[str, int], port: int) -> None:
+    assert set(pids) == {"setsid", "daemon", "server"}, attempt.output_tail
+    assert [name for name, pid in pids.items() if _alive(pid)] == []
+    assert _port_is_free(port)
+    stopped = " ".join(attempt.killed)
+    for pid in pids.values():
+        assert f"pid {pid} (" in stopped, (pids, attempt.killed)
+    assert "sleep 600" in stopped
+
+
+def test_escapees_of_a_passing_test_are_stopped_after_it_and_named(tmp_path, mode):
+    attempt, pids, port = _run(tmp_path, mode, "pass", timeout=120)
+    assert attempt.status == "passed", attempt.output_tail
+    _assert_all_stopped(attempt, pids, port)
+
+
+def test_escapees_of_a_test_that_times_out_are_stopped(tmp_path, mode):
+    # The limit doubles until pytest got far enough to start them (a busy machine is slow).
+    for timeout in (8.0, 16.0, 32.0, 64.0):
+        attempt, pids, port = _run(tmp_path, mode, "hang", timeout=timeout)
+        if (tmp_path / "out" / "ready").exists():
+            break
+    assert (attempt.status, attempt.classification) == ("timeout", "timeout")
+    _assert_all_stopped(attempt, pids, port)
+
+
+def test_escapees_are_stopped_when_the_run_is_cancelled(tmp_path, mode):
+    cancel = CancelToken()
+    ready = tmp_path / "out" / "ready"
+
+    def cancel_when_ready() -> None:
+        deadline = time.monotonic() + 120
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        cancel.cancel(2)  # what SIGINT's handler does
+
+    threading.Thread(target=cancel_when_ready, daemon=True).start()
+    attempt, pids, port = _run(tmp_path, mode, "hang", timeout=300, cancel=cancel)
+    assert (attempt.status, attempt.classification) == ("cancelled", "cancelled")
+    _assert_all_stopped(attempt, pids, port)
