@@ -28,7 +28,7 @@ from miles.train.algorithm import LOSS_SUMS, group_advantages
 from miles.train.args import ArgsError, parse_args
 from miles.train.backends import BackendUnavailable
 from miles.train.batch import Sample, TokenBatch, collate, load_samples, save_samples
-from miles.train.data import DataError, batch_for_rollout
+from miles.train.data import SYNTHETIC_PREFIX, DataError, batch_for_rollout
 from miles.train.distributed import all_gather_objects, all_reduce_sum, barrier, sampling_seed, shutdown
 from miles.train.model import ModelLoadError
 from miles.train.rewards import RewardError
@@ -57,7 +57,9 @@ def train(run: Run) -> None:
         started = time.perf_counter()
         samples = generate_and_score(run, rollout_id)  # 1 rollout, 2 reward
         samples = with_advantages(run, samples)  # 3 advantage
-        metrics = report.rollout_metrics(samples, time.perf_counter() - started)
+        metrics = report.rollout_metrics(
+            samples, time.perf_counter() - started, exact=args.prompt_data.startswith(SYNTHETIC_PREFIX)
+        )
         if not args.debug_rollout_only:
             metrics |= learn(run, rollout_id, samples)  # 4 loss and optimizer steps
             metrics |= sync_weights(run, rollout_id)  # 5 sync
