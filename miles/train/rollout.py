@@ -54,6 +54,10 @@ def cache_keyword(model) -> str:
 class RolloutEngine(abc.ABC):
     """What the trainer needs from a rollout engine."""
 
+    # named_weights() returns the engine's own tensors, so the weight check can be bit-exact;
+    # an engine that cannot expose them is checked by the logprobs of fixed sequences.
+    exact_weights = True
+
     @abc.abstractmethod
     def generate(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, seed: int
@@ -67,6 +71,12 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def named_weights(self) -> Iterator[tuple[str, object]]:
         """The weights the engine samples with, for the weight-update check."""
+
+    def release_memory(self) -> None:  # noqa: B027 (an engine without its own memory pool frees nothing)
+        """Free GPU memory the engine holds while the trainer steps (colocated engines)."""
+
+    def resume_memory(self) -> None:  # noqa: B027
+        """Take back what `release_memory` freed; called before sampling or loading weights."""
 
     def close(self) -> None:  # noqa: B027 (engines without resources need no cleanup)
         """Release processes or memory the engine holds."""
