@@ -251,6 +251,12 @@ def sample_tokens(logits, sampling: SamplingConfig, generator):
     """
     import torch
 
+    if not torch.isfinite(logits).all():
+        # torch.multinomial would fail with a traceback about probabilities; say what happened.
+        raise RolloutEngineError(
+            "the policy's logits are not finite while sampling: the weights diverged (see train/grad_norm "
+            "and train/skipped_steps of the previous rollout; lower --lr)"
+        )
     log_probs = torch.log_softmax(logits, dim=-1)
     filtered = logits
     if sampling.top_k > 0 and sampling.top_k < logits.shape[-1]:

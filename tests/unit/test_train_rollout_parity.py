@@ -103,5 +103,7 @@ def test_a_forward_with_no_cache_argument_is_refused_by_name():
         def forward(self, input_ids, attention_mask=None):
             return input_ids
 
-    with pytest.raises(RolloutEngineError, match=r"NoCache.forward \(transformers .*\) declares none of cache"):
+    with pytest.raises(
+        RolloutEngineError, match=r"NoCache.forward \(transformers .*\) declares none of cache"
+    ):
         TorchRolloutEngine(NoCache())

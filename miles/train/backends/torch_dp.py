@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from miles.train import algorithm
+from miles.train import algorithm, guards
 from miles.train.args import loss_config, optim_config
 from miles.train.backends import StepResult, TrainBackend
 from miles.train.batch import TokenBatch
@@ -129,9 +129,9 @@ class TorchDPBackend(TrainBackend):
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
-        return StepResult(grad_norm=float(grad_norm), lr=lr, terms=tuple(terms))
+        loss = sum(float(t.loss.detach()) for t in terms)
+        skipped = guards.step_if_finite(self.optimizer, self.scheduler, loss=loss, grad_norm=float(grad_norm))
+        return StepResult(grad_norm=float(grad_norm), lr=lr, terms=tuple(terms), skipped=skipped)
 
     def _grad_sync(self, *, last: bool):
         """Reduce gradients across ranks only on the last micro-batch of a step."""
