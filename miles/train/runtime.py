@@ -143,7 +143,7 @@ def make_engine(args: argparse.Namespace, dist_info: DistInfo) -> RolloutEngine:
 def _rollout_dtype(args, dist_info):
     from miles.train.model import train_dtype
 
-    return train_dtype(args.bf16, dist_info.device)
+    return train_dtype(args.bf16)  # the engine samples in the trainer's compute dtype
 
 
 def _sglang_installed() -> bool:
