@@ -104,7 +104,13 @@ def build_run(args: argparse.Namespace) -> Run:
         f"{kl if args.use_kl_loss else ''} | rollouts {run.start_rollout}..{args.num_rollout}"
     )
     engine_name = "sglang" if type(engine).__name__.startswith("SGLang") else "torch"
-    for note in run_notes(args, engine_name):
+    notes = run_notes(args, engine_name)
+    if getattr(engine, "seeded", True) is False:
+        notes.append(
+            "SGLang samples with --rollout-seed only under --sglang-enable-deterministic-inference; "
+            "without it the seed reaches the server (random_seed) and rollouts are not reproducible"
+        )
+    for note in notes:
         run.log(f"miles.train: note: {note}")
     return run
 

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from miles.ci.register import register_cpu_ci, register_cuda_ci
+from miles.ci.register import register_cpu_ci, register_cuda_ci, register_rocm_ci
 
 register_cpu_ci(est_time=90, suite="stage-b-cpu")
 register_cuda_ci(est_time=300, suite="stage-b-2-gpu-h200", labels=["fsdp", "short"])
+register_rocm_ci(est_time=390, suite="stage-c-4-gpu-mi350", labels=["fsdp", "short", "amd"])
 
 ROOT = Path(__file__).resolve().parents[2]
 ON_GPU = os.environ.get("MILES_CI_BACKEND", "cpu") != "cpu"
