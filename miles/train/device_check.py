@@ -77,7 +77,8 @@ def _full_forward_gap(model, generations, temperature: float) -> float:
             logits = model(input_ids=ids, use_cache=False).logits[0].float() / temperature
         logp = torch.log_softmax(logits, dim=-1)
         start = len(g.prompt_ids) - 1
-        expected = logp[torch.arange(start, start + len(g.response_ids)), torch.tensor(g.response_ids)]
+        rows = torch.arange(start, start + len(g.response_ids), device=device)
+        expected = logp[rows, torch.tensor(g.response_ids, device=device)]
         worst = max(worst, (torch.tensor(g.logprobs) - expected.cpu()).abs().max().item())
     return worst
 
