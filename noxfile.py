@@ -20,6 +20,7 @@ from miles.ci.catalog import load_catalog  # noqa: E402
 from miles.ci.preflight import python_available, split_lane_args  # noqa: E402
 from miles.image.config import stack_for_lane  # noqa: E402
 from miles.image.install import install_arguments, torch_source_warning  # noqa: E402
+from miles.image.pins import parse_lock  # noqa: E402
 
 nox.needs_version = ">=2024.3.2"
 nox.options.default_venv_backend = "uv|virtualenv"
@@ -38,6 +39,13 @@ PLANNING = "--plan" in sys.argv[sys.argv.index("--") + 1 :] if "--" in sys.argv 
 SYSTEM_PYTHON = os.environ.get("MILES_SYSTEM_PYTHON") or shutil.which("python3") or sys.executable
 
 
+# The GPU lanes' sglang, without its GPU dependencies, so the cpu stack tests the SGLang
+# adapter against the real package (see the file's header).
+CPU_SGLANG = "requirements/cpu-sglang.txt"
+# Tests that would skip without sglang fail instead where the stack above is installed.
+REQUIRE_SGLANG = {"MILES_REQUIRE_SGLANG": "1"}
+
+
 def install_lane_stack(session: nox.Session, lane: str) -> None:
     """Install the lane's pinned stack (requirements/<stack>.txt) and miles itself into the session."""
     stack = stack_for_lane(lane)
@@ -45,14 +53,40 @@ def install_lane_stack(session: nox.Session, lane: str) -> None:
     if warning:
         session.warn(warning)
     session.install(*install_arguments(stack, ROOT, venv_backend=session.venv_backend, env=os.environ))
+    if stack.backend == "cpu":
+        session.install("--no-deps", "-r", str(ROOT / CPU_SGLANG))
     session.install("--no-deps", "-e", str(ROOT))
+
+
+def gpu_lane_transformers() -> list[str]:
+    """transformers versions the GPU lanes pin that the cpu lane does not (sglang pins its own)."""
+    pinned = {
+        lane.name: parse_lock(ROOT / stack_for_lane(lane.name).lock_path).pins["transformers"].version
+        for lane in CATALOG.lanes.values()
+    }
+    cpu = {v for name, v in pinned.items() if CATALOG.lanes[name].backend == "cpu"}
+    return sorted(set(pinned.values()) - cpu)
 
 
 @nox.session(python=CATALOG.lanes["cpu"].python)
 def tests(session: nox.Session) -> None:
     """Run the test suite: unit tests and every CPU-registered test (GPU-only ones skip)."""
     install_lane_stack(session, "cpu")
-    session.run("pytest", *(session.posargs or ["tests"]))
+    session.run("pytest", *(session.posargs or ["tests"]), env=REQUIRE_SGLANG)
+
+
+@nox.session(name="rollout-transformers", python=CATALOG.lanes["cpu"].python, default=False)
+@nox.parametrize("transformers", gpu_lane_transformers())
+def rollout_transformers(session: nox.Session, transformers: str) -> None:
+    """Rollout engine vs a full forward, every family, under each GPU lane's pinned transformers."""
+    install_lane_stack(session, "cpu")
+    session.install(f"transformers=={transformers}")
+    session.run(
+        "pytest",
+        "tests/unit/test_train_rollout_parity.py",
+        "tests/unit/test_train_rollout.py",
+        *session.posargs,
+    )
 
 
 @nox.session(python=CATALOG.lanes["cpu"].python, default=False)
@@ -103,7 +137,7 @@ def _make_lane(lane_name: str):
         install_lane_stack(session, lane_name)
         if lane.backend != "cpu":
             run_keeping_exit_code(session, "python", *preflight)
-        run_keeping_exit_code(session, "python", *run)
+        run_keeping_exit_code(session, "python", *run, env=REQUIRE_SGLANG if lane.backend == "cpu" else None)
 
     lane_session.__doc__ = f"{lane.description} Suites: {suites}."
     python = lane.python

@@ -5,9 +5,15 @@ fixed-answer task with the same reward function, 4 prompts x 8 samples = 32 comp
 per optimizer step, at most 32 new tokens, temperature 1, clip 0.2/0.28, no KL term, lr
 1e-3, one optimizer step per generation. A step is everything between two optimizer steps:
 generation, reward, advantages, logprobs, loss, backward, step (and for miles the weight
-sync to its rollout engine). One thread each, TRL first then miles in the same process;
-after warm-up steps the median and best step times of each are printed with the ratios. Target: miles >= 1x TRL (steps/s). Needs `pip install trl` (not part of
-the lane's pins; this benchmark only).
+sync to its rollout engine, and the old-logprob forward TRL skips at num_iterations=1).
+One thread each, TRL first then miles in the same process; after warm-up steps the median
+and best step times of each are printed with the ratios. Target: miles >= 1x TRL (steps/s).
+
+TRL runs twice: as shipped (GRPOConfig's gradient_checkpointing=True, which recomputes the
+forward in the backward), and at its fastest for this work: gradient checkpointing off.
+Its paged generation (use_transformers_paged) was tried and is ~10x slower on CPU, so it
+stays off; neither side uses torch.compile. Needs `pip install trl datasets -c
+requirements/cpu.txt` (not part of the lane's pins; this benchmark only).
 
     python benchmarks/bench_grpo_trl.py [--steps 6] [--warmup 2]
 """
@@ -21,6 +27,10 @@ import time
 from pathlib import Path
 
 PROMPTS, GROUP, NEW_TOKENS, LR = 4, 8, 32, 1e-3
+TRL_CONFIGS = {
+    "TRL as shipped (gradient_checkpointing=True)": {},
+    "TRL fastest (gradient_checkpointing=False)": {"gradient_checkpointing": False},
+}
 
 
 def miles_step_times(model_dir: Path, steps: int, warmup: int) -> list[float]:
@@ -49,7 +59,7 @@ def miles_step_times(model_dir: Path, steps: int, warmup: int) -> list[float]:
     return times[warmup:]
 
 
-def trl_step_times(model_dir: Path, steps: int, warmup: int, out_dir: Path) -> list[float]:
+def trl_step_times(model_dir: Path, steps: int, warmup: int, out_dir: Path, settings: dict) -> list[float]:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -97,6 +107,7 @@ def trl_step_times(model_dir: Path, steps: int, warmup: int, out_dir: Path) -> l
         seed=0,
         bf16=False,
         disable_tqdm=True,
+        **settings,
     )
     trainer = GRPOTrainer(
         model=model, reward_funcs=reward, args=config, train_dataset=dataset, processing_class=tokenizer
@@ -124,18 +135,23 @@ def main() -> None:
             "qwen3", args.layers, Path(tmp) / "qwen3", seed=0, hidden_size=args.hidden,
             intermediate_size=args.hidden * 3,
         )  # fmt: skip
-        trl = trl_step_times(model_dir, args.steps, args.warmup, Path(tmp) / "trl")
+        trl = {
+            name: trl_step_times(model_dir, args.steps, args.warmup, Path(tmp) / f"trl{i}", settings)
+            for i, (name, settings) in enumerate(TRL_CONFIGS.items())
+        }
         miles = miles_step_times(model_dir, args.steps, args.warmup)
-    m, t = statistics.median(miles), statistics.median(trl)
+    m = statistics.median(miles)
     print(
         f"tiny qwen3 hidden={args.hidden} layers={args.layers}, {PROMPTS} prompts x {GROUP} samples, "
-        f"<= {NEW_TOKENS} new tokens, threads={torch.get_num_threads()}, {args.steps} timed steps"
+        f"<= {NEW_TOKENS} new tokens, fp32, threads={torch.get_num_threads()}, {args.steps} timed steps"
     )
-    print(f"  miles.train GRPO step      {m:.3f} s (median; best {min(miles):.3f})")
-    print(f"  TRL GRPOTrainer step       {t:.3f} s (median; best {min(trl):.3f})")
-    print(
-        f"  ratio miles / TRL (steps/s): {t / m:.2f}x median, {min(trl) / min(miles):.2f}x best (target >= 1x)"
-    )
+    print(f"  {'miles.train GRPO step (fsdp, torch engine)':46s} {m:.3f} s (median; best {min(miles):.3f})")
+    for name, times in trl.items():
+        t = statistics.median(times)
+        print(
+            f"  {name:46s} {t:.3f} s (median; best {min(times):.3f})   miles / TRL (steps/s): "
+            f"{t / m:.2f}x median, {min(times) / min(miles):.2f}x best"
+        )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,12 @@ import torch
 
 from miles.train.args import LossConfig
 
+# log(pi/pi_old) is clamped to [-20, 20] before exp, as verl's PPO loss does
+# (core_algos.compute_policy_loss): exp(20) ~ 5e8 is far outside any clip range, so the
+# loss is unchanged wherever it is meaningful, and a diverged token gives a large finite
+# ratio instead of inf (whose product with a zero advantage is NaN).
+LOG_RATIO_LIMIT = 20.0
+
 
 def group_advantages(rewards: torch.Tensor, group_size: int, *, normalize_std: bool = True) -> torch.Tensor:
     """GRPO advantage of each sample: its reward minus its group's mean, over the group's std.
@@ -21,11 +27,12 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, normalize_std: b
     """
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not form whole groups of {group_size}")
-    groups = rewards.float().view(-1, group_size)
+    # float64: a group of float32-sized rewards (up to 3.4e38) would overflow its own mean.
+    groups = rewards.double().view(-1, group_size)
     centered = groups - groups.mean(dim=1, keepdim=True)
     if normalize_std:
         centered = centered / (groups.std(dim=1, keepdim=True, unbiased=True) + 1e-6)
-    return centered.view(-1)
+    return centered.view(-1).float()
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
@@ -40,6 +47,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
     if kind == "k2":
         return 0.5 * log_ratio.square()
     if kind in ("k3", "low_var_kl"):
+        log_ratio = log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
         return torch.clamp(torch.exp(-log_ratio) + log_ratio - 1.0, min=-10.0, max=10.0)
     raise ValueError(f"unknown KL type '{kind}'; known: k1, k2, k3, low_var_kl")
 
@@ -66,7 +74,7 @@ def clipped_policy_loss(
     The ratio is clipped to [1 - eps_clip, 1 + eps_clip_high]; with dual clip, a negative
     advantage's loss is also capped at eps_clip_c * |A| so one stale token cannot blow up.
     """
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - cfg.eps_clip, 1.0 + cfg.eps_clip_high)
     loss = torch.maximum(unclipped, clipped)
@@ -79,7 +87,8 @@ def clipped_policy_loss(
 
 def tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
     """Truncated importance weights pi_train_old / pi_rollout, correcting rollout-engine mismatch."""
-    return torch.exp(old_logp - rollout_logp).clamp(min=cfg.tis_clip_low, max=cfg.tis_clip).detach()
+    log_ratio = (old_logp - rollout_logp).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    return torch.exp(log_ratio).clamp(min=cfg.tis_clip_low, max=cfg.tis_clip).detach()
 
 
 @dataclass(frozen=True)

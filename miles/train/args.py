@@ -209,10 +209,20 @@ def _add_optimizer(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=_non_negative_float, default=1.0, help="max grad norm; 0 = off")
+    g.add_argument(
+        "--max-skipped-steps",
+        type=int,
+        default=3,
+        help="stop after this many optimizer steps in a row skipped for a non-finite loss or grad norm; 0 = never",
+    )
     g.add_argument("--optimizer-cpu-offload", action="store_true")
     g.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true")
     g.add_argument("--use-precision-aware-optimizer", action="store_true")
-    g.add_argument("--bf16", action="store_true", help="train in bfloat16 (GPU); CPU trains in float32")
+    g.add_argument(
+        "--bf16",
+        action="store_true",
+        help="bfloat16 compute with float32 master weights, gradient reduction and optimizer state",
+    )
     g.add_argument("--fp16", action="store_true")
 
 

@@ -96,6 +96,41 @@ def save(backend, root: str | Path, state: TrainerState, *, is_main: bool, barri
     return final
 
 
+def check_load_dir(load: str | Path, save: str | Path | None) -> None:
+    """Refuse a --load that cannot be what the user meant; a new or empty one starts fresh.
+
+    The recipes pass --load = --save, so there a missing or empty directory is a first run.
+    A --load elsewhere must exist: a mistyped path would otherwise train from scratch and
+    exit 0. An existing --load must be a checkpoint directory: the marker, iter_* dirs and
+    their temporaries only (an interrupted first save leaves just iter_*.tmp).
+    """
+    load = Path(load)
+    same_as_save = save is not None and load.resolve() == Path(save).resolve()
+    if not load.exists():
+        if same_as_save:
+            return
+        raise CheckpointError(
+            f"--load {load}: no such directory, and it is not the --save directory, so there is nothing to "
+            "resume; fix the path, or pass the same directory to --load and --save to resume when a "
+            "checkpoint exists and start fresh otherwise"
+        )
+    if not load.is_dir():
+        raise CheckpointError(
+            f"--load {load}: not a directory; --load names a checkpoint directory (--save's)"
+        )
+    strays = sorted(
+        p.name
+        for p in load.iterdir()
+        if p.name not in (MARKER, f".{MARKER}.tmp") and not (p.is_dir() and p.name.startswith("iter_"))
+    )
+    if strays:
+        hint = " (a Hugging Face model: pass it as --hf-checkpoint)" if "config.json" in strays else ""
+        raise CheckpointError(
+            f"--load {load}: not a checkpoint directory{hint}; it holds {', '.join(strays[:5])}"
+            f"{' ...' if len(strays) > 5 else ''} but no {MARKER}"
+        )
+
+
 def read_state(root: str | Path, step: int | None = None) -> TrainerState | None:
     """The trainer state of checkpoint `step` (default: the latest), or None when `root` has none."""
     step = latest_iteration(root) if step is None else step

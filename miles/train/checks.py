@@ -5,14 +5,20 @@
 2. The rollout engine and the trainer hold the same weights, so their logprobs of the
    sampled tokens agree within a tolerance (the numerics differ: KV cache vs full forward).
 3. After a weight sync the engine's weights equal the trainer's, bit for bit, except names
-   matching `--check-weight-update-skip-list`.
+   matching `--check-weight-update-skip-list`. An engine that cannot hand out its tensors
+   (SGLang) is checked instead by greedy continuations of fixed prompts: their logprobs
+   under the engine and under the trainer agree within --ci-logprob-abs-diff-tol.
 4. With --ci-metric-checker-key, the metric's last value reaches --ci-metric-checker-threshold.
 A failed check raises `CheckFailed` naming the rollout, the metric, the value and the bound.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
+
+PROBE_PROMPTS = 4  # fixed prompts of the logprob weight check
+PROBE_TOKENS = 8  # greedy tokens generated for each
 
 
 class CheckFailed(AssertionError):
@@ -34,6 +40,12 @@ def check_first_step(rollout_id: int, ppo_kl: float, clipfrac: float, tol: float
 
 
 def check_logprob_agreement(rollout_id: int, abs_diff: float, tol: float) -> None:
+    if not math.isfinite(abs_diff):
+        raise CheckFailed(
+            f"rollout {rollout_id}: train/train_rollout_logprob_abs_diff = {abs_diff}: the trainer's or the "
+            "engine's logprobs are not finite, so the weights diverged (see train/grad_norm, "
+            "train/skipped_steps; lower --lr); this is not a weight-sync mismatch"
+        )
     if not abs_diff <= tol:
         raise CheckFailed(
             f"rollout {rollout_id}: train/train_rollout_logprob_abs_diff = {abs_diff:.3g} > {tol:g}: the "
@@ -78,6 +90,11 @@ def check_weights_equal(
     for name, tensor in engine.items():
         if name not in trainer:
             continue
+        if not torch.isfinite(trainer[name]).all():
+            raise CheckFailed(
+                f"rollout {rollout_id}: the trainer's weight {name} is not finite: training diverged "
+                "(see train/grad_norm, train/skipped_steps; lower --lr); this is not a weight-sync mismatch"
+            )
         expected = trainer[name].to(device=tensor.device, dtype=tensor.dtype)
         if not torch.equal(tensor.detach(), expected):
             diff = (tensor.detach().float() - expected.float()).abs().max().item()
@@ -88,3 +105,32 @@ def check_weights_equal(
             f"{len(differing)} tensor(s): {', '.join(differing[:5])}"
         )
     return len(engine)
+
+
+def probe_logprob_gap(engine, backend, prompts: Sequence[Sequence[int]], sampling) -> float:
+    """Mean |engine - trainer| logprob over greedy continuations of `prompts` (every rank calls
+    this: generation and the trainer's forward may be collectives). Greedy (top_k 1) makes the
+    tokens a function of the engine's weights only; both sides score them at the sampling
+    temperature, as the rollout logprobs are."""
+    from dataclasses import replace
+
+    from miles.train.batch import Sample, collate
+    from miles.train.distributed import all_reduce_sum
+
+    greedy = replace(sampling, top_k=1, max_response_len=min(PROBE_TOKENS, sampling.max_response_len))
+    generations = engine.generate([list(p) for p in prompts], greedy, seed=0)
+    batch = collate([Sample(i, i, g, "", "", 0.0) for i, g in enumerate(generations)])
+    trainer = backend.logprobs(batch)
+    gap, tokens = all_reduce_sum(
+        [float(((trainer - batch.rollout_logp).abs() * batch.loss_mask).sum()), float(batch.loss_mask.sum())]
+    )
+    return gap / max(tokens, 1.0)
+
+
+def check_probe_logprobs(rollout_id: int, gap: float, tol: float) -> None:
+    if not gap <= tol:
+        raise CheckFailed(
+            f"rollout {rollout_id}: after the weight update the rollout engine's logprobs of {PROBE_PROMPTS} fixed "
+            f"prompts differ from the trainer's by {gap:.3g} on average (> {tol:g}): the engine did not load "
+            "the trainer's weights"
+        )

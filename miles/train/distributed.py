@@ -37,7 +37,17 @@ def init_distributed(requested_backend: str | None = None) -> DistInfo:
     gpu = torch.cuda.is_available()
     backend = requested_backend or ("nccl" if gpu else "gloo")
     if backend == "nccl" and not gpu:
-        raise RuntimeError("--distributed-backend nccl needs a GPU; this machine has none (use gloo)")
+        from miles.train.args import ArgsError
+
+        build = f"torch {torch.__version__}, " + (
+            "a CUDA/ROCm build that sees no GPU"
+            if torch.version.cuda or torch.version.hip
+            else "a CPU-only build"
+        )
+        raise ArgsError(
+            f"--distributed-backend nccl needs a CUDA or ROCm GPU and this process sees none ({build}); "
+            "use --distributed-backend gloo, or drop the flag (gloo on CPU, NCCL/RCCL on GPUs)"
+        )
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = f"cuda:{local_rank}" if gpu else "cpu"
     if gpu:
@@ -76,7 +86,10 @@ def all_gather_objects(obj: Any) -> list[Any]:
 
 
 def all_reduce_sum(values: list[float], group=None) -> list[float]:
-    """Sum a list of floats over the ranks of `group` (default: all), in float64 so token counts stay exact."""
+    """Sum a list of floats over the ranks of `group` (default: all), in float64 so token counts
+    stay exact; without a process group this process is the whole world."""
+    if not dist.is_initialized():
+        return [float(v) for v in values]
     t = torch.tensor(values, dtype=torch.float64, device=_collective_device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t.tolist()

@@ -12,9 +12,9 @@ class ModelLoadError(RuntimeError):
     """A checkpoint directory cannot be loaded as a causal LM; names the directory and the fix."""
 
 
-def train_dtype(bf16: bool, device: str) -> torch.dtype:
-    # CPU kernels are fastest and exact in float32; GPUs train in bf16 when the recipe asks.
-    return torch.bfloat16 if bf16 and device != "cpu" else torch.float32
+def train_dtype(bf16: bool) -> torch.dtype:
+    """The compute dtype of `--bf16` (master weights stay float32), the same on every device."""
+    return torch.bfloat16 if bf16 else torch.float32
 
 
 def is_hf_dir(path: str | Path) -> bool:

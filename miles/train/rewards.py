@@ -182,10 +182,21 @@ def load_reward(spec: str) -> RewardFn:
     return fn
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # rewards become float32 tensors; anything larger is inf there
+
+
 def score(
-    fn: RewardFn, response: str, label: str, metadata: Mapping[str, Any], reward_key: str | None
+    fn: RewardFn,
+    response: str,
+    label: str,
+    metadata: Mapping[str, Any],
+    reward_key: str | None,
+    *,
+    where: str = "",
 ) -> float:
-    """Call a reward function and reduce its result to one finite float."""
+    """Call a reward function and reduce its result to one float that is finite in float32.
+
+    `where` names the sample (e.g. "prompt 3, sample 5") in the error of a bad value."""
     result = fn(response, label, metadata)
     if isinstance(result, Mapping):
         if reward_key is None or reward_key not in result:
@@ -195,8 +206,10 @@ def score(
             )
         result = result[reward_key]
     value = float(result)
-    if not math.isfinite(value):
+    if not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
         raise RewardError(
-            f"reward function {getattr(fn, '__name__', fn)} returned {value} for label {label!r}"
+            f"reward function {getattr(fn, '__name__', fn)} returned {value} for {where or 'a sample'} "
+            f"(label {label!r}): rewards must be finite in float32 (|r| <= {FLOAT32_MAX:.4g}); "
+            "fix or rescale the reward function"
         )
     return value

@@ -10,6 +10,7 @@ what the trainer recomputes, so the two can be compared token by token.
 from __future__ import annotations
 
 import abc
+import inspect
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -24,8 +25,38 @@ class Generation:
     finish_reason: str  # "stop" (a stop token was sampled, and kept) or "length"
 
 
+class RolloutEngineError(RuntimeError):
+    """The rollout engine cannot sample correctly with this model or library; says why and the fix."""
+
+
+# transformers renamed the KV-cache argument of every causal LM's forward from
+# `past_key_values` (5.19 and before) to `cache` (5.24 keeps the old name as a deprecated
+# alias). A name the forward does not declare falls into its **kwargs and is ignored, so
+# decoding would silently run without its context: the name is read from the signature.
+CACHE_KEYWORDS = ("cache", "past_key_values")
+
+
+def cache_keyword(model) -> str:
+    """The keyword under which `model.forward` takes its KV cache in the installed transformers."""
+    params = inspect.signature(model.forward).parameters
+    for name in CACHE_KEYWORDS:
+        if name in params:
+            return name
+    import transformers
+
+    raise RolloutEngineError(
+        f"{type(model).__name__}.forward (transformers {transformers.__version__}) declares none of "
+        f"{', '.join(CACHE_KEYWORDS)}: the built-in rollout engine cannot pass it a KV cache; install the "
+        "lane's pinned transformers (requirements/<lane>.txt)"
+    )
+
+
 class RolloutEngine(abc.ABC):
     """What the trainer needs from a rollout engine."""
+
+    # named_weights() returns the engine's own tensors, so the weight check can be bit-exact;
+    # an engine that cannot expose them is checked by the logprobs of fixed sequences.
+    exact_weights = True
 
     @abc.abstractmethod
     def generate(
@@ -40,6 +71,12 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def named_weights(self) -> Iterator[tuple[str, object]]:
         """The weights the engine samples with, for the weight-update check."""
+
+    def release_memory(self) -> None:  # noqa: B027 (an engine without its own memory pool frees nothing)
+        """Free GPU memory the engine holds while the trainer steps (colocated engines)."""
+
+    def resume_memory(self) -> None:  # noqa: B027
+        """Take back what `release_memory` freed; called before sampling or loading weights."""
 
     def close(self) -> None:  # noqa: B027 (engines without resources need no cleanup)
         """Release processes or memory the engine holds."""
@@ -57,6 +94,7 @@ class TorchRolloutEngine(RolloutEngine):
     def __init__(self, model, *, pad_token_id: int = 0):
         self.model = model.eval()
         self.pad_token_id = pad_token_id
+        self.cache_keyword = cache_keyword(self.model)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, seed: int
@@ -83,7 +121,7 @@ class TorchRolloutEngine(RolloutEngine):
         cache = DynamicCache(config=self.model.config)
         logits, attention = self._prefill(list(distinct), cache, device)
         rows = torch.tensor(row_of, device=device)
-        cache.reorder_cache(rows)
+        select_cache_rows(cache, rows, batch=len(distinct))
         logits, attention = logits[rows], attention[rows]
         positions = attention.sum(dim=1, keepdim=True) - 1  # of the last prompt token
         stop = torch.tensor(sorted(sampling.stop_token_ids) or [-1], device=device)
@@ -106,7 +144,7 @@ class TorchRolloutEngine(RolloutEngine):
                 break
             if keep.numel() < active.numel():
                 # Finished rows leave the batch and the cache: no compute is spent on padding.
-                cache.reorder_cache(keep)
+                select_cache_rows(cache, keep, batch=active.numel())
                 active, next_ids, attention, positions = (
                     active[keep],
                     next_ids[keep],
@@ -119,8 +157,8 @@ class TorchRolloutEngine(RolloutEngine):
                 input_ids=next_ids.unsqueeze(1),
                 attention_mask=attention,
                 position_ids=positions,
-                cache=cache,
                 use_cache=True,
+                **{self.cache_keyword: cache},
             )
             logits = out.logits[:, -1, :].float()
         return [
@@ -143,10 +181,17 @@ class TorchRolloutEngine(RolloutEngine):
             input_ids=input_ids,
             attention_mask=attention,
             position_ids=positions,
-            cache=cache,
             use_cache=True,
             logits_to_keep=1,
+            **{self.cache_keyword: cache},
         )
+        if cache.get_seq_length() != width:
+            # The forward took the keyword but did not fill our cache: decoding would run blind.
+            raise RolloutEngineError(
+                f"{type(self.model).__name__}.forward left the KV cache passed as '{self.cache_keyword}' "
+                f"holding {cache.get_seq_length()} of {width} prompt positions; this transformers version "
+                "is not one the rollout engine supports (install the lane's pinned transformers)"
+            )
         return out.logits[:, -1, :].float(), attention
 
     def update_weights(self, named_tensors: Iterable[tuple[str, object]]) -> None:
@@ -173,6 +218,32 @@ class TorchRolloutEngine(RolloutEngine):
         yield from self.model.state_dict(keep_vars=True).items()
 
 
+def select_cache_rows(cache, index, *, batch: int) -> None:
+    """Keep (or repeat) rows `index` of everything per-row the cache holds, in place.
+
+    Every cache layer of the recipes' families keeps its per-sequence state batch-first:
+    keys and values, sliding windows, deepseek_v4's compressor buffers, glm_moe_dsa's
+    indexer keys, inkling's convolution and recurrent states. transformers' own
+    `reorder_cache` covers only keys and values in some pinned versions (deepseek_v4's
+    compressor buffers in 5.19), so the rows are selected here, uniformly, for any layer.
+    """
+    for layer in cache.layers:
+        for name, value in vars(layer).items():
+            setattr(layer, name, _select_rows(value, index, batch))
+
+
+def _select_rows(value, index, batch: int):
+    import torch
+
+    if torch.is_tensor(value):
+        return value.index_select(0, index) if value.dim() and value.shape[0] == batch else value
+    if isinstance(value, dict):
+        return {k: _select_rows(v, index, batch) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_select_rows(v, index, batch) for v in value]
+    return value
+
+
 def sample_tokens(logits, sampling: SamplingConfig, generator):
     """Draw one token per row from temperature-scaled `logits` with top-k/top-p truncation.
 
@@ -180,6 +251,12 @@ def sample_tokens(logits, sampling: SamplingConfig, generator):
     """
     import torch
 
+    if not torch.isfinite(logits).all():
+        # torch.multinomial would fail with a traceback about probabilities; say what happened.
+        raise RolloutEngineError(
+            "the policy's logits are not finite while sampling: the weights diverged (see train/grad_norm "
+            "and train/skipped_steps of the previous rollout; lower --lr)"
+        )
     log_probs = torch.log_softmax(logits, dim=-1)
     filtered = logits
     if sampling.top_k > 0 and sampling.top_k < logits.shape[-1]:

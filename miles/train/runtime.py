@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from miles.train import checkpoint, data
+from miles.train import checkpoint, data, guards
 from miles.train.args import SamplingConfig, run_notes, sampling_config, validate_world
 from miles.train.backends import TrainBackend, make_backend
 from miles.train.distributed import DistInfo, init_distributed, seed_everything
@@ -28,6 +28,7 @@ class Run:
     engine: RolloutEngine
     sampling: SamplingConfig
     start_rollout: int = 0
+    skipped_streak: guards.SkippedStreak = field(default_factory=lambda: guards.SkippedStreak(3))
     _encoded: dict[int, list[int]] = field(default_factory=dict)
 
     def prompt_ids(self, prompt: data.Prompt) -> list[int]:
@@ -53,10 +54,13 @@ class Run:
             self._encoded[prompt.index] = ids
         return ids
 
-    def score(self, prompt: data.Prompt, generation: Generation) -> tuple[str, float]:
-        """The decoded response and its reward under the run's rule."""
+    def score(self, prompt: data.Prompt, generation: Generation, sample: int = 0) -> tuple[str, float]:
+        """The decoded response and its reward under the run's rule (`sample`: its index in the group)."""
         text = self.tokenizer.decode(list(generation.response_ids), skip_special_tokens=True)
-        return text, score(self.reward_fn, text, prompt.label, prompt.metadata, self.args.reward_key)
+        where = f"prompt {prompt.index} of --prompt-data, sample {sample}"
+        return text, score(
+            self.reward_fn, text, prompt.label, prompt.metadata, self.args.reward_key, where=where
+        )
 
     def log(self, message: str) -> None:
         if self.dist.is_main:
@@ -72,6 +76,8 @@ def build_run(args: argparse.Namespace) -> Run:
         torch.set_num_threads(args.num_threads)
     dist_info = init_distributed(args.distributed_backend)
     validate_world(args, dist_info.world_size)
+    if args.load:  # before any model loads: a mistyped --load fails in a second
+        checkpoint.check_load_dir(args.load, args.save)
     seed_everything(args.seed)
     tokenizer = load_tokenizer(args.hf_checkpoint)
     prompts = data.load_prompts(
@@ -85,6 +91,7 @@ def build_run(args: argparse.Namespace) -> Run:
         args, eos_token_ids(engine_model, tokenizer) if engine_model is not None else ()
     )
     run = Run(args, dist_info, tokenizer, prompts, reward_fn, backend, engine, sampling)
+    run.skipped_streak = guards.SkippedStreak(args.max_skipped_steps)
     if engine_model is not None:
         warn_if_not_causal(run)
     run.start_rollout = resume(run)
@@ -97,7 +104,13 @@ def build_run(args: argparse.Namespace) -> Run:
         f"{kl if args.use_kl_loss else ''} | rollouts {run.start_rollout}..{args.num_rollout}"
     )
     engine_name = "sglang" if type(engine).__name__.startswith("SGLang") else "torch"
-    for note in run_notes(args, engine_name):
+    notes = run_notes(args, engine_name)
+    if getattr(engine, "seeded", True) is False:
+        notes.append(
+            "SGLang samples with --rollout-seed only under --sglang-enable-deterministic-inference; "
+            "without it the seed reaches the server (random_seed) and rollouts are not reproducible"
+        )
+    for note in notes:
         run.log(f"miles.train: note: {note}")
     return run
 
@@ -136,7 +149,7 @@ def make_engine(args: argparse.Namespace, dist_info: DistInfo) -> RolloutEngine:
 def _rollout_dtype(args, dist_info):
     from miles.train.model import train_dtype
 
-    return train_dtype(args.bf16, dist_info.device)
+    return train_dtype(args.bf16)  # the engine samples in the trainer's compute dtype
 
 
 def _sglang_installed() -> bool:

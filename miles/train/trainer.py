@@ -23,7 +23,7 @@ from dataclasses import replace
 
 import torch
 
-from miles.train import checkpoint, checks, evaluation, report
+from miles.train import checkpoint, checks, evaluation, guards, report
 from miles.train.algorithm import LOSS_SUMS, group_advantages
 from miles.train.args import ArgsError, parse_args
 from miles.train.backends import BackendUnavailable
@@ -32,6 +32,7 @@ from miles.train.data import SYNTHETIC_PREFIX, DataError, batch_for_rollout
 from miles.train.distributed import all_gather_objects, all_reduce_sum, barrier, sampling_seed, shutdown
 from miles.train.model import ModelLoadError
 from miles.train.rewards import RewardError
+from miles.train.rollout import RolloutEngineError
 from miles.train.runtime import Run, build_run
 from miles.train.sglang_engine import SGLangUnavailable
 
@@ -42,8 +43,10 @@ FOR_PEOPLE = (
     checkpoint.CheckpointError,
     checks.CheckFailed,
     DataError,
+    guards.NonFiniteTraining,
     ModelLoadError,
     RewardError,
+    RolloutEngineError,
     SGLangUnavailable,
 )
 
@@ -94,7 +97,7 @@ def generate_and_score(run: Run, rollout_id: int) -> list[Sample]:
     samples = []
     for i, generation in enumerate(generations):
         prompt = mine[i // group_size]
-        text, reward = run.score(prompt, generation)
+        text, reward = run.score(prompt, generation, i % group_size)
         samples.append(
             Sample(prompt.index, rank * per_rank + i // group_size, generation, text, prompt.label, reward)
         )
@@ -119,6 +122,7 @@ def learn(run: Run, rollout_id: int, samples: Sequence[Sample]) -> dict[str, flo
     minibatch of --global-batch-size samples (split over ranks and micro-batches)."""
     args = run.args
     started = time.perf_counter()
+    run.engine.release_memory()  # a colocated engine gives the GPU to the trainer until the sync
     per_rank = args.global_batch_size // run.backend.data_parallel[1]
     local, mismatch = with_old_logprobs(run, share_of_rank(run, samples))
     if args.ci_test and not args.use_rollout_logprobs:
@@ -128,10 +132,13 @@ def learn(run: Run, rollout_id: int, samples: Sequence[Sample]) -> dict[str, flo
     steps = []
     for m in range(len(samples) // args.global_batch_size):
         steps.append(optimizer_step(run, local.rows(slice(m * per_rank, (m + 1) * per_rank))))
+        step = steps[-1]
+        run.skipped_streak.record(rollout_id, step["skipped"], step["loss"], step["grad_norm"], step["lr"])
         if m == 0 and args.ci_test and not args.ci_disable_kl_checker:
             kl, clipfrac, tokens = steps[0]["ppo_kl"], steps[0]["pg_clipfrac"], steps[0]["tokens"]
             checks.check_first_step(rollout_id, kl / tokens, clipfrac / tokens, args.ci_step0_kl_tol)
     metrics = report.train_metrics(steps, args.use_tis)
+    metrics["train/skipped_steps"] = float(sum(step["skipped"] for step in steps))
     return metrics | mismatch | {"perf/train_time": time.perf_counter() - started}
 
 
@@ -186,7 +193,7 @@ def optimizer_step(run: Run, minibatch: TokenBatch) -> dict[str, float]:
     loss = sum(float(t.loss.detach()) for t in result.terms) / normalizer
     reduced = dict(zip([*LOSS_SUMS, "loss"], all_reduce_sum([*local, loss], group), strict=True))
     reduced["loss"] /= replicas
-    return reduced | {"grad_norm": result.grad_norm, "lr": result.lr}
+    return reduced | {"grad_norm": result.grad_norm, "lr": result.lr, "skipped": result.skipped}
 
 
 def batched_logprobs(run: Run, batch: TokenBatch, *, reference: bool) -> torch.Tensor:
@@ -208,17 +215,27 @@ def sync_weights(run: Run, rollout_id: int) -> dict[str, float]:
 
 
 def verify_weight_sync(run: Run, rollout_id: int, weights: dict[str, torch.Tensor]) -> None:
-    """The engine holds exactly the trainer's weights, on every rank; all ranks fail together."""
+    """The engine holds the trainer's weights, on every rank; all ranks fail together. Bit for
+    bit where the engine exposes its tensors, else by the logprobs of fixed sequences."""
     failure = None
     try:
-        checks.check_weights_equal(
-            rollout_id, run.engine.named_weights(), weights, run.args.check_weight_update_skip_list
-        )
+        if run.engine.exact_weights:
+            checks.check_weights_equal(
+                rollout_id, run.engine.named_weights(), weights, run.args.check_weight_update_skip_list
+            )
+        else:
+            gap = checks.probe_logprob_gap(run.engine, run.backend, probe_prompts(run), run.sampling)
+            checks.check_probe_logprobs(rollout_id, gap, run.args.ci_logprob_abs_diff_tol)
     except checks.CheckFailed as exc:
         failure = exc
     # Every rank must stop together, or the healthy ones would wait in the next collective.
     if all_reduce_sum([float(failure is not None)])[0]:
         raise failure or checks.CheckFailed(f"rollout {rollout_id}: the weight check failed on another rank")
+
+
+def probe_prompts(run: Run) -> list[list[int]]:
+    """The fixed sequences of the logprob weight check: the first prompts of the data set."""
+    return [run.encode(p) for p in run.prompts[: checks.PROBE_PROMPTS]]
 
 
 def maybe_save(run: Run, rollout_id: int) -> None:

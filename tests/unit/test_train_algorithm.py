@@ -154,3 +154,28 @@ def test_train_metrics_average_steps_and_divide_loss_terms_by_the_rollouts_token
     assert metrics["train/pg_loss"] == pytest.approx(8.0 / 40)
     assert "train/tis_weight" not in metrics and "train/tokens" not in metrics
     assert train_metrics([step(10, 5.0, 1.0, 2.0)], use_tis=True)["train/tis_weight"] == 1.0
+
+
+def test_a_diverged_token_gives_a_finite_loss_and_gradient():
+    # log(pi/pi_old) = 200 would make exp() inf, and inf * a zero advantage is NaN.
+    logp = torch.tensor([[200.0, 0.1]], requires_grad=True)
+    loss, _ = clipped_policy_loss(logp - torch.zeros(1, 2), torch.tensor([[0.0, 1.0]]), cfg(eps_clip_c=3.0))
+    loss.sum().backward()
+    assert torch.isfinite(loss).all() and torch.isfinite(logp.grad).all()
+
+
+def test_the_log_ratio_is_clamped_where_verl_clamps_it():
+    from miles.train.algorithm import LOG_RATIO_LIMIT
+
+    assert LOG_RATIO_LIMIT == 20.0
+    unclipped, _ = clipped_policy_loss(torch.tensor([[25.0]]), torch.tensor([[-1.0]]), cfg())
+    assert unclipped.item() == pytest.approx(math.exp(20.0), rel=1e-6)
+
+
+def test_k3_of_a_diverged_token_stays_finite():
+    assert torch.isfinite(kl_penalty(torch.tensor([-500.0]), torch.tensor([0.0]), "low_var_kl")).all()
+
+
+def test_float32_sized_rewards_give_finite_advantages():
+    adv = group_advantages(torch.tensor([3.0e38, -3.0e38, 3.0e38, 0.0], dtype=torch.float64), 4)
+    assert torch.isfinite(adv).all() and adv.dtype == torch.float32

@@ -8,7 +8,13 @@ import pytest
 
 from miles.train import checkpoint
 from miles.train.backends.torch_dp import lr_factor
-from miles.train.checks import CheckFailed, check_first_step, check_logprob_agreement, check_metric_threshold
+from miles.train.checks import (
+    CheckFailed,
+    check_first_step,
+    check_logprob_agreement,
+    check_metric_threshold,
+    check_weights_equal,
+)
 
 
 def test_first_step_kl_above_tolerance_fails_with_the_value():
@@ -90,3 +96,90 @@ def test_a_run_stopped_by_bad_input_prints_one_line_naming_it_and_exits_1(tmp_pa
         f"miles.train: ModelLoadError: {tmp_path / 'nowhere'}: no config.json; --hf-checkpoint must be a "
         "Hugging Face model directory (e.g. one made by `invoke make-tiny-ckpt` or `invoke prepare-ckpt`)"
     ]
+
+
+def test_a_non_finite_logprob_gap_is_reported_as_divergence_not_as_a_sync_mismatch():
+    with pytest.raises(
+        CheckFailed, match="not finite, so the weights diverged .* not a weight-sync mismatch"
+    ):
+        check_logprob_agreement(2, float("nan"), 1e-3)
+
+
+def test_non_finite_trainer_weights_are_named_as_divergence():
+    import torch
+
+    trainer = {"w": torch.tensor([1.0, float("nan")])}
+    with pytest.raises(CheckFailed, match="trainer's weight w is not finite: training diverged"):
+        check_weights_equal(1, [("w", torch.tensor([1.0, 2.0]))], trainer)
+
+
+class FullForwardScorer:
+    """The trainer's side of the logprob weight check: one full forward per batch."""
+
+    def __init__(self, model, temperature):
+        self.model, self.temperature = model, temperature
+
+    def logprobs(self, batch):
+        import torch
+
+        from miles.train.algorithm import token_logprobs_and_entropy
+
+        with torch.no_grad():
+            logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        logp, _ = token_logprobs_and_entropy(logits[:, :-1], batch.input_ids[:, 1:], self.temperature)
+        return logp * batch.loss_mask
+
+
+def test_the_logprob_weight_check_passes_a_synced_engine_and_catches_a_stale_one():
+    import copy
+
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from miles.train.args import SamplingConfig
+    from miles.train.checks import check_probe_logprobs, probe_logprob_gap
+    from miles.train.rollout import TorchRolloutEngine
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+    )  # fmt: skip
+    trainer_model = Qwen3ForCausalLM(config).eval()
+    engine = TorchRolloutEngine(copy.deepcopy(trainer_model))
+    sampling = SamplingConfig(temperature=0.8, top_p=1.0, top_k=-1, max_response_len=6)
+    prompts = [[3, 4, 5], [9, 10], [11], [12, 13, 14, 15]]
+    scorer = FullForwardScorer(trainer_model, 0.8)
+    check_probe_logprobs(0, probe_logprob_gap(engine, scorer, prompts, sampling), 1e-4)
+    with torch.no_grad():  # the trainer steps; the engine is not told
+        for p in trainer_model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    with pytest.raises(CheckFailed, match="did not load the trainer's weights"):
+        check_probe_logprobs(1, probe_logprob_gap(engine, scorer, prompts, sampling), 1e-4)
+
+
+def test_load_equal_to_save_starts_fresh_when_missing_or_empty(tmp_path):
+    checkpoint.check_load_dir(tmp_path / "new" / "ckpt", tmp_path / "new" / "ckpt")
+    (tmp_path / "empty").mkdir()
+    checkpoint.check_load_dir(tmp_path / "empty", None)
+    (tmp_path / "interrupted" / "iter_0000004.tmp").mkdir(parents=True)  # killed during the first save
+    checkpoint.check_load_dir(tmp_path / "interrupted", None)
+
+
+def test_a_load_elsewhere_that_does_not_exist_is_refused(tmp_path):
+    with pytest.raises(
+        checkpoint.CheckpointError, match="no such directory, and it is not the --save directory"
+    ):
+        checkpoint.check_load_dir(tmp_path / "ckpts", tmp_path / "ckpt")
+
+
+def test_a_load_that_is_a_file_or_holds_other_files_is_refused(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(checkpoint.CheckpointError, match="not a directory"):
+        checkpoint.check_load_dir(tmp_path / "f", None)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "notes.txt").write_text("x")
+    with pytest.raises(
+        checkpoint.CheckpointError, match="not a checkpoint directory; it holds notes.txt but no"
+    ):
+        checkpoint.check_load_dir(tmp_path / "d", None)

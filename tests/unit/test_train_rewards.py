@@ -103,3 +103,16 @@ def test_dict_reward_needs_a_reward_key():
 def test_non_finite_reward_is_refused():
     with pytest.raises(RewardError, match="returned nan"):
         score(lambda r, label, m: float("nan"), "r", "l", {}, None)
+
+
+def test_a_reward_finite_in_float64_but_not_in_float32_is_refused_naming_the_sample():
+    def huge(response, label, metadata):
+        return 1e39
+
+    with pytest.raises(RewardError) as err:
+        score(huge, "r", "l", {}, None, where="prompt 3 of --prompt-data, sample 5")
+    assert str(err.value).startswith(
+        "reward function huge returned 1e+39 for prompt 3 of --prompt-data, sample 5"
+    )
+    assert "finite in float32" in str(err.value)
+    assert score(lambda r, label, m: 3.0e38, "r", "l", {}, None) == 3.0e38

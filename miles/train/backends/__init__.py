@@ -25,6 +25,9 @@ class StepResult:
     grad_norm: float
     lr: float
     terms: tuple[LossTerms, ...]  # one per micro-batch, for the metrics
+    # The loss or grad norm was not finite on some rank, so no rank applied the step
+    # (miles.train.guards.step_if_finite); the trainer counts these.
+    skipped: bool = False
 
 
 class TrainBackend(abc.ABC):
@@ -54,7 +57,10 @@ class TrainBackend(abc.ABC):
 
     @abc.abstractmethod
     def train_step(self, micro_batches: Sequence[TokenBatch], normalizer: float) -> StepResult:
-        """One optimizer step over the micro-batches; each loss is divided by `normalizer`."""
+        """One optimizer step over the micro-batches; each loss is divided by `normalizer`.
+
+        The step is applied through `miles.train.guards.step_if_finite`: a non-finite loss or
+        grad norm on any rank leaves weights, optimizer and schedule as they were."""
 
     @abc.abstractmethod
     def full_weights(self) -> Iterator[tuple[str, object]]:

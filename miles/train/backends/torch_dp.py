@@ -3,6 +3,14 @@
 Works on any torch.distributed backend: gloo on CPU (the CPU lane trains tiny models of
 the recipes' architectures this way), NCCL/RCCL on GPUs. Each decoder layer is its own
 FSDP2 unit, so parameters are gathered one layer at a time.
+
+`--bf16` is mixed precision, the same on CPU and GPU: parameters, gradients and AdamW state
+stay float32 (master weights), the forward and backward compute in bfloat16. Sharded FSDP2
+does it with its MixedPrecisionPolicy (bf16 parameters gathered for compute, gradients
+reduced in fp32); one rank and DDP run the forward under torch.autocast(bf16), whose
+gradients land on the fp32 parameters (DDP reduces them in fp32). An optimizer on bf16
+parameters would round away every update below bf16's resolution (at lr 1e-6 about 98% of
+them). The frozen reference model has no optimizer and is held in bf16.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from miles.train import algorithm
+from miles.train import algorithm, guards
 from miles.train.args import loss_config, optim_config
 from miles.train.backends import StepResult, TrainBackend
 from miles.train.batch import TokenBatch
@@ -34,8 +42,8 @@ class TorchDPBackend(TrainBackend):
         self.dist = dist_info
         self.loss_cfg = loss_config(args)
         self.optim_cfg = optim_config(args)
-        self.dtype = train_dtype(args.bf16, dist_info.device)
-        model = load_causal_lm(args.hf_checkpoint, dtype=self.dtype, device=dist_info.device)
+        self.compute_dtype = train_dtype(args.bf16)
+        model = load_causal_lm(args.hf_checkpoint, dtype=torch.float32, device=dist_info.device)
         if args.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.model = self._wrap(model, trainable=True)
@@ -43,7 +51,7 @@ class TorchDPBackend(TrainBackend):
         if args.use_kl_loss:
             ref_path = args.ref_load if args.ref_load and is_hf_dir(args.ref_load) else args.hf_checkpoint
             self.ref_source = ref_path
-            ref = load_causal_lm(ref_path, dtype=self.dtype, device=dist_info.device)
+            ref = load_causal_lm(ref_path, dtype=self.compute_dtype, device=dist_info.device)
             ref.requires_grad_(False)
             self.ref_model = self._wrap(ref.eval(), trainable=False)
         self.optimizer = torch.optim.AdamW(
@@ -63,13 +71,14 @@ class TorchDPBackend(TrainBackend):
         if self.dist.world_size == 1:
             return model  # one rank: nothing to shard or all-reduce, and no wrapper overhead
         if self.mode == "fsdp":
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+            mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
             layer_classes = set(getattr(model, "_no_split_modules", None) or ())
             for module in model.modules():
                 if type(module).__name__ in layer_classes:
-                    fully_shard(module)
-            fully_shard(model)
+                    fully_shard(module, mp_policy=mp)
+            fully_shard(model, mp_policy=mp)
             return model
         if trainable:
             from torch.nn.parallel import DistributedDataParallel
@@ -82,14 +91,25 @@ class TorchDPBackend(TrainBackend):
     def _inner(self):
         return getattr(self.model, "module", self.model)
 
+    @property
+    def _sharded(self) -> bool:
+        return self.mode == "fsdp" and self.dist.world_size > 1
+
+    def _compute_precision(self):
+        """bf16 compute for --bf16 where FSDP2's policy does not already cast (one rank, DDP)."""
+        if self.compute_dtype == torch.float32 or self._sharded:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=torch.device(self.dist.device).type, dtype=self.compute_dtype)
+
     def _forward(self, model, batch: TokenBatch, *, with_entropy: bool):
         device = self.dist.device
         input_ids = batch.input_ids.to(device)
         attention = batch.attention_mask.to(device)
         positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
-        logits = model(
-            input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=False
-        ).logits
+        with self._compute_precision():
+            logits = model(
+                input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=False
+            ).logits
         return algorithm.token_logprobs_and_entropy(
             logits[:, :-1], input_ids[:, 1:], self.loss_cfg.temperature, with_entropy=with_entropy
         )
@@ -129,9 +149,9 @@ class TorchDPBackend(TrainBackend):
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
-        return StepResult(grad_norm=float(grad_norm), lr=lr, terms=tuple(terms))
+        loss = sum(float(t.loss.detach()) for t in terms)
+        skipped = guards.step_if_finite(self.optimizer, self.scheduler, loss=loss, grad_norm=float(grad_norm))
+        return StepResult(grad_norm=float(grad_norm), lr=lr, terms=tuple(terms), skipped=skipped)
 
     def _grad_sync(self, *, last: bool):
         """Reduce gradients across ranks only on the last micro-batch of a step."""
@@ -143,7 +163,7 @@ class TorchDPBackend(TrainBackend):
         return contextlib.nullcontext() if last else self.model.no_sync()
 
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        if self.mode == "fsdp" and self.dist.world_size > 1:
+        if self._sharded:
             state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
         else:
             state = self._inner.state_dict()

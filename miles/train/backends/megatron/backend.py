@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
@@ -108,10 +107,12 @@ class MegatronBackend(TrainBackend):
         )
         results = self._run(micro, self.model, loss, forward_only=False)
         lr = self._set_lr()
-        applied, grad_norm = guarded_step(self.optimizer, self.optim_cfg.clip_grad)
+        terms = tuple(r["terms"] for r in results)
+        loss = sum(float(t.loss) for t in terms)
+        applied, grad_norm = guarded_step(self.optimizer, self.optim_cfg.clip_grad, loss)
         if applied:
             self.steps_done += 1
-        return StepResult(grad_norm=float(grad_norm), lr=lr, terms=tuple(r["terms"] for r in results))
+        return StepResult(grad_norm=float(grad_norm), lr=lr, terms=terms, skipped=not applied)
 
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from WeightExporter(self.chunks, self.config, fused_experts=self.fused_experts)
@@ -241,13 +242,16 @@ class MegatronBackend(TrainBackend):
         return lr
 
 
-def guarded_step(optimizer, clip_grad: float) -> tuple[bool, float]:
-    """megatron's optimizer step, except that a non-finite gradient norm applies nothing."""
+def guarded_step(optimizer, clip_grad: float, loss: float) -> tuple[bool, float]:
+    """megatron's optimizer step, except that a non-finite loss or gradient norm on any rank
+    applies nothing (miles.train.guards); returns whether it was applied, and the norm."""
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    from miles.train.guards import all_finite_on_every_rank
 
     found_inf = optimizer.prepare_grads()
     grad_norm = float(optimizer.get_grad_norm() or 0.0)
-    if found_inf or not math.isfinite(grad_norm):
+    if found_inf or not all_finite_on_every_rank(loss, grad_norm):
         return False, grad_norm
     if clip_grad > 0:
         for opt in getattr(optimizer, "chained_optimizers", [optimizer]):

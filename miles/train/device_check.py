@@ -1,0 +1,265 @@
+"""The steps of the one-GPU device check (`scripts/gpu_check.sh` runs them in order).
+
+    python -m miles.train.device_check STEP [--cpu] [--workdir DIR]
+
+Steps: `platform` (what the machine and the stack are), `parity` (the rollout engine's
+per-token logprobs against one full forward, every recipe family, fp32), `generate` (the
+rollout engine's greedy decoding against transformers' generate() on a ~0.2B random Qwen3 in
+bf16), `grpo` (the qwen3_4b recipe's tiny profile on one rank over NCCL with --ci-test,
+16 rollouts that must learn). Each prints `PASS <step>: ...` or `FAIL <step>: ...` and exits
+0 or 1. `--cpu` runs the same code on CPU at CI size (gloo, fewer rollouts, a smaller model),
+which is how CI keeps this script working between GPU runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v4", "glm_moe_dsa", "inkling")
+# Distinct lengths (left padding), a GRPO group sharing its prefill, a one-token prompt.
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40], [70, 71, 72]] + [[100, 101, 102, 103]] * 4
+PARITY_TOL = {"cpu": 1e-5, "gpu": 1e-4}  # fp32; GPU kernels sum in other orders than a full forward
+NEAR_TIE = 0.05  # bf16: two tokens whose logprobs differ by less are a tie either side may break
+
+
+class CheckFailed(RuntimeError):
+    pass
+
+
+def device_of(cpu: bool) -> str:
+    import torch
+
+    if cpu:
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise CheckFailed(f"no GPU visible to torch {torch.__version__}; run with --cpu for the CPU form")
+    return "cuda:0"
+
+
+def step_platform(cpu: bool, workdir: Path) -> str:
+    import importlib.util
+
+    import torch
+    import transformers
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from miles.platform import resolve
+    from miles.train.rollout import cache_keyword
+
+    info = resolve()
+    if not cpu and info.platform == "cpu":
+        raise CheckFailed(f"expected a GPU, found {info.describe()}")
+    with torch.device("meta"):
+        keyword = cache_keyword(Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=1)))
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    found = {m: importlib.util.find_spec(m) is not None for m in ("sglang", "transformer_engine", "megatron")}
+    return (
+        f"{info.describe()}; device {gpu}; torch {torch.__version__}; transformers {transformers.__version__} "
+        f"(KV cache passed as '{keyword}'); "
+        + ", ".join(f"{m} {'yes' if ok else 'no'}" for m, ok in found.items())
+    )
+
+
+def _full_forward_gap(model, generations, temperature: float) -> float:
+    import torch
+
+    worst = 0.0
+    device = next(model.parameters()).device
+    for g in generations:
+        ids = torch.tensor([list(g.prompt_ids) + list(g.response_ids)], device=device)
+        with torch.no_grad():
+            logits = model(input_ids=ids, use_cache=False).logits[0].float() / temperature
+        logp = torch.log_softmax(logits, dim=-1)
+        start = len(g.prompt_ids) - 1
+        rows = torch.arange(start, start + len(g.response_ids), device=device)
+        expected = logp[rows, torch.tensor(g.response_ids, device=device)]
+        worst = max(worst, (torch.tensor(g.logprobs) - expected.cpu()).abs().max().item())
+    return worst
+
+
+def step_parity(cpu: bool, workdir: Path) -> str:
+    import torch
+
+    from miles.ckpt.tiny import make_tiny_checkpoint
+    from miles.train.args import SamplingConfig
+    from miles.train.model import load_causal_lm
+    from miles.train.rollout import TorchRolloutEngine
+
+    device = device_of(cpu)
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 here
+    torch.backends.cudnn.allow_tf32 = False
+    tol = PARITY_TOL["cpu" if cpu else "gpu"]
+    gaps = {}
+    for family in FAMILIES:
+        path = make_tiny_checkpoint(family, 2, workdir / "tiny" / family, dtype="float32")
+        model = load_causal_lm(path, dtype=torch.float32, device=device)
+        sampling = SamplingConfig(temperature=0.9, top_p=1.0, top_k=-1, max_response_len=8)
+        generations = TorchRolloutEngine(model).generate(PROMPTS, sampling, seed=7)
+        gaps[family] = _full_forward_gap(model, generations, 0.9)
+    report = ", ".join(f"{f} {g:.1e}" for f, g in gaps.items())
+    if max(gaps.values()) > tol:
+        raise CheckFailed(f"engine vs full forward max |logprob gap| over {tol:g}: {report}")
+    return f"engine vs full forward, max |logprob gap| (fp32, tol {tol:g}): {report}"
+
+
+def qwen3_model(cpu: bool):
+    """A random Qwen3: ~0.2B parameters on GPU, a few million on CPU (same code)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    dims = (
+        dict(
+            hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4, vocab_size=512
+        )
+        if cpu
+        else dict(
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=8,
+            num_attention_heads=16,
+            vocab_size=32768,
+        )
+    )
+    config = Qwen3Config(
+        **dims, num_key_value_heads=dims["num_attention_heads"] // 2, head_dim=64, max_position_embeddings=512,
+        tie_word_embeddings=False, initializer_range=0.1,  # wider than 0.02: fewer near-ties to break
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(config).to(device_of(cpu), dtype=torch.bfloat16).eval(), config
+
+
+def step_generate(cpu: bool, workdir: Path) -> str:
+    import torch
+
+    from miles.train.args import SamplingConfig
+    from miles.train.rollout import TorchRolloutEngine
+
+    model, config = qwen3_model(cpu)
+    device = next(model.parameters()).device
+    params = sum(p.numel() for p in model.parameters())
+    g = torch.Generator().manual_seed(1)
+    prompts = [
+        torch.randint(3, config.vocab_size, (n,), generator=g).tolist()
+        for n in (8, 13, 21, 32, 5, 17, 26, 11)
+    ]
+    new = 8 if cpu else 32
+    started = time.perf_counter()
+    ours = TorchRolloutEngine(model).generate(prompts, SamplingConfig(1.0, 1.0, 1, new), seed=0)
+    ours_s = time.perf_counter() - started
+    started = time.perf_counter()
+    theirs = []
+    for p in prompts:
+        out = model.generate(
+            torch.tensor([p], device=device), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+            pad_token_id=0, eos_token_id=None,
+        )  # fmt: skip
+        theirs.append(out[0, len(p) :].tolist())
+    hf_s = time.perf_counter() - started
+    agree, unexplained = 0, []
+    for p, gen, ref in zip(prompts, ours, theirs, strict=True):
+        mine = list(gen.response_ids)
+        k = next((i for i, (a, b) in enumerate(zip(mine, ref, strict=True)) if a != b), len(ref))
+        agree += k
+        if k < len(ref):
+            # A divergence is fine only at a near-tie: both tokens about equally likely there.
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([p + mine[:k]], device=device)).logits[0, -1].float()
+            logp = torch.log_softmax(logits, dim=-1)
+            gap = (logp[mine[k]] - logp[ref[k]]).abs().item()
+            if gap > NEAR_TIE:
+                unexplained.append(
+                    f"prompt of {len(p)} tokens, step {k}: {mine[k]} vs {ref[k]} (gap {gap:.3f})"
+                )
+    total = len(prompts) * new
+    summary = (
+        f"{params / 1e6:.0f}M-parameter Qwen3 in bf16, {len(prompts)} prompts x {new} greedy tokens: "
+        f"{agree}/{total} tokens equal to generate() before any near-tie; engine {ours_s:.2f}s "
+        f"(batched) vs generate() {hf_s:.2f}s (one prompt at a time)"
+    )
+    if unexplained:
+        raise CheckFailed(f"{summary}; divergences that are not near-ties: {'; '.join(unexplained)}")
+    return summary
+
+
+def step_grpo(cpu: bool, workdir: Path) -> str:
+    from miles.ckpt.pipeline import prepare
+    from miles.metrics.capture import RECORD_DIR_ENV, decode_value
+    from miles.recipes import load
+    from miles.recipes.launch import RunOptions, build_plan
+
+    rollouts = 2 if cpu else 16
+    learning = (
+        "--num-rollout", str(rollouts), "--n-samples-per-prompt", "8", "--rollout-max-response-len", "6",
+        "--micro-batch-size", "8", "--lr", "1e-2", "--weight-decay", "0", "--save-interval", str(rollouts),
+        "--rollout-engine", "torch", "--distributed-backend", "gloo" if cpu else "nccl",
+    )  # fmt: skip
+    options = RunOptions(
+        model="tiny", model_dir=str(workdir / "models"), output_dir=str(workdir / "runs"), run_id="grpo",
+        python=sys.executable, extra_args=learning,
+    )  # fmt: skip
+    plan = build_plan(load("qwen3_4b", platform="cpu"), options, "cpu", base_env={})
+    prepare(plan.checkpoint, progress=False)
+    record = workdir / "record"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+               "-m", "miles.train", *plan.train_args]  # fmt: skip
+    started = time.perf_counter()
+    done = subprocess.run(
+        command, env={**os.environ, RECORD_DIR_ENV: str(record)}, capture_output=True, text=True
+    )
+    elapsed = time.perf_counter() - started
+    if done.returncode != 0:
+        tail = [
+            line for line in done.stderr.splitlines() if line.startswith("miles.train:")
+        ] or done.stderr.splitlines()
+        raise CheckFailed(f"the tiny recipe exited {done.returncode}: {' | '.join(tail[-3:])}")
+    series = {}
+    for path in record.glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            series[row["metric"]] = {int(s): decode_value(v) for s, v in row["series"]}
+    reward = series["rollout/raw_reward"]
+    gap = max(series["train/train_rollout_logprob_abs_diff"].values())
+    first, last = (
+        sum(reward[s] for s in steps) / len(steps) for steps in (range(2), range(rollouts - 2, rollouts))
+    )
+    summary = (
+        f"qwen3_4b tiny profile, 1 rank over {'gloo' if cpu else 'NCCL'}, {rollouts} rollouts with --ci-test in "
+        f"{elapsed:.0f}s: reward {first:.2f} -> {last:.2f}, max train/train_rollout_logprob_abs_diff {gap:.1e}"
+    )
+    if not cpu and last - first <= 0.3:
+        raise CheckFailed(f"{summary}: no learning (the CPU lane's run gains more than 0.3)")
+    return summary
+
+
+# The Megatron backend's steps (the tiny recipe with --train-backend megatron, HF-vs-Megatron
+# logits parity) join STEPS here once that backend trains; gpu_check.sh runs whatever is listed.
+STEPS = {"platform": step_platform, "parity": step_parity, "generate": step_generate, "grpo": step_grpo}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m miles.train.device_check", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("step", choices=sorted(STEPS))
+    parser.add_argument("--cpu", action="store_true", help="the same step on CPU at CI size")
+    parser.add_argument("--workdir", type=Path, default=Path(".miles/device-check"))
+    args = parser.parse_args(argv)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    try:
+        detail = STEPS[args.step](args.cpu, args.workdir)
+    except CheckFailed as exc:
+        print(f"FAIL {args.step} ({time.perf_counter() - started:.0f}s): {exc}", flush=True)
+        return 1
+    print(f"PASS {args.step} ({time.perf_counter() - started:.0f}s): {detail}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""scripts/gpu_check.sh passes: on CPU at CI size every PR, on one GPU in the CUDA lane.
+
+The script is what a person runs on a single GPU to see the training path work there
+(platform, engine-vs-forward parity for every family, the engine against generate(), the
+tiny GRPO recipe over NCCL). Its --cpu form runs the same steps, so a change that breaks
+the script fails here, not on the next GPU machine.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from miles.ci.register import register_cpu_ci, register_cuda_ci, register_rocm_ci
+
+register_cpu_ci(est_time=90, suite="stage-b-cpu")
+register_cuda_ci(est_time=300, suite="stage-b-2-gpu-h200", labels=["fsdp", "short"])
+register_rocm_ci(est_time=390, suite="stage-c-4-gpu-mi350", labels=["fsdp", "short", "amd"])
+
+ROOT = Path(__file__).resolve().parents[2]
+ON_GPU = os.environ.get("MILES_CI_BACKEND", "cpu") != "cpu"
+
+
+def test_every_step_of_the_device_check_passes(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "MILES_DEVICE_CHECK_DIR": str(tmp_path)}
+    env.pop("MILES_CI_GATE_RECORD_DIR", None)
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts/gpu_check.sh"), *([] if ON_GPU else ["--cpu"])],
+        capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    verdicts = [line for line in done.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
+    assert done.returncode == 0, "\n".join(verdicts) + done.stderr[-2000:]
+    assert [v.split()[1] for v in verdicts] == ["platform", "parity", "generate", "grpo"]
+    assert all(v.startswith("PASS") for v in verdicts)
+    assert done.stdout.splitlines()[-1].startswith("device check: passed")
+
+
+@pytest.mark.skipif(ON_GPU, reason="a GPU machine has the device")
+def test_without_the_device_the_check_stops_at_the_platform_line(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "MILES_DEVICE_CHECK_DIR": str(tmp_path)}
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts/gpu_check.sh")], capture_output=True, text=True, timeout=300, env=env
+    )
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1, done.stdout
+    assert lines[0].startswith("FAIL platform") and "expected a GPU, found cpu" in lines[0]

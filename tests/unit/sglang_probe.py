@@ -1,0 +1,103 @@
+"""Answers questions about the installed sglang in a process of its own, as JSON on stdout.
+
+    python tests/unit/sglang_probe.py '<json list of cases>'
+
+Each case is {"argv": [...trainer flags...], "rank": r, "local_rank": l, "local_world": n}: the
+probe parses the flags with miles, builds the engine's keyword arguments against the real
+`sglang.srt.server_args.ServerArgs`, constructs a real ServerArgs from them (construction
+does not resolve anything or touch a GPU) and reports what it holds.
+
+A process of its own because importing sglang patches transformers (sglang's
+hf_transformers_patches) and must not leak into other tests. sglang.srt.utils imports
+triton at module load; triton compiles GPU kernels and the cpu lane does not install it
+(its wheel is ~250 MB, and megatron-core changes code paths when it finds one). Where triton
+is absent the probe gives sglang an import-only stand-in, like the one sglang ships for
+machines without triton (sglang/_platform_stubs.py); nothing read here runs a kernel.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import sys
+import types
+
+
+class _ImportOnly(types.ModuleType):
+    """A module whose attributes are modules, classes or pass-through decorators, never code."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.__path__ = []
+        self.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        if attr[:1].isupper():
+            return type(attr, (), {})
+        child = _ImportOnly(f"{self.__name__}.{attr}")
+        sys.modules[child.__name__] = child
+        return child
+
+    def __call__(self, *args, **kwargs):
+        if len(args) == 1 and callable(args[0]) and not kwargs:
+            return args[0]
+        return lambda fn: fn
+
+
+class _TritonStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path=None, target=None):
+        if name == "triton" or name.startswith("triton."):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        return _ImportOnly(spec.name)
+
+    def exec_module(self, module):
+        pass
+
+
+def main(cases: list[dict]) -> list[dict]:
+    if importlib.util.find_spec("triton") is None:
+        sys.meta_path.insert(0, _TritonStandIn())
+    import msgspec
+    from sglang.srt.server_args import ServerArgs
+
+    from miles.train.args import parse_args
+    from miles.train.distributed import DistInfo
+    from miles.train.sglang_engine import SGLangUnavailable, server_kwargs
+
+    answers = []
+    for case in cases:
+        args = parse_args(case["argv"])
+        dist = DistInfo(
+            rank=case.get("rank", 0),
+            world_size=case.get("local_world", 1),
+            local_rank=case.get("local_rank", 0),
+            device=f"cuda:{case.get('local_rank', 0)}",
+            backend="nccl",
+        )
+        try:
+            kwargs = server_kwargs(args, dist, ServerArgs, local_world_size=case.get("local_world", 1))
+        except SGLangUnavailable as exc:
+            answers.append({"error": str(exc)})
+            continue
+        built = ServerArgs(**kwargs)
+        answers.append(
+            {
+                "kwargs": kwargs,
+                "built": {k: getattr(built, k) for k in kwargs},
+                "types": {k: type(getattr(built, k)).__name__ for k in kwargs},
+                "is_msgspec_struct": issubclass(ServerArgs, msgspec.Struct),
+                "rollout_seed": args.rollout_seed,
+            }
+        )
+    return answers
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(json.loads(sys.argv[1]))))

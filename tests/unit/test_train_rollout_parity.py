@@ -1,0 +1,109 @@
+"""The built-in rollout engine's per-token logprobs equal one full forward of the same sequences,
+for every recipe family, in float32, under the installed transformers.
+
+The engine decodes token by token against its KV cache, shares a GRPO group's prefill,
+left-pads distinct prompts into one batch and drops finished rows; a full forward of each
+sequence on its own does none of that. Agreement within 1e-5 means the cache, the padding
+and the row selection are exact for that family and transformers version. transformers
+renamed the forward's cache argument between the pinned versions (`past_key_values` in
+5.19, `cache` in 5.24), and a name the forward does not declare is swallowed by its
+**kwargs: decoding then runs without its context and these tests fail by whole nats.
+`nox -s rollout-transformers` runs this file under each GPU lane's pinned transformers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miles.train.args import SamplingConfig
+from miles.train.rollout import RolloutEngineError, TorchRolloutEngine, cache_keyword
+
+FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v4", "glm_moe_dsa", "inkling")
+TOLERANCE = 1e-5  # float32: cache vs full forward differ only by summation order
+# Distinct lengths (left padding), a GRPO group of 4 sharing its prefill, a one-token prompt.
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40] * 1, [70, 71, 72]] + [[100, 101, 102, 103]] * 4
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from miles.ckpt.tiny import make_tiny_checkpoint
+    from miles.train.model import load_causal_lm
+
+    root = tmp_path_factory.mktemp("parity")
+    built = {}
+    for family in FAMILIES:
+        path = make_tiny_checkpoint(family, 2, root / family, dtype="float32")
+        built[family] = load_causal_lm(path, dtype=torch.float32)
+    return built
+
+
+def full_forward_logprobs(model, prompt, response, temperature: float) -> torch.Tensor:
+    ids = torch.tensor([list(prompt) + list(response)])
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits[0].float() / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    positions = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(response))
+    return logp[positions, torch.tensor(response)]
+
+
+def max_gap(model, generations, temperature: float) -> float:
+    gaps = [
+        (torch.tensor(g.logprobs) - full_forward_logprobs(model, g.prompt_ids, g.response_ids, temperature))
+        .abs()
+        .max()
+        .item()
+        for g in generations
+    ]
+    return max(gaps)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_logprobs_equal_a_full_forward(models, family):
+    model = models[family]
+    engine = TorchRolloutEngine(model)
+    sampling = SamplingConfig(temperature=0.9, top_p=1.0, top_k=-1, max_response_len=8)
+    generations = engine.generate(PROMPTS, sampling, seed=7)
+    assert all(len(g.response_ids) == 8 for g in generations)
+    assert max_gap(model, generations, 0.9) <= TOLERANCE
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rows_that_stop_early_leave_the_batch_without_disturbing_the_rest(models, family):
+    model = models[family]
+    engine = TorchRolloutEngine(model)
+    free = engine.generate(PROMPTS, SamplingConfig(1.0, 1.0, -1, 8), seed=3)
+    # Stop on a token some (not all) rows sample early, so the batch shrinks mid-decode.
+    stop = free[0].response_ids[1]
+    sampling = SamplingConfig(1.0, 1.0, -1, 8, stop_token_ids=(stop,))
+    generations = engine.generate(PROMPTS, sampling, seed=3)
+    assert any(g.finish_reason == "stop" for g in generations)
+    assert max_gap(model, generations, 1.0) <= TOLERANCE
+
+
+def test_the_cache_keyword_is_the_one_the_installed_forward_declares(models):
+    import inspect
+
+    model = models["qwen3"]
+    name = cache_keyword(model)
+    assert name in inspect.signature(model.forward).parameters
+
+
+def test_a_cache_the_forward_ignores_is_refused_not_decoded_blind(models):
+    # What happened when the engine passed `cache=` to transformers 5.19's forward: the
+    # keyword fell into **kwargs, the cache stayed empty and decoding lost the prompt.
+    engine = TorchRolloutEngine(models["qwen3"])
+    engine.cache_keyword = "kv_cache_the_forward_does_not_declare"
+    with pytest.raises(RolloutEngineError, match="holding 0 of 7 prompt positions"):
+        engine.generate(PROMPTS, SamplingConfig(1.0, 1.0, -1, 4), seed=0)
+
+
+def test_a_forward_with_no_cache_argument_is_refused_by_name():
+    class NoCache(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None):
+            return input_ids
+
+    with pytest.raises(
+        RolloutEngineError, match=r"NoCache.forward \(transformers .*\) declares none of cache"
+    ):
+        TorchRolloutEngine(NoCache())
