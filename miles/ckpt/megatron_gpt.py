@@ -286,3 +286,34 @@ def layout(config: Mapping[str, Any]) -> Iterator[tuple[str, tuple[Piece, ...]]]
     yield "decoder.final_layernorm.weight", (_whole("model.norm.weight", hidden),)
     if not config.get("tie_word_embeddings"):
         yield "output_layer.weight", (_whole("lm_head.weight", vocab),)
+
+
+def probe_tokens(config: Mapping[str, Any], length: int = 24, seed: int = 0):
+    """A fixed [1, length] sequence of ordinary token ids to compare two models on."""
+    import torch
+
+    vocab = min(int(config["vocab_size"]), 500)
+    return torch.randint(3, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def megatron_logits(model, tokens, vocab_size: int):
+    """Logits [batch, seq, vocab] of a GPTModel built for one process (tensor parallel size 1)."""
+    import torch
+
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    with torch.no_grad():
+        return model.eval()(tokens, positions, None)[..., :vocab_size].float()
+
+
+def hf_logit_gap(hf_dir, megatron_model, config: Mapping[str, Any]) -> float:
+    """Max |logit difference| between the HF checkpoint in `hf_dir` and a world-of-one megatron
+    model holding its converted weights, both in float32, on `probe_tokens`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokens = probe_tokens(config)
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    with torch.no_grad():
+        want = hf.eval()(input_ids=tokens).logits.float()
+    got = megatron_logits(megatron_model, tokens, config["vocab_size"])
+    return float((want - got).abs().max())

@@ -272,8 +272,40 @@ def _save(sharded: dict, common: dict, out: Path) -> None:
     save_config(CheckpointingConfig("torch_dist", 1), out)
 
 
+# The loaded model is also run against the HF model when both fit in memory twice over in
+# float32 on a CPU (tiny and small slices); larger ones get the tensor comparison only.
+LOGIT_CHECK_BYTES = 1 << 30
+LOGIT_TOL = 1e-4
+
+
+def _weight_bytes(reader: CheckpointReader) -> int:
+    return sum(reader.info(n)[1].nbytes for n in reader.files.weight_map)
+
+
+def _verify_logits(loaded, config, hf_dir: Path, vocab: int) -> None:
+    """The loaded-back model computes the HF model's logits (float32, a fixed token sequence):
+    equal tensors in the wrong places would not."""
+    import torch
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from miles.ckpt.megatron_gpt import build_model, hf_logit_gap, transformer_config
+
+    with torch.random.fork_rng(devices=[]):  # megatron's attention forks its RNG streams
+        model_parallel_cuda_manual_seed(0)
+        model = build_model(config, vocab, transformer=transformer_config(config, dtype=torch.float32))
+        model.load_state_dict(loaded.state_dict())
+        gap = hf_logit_gap(hf_dir, model, config)
+    if not gap <= LOGIT_TOL:
+        raise CheckpointError(
+            f"{hf_dir}: the converted megatron model's logits differ from the HF model's by up to {gap:.3g} "
+            f"(float32, tolerance {LOGIT_TOL:g}); the weights load back equal, so the mapping of this "
+            f"config ({config.get('model_type')}) to megatron is wrong: report it with the config.json"
+        )
+
+
 def _verify(release: Path, config, reader: CheckpointReader, gpt: bool, vocab: int) -> None:
-    """Load `release` back with megatron-core and compare every tensor with the HF weights."""
+    """Load `release` back with megatron-core, compare every tensor with the HF weights and, for a
+    model small enough, its logits with the HF model's."""
     import torch
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
@@ -317,3 +349,5 @@ def _verify(release: Path, config, reader: CheckpointReader, gpt: bool, vocab: i
             raise CheckpointError(
                 f"{release}: {name} differs from {hf_name} rows {start}:{stop} after loading back; rerun the step"
             )
+    if gpt and _weight_bytes(reader) <= LOGIT_CHECK_BYTES:
+        _verify_logits(model, config, reader.files.root, vocab)

@@ -61,6 +61,16 @@ REDIRECTS: tuple[Redirect, ...] = (
         "seeding the model-parallel RNG streams seeds the CUDA generator",
     ),
     Redirect(
+        "megatron.core.models.common.language_module.language_module:LanguageModule.setup_embeddings_and_output_layer",
+        "weight.data.cuda()",
+        "with tied embeddings and pipeline stages, the first and last stage sync the shared weight on the GPU",
+    ),
+    Redirect(
+        "megatron.core.transformer.moe.router:Router.gating",
+        "torch.cuda.current_device()",
+        "the MoE router moves its weight to the current CUDA device on the first forward",
+    ),
+    Redirect(
         "megatron.core.transformer.moe.token_dispatcher:MoEAlltoAllTokenDispatcher.__init__",
         "torch.cuda.Stream()",
         "the all-to-all MoE dispatcher creates a CUDA stream for its device-to-host copies",
