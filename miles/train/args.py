@@ -370,6 +370,8 @@ GPU_STACK_ONLY = (
     "megatron_to_hf_mode ckpt_format num_epoch log_interval "
     "num_layers_per_virtual_pipeline_stage debug_train_only tool_key"
 ).split()
+# Of those, the ones the megatron backend does act on.
+MEGATRON_USES = ("num_layers_per_virtual_pipeline_stage",)
 SGLANG_ONLY = ("rollout_num_gpus_per_engine", "sglang_mem_fraction_static")
 MEGATRON_GROUP = "megatron model (megatron backend; fsdp/ddp read the HF config)"
 
@@ -383,6 +385,10 @@ def run_notes(args: argparse.Namespace, engine: str) -> list[str]:
         if a.option_strings and getattr(args, a.dest, None) != a.default and a.default != argparse.SUPPRESS
     }
     notes = []
+    if args.train_backend == "megatron":
+        ignored = [changed[d] for d in GPU_STACK_ONLY if d in changed and d not in MEGATRON_USES]
+        if ignored:
+            notes.append(f"without effect on --train-backend megatron: {' '.join(ignored)}")
     if args.train_backend != "megatron":
         megatron = [
             a.dest for g in parser._action_groups if g.title == MEGATRON_GROUP for a in g._group_actions

@@ -45,6 +45,7 @@ class MegatronBackend(TrainBackend):
         self.loss_cfg = loss_config(args)
         self.optim_cfg = optim_config(args)
         self.config = mm.hf_config(args.hf_checkpoint)
+        mm.check_model_flags(args, self.config, args.hf_checkpoint)
         self.source = _weights_source(args)
         self.layout = mm.layout_from_args(args, dist_info.world_size, self.config["num_hidden_layers"])
         mm.init_parallel_state(self.layout, args.seed)

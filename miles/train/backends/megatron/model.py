@@ -14,10 +14,51 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from miles.ckpt.megatron_gpt import ModelParallel
+from miles.train.backends import BackendUnavailable
 
 
-class MegatronSetupError(RuntimeError):
+class MegatronSetupError(BackendUnavailable):
     """The Megatron backend cannot start with these flags; the message names the fix."""
+
+
+# Megatron model flags and the config.json field each must agree with: the model is built from
+# config.json, so a recipe flag that says otherwise describes a different model.
+MODEL_FLAGS = (
+    ("num_layers", "--num-layers", "num_hidden_layers"),
+    ("hidden_size", "--hidden-size", "hidden_size"),
+    ("ffn_hidden_size", "--ffn-hidden-size", "intermediate_size"),
+    ("num_attention_heads", "--num-attention-heads", "num_attention_heads"),
+    ("num_query_groups", "--num-query-groups", "num_key_value_heads"),
+    ("kv_channels", "--kv-channels", "head_dim"),
+    ("num_experts", "--num-experts", "num_experts"),
+    ("moe_ffn_hidden_size", "--moe-ffn-hidden-size", "moe_intermediate_size"),
+    ("moe_router_topk", "--moe-router-topk", "num_experts_per_tok"),
+    ("norm_epsilon", "--norm-epsilon", "rms_norm_eps"),
+)
+
+
+def check_model_flags(args, config: dict, path: str) -> None:
+    """Every Megatron model flag the command sets agrees with config.json, or one error lists them all."""
+    from miles.ckpt.megatron_gpt import head_dim, num_experts, rope_parameters
+
+    known = {**config, "head_dim": head_dim(config)}
+    if "num_local_experts" in config or "num_experts" in config:
+        known["num_experts"] = num_experts(config)
+    if args.rotary_base is not None:
+        pairs = [("--rotary-base", args.rotary_base, "rope_theta", rope_parameters(config)["rope_theta"])]
+    else:
+        pairs = []
+    pairs += [(flag, getattr(args, dest), key, known.get(key)) for dest, flag, key in MODEL_FLAGS]
+    wrong = [
+        f"{flag} {given} (config.json {key}: {want})"
+        for flag, given, key, want in pairs
+        if given is not None and want is not None and float(given) != float(want)
+    ]
+    if wrong:
+        raise MegatronSetupError(
+            f"{path}/config.json describes another model than the Megatron flags: {'; '.join(wrong)}. The model "
+            "is built from config.json; fix the recipe's model flags or point --hf-checkpoint at the right model"
+        )
 
 
 @dataclass(frozen=True)
@@ -106,6 +147,10 @@ def transformer_config_for(args, config: dict, layout: Layout, *, on_cpu: bool):
                 "transformer-engine or set --context-parallel-size 1"
             )
     overrides = {}
+    if args.decoder_first_pipeline_num_layers:
+        overrides["num_layers_in_first_pipeline_stage"] = args.decoder_first_pipeline_num_layers
+    if args.decoder_last_pipeline_num_layers:
+        overrides["num_layers_in_last_pipeline_stage"] = args.decoder_last_pipeline_num_layers
     if args.moe_router_dtype:
         overrides["moe_router_dtype"] = args.moe_router_dtype
     if args.moe_aux_loss_coeff:
