@@ -3,10 +3,17 @@
 `prove(cases)` starts one helper process that imports megatron-core once and, for each world
 size, forks that many ranks joined in a gloo process group. Every rank tries every layout of
 its world size in turn, the way a training start meets them: `initialize_model_parallel`
-(the rank grids), `TransformerConfig` (the model config checks), `get_num_layers_to_build`
-for every pipeline stage, and a MoE layer built on the expert groups; then
+(the rank grids and virtual pipeline), `TransformerConfig` (the model config checks),
+`get_num_layers_to_build` for every pipeline stage and virtual stage, a MoE layer built on
+the expert groups, and that layer's training forward called without input (its first
+statement checks the layout; the missing input then stops it before any computation); then
 `destroy_model_parallel` before the next layout. megatron-core's verdict and exact message
-come back as `MegatronVerdict`s. Its model forward does not run on CPU; none of this needs it.
+come back as `MegatronVerdict`s.
+
+The model is the recipe's, as far as layouts depend on it: bias-free linear layers unless
+the shape says `bias`, the all-to-all token dispatcher, and sequence parallel as Megatron-LM
+hands it on (off when tp=1). Widths are tiny: only divisibility matters, and an expert's FFN
+width keeps its remainder modulo etp.
 
 The caller never imports megatron-core or torch: only the helper does.
 """
@@ -20,26 +27,34 @@ import subprocess
 import sys
 import tempfile
 import traceback
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from miles.parallel.layout import ModelShape, ParallelConfig, Verdict
+from miles.parallel.config import ModelShape, ParallelConfig
+from miles.parallel.layout import Verdict
 
-STAGES = ("initialize_model_parallel", "TransformerConfig", "get_num_layers_to_build", "MoELayer")
+STAGES = (
+    "initialize_model_parallel", "TransformerConfig", "get_num_layers_to_build", "MoELayer", "MoELayer.forward",
+)  # fmt: skip
 _GROUPS = ("tp", "pp", "cp", "dp", "ep", "etp", "edp")
 _HIDDEN_PER_HEAD = 8  # tiny widths: only the shapes' divisibility matters here
 _RANK_TIMEOUT_S = 120
+# Every rank is a forked process holding torch and megatron-core; past this many the proof
+# would take the machine, so bigger worlds are refused with the reason.
+MAX_RANKS = 32
+MAX_RANKS_ENV = "MILES_MEGATRON_PROOF_MAX_RANKS"
 
 # Which rule a megatron-core failure corresponds to: (stage, pattern in its message, rule id).
 _MEGATRON_RULES = (
     ("initialize_model_parallel", r"expert_tensor_model_pipeline_parallel", "expert-grid"),
     ("initialize_model_parallel", r"world_size \(\d+\) is not divisible by \d+$", "dense-grid"),
-    ("TransformerConfig", r"sequence parallelism without tensor parallelism", "sp-needs-tp"),
+    ("initialize_model_parallel", r"greater than 1 with interleaved schedule", "vpp-needs-pp"),
     ("TransformerConfig", r"num_attention_heads .* tensor_model_parallel_size", "heads-tp"),
     ("TransformerConfig", r"num_query_groups .* tensor_model_parallel_size", "kv-heads-tp"),
     ("TransformerConfig", r"num_moe_experts must be non None to use expert-parallel", "ep-needs-moe"),
-    ("TransformerConfig", r"pipeline stage|middle (layers|stage|pipeline)", "stage-layers"),
+    ("TransformerConfig", r"pipeline stage|middle (layers|stage|pipeline)|virtual ?pipeline", "stage-layers"),
+    ("TransformerConfig", r"Bias in Moe is only supported when ETP==1", "moe-bias-etp"),
     ("TransformerConfig", r"DSAttention", "dsa-cp"),
     ("get_num_layers_to_build", r"uneven pipelineing", "stage-layers"),
     (
@@ -47,7 +62,10 @@ _MEGATRON_RULES = (
         r"num_layers should be divisible by pipeline_model_parallel_size",
         "layers-pp",
     ),
+    ("get_num_layers_to_build", r"should be divisible by vp_size", "vpp-layers"),
     ("MoELayer", r"num_moe_experts % ep_size", "experts-ep"),
+    ("MoELayer", r"is not divisible by", "moe-ffn-etp"),
+    ("MoELayer.forward", r"MoE and tensor parallelism", "moe-tp-needs-sp"),
 )
 
 
@@ -98,8 +116,34 @@ class ProofError(RuntimeError):
     """megatron-core could not be run (not installed, a rank died or hung)."""
 
 
+class ProofTooLarge(ValueError):
+    """A world size above the cap on forked gloo ranks."""
+
+
+def max_ranks(env: Mapping[str, str] = os.environ) -> int:
+    raw = env.get(MAX_RANKS_ENV, "").strip()
+    if not raw:
+        return MAX_RANKS
+    if not raw.isdigit() or int(raw) < 1:
+        raise ProofTooLarge(f"{MAX_RANKS_ENV}={raw!r} is not a positive rank count")
+    return int(raw)
+
+
+def check_proof_size(world_size: int, env: Mapping[str, str] = os.environ) -> None:
+    """Refuse, with the reason and the way out, a proof that would fork too many ranks."""
+    cap = max_ranks(env)
+    if world_size > cap:
+        raise ProofTooLarge(
+            f"--megatron forks one gloo process per rank, and world size {world_size} is above the cap of "
+            f"{cap} ({MAX_RANKS_ENV} raises it); the layout rules need no proof to run, or prove a "
+            "smaller world with the same factors"
+        )
+
+
 def prove(cases: Sequence[Case], timeout_s: float = 600) -> list[MegatronVerdict]:
     """megatron-core's verdict on each case, in order (one helper process for all of them)."""
+    for world in sorted({c.world_size for c in cases}):
+        check_proof_size(world)
     with tempfile.TemporaryDirectory(prefix="miles-megatron-") as tmp:
         inp, out = Path(tmp, "cases.json"), Path(tmp, "verdicts.json")
         inp.write_text(json.dumps([c.to_json() for c in cases]))
@@ -246,8 +290,10 @@ def _rank(rank: int, world: int, port: int, cases: list[dict], queue) -> None:
 
 
 def _try_layout(case: dict) -> dict:
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    before = set(dist.distributed_c10d._world.pg_map)
     config = ParallelConfig(**case["config"])
     model = ModelShape(**case["model"]) if case["model"] else None
     result: dict = {"ok": True, "stage": None, "error": None, "layers_per_stage": None, "groups": None}
@@ -259,6 +305,7 @@ def _try_layout(case: dict) -> dict:
             context_parallel_size=config.cp,
             expert_model_parallel_size=config.ep,
             expert_tensor_parallel_size=config.etp,
+            virtual_pipeline_model_parallel_size=config.vpp,
             create_gloo_process_groups=False,  # the default groups are gloo already on CPU
         )
         result["groups"] = _own_groups(ps)
@@ -266,14 +313,20 @@ def _try_layout(case: dict) -> dict:
             stage = "TransformerConfig"
             transformer = _transformer_config(config, model)
             stage = "get_num_layers_to_build"
-            result["layers_per_stage"] = _layers_per_stage(transformer, config.pp)
+            result["layers_per_stage"] = _layers_per_stage(transformer, config)
             if model.num_experts is not None:
                 stage = "MoELayer"
-                _build_moe_layer(transformer)
+                layer = _build_moe_layer(transformer)
+                stage = "MoELayer.forward"
+                _enter_moe_forward(layer)
     except Exception as exc:  # megatron-core raises ValueError, RuntimeError or AssertionError
         result.update(ok=False, stage=stage, error=_describe(exc))
     finally:
         ps.destroy_model_parallel()
+        # destroy_model_parallel forgets megatron-core's groups but leaves them alive, each
+        # with its gloo threads and sockets; hundreds of layouts would pile them up.
+        for group in set(dist.distributed_c10d._world.pg_map) - before:
+            dist.destroy_process_group(group)
     return result
 
 
@@ -301,41 +354,88 @@ def _transformer_config(config: ParallelConfig, model: ModelShape):
         hidden_size=model.num_attention_heads * _HIDDEN_PER_HEAD,
         num_attention_heads=model.num_attention_heads,
         num_query_groups=model.num_query_groups,
+        add_bias_linear=model.bias,
         tensor_model_parallel_size=config.tp,
         pipeline_model_parallel_size=config.pp,
+        virtual_pipeline_model_parallel_size=config.vpp,
         context_parallel_size=config.cp,
         expert_model_parallel_size=config.ep,
         expert_tensor_parallel_size=config.etp,
-        sequence_parallel=config.sp,
+        # Megatron-LM's argument parsing turns sequence parallel off when tp=1 (with a warning).
+        sequence_parallel=config.effective_sp,
         num_layers_in_first_pipeline_stage=config.first_stage_layers,
         num_layers_in_last_pipeline_stage=config.last_stage_layers,
         pipeline_dtype=torch.float32,
         use_cpu_initialization=True,
     )
+    if config.cp_comm_type is not None:
+        kwargs.update(cp_comm_type=config.cp_comm_type)
     if model.num_experts is not None:
-        kwargs.update(num_moe_experts=model.num_experts, moe_ffn_hidden_size=4 * _HIDDEN_PER_HEAD)
+        kwargs.update(
+            num_moe_experts=model.num_experts,
+            moe_ffn_hidden_size=_expert_width(model, config.expert_tp),
+            moe_token_dispatcher_type="alltoall",
+        )
     if model.attention == "dsa":
         kwargs.update(experimental_attention_variant="dsa", apply_rope_fusion=False)
     return TransformerConfig(**kwargs)
 
 
-def _layers_per_stage(transformer, pp: int) -> list[int]:
+def _expert_width(model: ModelShape, etp: int) -> int:
+    """A small FFN width with the model's remainder modulo etp (so etp splits it exactly when it
+    splits the real one); a model without a width gets one etp splits."""
+    unit = 8 * etp
+    if model.moe_ffn_hidden_size is None:
+        return unit
+    return model.moe_ffn_hidden_size % unit + unit
+
+
+def _layers_per_stage(transformer, config: ParallelConfig) -> list[int]:
+    """Layers each pipeline rank builds: per virtual stage times the virtual stages."""
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
-    return [get_num_layers_to_build(transformer, pp_rank=r) for r in range(pp)]
+    vpp = config.vpp or 1
+    out = []
+    for rank in range(config.pp):
+        chunks = [
+            get_num_layers_to_build(transformer, vp_stage=v if config.vpp else None, pp_rank=rank)
+            for v in range(vpp)
+        ]
+        out.append(sum(chunks))
+    return out
 
 
-def _build_moe_layer(transformer) -> None:
+def _build_moe_layer(transformer):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
+    import torch
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    if not torch.cuda.is_available() and MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:
+        # The all-to-all dispatcher makes a CUDA side stream when first built; only its
+        # forward's copies use it, and the proof stops before those.
+        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "no CUDA stream on CPU"
     spec = get_gpt_layer_local_spec(num_experts=transformer.num_moe_experts, moe_grouped_gemm=False)
-    MoELayer(
+    return MoELayer(
         transformer,
         submodules=spec.submodules.mlp.submodules,
         pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
     )
+
+
+def _enter_moe_forward(layer) -> None:
+    """Run MoELayer.forward's entry checks: its first statement refuses MoE with tp > 1 and no
+    sequence parallel in training; without input it then stops before any communication."""
+    layer.train()
+    try:
+        layer(None)
+    except ValueError as exc:
+        if "tensor parallelism" in str(exc):
+            raise
+    except Exception:  # the missing input, past the checks: the layout was accepted
+        pass
 
 
 def _describe(exc: BaseException) -> str:
