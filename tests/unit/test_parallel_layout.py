@@ -355,3 +355,40 @@ def test_megatron_proof_of_a_world_above_the_cap_is_refused_before_forking():
     (line,) = proc.stderr.splitlines()
     assert line.startswith("error: --megatron forks one gloo process per rank, and world size 4096 is above")
     assert "MILES_MEGATRON_PROOF_MAX_RANKS" in line
+
+
+# --- the layout of a trainer command (miles.train.layout) ---------------------------------
+
+
+def _trainer(*flags: str):
+    from miles.train.args import parse_args
+
+    base = ["--hf-checkpoint", "/nonexistent", "--train-backend", "megatron", "--actor-num-gpus-per-node", "4"]
+    return parse_args([*base, "--num-layers", "8", "--num-attention-heads", "8", *flags])
+
+
+def test_trainer_layers_per_virtual_stage_become_the_vpp_degree():
+    from miles.train.layout import parallel_layout
+
+    args = _trainer("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2")
+    assert parallel_layout(args, 4).vpp == 2  # 8 layers / pp 2 = 4 per rank = 2 virtual stages of 2
+
+
+def test_trainer_virtual_stages_per_rank_reach_the_layout_checks(capsys):
+    with pytest.raises(SystemExit):
+        _trainer("--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "3")
+    assert "vpp(3) virtual stages" in capsys.readouterr().err
+
+
+def test_trainer_layers_per_virtual_stage_that_do_not_divide_the_rank_are_named(capsys):
+    with pytest.raises(SystemExit):
+        _trainer("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3")
+    err = capsys.readouterr().err
+    assert "--num-layers-per-virtual-pipeline-stage 3: the 4 layers of each pipeline rank do not split" in err
+
+
+def test_trainer_window_size_is_megatron_lms_left_right_pair(capsys):
+    assert _trainer("--window-size", "512,0").window_size == (512, 0)
+    with pytest.raises(SystemExit):
+        _trainer("--window-size", "512")
+    assert "--window-size: must be LEFT,RIGHT (e.g. 512,0), got '512'" in capsys.readouterr().err
