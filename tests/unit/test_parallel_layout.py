@@ -336,7 +336,9 @@ def test_check_command_answers_a_huge_world_with_the_verdict_first():
 
 
 def test_check_command_understands_virtual_pipeline():
-    proc = _cli("check", "--world-size", "4", "--tp", "2", "--pp", "2", "--vpp", "2", "--layers", "8", "--heads", "8")
+    proc = _cli(
+        "check", "--world-size", "4", "--tp", "2", "--pp", "2", "--vpp", "2", "--layers", "8", "--heads", "8"
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.splitlines()[0] == "layout tp2·pp2·cp1·ep1·etp2 vpp2 on 4 rank(s) for model: valid"
 
@@ -363,7 +365,14 @@ def test_megatron_proof_of_a_world_above_the_cap_is_refused_before_forking():
 def _trainer(*flags: str):
     from miles.train.args import parse_args
 
-    base = ["--hf-checkpoint", "/nonexistent", "--train-backend", "megatron", "--actor-num-gpus-per-node", "4"]
+    base = [
+        "--hf-checkpoint",
+        "/nonexistent",
+        "--train-backend",
+        "megatron",
+        "--actor-num-gpus-per-node",
+        "4",
+    ]
     return parse_args([*base, "--num-layers", "8", "--num-attention-heads", "8", *flags])
 
 
