@@ -262,7 +262,7 @@ def _add_megatron_model(p: argparse.ArgumentParser) -> None:
         "--kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim --mtp-num-layers "
         "--original-max-position-embeddings --make-vocab-size-divisible-by --rotary-interleaved-groups "
         "--moe-router-topk-limited-devices --dsa-indexer-n-heads --dsa-indexer-head-dim --dsa-indexer-topk "
-        "--num-dense-layers"
+        "--num-dense-layers --window-attn-skip-freq"
     ).split()
     floats = (
         "--norm-epsilon --rotary-base --rotary-percent --rotary-scaling-factor --moe-aux-loss-coeff "
@@ -274,7 +274,8 @@ def _add_megatron_model(p: argparse.ArgumentParser) -> None:
         "--normalization --position-embedding-type --moe-router-score-function --moe-token-dispatcher-type "
         "--moe-router-dtype --moe-router-load-balancing-type --attention-backend --recompute-granularity "
         "--recompute-method --transformer-impl --moe-layer-freq --tokenizer-type --tokenizer-model "
-        "--spec --moe-pad-expert-input-to-capacity --qk-layernorm-type --kv-lora-dtype"
+        "--spec --moe-pad-expert-input-to-capacity --qk-layernorm-type --kv-lora-dtype "
+        "--experimental-attention-variant"
     ).split()
     flags = (
         "--swiglu --group-query-attention --use-rotary-position-embeddings --disable-bias-linear "

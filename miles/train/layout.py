@@ -94,7 +94,8 @@ def model_shape(args):
     if not layers or not heads:
         return None
     attention = "gqa"
-    if getattr(args, "use_dsa", False) or "index_topk" in hf:
+    variant = getattr(args, "experimental_attention_variant", None)
+    if variant == "dsa" or args.dsa_indexer_topk or getattr(args, "use_dsa", False) or "index_topk" in hf:
         attention = "dsa"
     elif args.multi_latent_attention or hf.get("kv_lora_rank"):
         attention = "mla"
@@ -103,7 +104,10 @@ def model_shape(args):
         num_layers=layers,
         num_attention_heads=heads,
         num_query_groups=args.num_query_groups or hf.get("num_key_value_heads"),
-        num_experts=args.num_experts or hf.get("num_experts") or hf.get("n_routed_experts"),
+        num_experts=args.num_experts
+        or hf.get("num_experts")
+        or hf.get("num_local_experts")
+        or hf.get("n_routed_experts"),
         attention=attention,
         # Megatron-LM's linear layers carry biases unless --disable-bias-linear.
         bias=not args.disable_bias_linear if args.num_layers else bool(hf.get("mlp_bias", False)),

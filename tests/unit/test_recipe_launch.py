@@ -46,10 +46,10 @@ def test_num_rollout_goes_before_extra_args():
 
 
 def test_extra_env_vars_merge_last_over_the_recipe_and_platform():
-    options = replace(FIXED, extra_env=(("SGLANG_USE_AITER", "0"), ("MY_FLAG", "1")))
+    options = replace(FIXED, extra_env=(("SGLANG_ENABLE_UNIFIED_RADIX_TREE", "0"), ("MY_FLAG", "1")))
     plan = build_plan(load("inkling", platform="rocm"), options, base_env={})
     env = dict(plan.env)
-    assert env["SGLANG_USE_AITER"] == "0" and env["MY_FLAG"] == "1"
+    assert env["SGLANG_ENABLE_UNIFIED_RADIX_TREE"] == "0" and env["MY_FLAG"] == "1"
 
 
 def test_rocm_plan_mirrors_hip_visible_devices():
@@ -61,7 +61,7 @@ def test_rocm_plan_mirrors_hip_visible_devices():
 
 
 def test_cuda_plan_carries_no_rocm_settings():
-    plan = build_plan(shared("inkling"), replace(FIXED, model="Inkling-Small-4layer"), base_env={})
+    plan = build_plan(shared("qwen3_4b"), replace(FIXED, model="Qwen3-4B"), base_env={})
     assert plan.platform == "cuda"
     assert not [k for k, _ in plan.env if k.startswith("RAY_EXPERIMENTAL") or k.startswith("NCCL")]
 
@@ -196,7 +196,8 @@ def test_amd_script_dry_run_prints_a_complete_plan():
     for part in (
         "recipe     inkling (rocm form)",
         "pins       numba==0.65.1",
-        "SGLANG_USE_AITER=1",
+        "SGLANG_ENABLE_UNIFIED_RADIX_TREE=1",
+        "CUDA_DEVICE_MAX_CONNECTIONS=1",
         "--sequence-parallel",
     ):
         assert part in proc.stdout
