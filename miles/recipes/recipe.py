@@ -165,8 +165,8 @@ class Recipe:
     def profile(
         self, model: str | None, platform: str, nodes: int | None = None, gpus_per_node: int | None = None
     ) -> ParallelProfile:
-        """The verified profile for this model and machine shape; NotImplementedError names the
-        verified ones and where to add another."""
+        """The profile for this model and machine shape; NotImplementedError names the defined
+        ones (`python -m miles.recipes list` says which a lane has trained) and where to add one."""
         model = model or self.default_model(platform)
         for p in self.profiles:
             if (p.model, p.platform) != (model, platform):
@@ -174,12 +174,13 @@ class Recipe:
             if nodes in (None, p.nodes) and gpus_per_node in (None, p.gpus_per_node):
                 return p
         shape = f"{nodes or 'any number of'} node(s) x {gpus_per_node or 'any number of'} GPU(s)"
-        verified = "; ".join(p.describe() for p in self.profiles) or "none"
+        defined = "; ".join(p.describe() for p in self.profiles) or "none"
         holder = "RECIPE" if self.variant == SHARED else f"the {self.variant.upper()} overlay"
         raise NotImplementedError(
-            f"{self.name} ({self.variant}) has no verified parallel profile for {model} on {platform} with "
-            f"{shape}. Verified: {verified}. To add one, put a ParallelProfile in {holder}.profiles in "
-            f"{self.defined_in} after the layout has run there (`python -m miles.parallel check` validates it)."
+            f"{self.name} ({self.variant}) has no parallel profile for {model} on {platform} with "
+            f"{shape}. Defined: {defined}. To add one, put a ParallelProfile in {holder}.profiles in "
+            f"{self.defined_in} (`python -m miles.parallel check --megatron` checks the layout; a run record "
+            "from a lane that trained it makes it verified: `python -m miles.recipes record`)."
         )
 
     # --- what the recipe produces ------------------------------------------------------------

@@ -222,3 +222,17 @@ def test_prepare_with_a_bad_checkpoint_source_exits_2_with_one_line(tmp_path, ca
 def test_shared_script_under_a_wrong_platform_variable_refuses(capsys):
     assert main("inkling", argv=["train", "--dry-run"], env={"MILES_HARDWARE_PLATFORM": "rocm"}) == 2
     assert "MILES_HARDWARE_PLATFORM=rocm but this machine is cpu" in capsys.readouterr().err
+
+
+def test_megatron_gpu_jobs_run_with_one_device_connection():
+    cuda = build_plan(shared("qwen3_4b"), replace(FIXED, model="Qwen3-4B"), base_env={})
+    assert dict(cuda.env)["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    rocm = build_plan(load("inkling", platform="rocm"), FIXED, base_env={})
+    assert dict(rocm.env)["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in dict(build_plan(shared("qwen3_4b"), FIXED, base_env={}).env)
+
+
+def test_extra_env_that_breaks_the_layouts_device_connections_is_refused():
+    options = replace(FIXED, model="Qwen3-4B", extra_env=(("CUDA_DEVICE_MAX_CONNECTIONS", "8"),))
+    with pytest.raises(LaunchError, match="needs CUDA_DEVICE_MAX_CONNECTIONS=1 in the launch environment"):
+        build_plan(shared("qwen3_4b"), options, base_env={})

@@ -86,15 +86,13 @@ def test_a_profile_whose_gpu_count_differs_from_its_suite_is_refused():
         )
 
 
-def test_an_unverified_profile_lists_the_verified_ones_and_where_to_add_one():
+def test_a_missing_profile_lists_the_defined_ones_and_where_to_add_one():
     recipe = load("inkling", platform="rocm")
     with pytest.raises(NotImplementedError) as err:
         recipe.profile("Inkling-Small-4layer", "rocm", nodes=1, gpus_per_node=8)
     message = str(err.value)
-    assert (
-        "no verified parallel profile for Inkling-Small-4layer on rocm with 1 node(s) x 8 GPU(s)" in message
-    )
-    assert "Verified: rocm 1x4 Inkling-Small-4layer: tp4·pp1·cp1·ep4·etp1+sp" in message
+    assert "no parallel profile for Inkling-Small-4layer on rocm with 1 node(s) x 8 GPU(s)" in message
+    assert "Defined: rocm 1x4 Inkling-Small-4layer: tp4·pp1·cp1·ep4·etp1+sp" in message
     assert "the ROCM overlay.profiles in miles/recipes/library/inkling.py" in message
 
 
