@@ -140,10 +140,15 @@ def check_proof_size(world_size: int, env: Mapping[str, str] = os.environ) -> No
         )
 
 
-def prove(cases: Sequence[Case], timeout_s: float = 600) -> list[MegatronVerdict]:
-    """megatron-core's verdict on each case, in order (one helper process for all of them)."""
+def prove(cases: Sequence[Case], timeout_s: float | None = None) -> list[MegatronVerdict]:
+    """megatron-core's verdict on each case, in order (one helper process for all of them).
+
+    `timeout_s` bounds the whole proof (default: 5 minutes plus 10 s per layout); a rank that
+    makes no progress for 2 minutes stops it sooner."""
     for world in sorted({c.world_size for c in cases}):
         check_proof_size(world)
+    if timeout_s is None:
+        timeout_s = 300 + 10 * len(cases)
     with tempfile.TemporaryDirectory(prefix="miles-megatron-") as tmp:
         inp, out = Path(tmp, "cases.json"), Path(tmp, "verdicts.json")
         inp.write_text(json.dumps([c.to_json() for c in cases]))
@@ -214,14 +219,26 @@ def _helper(inp: Path, out: Path) -> int:
 
 
 def _run_world(ctx, world: int, cases: list[dict]) -> list[dict]:
+    import socket
+
     import torch.distributed as dist
 
-    # The helper hosts the rendezvous store on a free port, so concurrent proofs cannot collide.
-    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
+    # The helper hosts the rendezvous store on a port of its own (so concurrent proofs cannot
+    # collide), but starts it only after forking the ranks: a child forked while the store's
+    # server thread holds a lock can hang forever. The listening socket reserves the port and
+    # queues the ranks' connections until the store takes it over.
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(world + 1)
+    port = listener.getsockname()[1]
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(rank, world, store.port, cases, queue)) for rank in range(world)]
+    procs = [ctx.Process(target=_rank, args=(rank, world, port, cases, queue)) for rank in range(world)]
     for p in procs:
         p.start()
+    # The store owns the socket from here on (and closes it).
+    store = dist.TCPStore(
+        "127.0.0.1", port, world + 1, is_master=True, wait_for_workers=False, master_listen_fd=listener.detach()
+    )
     try:
         per_rank = _collect(queue, procs, world)
     finally:
@@ -229,6 +246,7 @@ def _run_world(ctx, world: int, cases: list[dict]) -> list[dict]:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+        del store  # stops its server thread before the next world forks
     return [_merge(world, [per_rank[r][i] for r in range(world)]) for i in range(len(cases))]
 
 
@@ -237,11 +255,15 @@ def _collect(queue, procs, world: int) -> dict[int, list[dict]]:
     import time
 
     per_rank: dict[int, list[dict]] = {}
+    # The deadline counts from the last sign of progress, so a long batch of layouts on a busy
+    # machine is not cut short while every layout still finishes in time.
     deadline = time.monotonic() + _RANK_TIMEOUT_S
     while len(per_rank) < world:
         try:
             rank, verdicts = queue.get(timeout=1)
-            per_rank[rank] = verdicts
+            deadline = time.monotonic() + _RANK_TIMEOUT_S
+            if verdicts is not None:  # None: one more layout done
+                per_rank[rank] = verdicts
             continue
         except queues.Empty:
             pass
@@ -251,7 +273,9 @@ def _collect(queue, procs, world: int) -> dict[int, list[dict]]:
                 f"gloo rank(s) {dead} of world size {world} died (exit {procs[dead[0]].exitcode})"
             )
         if time.monotonic() > deadline:
-            raise ProofError(f"gloo ranks of world size {world} did not finish in {_RANK_TIMEOUT_S} s")
+            raise ProofError(
+                f"gloo ranks of world size {world} made no progress in {_RANK_TIMEOUT_S} s (a layout hung)"
+            )
     return per_rank
 
 
@@ -282,7 +306,10 @@ def _rank(rank: int, world: int, port: int, cases: list[dict], queue) -> None:
     store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     try:
-        verdicts = [_try_layout(case) for case in cases]
+        verdicts = []
+        for case in cases:
+            verdicts.append(_try_layout(case))
+            queue.put((rank, None))
         dist.barrier()  # nobody tears the group down while another rank still uses it
         queue.put((rank, verdicts))
     finally:

@@ -308,3 +308,17 @@ def test_importing_recipes_imports_no_torch():
         subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ}, check=False).returncode
         == 0
     )
+
+
+def test_a_usage_error_of_the_recipes_command_is_one_line():
+    proc = subprocess.run(
+        [sys.executable, "-m", "miles.recipes", "facts", "--bogus"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "python -m miles.recipes: error: unrecognized arguments: --bogus (--help lists the commands and flags)"
+    ]
