@@ -237,7 +237,12 @@ def _run_world(ctx, world: int, cases: list[dict]) -> list[dict]:
         p.start()
     # The store owns the socket from here on (and closes it).
     store = dist.TCPStore(
-        "127.0.0.1", port, world + 1, is_master=True, wait_for_workers=False, master_listen_fd=listener.detach()
+        "127.0.0.1",
+        port,
+        world + 1,
+        is_master=True,
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),
     )
     try:
         per_rank = _collect(queue, procs, world)
