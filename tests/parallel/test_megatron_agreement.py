@@ -16,7 +16,7 @@ from miles.parallel import ModelShape, ParallelConfig, stage_sizes, validate
 from miles.parallel.megatron import Case, prove
 from miles.recipes import names, variants
 
-register_cpu_ci(est_time=80, suite="stage-b-cpu")
+register_cpu_ci(est_time=40, suite="stage-b-cpu")
 
 DENSE = ModelShape("Qwen3-4B-4layer", 4, 32, 8)
 MOE = ModelShape("Qwen3-30B-A3B-4layer", 4, 32, 4, 128)
