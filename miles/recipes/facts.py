@@ -3,8 +3,9 @@
 Each row is a config.json key of the model (typed in once, with its source, in
 miles.recipes.specs), the flag a rule maps it to, the value the rule derives from it, and the
 value the recipe's model flags (at full depth) give that flag: `ok` when they agree,
-`DIFFERS` when not, `gap` when the key is something megatron-core cannot express (a `Gap` of
-the spec says what and why), `UNMAPPED` when no rule and no gap covers it. A recipe is true to
+`DIFFERS` when not, `choice` when the recipe trains with another value on purpose (the spec
+says why), `gap` when the key is something megatron-core cannot express (a `Gap` of the spec
+says what and how the reference gets it), `UNMAPPED` when no rule and no gap covers it. A recipe is true to
 its model when no row DIFFERS or is UNMAPPED; tests/unit/test_recipe_facts.py holds all five
 to that.
 """
@@ -102,6 +103,8 @@ RULES: tuple[Rule, ...] = (
     Rule("sliding_window", "--window-size", lambda value, spec: f"{value},0"),
     Rule("sliding_window_size", "--window-size", lambda value, spec: f"{value},0"),
     Rule("global_layer_period", "--window-attn-skip-freq"),
+    Rule("router_aux_loss_coef", "--moe-aux-loss-coeff", default=0),
+    Rule("num_nextn_predict_layers", "--mtp-num-layers", default=0),
 )  # fmt: skip
 RULE_KEYS = frozenset(r.key for r in RULES)
 
@@ -114,8 +117,8 @@ class Row:
     flag: str  # "" when no rule maps the key
     expected: str  # what the flag should be ("" when unmapped or a gap)
     recipe: str  # what the recipe passes ("(not passed)" when absent)
-    status: str  # ok | DIFFERS | gap | UNMAPPED
-    note: str = ""  # the gap's feature, or why an optional flag is left out
+    status: str  # ok | choice | gap | DIFFERS | UNMAPPED
+    note: str = ""  # the gap's feature, the choice's reason, or why an optional flag is left out
 
     @property
     def bad(self) -> bool:
@@ -128,6 +131,7 @@ def rows(spec: ModelSpec) -> list[Row]:
         return []
     flags = _flags(spec.model_args())
     gaps = {key: gap for gap in spec.gaps for key in gap.keys}
+    choices = dict(spec.choices)
     out = []
     for key, value in spec.published.values:
         source = spec.published.source_of(key)
@@ -148,6 +152,8 @@ def rows(spec: ModelSpec) -> list[Row]:
             status, note = "ok", ""
         elif actual is None and rule.optional:
             status, note = "ok", rule.optional
+        elif key in choices:
+            status, note = "choice", choices[key]
         elif gap:
             status, note = "gap", gap.feature
         else:

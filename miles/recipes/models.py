@@ -71,6 +71,8 @@ class ModelSpec:
     kernel_args: Args = ()
     published: Published | None = None
     gaps: tuple[Gap, ...] = ()
+    # config.json keys the recipe trains with a different value on purpose, and why
+    choices: tuple[tuple[str, str], ...] = ()
 
     @property
     def attention(self) -> str:

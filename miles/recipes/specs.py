@@ -60,10 +60,10 @@ QWEN3_30B_A3B = ModelSpec(
             ("router_aux_loss_coef", 0.001), ("max_position_embeddings", 40960),
         ),
     ),
-    gaps=(
-        Gap(
-            "no load-balancing loss", "RL fine-tuning keeps the routing of the checkpoint: the aux loss is off "
-            "(--moe-aux-loss-coeff 0), as in the reference", ("router_aux_loss_coef",),
+    choices=(
+        (
+            "router_aux_loss_coef",
+            "RL fine-tuning keeps the checkpoint's routing: no load-balancing loss, as in the reference",
         ),
     ),
 )  # fmt: skip
@@ -216,9 +216,11 @@ DEEPSEEK_V4_FLASH = ModelSpec(
             "--activation-func-clamp-value 10 to its own Megatron", ("swiglu_limit",),
         ),
         Gap("hash-routed first layers", f"the first 3 MoE layers route by token id; {_DSV4_SPEC}"),
-        Gap(
-            "multi-token prediction head", "not trained: the reference trains without MTP too and uses it only "
-            "for speculative decoding", ("num_nextn_predict_layers",),
+    ),
+    choices=(
+        (
+            "num_nextn_predict_layers",
+            "the MTP head is not trained: the reference trains without it too and uses it only to draft in SGLang",
         ),
     ),
 )  # fmt: skip

@@ -57,6 +57,12 @@ def test_a_flag_that_disagrees_with_config_json_fails_the_table():
     assert (row.status, row.expected, row.recipe) == ("DIFFERS", "1000000", "10000000")
 
 
+def test_a_deliberate_training_choice_shows_its_reason_instead_of_a_difference():
+    (row,) = [r for r in rows(QWEN3_30B_A3B) if r.key == "router_aux_loss_coef"]
+    assert (row.status, row.expected, row.recipe) == ("choice", "0.001", "0")
+    assert "no load-balancing loss" in row.note and not row.bad
+
+
 def test_a_config_value_no_rule_or_gap_covers_is_unmapped():
     published = replace(QWEN3_30B_A3B.published, values=(*QWEN3_30B_A3B.published.values, ("qk_clip", 100)))
     (row,) = [r for r in rows(replace(QWEN3_30B_A3B, published=published)) if r.key == "qk_clip"]
@@ -69,6 +75,7 @@ def test_every_gap_names_published_keys_and_every_key_a_source():
         published = dict(spec.published.values)
         for gap in spec.gaps:
             assert set(gap.keys) <= set(published), (name, gap.feature)
+        assert {key for key, _ in spec.choices} <= set(published), name
         assert all(spec.published.source_of(key) for key in published)
 
 
