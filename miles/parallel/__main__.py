@@ -1,10 +1,11 @@
 """`python -m miles.parallel check`: is a parallel layout valid, and does megatron-core agree?
 
-    python -m miles.parallel check --world-size 4 --tp 2 --pp 2 --ep 4 --etp 1 [--megatron]
-    python -m miles.parallel check --world-size 8 --tp 4 --ep 8 --layers 48 --heads 32 --kv-heads 4 --experts 128
+    python -m miles.parallel check --world-size 4 --tp 2 --pp 2 --ep 2 --etp 1 [--megatron]
+    python -m miles.parallel check --world-size 4 --tp 2 --pp 2 --vpp 2 --layers 8 --heads 8
+    python -m miles.parallel check --world-size 8 --tp 4 --sp --ep 8 --etp 1 --layers 48 --heads 32 --kv-heads 4 --experts 128
 
-Exit codes: 0 valid, 1 invalid (or miles and megatron-core disagree), 2 bad usage,
-3 megatron-core could not be run.
+The first line printed is the verdict. Exit codes: 0 valid, 1 invalid (or miles and
+megatron-core disagree), 2 bad usage, 3 megatron-core could not be run.
 """
 
 from __future__ import annotations
@@ -13,18 +14,32 @@ import argparse
 import json
 import sys
 
-from miles.parallel.layout import ATTENTION_KINDS, ModelShape, ParallelConfig, Verdict, validate
-from miles.parallel.megatron import ProofError
+from miles.parallel.config import ATTENTION_KINDS, CP_COMM_TYPES, ModelShape, ParallelConfig
+from miles.parallel.layout import Verdict, validate
+from miles.parallel.megatron import ProofError, check_proof_size
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Usage errors as one line (the flag and what is wrong), not the whole usage text."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m miles.parallel", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser = OneLineParser(prog="python -m miles.parallel", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineParser)
     p = sub.add_parser("check", help="validate a layout (and prove it with megatron-core with --megatron)")
     p.add_argument("--world-size", type=int, required=True, help="ranks (GPUs) in the job")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    p.add_argument(
+        "--vpp", type=int, default=None, help="virtual pipeline stages per pipeline rank (needs pp > 1)"
+    )
     p.add_argument("--cp", type=int, default=1, help="context parallel size")
+    p.add_argument(
+        "--cp-comm-type", choices=(*CP_COMM_TYPES, "allgather"), help="context parallel communication"
+    )
     p.add_argument("--ep", type=int, default=1, help="expert parallel size")
     p.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: --tp)")
     p.add_argument("--sp", "--sequence-parallel", dest="sp", action="store_true", help="sequence parallel")
@@ -35,8 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--heads", type=int, help="attention heads")
     m.add_argument("--kv-heads", type=int, help="KV heads / query groups (default: --heads)")
     m.add_argument("--experts", type=int, help="routed experts (omit for a dense model)")
+    m.add_argument("--moe-ffn-hidden-size", type=int, help="an expert's FFN width")
+    m.add_argument(
+        "--bias", action="store_true", help="linear layers carry biases (no --disable-bias-linear)"
+    )
     m.add_argument("--attention", choices=ATTENTION_KINDS, default="gqa")
     m.add_argument("--model-name", default="model", help="name shown in messages")
+    p.add_argument(
+        "--megatron-core", metavar="VERSION", help="apply this release's rules (default: the installed one)"
+    )
     p.add_argument("--megatron", action="store_true", help="also run megatron-core under gloo on the CPU")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=cmd_check)
@@ -57,12 +79,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _model(args: argparse.Namespace) -> ModelShape | None:
-    given = [args.layers, args.heads, args.kv_heads, args.experts]
-    if all(v is None for v in given):
+    given = [args.layers, args.heads, args.kv_heads, args.experts, args.moe_ffn_hidden_size]
+    if all(v is None for v in given) and not args.bias:
         return None
     if args.layers is None or args.heads is None:
         raise ValueError("a model needs at least --layers and --heads")
-    return ModelShape(args.model_name, args.layers, args.heads, args.kv_heads, args.experts, args.attention)
+    return ModelShape(
+        args.model_name, args.layers, args.heads, args.kv_heads, args.experts, args.attention, args.bias,
+        args.moe_ffn_hidden_size,
+    )  # fmt: skip
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -75,9 +100,13 @@ def cmd_check(args: argparse.Namespace) -> int:
         sp=args.sp,
         first_stage_layers=args.first_stage_layers,
         last_stage_layers=args.last_stage_layers,
+        vpp=args.vpp,
+        cp_comm_type=args.cp_comm_type,
     )
     model = _model(args)
-    verdict = validate(config, args.world_size, model)
+    if args.megatron:
+        check_proof_size(args.world_size)
+    verdict = validate(config, args.world_size, model, args.megatron_core)
     proof = None
     if args.megatron:
         from miles.parallel.megatron import Case, prove
@@ -94,9 +123,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def _print(verdict: Verdict, proof) -> None:
     config, world = verdict.config, verdict.world_size
-    where = f" for {verdict.model.name}" if verdict.model else ""
-    state = "valid" if verdict.ok else "INVALID"
-    print(f"layout {config.describe()} on {world} rank(s){where}: {state}")
+    print(verdict.headline())
     if verdict.ok:
         print(f"  dp={config.dp(world)}, expert dp={config.expert_dp(world)}")
     for v in verdict.violations:
@@ -126,6 +153,7 @@ def _to_json(verdict: Verdict, proof) -> dict:
         "config": verdict.config.to_json(),
         "world_size": verdict.world_size,
         "model": verdict.model.to_json() if verdict.model else None,
+        "megatron_core": verdict.megatron_core,
         "ok": verdict.ok,
         "violations": [
             {"rule": v.rule, "message": v.message, "fixes": list(v.fixes)} for v in verdict.violations

@@ -6,8 +6,10 @@
 
 `load()` dispatches on the platform `miles.platform.resolve()` reports (which cross-checks
 `MILES_HARDWARE_PLATFORM` against torch): tests get their recipe through it, never through an
-environment-variable import switch. The recipes live in `miles/recipes/library/`; the
-scripts in `scripts/` and `scripts/amd/` are their command lines.
+environment-variable import switch. The recipes live in `miles/recipes/library/`, their
+models in `miles/recipes/specs.py`, the reference recipes they follow in
+`miles/recipes/references/`; the scripts in `scripts/` and `scripts/amd/` are their command
+lines.
 """
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
-"""`python -m miles.recipes`: list, show, diff, check and snapshot the training recipes.
+"""`python -m miles.recipes`: list, show, diff, facts, check, record and snapshot the recipes.
 
-    python -m miles.recipes list
+    python -m miles.recipes list                    # recipes, profiles and their status
     python -m miles.recipes show inkling --platform rocm
-    python -m miles.recipes diff inkling            # every ROCm delta from the shared recipe
+    python -m miles.recipes diff inkling            # ROCm deltas, then each form beside its reference
+    python -m miles.recipes facts inkling           # the model's config.json beside the Megatron flags
     python -m miles.recipes check [NAME] [--megatron]
+    python -m miles.recipes record NAME --run-json .miles/reports/<lane>/run.json [--platform P --gpus N]
     python -m miles.recipes snapshot [--update]
 
-Exit codes: 0 fine, 1 a check or snapshot found differences, 2 bad usage.
+Exit codes: 0 fine, 1 a check, diff, facts table or snapshot found a problem, 2 bad usage.
 """
 
 from __future__ import annotations
@@ -19,18 +21,40 @@ from miles.recipes import names, shared, variants
 from miles.recipes.recipe import RecipeError
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Usage errors as one line, not the whole usage text."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the commands and flags)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m miles.recipes", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    sub.add_parser("list", help="recipes, their forms and verified profiles").set_defaults(handler=cmd_list)
+    parser = OneLineParser(prog="python -m miles.recipes", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineParser)
+    sub.add_parser("list", help="recipes, their forms, profiles and status").set_defaults(handler=cmd_list)
     p = sub.add_parser("show", help="a recipe's models, flags by group, environment and profiles")
     p.add_argument("name")
     p.add_argument("--platform", default="cuda", help="cpu | cuda | rocm (default: cuda)")
     p.set_defaults(handler=cmd_show)
-    p = sub.add_parser("diff", help="every difference between the shared recipe and its platform forms")
-    p.add_argument("name")
-    p.add_argument("--platform", help="only this platform's form (default: all overlays)")
+    p = sub.add_parser(
+        "diff",
+        help="the platform forms' deltas, and every difference from the reference recipes, with reasons",
+    )
+    p.add_argument("name", nargs="?", help="one recipe (default: all)")
+    p.add_argument("--platform", help="only this platform's form (cuda = the shared form, rocm, ...)")
     p.set_defaults(handler=cmd_diff)
+    p = sub.add_parser("facts", help="the model's published config.json beside the recipe's Megatron flags")
+    p.add_argument("name", nargs="?", help="one recipe (default: all)")
+    p.set_defaults(handler=cmd_facts)
+    p = sub.add_parser("record", help="record that a lane trained a profile, from the runner's run.json")
+    p.add_argument("name")
+    p.add_argument("--run-json", type=Path, required=True, help="run.json of the CI runner (its report dir)")
+    p.add_argument("--platform", default="cpu", help="cpu | cuda | rocm (default: cpu)")
+    p.add_argument("--model", help="the profile's model (default: the platform's)")
+    p.add_argument("--gpus", type=int, help="GPUs (ranks on cpu) per node of the profile")
+    p.add_argument("--nodes", type=int, help="nodes of the profile")
+    p.add_argument("--dir", type=Path, default=None, help="where records go (default: miles/recipes/runs)")
+    p.set_defaults(handler=cmd_record)
     p = sub.add_parser("check", help="validate every profile's layout (and prove it with --megatron)")
     p.add_argument("name", nargs="?")
     p.add_argument("--megatron", action="store_true", help="also run megatron-core under gloo on the CPU")
@@ -48,18 +72,20 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except (RecipeError, NotImplementedError) as exc:
+    except (RecipeError, NotImplementedError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    from miles.recipes.status import profile_status
+
     for name in names():
         recipe = shared(name)
         print(f"{name}: {recipe.description}")
         for form in variants(name):
             for p in form.profiles:
-                print(f"  [{form.variant}] {p.describe()}")
+                print(f"  [{form.variant}] {p.describe()}  ({profile_status(form, p).kind})")
     return 0
 
 
@@ -76,47 +102,84 @@ def cmd_show(args: argparse.Namespace) -> int:
     print("  env: " + (", ".join(f"{k}={v}" for k, v in recipe.env) or "-"))
     print("  pins: " + (", ".join(f"{k}=={v}" for k, v in recipe.pins) or "-"))
     print("  profiles:")
+    from miles.recipes.status import profile_status
+
     for p in recipe.profiles:
-        print(f"    {p.describe()}  [{p.evidence()}]")
+        print(f"    {p.describe()}")
+        print(f"      {profile_status(recipe, p).text()}")
+    for gap in recipe.model.gaps:
+        print(f"  megatron-core lacks: {gap.feature}: {gap.why}")
     return 0
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from miles.recipes.diff import recipe_diff
+    from miles.recipes.diff import recipe_diff, reference_comparison
 
-    base = shared(args.name)
-    overlays = [o for o in base.overlays if args.platform in (None, o.platform)]
-    if not overlays:
-        declared = ", ".join(o.platform for o in base.overlays) or "none"
-        raise RecipeError(
-            f"{base.name} declares no {args.platform or 'platform'} overlay (declared: {declared}); the shared form "
-            f"serves cpu and cuda, and an overlay is added as an Overlay in {base.defined_in}"
+    unexplained = 0
+    for name in [args.name] if args.name else names():
+        base = shared(name)
+        platforms = [args.platform] if args.platform else ["cuda", *(o.platform for o in base.overlays)]
+        for platform in platforms:
+            form = base.for_platform(platform)
+            if form is not base:
+                print(f"{base.name}: shared -> {platform} ({base.defined_in}: {platform.upper()})")
+                print(f"  why: {next(o.reason for o in base.overlays if o.platform == platform)}")
+                for line in recipe_diff(base, form) or ["  (no differences)"]:
+                    print(f"  {line}")
+            comparison = reference_comparison(form, platform)
+            if comparison is None:
+                print(f"{base.name} [{form.variant}] on {platform}: no reference recipe recorded")
+                continue
+            ref = comparison.reference
+            print(f"{base.name} [{form.variant}] on {platform} beside the reference {ref.script}")
+            print(f"  model flags: {ref.model_script}")
+            print(f"  = {comparison.agree} flags, variables and layouts agree")
+            for line in comparison.lines:
+                print(f"  {line.render()}")
+            unexplained += len(comparison.unexplained)
+    if unexplained:
+        print(
+            f"{unexplained} difference(s) from the reference are UNEXPLAINED: bring the recipe to the reference "
+            "or add a deviation with its reason",
+            file=sys.stderr,
         )
-    for overlay in overlays:
-        form = base.for_platform(overlay.platform)
-        print(f"{base.name}: shared -> {overlay.platform} ({base.defined_in}: {overlay.platform.upper()})")
-        print(f"  why: {overlay.reason}")
-        for line in recipe_diff(base, form) or ["  (no differences)"]:
-            print(f"  {line}")
+    return 1 if unexplained else 0
+
+
+def cmd_facts(args: argparse.Namespace) -> int:
+    from miles.recipes.facts import format_table, rows
+
+    bad = 0
+    for name in [args.name] if args.name else names():
+        spec = shared(name).model
+        print(format_table(name, spec))
+        bad += sum(r.bad for r in rows(spec))
+    if bad:
+        print(f"{bad} config.json value(s) DIFFER from the recipe's flags or map to no flag", file=sys.stderr)
+    return 1 if bad else 0
+
+
+def cmd_record(args: argparse.Namespace) -> int:
+    from miles.recipes.status import RUNS_DIR, record_run
+
+    form = shared(args.name).for_platform(args.platform)
+    profile = form.profile(args.model, args.platform, args.nodes, args.gpus)
+    path = record_run(form, profile, args.run_json, args.dir or RUNS_DIR)
+    print(f"wrote {path}: {form.name} {profile.describe()} is verified by {args.run_json}")
     return 0
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     from miles.parallel import validate
+    from miles.recipes.recipe import lane_megatron_core
 
     cases = []
     for name in [args.name] if args.name else names():
         for form in variants(name):
             for p in form.profiles:
-                shape = form.resolve(p.model).shape
-                cases.append(
-                    (
-                        f"{name} [{form.variant}] {p.describe()}",
-                        p,
-                        shape,
-                        validate(p.parallel, p.world_size, shape),
-                    )
-                )
+                shape = form.resolve(p.model, env={}).shape
+                verdict = validate(p.parallel, p.world_size, shape, lane_megatron_core(p.platform))
+                cases.append((f"{name} [{form.variant}] {p.describe()}", p, shape, verdict))
     proofs = [None] * len(cases)
     if args.megatron:
         from miles.parallel.megatron import Case, prove

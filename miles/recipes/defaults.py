@@ -1,13 +1,16 @@
-"""Argument groups every recipe starts from, and the CPU `tiny` profile they all share.
+"""Argument groups every recipe starts from, the CPU `tiny` profile they all share, and the
+differences from the reference recipes that every recipe shares, with their reasons.
 
-The GRPO numbers are the seeds' defaults: lr 1e-6, weight decay 0.1, Adam betas 0.9/0.98,
-eps-clip 0.2/0.28, 32 prompts x 8 samples per rollout, global batch 256, k3 (low_var_kl) KL.
+The GRPO numbers are the reference recipes': lr 1e-6, weight decay 0.1, Adam betas 0.9/0.98,
+eps-clip 0.2/0.28, 32 prompts x 8 samples per rollout, global batch 256, k3 (low_var_kl) KL
+with coefficient 0 (logged, not trained on).
 """
 
 from __future__ import annotations
 
 from miles.parallel import ParallelConfig
 from miles.recipes.args import Args, merge
+from miles.recipes.fidelity import deviation
 from miles.recipes.models import TINY
 from miles.recipes.recipe import ParallelProfile, groups
 
@@ -20,7 +23,7 @@ CHECKPOINT: Args = (
 )
 
 ROLLOUT: Args = (
-    ("--prompt-data", "{data_dir}/dapo-math-17k.jsonl"),
+    ("--prompt-data", "{data_dir}/dapo-math-17k/dapo-math-17k.jsonl"),
     ("--input-key", "prompt"),
     ("--label-key", "label"),
     ("--apply-chat-template", True),
@@ -38,7 +41,7 @@ ROLLOUT: Args = (
 GRPO: Args = (
     ("--advantage-estimator", "grpo"),
     ("--use-kl-loss", True),
-    ("--kl-loss-coef", 0.001),
+    ("--kl-loss-coef", 0),
     ("--kl-loss-type", "low_var_kl"),
     ("--entropy-coef", 0.0),
     ("--eps-clip", 0.2),
@@ -63,7 +66,8 @@ DEEPEP_ROLLOUT_ENGINE: Args = (
     ("--sglang-deepep-mode", "auto"),
 )
 
-# Megatron memory and kernel settings; the CPU profile removes them.
+# Megatron memory and kernel settings; the CPU profile removes them (and the recipes' own
+# GPU-only perf flags).
 PERF: Args = (
     ("--colocate", True),
     ("--bf16", True),
@@ -115,8 +119,15 @@ TINY_OVERRIDES = groups(
         ("--micro-batch-size", 4),
         ("--rollout-max-response-len", 16),
     ),
-    optimizer=(("--optimizer-cpu-offload", None), ("--use-precision-aware-optimizer", None)),
+    optimizer=(
+        ("--optimizer-cpu-offload", None),
+        ("--overlap-cpu-optimizer-d2h-h2d", None),
+        ("--use-precision-aware-optimizer", None),
+        ("--use-distributed-optimizer", None),
+    ),
     perf=(
+        ("--attention-backend", None),
+        ("--transformer-impl", None),
         ("--bf16", None),
         ("--recompute-granularity", None),
         ("--recompute-method", None),
@@ -149,3 +160,57 @@ def cpu_tiny_profile(parallel: ParallelConfig | None = None, train_backend: str 
         source="the CPU lane's recipe tests train it on every PR",
         train_backend=train_backend,
     )
+
+
+# Differences every recipe has from its reference, and why.
+COMMON_DEVIATIONS = (
+    deviation(
+        "--eval-*",
+        "--n-samples-per-eval-prompt",
+        reason="evaluation is off in the CI recipes (an AIME pass every 20 rollouts outlasts a 3-rollout test); "
+        "pass the --eval-* flags with --extra-args to run it",
+    ),
+    deviation(
+        "--use-fault-tolerance",
+        "--dump-details",
+        "--router-health-*",
+        "--rollout-health-check-*",
+        reason="operations of the reference's Ray rollout manager (engine restarts, rollout dumps); miles.train "
+        "runs its engines in its own processes and has neither",
+    ),
+    deviation(
+        "--num-gpus-per-node",
+        reason="the reference tells Ray the node's GPU count; miles starts one rank per GPU of the profile "
+        "(--actor-num-gpus-per-node)",
+    ),
+    deviation(
+        "--train-memory-margin-bytes",
+        "--save-retain-interval",
+        reason="settings of the reference's colocated Ray actors and checkpoint pruning, which miles.train "
+        "does not have (a CI run keeps all three of its rollouts' checkpoints)",
+    ),
+    deviation(
+        "--train-backend",
+        reason="miles.train chooses its backend by flag; the reference's train.py is Megatron only",
+    ),
+    deviation(
+        "--seed", reason="Megatron-LM's default seed (1234), stated so every form draws the same batches"
+    ),
+    deviation(
+        "--bf16",
+        reason="miles.train keeps fp32 weights unless told --bf16; the GPU recipes train in bf16, as the "
+        "reference's Inkling and FP8 recipes state",
+    ),
+    deviation(
+        "env:RAY_EXPERIMENTAL_NOSET_*",
+        reason="miles sets Ray's NOSET variables (HIP, ROCR, CUDA) for every ROCm job so Ray keeps the runner's "
+        "devices (miles.platform.job_env); the reference scripts set some of them, in some paths",
+        platforms=("rocm",),
+    ),
+    deviation(
+        "env:NCCL_NVLS_ENABLE",
+        reason="the reference's launcher probes NVLink with nvidia-smi and sets NCCL_NVLS_ENABLE to the answer; "
+        "miles leaves NCCL its own detection on CUDA",
+        platforms=("cuda",),
+    ),
+)

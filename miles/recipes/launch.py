@@ -16,11 +16,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from miles.ckpt.plan import CheckpointPlan
-from miles.parallel import validate
+from miles.parallel import DEVICE_MAX_CONNECTIONS, env_problems, validate
 from miles.platform import job_env, require
 from miles.recipes.args import render
 from miles.recipes.models import TINY
-from miles.recipes.recipe import SHARED, ParallelProfile, Recipe
+from miles.recipes.recipe import SHARED, ParallelProfile, Recipe, lane_megatron_core
+from miles.recipes.status import profile_status
 
 TRAINER_MODULE = "miles.train"
 RAY_DASHBOARD_PORT = 8265
@@ -65,6 +66,7 @@ class LaunchPlan:
     workdirs: tuple[tuple[str, str], ...]  # role -> directory
     checkpoint: CheckpointPlan
     layout: str  # the layout check's verdict
+    status: str = ""  # verified | layout checked | untested, and why (miles.recipes.status)
     prelude: tuple[tuple[str, ...], ...] = ()  # commands each node runs before the job (ray)
     pins: tuple[tuple[str, str], ...] = ()
     groups: tuple[tuple[str, tuple[str, ...]], ...] = field(default=(), compare=False)  # for display
@@ -85,6 +87,7 @@ class LaunchPlan:
             "pins": dict(self.pins),
             "checkpoint": _checkpoint_json(self.checkpoint),
             "layout": self.layout,
+            "status": self.status,
         }
 
 
@@ -128,10 +131,12 @@ def build_plan(
         extra = ("--num-rollout", str(options.num_rollout), *extra)
     groups = recipe.arg_groups(profile, fields, base)
     train_args = recipe.train_args(profile, fields, extra, base)
-    env = _env(recipe, platform, base, dict(options.extra_env))
+    env = _env(recipe, profile, platform, base, dict(options.extra_env))
     mode = "torchrun" if profile.nodes == 1 else "ray"
     command, prelude = _command(mode, profile, train_args, env, options)
-    verdict = validate(profile.parallel, profile.world_size, resolved.shape)
+    verdict = validate(
+        profile.parallel, profile.world_size, resolved.shape, megatron_core=lane_megatron_core(platform)
+    )
     return LaunchPlan(
         recipe=recipe.name,
         variant=recipe.variant,
@@ -145,6 +150,7 @@ def build_plan(
         workdirs=(("run", run_dir), ("checkpoints", f"{run_dir}/checkpoints"), ("models", options.model_dir)),
         checkpoint=checkpoint,
         layout=verdict.summary(),
+        status=profile_status(recipe, profile).text(),
         prelude=prelude,
         pins=recipe.pins,
         groups=tuple((g, tuple(render(a))) for g, a in groups),
@@ -181,13 +187,25 @@ def _fields(
     }
 
 
-def _env(recipe: Recipe, platform: str, base: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
+def _env(
+    recipe: Recipe, profile: ParallelProfile, platform: str, base: dict[str, str], extra: dict[str, str]
+) -> dict[str, str]:
     """What the job's environment adds to or changes in `base`: the recipe's, the platform's
-    device settings, then `extra` last so it wins."""
+    device settings, Megatron's on GPUs, then `extra` last so it wins (unless it breaks a
+    setting the layout needs: that is refused)."""
     full = job_env(platform, {**base, **recipe.environment()})
     if platform == "cpu":
         full.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores; one thread each
+    elif recipe.backend_of(profile) == "megatron":
+        # One hardware queue keeps Megatron's communication kernels ordered; Megatron-LM
+        # requires it for tp > 1 or cp > 1, and the reference launcher sets it for every
+        # Megatron job.
+        full[DEVICE_MAX_CONNECTIONS] = "1"
     full.update(extra)
+    if platform != "cpu" and recipe.backend_of(profile) == "megatron":
+        problems = env_problems(profile.parallel, full)
+        if problems:
+            raise LaunchError(f"{recipe.name}: " + "; ".join(problems) + " (drop it from --extra-env-vars)")
     return {k: v for k, v in full.items() if base.get(k) != v}
 
 
@@ -228,7 +246,7 @@ def format_plan(plan: LaunchPlan) -> str:
         f"platform   {plan.platform}, {p.nodes} node(s) x {p.gpus_per_node} {'rank' if plan.platform == 'cpu' else 'GPU'}(s), {plan.mode}",
         f"model      {plan.model}",
         f"layout     {plan.layout}",
-        f"profile    verified: {p.evidence()}",
+        f"profile    {plan.status}",
         f"checkpoint {plan.checkpoint.source} -> {plan.checkpoint.hf_dir} (steps: {', '.join(plan.checkpoint.steps)})",
     ]  # fmt: skip
     if plan.pins:

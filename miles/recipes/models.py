@@ -1,13 +1,16 @@
-"""Model specs: each architecture's facts and the Megatron model flags derived from them.
+"""Model specs: each architecture's Megatron flags, its published config.json, and what
+megatron-core lacks to build it.
 
 A recipe names a model; `resolve_model()` turns the name into a spec at a depth: an
 `-Nlayer` slice by keyword (`Inkling-Small-4layer`), else `MODEL_ARGS_NUM_LAYERS`, else the
 full depth. The MoE layer pattern (`--moe-layer-freq`) is regenerated for the chosen depth,
 so a slice keeps the model's leading dense layers. `tiny` is a two-layer random checkpoint of
-the same family that the CPU lane builds locally and trains with FSDP/DDP.
+the same family that the CPU lane builds locally.
 
-The shape numbers follow each model's published config.json; the checkpoint pipeline's
-validate step compares the downloaded config with the checkpoint before anything trains.
+Each spec carries the published config.json values (`Published`, typed in once with their
+source) and the `Gap`s: what the model needs that the pinned megatron-core cannot express.
+`python -m miles.recipes facts NAME` sets the flags beside the config (miles.recipes.facts);
+the five specs are in miles.recipes.specs.
 """
 
 from __future__ import annotations
@@ -27,6 +30,31 @@ _SLICE_RE = re.compile(r"^(?P<base>.+)-(?P<layers>\d+)layers?$")
 
 
 @dataclass(frozen=True)
+class Published:
+    """A model's published config.json values, typed in once, with where they were read."""
+
+    source: str  # the config.json (or the document that tabulates it)
+    values: tuple[tuple[str, object], ...]
+    sources: tuple[tuple[str, str], ...] = ()  # a different source for single keys
+
+    def value(self, key: str) -> object:
+        return dict(self.values)[key]
+
+    def source_of(self, key: str) -> str:
+        return dict(self.sources).get(key, self.source)
+
+
+@dataclass(frozen=True)
+class Gap:
+    """Something the model needs that the pinned megatron-core cannot express, and how the
+    reference recipe gets it instead."""
+
+    feature: str
+    why: str
+    keys: tuple[str, ...] = ()  # the config.json keys it covers (they map to no flag)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """One architecture at full depth."""
 
@@ -38,18 +66,34 @@ class ModelSpec:
     num_query_groups: int | None = None  # KV heads; None = MHA (or MLA, where Megatron ignores it)
     num_experts: int | None = None
     first_k_dense: int = 0  # leading dense layers before the MoE layers start
-    attention: str = "gqa"  # gqa | mla | dsa
     arch_args: Args = ()  # depth-independent Megatron architecture flags
+    # Kernel choices (fused or grouped GPU kernels): passed on GPUs only.
+    kernel_args: Args = ()
+    published: Published | None = None
+    gaps: tuple[Gap, ...] = ()
+    # config.json keys the recipe trains with a different value on purpose, and why
+    choices: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def attention(self) -> str:
+        """gqa | mla | dsa, from the flags (a DSA indexer makes the attention sparse)."""
+        flags = dict(self.arch_args)
+        if flags.get("--experimental-attention-variant") == "dsa" or "--dsa-indexer-topk" in flags:
+            return "dsa"
+        return "mla" if flags.get("--multi-latent-attention") else "gqa"
 
     def shape(self, num_layers: int | None = None, name: str | None = None) -> ModelShape:
         layers = num_layers or self.num_layers
         name = name or (self.name if layers == self.num_layers else f"{self.name}-{layers}layer")
+        flags = dict(self.arch_args)
         return ModelShape(
-            name, layers, self.num_attention_heads, self.num_query_groups, self.num_experts, self.attention
-        )
+            name, layers, self.num_attention_heads, self.num_query_groups, self.num_experts, self.attention,
+            bias=not flags.get("--disable-bias-linear"), moe_ffn_hidden_size=flags.get("--moe-ffn-hidden-size"),
+        )  # fmt: skip
 
-    def model_args(self, num_layers: int | None = None) -> Args:
-        """Megatron model flags at `num_layers` (full depth when None)."""
+    def model_args(self, num_layers: int | None = None, kernels: bool = True) -> Args:
+        """Megatron model flags at `num_layers` (full depth when None); `kernels` adds the GPU
+        kernel choices."""
         layers = num_layers or self.num_layers
         out: list = [("--num-layers", layers), ("--num-attention-heads", self.num_attention_heads)]
         if self.num_query_groups is not None:
@@ -59,7 +103,7 @@ class ModelSpec:
                 ("--num-experts", self.num_experts),
                 ("--moe-layer-freq", moe_layer_freq(self.first_k_dense, layers)),
             ]
-        return (*out, *self.arch_args)
+        return (*out, *self.arch_args, *(self.kernel_args if kernels else ()))
 
 
 def moe_layer_freq(first_k_dense: int, num_layers: int) -> str:
@@ -92,8 +136,8 @@ class ResolvedModel:
     def shape(self) -> ModelShape:
         return self.spec.shape(self.num_layers, self.name)
 
-    def model_args(self) -> Args:
-        return self.spec.model_args(self.num_layers)
+    def model_args(self, kernels: bool = True) -> Args:
+        return self.spec.model_args(self.num_layers, kernels)
 
 
 class UnknownModel(ValueError):
@@ -127,73 +171,3 @@ def _check_depth(spec: ModelSpec, layers: int, origin: str) -> None:
         raise UnknownModel(
             f"{origin}: {spec.name} has {spec.num_layers} layers; a slice needs 1..{spec.num_layers}"
         )
-
-
-_QWEN3_ARCH: Args = (
-    ("--normalization", "RMSNorm"),
-    ("--norm-epsilon", 1e-6),
-    ("--swiglu", True),
-    ("--disable-bias-linear", True),
-    ("--qk-layernorm", True),
-    ("--position-embedding-type", "rope"),
-    ("--rotary-base", 1000000),
-    ("--vocab-size", 151936),
-    ("--kv-channels", 128),
-)
-
-QWEN3_4B = ModelSpec(
-    "Qwen3-4B", "qwen3", "Qwen/Qwen3-4B", num_layers=36, num_attention_heads=32, num_query_groups=8,
-    arch_args=(*_QWEN3_ARCH, ("--hidden-size", 2560), ("--ffn-hidden-size", 9728)),
-)  # fmt: skip
-
-QWEN3_30B_A3B = ModelSpec(
-    "Qwen3-30B-A3B", "qwen3_moe", "Qwen/Qwen3-30B-A3B", num_layers=48, num_attention_heads=32,
-    num_query_groups=4, num_experts=128,
-    arch_args=(
-        *_QWEN3_ARCH, ("--hidden-size", 2048), ("--ffn-hidden-size", 6144), ("--untie-embeddings-and-output-weights", True),
-        ("--moe-ffn-hidden-size", 768), ("--moe-router-topk", 8), ("--moe-grouped-gemm", True),
-        ("--moe-token-dispatcher-type", "alltoall"), ("--moe-router-score-function", "softmax"),
-        ("--moe-router-load-balancing-type", "none"), ("--moe-aux-loss-coeff", 0),
-    ),
-)  # fmt: skip
-
-INKLING_SMALL = ModelSpec(
-    "Inkling-Small", "inkling", "thinkingmachines/Inkling-Small", num_layers=42, num_attention_heads=32,
-    num_query_groups=8, num_experts=128, first_k_dense=2,
-    arch_args=(
-        ("--hidden-size", 4096), ("--ffn-hidden-size", 12288), ("--kv-channels", 128), ("--normalization", "RMSNorm"),
-        ("--norm-epsilon", 1e-6), ("--swiglu", True), ("--disable-bias-linear", True),
-        ("--untie-embeddings-and-output-weights", True), ("--vocab-size", 201024), ("--moe-ffn-hidden-size", 1536),
-        ("--moe-router-topk", 8), ("--moe-shared-expert-intermediate-size", 3072), ("--moe-grouped-gemm", True),
-        ("--moe-token-dispatcher-type", "alltoall"), ("--window-size", 512),
-    ),
-)  # fmt: skip
-
-GLM5_2_744B_A40B = ModelSpec(
-    "GLM-5.2-744B-A40B", "glm_moe_dsa", "zai-org/GLM-5.2", num_layers=78, num_attention_heads=64,
-    num_experts=256, first_k_dense=3, attention="dsa",
-    arch_args=(
-        ("--hidden-size", 6144), ("--ffn-hidden-size", 12288), ("--normalization", "RMSNorm"), ("--norm-epsilon", 1e-5),
-        ("--swiglu", True), ("--disable-bias-linear", True), ("--untie-embeddings-and-output-weights", True),
-        ("--vocab-size", 154880), ("--multi-latent-attention", True), ("--q-lora-rank", 2048),
-        ("--kv-lora-rank", 512), ("--qk-head-dim", 192), ("--qk-pos-emb-head-dim", 64), ("--v-head-dim", 256),
-        ("--use-dsa", True), ("--dsa-indexer-n-heads", 32), ("--dsa-indexer-head-dim", 128),
-        ("--dsa-indexer-topk", 2048), ("--moe-ffn-hidden-size", 2048), ("--moe-shared-expert-intermediate-size", 2048),
-        ("--moe-router-topk", 8), ("--moe-router-score-function", "sigmoid"), ("--moe-router-enable-expert-bias", True),
-        ("--moe-router-topk-scaling-factor", 2.5), ("--moe-grouped-gemm", True), ("--moe-token-dispatcher-type", "alltoall"),
-    ),
-)  # fmt: skip
-
-DEEPSEEK_V4_FLASH = ModelSpec(
-    "DeepSeek-V4-Flash", "deepseek_v4", "deepseek-ai/DeepSeek-V4-Flash", num_layers=43, num_attention_heads=64,
-    num_query_groups=1, num_experts=256, attention="dsa",
-    arch_args=(
-        ("--hidden-size", 4096), ("--kv-channels", 512), ("--normalization", "RMSNorm"), ("--norm-epsilon", 1e-6),
-        ("--swiglu", True), ("--disable-bias-linear", True), ("--untie-embeddings-and-output-weights", True),
-        ("--vocab-size", 129280), ("--q-lora-rank", 1024), ("--use-dsa", True), ("--dsa-indexer-n-heads", 64),
-        ("--dsa-indexer-head-dim", 128), ("--dsa-indexer-topk", 512), ("--window-size", 128),
-        ("--moe-ffn-hidden-size", 2048), ("--moe-shared-expert-intermediate-size", 2048), ("--moe-router-topk", 6),
-        ("--moe-router-enable-expert-bias", True), ("--moe-router-topk-scaling-factor", 1.5),
-        ("--moe-grouped-gemm", True), ("--moe-token-dispatcher-type", "alltoall"),
-    ),
-)  # fmt: skip

@@ -12,11 +12,14 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from functools import cache
+from pathlib import Path
 
 from miles.ckpt.families import family as _ckpt_family
 from miles.ckpt.plan import CheckpointPlan
 from miles.parallel import LayoutError, ParallelConfig, validate
 from miles.recipes.args import Args, drop, fill, merge, render
+from miles.recipes.fidelity import Deviation, Reference
 from miles.recipes.models import TINY, ModelSpec, ResolvedModel, resolve_model
 
 # The argument groups, in the order they appear on the command line.
@@ -55,7 +58,7 @@ class ParallelProfile:
     rollout_engine: str = "sglang"  # sglang on GPUs; torch (the trainer's own sampler) on CPU
     overrides: tuple[tuple[str, Args], ...] = ()  # flags this profile sets or removes, by group
     suite: str | None = None  # the CI suite that runs it (checked against the catalog)
-    source: str = ""  # what else vouches for it
+    source: str = ""  # where the layout comes from
     train_backend: str | None = None  # None: the recipe's on GPUs, fsdp on the CPU
 
     @property
@@ -69,9 +72,9 @@ class ParallelProfile:
     def describe(self) -> str:
         return f"{self.platform} {self.nodes}x{self.gpus_per_node} {self.model}: {self.parallel.describe()}"
 
-    def evidence(self) -> str:
-        parts = [f"runs in {self.suite}" if self.suite else "", self.source]
-        return "; ".join(p for p in parts if p) or "no evidence recorded"
+    @property
+    def gpus(self) -> bool:
+        return self.platform in GPU_PLATFORMS
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,8 @@ class Overlay:
     env: tuple[tuple[str, str | None], ...] = ()  # merged into the shared environment (None removes)
     profiles: tuple[ParallelProfile, ...] = ()  # replace the shared profiles on this platform
     pins: tuple[tuple[str, str], ...] = ()  # package == version the platform's stack needs
+    fp8_rollout: bool | None = None  # None: as the shared recipe
+    deviations: tuple[Deviation, ...] = ()  # where this form differs from its reference, and why
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,8 @@ class Recipe:
     pins: tuple[tuple[str, str], ...] = ()
     overlays: tuple[Overlay, ...] = ()
     variant: str = SHARED  # "shared", or the platform whose overlay was applied
+    references: tuple[Reference, ...] = ()  # the reference recipe per GPU platform (facts)
+    deviations: tuple[Deviation, ...] = ()  # where the recipe differs from them, and why
 
     def __post_init__(self) -> None:
         unknown = [g for g, _ in self.args if g not in GROUPS]
@@ -119,8 +126,13 @@ class Recipe:
             )
         if (profile.platform == "cpu") != (profile.model == TINY):
             raise RecipeError(f"{where}: the {TINY} model runs on cpu and only there (got {profile.model})")
-        model = self.resolve(profile.model)
-        verdict = validate(profile.parallel, profile.world_size, model.shape)
+        model = self.resolve(profile.model, env={})
+        verdict = validate(
+            profile.parallel,
+            profile.world_size,
+            model.shape,
+            megatron_core=lane_megatron_core(profile.platform),
+        )
         if not verdict.ok:
             raise LayoutError(verdict, where)
 
@@ -155,8 +167,8 @@ class Recipe:
     def profile(
         self, model: str | None, platform: str, nodes: int | None = None, gpus_per_node: int | None = None
     ) -> ParallelProfile:
-        """The verified profile for this model and machine shape; NotImplementedError names the
-        verified ones and where to add another."""
+        """The profile for this model and machine shape; NotImplementedError names the defined
+        ones (`python -m miles.recipes list` says which a lane has trained) and where to add one."""
         model = model or self.default_model(platform)
         for p in self.profiles:
             if (p.model, p.platform) != (model, platform):
@@ -164,12 +176,13 @@ class Recipe:
             if nodes in (None, p.nodes) and gpus_per_node in (None, p.gpus_per_node):
                 return p
         shape = f"{nodes or 'any number of'} node(s) x {gpus_per_node or 'any number of'} GPU(s)"
-        verified = "; ".join(p.describe() for p in self.profiles) or "none"
+        defined = "; ".join(p.describe() for p in self.profiles) or "none"
         holder = "RECIPE" if self.variant == SHARED else f"the {self.variant.upper()} overlay"
         raise NotImplementedError(
-            f"{self.name} ({self.variant}) has no verified parallel profile for {model} on {platform} with "
-            f"{shape}. Verified: {verified}. To add one, put a ParallelProfile in {holder}.profiles in "
-            f"{self.defined_in} after the layout has run there (`python -m miles.parallel check` validates it)."
+            f"{self.name} ({self.variant}) has no parallel profile for {model} on {platform} with "
+            f"{shape}. Defined: {defined}. To add one, put a ParallelProfile in {holder}.profiles in "
+            f"{self.defined_in} (`python -m miles.parallel check --megatron` checks the layout; a run record "
+            "from a lane that trained it makes it verified: `python -m miles.recipes record`)."
         )
 
     # --- what the recipe produces ------------------------------------------------------------
@@ -225,7 +238,8 @@ class Recipe:
         resolved = self.resolve(profile.model, env)
         out: list[tuple[str, Args]] = []
         if backend == "megatron":
-            model_args = () if resolved.tiny else resolved.model_args()  # a tiny model's shape is its config
+            # a tiny model's shape is its own config.json, not the full model's widths
+            model_args = () if resolved.tiny else resolved.model_args(kernels=profile.gpus)
             if not megatron_layout(resolved.spec.family):  # --ref-load is the HF dir: load it via the bridge
                 model_args = (*model_args, ("--megatron-to-hf-mode", "bridge"))
             if model_args:
@@ -259,6 +273,9 @@ class Recipe:
     def environment(self) -> dict[str, str]:
         return {k: v for k, v in self.env if v is not None}
 
+    def reference(self, platform: str) -> Reference | None:
+        return next((r for r in self.references if r.platform == platform), None)
+
 
 def _placement(profile: ParallelProfile, backend: str) -> Args:
     out: list = [
@@ -288,6 +305,8 @@ def apply_overlay(recipe: Recipe, overlay: Overlay) -> Recipe:
         profiles=overlay.profiles,
         pins=tuple(pins.items()),
         variant=overlay.platform,
+        fp8_rollout=recipe.fp8_rollout if overlay.fp8_rollout is None else overlay.fp8_rollout,
+        deviations=(*overlay.deviations, *recipe.deviations),
     )
 
 
@@ -323,6 +342,22 @@ def check_suite(suite: str, platform: str, gpus: int) -> None:
         raise RecipeError(f"profile suite: {exc}") from None
     if entry.gpus != gpus:
         raise RecipeError(f"profile for {gpus} GPU(s) names suite {suite}, whose runners have {entry.gpus}")
+
+
+@cache
+def lane_megatron_core(platform: str) -> str | None:
+    """The megatron-core release a platform's lane pins (requirements/<stack>.txt), whose
+    layout rules its profiles must meet; None (the installed release) without the locks."""
+    from miles.image.config import load_images
+    from miles.image.pins import parse_lock
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        stack = load_images().stack_of_backend(platform)
+        pin = parse_lock(root / stack.lock_path).pins.get("megatron-core")
+    except (OSError, ValueError, KeyError):
+        return None
+    return pin.version if pin else None
 
 
 def source_file(module_name: str) -> str:

@@ -1,4 +1,4 @@
-"""Golden snapshots: the command and environment of every recipe x platform x profile.
+"""Golden snapshots: the command, environment and status of every recipe x platform x profile.
 
 Each recipe has one JSON file (`tests/snapshots/recipes/<recipe>.json`) keyed by
 `<platform> <nodes>x<gpus> <model>`. A change to a recipe, an overlay, a model spec or the
@@ -42,6 +42,7 @@ def render(name: str) -> str:
                 "workdirs": dict(plan.workdirs),
                 "checkpoint": {"source": plan.checkpoint.source, "steps": list(plan.checkpoint.steps)},
                 "pins": dict(plan.pins),
+                "status": plan.status.split(":", 1)[0],
             }
     return json.dumps(out, indent=1) + "\n"
 

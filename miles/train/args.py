@@ -80,6 +80,15 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _window(text: str) -> tuple[int, int]:
+    """Megatron-LM's --window-size: two token counts, LEFT,RIGHT (a lone number would be a
+    one-element tuple there, which its attention cannot use)."""
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.strip().lstrip("-").isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"must be LEFT,RIGHT (e.g. 512,0), got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
 def _non_negative_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value) or value < 0:
@@ -245,6 +254,10 @@ def _add_distributed(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decoder-first-pipeline-num-layers", type=_positive_int)
     g.add_argument("--decoder-last-pipeline-num-layers", type=_positive_int)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=_positive_int)
+    g.add_argument(
+        "--num-virtual-stages-per-pipeline-rank", type=_positive_int, help="virtual pipeline (vpp)"
+    )
+    g.add_argument("--cp-comm-type", choices=("p2p", "a2a", "all_gather", "allgather", "a2a+p2p"))
     g.add_argument("--gradient-checkpointing", action="store_true", help="(fsdp/ddp) recompute activations")
 
 
@@ -259,7 +272,7 @@ def _add_megatron_model(p: argparse.ArgumentParser) -> None:
         "--kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim --mtp-num-layers "
         "--original-max-position-embeddings --make-vocab-size-divisible-by --rotary-interleaved-groups "
         "--moe-router-topk-limited-devices --dsa-indexer-n-heads --dsa-indexer-head-dim --dsa-indexer-topk "
-        "--window-size --num-dense-layers"
+        "--num-dense-layers --window-attn-skip-freq"
     ).split()
     floats = (
         "--norm-epsilon --rotary-base --rotary-percent --rotary-scaling-factor --moe-aux-loss-coeff "
@@ -271,7 +284,8 @@ def _add_megatron_model(p: argparse.ArgumentParser) -> None:
         "--normalization --position-embedding-type --moe-router-score-function --moe-token-dispatcher-type "
         "--moe-router-dtype --moe-router-load-balancing-type --attention-backend --recompute-granularity "
         "--recompute-method --transformer-impl --moe-layer-freq --tokenizer-type --tokenizer-model "
-        "--spec --moe-pad-expert-input-to-capacity --qk-layernorm-type --kv-lora-dtype"
+        "--spec --moe-pad-expert-input-to-capacity --qk-layernorm-type --kv-lora-dtype "
+        "--experimental-attention-variant"
     ).split()
     flags = (
         "--swiglu --group-query-attention --use-rotary-position-embeddings --disable-bias-linear "
@@ -294,6 +308,9 @@ def _add_megatron_model(p: argparse.ArgumentParser) -> None:
         g.add_argument(name, action="store_true")
     g.add_argument("--recompute-num-layers", type=int)
     g.add_argument("--recompute-modules", nargs="+")
+    g.add_argument(
+        "--window-size", type=_window, help="sliding window as Megatron-LM's LEFT,RIGHT (-1: unbounded)"
+    )
 
 
 def _add_ci(p: argparse.ArgumentParser) -> None:
@@ -523,13 +540,12 @@ def validate(args: argparse.Namespace) -> None:
 
 def _check_megatron_layout(args: argparse.Namespace) -> None:
     """The Megatron layout must fit the GPUs the job asks for, checked before anything starts."""
-    from miles.parallel import LayoutError
     from miles.train.layout import parallel_layout
 
     world = args.actor_num_nodes * args.actor_num_gpus_per_node
     try:
         parallel_layout(args, world)
-    except LayoutError as exc:
+    except ValueError as exc:  # LayoutError, or virtual pipeline flags Megatron-LM refuses
         raise ArgsError(
             f"{exc} (world = --actor-num-nodes {args.actor_num_nodes} x --actor-num-gpus-per-node "
             f"{args.actor_num_gpus_per_node})"

@@ -10,13 +10,19 @@ import json
 from pathlib import Path
 
 
+class VirtualPipelineError(ValueError):
+    """--num-layers-per-virtual-pipeline-stage that Megatron-LM cannot turn into a vpp degree."""
+
+
 def parallel_layout(args, world_size: int):
     """The `miles.parallel.ParallelConfig` of the flags, checked for `world_size` GPUs.
 
-    Raises `miles.parallel.LayoutError` naming every factor and the nearest valid change.
+    Raises `miles.parallel.LayoutError` naming every factor and the nearest valid change, or
+    `VirtualPipelineError` for virtual pipeline flags Megatron-LM would refuse.
     """
     from miles import parallel
 
+    shape = model_shape(args)
     config = parallel.ParallelConfig(
         tp=args.tensor_model_parallel_size,
         pp=args.pipeline_model_parallel_size,
@@ -26,9 +32,50 @@ def parallel_layout(args, world_size: int):
         sp=args.sequence_parallel,
         first_stage_layers=args.decoder_first_pipeline_num_layers,
         last_stage_layers=args.decoder_last_pipeline_num_layers,
+        vpp=virtual_stages(args, shape.num_layers if shape else None),
+        cp_comm_type=getattr(args, "cp_comm_type", None),
     )
-    parallel.check(config, world_size, model_shape(args), where="miles.train")
+    parallel.check(config, world_size, shape, where="miles.train")
     return config
+
+
+def virtual_stages(args, num_layers: int | None) -> int | None:
+    """Virtual pipeline stages per pipeline rank, from either Megatron-LM flag:
+    --num-virtual-stages-per-pipeline-rank directly, or --num-layers-per-virtual-pipeline-stage
+    (layers per pipeline rank / layers per virtual stage, even pipelines only)."""
+    stages = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
+    per_stage = args.num_layers_per_virtual_pipeline_stage
+    if per_stage is None:
+        return stages
+    flag = f"--num-layers-per-virtual-pipeline-stage {per_stage}"
+    if stages is not None:
+        raise VirtualPipelineError(
+            f"{flag} and --num-virtual-stages-per-pipeline-rank {stages} both set the virtual pipeline; give one"
+        )
+    if (
+        args.decoder_first_pipeline_num_layers is not None
+        or args.decoder_last_pipeline_num_layers is not None
+    ):
+        raise VirtualPipelineError(
+            f"{flag} with explicit first/last pipeline stage sizes: Megatron-LM needs "
+            "--num-virtual-stages-per-pipeline-rank for an uneven pipeline"
+        )
+    pp = args.pipeline_model_parallel_size
+    if pp <= 1:
+        raise VirtualPipelineError(f"{flag} needs --pipeline-model-parallel-size > 1 (got {pp})")
+    if num_layers is None:
+        raise VirtualPipelineError(
+            f"{flag}: the layer count is unknown (no --num-layers and no num_hidden_layers in "
+            f"{args.hf_checkpoint}/config.json); pass --num-layers or --num-virtual-stages-per-pipeline-rank"
+        )
+    if num_layers % pp:
+        raise VirtualPipelineError(f"{flag}: {num_layers} layers do not split evenly over pp({pp})")
+    per_rank = num_layers // pp
+    if per_rank % per_stage:
+        raise VirtualPipelineError(
+            f"{flag}: the {per_rank} layers of each pipeline rank do not split into virtual stages of {per_stage}"
+        )
+    return per_rank // per_stage
 
 
 def model_shape(args):
@@ -47,7 +94,8 @@ def model_shape(args):
     if not layers or not heads:
         return None
     attention = "gqa"
-    if args.use_dsa or "index_topk" in hf:
+    variant = getattr(args, "experimental_attention_variant", None)
+    if variant == "dsa" or args.dsa_indexer_topk or getattr(args, "use_dsa", False) or "index_topk" in hf:
         attention = "dsa"
     elif args.multi_latent_attention or hf.get("kv_lora_rank"):
         attention = "mla"
@@ -56,6 +104,12 @@ def model_shape(args):
         num_layers=layers,
         num_attention_heads=heads,
         num_query_groups=args.num_query_groups or hf.get("num_key_value_heads"),
-        num_experts=args.num_experts or hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts"),
+        num_experts=args.num_experts
+        or hf.get("num_experts")
+        or hf.get("num_local_experts")
+        or hf.get("n_routed_experts"),
         attention=attention,
+        # Megatron-LM's linear layers carry biases unless --disable-bias-linear.
+        bias=not args.disable_bias_linear if args.num_layers else bool(hf.get("mlp_bias", False)),
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size or hf.get("moe_intermediate_size"),
     )

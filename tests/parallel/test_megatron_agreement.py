@@ -3,7 +3,8 @@
 megatron-core 0.16.1 runs for real: one helper process forks a gloo group per world size
 (1, 2, 3, 4, 8 ranks) and tries every layout of that size in turn. The table records the
 exact message megatron-core gives for each layout it refuses; a megatron-core upgrade that
-changes a message or a verdict fails here first.
+changes a message or a verdict fails here first. Seeded random layouts are proven the same
+way in tests/parallel/test_random_layouts.py.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from miles.parallel import ModelShape, ParallelConfig, stage_sizes, validate
 from miles.parallel.megatron import Case, prove
 from miles.recipes import names, variants
 
-register_cpu_ci(est_time=80, suite="stage-b-cpu")
+register_cpu_ci(est_time=40, suite="stage-b-cpu")
 
 DENSE = ModelShape("Qwen3-4B-4layer", 4, 32, 8)
 MOE = ModelShape("Qwen3-30B-A3B-4layer", 4, 32, 4, 128)
@@ -24,9 +25,13 @@ KV3 = ModelShape("kv3", 4, 12, 3)
 KV2 = ModelShape("kv2", 4, 8, 2)
 E8 = ModelShape("moe8", 4, 8, 8, 8)
 E12 = ModelShape("moe12", 4, 8, 8, 12)
+D8 = ModelShape("dense8", 8, 8)
+BIASED = ModelShape("biased-moe8", 4, 8, 8, 8, bias=True)
+ODD = ModelShape("moe8-ffn35", 4, 8, 8, 8, moe_ffn_hidden_size=35)
 P = ParallelConfig
 
-SP_TP = "ValueError: Cannot use sequence parallelism without tensor parallelism"
+EP_DENSE = "ValueError: num_moe_experts must be non None to use expert-parallel."
+HEADS_3 = "ValueError: num_attention_heads (32) must be a multiple of tensor_model_parallel_size (3)."
 LAYERS_PP = "AssertionError: num_layers should be divisible by pipeline_model_parallel_size"
 DSA_CP = "AssertionError: Currently context parallelism is not supported by DSAttention!"
 EXPERTS_EP = (
@@ -42,20 +47,14 @@ def expert_grid(world: int, size: int) -> str:
 # (world size, layout, model, miles' first violated rule or None, megatron-core's error or None)
 TABLE = [
     (1, P(), None, None, None),
-    (1, P(sp=True), DENSE, "sp-needs-tp", SP_TP),
+    (1, P(sp=True), DENSE, None, None),  # Megatron-LM turns sp off with tp=1; so does the proof
     (1, P(), GLM, None, None),
     (2, P(tp=2, sp=True), DENSE, None, None),
     (2, P(tp=2), None, None, None),
     (2, P(pp=2), DENSE, None, None),
     (2, P(cp=2), DENSE, None, None),
     (2, P(cp=2), GLM, "dsa-cp", DSA_CP),
-    (
-        2,
-        P(ep=2),
-        DENSE,
-        "ep-needs-moe",
-        "ValueError: num_moe_experts must be non None to use expert-parallel.",
-    ),
+    (2, P(ep=2), DENSE, "ep-needs-moe", EP_DENSE),
     (2, P(ep=2), MOE, None, None),
     (2, P(pp=2), GLM, "layers-pp", LAYERS_PP),
     (2, P(pp=2, first_stage_layers=3), GLM, None, None),
@@ -67,13 +66,52 @@ TABLE = [
         "ValueError: Mismatch: -2 middle layers remaining but 0 middle PP stages available.",
     ),
     (2, P(tp=2, ep=2, sp=True), MOE, "expert-grid", expert_grid(2, 4)),
-    (2, P(sp=True, ep=2), DENSE, "sp-needs-tp", SP_TP),  # two rules broken: megatron-core's order wins
+    (6, P(tp=3, ep=2, etp=1), DENSE, "heads-tp", HEADS_3),  # three rules broken: megatron-core's order wins
+    (
+        2,
+        P(vpp=2),
+        D8,
+        "vpp-needs-pp",
+        "RuntimeError: pipeline-model-parallel size should be greater than 1 with interleaved schedule",
+    ),
+    (2, P(pp=2, vpp=2), D8, None, None),
+    (
+        2,
+        P(pp=2, vpp=3),
+        D8,
+        "vpp-layers",
+        "AssertionError: num_layers_per_pipeline_rank 4 should be divisible by vp_size 3",
+    ),
+    (
+        2,
+        P(tp=2),
+        E8,
+        "moe-tp-needs-sp",
+        "ValueError: During training, performance may degrade if MoE and tensor parallelismare enabled without also enabling sequence parallelism.",
+    ),
+    (2, P(tp=2, sp=True), E8, None, None),
+    (
+        2,
+        P(tp=2, sp=True, etp=2),
+        BIASED,
+        "moe-bias-etp",
+        "AssertionError: Bias in Moe is only supported when ETP==1",
+    ),
+    (2, P(tp=2, sp=True, etp=1), BIASED, None, None),
+    (2, P(tp=2, sp=True, etp=2), E8, None, None),  # the bias-free MoE every recipe trains
+    (
+        2,
+        P(tp=2, sp=True, etp=2),
+        ODD,
+        "moe-ffn-etp",
+        "AssertionError: 19 is not divisible by 2 when instantiating ColumnParallelLinear when instantiating SequentialMLP",
+    ),
     (
         3,
         P(tp=3),
         DENSE,
         "heads-tp",
-        "ValueError: num_attention_heads (32) must be a multiple of tensor_model_parallel_size (3).",
+        HEADS_3,
     ),
     (3, P(pp=3), MOE, "layers-pp", LAYERS_PP),
     (3, P(pp=3, first_stage_layers=2), MOE, None, None),
@@ -96,6 +134,22 @@ TABLE = [
     (4, P(tp=2, cp=2, pp=2), DENSE, "dense-grid", "RuntimeError: world_size (4) is not divisible by 8"),
     (4, P(pp=4), GLM, "layers-pp", LAYERS_PP),
     (4, P(pp=4, first_stage_layers=2), GLM, None, None),
+    (
+        4,
+        P(pp=4, vpp=2, first_stage_layers=3),
+        ModelShape("m9", 9, 8),
+        "stage-layers",
+        "ValueError: number of layers at first stage: 3must be divisible by virtual pipelineparallel degree 2",
+    ),
+    (
+        4,
+        P(pp=4, vpp=2, first_stage_layers=2),
+        ModelShape("m11", 11, 8),
+        "stage-layers",
+        "ValueError: number of layers on each middle pipeline rank:3 must be divisible by virtualpipeline "
+        "parallel degree 2",
+    ),
+    (4, P(tp=2, pp=2, vpp=2, sp=True, ep=2, etp=1), ModelShape("moe8-8layer", 8, 8, 8, 8), None, None),
     (
         4,
         P(pp=4, first_stage_layers=1, last_stage_layers=1),
@@ -191,7 +245,8 @@ def test_megatron_core_accepts_every_verified_recipe_profile(row, megatron_verdi
 
 
 def test_megatron_rank_grids_match_the_layout(megatron_verdicts):
-    groups = megatron_verdicts[_id(TABLE[20])].groups  # tp2·pp2·ep2·etp1 on 4 ranks
+    row = next(r for r in TABLE if r[:2] == (4, P(tp=2, pp=2, ep=2, etp=1, sp=True)))
+    groups = megatron_verdicts[_id(row)].groups
     assert groups["tp"] == [[0, 1], [2, 3]]
     assert groups["pp"] == [[0, 2], [1, 3]]
     assert groups["ep"] == [[0, 1], [2, 3]]

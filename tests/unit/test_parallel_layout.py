@@ -8,11 +8,23 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from miles.parallel import LayoutError, ModelShape, ParallelConfig, check, stage_sizes, validate
+from miles.parallel import (
+    LayoutError,
+    ModelShape,
+    ParallelConfig,
+    check,
+    env_problems,
+    layers_per_virtual_stage,
+    required_env,
+    stage_sizes,
+    validate,
+)
+from miles.parallel.numbers import divisors
 
 ROOT = Path(__file__).resolve().parents[2]
 MOE = ModelShape("Qwen3-30B-A3B-4layer", 4, 32, 4, 128)
@@ -65,7 +77,7 @@ def test_dense_grid_names_tp_cp_pp():
 
 def test_the_smallest_change_comes_first():
     # tp=1 and tp=2 both make the layout valid on 6 ranks; 3 -> 2 is the smaller step.
-    fixes = validate(ParallelConfig(tp=3), 6, MOE).violations[0].fixes
+    fixes = validate(ParallelConfig(tp=3), 6, DENSE).violations[0].fixes
     assert fixes[0] == "tp=3 → tp=2 splits 32 heads 16 per tp rank"
 
 
@@ -84,18 +96,40 @@ def test_kv_heads_neither_multiple_nor_divisor_of_tp_are_refused():
     assert verdict.rules == ("kv-heads-tp",)
 
 
-def test_sequence_parallel_without_tp_suggests_turning_it_off():
-    verdict = validate(ParallelConfig(sp=True), 2, DENSE)
-    assert verdict.violations[0].fixes[0] == "sp=on → sp=off makes the layout valid"
+def test_sequence_parallel_with_tp_1_is_turned_off_with_a_note_as_megatron_lm_does():
+    verdict = validate(ParallelConfig(sp=True, pp=2, cp=2, ep=4, etp=1), 8, MOE)  # the AMD reference
+    assert verdict.ok
+    assert "Megatron-LM turns it off with a warning" in verdict.notes[0]
+    assert not ParallelConfig(sp=True).effective_sp
 
 
 def test_expert_parallel_on_a_dense_model_is_refused():
     assert validate(ParallelConfig(ep=2), 2, DENSE).rules == ("ep-needs-moe",)
 
 
-def test_dsa_models_cannot_use_context_parallel():
-    glm = ModelShape("GLM-5.2-5layer", 5, 64, 64, 256, "dsa")
-    assert validate(ParallelConfig(cp=2), 2, glm).rules == ("dsa-cp",)
+GLM = ModelShape("GLM-5.2-5layer", 5, 64, 64, 256, "dsa")
+
+
+def test_dsa_with_context_parallel_is_refused_by_megatron_core_0_16():
+    verdict = validate(ParallelConfig(cp=2, cp_comm_type="all_gather"), 2, GLM, megatron_core="0.16.1")
+    assert verdict.rules == ("dsa-cp",)
+    assert "megatron-core 0.16.1 cannot split over cp(2)" in verdict.violations[0].message
+
+
+def test_dsa_with_context_parallel_needs_all_gather_from_megatron_core_0_19():
+    assert validate(ParallelConfig(cp=2), 2, GLM, megatron_core="0.19.2").rules == ("dsa-cp",)
+    assert validate(ParallelConfig(cp=2, cp_comm_type="all_gather"), 2, GLM, megatron_core="0.19.2").ok
+
+
+def test_dsa_fix_under_0_19_is_the_all_gather_communication():
+    fixes = validate(ParallelConfig(cp=2), 2, GLM, megatron_core="0.19.2").violations[0].fixes
+    assert "cp_comm_type=unset → cp_comm_type=all_gather makes the layout valid" in fixes
+
+
+def test_the_installed_megatron_core_decides_by_default():
+    from miles.parallel.rules import installed_megatron_core
+
+    assert validate(ParallelConfig(), 1).megatron_core == installed_megatron_core() == "0.16.1"
 
 
 def test_uneven_layers_suggest_an_explicit_first_stage():
@@ -119,11 +153,18 @@ def test_first_and_last_stage_sizes_on_a_single_stage_are_refused():
     assert "pp(1) has one stage, which is both first and last" in verdict.violations[0].message
 
 
-def test_a_fix_that_leaves_another_rule_broken_does_not_claim_a_valid_layout():
+def test_fix_candidates_are_the_divisors_of_the_world():
+    # pp=3 would clear stage-layers but can never divide 4 ranks, so it is not searched.
     fixes = validate(ParallelConfig(first_stage_layers=1, last_stage_layers=1), 4, MOE).violations[0].fixes
-    assert fixes == (
-        "pp=1 → pp=4 makes the layout valid",
-        "pp=1 → pp=3 clears stage-layers, but the layout still breaks another rule",
+    assert fixes == ("pp=1 → pp=4 makes the layout valid",)
+
+
+def test_a_fix_with_a_rule_outcome_still_says_when_the_layout_stays_invalid():
+    # etp follows tp=3; etp=4 clears the expert grid but tp=3 still breaks the dense grid.
+    fixes = validate(ParallelConfig(tp=3), 8).violations[1].fixes
+    assert fixes[0] == (
+        "etp=3 → etp=4 makes etp·ep·pp = 4 divide world 8, but the layout would still be invalid "
+        "(dense-grid: tp(3)·cp(1)·pp(1) = 3 does not divide world size 8)"
     )
 
 
@@ -137,18 +178,18 @@ def test_without_a_model_only_the_grid_rules_apply():
 
 
 def test_every_broken_rule_is_reported_in_megatron_order():
-    verdict = validate(ParallelConfig(sp=True, ep=2), 2, DENSE)
-    assert verdict.rules == ("sp-needs-tp", "ep-needs-moe")
+    verdict = validate(ParallelConfig(tp=3, ep=2), 6, DENSE)
+    assert verdict.rules == ("heads-tp", "kv-heads-tp", "ep-needs-moe")
 
 
-def test_ep_with_tp_without_sequence_parallel_carries_megatron_warning():
-    verdict = validate(ParallelConfig(tp=2, ep=2, etp=1), 4, MOE)
+def test_ep_with_tp_without_sequence_parallel_carries_megatron_warning_without_a_model():
+    verdict = validate(ParallelConfig(tp=2, ep=2, etp=1), 4)
     assert verdict.ok and "sequence parallel" in verdict.notes[0]
 
 
 def test_check_raises_with_where_prefix():
     with pytest.raises(LayoutError, match=r"^recipe inkling, rocm 1x4: tp2·pp2") as err:
-        check(ParallelConfig(tp=2, pp=2, ep=4, etp=1), 4, MOE, where="recipe inkling, rocm 1x4")
+        check(ParallelConfig(tp=2, pp=2, ep=4, etp=1, sp=True), 4, MOE, where="recipe inkling, rocm 1x4")
     assert err.value.verdict.rules == ("expert-grid",)
 
 
@@ -187,3 +228,176 @@ def test_check_command_bad_size_is_a_usage_error():
 def test_layout_checks_import_neither_torch_nor_megatron():
     code = "import sys, miles.parallel; sys.exit(bool({'torch', 'megatron'} & set(sys.modules)))"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=False).returncode == 0
+
+
+# --- virtual pipeline stages -------------------------------------------------------------
+
+EIGHT = ModelShape("dense8", 8, 8)
+
+
+def test_virtual_pipeline_needs_more_than_one_pipeline_rank():
+    verdict = validate(ParallelConfig(vpp=2), 1, EIGHT)
+    assert verdict.rules == ("vpp-needs-pp",)
+    assert verdict.violations[0].fixes[0] == "vpp=2 → vpp=unset makes the layout valid"
+
+
+def test_layers_per_virtual_stage_follow_megatron_assignment():
+    config = ParallelConfig(tp=2, pp=2, vpp=2)
+    assert validate(config, 4, EIGHT).ok
+    assert stage_sizes(config, EIGHT) == (4, 4)
+    assert layers_per_virtual_stage(config, EIGHT) == (2, 2)
+
+
+def test_layers_per_pipeline_rank_must_split_into_the_virtual_stages():
+    verdict = validate(ParallelConfig(pp=2, vpp=3), 2, EIGHT)
+    assert verdict.rules == ("vpp-layers",)
+    assert verdict.violations[0].message == (
+        "dense8: 8 layers over pp(2) leave 4 per pipeline rank, which do not split into vpp(3) virtual stages"
+    )
+
+
+def test_explicit_stage_sizes_must_split_into_the_virtual_stages():
+    verdict = validate(ParallelConfig(pp=4, vpp=2, first_stage_layers=3), 4, ModelShape("m", 9, 8))
+    assert verdict.rules == ("stage-layers",)
+    assert "the first stage's 3 layer(s) do not split into vpp(2)" in verdict.violations[0].message
+
+
+def test_virtual_pipeline_reaches_the_trainer_under_megatron_lm_flag():
+    flags = ParallelConfig(tp=2, pp=2, vpp=2).trainer_flags()
+    assert flags[-2:] == ("--num-virtual-stages-per-pipeline-rank", "2")
+
+
+# --- MoE rules ---------------------------------------------------------------------------
+
+
+def test_moe_with_tensor_parallel_needs_sequence_parallel():
+    verdict = validate(ParallelConfig(tp=2), 2, MOE)
+    assert verdict.rules == ("moe-tp-needs-sp",)
+    assert verdict.violations[0].fixes[0] == "sp=off → sp=on makes the layout valid"
+
+
+def test_dense_models_may_use_tensor_parallel_without_sequence_parallel():
+    assert validate(ParallelConfig(tp=2), 2, DENSE).ok
+
+
+def test_moe_with_biases_needs_expert_tensor_parallel_1():
+    biased = ModelShape("biased-moe", 4, 8, 8, 8, bias=True)
+    verdict = validate(ParallelConfig(tp=2, sp=True, etp=2), 2, biased)
+    assert verdict.rules == ("moe-bias-etp",)
+    assert verdict.violations[0].fixes[0] == "etp=2 → etp=1 makes the layout valid"
+    assert validate(ParallelConfig(tp=2, sp=True, etp=2), 2, replace(biased, bias=False)).ok
+
+
+def test_an_expert_ffn_width_must_split_over_expert_tensor_parallel():
+    odd = ModelShape("odd-moe", 4, 8, 8, 8, moe_ffn_hidden_size=36)
+    assert validate(ParallelConfig(tp=8, sp=True, etp=8), 8, odd).rules == ("moe-ffn-etp",)
+
+
+# --- environment -------------------------------------------------------------------------
+
+
+def test_tensor_or_context_parallel_need_one_device_connection():
+    assert required_env(ParallelConfig(tp=2)) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert required_env(ParallelConfig(cp=2)) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert required_env(ParallelConfig(pp=2, ep=2)) == {}
+
+
+def test_a_launch_environment_without_the_setting_is_named():
+    (problem,) = env_problems(ParallelConfig(tp=2), {"CUDA_DEVICE_MAX_CONNECTIONS": "8"})
+    assert "needs CUDA_DEVICE_MAX_CONNECTIONS=1 in the launch environment" in problem
+    assert problem.endswith("found CUDA_DEVICE_MAX_CONNECTIONS=8")
+    assert env_problems(ParallelConfig(tp=2), {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}) == []
+
+
+# --- the fix search ----------------------------------------------------------------------
+
+
+def test_divisors_come_from_the_prime_factors():
+    assert divisors(1) == [1]
+    assert divisors(12) == [1, 2, 3, 4, 6, 12]
+    assert len(divisors(2**40)) == 41
+    prime = 1099511627791  # the first prime above 2^40
+    assert divisors(prime) == [1, prime]
+    assert divisors(prime * 3) == [1, 3, prime, 3 * prime]
+
+
+def test_a_world_of_two_to_the_40_gets_divisor_fixes():
+    verdict = validate(ParallelConfig(tp=3), 2**40)
+    assert verdict.violations[0].fixes[0] == "tp=3 → tp=4 makes tp·cp·pp = 4 divide world 1099511627776"
+
+
+def test_check_command_answers_a_huge_world_with_the_verdict_first():
+    proc = _cli("check", "--world-size", "1099511627776", "--tp", "3")
+    assert proc.returncode == 1
+    assert proc.stdout.splitlines()[0] == (
+        "layout tp3·pp1·cp1·ep1·etp3 on 1099511627776 rank(s): INVALID, dense-grid: tp(3)·cp(1)·pp(1) = 3 "
+        "does not divide world size 1099511627776 (+1 more)"
+    )
+
+
+def test_check_command_understands_virtual_pipeline():
+    proc = _cli(
+        "check", "--world-size", "4", "--tp", "2", "--pp", "2", "--vpp", "2", "--layers", "8", "--heads", "8"
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[0] == "layout tp2·pp2·cp1·ep1·etp2 vpp2 on 4 rank(s) for model: valid"
+
+
+def test_a_usage_error_is_one_line():
+    proc = _cli("check", "--world-size", "4", "--tpp", "2")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "python -m miles.parallel: error: unrecognized arguments: --tpp 2 (--help lists the flags)"
+    ]
+
+
+def test_megatron_proof_of_a_world_above_the_cap_is_refused_before_forking():
+    proc = _cli("check", "--world-size", "4096", "--tp", "2", "--megatron")
+    assert proc.returncode == 2
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("error: --megatron forks one gloo process per rank, and world size 4096 is above")
+    assert "MILES_MEGATRON_PROOF_MAX_RANKS" in line
+
+
+# --- the layout of a trainer command (miles.train.layout) ---------------------------------
+
+
+def _trainer(*flags: str):
+    from miles.train.args import parse_args
+
+    base = [
+        "--hf-checkpoint",
+        "/nonexistent",
+        "--train-backend",
+        "megatron",
+        "--actor-num-gpus-per-node",
+        "4",
+    ]
+    return parse_args([*base, "--num-layers", "8", "--num-attention-heads", "8", *flags])
+
+
+def test_trainer_layers_per_virtual_stage_become_the_vpp_degree():
+    from miles.train.layout import parallel_layout
+
+    args = _trainer("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2")
+    assert parallel_layout(args, 4).vpp == 2  # 8 layers / pp 2 = 4 per rank = 2 virtual stages of 2
+
+
+def test_trainer_virtual_stages_per_rank_reach_the_layout_checks(capsys):
+    with pytest.raises(SystemExit):
+        _trainer("--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "3")
+    assert "vpp(3) virtual stages" in capsys.readouterr().err
+
+
+def test_trainer_layers_per_virtual_stage_that_do_not_divide_the_rank_are_named(capsys):
+    with pytest.raises(SystemExit):
+        _trainer("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3")
+    err = capsys.readouterr().err
+    assert "--num-layers-per-virtual-pipeline-stage 3: the 4 layers of each pipeline rank do not split" in err
+
+
+def test_trainer_window_size_is_megatron_lms_left_right_pair(capsys):
+    assert _trainer("--window-size", "512,0").window_size == (512, 0)
+    with pytest.raises(SystemExit):
+        _trainer("--window-size", "512")
+    assert "--window-size: must be LEFT,RIGHT (e.g. 512,0), got '512'" in capsys.readouterr().err

@@ -46,10 +46,10 @@ def test_num_rollout_goes_before_extra_args():
 
 
 def test_extra_env_vars_merge_last_over_the_recipe_and_platform():
-    options = replace(FIXED, extra_env=(("SGLANG_USE_AITER", "0"), ("MY_FLAG", "1")))
+    options = replace(FIXED, extra_env=(("SGLANG_ENABLE_UNIFIED_RADIX_TREE", "0"), ("MY_FLAG", "1")))
     plan = build_plan(load("inkling", platform="rocm"), options, base_env={})
     env = dict(plan.env)
-    assert env["SGLANG_USE_AITER"] == "0" and env["MY_FLAG"] == "1"
+    assert env["SGLANG_ENABLE_UNIFIED_RADIX_TREE"] == "0" and env["MY_FLAG"] == "1"
 
 
 def test_rocm_plan_mirrors_hip_visible_devices():
@@ -61,7 +61,7 @@ def test_rocm_plan_mirrors_hip_visible_devices():
 
 
 def test_cuda_plan_carries_no_rocm_settings():
-    plan = build_plan(shared("inkling"), replace(FIXED, model="Inkling-Small-4layer"), base_env={})
+    plan = build_plan(shared("qwen3_4b"), replace(FIXED, model="Qwen3-4B"), base_env={})
     assert plan.platform == "cuda"
     assert not [k for k, _ in plan.env if k.startswith("RAY_EXPERIMENTAL") or k.startswith("NCCL")]
 
@@ -196,7 +196,8 @@ def test_amd_script_dry_run_prints_a_complete_plan():
     for part in (
         "recipe     inkling (rocm form)",
         "pins       numba==0.65.1",
-        "SGLANG_USE_AITER=1",
+        "SGLANG_ENABLE_UNIFIED_RADIX_TREE=1",
+        "CUDA_DEVICE_MAX_CONNECTIONS=1",
         "--sequence-parallel",
     ):
         assert part in proc.stdout
@@ -221,3 +222,17 @@ def test_prepare_with_a_bad_checkpoint_source_exits_2_with_one_line(tmp_path, ca
 def test_shared_script_under_a_wrong_platform_variable_refuses(capsys):
     assert main("inkling", argv=["train", "--dry-run"], env={"MILES_HARDWARE_PLATFORM": "rocm"}) == 2
     assert "MILES_HARDWARE_PLATFORM=rocm but this machine is cpu" in capsys.readouterr().err
+
+
+def test_megatron_gpu_jobs_run_with_one_device_connection():
+    cuda = build_plan(shared("qwen3_4b"), replace(FIXED, model="Qwen3-4B"), base_env={})
+    assert dict(cuda.env)["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    rocm = build_plan(load("inkling", platform="rocm"), FIXED, base_env={})
+    assert dict(rocm.env)["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in dict(build_plan(shared("qwen3_4b"), FIXED, base_env={}).env)
+
+
+def test_extra_env_that_breaks_the_layouts_device_connections_is_refused():
+    options = replace(FIXED, model="Qwen3-4B", extra_env=(("CUDA_DEVICE_MAX_CONNECTIONS", "8"),))
+    with pytest.raises(LaunchError, match="needs CUDA_DEVICE_MAX_CONNECTIONS=1 in the launch environment"):
+        build_plan(shared("qwen3_4b"), options, base_env={})

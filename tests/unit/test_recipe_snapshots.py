@@ -36,10 +36,10 @@ def test_every_recipe_platform_and_profile_has_a_snapshot():
 def test_a_changed_command_is_reported_as_a_diff(tmp_path):
     shutil.copytree(SNAPSHOTS, tmp_path, dirs_exist_ok=True)
     path = tmp_path / "inkling.json"
-    path.write_text(path.read_text().replace('"mori"', '"deepep"').replace('"0.7"', '"0.85"'))
+    path.write_text(path.read_text().replace('"triton"', '"fa4"').replace('"0.6"', '"0.85"'))
     (problem,) = compare(tmp_path)
     assert problem.startswith(f"--- {path} (committed)")
-    assert '-   "0.85",' in problem and '+   "0.7",' in problem
+    assert '-   "0.85",' in problem and '+   "0.6",' in problem
 
 
 def test_snapshots_do_not_depend_on_the_machine(monkeypatch):

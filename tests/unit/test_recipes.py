@@ -15,8 +15,9 @@ from miles.platform import PlatformMismatch
 from miles.recipes import GROUPS, load, names, shared, variants
 from miles.recipes.args import ArgsError, fill, merge, render
 from miles.recipes.diff import recipe_diff
-from miles.recipes.models import INKLING_SMALL, QWEN3_4B, UnknownModel, moe_layer_freq, resolve_model
+from miles.recipes.models import UnknownModel, moe_layer_freq, resolve_model
 from miles.recipes.recipe import RecipeError, gpu_profile, groups
+from miles.recipes.specs import INKLING_SMALL, QWEN3_4B
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -85,15 +86,13 @@ def test_a_profile_whose_gpu_count_differs_from_its_suite_is_refused():
         )
 
 
-def test_an_unverified_profile_lists_the_verified_ones_and_where_to_add_one():
+def test_a_missing_profile_lists_the_defined_ones_and_where_to_add_one():
     recipe = load("inkling", platform="rocm")
     with pytest.raises(NotImplementedError) as err:
         recipe.profile("Inkling-Small-4layer", "rocm", nodes=1, gpus_per_node=8)
     message = str(err.value)
-    assert (
-        "no verified parallel profile for Inkling-Small-4layer on rocm with 1 node(s) x 8 GPU(s)" in message
-    )
-    assert "Verified: rocm 1x4 Inkling-Small-4layer: tp4·pp1·cp1·ep4·etp1+sp" in message
+    assert "no parallel profile for Inkling-Small-4layer on rocm with 1 node(s) x 8 GPU(s)" in message
+    assert "Defined: rocm 1x4 Inkling-Small-4layer: tp4·pp1·cp1·ep4·etp1+sp" in message
     assert "the ROCM overlay.profiles in miles/recipes/library/inkling.py" in message
 
 
@@ -113,8 +112,8 @@ def test_unknown_recipe_lists_the_known_ones():
 
 
 def test_rocm_overlay_replaces_deepep_with_mori_and_keeps_everything_else():
-    cuda = _flags(shared("qwen3_30b_a3b"), "cuda")
-    rocm = _flags(load("qwen3_30b_a3b", platform="rocm"), "rocm")
+    cuda = _flags(shared("glm5_2_744b_a40b"), "cuda")
+    rocm = _flags(load("glm5_2_744b_a40b", platform="rocm"), "rocm")
     assert cuda[cuda.index("--sglang-moe-a2a-backend") + 1] == "deepep"
     assert rocm[rocm.index("--sglang-moe-a2a-backend") + 1] == "mori"
     assert [f for f in cuda if f.startswith("--")] == [f for f in rocm if f.startswith("--")]
@@ -132,7 +131,7 @@ def test_four_gpu_rocm_moe_layout_uses_ep_2_under_pp_2():
 def test_diff_lists_every_rocm_delta_of_inkling():
     base = shared("inkling")
     lines = recipe_diff(base, base.for_platform("rocm"))
-    assert "  + SGLANG_USE_AITER=1" in lines
+    assert "  + --sglang-attention-backend triton" in lines
     assert "  + numba==0.65.1" in lines
     assert any(
         line.startswith("  + rocm 1x4 Inkling-Small-4layer: tp4·pp1·cp1·ep4·etp1+sp") for line in lines
@@ -162,13 +161,12 @@ def test_diff_command_prints_the_amd_deltas():
     assert "inkling: shared -> rocm" in proc.stdout and "+ numba==0.65.1" in proc.stdout
 
 
-def test_diff_of_a_platform_without_an_overlay_names_the_declared_ones(capsys):
+def test_diff_of_a_platform_without_an_overlay_names_the_recipe_file(capsys):
     from miles.recipes.__main__ import main
 
-    assert main(["diff", "inkling", "--platform", "cuda"]) == 2
+    assert main(["diff", "inkling", "--platform", "mi300x"]) == 2
     err = capsys.readouterr().err
-    assert "inkling declares no cuda overlay (declared: rocm)" in err
-    assert "miles/recipes/library/inkling.py" in err
+    assert "inkling declares no mi300x overlay; add one in miles/recipes/library/inkling.py" in err
 
 
 def test_overlay_removes_a_flag_given_none():
@@ -300,12 +298,27 @@ def test_a_family_without_a_megatron_layout_is_referenced_by_its_hf_dir_through_
     assert args[args.index("--megatron-to-hf-mode") + 1] == "bridge"
 
 
-def test_tiny_profile_is_data_parallel_fsdp_with_the_trainers_sampler():
-    flags = _flags(shared("qwen3_30b_a3b"), "cpu")
+def test_tiny_profile_of_a_family_megatron_cannot_build_is_data_parallel_fsdp():
+    flags = _flags(shared("inkling"), "cpu")
     assert flags[flags.index("--train-backend") + 1] == "fsdp"
     assert flags[flags.index("--rollout-engine") + 1] == "torch"
     assert not [f for f in flags if f.startswith("--sglang-") or f.startswith("--tensor-model-parallel")]
     assert "--num-layers" not in flags  # fsdp reads the architecture from the HF config
+
+
+@pytest.mark.parametrize(
+    ("recipe", "layout"),
+    [("qwen3_4b", ("--tensor-model-parallel-size", "2")), ("qwen3_30b_a3b", ("--expert-model-parallel-size", "2"))],
+)
+def test_tiny_profile_of_a_gpt_family_trains_with_megatron_at_a_layout_of_its_own(recipe, layout):
+    flags = _flags(shared(recipe), "cpu")
+    assert flags[flags.index("--train-backend") + 1] == "megatron"
+    assert flags[flags.index(layout[0]) + 1] == layout[1]
+    assert flags[flags.index("--rollout-engine") + 1] == "torch"
+    # the tiny checkpoint's shape is its config.json: the full model's widths are not emitted
+    assert "--num-layers" not in flags and "--hidden-size" not in flags
+    plan = shared(recipe).checkpoint_plan("tiny", train_backend="megatron")
+    assert "torch_dist" in plan.steps  # what --ref-load names
 
 
 def test_every_generated_command_parses_with_the_trainer():
@@ -324,3 +337,17 @@ def test_importing_recipes_imports_no_torch():
         subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ}, check=False).returncode
         == 0
     )
+
+
+def test_a_usage_error_of_the_recipes_command_is_one_line():
+    proc = subprocess.run(
+        [sys.executable, "-m", "miles.recipes", "facts", "--bogus"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "python -m miles.recipes: error: unrecognized arguments: --bogus (--help lists the commands and flags)"
+    ]

@@ -122,7 +122,7 @@ def test_megatron_layout_is_checked_by_miles_parallel_with_the_fix(tmp_path, cap
     argv = [
         "--hf-checkpoint", str(model), "--train-backend", "megatron", "--actor-num-gpus-per-node", "4",
         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-        "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "1",
+        "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "1", "--sequence-parallel",
     ]  # fmt: skip
     with pytest.raises(SystemExit):
         parse_args(argv)

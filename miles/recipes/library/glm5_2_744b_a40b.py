@@ -2,41 +2,40 @@
 
 from miles.parallel import ParallelConfig
 from miles.recipes import defaults as d
-from miles.recipes.models import GLM5_2_744B_A40B
+from miles.recipes.fidelity import deviation
 from miles.recipes.recipe import Overlay, Recipe, gpu_profile, groups, source_file
+from miles.recipes.references import glm5_2_744b_a40b as reference
+from miles.recipes.specs import GLM5_2_744B_A40B
 
 MODEL = "GLM-5.2-744B-A40B-5layer"
-# DSA attention cannot use context parallel; 5 layers keep PP at 1.
+# DSA attention cannot use context parallel on megatron-core 0.16.1; 5 layers keep PP at 1.
 FOUR_GPUS = ParallelConfig(tp=4, sp=True, ep=4, etp=1)
-EIGHT_GPUS = ParallelConfig(tp=8, sp=True, ep=8, etp=1)
+EIGHT_GPUS = ParallelConfig(tp=4, sp=True, ep=8, etp=1)
 
-ROLLOUT_ENGINE = (
-    # 0.70 leaves room for the weight checker's snapshot; higher turns the trimmed
-    # model's spare memory into KV cache.
-    ("--sglang-mem-fraction-static", 0.7),
-    *d.DEEPEP_ROLLOUT_ENGINE,
-    ("--sglang-router-policy", "consistent_hashing"),
-    ("--sglang-attention-backend", "nsa"),
-)
+
+def _prefill(gpus: int) -> tuple:
+    # The reference sizes a prefill chunk at 2048 tokens per GPU of the engine.
+    return (("--sglang-chunked-prefill-size", 2048 * gpus),)
+
 
 ROCM = Overlay(
     platform="rocm",
-    reason=(
-        "MI350 runners: FP8 MoE all-to-all through mori instead of DeepEP, NSA decode with "
-        "tilelang kernels and an FP8 KV cache, MLA forced for the NSA indexer"
-    ),
+    reason="MI350 runners: FP8 MoE all-to-all through mori instead of DeepEP, tilelang DSA kernels (the AMD reference)",
     args=groups(
         rollout_engine=(
             ("--sglang-moe-a2a-backend", "mori"),
-            ("--sglang-kv-cache-dtype", "fp8_e4m3"),
-            ("--sglang-nsa-decode-backend", "tilelang"),
+            ("--sglang-dsa-decode-backend", "tilelang"),
+            ("--sglang-dsa-prefill-backend", "tilelang"),
         )
     ),
-    env=(("SGLANG_NSA_FORCE_MLA", "1"), ("INDEXER_ROPE_NEOX_STYLE", "0")),
+    env=(("SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK", None), ("NVSHMEM_DISABLE_NCCL", None)),
     profiles=(
-        gpu_profile("rocm", 1, 4, MODEL, FOUR_GPUS, rollout_gpus_per_engine=4, suite="stage-c-4-gpu-mi350"),
+        gpu_profile(
+            "rocm", 1, 4, MODEL, FOUR_GPUS, rollout_gpus_per_engine=4, suite="stage-c-4-gpu-mi350",
+            rollout_engine=_prefill(4),
+        ),
     ),
-)
+)  # fmt: skip
 
 RECIPE = Recipe(
     name="glm5_2_744b_a40b",
@@ -46,14 +45,103 @@ RECIPE = Recipe(
     defined_in=source_file(__name__),
     fp8_rollout=True,
     args=d.args_with(
-        optimizer=(("--optimizer-cpu-offload", True), ("--use-precision-aware-optimizer", True)),
-        rollout_engine=ROLLOUT_ENGINE,
+        rollout=(
+            ("--rollout-batch-size", 8),
+            ("--rollout-max-response-len", 100),  # the reference's single-node (debug_minimal) length
+            ("--global-batch-size", 64),
+            ("--balance-data", None),
+        ),
+        grpo=(
+            ("--use-kl-loss", None),
+            ("--kl-coef", 0),
+            ("--use-tis", True),
+            ("--tis-clip-low", 0.5),
+            ("--tis-clip", 2.0),
+        ),
+        rollout_engine=(
+            # 0.70 leaves room for the weight checker's snapshot; higher turns the trimmed
+            # model's spare memory into KV cache.
+            ("--sglang-mem-fraction-static", 0.7),
+            ("--sglang-ep-size", "{rollout_gpus_per_engine}"),
+            ("--sglang-router-policy", "consistent_hashing"),
+            ("--sglang-moe-a2a-backend", "deepep"),
+            ("--sglang-deepep-mode", "auto"),
+            ("--sglang-kv-cache-dtype", "fp8_e4m3"),
+            ("--sglang-dsa-decode-backend", "flashmla_kv"),
+            ("--sglang-dsa-prefill-backend", "flashmla_sparse"),
+            ("--sglang-attention-backend", "nsa"),
+            ("--sglang-page-size", 64),
+            ("--sglang-cuda-graph-max-bs-decode", 32),
+            ("--sglang-max-running-requests", 512),
+            ("--sglang-watchdog-timeout", 3600),
+        ),
+        perf=(
+            ("--max-tokens-per-gpu", 2048),
+            ("--attention-backend", "flash"),
+            ("--update-weight-buffer-size", 2 * 1024**3),
+        ),
     ),
-    env=d.ENV,
+    env=(
+        *d.ENV,
+        ("SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK", "256"),
+        ("SGLANG_NSA_FORCE_MLA", "1"),
+        ("INDEXER_ROPE_NEOX_STYLE", "0"),
+        ("NVSHMEM_DISABLE_NCCL", "1"),
+    ),
     profiles=(
-        gpu_profile("cuda", 1, 4, MODEL, FOUR_GPUS, rollout_gpus_per_engine=4, suite="stage-c-4-gpu-h200"),
-        gpu_profile("cuda", 1, 8, MODEL, EIGHT_GPUS, rollout_gpus_per_engine=8, suite="stage-c-8-gpu-h200"),
+        gpu_profile(
+            "cuda",
+            1,
+            4,
+            MODEL,
+            FOUR_GPUS,
+            rollout_gpus_per_engine=4,
+            suite="stage-c-4-gpu-h200",
+            rollout_engine=_prefill(4),
+        ),
+        gpu_profile(
+            "cuda",
+            1,
+            8,
+            MODEL,
+            EIGHT_GPUS,
+            rollout_gpus_per_engine=8,
+            suite="stage-c-8-gpu-h200",
+            rollout_engine=_prefill(8),
+        ),
         d.cpu_tiny_profile(),
     ),
     overlays=(ROCM,),
+    references=(reference.CUDA, reference.ROCM),
+    deviations=(
+        *d.COMMON_DEVIATIONS,
+        deviation(
+            "--spec",
+            "--enable-experimental",
+            "--experimental-attention-variant",
+            "--dsa-indexer-*",
+            reason="the reference builds GLM-5.2's DSA with its own spec (miles_plugins.models.glm5); miles asks for "
+            "megatron-core's own DSA with config.json's indexer shape (it lacks the cross-layer top-k sharing: "
+            "`facts glm5_2_744b_a40b`)",
+        ),
+        deviation(
+            "--moe-enable-deepep",
+            "--moe-token-dispatcher-type",
+            reason="megatron-core's DeepEP (flex) dispatcher needs the deep_ep kernels; miles dispatches all-to-all, "
+            "as the reference does without DeepEP (its AMD script)",
+            platforms=("cuda",),
+        ),
+        deviation(
+            "--allgather-cp",
+            reason="the reference's switch for DSA's all-gather context parallel; miles states it as "
+            "--cp-comm-type all_gather on a layout with cp > 1 (none here)",
+        ),
+        deviation(
+            "--rematerialize-param-from-master-weight",
+            "--data-pad-size-multiplier",
+            "--log-probs-chunk-size",
+            reason="memory knobs of the reference's trainer (weights rebuilt from fp32 masters, padded and chunked "
+            "log-prob passes); miles.train has no such options",
+        ),
+    ),
 )

@@ -2,21 +2,23 @@
 
 from miles.parallel import ParallelConfig
 from miles.recipes import defaults as d
-from miles.recipes.models import INKLING_SMALL
-from miles.recipes.recipe import Overlay, Recipe, gpu_profile, source_file
+from miles.recipes.fidelity import deviation
+from miles.recipes.recipe import Overlay, Recipe, gpu_profile, groups, source_file
+from miles.recipes.references import inkling as reference
+from miles.recipes.specs import INKLING_SMALL
 
 MODEL = "Inkling-Small-4layer"
-# TP4 with sequence parallel and all experts spread over the 4 GPUs (ETP1).
+# TP4 with sequence parallel and all experts spread over the 4 GPUs (ETP1): both references.
 TP4_EP4 = ParallelConfig(tp=4, sp=True, ep=4, etp=1)
 
 ROCM = Overlay(
     platform="rocm",
-    reason="MI350 runners: AITER kernels in SGLang; Inkling's processor needs numba, which the ROCm image lacked",
-    env=(("SGLANG_USE_AITER", "1"),),
+    reason="MI350 runners: SGLang's triton attention (the AMD reference); Inkling's processor needs numba",
+    args=groups(rollout_engine=(("--sglang-attention-backend", "triton"),)),
     profiles=(
         gpu_profile(
             "rocm", 1, 4, MODEL, TP4_EP4, rollout_gpus_per_engine=4,
-            suite="stage-c-4-gpu-mi350", source="the layout the upstream AMD Inkling script verified on 4x MI355X",
+            suite="stage-c-4-gpu-mi350", source="the layout the AMD reference script runs on 4 MI355X GPUs",
         ),
     ),
     pins=(("numba", "0.65.1"),),
@@ -28,11 +30,99 @@ RECIPE = Recipe(
     model=INKLING_SMALL,
     models=(MODEL,),
     defined_in=source_file(__name__),
-    args=d.args_with(rollout_engine=(("--sglang-ep-size", "{rollout_gpus_per_engine}"),)),
-    env=d.ENV,
+    args=d.args_with(
+        checkpoint=(("--megatron-to-hf-mode", "raw"),),
+        rollout=(
+            ("--rm-type", "math"),
+            ("--num-rollout", 100),
+            ("--rollout-max-response-len", 4096),
+            ("--global-batch-size", 64),
+        ),
+        grpo=(
+            ("--use-kl-loss", None),
+            ("--kl-loss-coef", None),
+            ("--kl-loss-type", None),
+            ("--eps-clip-c", 3.0),
+            ("--use-tis", True),
+        ),
+        optimizer=(("--use-distributed-optimizer", True),),
+        rollout_engine=(
+            ("--sglang-mem-fraction-static", 0.6),
+            ("--sglang-max-running-requests", 64),
+            ("--sglang-max-total-tokens", 327680),
+            ("--sglang-moe-runner-backend", "triton"),
+            ("--sglang-mamba-radix-cache-strategy", "extra_buffer"),
+            ("--sglang-enable-multimodal", True),
+            ("--sglang-context-length", 8192),
+            ("--sglang-disable-custom-all-reduce", True),
+        ),
+        perf=(
+            ("--use-dynamic-batch-size", None),
+            ("--max-tokens-per-gpu", None),
+            ("--micro-batch-size", 1),
+            ("--transformer-impl", "transformer_engine"),
+            ("--no-bias-dropout-fusion", True),
+        ),
+    ),
+    env=(*d.ENV, *reference.ENV),
     profiles=(
         gpu_profile("cuda", 1, 4, MODEL, TP4_EP4, rollout_gpus_per_engine=4, suite="stage-c-4-gpu-h200"),
         d.cpu_tiny_profile(),
     ),
     overlays=(ROCM,),
+    references=(reference.CUDA, reference.ROCM),
+    deviations=(
+        *d.COMMON_DEVIATIONS,
+        deviation(
+            "--load",
+            "--ref-load",
+            "--save",
+            "--save-interval",
+            "--finetune",
+            "--no-load-optim",
+            "--no-load-rng",
+            reason="miles.train's Megatron backend starts from the torch_dist at --ref-load and resumes from its own "
+            "--save (the CI test checks checkpoints are written); the reference loads the torch_dist as --load "
+            "with --finetune and saves only when given a directory",
+        ),
+        deviation(
+            "--model-name",
+            reason="selects the reference's Megatron-to-HF weight mapping; miles keeps Inkling's HF names in "
+            "torch_dist (megatron-core 0.16.1 has no layer spec for it)",
+        ),
+        deviation(
+            "--custom-model-provider-path",
+            "--ffn-hidden-size",
+            "--moe-shared-expert-intermediate-size",
+            "--moe-layer-freq",
+            "--window-size",
+            "--window-attn-skip-freq",
+            reason="the reference builds Inkling with its own provider from the checkpoint's config; miles passes "
+            "config.json's shape in megatron-core's terms (dense width 16384 in layers 0-1, 2 shared experts of "
+            "2048, a 512-token window with a global layer every 6th; see `facts inkling`)",
+        ),
+        deviation(
+            "--use-rollout-routing-replay",
+            reason="miles.train has no rollout routing replay (R3) yet: the flag would be accepted and ignored",
+        ),
+        deviation(
+            "--offload-train-target",
+            "--offload-train-disk-dir",
+            "--no-check-for-nan-in-loss-and-grad",
+            "--distributed-timeout-minutes",
+            reason="the reference's memory and fault handling for the full 276B model (training state spilled to "
+            "NVMe, NaN checks off, 30-minute collectives); miles.train has no such options",
+        ),
+        deviation(
+            "--sglang-attention-backend",
+            reason="fa4 kernels need Blackwell (the reference runs GB300); on H200 SGLang picks its own",
+            platforms=("cuda",),
+        ),
+        deviation(
+            "layout:4",
+            reason="the reference's default rollout engine spans 16 GPUs (four GB300 nodes); on one 4-GPU node the "
+            "engine takes the node, the AMD script's default",
+            platforms=("cuda",),
+        ),
+    ),
 )

@@ -2,20 +2,33 @@
 
 from miles.parallel import ParallelConfig
 from miles.recipes import defaults as d
-from miles.recipes.models import QWEN3_4B
+from miles.recipes.fidelity import deviation
 from miles.recipes.recipe import Overlay, Recipe, gpu_profile, groups, source_file
+from miles.recipes.references import qwen3_4b as reference
+from miles.recipes.specs import QWEN3_4B
 
 MODEL = "Qwen3-4B"
-TP2 = ParallelConfig(tp=2, sp=True)
+TP2 = ParallelConfig(tp=2, sp=True, etp=1)
+TP2_CP2 = ParallelConfig(tp=2, sp=True, cp=2, etp=1)
+TP2_CP4 = ParallelConfig(tp=2, sp=True, cp=4, etp=1)  # the reference's 8-GPU layout
 
 ROCM = Overlay(
     platform="rocm",
-    reason="MI350 runners: SGLang's AITER attention kernels instead of FlashInfer",
-    args=groups(rollout_engine=(("--sglang-attention-backend", "aiter"),)),
-    env=(("SGLANG_USE_AITER", "1"),),
+    reason="MI350 runners: the AMD reference recipe (deepscaler reward, 2-GPU engines, no chunked-prefill cap)",
+    args=groups(
+        rollout=(("--rm-type", "deepscaler"),),
+        rollout_engine=(("--sglang-chunked-prefill-size", None),),
+    ),
     profiles=(
-        gpu_profile("rocm", 1, 4, MODEL, TP2, rollout_gpus_per_engine=1, suite="nightly-stage-c-4-gpu-mi350"),
-        gpu_profile("rocm", 1, 8, MODEL, TP2, rollout_gpus_per_engine=1, suite="nightly-stage-c-8-gpu-mi350"),
+        gpu_profile("rocm", 1, 4, MODEL, TP2, rollout_gpus_per_engine=2, suite="nightly-stage-c-4-gpu-mi350"),
+        gpu_profile("rocm", 1, 8, MODEL, TP2, rollout_gpus_per_engine=2, suite="nightly-stage-c-8-gpu-mi350"),
+    ),
+    deviations=(
+        deviation(
+            "layout:4",
+            reason="the reference states one MI355X node (8 GPUs); a 4-GPU runner (half a node) runs its tp2·sp "
+            "layout with dp 2",
+        ),
     ),
 )
 
@@ -26,14 +39,29 @@ RECIPE = Recipe(
     models=(MODEL,),
     defined_in=source_file(__name__),
     args=d.args_with(
-        rollout=(("--rollout-max-response-len", 4096),),
-        rollout_engine=(("--sglang-attention-backend", "flashinfer"),),
+        rollout=(("--rm-type", "math"),),
+        rollout_engine=(("--sglang-chunked-prefill-size", 4096),),
+        perf=(("--attention-backend", "flash"),),
     ),
     env=d.ENV,
     profiles=(
-        gpu_profile("cuda", 1, 4, MODEL, TP2, rollout_gpus_per_engine=1, suite="stage-c-4-gpu-h200"),
-        gpu_profile("cuda", 1, 8, MODEL, TP2, rollout_gpus_per_engine=1, suite="stage-c-8-gpu-h200"),
+        gpu_profile("cuda", 1, 4, MODEL, TP2_CP2, rollout_gpus_per_engine=1, suite="stage-c-4-gpu-h200"),
+        gpu_profile("cuda", 1, 8, MODEL, TP2_CP4, rollout_gpus_per_engine=1, suite="stage-c-8-gpu-h200"),
         d.cpu_tiny_profile(TP2, "megatron"),
     ),
     overlays=(ROCM,),
+    references=(reference.CUDA, reference.ROCM),
+    deviations=(
+        *d.COMMON_DEVIATIONS,
+        deviation(
+            "--position-embedding-type",
+            "--use-rotary-position-embeddings",
+            reason="one switch: Megatron-LM reads --use-rotary-position-embeddings as --position-embedding-type rope",
+        ),
+        deviation(
+            "layout:4",
+            reason="the reference states only 8 GPUs (tp2·cp4); the 4-GPU runner keeps tp2 and halves cp",
+            platforms=("cuda",),
+        ),
+    ),
 )

@@ -1,0 +1,102 @@
+"""The nearest single changes that clear a violated rule, each re-checked against every rule.
+
+Candidates for a parallel degree are the divisors of the world size (no valid layout uses
+another value), so the search costs O(divisors of W) layouts, not O(W). Each offered fix is
+validated as a whole: one that clears its rule but breaks another (or leaves another broken)
+says which rule and why.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import replace
+
+from miles.parallel.config import CP_COMM_TYPES, ModelShape, ParallelConfig
+from miles.parallel.numbers import divisors
+from miles.parallel.rules import Context, Rule, stage_sizes, violated
+
+MAX_FIXES = 2
+_GRID_FACTORS = ("tp", "pp", "cp", "ep", "etp")
+
+
+def fixes(rule: Rule, config: ParallelConfig, context: Context) -> Iterator[str]:
+    """Single-factor changes that clear `rule`, best first: ones that make the whole layout
+    valid before ones that leave it invalid, then the smallest change."""
+    found = []
+    for order, name in enumerate(rule.factors):
+        for value in _candidates(name, config, context):
+            changed = _with(config, name, value)
+            if changed is None or rule.check(changed, context):
+                continue
+            rest = next(violated(changed, context), None)
+            spread = _imbalance(changed, context.model) if rest is None else 0
+            found.append(
+                (rest is not None, _distance(name, config, value), spread, order, name, value, changed, rest)
+            )
+    found.sort(key=lambda f: f[:4])
+    for _, _, _, _, name, value, changed, rest in found[:MAX_FIXES]:
+        if rule.outcome is not None:
+            outcome = rule.outcome(changed, context)
+        else:
+            outcome = f"clears {rule.id}" if rest else "makes the layout valid"
+        if rest is not None:
+            other, message = rest
+            outcome += f", but the layout would still be invalid ({other.id}: {message})"
+        yield f"{_show(name, config)} → {name}={_show_value(name, value)} {outcome}"
+
+
+def _candidates(name: str, c: ParallelConfig, x: Context) -> list:
+    if name == "sp":
+        return [not c.sp]
+    if name == "cp_comm_type":
+        return [None, *CP_COMM_TYPES]
+    if name in ("first_stage_layers", "last_stage_layers"):
+        top = x.model.num_layers if x.model else 0
+        return [None, *range(1, top + 1)]
+    if name == "vpp":
+        return [None, *(divisors(x.model.num_layers) if x.model else ())]
+    if name in _GRID_FACTORS:
+        return divisors(x.world)
+    raise ValueError(f"no fix candidates for {name}")
+
+
+def _with(c: ParallelConfig, name: str, value) -> ParallelConfig | None:
+    if value == _current(c, name):
+        return None
+    return replace(c, **{name: value})
+
+
+def _current(c: ParallelConfig, name: str):
+    return c.expert_tp if name == "etp" else getattr(c, name)
+
+
+def _imbalance(config: ParallelConfig, model: ModelShape | None) -> int:
+    """How unevenly a valid layout spreads layers over pipeline stages (0 = evenly)."""
+    if model is None:
+        return 0
+    sizes = stage_sizes(config, model)
+    return max(sizes) - min(sizes)
+
+
+def _distance(name: str, c: ParallelConfig, value) -> float:
+    if name == "sp":
+        return 1.0
+    if name == "cp_comm_type":
+        return 0.5  # a communication choice keeps every degree
+    current = _current(c, name)
+    if current is None or value is None:
+        # Setting or clearing an explicit stage size or vpp keeps every degree, so it ranks
+        # just before halving or doubling one.
+        return 0.9
+    return abs(math.log2(value) - math.log2(current)) + (0.01 if value > current else 0.0)
+
+
+def _show(name: str, c: ParallelConfig) -> str:
+    return f"{name}={_show_value(name, _current(c, name))}"
+
+
+def _show_value(name: str, value) -> str:
+    if name == "sp":
+        return "on" if value else "off"
+    return "unset" if value is None else str(value)

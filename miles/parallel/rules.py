@@ -1,0 +1,287 @@
+"""Every Megatron rule that rejects a layout, in the order a training start meets them.
+
+Megatron-LM's argument parsing first (sequence parallel with tp=1 is turned off, not refused),
+then megatron-core: `initialize_model_parallel` (rank grids, virtual pipeline), the
+`TransformerConfig` checks, the pipeline split (`get_num_layers_to_build`), the MoE layer's
+construction, and the first training forward of a MoE layer. So the first violation found
+here is the error megatron-core raises first; `miles.parallel.megatron` proves that by
+running it. Rules whose outcome changed between megatron-core releases take the version.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+
+from miles.parallel.config import ModelShape, ParallelConfig
+
+# megatron-core releases from which DSA attention may use context parallel (all-gather only);
+# 0.16.1's TransformerConfig refuses any cp > 1 with DSA.
+DSA_CP_ALLGATHER_SINCE = (0, 19)
+# Assumed when no megatron-core is installed and none is named: the strictest known rules.
+FALLBACK_MEGATRON_CORE = "0.16.1"
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """'0.19.2' -> (0, 19, 2); pre-release and local tags ('0.19.0rc1', '+cu13') are dropped."""
+    parts = re.findall(r"\d+", text.split("+", 1)[0])[:3]
+    if not parts:
+        raise ValueError(f"megatron-core version {text!r} is not a version number")
+    return tuple(int(p) for p in parts)
+
+
+@lru_cache(maxsize=1)
+def installed_megatron_core() -> str | None:
+    """The installed megatron-core's version, read from its metadata (nothing is imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("megatron-core")
+    except PackageNotFoundError:
+        return None
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a rule sees besides the layout: the world size, the model and megatron-core's version."""
+
+    world: int
+    model: ModelShape | None
+    megatron_core: str
+
+    @property
+    def version(self) -> tuple[int, ...]:
+        return parse_version(self.megatron_core)
+
+
+Check = Callable[[ParallelConfig, Context], "str | None"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str
+    stage: str  # where megatron-core (or Megatron-LM) enforces it
+    check: Check  # message when violated, else None
+    factors: tuple[str, ...]  # the ParallelConfig fields a fix may change, preferred first
+    # What a fix achieves for this rule; without one, a fix says whether the whole layout
+    # becomes valid.
+    outcome: Callable[[ParallelConfig, Context], str] | None = None
+    needs_model: bool = False
+
+
+def _dense_grid(c: ParallelConfig, x: Context) -> str | None:
+    if x.world % c.dense_size:
+        return f"tp({c.tp})·cp({c.cp})·pp({c.pp}) = {c.dense_size} does not divide world size {x.world}"
+    return None
+
+
+def _vpp_needs_pp(c: ParallelConfig, x: Context) -> str | None:
+    if c.vpp is not None and c.pp <= 1:
+        return f"virtual pipeline stages (vpp={c.vpp}) interleave pipeline ranks, so they need pp > 1 (pp={c.pp})"
+    return None
+
+
+def _expert_grid(c: ParallelConfig, x: Context) -> str | None:
+    if x.world % c.expert_size:
+        etp = f"etp({c.expert_tp})" if c.etp is not None else f"etp(= tp, {c.expert_tp})"
+        return f"{etp}·ep({c.ep})·pp({c.pp}) = {c.expert_size} does not divide world size {x.world}"
+    return None
+
+
+def _heads_tp(c: ParallelConfig, x: Context) -> str | None:
+    m = x.model
+    if m.num_attention_heads % c.tp:
+        return f"{m.name}: {m.num_attention_heads} attention heads do not split evenly over tp({c.tp})"
+    return None
+
+
+def _kv_heads_tp(c: ParallelConfig, x: Context) -> str | None:
+    m = x.model
+    kv = m.kv_heads
+    if kv % c.tp and c.tp % kv:
+        return f"{m.name}: {kv} KV heads (query groups) are neither a multiple nor a divisor of tp({c.tp})"
+    return None
+
+
+def _ep_needs_moe(c: ParallelConfig, x: Context) -> str | None:
+    m = x.model
+    if c.ep > 1 and not m.moe:
+        return f"{m.name} is a dense model (no experts), so ep({c.ep}) must be 1"
+    return None
+
+
+def middle(c: ParallelConfig, m: ModelShape) -> tuple[int, int]:
+    """Layers and pipeline stages left between explicit first/last stage sizes."""
+    layers, stages = m.num_layers, c.pp
+    for given in (c.first_stage_layers, c.last_stage_layers):
+        if given is not None:
+            layers -= given
+            stages -= 1
+    return layers, stages
+
+
+def _stage_layers(c: ParallelConfig, x: Context) -> str | None:
+    m = x.model
+    if c.first_stage_layers is None and c.last_stage_layers is None:
+        return None
+    for which, given in (("first", c.first_stage_layers), ("last", c.last_stage_layers)):
+        if given is not None and c.vpp is not None and given % c.vpp:
+            return f"{m.name}: the {which} stage's {given} layer(s) do not split into vpp({c.vpp}) virtual stages"
+    layers, stages = middle(c, m)
+    given = f"first stage {c.first_stage_layers}, last stage {c.last_stage_layers}"
+    if stages < 0:
+        # megatron-core accepts this and builds only the last stage's layers: a silently
+        # truncated model. Refuse it here.
+        return (
+            f"{m.name}: pp({c.pp}) has one stage, which is both first and last, so {given} "
+            f"cannot both be set; unset them (the stage holds all {m.num_layers} layers)"
+        )
+    if bool(layers) != bool(stages):
+        return (
+            f"{m.name}: {m.num_layers} layers with pp({c.pp}) and {given} leave {layers} layer(s) "
+            f"for {stages} middle stage(s); both must be zero or both positive"
+        )
+    if stages and layers % stages:
+        return (
+            f"{m.name}: {m.num_layers} layers with pp({c.pp}) and {given} leave {layers} layer(s), "
+            f"which do not split evenly over {stages} middle stage(s)"
+        )
+    if layers < 0:
+        # megatron-core accepts this and builds a negative-size middle stage; refuse it here.
+        return f"{m.name}: {given} add up to more than its {m.num_layers} layers"
+    if stages and c.vpp is not None and (layers // stages) % c.vpp:
+        return (
+            f"{m.name}: each middle stage's {layers // stages} layer(s) do not split into "
+            f"vpp({c.vpp}) virtual stages"
+        )
+    return None
+
+
+def _moe_bias_etp(c: ParallelConfig, x: Context) -> str | None:
+    m = x.model
+    if m.moe and m.bias and c.expert_tp != 1:
+        return f"{m.name}: MoE layers with biases (no --disable-bias-linear) need etp = 1, got etp({c.expert_tp})"
+    return None
+
+
+def _dsa_cp(c: ParallelConfig, x: Context) -> str | None:
+    m = x.model
+    if m.attention != "dsa" or c.cp == 1:
+        return None
+    if x.version < DSA_CP_ALLGATHER_SINCE:
+        return (
+            f"{m.name} uses DSA sparse attention, which megatron-core {x.megatron_core} cannot split "
+            f"over cp({c.cp}); cp must be 1 (megatron-core 0.19 allows it with all-gather context parallel)"
+        )
+    if c.cp_comm_type != "all_gather":
+        return (
+            f"{m.name} uses DSA sparse attention, which megatron-core {x.megatron_core} splits over "
+            f"cp({c.cp}) only with all-gather context parallel (cp_comm_type all_gather, not "
+            f"{c.cp_comm_type or 'p2p, the default'})"
+        )
+    return None
+
+
+def _layers_pp(c: ParallelConfig, x: Context) -> str | None:
+    m = x.model
+    if c.first_stage_layers is None and c.last_stage_layers is None and m.num_layers % c.pp:
+        return f"{m.name}: {m.num_layers} layers do not split evenly over pp({c.pp}) pipeline stages"
+    return None
+
+
+def _vpp_layers(c: ParallelConfig, x: Context) -> str | None:
+    m = x.model
+    if c.vpp is None or c.pp <= 1 or c.first_stage_layers is not None or c.last_stage_layers is not None:
+        return None
+    if m.num_layers % c.pp:
+        return None  # layers-pp already says so
+    per_rank = m.num_layers // c.pp
+    if per_rank % c.vpp:
+        return (
+            f"{m.name}: {m.num_layers} layers over pp({c.pp}) leave {per_rank} per pipeline rank, "
+            f"which do not split into vpp({c.vpp}) virtual stages"
+        )
+    return None
+
+
+def _experts_ep(c: ParallelConfig, x: Context) -> str | None:
+    m = x.model
+    if m.moe and m.num_experts % c.ep:
+        return f"{m.name}: {m.num_experts} experts do not split evenly over ep({c.ep})"
+    return None
+
+
+def _moe_ffn_etp(c: ParallelConfig, x: Context) -> str | None:
+    m = x.model
+    if m.moe and m.moe_ffn_hidden_size is not None and m.moe_ffn_hidden_size % c.expert_tp:
+        return f"{m.name}: an expert's FFN width {m.moe_ffn_hidden_size} does not split evenly over etp({c.expert_tp})"
+    return None
+
+
+def _moe_tp_needs_sp(c: ParallelConfig, x: Context) -> str | None:
+    m = x.model
+    if m.moe and c.tp > 1 and not c.effective_sp:
+        return (
+            f"{m.name}: MoE layers with tp({c.tp}) need sequence parallel; megatron-core refuses the "
+            "first training forward of a MoE layer without it"
+        )
+    return None
+
+
+def split_text(c: ParallelConfig, m: ModelShape) -> str:
+    sizes = stage_sizes(c, m)
+    if c.first_stage_layers is None and c.last_stage_layers is None:
+        text = f"splits {m.num_layers} layers {sizes[0]} per stage"
+    else:
+        text = f"splits {m.num_layers} layers as {sizes}"
+    if c.vpp is not None:
+        text += f", {layers_per_virtual_stage(c, m)[0]} per virtual stage"
+    return text
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("dense-grid", "initialize_model_parallel", _dense_grid, ("tp", "cp", "pp"), lambda c, x: f"makes tp·cp·pp = {c.dense_size} divide world {x.world}"),
+    Rule("vpp-needs-pp", "initialize_model_parallel", _vpp_needs_pp, ("vpp", "pp")),
+    Rule("expert-grid", "initialize_model_parallel", _expert_grid, ("ep", "etp", "pp"), lambda c, x: f"makes etp·ep·pp = {c.expert_size} divide world {x.world}"),
+    Rule("heads-tp", "TransformerConfig", _heads_tp, ("tp",), lambda c, x: f"splits {x.model.num_attention_heads} heads {x.model.num_attention_heads // c.tp} per tp rank", True),
+    Rule("kv-heads-tp", "TransformerConfig", _kv_heads_tp, ("tp",), lambda c, x: f"fits {x.model.kv_heads} KV heads to tp {c.tp}", True),
+    Rule("ep-needs-moe", "TransformerConfig", _ep_needs_moe, ("ep",), needs_model=True),
+    Rule("stage-layers", "TransformerConfig", _stage_layers, ("first_stage_layers", "last_stage_layers", "pp", "vpp"), needs_model=True),
+    Rule("moe-bias-etp", "TransformerConfig", _moe_bias_etp, ("etp",), needs_model=True),
+    Rule("dsa-cp", "TransformerConfig", _dsa_cp, ("cp", "cp_comm_type"), needs_model=True),
+    Rule("layers-pp", "get_num_layers_to_build", _layers_pp, ("pp", "first_stage_layers", "last_stage_layers"), lambda c, x: split_text(c, x.model), True),
+    Rule("vpp-layers", "get_num_layers_to_build", _vpp_layers, ("vpp", "pp"), lambda c, x: split_text(c, x.model), True),
+    Rule("experts-ep", "MoELayer", _experts_ep, ("ep",), lambda c, x: f"puts {x.model.num_experts // c.ep} experts on each ep rank", True),
+    Rule("moe-ffn-etp", "MoELayer", _moe_ffn_etp, ("etp",), lambda c, x: f"splits each expert's FFN {x.model.moe_ffn_hidden_size // c.expert_tp} per etp rank", True),
+    Rule("moe-tp-needs-sp", "MoELayer.forward", _moe_tp_needs_sp, ("sp", "tp"), needs_model=True),
+)  # fmt: skip
+RULE_IDS = tuple(r.id for r in RULES)
+
+
+def violated(config: ParallelConfig, context: Context) -> Iterator[tuple[Rule, str]]:
+    for rule in RULES:
+        if rule.needs_model and context.model is None:
+            continue
+        message = rule.check(config, context)
+        if message:
+            yield rule, message
+
+
+def stage_sizes(config: ParallelConfig, model: ModelShape) -> tuple[int, ...]:
+    """Layers per pipeline rank, as megatron-core assigns them (assumes a valid layout)."""
+    layers, stages = middle(config, model)
+    per_middle = layers // stages if stages else 0
+    sizes = [per_middle] * config.pp
+    if config.first_stage_layers is not None:
+        sizes[0] = config.first_stage_layers
+    if config.last_stage_layers is not None:
+        sizes[-1] = config.last_stage_layers
+    return tuple(sizes)
+
+
+def layers_per_virtual_stage(config: ParallelConfig, model: ModelShape) -> tuple[int, ...]:
+    """Layers in each virtual stage of each pipeline rank (what `get_num_layers_to_build`
+    returns per model chunk); equal to `stage_sizes` without interleaving."""
+    return tuple(size // (config.vpp or 1) for size in stage_sizes(config, model))
