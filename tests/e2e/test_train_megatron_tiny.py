@@ -35,7 +35,7 @@ _spec.loader.exec_module(runs)
 
 ECHO = (
     "--prompt-data", "synthetic:echo", "--rollout-max-response-len", "1", "--rollout-batch-size", "4",
-    "--n-samples-per-prompt", "32", "--global-batch-size", "64", "--micro-batch-size", "32",
+    "--n-samples-per-prompt", "32", "--global-batch-size", "64", "--micro-batch-size", "32", "--rollout-temperature", "1",
 )  # fmt: skip
 DENSE = {"recipe": "qwen3_4b", "rollouts": 40, "lr": "3e-3"}
 MOE = {"recipe": "qwen3_30b_a3b", "rollouts": 48, "lr": "2e-3"}
