@@ -10,8 +10,8 @@ graded reward (whose near-miss credit is only shaping): it must start near zero 
 well above that quarter. The FSDP backend learns the same task from the same command.
 
 A run resumed from its mid-run checkpoint reproduces the original's metrics to 1e-5, and
-the pipeline schedules (PP=2, and PP=2 with two virtual stages) reproduce the FSDP
-backend's gradient norms on the same samples.
+TP=2 with SP, CP=2, PP=2 and PP=2 with two virtual stages each reproduce the FSDP backend's
+gradient norms on the same samples (the pipeline layouts through megatron's real schedules).
 """
 
 from __future__ import annotations
@@ -147,16 +147,28 @@ def _grad_norms(tmp_path: Path, hf: Path, *args: str) -> list[float]:
     return [norms[s] for s in sorted(norms)]
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [
-        ("--pipeline-model-parallel-size", "2"),
-        ("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"),
-    ],
-    ids=["pp2", "pp2-vpp2"],
-)
-def test_pipeline_schedules_reproduce_the_data_parallel_gradients(four_layer_qwen3, tmp_path, layout):
+@pytest.fixture(scope="module")
+def fsdp_grad_norms(four_layer_qwen3, tmp_path_factory):
+    hf, _ = four_layer_qwen3
+    return _grad_norms(tmp_path_factory.mktemp("fsdp"), hf, "--train-backend", "fsdp")
+
+
+LAYOUTS = {
+    "tp2-sp": ("--tensor-model-parallel-size", "2", "--sequence-parallel"),
+    "cp2": ("--context-parallel-size", "2"),
+    "pp2": ("--pipeline-model-parallel-size", "2"),
+    "pp2-vpp2": ("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_model_parallel_layouts_reproduce_the_data_parallel_gradients(
+    four_layer_qwen3, fsdp_grad_norms, tmp_path, layout
+):
     hf, dist = four_layer_qwen3
-    reference = _grad_norms(tmp_path / "fsdp", hf, "--train-backend", "fsdp")
-    piped = _grad_norms(tmp_path / "pp", hf, "--train-backend", "megatron", "--ref-load", str(dist), *layout)
-    assert piped == pytest.approx(reference, rel=1e-4), json.dumps({"fsdp": reference, "megatron": piped})
+    norms = _grad_norms(
+        tmp_path, hf, "--train-backend", "megatron", "--ref-load", str(dist), *LAYOUTS[layout]
+    )
+    assert norms == pytest.approx(fsdp_grad_norms, rel=1e-4), json.dumps(
+        {"fsdp": fsdp_grad_norms, layout: norms}
+    )

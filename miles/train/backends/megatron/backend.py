@@ -24,7 +24,7 @@ from miles.train import algorithm
 from miles.train.args import loss_config, optim_config
 from miles.train.backends import BackendUnavailable, StepResult, TrainBackend
 from miles.train.backends.megatron import model as mm
-from miles.train.backends.megatron.loss import micro_batches, vocab_parallel_logprobs
+from miles.train.backends.megatron.loss import gather_context_parallel, micro_batches, vocab_parallel_logprobs
 from miles.train.backends.megatron.weights import WeightExporter
 from miles.train.batch import TokenBatch
 
@@ -167,18 +167,23 @@ class MegatronBackend(TrainBackend):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         rows = max(self.args.micro_batch_size, max(p.size for p in parts))
-        seq_multiple = self.layout.parallel.tp if self.tc.sequence_parallel else 1
+        cp = self.layout.parallel.cp
+        # sequence parallelism splits each rank's tokens over TP; context parallelism the
+        # sequence into 2·cp chunks
+        seq_multiple = (self.layout.parallel.tp if self.tc.sequence_parallel else 1) * (
+            2 * cp if cp > 1 else 1
+        )
         # The interleaved (VPP) schedule takes micro-batches in multiples of the pipeline size;
         # extra ones are all padding and add nothing to any loss or result.
         parts = list(parts)
         if len(chunks) > 1:
             pp = self.layout.parallel.pp
             parts += [parts[-1].rows(slice(0, 0))] * (-len(parts) % pp)
-        micro, seq = micro_batches(parts, rows, seq_multiple, self.device)
+        micro, seq = micro_batches(parts, rows, seq_multiple, self.device, cp, ps.get_context_parallel_rank())
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            return model(mb.tokens, mb.position_ids, None), functools.partial(loss_fn, mb)
+            return model(mb.model_tokens, mb.model_position_ids, None), functools.partial(loss_fn, mb)
 
         iterators = [iter(micro) for _ in chunks]
         results = get_forward_backward_func()(
@@ -204,12 +209,18 @@ class MegatronBackend(TrainBackend):
         return parts
 
     def _token_logprobs(self, mb, output, *, with_entropy: bool):
-        batch = mb.batch
-        logits = output[: batch.size, : mb.width - 1]
-        targets = mb.tokens[: batch.size, 1 : mb.width]
-        return vocab_parallel_logprobs(
-            logits, targets, self.loss_cfg.temperature, self.config["vocab_size"], with_entropy=with_entropy
+        """Logprob and entropy [rows, width-1] of each target token of the micro-batch's own rows."""
+        logp, entropy = vocab_parallel_logprobs(
+            output,
+            mb.local_targets(),
+            self.loss_cfg.temperature,
+            self.config["vocab_size"],
+            with_entropy=with_entropy,
         )
+        cp = self.layout.parallel.cp
+        logp, entropy = gather_context_parallel(logp, cp), gather_context_parallel(entropy, cp)
+        rows, width = mb.batch.size, mb.width - 1
+        return logp[:rows, :width], entropy[:rows, :width]
 
     def _logprob_loss(self, mb, output):
         logp, _ = self._token_logprobs(mb, output, with_entropy=False)
@@ -229,8 +240,10 @@ class MegatronBackend(TrainBackend):
             ref_logp=None if batch.ref_logp is None else batch.ref_logp.to(device),
             rollout_logp=batch.rollout_logp.to(device),
         )
-        # megatron's schedule divides each micro-batch's loss by their count; the trainer's
-        # normaliser (samples or tokens of this rank's minibatch) is what it must be divided by.
+        # megatron's schedule divides each micro-batch's loss by their count (and multiplies it by
+        # the context-parallel size, whose ranks' gradients DDP then averages with the data-
+        # parallel ones); the trainer's normaliser (samples or tokens of this rank's minibatch)
+        # is what it must be divided by.
         loss = terms.loss * count / normalizer
         return loss, {"terms": replace(terms, loss=terms.loss.detach().cpu())}
 

@@ -66,6 +66,11 @@ REDIRECTS: tuple[Redirect, ...] = (
         "with tied embeddings and pipeline stages, the first and last stage sync the shared weight on the GPU",
     ),
     Redirect(
+        "megatron.core.models.common.embeddings.rope_utils:get_pos_emb_on_this_cp_rank",
+        "pin_memory=True",
+        "context parallelism picks each rank's rotary chunks with an index in pinned memory copied to the GPU",
+    ),
+    Redirect(
         "megatron.core.transformer.moe.router:Router.gating",
         "torch.cuda.current_device()",
         "the MoE router moves its weight to the current CUDA device on the first forward",
@@ -248,6 +253,8 @@ def _function_mode(tensors_on_cuda: bool = False):
             kwargs = dict(kwargs or {})
             if _is_cuda(kwargs.get("device")):
                 kwargs["device"] = "cpu"
+            if kwargs.get("pin_memory"):
+                kwargs["pin_memory"] = False  # page-locked host memory needs an accelerator
             if func is torch.Tensor.cuda:
                 return args[0]
             if func is torch.Tensor.record_stream:

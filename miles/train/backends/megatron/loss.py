@@ -60,22 +60,61 @@ class MicroBatch:
     """One micro-batch as megatron's schedule feeds it: fixed [rows, seq] tensors and the loss inputs."""
 
     tokens: torch.Tensor  # [rows, S], right-padded to the step's common shape
-    position_ids: torch.Tensor  # [B, S]
+    position_ids: torch.Tensor  # [rows, S]
     width: int  # real columns of the source TokenBatch (targets are width - 1 wide)
     batch: object  # the miles.train.batch.TokenBatch rows, for the loss
+    positions: torch.Tensor  # [S/cp] the global positions this context-parallel rank holds
+
+    @property
+    def model_tokens(self) -> torch.Tensor:
+        """What this rank's model reads: its context-parallel share of the sequence."""
+        return self.tokens[:, self.positions]
+
+    @property
+    def model_position_ids(self) -> torch.Tensor:
+        return self.position_ids[:, self.positions]
+
+    def local_targets(self) -> torch.Tensor:
+        """The next token after each position this rank holds (0 past the end: never in the loss)."""
+        nxt = torch.cat([self.tokens[:, 1:], torch.zeros_like(self.tokens[:, :1])], dim=1)
+        return nxt[:, self.positions]
 
 
-def micro_batches(parts, rows: int, seq_multiple: int, device: str) -> tuple[list[MicroBatch], int]:
+def gather_context_parallel(x: torch.Tensor, cp: int) -> torch.Tensor:
+    """[rows, S/cp] per-token values of this rank -> [rows, S] in global order, on every rank of
+    the context-parallel group; the backward hands each rank the gradient of its own tokens."""
+    if cp == 1:
+        return x
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    from miles.ckpt.megatron_spec import context_parallel_order
+
+    gathered = gather_from_sequence_parallel_region(
+        x.transpose(0, 1).contiguous(), False, parallel_state.get_context_parallel_group()
+    )
+    order = context_parallel_order(gathered.shape[0], cp).to(x.device)
+    return gathered[order].transpose(0, 1)
+
+
+def micro_batches(
+    parts, rows: int, seq_multiple: int, device: str, cp: int = 1, cp_rank: int = 0
+) -> tuple[list[MicroBatch], int]:
     """Pad every micro-batch to `rows` rows and one common length that sequence parallelism can
     split: a pipeline exchanges fixed-shape activations. Padding rows and columns are never
     read back (the loss takes each part's own rows and width)."""
+    from miles.ckpt.megatron_spec import context_parallel_positions
+
     width = max(int(p.input_ids.shape[1]) for p in parts)
     seq = -(-width // seq_multiple) * seq_multiple
+    positions = context_parallel_positions(seq, cp, cp_rank) if cp > 1 else torch.arange(seq)
     out = []
     for part in parts:
         n, cols = part.input_ids.shape
         tokens = torch.zeros((rows, seq), dtype=torch.long)
         tokens[:n, :cols] = part.input_ids
-        positions = torch.arange(seq).unsqueeze(0).expand(rows, -1).contiguous()
-        out.append(MicroBatch(tokens.to(device), positions.to(device), int(cols), part))
+        row_positions = torch.arange(seq).unsqueeze(0).expand(rows, -1).contiguous()
+        out.append(
+            MicroBatch(tokens.to(device), row_positions.to(device), int(cols), part, positions.to(device))
+        )
     return out, seq

@@ -137,15 +137,6 @@ def transformer_config_for(args, config: dict, layout: Layout, *, on_cpu: bool):
 
     from miles.ckpt.megatron_gpt import transformer_config
 
-    if layout.parallel.cp > 1:
-        from miles.ckpt.megatron_spec import has_transformer_engine
-
-        if not has_transformer_engine():
-            raise MegatronSetupError(
-                f"--context-parallel-size {layout.parallel.cp} needs Transformer Engine's attention "
-                "(megatron-core's own attention runs one context-parallel rank only); install "
-                "transformer-engine or set --context-parallel-size 1"
-            )
     overrides = {}
     if args.decoder_first_pipeline_num_layers:
         overrides["num_layers_in_first_pipeline_stage"] = args.decoder_first_pipeline_num_layers
