@@ -310,9 +310,16 @@ def hf_logit_gap(hf_dir, megatron_model, config: Mapping[str, Any]) -> float:
     model holding its converted weights, both in float32, on `probe_tokens`."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     tokens = probe_tokens(config)
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a check inside prepare-ckpt, whose output is one line per step
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     with torch.no_grad():
         want = hf.eval()(input_ids=tokens).logits.float()
     got = megatron_logits(megatron_model, tokens, config["vocab_size"])

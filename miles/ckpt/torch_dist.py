@@ -93,11 +93,11 @@ def convert_to_torch_dist(
     src, dst = Path(src), Path(dst)
     config = json.loads((src / "config.json").read_text())
     gpt = family(family_name).megatron_gpt
-    if gpt:
-        from miles.train.backends.megatron.compat import install_without_gpu
-
-        install_without_gpu()  # megatron-core's MoE layers and forward assume CUDA otherwise
     with _quiet(), single_process_group(), CheckpointReader(src) as reader:
+        if gpt:
+            from miles.train.backends.megatron.compat import install_without_gpu
+
+            install_without_gpu()  # megatron-core's MoE layers and forward assume CUDA otherwise
         if progress is not None:
             progress.total_bytes = sum(reader.info(n)[1].nbytes for n in reader.files.weight_map)
             progress.total_tensors = len(reader.files.weight_map)

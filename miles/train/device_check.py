@@ -189,23 +189,16 @@ def step_generate(cpu: bool, workdir: Path) -> str:
     return summary
 
 
-def step_grpo(cpu: bool, workdir: Path) -> str:
+def train_tiny_recipe(workdir: Path, run_id: str, args: tuple[str, ...]) -> tuple[dict, float]:
+    """The qwen3_4b recipe's tiny profile with `args` on one rank; its metric series and seconds."""
     from miles.ckpt.pipeline import prepare
     from miles.metrics.capture import RECORD_DIR_ENV, decode_value
     from miles.recipes import load
     from miles.recipes.launch import RunOptions, build_plan
 
-    rollouts = 2 if cpu else 16
-    learning = (
-        "--num-rollout", str(rollouts), "--n-samples-per-prompt", "8", "--rollout-max-response-len", "6",
-        "--micro-batch-size", "8", "--lr", "5e-3", "--weight-decay", "0", "--save-interval", str(rollouts),
-        "--rollout-engine", "torch", "--distributed-backend", "gloo" if cpu else "nccl",
-        # one rank: the recipe's tiny profile is Megatron at TP=2; this step is the FSDP backend's
-        "--train-backend", "fsdp", "--tensor-model-parallel-size", "1", "--actor-num-gpus-per-node", "1",
-    )  # fmt: skip
     options = RunOptions(
-        model="tiny", model_dir=str(workdir / "models"), output_dir=str(workdir / "runs"), run_id="grpo",
-        python=sys.executable, extra_args=learning,
+        model="tiny", model_dir=str(workdir / "models"), output_dir=str(workdir / "runs"), run_id=run_id,
+        python=sys.executable, extra_args=(*args, "--tensor-model-parallel-size", "1", "--actor-num-gpus-per-node", "1"),
     )  # fmt: skip
     plan = build_plan(load("qwen3_4b", platform="cpu"), options, "cpu", base_env={})
     prepare(plan.checkpoint, progress=False)
@@ -227,6 +220,17 @@ def step_grpo(cpu: bool, workdir: Path) -> str:
         for line in path.read_text().splitlines():
             row = json.loads(line)
             series[row["metric"]] = {int(s): decode_value(v) for s, v in row["series"]}
+    return series, elapsed
+
+
+def step_grpo(cpu: bool, workdir: Path) -> str:
+    rollouts = 2 if cpu else 16
+    series, elapsed = train_tiny_recipe(workdir, "grpo", (
+        "--num-rollout", str(rollouts), "--n-samples-per-prompt", "8", "--rollout-max-response-len", "6",
+        "--micro-batch-size", "8", "--lr", "5e-3", "--weight-decay", "0", "--save-interval", str(rollouts),
+        "--rollout-engine", "torch", "--distributed-backend", "gloo" if cpu else "nccl",
+        "--train-backend", "fsdp",  # the recipe's tiny profile is Megatron; this step is the FSDP backend's
+    ))  # fmt: skip
     reward = series["rollout/raw_reward"]
     gap = max(series["train/train_rollout_logprob_abs_diff"].values())
     first, last = (
@@ -291,43 +295,13 @@ def _on_device_logit_gap(hf_dir: Path, model, config, device: str) -> float:
 
 def step_megatron_grpo(cpu: bool, workdir: Path) -> str:
     """The tiny Qwen3 recipe with the Megatron backend on one rank, learning the echo task."""
-    from miles.ckpt.pipeline import prepare
-    from miles.metrics.capture import RECORD_DIR_ENV, decode_value
-    from miles.recipes import load
-    from miles.recipes.launch import RunOptions, build_plan
-
     rollouts = 2 if cpu else 40
-    args = (
+    series, elapsed = train_tiny_recipe(workdir, "megatron", (
         "--num-rollout", str(rollouts), "--prompt-data", "synthetic:echo", "--rollout-max-response-len", "1",
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "32", "--global-batch-size", "64",
         "--micro-batch-size", "32", "--rollout-temperature", "1", "--lr", "3e-3", "--save-interval", str(rollouts),
         "--rollout-engine", "torch", "--distributed-backend", "gloo" if cpu else "nccl",
-        "--tensor-model-parallel-size", "1", "--actor-num-gpus-per-node", "1",
-    )  # fmt: skip
-    options = RunOptions(
-        model="tiny", model_dir=str(workdir / "models"), output_dir=str(workdir / "runs"), run_id="megatron",
-        python=sys.executable, extra_args=args,
-    )  # fmt: skip
-    plan = build_plan(load("qwen3_4b", platform="cpu"), options, "cpu", base_env={})
-    prepare(plan.checkpoint, progress=False)
-    record = workdir / "record"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-               "-m", "miles.train", *plan.train_args]  # fmt: skip
-    started = time.perf_counter()
-    done = subprocess.run(
-        command, env={**os.environ, RECORD_DIR_ENV: str(record)}, capture_output=True, text=True
-    )
-    elapsed = time.perf_counter() - started
-    if done.returncode != 0:
-        tail = [
-            line for line in done.stderr.splitlines() if line.startswith("miles.train:")
-        ] or done.stderr.splitlines()
-        raise CheckFailed(f"the tiny recipe on Megatron exited {done.returncode}: {' | '.join(tail[-3:])}")
-    series = {}
-    for path in record.glob("*.jsonl"):
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            series[row["metric"]] = {int(s): decode_value(v) for s, v in row["series"]}
+    ))  # fmt: skip
     exact = series["rollout/exact_match"]
     gap = max(series["train/train_rollout_logprob_abs_diff"].values())
     window = min(8, rollouts)

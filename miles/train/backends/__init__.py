@@ -75,6 +75,24 @@ class TrainBackend(abc.ABC):
         """Restore what `save` wrote (all ranks call it)."""
 
 
+def batch_loss(logp, entropy, batch: TokenBatch, cfg) -> LossTerms:
+    """The GRPO/GSPO loss terms of a micro-batch from the policy's token logprobs and entropy
+    (any backend's), with the batch's old, reference and rollout logprobs on their device."""
+    from miles.train.algorithm import policy_loss
+
+    device = logp.device
+    return policy_loss(
+        logp,
+        entropy,
+        batch.old_logp.to(device),
+        batch.advantages.to(device),
+        batch.loss_mask.to(device),
+        cfg,
+        ref_logp=None if batch.ref_logp is None else batch.ref_logp.to(device),
+        rollout_logp=batch.rollout_logp.to(device),
+    )
+
+
 def make_backend(args, dist_info) -> TrainBackend:
     if args.train_backend == "megatron":
         from miles.train.backends.megatron.backend import MegatronBackend

@@ -20,9 +20,8 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from miles.train import algorithm
 from miles.train.args import loss_config, optim_config
-from miles.train.backends import BackendUnavailable, StepResult, TrainBackend
+from miles.train.backends import BackendUnavailable, StepResult, TrainBackend, batch_loss
 from miles.train.backends.megatron import model as mm
 from miles.train.backends.megatron.loss import gather_context_parallel, micro_batches, vocab_parallel_logprobs
 from miles.train.backends.megatron.weights import WeightExporter
@@ -228,18 +227,7 @@ class MegatronBackend(TrainBackend):
 
     def _policy_loss(self, mb, output, *, normalizer: float, count: int):
         logp, entropy = self._token_logprobs(mb, output, with_entropy=True)
-        batch = mb.batch
-        device = logp.device
-        terms = algorithm.policy_loss(
-            logp,
-            entropy,
-            batch.old_logp.to(device),
-            batch.advantages.to(device),
-            batch.loss_mask.to(device),
-            self.loss_cfg,
-            ref_logp=None if batch.ref_logp is None else batch.ref_logp.to(device),
-            rollout_logp=batch.rollout_logp.to(device),
-        )
+        terms = batch_loss(logp, entropy, mb.batch, self.loss_cfg)
         # megatron's schedule divides each micro-batch's loss by their count (and multiplies it by
         # the context-parallel size, whose ranks' gradients DDP then averages with the data-
         # parallel ones); the trainer's normaliser (samples or tokens of this rank's minibatch)
