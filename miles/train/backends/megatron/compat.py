@@ -169,7 +169,7 @@ REDIRECTS: tuple[Redirect, ...] = (
     Redirect(
         "megatron.core.optimizer.optimizer:MixedPrecisionOptimizer.__init__",
         "device='cuda'",
-        "the found-inf flag of a mixed-precision step lives on the GPU",
+        "the distributed optimizer (a MixedPrecisionOptimizer) keeps its found-inf flag on the GPU",
     ),
     Redirect(
         "megatron.core.optimizer.clip_grads:get_grad_norm_fp32",
@@ -180,11 +180,6 @@ REDIRECTS: tuple[Redirect, ...] = (
         "megatron.core.optimizer.clip_grads:clip_grad_by_total_norm_fp32",
         "torch.cuda.FloatTensor",
         "gradient clipping accepts gradients only by their CUDA tensor type name",
-    ),
-    Redirect(
-        "megatron.core.optimizer.clip_grads:count_zeros_fp32",
-        "device='cuda'",
-        "zero counts are reduced in GPU tensors",
     ),
 )
 
