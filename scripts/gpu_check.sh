@@ -32,15 +32,9 @@ failed=0
 started=$SECONDS
 # Without the expected device nothing else can run: stop at the first line.
 "$python" -m miles.train.device_check platform "${mode[@]}" --workdir "$workdir/platform" || exit 1
-for step in parity generate grpo; do
+for step in parity generate grpo megatron-parity megatron-grpo; do
     "$python" -m miles.train.device_check "$step" "${mode[@]}" --workdir "$workdir/$step" || failed=1
 done
-
-# --- Megatron backend -----------------------------------------------------------------------
-# The tiny recipe with --train-backend megatron over NCCL and the HF-vs-Megatron logits parity
-# are steps of miles.train.device_check (its STEPS) once the Megatron backend trains; list
-# them in the loop above.
-# ---------------------------------------------------------------------------------------------
 
 echo "device check: $([ $failed -eq 0 ] && echo passed || echo FAILED) in $((SECONDS - started))s (work dir $workdir)"
 exit $failed

@@ -94,6 +94,10 @@ def convert_to_torch_dist(
     config = json.loads((src / "config.json").read_text())
     gpt = family(family_name).megatron_gpt
     with _quiet(), single_process_group(), CheckpointReader(src) as reader:
+        if gpt:
+            from miles.train.backends.megatron.compat import install_without_gpu
+
+            install_without_gpu()  # megatron-core's MoE layers and forward assume CUDA otherwise
         if progress is not None:
             progress.total_bytes = sum(reader.info(n)[1].nbytes for n in reader.files.weight_map)
             progress.total_tensors = len(reader.files.weight_map)
@@ -182,6 +186,7 @@ def _fill_gpt(model, config, reader: CheckpointReader, vocab: int, progress: Pro
 
     params = {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
     seen = set()
+    read = set()  # HF tensors read so far (q/k/v and gate/up arrive in several pieces)
     with torch.no_grad():
         for name, pieces in layout(config):
             target = _target(params, name, pieces, reader)
@@ -192,7 +197,8 @@ def _fill_gpt(model, config, reader: CheckpointReader, vocab: int, progress: Pro
                 else:  # e.g. fp32 norms in a bf16 checkpoint: megatron keeps one dtype
                     dst.copy_(reader.read_rows(piece.hf_name, piece.start, piece.stop))
                 if progress is not None:
-                    progress.advance(dst.numel() * dst.element_size(), 1)
+                    progress.advance(dst.numel() * dst.element_size(), int(piece.hf_name not in read))
+                read.add(piece.hf_name)
             target[sum(p.stop - p.start for p in pieces) :].zero_()  # padded vocabulary rows
             seen.add(name)
     missing = sorted(set(params) - seen)
@@ -266,8 +272,40 @@ def _save(sharded: dict, common: dict, out: Path) -> None:
     save_config(CheckpointingConfig("torch_dist", 1), out)
 
 
+# The loaded model is also run against the HF model when both fit in memory twice over in
+# float32 on a CPU (tiny and small slices); larger ones get the tensor comparison only.
+LOGIT_CHECK_BYTES = 1 << 30
+LOGIT_TOL = 1e-4
+
+
+def _weight_bytes(reader: CheckpointReader) -> int:
+    return sum(reader.info(n)[1].nbytes for n in reader.files.weight_map)
+
+
+def _verify_logits(loaded, config, hf_dir: Path, vocab: int) -> None:
+    """The loaded-back model computes the HF model's logits (float32, a fixed token sequence):
+    equal tensors in the wrong places would not."""
+    import torch
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from miles.ckpt.megatron_gpt import build_model, hf_logit_gap, transformer_config
+
+    with torch.random.fork_rng(devices=[]):  # megatron's attention forks its RNG streams
+        model_parallel_cuda_manual_seed(0)
+        model = build_model(config, vocab, transformer=transformer_config(config, dtype=torch.float32))
+        model.load_state_dict(loaded.state_dict())
+        gap = hf_logit_gap(hf_dir, model, config)
+    if not gap <= LOGIT_TOL:
+        raise CheckpointError(
+            f"{hf_dir}: the converted megatron model's logits differ from the HF model's by up to {gap:.3g} "
+            f"(float32, tolerance {LOGIT_TOL:g}); the weights load back equal, so the mapping of this "
+            f"config ({config.get('model_type')}) to megatron is wrong: report it with the config.json"
+        )
+
+
 def _verify(release: Path, config, reader: CheckpointReader, gpt: bool, vocab: int) -> None:
-    """Load `release` back with megatron-core and compare every tensor with the HF weights."""
+    """Load `release` back with megatron-core, compare every tensor with the HF weights and, for a
+    model small enough, its logits with the HF model's."""
     import torch
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
@@ -311,3 +349,5 @@ def _verify(release: Path, config, reader: CheckpointReader, gpt: bool, vocab: i
             raise CheckpointError(
                 f"{release}: {name} differs from {hf_name} rows {start}:{stop} after loading back; rerun the step"
             )
+    if gpt and _weight_bytes(reader) <= LOGIT_CHECK_BYTES:
+        _verify_logits(model, config, reader.files.root, vocab)

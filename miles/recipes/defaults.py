@@ -102,7 +102,8 @@ def args_with(**changes: Args) -> tuple[tuple[str, Args], ...]:
 
 
 # The CPU lane trains the same recipe on a tiny random checkpoint: 2 gloo ranks, a small
-# batch, three rollouts of the trainer's synthetic task, FSDP instead of Megatron.
+# batch, three rollouts of the trainer's synthetic task; Megatron where the model maps to
+# megatron-core's GPTModel (at a layout of its own), FSDP otherwise.
 TINY_OVERRIDES = groups(
     checkpoint=(("--save-interval", 3),),
     rollout=(
@@ -144,18 +145,20 @@ TINY_OVERRIDES = groups(
 )
 
 
-def cpu_tiny_profile() -> ParallelProfile:
-    """Two gloo ranks on one CPU machine, data-parallel, the trainer's own sampler."""
+def cpu_tiny_profile(parallel: ParallelConfig | None = None, train_backend: str | None = None) -> ParallelProfile:
+    """Two gloo ranks on one CPU machine with the trainer's own sampler: data-parallel FSDP, or
+    the Megatron backend at `parallel` when `train_backend` is "megatron"."""
     return ParallelProfile(
         platform="cpu",
         nodes=1,
         gpus_per_node=2,
         model=TINY,
-        parallel=ParallelConfig(),
+        parallel=parallel or ParallelConfig(),
         rollout_engine="torch",
         overrides=TINY_OVERRIDES,
         suite="stage-b-cpu",
         source="the CPU lane's recipe tests train it on every PR",
+        train_backend=train_backend,
     )
 
 

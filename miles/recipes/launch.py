@@ -122,6 +122,7 @@ def build_plan(
         source=options.source,
         stage_dir=options.stage_dir,
         env=base,
+        train_backend=recipe.backend_of(profile),
     )
     run_dir = f"{options.output_dir}/{options.run_id}"
     fields = _fields(recipe, profile, checkpoint, options, run_dir)

@@ -59,6 +59,7 @@ class ParallelProfile:
     overrides: tuple[tuple[str, Args], ...] = ()  # flags this profile sets or removes, by group
     suite: str | None = None  # the CI suite that runs it (checked against the catalog)
     source: str = ""  # where the layout comes from
+    train_backend: str | None = None  # None: the recipe's on GPUs, fsdp on the CPU
 
     @property
     def world_size(self) -> int:
@@ -187,6 +188,8 @@ class Recipe:
     # --- what the recipe produces ------------------------------------------------------------
 
     def backend_of(self, profile: ParallelProfile) -> str:
+        if profile.train_backend:
+            return profile.train_backend
         return CPU_BACKEND if profile.platform == "cpu" else self.train_backend
 
     def checkpoint_plan(
@@ -197,11 +200,13 @@ class Recipe:
         source: str | None = None,
         stage_dir: str | None = None,
         env: Mapping[str, str] | None = None,
+        train_backend: str | None = None,
     ) -> CheckpointPlan:
         """The checkpoint pipeline's plan for `model`: fetch and validate always; trim for an
-        -Nlayer slice; fp8 for FP8-rollout recipes; torch_dist for Megatron training of a family
-        with a Megatron GPT layout (the others load their HF weights through Megatron-Bridge);
-        stage when a node-local stage_dir is given. `tiny` builds a random checkpoint locally."""
+        -Nlayer slice; fp8 for FP8-rollout recipes; torch_dist for Megatron training (the
+        recipe's backend unless `train_backend` says otherwise) of a family with a Megatron GPT
+        layout (the others load their HF weights through Megatron-Bridge); stage when a
+        node-local stage_dir is given. `tiny` builds a random checkpoint of the family locally."""
         resolved = self.resolve(model, env)
         steps = ["fetch", "validate"]
         if not resolved.tiny:
@@ -209,8 +214,9 @@ class Recipe:
                 steps.append("trim")
             if self.fp8_rollout:
                 steps.append("fp8")
-            if self.train_backend == "megatron" and megatron_layout(resolved.spec.family):
-                steps.append("torch_dist")
+        megatron = (train_backend or self.train_backend) == "megatron"
+        if megatron and megatron_layout(resolved.spec.family) and (not resolved.tiny or train_backend):
+            steps.append("torch_dist")
         if stage_dir:
             steps.append("stage")
         return CheckpointPlan(
@@ -232,10 +238,12 @@ class Recipe:
         resolved = self.resolve(profile.model, env)
         out: list[tuple[str, Args]] = []
         if backend == "megatron":
-            model_args = resolved.model_args(kernels=profile.gpus)
+            # a tiny model's shape is its own config.json, not the full model's widths
+            model_args = () if resolved.tiny else resolved.model_args(kernels=profile.gpus)
             if not megatron_layout(resolved.spec.family):  # --ref-load is the HF dir: load it via the bridge
                 model_args = (*model_args, ("--megatron-to-hf-mode", "bridge"))
-            out.append(("model", model_args))
+            if model_args:
+                out.append(("model", model_args))
         for group in GROUPS:
             args = merge(self.group(group), _lookup(profile.overrides, group))
             if group == "rollout_engine" and profile.rollout_engine == "sglang":

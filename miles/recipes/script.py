@@ -227,7 +227,7 @@ def _main(name: str, fixed: str | None, command: str, cli: dict, env: Mapping[st
     options = _with_profile(options, profile)
     dry = value["dry_run"]
     if command in ("prepare", "full-train"):
-        _prepare(recipe, options, dry, out)
+        _prepare(recipe, options, dry, out, recipe.backend_of(profile))
         if command == "prepare":
             return 0
     plan = build_plan(recipe, options, platform, base_env=env)
@@ -251,11 +251,15 @@ def _with_profile(options: RunOptions, profile) -> RunOptions:
     return replace(options, model=profile.model, nodes=profile.nodes, gpus_per_node=profile.gpus_per_node)
 
 
-def _prepare(recipe: Recipe, options: RunOptions, dry: bool, out) -> None:
+def _prepare(recipe: Recipe, options: RunOptions, dry: bool, out, train_backend: str) -> None:
     from miles.ckpt.pipeline import prepare  # reads checkpoints: only `prepare` needs it
 
     plan = recipe.checkpoint_plan(
-        options.model, model_dir=options.model_dir, source=options.source, stage_dir=options.stage_dir
+        options.model,
+        model_dir=options.model_dir,
+        source=options.source,
+        stage_dir=options.stage_dir,
+        train_backend=train_backend,
     )
     print(f"checkpoint plan: {plan.source} -> {plan.hf_dir}", file=out)
     print(

@@ -24,6 +24,7 @@ RUNS_DIR = Path(__file__).with_name("runs")
 SCHEMA = 1
 VERIFIED, LAYOUT_CHECKED, UNTESTED = "verified", "layout checked", "untested"
 CPU_TEST = "tests/e2e/test_train_recipes_tiny.py"
+CPU_MEGATRON_TEST = "tests/e2e/test_train_megatron_tiny.py"
 
 
 @dataclass(frozen=True)
@@ -36,8 +37,11 @@ class Status:
 
 
 def test_file(recipe: Recipe, profile: ParallelProfile) -> str:
-    """The test that trains this profile: the recipe's e2e test on GPUs, the tiny suite on CPU."""
-    return CPU_TEST if profile.platform == "cpu" else f"tests/e2e/recipes/test_{recipe.name}_recipe.py"
+    """The test that trains this profile: the recipe's e2e test on GPUs; on CPU the Megatron
+    backend's tiny training test, or the tiny suite for the FSDP profiles."""
+    if profile.platform == "cpu":
+        return CPU_MEGATRON_TEST if recipe.backend_of(profile) == "megatron" else CPU_TEST
+    return f"tests/e2e/recipes/test_{recipe.name}_recipe.py"
 
 
 def record_path(recipe: Recipe, profile: ParallelProfile, directory: Path = RUNS_DIR) -> Path:
@@ -80,7 +84,7 @@ def profile_status(recipe: Recipe, profile: ParallelProfile, directory: Path = R
                 f"({_shown(path)})",
             )
         stale = f"; {_shown(path)} does not count: {problem}"
-    if recipe.backend_of(profile) == "megatron":
+    if recipe.backend_of(profile) == "megatron" and profile.platform != "cpu":
         version = lane_megatron_core(profile.platform) or "installed"
         detail = (
             f"the rules of megatron-core {version} pass and megatron-core accepts it; no lane has trained it"

@@ -387,6 +387,8 @@ GPU_STACK_ONLY = (
     "megatron_to_hf_mode ckpt_format num_epoch log_interval "
     "num_layers_per_virtual_pipeline_stage debug_train_only tool_key"
 ).split()
+# Of those, the ones the megatron backend does act on.
+MEGATRON_USES = ("num_layers_per_virtual_pipeline_stage",)
 SGLANG_ONLY = ("rollout_num_gpus_per_engine", "sglang_mem_fraction_static")
 MEGATRON_GROUP = "megatron model (megatron backend; fsdp/ddp read the HF config)"
 
@@ -400,6 +402,10 @@ def run_notes(args: argparse.Namespace, engine: str) -> list[str]:
         if a.option_strings and getattr(args, a.dest, None) != a.default and a.default != argparse.SUPPRESS
     }
     notes = []
+    if args.train_backend == "megatron":
+        ignored = [changed[d] for d in GPU_STACK_ONLY if d in changed and d not in MEGATRON_USES]
+        if ignored:
+            notes.append(f"without effect on --train-backend megatron: {' '.join(ignored)}")
     if args.train_backend != "megatron":
         megatron = [
             a.dest for g in parser._action_groups if g.title == MEGATRON_GROUP for a in g._group_actions
@@ -546,13 +552,23 @@ def _check_megatron_layout(args: argparse.Namespace) -> None:
         ) from exc
 
 
+def data_parallel_size(args: argparse.Namespace, world_size: int) -> int:
+    """Ranks that train on different rows: all of them, except that Megatron's tensor, pipeline
+    and context parallel peers share theirs."""
+    if args.train_backend != "megatron":
+        return world_size
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
+    return max(1, world_size // model_parallel)
+
+
 def validate_world(args: argparse.Namespace, world_size: int) -> None:
     """Rules that need the number of ranks (known once the process group is up)."""
-    per_rank, rest = divmod(args.global_batch_size, world_size)
+    dp = data_parallel_size(args, world_size)
+    per_rank, rest = divmod(args.global_batch_size, dp)
     if rest:
         raise ArgsError(
-            f"--global-batch-size ({args.global_batch_size}) must split evenly over {world_size} "
-            f"data-parallel ranks; e.g. --global-batch-size {args.global_batch_size + world_size - rest}"
+            f"--global-batch-size ({args.global_batch_size}) must split evenly over {dp} "
+            f"data-parallel ranks; e.g. --global-batch-size {args.global_batch_size + dp - rest}"
         )
     if args.rollout_batch_size % world_size:
         raise ArgsError(

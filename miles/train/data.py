@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 SYNTHETIC_PREFIX = "synthetic:"
-SYNTHETIC_TASKS = ("fixed", "copy")
+SYNTHETIC_TASKS = ("fixed", "copy", "echo")
+ECHO_ANSWERS = "2468"
 SYNTHETIC_SIZE = 512
 FIXED_ANSWER = "7777"
 
@@ -36,6 +37,9 @@ def synthetic_prompts(task: str, size: int = SYNTHETIC_SIZE, seed: int = 0) -> l
 
     fixed: every prompt has the same answer; the policy only has to find and keep it.
     copy: the answer is the digits of the prompt; the policy must read its input.
+    echo: the prompt ends with one of four digits and the answer is that digit (one token). A
+        policy that ignores its input is right on a quarter of the prompts at best, so an exact
+        match rate well above 0.25 shows it reads the prompt, whatever the graded reward says.
     """
     rng = random.Random(seed)
     prompts = []
@@ -45,6 +49,9 @@ def synthetic_prompts(task: str, size: int = SYNTHETIC_SIZE, seed: int = 0) -> l
             prompts.append(Prompt(i, f"code {digits}:", FIXED_ANSWER))
         elif task == "copy":
             prompts.append(Prompt(i, f"copy {digits}:", digits))
+        elif task == "echo":
+            answer = rng.choice(ECHO_ANSWERS)
+            prompts.append(Prompt(i, f"echo {answer}", answer))
         else:
             raise DataError(f"unknown synthetic task '{task}'; known: {', '.join(SYNTHETIC_TASKS)}")
     return prompts

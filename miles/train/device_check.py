@@ -6,7 +6,9 @@ Steps: `platform` (what the machine and the stack are), `parity` (the rollout en
 per-token logprobs against one full forward, every recipe family, fp32), `generate` (the
 rollout engine's greedy decoding against transformers' generate() on a ~0.2B random Qwen3 in
 bf16), `grpo` (the qwen3_4b recipe's tiny profile on one rank over NCCL with --ci-test,
-16 rollouts that must learn). Each prints `PASS <step>: ...` or `FAIL <step>: ...` and exits
+16 rollouts that must learn, FSDP), `megatron-parity` (HF logits against the megatron GPTModel
+loaded from the torch_dist conversion, Qwen3 and Qwen3-MoE, fp32), `megatron-grpo` (the same
+tiny profile on the Megatron backend, learning synthetic:echo). Each prints `PASS <step>: ...` or `FAIL <step>: ...` and exits
 0 or 1. `--cpu` runs the same code on CPU at CI size (gloo, fewer rollouts, a smaller model),
 which is how CI keeps this script working between GPU runs.
 """
@@ -187,21 +189,16 @@ def step_generate(cpu: bool, workdir: Path) -> str:
     return summary
 
 
-def step_grpo(cpu: bool, workdir: Path) -> str:
+def train_tiny_recipe(workdir: Path, run_id: str, args: tuple[str, ...]) -> tuple[dict, float]:
+    """The qwen3_4b recipe's tiny profile with `args` on one rank; its metric series and seconds."""
     from miles.ckpt.pipeline import prepare
     from miles.metrics.capture import RECORD_DIR_ENV, decode_value
     from miles.recipes import load
     from miles.recipes.launch import RunOptions, build_plan
 
-    rollouts = 2 if cpu else 16
-    learning = (
-        "--num-rollout", str(rollouts), "--n-samples-per-prompt", "8", "--rollout-max-response-len", "6",
-        "--micro-batch-size", "8", "--lr", "1e-2", "--weight-decay", "0", "--save-interval", str(rollouts),
-        "--rollout-engine", "torch", "--distributed-backend", "gloo" if cpu else "nccl",
-    )  # fmt: skip
     options = RunOptions(
-        model="tiny", model_dir=str(workdir / "models"), output_dir=str(workdir / "runs"), run_id="grpo",
-        python=sys.executable, extra_args=learning,
+        model="tiny", model_dir=str(workdir / "models"), output_dir=str(workdir / "runs"), run_id=run_id,
+        python=sys.executable, extra_args=(*args, "--tensor-model-parallel-size", "1", "--actor-num-gpus-per-node", "1"),
     )  # fmt: skip
     plan = build_plan(load("qwen3_4b", platform="cpu"), options, "cpu", base_env={})
     prepare(plan.checkpoint, progress=False)
@@ -223,6 +220,17 @@ def step_grpo(cpu: bool, workdir: Path) -> str:
         for line in path.read_text().splitlines():
             row = json.loads(line)
             series[row["metric"]] = {int(s): decode_value(v) for s, v in row["series"]}
+    return series, elapsed
+
+
+def step_grpo(cpu: bool, workdir: Path) -> str:
+    rollouts = 2 if cpu else 16
+    series, elapsed = train_tiny_recipe(workdir, "grpo", (
+        "--num-rollout", str(rollouts), "--n-samples-per-prompt", "8", "--rollout-max-response-len", "6",
+        "--micro-batch-size", "8", "--lr", "5e-3", "--weight-decay", "0", "--save-interval", str(rollouts),
+        "--rollout-engine", "torch", "--distributed-backend", "gloo" if cpu else "nccl",
+        "--train-backend", "fsdp",  # the recipe's tiny profile is Megatron; this step is the FSDP backend's
+    ))  # fmt: skip
     reward = series["rollout/raw_reward"]
     gap = max(series["train/train_rollout_logprob_abs_diff"].values())
     first, last = (
@@ -237,9 +245,88 @@ def step_grpo(cpu: bool, workdir: Path) -> str:
     return summary
 
 
-# The Megatron backend's steps (the tiny recipe with --train-backend megatron, HF-vs-Megatron
-# logits parity) join STEPS here once that backend trains; gpu_check.sh runs whatever is listed.
-STEPS = {"platform": step_platform, "parity": step_parity, "generate": step_generate, "grpo": step_grpo}
+def step_megatron_parity(cpu: bool, workdir: Path) -> str:
+    """HF logits against the megatron GPTModel loaded from the torch_dist conversion, fp32."""
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from miles.ckpt.megatron_gpt import build_model, transformer_config
+    from miles.ckpt.tiny import make_tiny_checkpoint
+    from miles.ckpt.torch_dist import convert_to_torch_dist, single_process_group
+
+    device = device_of(cpu)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    tol = PARITY_TOL["cpu" if cpu else "gpu"]
+    gaps = {}
+    for family in ("qwen3", "qwen3_moe"):
+        hf = make_tiny_checkpoint(family, 2, workdir / family / "hf")
+        dist = workdir / family / "torch_dist"
+        if not dist.exists():
+            dist.mkdir(parents=True)
+            convert_to_torch_dist(hf, dist, family)
+        config = json.loads((hf / "config.json").read_text())
+        with single_process_group(), torch.random.fork_rng(devices=[]):
+            model_parallel_cuda_manual_seed(0)
+            model = build_model(
+                config, transformer=transformer_config(config, dtype=torch.float32, on_cpu=cpu)
+            )
+            state = dist_checkpointing.load(model.sharded_state_dict(), str(dist / "release"))
+            model.load_state_dict({k: v for k, v in state.items() if k in model.state_dict()})
+            gaps[family] = _on_device_logit_gap(hf, model.to(device), config, device)
+    report = ", ".join(f"{f} {g:.1e}" for f, g in gaps.items())
+    if max(gaps.values()) > tol:
+        raise CheckFailed(f"HF vs Megatron max |logit gap| over {tol:g}: {report}")
+    return f"HF vs Megatron GPTModel from the torch_dist conversion, max |logit gap| (fp32, tol {tol:g}): {report}"
+
+
+def _on_device_logit_gap(hf_dir: Path, model, config, device: str) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from miles.ckpt.megatron_gpt import megatron_logits, probe_tokens
+
+    tokens = probe_tokens(config).to(device)
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device).eval()
+    with torch.no_grad():
+        want = hf(input_ids=tokens).logits.float()
+    return float((want - megatron_logits(model, tokens, config["vocab_size"])).abs().max())
+
+
+def step_megatron_grpo(cpu: bool, workdir: Path) -> str:
+    """The tiny Qwen3 recipe with the Megatron backend on one rank, learning the echo task."""
+    rollouts = 2 if cpu else 40
+    series, elapsed = train_tiny_recipe(workdir, "megatron", (
+        "--num-rollout", str(rollouts), "--prompt-data", "synthetic:echo", "--rollout-max-response-len", "1",
+        "--rollout-batch-size", "4", "--n-samples-per-prompt", "32", "--global-batch-size", "64",
+        "--micro-batch-size", "32", "--rollout-temperature", "1", "--lr", "3e-3", "--save-interval", str(rollouts),
+        "--rollout-engine", "torch", "--distributed-backend", "gloo" if cpu else "nccl",
+    ))  # fmt: skip
+    exact = series["rollout/exact_match"]
+    gap = max(series["train/train_rollout_logprob_abs_diff"].values())
+    window = min(8, rollouts)
+    first = sum(exact[s] for s in range(min(4, rollouts))) / min(4, rollouts)
+    last = sum(exact[s] for s in range(rollouts - window, rollouts)) / window
+    summary = (
+        f"qwen3_4b tiny profile on --train-backend megatron, 1 rank over {'gloo' if cpu else 'NCCL'}, {rollouts} "
+        f"rollouts of synthetic:echo with --ci-test in {elapsed:.0f}s: exact match {first:.2f} -> {last:.2f}, "
+        f"max train/train_rollout_logprob_abs_diff {gap:.1e}"
+    )
+    if not cpu and last < 0.5:
+        raise CheckFailed(
+            f"{summary}: the policy did not learn to read its prompt (the CPU lane's runs reach 0.7)"
+        )
+    return summary
+
+
+STEPS = {
+    "platform": step_platform,
+    "parity": step_parity,
+    "generate": step_generate,
+    "grpo": step_grpo,
+    "megatron-parity": step_megatron_parity,
+    "megatron-grpo": step_megatron_grpo,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

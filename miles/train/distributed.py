@@ -85,13 +85,13 @@ def all_gather_objects(obj: Any) -> list[Any]:
     return out
 
 
-def all_reduce_sum(values: list[float]) -> list[float]:
-    """Sum a list of floats over ranks (float64, so token counts stay exact); without a process
-    group this process is the whole world."""
+def all_reduce_sum(values: list[float], group=None) -> list[float]:
+    """Sum a list of floats over the ranks of `group` (default: all), in float64 so token counts
+    stay exact; without a process group this process is the whole world."""
     if not dist.is_initialized():
         return [float(v) for v in values]
     t = torch.tensor(values, dtype=torch.float64, device=_collective_device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t.tolist()
 
 

@@ -16,6 +16,7 @@ from miles.train.batch import Sample
 
 CONSOLE_KEYS = (
     ("reward", "rollout/raw_reward", "{:.3f}"),
+    ("exact", "rollout/exact_match", "{:.2f}"),
     ("loss", "train/loss", "{:+.4f}"),
     ("kl", "train/ppo_kl", "{:+.1e}"),
     ("clip", "train/pg_clipfrac", "{:.3f}"),
@@ -26,13 +27,17 @@ CONSOLE_KEYS = (
 )
 
 
-def rollout_metrics(samples: Sequence[Sample], rollout_time: float) -> dict[str, float]:
+def rollout_metrics(
+    samples: Sequence[Sample], rollout_time: float, *, exact: bool = False
+) -> dict[str, float]:
+    """The rollout's metrics; with `exact`, also the share of responses that are exactly their
+    label (the synthetic tasks, whose label is the whole answer)."""
     n = len(samples)
     lengths = [len(s.generation.response_ids) for s in samples]
     tokens = sum(lengths)
     rewards = [s.reward for s in samples]
     mean = sum(rewards) / n
-    return {
+    metrics = {
         "rollout/raw_reward": mean,
         "rollout/reward_std": (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5,
         "rollout/response_len": tokens / n,
@@ -41,6 +46,9 @@ def rollout_metrics(samples: Sequence[Sample], rollout_time: float) -> dict[str,
         "perf/rollout_time": rollout_time,
         "perf/rollout_tokens_per_s": tokens / rollout_time if rollout_time > 0 else 0.0,
     }
+    if exact:
+        metrics["rollout/exact_match"] = sum(s.response_text.strip() == s.label.strip() for s in samples) / n
+    return metrics
 
 
 def _zero_std_groups(samples: Sequence[Sample]) -> float:

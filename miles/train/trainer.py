@@ -28,7 +28,7 @@ from miles.train.algorithm import LOSS_SUMS, group_advantages
 from miles.train.args import ArgsError, parse_args
 from miles.train.backends import BackendUnavailable
 from miles.train.batch import Sample, TokenBatch, collate, load_samples, save_samples
-from miles.train.data import DataError, batch_for_rollout
+from miles.train.data import SYNTHETIC_PREFIX, DataError, batch_for_rollout
 from miles.train.distributed import all_gather_objects, all_reduce_sum, barrier, sampling_seed, shutdown
 from miles.train.model import ModelLoadError
 from miles.train.rewards import RewardError
@@ -60,7 +60,9 @@ def train(run: Run) -> None:
         started = time.perf_counter()
         samples = generate_and_score(run, rollout_id)  # 1 rollout, 2 reward
         samples = with_advantages(run, samples)  # 3 advantage
-        metrics = report.rollout_metrics(samples, time.perf_counter() - started)
+        metrics = report.rollout_metrics(
+            samples, time.perf_counter() - started, exact=args.prompt_data.startswith(SYNTHETIC_PREFIX)
+        )
         if not args.debug_rollout_only:
             metrics |= learn(run, rollout_id, samples)  # 4 loss and optimizer steps
             metrics |= sync_weights(run, rollout_id)  # 5 sync
@@ -118,10 +120,10 @@ def with_advantages(run: Run, samples: Sequence[Sample]) -> list[Sample]:
 def learn(run: Run, rollout_id: int, samples: Sequence[Sample]) -> dict[str, float]:
     """Step 4: old (and reference) logprobs of this rank's share, then one optimizer step per
     minibatch of --global-batch-size samples (split over ranks and micro-batches)."""
-    args, world = run.args, run.dist.world_size
+    args = run.args
     started = time.perf_counter()
     run.engine.release_memory()  # a colocated engine gives the GPU to the trainer until the sync
-    per_rank = args.global_batch_size // world
+    per_rank = args.global_batch_size // run.backend.data_parallel[1]
     local, mismatch = with_old_logprobs(run, share_of_rank(run, samples))
     if args.ci_test and not args.use_rollout_logprobs:
         checks.check_logprob_agreement(
@@ -141,15 +143,17 @@ def learn(run: Run, rollout_id: int, samples: Sequence[Sample]) -> dict[str, flo
 
 
 def share_of_rank(run: Run, samples: Sequence[Sample]) -> TokenBatch:
-    """This rank's rows of every minibatch, minibatch after minibatch (strided, so groups spread)."""
-    gbs, rank, world = run.args.global_batch_size, run.dist.rank, run.dist.world_size
-    mine = [m * gbs + i for m in range(len(samples) // gbs) for i in range(rank, gbs, world)]
+    """This data-parallel rank's rows of every minibatch, minibatch after minibatch (strided, so
+    groups spread); model-parallel peers get the same rows."""
+    gbs = run.args.global_batch_size
+    rank, size, _ = run.backend.data_parallel
+    mine = [m * gbs + i for m in range(len(samples) // gbs) for i in range(rank, gbs, size)]
     return collate([samples[i] for i in mine], run.tokenizer.pad_token_id or 0)
 
 
 def with_old_logprobs(run: Run, local: TokenBatch) -> tuple[TokenBatch, dict[str, float]]:
     """The batch with old (and reference) logprobs, and how far the rollout engine's are from
-    the trainer's: mean |diff| and KL(rollout || trainer), over every rank's tokens."""
+    the trainer's: mean |diff| and KL(rollout || trainer), over every data-parallel rank's tokens."""
     args = run.args
     trainer_logp = batched_logprobs(run, local, reference=False)
     ref_logp = batched_logprobs(run, local, reference=True) if args.use_kl_loss else None
@@ -160,7 +164,8 @@ def with_old_logprobs(run: Run, local: TokenBatch) -> tuple[TokenBatch, dict[str
             float(((trainer_logp - local.rollout_logp).abs() * mask).sum()),
             float(((local.rollout_logp - trainer_logp) * mask).sum()),
             float(mask.sum()),
-        ]
+        ],
+        group=run.backend.data_parallel[2],
     )
     mismatch = {
         "train/train_rollout_logprob_abs_diff": diff_sum / tokens,
@@ -170,8 +175,9 @@ def with_old_logprobs(run: Run, local: TokenBatch) -> tuple[TokenBatch, dict[str
 
 
 def optimizer_step(run: Run, minibatch: TokenBatch) -> dict[str, float]:
-    """One AdamW step on this rank's part of a minibatch; loss terms summed over all ranks."""
-    args, world = run.args, run.dist.world_size
+    """One AdamW step on this rank's part of a minibatch; loss terms summed over the data-parallel ranks."""
+    args = run.args
+    _, replicas, group = run.backend.data_parallel
     size = minibatch.size
     micro = [
         minibatch.rows(slice(i, i + args.micro_batch_size)) for i in range(0, size, args.micro_batch_size)
@@ -179,26 +185,20 @@ def optimizer_step(run: Run, minibatch: TokenBatch) -> dict[str, float]:
     # Each rank's loss is divided so that the data-parallel gradient average is the mean over
     # the global minibatch: per sample by default, per token with --calculate-per-token-loss.
     if args.calculate_per_token_loss:
-        normalizer = all_reduce_sum([float(minibatch.loss_mask.sum())])[0] / world
+        normalizer = all_reduce_sum([float(minibatch.loss_mask.sum())], group)[0] / replicas
     else:
         normalizer = size
     result = run.backend.train_step(micro, normalizer)
     local = [sum(getattr(t, k) for t in result.terms) for k in LOSS_SUMS]
     loss = sum(float(t.loss.detach()) for t in result.terms) / normalizer
-    reduced = dict(zip([*LOSS_SUMS, "loss"], all_reduce_sum([*local, loss]), strict=True))
-    reduced["loss"] /= world
+    reduced = dict(zip([*LOSS_SUMS, "loss"], all_reduce_sum([*local, loss], group), strict=True))
+    reduced["loss"] /= replicas
     return reduced | {"grad_norm": result.grad_norm, "lr": result.lr, "skipped": result.skipped}
 
 
 def batched_logprobs(run: Run, batch: TokenBatch, *, reference: bool) -> torch.Tensor:
     """Logprobs of a whole local batch, computed --micro-batch-size rows at a time."""
-    out = torch.zeros_like(batch.loss_mask)
-    size = run.args.micro_batch_size
-    for start in range(0, batch.size, size):
-        part = batch.rows(slice(start, start + size))
-        logp = run.backend.logprobs(part, reference=reference)
-        out[start : start + size, : logp.shape[1]] = logp
-    return out
+    return run.backend.batch_logprobs(batch, run.args.micro_batch_size, reference=reference)
 
 
 def sync_weights(run: Run, rollout_id: int) -> dict[str, float]:

@@ -105,11 +105,13 @@ def test_loaded_megatron_attention_computes_what_hf_attention_computes(tiny, tor
         mg = _megatron_from(torch_dist_of(name), config)
         for i in (0, config["num_hidden_layers"] - 1):
             attn, ref = mg.decoder.layers[i].self_attention, hf.model.layers[i].self_attn
+            # The TE layout fuses the input norm into linear_qkv.
+            normed = hf.model.layers[i].input_layernorm(x)
             q, k, v = attn.get_query_key_value_tensors(x)[:3]
             d = config["head_dim"]
-            assert torch.allclose(q, ref.q_norm(ref.q_proj(x).unflatten(-1, (-1, d))), atol=1e-5)
-            assert torch.allclose(k, ref.k_norm(ref.k_proj(x).unflatten(-1, (-1, d))), atol=1e-5)
-            assert torch.allclose(v, ref.v_proj(x).unflatten(-1, (-1, d)), atol=1e-5)
+            assert torch.allclose(q, ref.q_norm(ref.q_proj(normed).unflatten(-1, (-1, d))), atol=1e-5)
+            assert torch.allclose(k, ref.k_norm(ref.k_proj(normed).unflatten(-1, (-1, d))), atol=1e-5)
+            assert torch.allclose(v, ref.v_proj(normed).unflatten(-1, (-1, d)), atol=1e-5)
             assert torch.equal(attn.linear_proj.weight, ref.o_proj.weight)
         assert torch.equal(mg.embedding.word_embeddings.weight, hf.model.embed_tokens.weight)
         # with tied embeddings (Qwen3-4B) megatron's output layer has no weight of its own
@@ -129,8 +131,9 @@ def test_loaded_megatron_dense_mlp_computes_what_hf_mlp_computes(tiny, torch_dis
     with single_process_group(), torch.no_grad():
         mg = _megatron_from(torch_dist_of("qwen3"), config)
         for i in range(config["num_hidden_layers"]):
-            out, _ = mg.decoder.layers[i].mlp(x)
-            assert torch.allclose(out, hf.model.layers[i].mlp(x), atol=1e-5)
+            out, _ = mg.decoder.layers[i].mlp(x)  # the TE layout fuses the norm into linear_fc1
+            expected = hf.model.layers[i].mlp(hf.model.layers[i].post_attention_layernorm(x))
+            assert torch.allclose(out, expected, atol=1e-5)
 
 
 def test_loaded_megatron_experts_and_router_hold_the_hf_experts(tiny, torch_dist_of):

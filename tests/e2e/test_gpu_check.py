@@ -2,7 +2,8 @@
 
 The script is what a person runs on a single GPU to see the training path work there
 (platform, engine-vs-forward parity for every family, the engine against generate(), the
-tiny GRPO recipe over NCCL). Its --cpu form runs the same steps, so a change that breaks
+tiny GRPO recipe over NCCL on FSDP, HF-vs-Megatron logits, the tiny recipe on the Megatron
+backend). Its --cpu form runs the same steps, so a change that breaks
 the script fails here, not on the next GPU machine.
 """
 
@@ -17,7 +18,7 @@ import pytest
 
 from miles.ci.register import register_cpu_ci, register_cuda_ci, register_rocm_ci
 
-register_cpu_ci(est_time=90, suite="stage-b-cpu")
+register_cpu_ci(est_time=110, suite="stage-b-cpu")
 register_cuda_ci(est_time=300, suite="stage-b-2-gpu-h200", labels=["fsdp", "short"])
 register_rocm_ci(est_time=390, suite="stage-c-4-gpu-mi350", labels=["fsdp", "short", "amd"])
 
@@ -34,7 +35,9 @@ def test_every_step_of_the_device_check_passes(tmp_path):
     )  # fmt: skip
     verdicts = [line for line in done.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
     assert done.returncode == 0, "\n".join(verdicts) + done.stderr[-2000:]
-    assert [v.split()[1] for v in verdicts] == ["platform", "parity", "generate", "grpo"]
+    assert [v.split()[1] for v in verdicts] == [
+        "platform", "parity", "generate", "grpo", "megatron-parity", "megatron-grpo",
+    ]  # fmt: skip
     assert all(v.startswith("PASS") for v in verdicts)
     assert done.stdout.splitlines()[-1].startswith("device check: passed")
 

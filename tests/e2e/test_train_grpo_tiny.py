@@ -38,9 +38,12 @@ _spec.loader.exec_module(runs)
 
 NUM_ROLLOUT = 16
 SAVE_AT = 12
+# The recipe's tiny profile trains with Megatron (tests/e2e/test_train_megatron_tiny.py); this
+# file keeps the same command on the FSDP backend.
 LEARNING_ARGS = (
     "--num-rollout", str(NUM_ROLLOUT), "--save-interval", str(SAVE_AT), "--n-samples-per-prompt", "8",
-    "--rollout-max-response-len", "6", "--micro-batch-size", "8", "--lr", "1e-2", "--weight-decay", "0",
+    "--rollout-max-response-len", "6", "--micro-batch-size", "8", "--lr", "5e-3", "--weight-decay", "0",
+    "--train-backend", "fsdp", "--tensor-model-parallel-size", "1",
 )  # fmt: skip
 ON_GPU = os.environ.get("MILES_CI_BACKEND", "cpu") != "cpu"
 if ON_GPU:

@@ -83,9 +83,19 @@ def test_rocm_lock_pins_numba_and_the_rocm_torch_build():
     lock = parse_lock(ROOT / "requirements" / "rocm-mi350.txt")
     assert lock.pins["numba"].version == "0.65.1"
     assert lock.pins["torch"].version.endswith("+rocm7.2")
-    assert lock.pins["megatron-core"].version.startswith("0.19.")
     assert lock.pins["sglang"].version.startswith("0.5.")
     assert "sglang-kernel" not in lock.pins  # built from source in the ROCm image
+
+
+def test_every_stack_pins_the_megatron_core_the_cpu_lane_trains_with():
+    # The CPU lane runs the Megatron backend under gloo to prove what the GPU lanes run; a GPU
+    # lock on another megatron-core would make that proof about a different library.
+    config = load_images()
+    versions = {
+        name: parse_lock(ROOT / config.stack(name).lock_path).pins["megatron-core"].version
+        for name in ("cpu", "cuda-h200", "rocm-mi350")
+    }
+    assert len(set(versions.values())) == 1, versions
 
 
 def test_every_stack_lock_parses_and_pins_its_python_line():

@@ -48,7 +48,7 @@ def test_the_cpu_tiny_profile_without_a_record_is_untested(tmp_path):
     tiny = recipe.profile("tiny", "cpu")
     status = profile_status(recipe, tiny, tmp_path)
     assert status.kind == UNTESTED
-    assert "tests/e2e/test_train_recipes_tiny.py trains it in stage-b-cpu" in status.detail
+    assert "tests/e2e/test_train_megatron_tiny.py trains it in stage-b-cpu" in status.detail
 
 
 def test_a_passed_run_of_the_profiles_test_verifies_it(tmp_path):

@@ -298,12 +298,27 @@ def test_a_family_without_a_megatron_layout_is_referenced_by_its_hf_dir_through_
     assert args[args.index("--megatron-to-hf-mode") + 1] == "bridge"
 
 
-def test_tiny_profile_is_data_parallel_fsdp_with_the_trainers_sampler():
-    flags = _flags(shared("qwen3_30b_a3b"), "cpu")
+def test_tiny_profile_of_a_family_megatron_cannot_build_is_data_parallel_fsdp():
+    flags = _flags(shared("inkling"), "cpu")
     assert flags[flags.index("--train-backend") + 1] == "fsdp"
     assert flags[flags.index("--rollout-engine") + 1] == "torch"
     assert not [f for f in flags if f.startswith("--sglang-") or f.startswith("--tensor-model-parallel")]
     assert "--num-layers" not in flags  # fsdp reads the architecture from the HF config
+
+
+@pytest.mark.parametrize(
+    ("recipe", "layout"),
+    [("qwen3_4b", ("--tensor-model-parallel-size", "2")), ("qwen3_30b_a3b", ("--expert-model-parallel-size", "2"))],
+)
+def test_tiny_profile_of_a_gpt_family_trains_with_megatron_at_a_layout_of_its_own(recipe, layout):
+    flags = _flags(shared(recipe), "cpu")
+    assert flags[flags.index("--train-backend") + 1] == "megatron"
+    assert flags[flags.index(layout[0]) + 1] == layout[1]
+    assert flags[flags.index("--rollout-engine") + 1] == "torch"
+    # the tiny checkpoint's shape is its config.json: the full model's widths are not emitted
+    assert "--num-layers" not in flags and "--hidden-size" not in flags
+    plan = shared(recipe).checkpoint_plan("tiny", train_backend="megatron")
+    assert "torch_dist" in plan.steps  # what --ref-load names
 
 
 def test_every_generated_command_parses_with_the_trainer():

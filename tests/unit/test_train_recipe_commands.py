@@ -27,10 +27,11 @@ def test_recipe_command_parses_with_the_trainer_flags(recipe, profile):
     args = parse_args(list(plan.train_args))
     world = profile.nodes * profile.gpus_per_node
     assert args.actor_num_nodes * args.actor_num_gpus_per_node == world
+    assert args.train_backend == recipe.backend_of(profile)
     if profile.platform == "cpu":
-        # The CPU profile must be something the CPU trainer runs: data parallel, torch engine.
-        assert args.train_backend in ("fsdp", "ddp") and args.rollout_engine in ("torch", "auto")
-    else:
+        # The CPU profile must be something the CPU trainer runs: the trainer's own sampler.
+        assert args.rollout_engine in ("torch", "auto")
+    if args.train_backend == "megatron":
         assert args.tensor_model_parallel_size == profile.parallel.tp
         assert args.expert_model_parallel_size == profile.parallel.ep
 

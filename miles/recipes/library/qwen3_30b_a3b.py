@@ -14,6 +14,8 @@ EIGHT_GPUS = ParallelConfig(tp=4, sp=True, ep=8, etp=1)  # the reference's H100 
 # On a 4-GPU MI350 runner with PP2, etp·ep·pp must divide 4: EP2 with ETP1 (EP4 needs 8 ranks).
 MI350_FOUR = ParallelConfig(tp=2, sp=True, pp=2, ep=2, etp=1)
 MI350_EIGHT = ParallelConfig(tp=1, sp=True, pp=2, cp=2, ep=4, etp=1)  # the AMD reference's node
+# The CPU lane's two gloo ranks: the experts split over both, attention data-parallel.
+CPU_EP2 = ParallelConfig(ep=2, etp=1)
 
 ROCM = Overlay(
     platform="rocm",
@@ -61,7 +63,7 @@ RECIPE = Recipe(
     profiles=(
         gpu_profile("cuda", 1, 4, SLICE, FOUR_GPUS, rollout_gpus_per_engine=2, suite="stage-c-4-gpu-h200"),
         gpu_profile("cuda", 1, 8, FULL, EIGHT_GPUS, rollout_gpus_per_engine=2, suite="stage-c-8-gpu-h200"),
-        d.cpu_tiny_profile(),
+        d.cpu_tiny_profile(CPU_EP2, "megatron"),
     ),
     overlays=(ROCM,),
     references=(reference.CUDA, reference.ROCM),

@@ -47,7 +47,7 @@ RECIPE = Recipe(
     profiles=(
         gpu_profile("cuda", 1, 4, MODEL, TP2_CP2, rollout_gpus_per_engine=1, suite="stage-c-4-gpu-h200"),
         gpu_profile("cuda", 1, 8, MODEL, TP2_CP4, rollout_gpus_per_engine=1, suite="stage-c-8-gpu-h200"),
-        d.cpu_tiny_profile(),
+        d.cpu_tiny_profile(TP2, "megatron"),
     ),
     overlays=(ROCM,),
     references=(reference.CUDA, reference.ROCM),

@@ -31,9 +31,29 @@ class StepResult:
 
 
 class TrainBackend(abc.ABC):
+    @property
+    def data_parallel(self) -> tuple[int, int, object]:
+        """(rank, size, process group) of the data-parallel dimension: the ranks that train on
+        different rows. Model-parallel peers (tensor, pipeline) share their rows. By default
+        every rank is a replica of its own (the whole world, group None)."""
+        import torch.distributed as dist
+
+        return dist.get_rank(), dist.get_world_size(), None
+
     @abc.abstractmethod
     def logprobs(self, batch: TokenBatch, *, reference: bool = False) -> object:
         """Per-token logprobs [B, T-1] of the batch's targets (no gradient), policy or reference."""
+
+    def batch_logprobs(self, batch: TokenBatch, micro_batch_size: int, *, reference: bool = False) -> object:
+        """Logprobs [B, T-1] of a whole local batch, `micro_batch_size` rows per forward."""
+        import torch
+
+        out = torch.zeros_like(batch.loss_mask)
+        for start in range(0, batch.size, micro_batch_size):
+            part = batch.rows(slice(start, start + micro_batch_size))
+            logp = self.logprobs(part, reference=reference)
+            out[start : start + micro_batch_size, : logp.shape[1]] = logp
+        return out
 
     @abc.abstractmethod
     def train_step(self, micro_batches: Sequence[TokenBatch], normalizer: float) -> StepResult:
@@ -55,9 +75,27 @@ class TrainBackend(abc.ABC):
         """Restore what `save` wrote (all ranks call it)."""
 
 
+def batch_loss(logp, entropy, batch: TokenBatch, cfg) -> LossTerms:
+    """The GRPO/GSPO loss terms of a micro-batch from the policy's token logprobs and entropy
+    (any backend's), with the batch's old, reference and rollout logprobs on their device."""
+    from miles.train.algorithm import policy_loss
+
+    device = logp.device
+    return policy_loss(
+        logp,
+        entropy,
+        batch.old_logp.to(device),
+        batch.advantages.to(device),
+        batch.loss_mask.to(device),
+        cfg,
+        ref_logp=None if batch.ref_logp is None else batch.ref_logp.to(device),
+        rollout_logp=batch.rollout_logp.to(device),
+    )
+
+
 def make_backend(args, dist_info) -> TrainBackend:
     if args.train_backend == "megatron":
-        from miles.train.backends.megatron import MegatronBackend
+        from miles.train.backends.megatron.backend import MegatronBackend
 
         return MegatronBackend(args, dist_info)
     from miles.train.backends.torch_dp import TorchDPBackend

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from miles.train import algorithm, guards
 from miles.train.args import loss_config, optim_config
-from miles.train.backends import StepResult, TrainBackend
+from miles.train.backends import StepResult, TrainBackend, batch_loss
 from miles.train.batch import TokenBatch
 from miles.train.model import is_hf_dir, load_causal_lm, train_dtype
 
@@ -131,17 +131,7 @@ class TorchDPBackend(TrainBackend):
         for i, mb in enumerate(micro_batches):
             with self._grad_sync(last=i == len(micro_batches) - 1):
                 logp, entropy = self._forward(self.model, mb, with_entropy=True)
-                device = logp.device
-                t = algorithm.policy_loss(
-                    logp,
-                    entropy,
-                    mb.old_logp.to(device),
-                    mb.advantages.to(device),
-                    mb.loss_mask.to(device),
-                    self.loss_cfg,
-                    ref_logp=None if mb.ref_logp is None else mb.ref_logp.to(device),
-                    rollout_logp=mb.rollout_logp.to(device),
-                )
+                t = batch_loss(logp, entropy, mb, self.loss_cfg)
                 (t.loss / normalizer).backward()
             terms.append(t)
         max_norm = self.optim_cfg.clip_grad if self.optim_cfg.clip_grad > 0 else math.inf

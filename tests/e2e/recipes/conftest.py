@@ -5,6 +5,10 @@ MILES_HARDWARE_PLATFORM that disagrees with torch); the shared script dispatches
 so a ROCm runner trains the ROCm form without any import switch. The prepared checkpoints
 come from MILES_MODEL_DIR (or MILES_SCRIPT_MODEL_DIR) and the run uses the trainer's
 synthetic task, so no dataset is needed.
+
+The run keeps the --ci-test checks on. Its logprob tolerance is the bf16 one: the trainer
+and SGLang compute the same weights with different kernels (fp32 runs agree to ~1e-6, bf16
+ones to ~1e-2), while a missed weight sync moves logprobs by far more.
 """
 
 from __future__ import annotations
@@ -23,10 +27,23 @@ ROOT = Path(__file__).resolve().parents[3]
 ROLLOUTS = 3
 
 
+BF16_LOGPROB_TOL = "0.05"
+# The families miles' Megatron backend cannot build (megatron-core 0.16.1 has no layer spec for
+# their attention; see `python -m miles.recipes facts <name>`) train with FSDP over their HF
+# model in these tests, on the recipe's own checkpoint, data and GPUs.
+FSDP_INSTEAD = (
+    "--train-backend fsdp --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 "
+    "--context-parallel-size 1 --expert-model-parallel-size 1 --expert-tensor-parallel-size 1"
+)
+
+
 def run_recipe(name: str, workdir: Path) -> Path:
     """Prepare and train `name` on this machine's GPUs; returns the run's checkpoint directory."""
+    from miles.recipes.recipe import megatron_layout
+
     platform = str(resolve().platform)
     recipe = load(name)
+    extra = "" if megatron_layout(recipe.model.family) else FSDP_INSTEAD
     assert recipe.variant == ("rocm" if platform == "rocm" else "shared"), (platform, recipe.variant)
     runs = workdir / "runs"
     argv = [
@@ -42,7 +59,7 @@ def run_recipe(name: str, workdir: Path) -> Path:
         "--num-rollout",
         str(ROLLOUTS),
         "--extra-args",
-        "--prompt-data synthetic:fixed --rm-type synthetic --ci-test",
+        f"--prompt-data synthetic:fixed --rm-type synthetic --ci-test --ci-logprob-abs-diff-tol {BF16_LOGPROB_TOL} {extra}",
     ]
     proc = subprocess.run(argv, cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, check=False)
     tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])

@@ -1,8 +1,11 @@
 """The inkling recipe end to end: Inkling-Small (4-layer slice).
 
-On 4 GPUs the verified CUDA or ROCm profile prepares and trains; the recipe comes from
+On 4 GPUs the CUDA or ROCm profile prepares and trains (3 rollouts, --ci-test); the recipe comes from
 miles.recipes.load(), which picks the ROCm form on a ROCm runner. On CPU every recipe's tiny
 profile is trained by tests/e2e/test_train_recipes_tiny.py.
+It trains with the FSDP backend over its HF model (conftest.FSDP_INSTEAD): miles' Megatron
+backend cannot build this architecture.
+est_time is an estimate: no GPU run of this test has been measured yet.
 """
 
 from __future__ import annotations
@@ -12,14 +15,12 @@ from miles.ci.register import register_ci_gate, register_cuda_ci, register_rocm_
 register_cuda_ci(
     est_time=1200,
     suite="stage-c-4-gpu-h200",
-    labels=["megatron", "model-scripts"],
-    disabled="the Megatron training loop is not built yet: MegatronBackend validates the layout, then raises BackendUnavailable (see #7)",
+    labels=["fsdp", "model-scripts"],
 )
 register_rocm_ci(
     est_time=1500,
     suite="stage-c-4-gpu-mi350",
-    labels=["megatron", "model-scripts", "amd"],
-    disabled="the Megatron training loop is not built yet: MegatronBackend validates the layout, then raises BackendUnavailable (see #7)",
+    labels=["fsdp", "model-scripts", "amd"],
 )
 register_ci_gate(metric_key="train/grad_norm")
 

@@ -1,6 +1,6 @@
 """The qwen3_4b recipe end to end: Qwen3-4B.
 
-On 4 GPUs the verified CUDA or ROCm profile prepares and trains; the recipe comes from
+On 4 GPUs the CUDA or ROCm profile prepares and trains (3 rollouts, --ci-test); the recipe comes from
 miles.recipes.load(), which picks the ROCm form on a ROCm runner. On CPU its tiny profile is
 trained by tests/e2e/test_train_grpo_tiny.py.
 """
@@ -13,13 +13,11 @@ register_cuda_ci(
     est_time=800,
     suite="stage-c-4-gpu-h200",
     labels=["megatron", "model-scripts"],
-    disabled="the Megatron training loop is not built yet: MegatronBackend validates the layout, then raises BackendUnavailable (see #7)",
 )
 register_rocm_ci(
     est_time=800,
     suite="stage-c-4-gpu-mi350",
     labels=["megatron", "model-scripts", "amd"],
-    disabled="the Megatron training loop is not built yet: MegatronBackend validates the layout, then raises BackendUnavailable (see #7)",
 )
 register_ci_gate(metric_key="train/grad_norm")
 

@@ -1,0 +1,239 @@
+"""The layer spec every miles GPTModel is built with: Transformer Engine's, with or without TE.
+
+GPU jobs train with megatron-core's Transformer Engine spec, whose modules fuse the input
+norm into `linear_qkv` and the dense MLP's norm into `linear_fc1`, while an MoE layer keeps a
+separate `pre_mlp_layernorm`. Those choices decide a checkpoint's keys. When TE is not
+installed (the CPU lane, and GPU machines without it), the same spec function of
+megatron-core is called with a provider whose modules are plain PyTorch/megatron-core ones
+with TE's parameter names, so the module tree, and therefore every state-dict and sharded
+key, is the one a TE job builds and loads. Numerically they are the unfused operations TE
+fuses: a norm, then the linear.
+
+Experts: with `--moe-grouped-gemm` TE builds TEGroupedMLP, whose sharded state dict
+megatron-core defines to be interchangeable with SequentialMLP's (the stand-in here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+
+def has_transformer_engine() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def _norm_fn(config, x: torch.Tensor, weight: torch.Tensor, bias, eps: float) -> torch.Tensor:
+    if config.normalization == "RMSNorm":
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
+    return torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+class Norm(torch.nn.Module):
+    """TENorm's stand-in: RMSNorm or LayerNorm by config.normalization, `weight` (and `bias`).
+
+    Under sequence parallelism each tensor-parallel rank normalises its own slice of the
+    sequence, so the weight is marked for the gradient all-reduce megatron-core's
+    finalize_model_grads does for such parameters (as TE's and Apex's norms mark theirs).
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        super().__init__()
+        self.config = config
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.bias = None
+        if config.normalization != "RMSNorm":
+            self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        for param in (self.weight, self.bias):
+            if param is not None:
+                param.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _norm_fn(self.config, x, self.weight, self.bias, self.eps)
+
+
+def _column_parallel_linear():
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    class NormColumnParallelLinear(ColumnParallelLinear):
+        """TELayerNormColumnParallelLinear's stand-in: `layer_norm_weight` (and `layer_norm_bias`)
+        applied to the input, then megatron-core's ColumnParallelLinear."""
+
+        def __init__(self, input_size, output_size, *, config, **kwargs):
+            super().__init__(input_size, output_size, config=config, **kwargs)
+            self.layer_norm_weight = torch.nn.Parameter(torch.ones(input_size, dtype=config.params_dtype))
+            self.layer_norm_bias = None
+            if config.normalization != "RMSNorm":
+                self.layer_norm_bias = torch.nn.Parameter(torch.zeros(input_size, dtype=config.params_dtype))
+            for param in (self.layer_norm_weight, self.layer_norm_bias):
+                if param is not None:
+                    param.sequence_parallel = config.sequence_parallel
+
+        def forward(self, input_, weight=None, runtime_gather_output=None):
+            normed = _norm_fn(
+                self.config,
+                input_,
+                self.layer_norm_weight,
+                self.layer_norm_bias,
+                self.config.layernorm_epsilon,
+            )
+            return super().forward(normed, weight=weight, runtime_gather_output=runtime_gather_output)
+
+    return NormColumnParallelLinear
+
+
+class TELayoutSpecProvider:
+    """megatron-core's BackendSpecProvider protocol, answered with TE-shaped local modules."""
+
+    def linear(self):
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+        return ColumnParallelLinear
+
+    def column_parallel_linear(self):
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+        return ColumnParallelLinear
+
+    def row_parallel_linear(self):
+        from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+        return RowParallelLinear
+
+    def fuse_layernorm_and_linear(self) -> bool:
+        return True
+
+    def column_parallel_layer_norm_linear(self):
+        return _NORM_LINEAR
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False):
+        return Norm
+
+    def core_attention(self):
+        return core_attention
+
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool):
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+        from megatron.core.transformer.mlp import MLPSubmodules
+        from megatron.core.transformer.moe.experts import SequentialMLP
+
+        return SequentialMLP, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+
+    def activation_func(self):
+        return None
+
+
+_NORM_LINEAR = None
+
+
+def core_attention(config, **kwargs):
+    """megatron-core's DotProductAttention, or with context parallelism (which it does not support,
+    and which TE's attention does with its own communication) the all-gather form below."""
+    if config.context_parallel_size > 1:
+        return AllGatherContextParallelAttention(config, **kwargs)
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    return DotProductAttention(config, **kwargs)
+
+
+def context_parallel_positions(seq_len: int, cp: int, rank: int):
+    """The global positions this context-parallel rank holds, in its local order: megatron's
+    load-balanced split of the sequence into 2·cp chunks, rank r holding chunks r and 2cp-1-r."""
+    chunk = seq_len // (2 * cp)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk)
+    second = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)
+    return torch.cat([first, second])
+
+
+def context_parallel_order(seq_len: int, cp: int):
+    """Indices that put the concatenation of every rank's local sequence (rank 0's first) back in
+    global order."""
+    gathered = torch.cat([context_parallel_positions(seq_len, cp, r) for r in range(cp)])
+    return torch.argsort(gathered)
+
+
+class AllGatherContextParallelAttention(torch.nn.Module):
+    """Causal attention with the sequence split over the context-parallel group.
+
+    Each rank gathers every rank's keys and values (megatron's sequence all-gather, whose
+    backward reduce-scatters their gradients back), puts them in global order, and attends
+    from its own queries with the causal mask of their global positions. Simpler and heavier
+    than TE's ring exchange; used where TE is not installed.
+    """
+
+    def __init__(self, config, layer_number: int = 1, attn_mask_type=None, attention_type=None,
+                 attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None):  # fmt: skip
+        super().__init__()
+        from megatron.core import parallel_state
+
+        self.config = config
+        self.cp_group = parallel_state.get_context_parallel_group()
+        self.cp = config.context_parallel_size
+        self.rank = parallel_state.get_context_parallel_rank()
+        self.scale = softmax_scale
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):  # fmt: skip
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError(
+                "context-parallel attention without TE takes no packed sequences or bias"
+            )
+        local = query.shape[0]  # query: [s/cp, b, heads, dim]; key, value: [s/cp, b, groups, dim]
+        total = local * self.cp
+        order = context_parallel_order(total, self.cp).to(query.device)
+        key = gather_from_sequence_parallel_region(key, True, self.cp_group)[order]
+        value = gather_from_sequence_parallel_region(value, True, self.cp_group)[order]
+        q_pos = context_parallel_positions(total, self.cp, self.rank).to(query.device)
+        allowed = torch.arange(total, device=query.device).unsqueeze(0) <= q_pos.unsqueeze(1)
+        repeat = query.shape[2] // key.shape[2]
+        q = query.permute(1, 2, 0, 3)  # [b, heads, s_local, dim]
+        k = key.permute(1, 2, 0, 3).repeat_interleave(repeat, dim=1)
+        v = value.permute(1, 2, 0, 3).repeat_interleave(repeat, dim=1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, dropout_p=self.dropout if self.training else 0.0, scale=self.scale
+        )
+        return out.permute(2, 0, 1, 3).reshape(local, out.shape[0], -1)
+
+
+@contextlib.contextmanager
+def _te_layout_spec_functions() -> Iterator[object]:
+    """megatron-core's gpt_layer_specs module with the TE names it uses bound to the stand-ins."""
+    global _NORM_LINEAR
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if _NORM_LINEAR is None:
+        _NORM_LINEAR = _column_parallel_linear()
+    missing = object()
+    saved = {name: getattr(specs, name, missing) for name in ("TESpecProvider", "TENorm")}
+    specs.TESpecProvider, specs.TENorm = TELayoutSpecProvider, Norm
+    try:
+        yield specs
+    finally:
+        for name, value in saved.items():
+            if value is missing:
+                delattr(specs, name)
+            else:
+                setattr(specs, name, value)
+
+
+def decoder_block_spec(config, *, vp_stage: int | None = None, pp_rank: int | None = None):
+    """The TransformerBlock spec of this pipeline stage (and virtual stage): megatron-core's
+    Transformer Engine spec, with TE's own modules when TE is installed."""
+    if has_transformer_engine():
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        return get_gpt_decoder_block_spec(
+            config, use_transformer_engine=True, vp_stage=vp_stage, pp_rank=pp_rank
+        )
+    with _te_layout_spec_functions() as specs:
+        return specs.get_gpt_decoder_block_spec(
+            config, use_transformer_engine=True, vp_stage=vp_stage, pp_rank=pp_rank
+        )

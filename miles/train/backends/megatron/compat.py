@@ -1,0 +1,419 @@
+"""megatron-core on a machine without a GPU: the CUDA assumptions it makes, redirected to the CPU.
+
+megatron-core 0.16.1's GPTModel, schedules, DDP and optimizer run on CPU tensors under gloo
+except for a handful of places that allocate on `torch.cuda.current_device()` or
+`device="cuda"`, use the CUDA RNG, check for CUDA tensor type names, or name a Transformer
+Engine symbol that is undefined without it. Each such place is one `Redirect` below: the
+megatron-core function, the text in its source that is the assumption (so an upgrade that
+changes the function is detected, see `stale()`), and why it matters. `install()` wraps
+exactly those functions so that their bodies run inside `on_cpu()`; everything else in the
+process is untouched. It is only ever installed when no GPU is present.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Redirect:
+    target: str  # "module:Qualified.name" of the megatron-core function whose body runs on CPU
+    marker: str  # the CUDA assumption, as it appears in that function's source
+    why: str
+    tensors_on_cuda: bool = False  # inside it, tensors answer is_cuda with True
+
+
+REDIRECTS: tuple[Redirect, ...] = (
+    Redirect(
+        "megatron.core.utils:GlobalMemoryBuffer.get_tensor",
+        "torch.cuda.current_device()",
+        "the attention and TP-gather scratch buffer is allocated on the current CUDA device",
+    ),
+    Redirect(
+        "megatron.core.models.common.embeddings.rotary_pos_embedding:RotaryEmbedding.get_emb",
+        "torch.cuda.current_device()",
+        "rotary embeddings move inv_freq to the current CUDA device on the first forward",
+    ),
+    Redirect(
+        "megatron.core.transformer.utils:get_default_causal_mask",
+        'device="cuda"',
+        "the causal mask of unfused attention (no explicit mask given) is built on the GPU",
+    ),
+    Redirect(
+        "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.add",
+        "torch.cuda.get_rng_state()",
+        "the model-parallel RNG streams are CUDA generator states",
+    ),
+    Redirect(
+        "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.fork",
+        "_get_cuda_rng_state(",
+        "core attention forks the CUDA RNG stream around its dropout",
+    ),
+    Redirect(
+        "megatron.core.tensor_parallel.random:model_parallel_cuda_manual_seed",
+        "torch.cuda.manual_seed(",
+        "seeding the model-parallel RNG streams seeds the CUDA generator",
+    ),
+    Redirect(
+        "megatron.core.models.common.language_module.language_module:LanguageModule.setup_embeddings_and_output_layer",
+        "weight.data.cuda()",
+        "with tied embeddings and pipeline stages, the first and last stage sync the shared weight on the GPU",
+    ),
+    Redirect(
+        "megatron.core.models.common.embeddings.rope_utils:get_pos_emb_on_this_cp_rank",
+        "pin_memory=True",
+        "context parallelism picks each rank's rotary chunks with an index in pinned memory copied to the GPU",
+    ),
+    Redirect(
+        "megatron.core.transformer.moe.router:Router.gating",
+        "torch.cuda.current_device()",
+        "the MoE router moves its weight to the current CUDA device on the first forward",
+    ),
+    Redirect(
+        "megatron.core.transformer.moe.token_dispatcher:MoEAlltoAllTokenDispatcher.__init__",
+        "torch.cuda.Stream()",
+        "the all-to-all MoE dispatcher creates a CUDA stream for its device-to-host copies",
+    ),
+    Redirect(
+        "megatron.core.transformer.moe.token_dispatcher:MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
+        "torch.cuda.current_stream()",
+        "the all-to-all MoE dispatcher copies its split sizes on that stream and waits for them",
+    ),
+    Redirect(
+        "megatron.core.transformer.moe.moe_utils:maybe_move_tensor_to_cpu",
+        "tensor.is_cuda",
+        "the dispatcher's split sizes become host numpy arrays only when they were on the GPU",
+        tensors_on_cuda=True,
+    ),
+    Redirect(
+        "megatron.core.tensor_parallel.mappings:_gather_along_last_dim",
+        "torch.cuda.current_device()",
+        "tensor-parallel gathers allocate their output on the current CUDA device",
+    ),
+    Redirect(
+        "megatron.core.tensor_parallel.mappings:_gather_along_first_dim",
+        "torch.cuda.current_device()",
+        "sequence-parallel gathers allocate their output on the current CUDA device",
+    ),
+    Redirect(
+        "megatron.core.tensor_parallel.mappings:_reduce_scatter_along_first_dim",
+        "torch.cuda.current_device()",
+        "sequence-parallel reduce-scatters allocate their output on the current CUDA device",
+    ),
+    Redirect(
+        "megatron.core.tensor_parallel.mappings:_AllToAll.forward",
+        "torch.cuda.current_device()",
+        "expert-parallel all-to-all allocates its output on the current CUDA device",
+    ),
+    Redirect(
+        "megatron.core.pipeline_parallel.schedules:forward_backward_no_pipelining",
+        'device="cuda"',
+        "the token counter of a step is allocated on the GPU",
+    ),
+    Redirect(
+        "megatron.core.pipeline_parallel.schedules:forward_backward_pipelining_without_interleaving",
+        'device="cuda"',
+        "the token counter of a step is allocated on the GPU",
+    ),
+    Redirect(
+        "megatron.core.pipeline_parallel.schedules:forward_backward_pipelining_with_interleaving",
+        'device="cuda"',
+        "the token counter of a step is allocated on the GPU",
+    ),
+    Redirect(
+        "megatron.core.pipeline_parallel.p2p_communication:P2PCommunicator._communicate",
+        "torch.cuda.current_device()",
+        "pipeline stages receive activations into buffers on the current CUDA device",
+    ),
+    Redirect(
+        "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBuffer.__init__",
+        "torch.cuda.current_device()",
+        "DDP's contiguous parameter and gradient buffers are allocated on the GPU",
+    ),
+    Redirect(
+        "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._build_model_and_main_param_groups",
+        "torch.cuda.FloatTensor",
+        "the distributed optimizer accepts parameters only by their CUDA tensor type names",
+    ),
+    Redirect(
+        "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.load_state_dict",
+        "torch.cuda.current_device()",
+        "loading optimizer state allocates its step and state buffers on the GPU",
+    ),
+    Redirect(
+        "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.get_parameter_state_dp_zero",
+        "torch.cuda.current_device()",
+        "saving optimizer state gathers each data-parallel shard through a GPU buffer",
+    ),
+    Redirect(
+        "megatron.core.dist_checkpointing.strategies.filesystem_async:FileSystemWriterAsync.preload_tensors",
+        "torch.cuda.synchronize()",
+        "checkpoint saving waits for the GPU after its device-to-host copies",
+    ),
+    Redirect(
+        "megatron.core.dist_checkpointing.strategies.state_dict_saver:verify_global_md_reuse",
+        "device='cuda'",
+        "ranks agree on reusing a cached save plan through a GPU tensor",
+    ),
+    Redirect(
+        "megatron.core.dist_checkpointing.strategies.state_dict_saver:save_state_dict_async_finalize",
+        "torch.cuda.current_device()",
+        "ranks learn of a failed checkpoint write through a GPU tensor",
+    ),
+    Redirect(
+        "megatron.core.optimizer.optimizer:MixedPrecisionOptimizer.__init__",
+        "device='cuda'",
+        "the distributed optimizer (a MixedPrecisionOptimizer) keeps its found-inf flag on the GPU",
+    ),
+    Redirect(
+        "megatron.core.optimizer.clip_grads:get_grad_norm_fp32",
+        "device='cuda'",
+        "gradient norms are reduced in GPU tensors",
+    ),
+    Redirect(
+        "megatron.core.optimizer.clip_grads:clip_grad_by_total_norm_fp32",
+        "torch.cuda.FloatTensor",
+        "gradient clipping accepts gradients only by their CUDA tensor type name",
+    ),
+)
+
+# A module-level name megatron-core only defines when Transformer Engine imports: without it
+# the MoE router's fp32 GEMM raises NameError instead of taking its torch fallback.
+MISSING_SYMBOLS: tuple[tuple[str, str, str], ...] = (
+    ("megatron.core.transformer.moe.moe_utils", "te_general_gemm", "te_general_gemm is not None"),
+)
+
+
+class _CpuStream:
+    """A CUDA stream or event on a machine where every operation is already synchronous."""
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _CpuStream)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+_CUDA_TYPE = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+_lock = threading.RLock()
+_depth = 0
+_installed: dict[str, object] = {}  # target -> the original function
+
+
+def _is_cuda(device) -> bool:
+    import torch
+
+    if isinstance(device, int):
+        return True  # what torch.cuda.current_device() returns
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+def _function_mode(tensors_on_cuda: bool = False):
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    is_cuda = torch.Tensor.is_cuda.__get__
+
+    class CudaToCpu(TorchFunctionMode):
+        """Inside a redirected function: CUDA placements become CPU ones."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = dict(kwargs or {})
+            if _is_cuda(kwargs.get("device")):
+                kwargs["device"] = "cpu"
+            if kwargs.get("pin_memory"):
+                kwargs["pin_memory"] = False  # page-locked host memory needs an accelerator
+            if func is torch.Tensor.cuda:
+                return args[0]
+            if func is torch.Tensor.record_stream:
+                return None
+            if tensors_on_cuda and func == is_cuda:
+                return True
+            if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+                name = func(*args)
+                return _CUDA_TYPE.get(name, name)
+            return func(*args, **kwargs)
+
+    return CudaToCpu()
+
+
+@contextlib.contextmanager
+def on_cpu(tensors_on_cuda: bool = False) -> Iterator[None]:
+    """Run megatron-core code that assumes CUDA on the CPU: the current device, the CUDA RNG and
+    `device="cuda"` allocations all resolve to the CPU for the duration."""
+    global _depth
+    import torch
+    from megatron.core.tensor_parallel import random as mp_random
+
+    with _lock:
+        _depth += 1
+        outermost = _depth == 1
+    if not outermost:  # already inside a redirected call
+        try:
+            if tensors_on_cuda:
+                with _function_mode(tensors_on_cuda=True):
+                    yield
+            else:
+                yield
+        finally:
+            with _lock:
+                _depth -= 1
+        return
+    saved = {
+        (torch.cuda, "current_device"): torch.cuda.current_device,
+        (torch.cuda, "get_rng_state"): torch.cuda.get_rng_state,
+        (torch.cuda, "manual_seed"): torch.cuda.manual_seed,
+        (torch.cuda, "synchronize"): torch.cuda.synchronize,
+        (torch.cuda, "Stream"): torch.cuda.Stream,
+        (torch.cuda, "current_stream"): torch.cuda.current_stream,
+        (torch.cuda, "stream"): torch.cuda.stream,
+        (mp_random, "_get_cuda_rng_state"): mp_random._get_cuda_rng_state,
+        (mp_random, "_set_cuda_rng_state"): mp_random._set_cuda_rng_state,
+    }
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.get_rng_state = lambda device="cpu": torch.get_rng_state()
+    torch.cuda.manual_seed = torch.manual_seed
+    torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.Stream = lambda *a, **k: _CpuStream()
+    torch.cuda.current_stream = lambda device=None: _CpuStream()
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    mp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mp_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    try:
+        with _function_mode(tensors_on_cuda):
+            yield
+    finally:
+        for (owner, name), value in saved.items():
+            setattr(owner, name, value)
+        with _lock:
+            _depth -= 1
+
+
+def _resolve(target: str):
+    module_name, _, qualname = target.partition(":")
+    owner = importlib.import_module(module_name)
+    *path, name = qualname.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, name
+
+
+class _EnterExitOnCpu:
+    """A context manager whose own enter and exit run on the CPU; the body inside it does not."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __enter__(self):
+        with on_cpu():
+            return self.inner.__enter__()
+
+    def __exit__(self, *exc):
+        with on_cpu():
+            return self.inner.__exit__(*exc)
+
+
+def _wrap(fn, tensors_on_cuda: bool = False):
+    # A @contextmanager function runs its body at __enter__, not when called.
+    makes_context = inspect.isgeneratorfunction(getattr(fn, "__wrapped__", None))
+
+    @functools.wraps(fn)
+    def on_cpu_call(*args, **kwargs):
+        if makes_context:
+            return _EnterExitOnCpu(fn(*args, **kwargs))
+        with on_cpu(tensors_on_cuda):
+            return fn(*args, **kwargs)
+
+    on_cpu_call.__miles_cpu_redirect__ = True
+    return on_cpu_call
+
+
+def install() -> None:
+    """Redirect every entry (idempotent). Call only on a machine without a GPU.
+
+    A module-level function is also replaced wherever megatron-core imported it by name
+    (`from ... import get_grad_norm_fp32`), so every caller gets the redirected one.
+    """
+    import sys
+
+    with _lock:
+        for redirect in REDIRECTS:
+            if redirect.target in _installed:
+                continue
+            owner, name = _resolve(redirect.target)
+            original = inspect.getattr_static(owner, name)
+            if isinstance(original, (staticmethod, classmethod)):
+                wrapped = type(original)(_wrap(original.__func__, redirect.tensors_on_cuda))
+            else:
+                wrapped = _wrap(original, redirect.tensors_on_cuda)
+            setattr(owner, name, wrapped)
+            _installed[redirect.target] = original
+            if inspect.ismodule(owner):
+                for module_name, module in list(sys.modules.items()):
+                    if module_name.startswith("megatron.") and getattr(module, name, None) is original:
+                        setattr(module, name, wrapped)
+        for module_name, symbol, _ in MISSING_SYMBOLS:
+            module = importlib.import_module(module_name)
+            if not hasattr(module, symbol):
+                setattr(module, symbol, None)
+
+
+def install_without_gpu() -> bool:
+    """install() when torch sees no GPU; returns whether the redirects are active."""
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    install()
+    return True
+
+
+def stale() -> list[str]:
+    """Entries that no longer describe megatron-core: a target that is gone, or whose source no
+    longer holds the CUDA assumption it redirects (so the entry may be unneeded or too narrow)."""
+    problems = []
+    for redirect in REDIRECTS:
+        try:
+            owner, name = _resolve(redirect.target)
+        except (ImportError, AttributeError) as exc:
+            problems.append(f"{redirect.target}: not found in this megatron-core ({exc})")
+            continue
+        fn = _installed.get(redirect.target) or inspect.getattr_static(owner, name)
+        fn = getattr(fn, "__func__", fn)
+        fn = getattr(fn, "__wrapped__", fn) if getattr(fn, "__miles_cpu_redirect__", False) else fn
+        if redirect.marker not in inspect.getsource(fn):
+            problems.append(
+                f"{redirect.target}: its source no longer contains {redirect.marker!r} ({redirect.why})"
+            )
+    for module_name, symbol, marker in MISSING_SYMBOLS:
+        source = inspect.getsource(importlib.import_module(module_name))
+        if marker not in source:
+            problems.append(f"{module_name}.{symbol}: the module no longer tests {marker!r}")
+    return problems

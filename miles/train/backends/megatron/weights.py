@@ -1,0 +1,197 @@
+"""The trainer's weights under their Hugging Face names, for the rollout engine.
+
+The names and shapes are those of the installed transformers class's state dict (what the
+FSDP backend hands over too): transformers 5 keeps a layer's experts fused, as
+`mlp.experts.gate_up_proj` [experts, 2 x ffn, hidden] and `mlp.experts.down_proj`
+[experts, hidden, ffn], which are megatron's per-expert `linear_fc1` ([gate; up]) and
+`linear_fc2` stacked; a class with one module per expert gets per-expert tensors.
+
+Layer by layer, in order: the ranks of the pipeline stage that owns the layer gather each
+tensor-parallel weight (`linear_fc1` shards are [gate_r; up_r], so gate and up are gathered
+apart), gather the experts across the expert-parallel group, and broadcast the full tensors
+to the other pipeline stages; then every rank turns megatron's fused tensors back into the
+HF ones (`linear_qkv` split per query group, `linear_fc1` into gate and up, local expert
+indices into global ones). Only one layer's tensors are held at a time.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from miles.ckpt.megatron_gpt import layer_layout
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
+
+
+def _stage_tensors(chunks: Sequence) -> dict[str, torch.Tensor]:
+    """This rank's megatron tensors under whole-model names: global layer numbers, local expert
+    indices kept (the expert gather turns them global)."""
+    out: dict[str, torch.Tensor] = {}
+    for chunk in chunks:
+        layers = chunk.decoder.layers
+        for name, tensor in chunk.state_dict(keep_vars=True).items():
+            if name.endswith("_extra_state"):
+                continue
+            m = _LAYER.match(name)
+            if m:
+                layer = layers[int(m.group(1))]
+                name = f"decoder.layers.{layer.layer_number - 1}.{m.group(2)}"
+            out[name] = tensor
+    return out
+
+
+def _gather_tp(tensor: torch.Tensor, group, gated: bool) -> torch.Tensor:
+    """The full tensor of a tensor-parallel weight (partition_dim says how it is split)."""
+    size = dist.get_world_size(group)
+    if size == 1 or not getattr(tensor, "tensor_model_parallel", False):
+        return tensor.detach()
+    shards = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(shards, tensor.detach().contiguous(), group=group)
+    dim = tensor.partition_dim
+    if gated:  # each rank holds [gate_r; up_r]
+        halves = [s.chunk(2, dim=dim) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
+    return torch.cat(shards, dim=dim)
+
+
+def _owner_of_layers(chunks: Sequence, num_layers: int, pp_group) -> list[int]:
+    """Pipeline rank that holds each global layer."""
+    mine = [layer.layer_number - 1 for chunk in chunks for layer in chunk.decoder.layers]
+    everyone: list = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(everyone, mine, group=pp_group)
+    owner = [-1] * num_layers
+    for pp_rank, layers in enumerate(everyone):
+        for i in layers:
+            owner[i] = pp_rank
+    return owner
+
+
+class WeightExporter:
+    """Streams the full HF state dict out of a (possibly sharded) megatron model, on every rank."""
+
+    def __init__(self, chunks: Sequence, config: Mapping, gated: bool = True, fused_experts: bool = False):
+        from megatron.core import parallel_state as ps
+
+        self.chunks = list(chunks)
+        self.config = config
+        self.gated = gated
+        self.tp = ps.get_tensor_model_parallel_group()
+        self.etp = ps.get_expert_tensor_parallel_group()
+        self.ep = ps.get_expert_model_parallel_group()
+        self.pp = ps.get_pipeline_model_parallel_group()
+        self.pp_ranks = dist.get_process_group_ranks(self.pp)
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.first = 0
+        self.last = dist.get_world_size(self.pp) - 1
+        self.owner = _owner_of_layers(self.chunks, config["num_hidden_layers"], self.pp)
+        self.fused_experts = fused_experts
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        local = _stage_tensors(self.chunks)
+        hf_vocab = self.config["vocab_size"]
+        embed = self._from_stage(self.first, local, ["embedding.word_embeddings.weight"])
+        yield "model.embed_tokens.weight", embed["embedding.word_embeddings.weight"][:hf_vocab]
+        for i in range(self.config["num_hidden_layers"]):
+            prefix = f"decoder.layers.{i}."
+            names = [n for n in local if n.startswith(prefix)] if self.owner[i] == self.pp_rank else []
+            full = self._from_stage(self.owner[i], local, names, layer=i)
+            if self.fused_experts:
+                full = _fuse_experts(full, prefix)
+            yield from _to_hf(self.config, i, prefix, full)
+        tail = ["decoder.final_layernorm.weight"]
+        if not self.config.get("tie_word_embeddings"):
+            tail.append("output_layer.weight")
+        end = self._from_stage(self.last, local, tail)
+        yield "model.norm.weight", end["decoder.final_layernorm.weight"]
+        if not self.config.get("tie_word_embeddings"):
+            yield "lm_head.weight", end["output_layer.weight"][:hf_vocab]
+
+    def _from_stage(self, stage: int, local, names: Sequence[str], layer: int | None = None) -> dict:
+        """Full tensors of `names` from pipeline stage `stage`, on every stage."""
+        full: dict[str, torch.Tensor] = {}
+        if stage == self.pp_rank:
+            experts = {}
+            for name in names:
+                tensor = local[name]
+                m = _EXPERT.match(name.split(".", 3)[3]) if layer is not None else None
+                if m:
+                    experts.setdefault(m.group(2), []).append((int(m.group(1)), tensor))
+                    continue
+                gated = self.gated and name.endswith("mlp.linear_fc1.weight")
+                full[name] = _gather_tp(tensor, self.tp, gated)
+            for suffix, parts in experts.items():
+                full.update(self._gather_experts(layer, suffix, parts))
+        if dist.get_world_size(self.pp) == 1:
+            return full
+        meta = [[(n, tuple(t.shape), t.dtype) for n, t in full.items()]]
+        dist.broadcast_object_list(meta, src=self.pp_ranks[stage], group=self.pp)
+        for name, shape, dtype in meta[0]:
+            if name not in full:
+                full[name] = torch.empty(shape, dtype=dtype, device=local_device(local))
+            dist.broadcast(full[name], src=self.pp_ranks[stage], group=self.pp)
+        return full
+
+    def _gather_experts(self, layer: int, suffix: str, parts) -> dict[str, torch.Tensor]:
+        """Every expert's full `suffix` weight of a layer, under its global expert index."""
+        parts.sort()
+        gated = self.gated and suffix == "linear_fc1.weight"
+        local = torch.stack([_gather_tp(t, self.etp, gated) for _, t in parts])
+        ep_size = dist.get_world_size(self.ep)
+        stacked = [torch.empty_like(local) for _ in range(ep_size)]
+        dist.all_gather(stacked, local.contiguous(), group=self.ep)
+        per_rank = len(parts)
+        return {
+            f"decoder.layers.{layer}.mlp.experts.local_experts.{r * per_rank + k}.{suffix}": stacked[r][k]
+            for r in range(ep_size)
+            for k in range(per_rank)
+        }
+
+
+def local_device(local: Mapping[str, torch.Tensor]) -> torch.device:
+    return next(iter(local.values())).device
+
+
+_FUSED = {"linear_fc1.weight": "gate_up_proj", "linear_fc2.weight": "down_proj"}
+
+
+def _fuse_experts(full: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """A layer's per-expert megatron tensors stacked into transformers' fused expert tensors
+    (under a placeholder megatron name `mlp.experts.<hf name>` that _to_hf passes through)."""
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    rest = {}
+    for name, tensor in full.items():
+        m = _EXPERT.match(name[len(prefix) :])
+        if m and m.group(2) in _FUSED:
+            experts.setdefault(m.group(2), {})[int(m.group(1))] = tensor
+        else:
+            rest[name] = tensor
+    for suffix, by_index in experts.items():
+        rest[f"{prefix}mlp.experts.{_FUSED[suffix]}"] = torch.stack([by_index[e] for e in sorted(by_index)])
+    return rest
+
+
+def _to_hf(
+    config, i: int, prefix: str, full: Mapping[str, torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF tensors of decoder layer i, cut out of megatron's fused ones."""
+    for name, tensor in full.items():
+        if name.startswith(f"{prefix}mlp.experts.") and name.rsplit(".", 1)[-1] in _FUSED.values():
+            yield f"model.layers.{i}.mlp.experts.{name.rsplit('.', 1)[-1]}", tensor
+    pieces: dict[str, list] = {}
+    for name, parts in layer_layout(config, i, prefix):
+        if name not in full:  # an expert weight already handed over fused
+            continue
+        for piece in parts:
+            pieces.setdefault(piece.hf_name, []).append((name, piece))
+    for hf_name, parts in pieces.items():
+        rows = sum(p.stop - p.start for _, p in parts)
+        first = full[parts[0][0]]
+        out = torch.empty((rows, *first.shape[1:]), dtype=first.dtype, device=first.device)
+        for name, p in parts:
+            out[p.start : p.stop] = full[name][p.at : p.at + p.stop - p.start]
+        yield hf_name, out

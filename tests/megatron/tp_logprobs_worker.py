@@ -1,0 +1,55 @@
+"""Run under `torch.distributed.run --nproc-per-node 2`: vocabulary-parallel logprobs and entropy
+(miles.train.backends.megatron.loss) against the full-vocabulary computation, values and
+gradients. Not a test module; tests/megatron/test_megatron_loss.py launches it."""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+
+def main() -> None:
+    warnings.simplefilter("ignore")
+    dist.init_process_group("gloo")
+    from megatron.core import parallel_state
+
+    from miles.train.algorithm import token_logprobs_and_entropy
+    from miles.train.backends.megatron import compat
+    from miles.train.backends.megatron.loss import vocab_parallel_logprobs
+
+    compat.install()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    padded, real, temperature = 64, 61, 0.7  # the last 3 rows are megatron's vocabulary padding
+    gen = torch.Generator().manual_seed(0)
+    full = torch.randn(3, 5, padded, generator=gen) * 3
+    targets = torch.randint(0, real, (3, 5), generator=gen)
+    w_logp, w_ent = torch.randn(3, 5, generator=gen), torch.randn(3, 5, generator=gen)
+
+    shard = full[..., rank * 32 : (rank + 1) * 32].clone().requires_grad_(True)
+    logp, ent = vocab_parallel_logprobs(shard, targets, temperature, real, with_entropy=True)
+    ((logp * w_logp).sum() + (ent * w_ent).sum()).backward()
+    grads = [torch.empty_like(shard) for _ in range(2)]
+    dist.all_gather(grads, shard.grad.contiguous())
+
+    ref_in = full[..., :real].clone().requires_grad_(True)
+    ref_logp, ref_ent = token_logprobs_and_entropy(ref_in, targets, temperature)
+    ((ref_logp * w_logp).sum() + (ref_ent * w_ent).sum()).backward()
+    grad = torch.cat(grads, dim=-1)
+    result = {
+        "logp": float((logp - ref_logp).abs().max()),
+        "entropy": float((ent - ref_ent).abs().max()),
+        "grad": float((grad[..., :real] - ref_in.grad).abs().max()),
+        "padded_grad": float(grad[..., real:].abs().max()),
+    }
+    if rank == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

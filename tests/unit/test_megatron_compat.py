@@ -1,0 +1,102 @@
+"""The CPU redirects of megatron-core's CUDA assumptions: each one is needed, each one is current.
+
+`stale()` is the upgrade alarm: an entry whose function is gone, or whose source no longer
+holds the CUDA assumption it redirects, fails here with the entry named. The necessity cases
+call a few redirected functions in a fresh interpreter without and with `install()`: the
+first must fail the way megatron-core fails on a CPU build of torch, the second must work.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def test_every_redirect_still_describes_the_installed_megatron_core():
+    from miles.train.backends.megatron import compat
+
+    assert compat.stale() == []
+
+
+def test_a_redirect_whose_assumption_is_gone_is_reported_by_name(monkeypatch):
+    from miles.train.backends.megatron import compat
+
+    wrong = compat.Redirect("megatron.core.utils:GlobalMemoryBuffer.get_tensor", 'device="mps"', "made up")
+    missing = compat.Redirect("megatron.core.utils:NoSuchThing.run", "x", "gone")
+    monkeypatch.setattr(compat, "REDIRECTS", (*compat.REDIRECTS, wrong, missing))
+    problems = compat.stale()
+    assert len(problems) == 2
+    assert "GlobalMemoryBuffer.get_tensor" in problems[0] and "'device=\"mps\"'" in problems[0]
+    assert problems[1].startswith("megatron.core.utils:NoSuchThing.run: not found")
+
+
+CASES = {
+    "attention scratch buffer": (
+        "from megatron.core.utils import GlobalMemoryBuffer\n"
+        "t = GlobalMemoryBuffer().get_tensor((2, 3), torch.float32, 'x')\n"
+        "assert t.device.type == 'cpu'"
+    ),
+    "causal mask": (
+        "from megatron.core.transformer.utils import get_default_causal_mask\n"
+        "assert get_default_causal_mask(4).device.type == 'cpu'"
+    ),
+    "model-parallel RNG streams": (
+        "from megatron.core import parallel_state\n"
+        "import torch.distributed as dist\n"
+        "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "parallel_state.initialize_model_parallel(1, 1)\n"
+        "from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed\n"
+        "model_parallel_cuda_manual_seed(5)\n"
+        "with get_cuda_rng_tracker().fork():\n"
+        "    a = torch.rand(3)\n"
+        "with get_cuda_rng_tracker().fork():\n"
+        "    b = torch.rand(3)\n"
+        "assert not torch.equal(a, b)  # the stream advanced inside the fork\n"
+    ),
+}
+
+
+def _outcomes(install: bool) -> dict[str, str]:
+    """Run every case in one fresh interpreter; {case: "ok" or the error it raised}."""
+    lines = ["import warnings; warnings.simplefilter('ignore')", "import json, torch", "out = {}"]
+    if install:
+        lines.append("from miles.train.backends.megatron import compat; compat.install()")
+    for name, body in CASES.items():
+        lines.append("try:")
+        lines += ["    " + line for line in body.splitlines()]
+        lines.append(f"    out[{name!r}] = 'ok'")
+        lines.append("except Exception as exc:")
+        lines.append(f"    out[{name!r}] = f'{{type(exc).__name__}}: {{exc}}'")
+    lines.append("print(json.dumps(out))")
+    proc = subprocess.run(
+        [sys.executable, "-c", "\n".join(lines)], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_each_redirect_is_what_makes_its_call_work_on_cpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU machine runs megatron-core's CUDA paths as they are")
+    without = _outcomes(install=False)
+    for case, outcome in without.items():
+        assert "CUDA" in outcome, f"{case}: works without the redirect ({outcome}); the entry may be unneeded"
+    assert _outcomes(install=True) == dict.fromkeys(CASES, "ok")
+
+
+def test_outside_a_redirected_call_torch_cuda_is_left_alone():
+    import torch
+
+    from miles.train.backends.megatron import compat
+
+    compat.install()
+    before = torch.cuda.current_device
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    GlobalMemoryBuffer().get_tensor((2,), torch.float32, "probe")
+    assert torch.cuda.current_device is before
