@@ -1,6 +1,6 @@
 """`--train-backend megatron`: the policy as a megatron-core GPTModel, on GPUs or on CPU under gloo.
 
-The layout of the recipe (TP, SP, PP, VPP, EP, ETP, DP) becomes megatron's process groups;
+The layout of the recipe (TP, SP, PP, VPP, CP, EP, ETP, DP) becomes megatron's process groups;
 the model is built from the HF config with the Transformer Engine layer spec and loaded
 from the torch_dist checkpoint `prepare-ckpt` writes (`--ref-load`); micro-batches go
 through megatron's `forward_backward_func` (so pipeline parallelism runs its real
@@ -102,10 +102,10 @@ class MegatronBackend(TrainBackend):
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        loss = functools.partial(
+        loss_fn = functools.partial(
             self._policy_loss, normalizer=normalizer, count=self._schedule_count(len(micro))
         )
-        results = self._run(micro, self.model, loss, forward_only=False)
+        results = self._run(micro, self.model, loss_fn, forward_only=False)
         lr = self._set_lr()
         terms = tuple(r["terms"] for r in results)
         loss = sum(float(t.loss) for t in terms)
@@ -125,7 +125,7 @@ class MegatronBackend(TrainBackend):
             state["optimizer"] = self.optimizer.sharded_state_dict(
                 state, is_loading=False, metadata=OPTIMIZER_FORMAT
             )
-            state["schedule"] = _common({"steps_done": self.steps_done})
+            state["schedule"] = {"steps_done": self.steps_done}  # plain values: kept once, in common.pt
         dist_checkpointing.save(state, directory)
 
     def load(self, directory: str, *, with_optimizer: bool) -> None:
@@ -137,7 +137,7 @@ class MegatronBackend(TrainBackend):
             state["optimizer"] = self.optimizer.sharded_state_dict(
                 state, is_loading=True, metadata=OPTIMIZER_FORMAT
             )
-            state["schedule"] = _common({"steps_done": 0})
+            state["schedule"] = {"steps_done": 0}
         loaded = dist_checkpointing.load(state, directory)
         for i, chunk in enumerate(self.chunks):
             chunk.load_state_dict(loaded[f"model{i}"], strict=False)
@@ -292,11 +292,6 @@ def _set_adam_steps(optimizer, steps: int) -> None:
         for state in opt.optimizer.state.values():
             if "step" in state:
                 state["step"] = torch.tensor(float(steps))
-
-
-def _common(values: dict) -> dict:
-    """Plain values stored once per checkpoint (rank 0's copy)."""
-    return dict(values)
 
 
 def _weights_source(args) -> str:
