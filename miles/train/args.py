@@ -170,7 +170,7 @@ def _add_rollout(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tokens-per-gpu", type=_positive_int)
     g.add_argument("--log-passrate", action="store_true")
     g.add_argument("--update-weights-interval", type=_positive_int, default=1)
-    g.add_argument("--update-weight-buffer-size", type=int)
+    g.add_argument("--update-weight-buffer-size", type=_positive_int, help="bytes per weight push to SGLang (512 MiB)")
     g.add_argument("--sglang-mem-fraction-static", type=_fraction, help="SGLang KV-cache memory share")
 
 
@@ -381,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
 GPU_STACK_ONLY = (
     "colocate offload offload_train offload_rollout balance_data use_dynamic_batch_size max_tokens_per_gpu "
     "partial_rollout over_sampling_batch_size dynamic_sampling_filter_path rollout_function_path "
-    "rollout_num_gpus update_weight_buffer_size optimizer_cpu_offload overlap_cpu_optimizer_d2h_h2d "
+    "rollout_num_gpus optimizer_cpu_offload overlap_cpu_optimizer_d2h_h2d "
     "use_precision_aware_optimizer fp16 keep_old_actor finetune use_wandb wandb_project wandb_group "
     "wandb_key wandb_host wandb_mode wandb_team disable_wandb_random_suffix use_tensorboard log_passrate "
     "megatron_to_hf_mode ckpt_format num_epoch log_interval "
@@ -389,7 +389,7 @@ GPU_STACK_ONLY = (
 ).split()
 # Of those, the ones the megatron backend does act on.
 MEGATRON_USES = ("num_layers_per_virtual_pipeline_stage",)
-SGLANG_ONLY = ("rollout_num_gpus_per_engine", "sglang_mem_fraction_static")
+SGLANG_ONLY = ("rollout_num_gpus_per_engine", "sglang_mem_fraction_static", "update_weight_buffer_size")
 MEGATRON_GROUP = "megatron model (megatron backend; fsdp/ddp read the HF config)"
 
 

@@ -57,6 +57,10 @@ class RolloutEngine(abc.ABC):
     # named_weights() returns the engine's own tensors, so the weight check can be bit-exact;
     # an engine that cannot expose them is checked by the logprobs of fixed sequences.
     exact_weights = True
+    # The names update_weights takes: "model", those of the installed transformers class's
+    # state dict (transformers 5 keeps a layer's experts fused); "checkpoint", those of the
+    # checkpoint files (one tensor per expert), as SGLang's loaders read them.
+    weight_names = "model"
 
     @abc.abstractmethod
     def generate(

@@ -95,7 +95,7 @@ def build_run(args: argparse.Namespace) -> Run:
     if engine_model is not None:
         warn_if_not_causal(run)
     run.start_rollout = resume(run)
-    engine.update_weights(backend.full_weights())
+    engine.update_weights(backend.full_weights(names=engine.weight_names))
     kl = f", KL {args.kl_loss_type} x {args.kl_loss_coef} vs {getattr(backend, 'ref_source', '-')}"
     run.log(
         f"miles.train: {args.advantage_estimator} on {args.hf_checkpoint} | {args.train_backend} x "

@@ -195,6 +195,7 @@ def to_generation(prompt: Sequence[int], out: Mapping[str, Any]) -> Generation:
 
 class SGLangRolloutEngine(RolloutEngine):
     exact_weights = False  # SGLang's Qwen3 has no get_weights_by_name: the weight check uses logprobs
+    weight_names = "checkpoint"  # its models' load_weights read checkpoint names
 
     def __init__(self, args, dist_info, *, engine_cls=None, server_args_cls=None):
         if dist_info.device == "cpu":
@@ -218,6 +219,7 @@ class SGLangRolloutEngine(RolloutEngine):
         self.seeded = seeds_honoured(self.kwargs)
         self.engine = engine_cls(**self.kwargs) if self.slot.leader else None
         self.released = False
+        self.bucket_bytes = args.update_weight_buffer_size or 512 << 20
 
     def generate(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, seed: int
@@ -251,11 +253,25 @@ class SGLangRolloutEngine(RolloutEngine):
         return [to_generation(p, out) for p, out in zip(prompts, outputs, strict=True)]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, object]]) -> None:
-        tensors = list(named_tensors)  # every rank drains the iterator (it may run collectives)
-        if self.engine is None:
+        """Push the weights in buckets of --update-weight-buffer-size bytes (default 512 MiB), so
+        at most one bucket of full tensors is held; the KV cache is flushed with the last one.
+        Every rank drains the iterator, engine or not: producing it may run collectives."""
+        bucket: list[tuple[str, object]] = []
+        size = 0
+        if self.engine is not None:
+            self.resume_memory()
+        for name, tensor in named_tensors:
+            bucket.append((name, tensor))
+            size += tensor.numel() * tensor.element_size() if hasattr(tensor, "numel") else 0
+            if size >= self.bucket_bytes:
+                self._push(bucket, flush_cache=False)
+                bucket, size = [], 0
+        self._push(bucket, flush_cache=True)
+
+    def _push(self, tensors: list, *, flush_cache: bool) -> None:
+        if self.engine is None or not (tensors or flush_cache):
             return
-        self.resume_memory()
-        result = self.engine.update_weights_from_tensor(named_tensors=tensors, flush_cache=True)
+        result = self.engine.update_weights_from_tensor(named_tensors=tensors, flush_cache=flush_cache)
         success, message = result if isinstance(result, tuple) else (result, "")
         if not success:
             raise RolloutEngineError(f"SGLang refused the weight update: {message or 'no message'}")

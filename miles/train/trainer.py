@@ -206,15 +206,18 @@ def sync_weights(run: Run, rollout_id: int) -> dict[str, float]:
     if (rollout_id + 1) % run.args.update_weights_interval:
         return {}
     started = time.perf_counter()
-    weights = dict(run.backend.full_weights())
-    run.engine.update_weights(weights.items())
+    check = run.args.ci_test or run.args.check_weight_update_equal
+    stream = run.backend.full_weights(names=run.engine.weight_names)
+    # Only a bit-exact check needs every tensor at once; otherwise they stream to the engine.
+    weights = dict(stream) if check and run.engine.exact_weights else None
+    run.engine.update_weights(weights.items() if weights is not None else stream)
     elapsed = time.perf_counter() - started
-    if run.args.ci_test or run.args.check_weight_update_equal:
+    if check:
         verify_weight_sync(run, rollout_id, weights)
     return {"perf/weight_sync_time": elapsed}
 
 
-def verify_weight_sync(run: Run, rollout_id: int, weights: dict[str, torch.Tensor]) -> None:
+def verify_weight_sync(run: Run, rollout_id: int, weights: dict[str, torch.Tensor] | None) -> None:
     """The engine holds the trainer's weights, on every rank; all ranks fail together. Bit for
     bit where the engine exposes its tensors, else by the logprobs of fixed sequences."""
     failure = None

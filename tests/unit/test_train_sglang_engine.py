@@ -285,6 +285,19 @@ def test_a_refused_weight_update_is_an_error_with_sglangs_message():
         engine.update_weights([("lm_head.weight", object())])
 
 
+def test_weights_go_to_sglang_in_buckets_and_the_cache_is_flushed_once_at_the_end():
+    import torch
+
+    engine = make_engine("--update-weight-buffer-size 1000")
+    tensors = [(f"w{i}", torch.zeros(100)) for i in range(7)]  # 400 bytes each
+    engine.update_weights(iter(tensors))
+    pushes = [c for c in engine.engine.calls if c[0] == "update_weights_from_tensor"]
+    assert [[n for n, _ in c[1]["named_tensors"]] for c in pushes] == [
+        ["w0", "w1", "w2"], ["w3", "w4", "w5"], ["w6"],
+    ]  # fmt: skip
+    assert [c[1]["flush_cache"] for c in pushes] == [False, False, True]
+
+
 def test_memory_is_released_for_training_and_resumed_before_weights_and_sampling():
     engine = make_engine()
     engine.release_memory()

@@ -152,11 +152,13 @@ class TorchDPBackend(TrainBackend):
             return contextlib.nullcontext()
         return contextlib.nullcontext() if last else self.model.no_sync()
 
-    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def full_weights(self, names: str = "model") -> Iterator[tuple[str, torch.Tensor]]:
         if self._sharded:
             state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
         else:
             state = self._inner.state_dict()
+        if names == "checkpoint":
+            state = checkpoint_names(self._inner, state)
         yield from state.items()
 
     def save(self, directory: str, *, with_optimizer: bool) -> None:
@@ -189,6 +191,19 @@ class TorchDPBackend(TrainBackend):
         factor = self.scheduler.lr_lambdas[0](steps_done)
         for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
             group["lr"] = base * factor
+
+
+def checkpoint_names(model, state: dict) -> dict:
+    """The state dict under the checkpoint files' names: transformers' own reversal of the
+    conversions it applied when loading (fused experts split back per expert)."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError as exc:
+        raise RuntimeError(
+            "this transformers has no revert_weight_conversion, so its in-memory names cannot be turned back "
+            "into checkpoint names for the rollout engine; use the pinned transformers (requirements/<lane>.txt)"
+        ) from exc
+    return dict(revert_weight_conversion(model, dict(state)))
 
 
 def lr_factor(step: int, cfg, total_steps: int) -> float:

@@ -114,8 +114,9 @@ class MegatronBackend(TrainBackend):
             self.steps_done += 1
         return StepResult(grad_norm=float(grad_norm), lr=lr, terms=terms, skipped=not applied)
 
-    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from WeightExporter(self.chunks, self.config, fused_experts=self.fused_experts)
+    def full_weights(self, names: str = "model") -> Iterator[tuple[str, torch.Tensor]]:
+        fused = self.fused_experts and names == "model"
+        yield from WeightExporter(self.chunks, self.config, fused_experts=fused)
 
     def save(self, directory: str, *, with_optimizer: bool) -> None:
         from megatron.core import dist_checkpointing

@@ -1,0 +1,60 @@
+"""The Megatron backend hands the rollout engine exactly the weights it holds, under either name set.
+
+A tiny checkpoint is converted to torch_dist and loaded by two gloo ranks at a model-parallel
+layout; the exported weights must equal the checkpoint files tensor for tensor under their
+file names (what SGLang loads) and the transformers model's state dict under its names
+(fused experts, what the built-in engine loads): TP shards gathered (gate and up apart), PP
+stages broadcast, experts gathered over EP with their global indices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from miles.ci.register import register_cpu_ci
+
+register_cpu_ci(est_time=60, suite="stage-b-cpu")
+
+WORKER = Path(__file__).with_name("weights_worker.py")
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    from miles.ckpt.tiny import make_tiny_checkpoint
+    from miles.ckpt.torch_dist import convert_to_torch_dist
+
+    made = {}
+    for family in ("qwen3", "qwen3_moe"):
+        root = tmp_path_factory.mktemp(family)
+        hf = make_tiny_checkpoint(family, 2, root / "hf")
+        dist = root / "torch_dist"
+        dist.mkdir()
+        convert_to_torch_dist(hf, dist, family)
+        made[family] = (hf, dist)
+    return made
+
+
+@pytest.mark.parametrize(
+    ("family", "tp", "pp", "ep"),
+    [("qwen3", 2, 1, 1), ("qwen3", 1, 2, 1), ("qwen3_moe", 1, 1, 2), ("qwen3_moe", 2, 1, 2)],
+    ids=["dense-tp2", "dense-pp2", "moe-ep2", "moe-tp2-ep2"],
+)
+def test_exported_weights_equal_the_checkpoint_under_both_name_sets(converted, family, tp, pp, ep):
+    hf, dist = converted[family]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
+           str(hf), str(dist), str(tp), str(pp), str(ep)]  # fmt: skip
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (proc.stdout + proc.stderr)[-3000:]
+    result = json.loads(lines[0].removeprefix("RESULT "))
+    assert result["checkpoint_names_missing"] == [] and result["checkpoint_names_extra"] == [], result
+    assert result["model_names_missing"] == [] and result["model_names_extra"] == [], result
+    assert result["checkpoint_max_diff"] == 0.0 and result["model_max_diff"] == 0.0, result

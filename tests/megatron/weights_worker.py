@@ -1,0 +1,65 @@
+"""Run under `torch.distributed.run --nproc-per-node 2 weights_worker.py HF_DIR TORCH_DIST TP PP EP`:
+the Megatron backend's weight export against the checkpoint it was loaded from, in both name
+formats. Not a test module; tests/megatron/test_megatron_weights.py launches it."""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+
+def main() -> None:
+    warnings.simplefilter("ignore")
+    hf, torch_dist, tp, pp, ep = Path(sys.argv[1]), sys.argv[2], *map(int, sys.argv[3:6])
+    dist.init_process_group("gloo")
+    from transformers import AutoModelForCausalLM
+
+    from miles.ckpt.shards import CheckpointReader
+    from miles.train.backends.megatron import compat
+    from miles.train.backends.megatron import model as mm
+    from miles.train.backends.megatron.weights import WeightExporter
+
+    compat.install()
+    args = SimpleNamespace(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, num_layers_per_virtual_pipeline_stage=None,
+        context_parallel_size=1, expert_model_parallel_size=ep, expert_tensor_parallel_size=1 if ep > 1 else None,
+        sequence_parallel=tp > 1, decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
+        moe_router_dtype=None, moe_aux_loss_coeff=None, moe_token_dispatcher_type=None, recompute_granularity=None,
+        bf16=False, hf_checkpoint=str(hf),
+    )  # fmt: skip
+    config = mm.hf_config(hf)
+    layout = mm.layout_from_args(args, dist.get_world_size(), config["num_hidden_layers"])
+    mm.init_parallel_state(layout, seed=0)
+    tc = mm.transformer_config_for(args, config, layout, on_cpu=True)
+    chunks = mm.build_chunks(config, tc, config["vocab_size"])
+    mm.load_weights(chunks, torch_dist)
+
+    worst = {}
+    with CheckpointReader(hf) as reader:
+        files = {name: reader.read(name).float() for name in reader.files.weight_map}
+    exported = {n: t.float() for n, t in WeightExporter(chunks, config, fused_experts=False)}
+    worst["checkpoint_names_missing"] = sorted(set(files) - set(exported))[:5]
+    worst["checkpoint_names_extra"] = sorted(set(exported) - set(files))[:5]
+    worst["checkpoint_max_diff"] = max(
+        float((exported[n] - files[n]).abs().max()) for n in files if n in exported
+    )
+
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).state_dict()
+    fused = {n: t.float() for n, t in WeightExporter(chunks, config, fused_experts=True)}
+    tied = {"lm_head.weight"} if config.get("tie_word_embeddings") else set()
+    worst["model_names_missing"] = sorted(set(model) - set(fused) - tied)[:5]
+    worst["model_names_extra"] = sorted(set(fused) - set(model))[:5]
+    worst["model_max_diff"] = max(float((fused[n] - model[n]).abs().max()) for n in model if n in fused)
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(worst), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
