@@ -189,6 +189,13 @@ def step_generate(cpu: bool, workdir: Path) -> str:
     return summary
 
 
+TRAIN_TIMEOUT_S = 600  # for a hung run, not a slow one: the CPU check's runs end in seconds
+
+
+def _text(output: str | bytes | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
+
+
 def train_tiny_recipe(workdir: Path, run_id: str, args: tuple[str, ...]) -> tuple[dict, float]:
     """The qwen3_4b recipe's tiny profile with `args` on one rank; its metric series and seconds."""
     from miles.ckpt.pipeline import prepare
@@ -206,9 +213,18 @@ def train_tiny_recipe(workdir: Path, run_id: str, args: tuple[str, ...]) -> tupl
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                "-m", "miles.train", *plan.train_args]  # fmt: skip
     started = time.perf_counter()
-    done = subprocess.run(
-        command, env={**os.environ, RECORD_DIR_ENV: str(record)}, capture_output=True, text=True
-    )
+    try:
+        done = subprocess.run(
+            command, env={**os.environ, RECORD_DIR_ENV: str(record)}, capture_output=True, text=True,
+            timeout=TRAIN_TIMEOUT_S,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as e:
+        # also what a finished trainer looks like when a helper process it started still
+        # holds its output pipes open
+        raise CheckFailed(
+            f"the tiny recipe ({run_id}) had not ended after {TRAIN_TIMEOUT_S}s: "
+            f"{_text(e.stderr).strip().splitlines()[-1:]}"
+        ) from None
     elapsed = time.perf_counter() - started
     if done.returncode != 0:
         tail = [

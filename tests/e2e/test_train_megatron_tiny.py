@@ -115,6 +115,41 @@ def test_fsdp_learns_the_same_task_from_the_same_recipe(tmp_path):
     assert_learns_the_prompt(record, DENSE["rollouts"])
 
 
+def _holders_of(pipe) -> dict[int, str]:
+    """{pid: command line} of the processes that hold the write end of `pipe` (Linux /proc)."""
+    wanted = f"pipe:[{os.fstat(pipe.fileno()).st_ino}]"
+    holders = {}
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            if any(os.readlink(fd) == wanted for fd in fd_dir.iterdir()):
+                pid = int(fd_dir.parent.name)
+                if pid != os.getpid():
+                    holders[pid] = (fd_dir.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue  # the process ended while being read
+    return holders
+
+
+def test_a_megatron_run_that_saves_ends_with_every_helper_process(tmp_path):
+    # megatron's checkpoint writer starts a multiprocessing Manager; a trainer that leaves it
+    # running keeps the caller's stdout/stderr pipes open, and a caller reading them waits forever
+    plan = runs.tiny_plan(DENSE["recipe"], tmp_path, *ECHO, "--num-rollout", "1", "--save-interval", "1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+           "-m", "miles.train", *plan.train_args, "--tensor-model-parallel-size", "1",
+           "--actor-num-gpus-per-node", "1"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        left = _holders_of(proc.stderr)
+        for pid in left:
+            os.kill(pid, 9)
+        proc.communicate()
+        pytest.fail(f"the run's output pipes stayed open for 180s, held by {left}")
+    assert proc.returncode == 0, (out + err)[-3000:]
+    assert (runs.checkpoint_dir(plan) / "latest_checkpointed_iteration.txt").exists()
+
+
 # --- pipeline schedules -------------------------------------------------------------------
 
 
