@@ -192,10 +192,6 @@ def step_generate(cpu: bool, workdir: Path) -> str:
 TRAIN_TIMEOUT_S = 600  # for a hung run, not a slow one: the CPU check's runs end in seconds
 
 
-def _text(output: str | bytes | None) -> str:
-    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
-
-
 def train_tiny_recipe(workdir: Path, run_id: str, args: tuple[str, ...]) -> tuple[dict, float]:
     """The qwen3_4b recipe's tiny profile with `args` on one rank; its metric series and seconds."""
     from miles.ckpt.pipeline import prepare
@@ -219,11 +215,12 @@ def train_tiny_recipe(workdir: Path, run_id: str, args: tuple[str, ...]) -> tupl
             timeout=TRAIN_TIMEOUT_S,
         )  # fmt: skip
     except subprocess.TimeoutExpired as e:
-        # also what a finished trainer looks like when a helper process it started still
-        # holds its output pipes open
+        # TimeoutExpired carries bytes even with text=True
+        last = (e.stderr or b"").decode(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
         raise CheckFailed(
-            f"the tiny recipe ({run_id}) had not ended after {TRAIN_TIMEOUT_S}s: "
-            f"{_text(e.stderr).strip().splitlines()[-1:]}"
+            f"the tiny recipe ({run_id}) had not ended after {TRAIN_TIMEOUT_S}s, last line: {last[0]}; either "
+            "the trainer hung or a process it started still holds its output open: look for leftover "
+            "`miles.train` or multiprocessing processes (`ps -ef`) and stop them before a rerun"
         ) from None
     elapsed = time.perf_counter() - started
     if done.returncode != 0:

@@ -29,9 +29,10 @@ ON_GPU = os.environ.get("MILES_CI_BACKEND", "cpu") != "cpu"
 def test_every_step_of_the_device_check_passes(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "MILES_DEVICE_CHECK_DIR": str(tmp_path)}
     env.pop("MILES_CI_GATE_RECORD_DIR", None)
+    # 900 s: above the check's own 600 s limit per training run, so a hung run shows as its FAIL line
     done = subprocess.run(
         ["bash", str(ROOT / "scripts/gpu_check.sh"), *([] if ON_GPU else ["--cpu"])],
-        capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
+        capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path,
     )  # fmt: skip
     verdicts = [line for line in done.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
     assert done.returncode == 0, "\n".join(verdicts) + done.stderr[-2000:]

@@ -5,8 +5,6 @@ gradients. Not a test module; tests/megatron/test_megatron_loss.py launches it."
 from __future__ import annotations
 
 import json
-import os
-import sys
 import warnings
 
 import torch
@@ -53,6 +51,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from miles.train.distributed import exit_process
+
     main()
-    sys.stdout.flush()
-    os._exit(0)  # skip C++ static destructors: gloo can abort a finished process at exit
+    exit_process(0)

@@ -5,7 +5,6 @@ formats. Not a test module; tests/megatron/test_megatron_weights.py launches it.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -63,6 +62,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from miles.train.distributed import exit_process
+
     main()
-    sys.stdout.flush()
-    os._exit(0)  # skip C++ static destructors: gloo can abort a finished process at exit
+    exit_process(0)
