@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One-GPU device check of miles.train, about 5 minutes on one H200. Run it in a copy of the
-# tree; it installs nothing and needs no network (torch, transformers and safetensors must be
-# there; sglang and Transformer Engine may be missing). Prints one PASS/FAIL line per step
-# and exits 1 when any step failed.
+# One-GPU device check of miles.train, sized for about 5 minutes on one H200 (not yet run on
+# one). Run it in a copy of the tree; it installs nothing and needs no network (torch,
+# transformers and safetensors must be there; sglang and Transformer Engine may be missing).
+# Prints one PASS/FAIL line per step and exits 1 when any step failed.
 #
 #   bash scripts/gpu_check.sh                # on a machine with one or more GPUs
 #   bash scripts/gpu_check.sh --cpu          # the same steps on CPU at CI size (CI runs this)
