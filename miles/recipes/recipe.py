@@ -19,7 +19,7 @@ from miles.ckpt.families import family as _ckpt_family
 from miles.ckpt.plan import CheckpointPlan
 from miles.parallel import LayoutError, ParallelConfig, validate
 from miles.recipes.args import Args, drop, fill, merge, render
-from miles.recipes.fidelity import Deviation, Reference
+from miles.recipes.fidelity import Deviation, Reference, Rename
 from miles.recipes.models import TINY, ModelSpec, ResolvedModel, resolve_model
 
 # The argument groups, in the order they appear on the command line.
@@ -88,7 +88,7 @@ class Overlay:
     profiles: tuple[ParallelProfile, ...] = ()  # replace the shared profiles on this platform
     pins: tuple[tuple[str, str], ...] = ()  # package == version the platform's stack needs
     fp8_rollout: bool | None = None  # None: as the shared recipe
-    deviations: tuple[Deviation, ...] = ()  # where this form differs from its reference, and why
+    deviations: tuple[Deviation | Rename, ...] = ()  # where this form differs from its reference, and why
 
 
 @dataclass(frozen=True)
@@ -106,8 +106,8 @@ class Recipe:
     pins: tuple[tuple[str, str], ...] = ()
     overlays: tuple[Overlay, ...] = ()
     variant: str = SHARED  # "shared", or the platform whose overlay was applied
-    references: tuple[Reference, ...] = ()  # the reference recipe per GPU platform (facts)
-    deviations: tuple[Deviation, ...] = ()  # where the recipe differs from them, and why
+    references: tuple[Reference, ...] = ()  # the reference commands per GPU platform (quoted facts)
+    deviations: tuple[Deviation | Rename, ...] = ()  # where the recipe differs from them, and why
 
     def __post_init__(self) -> None:
         unknown = [g for g, _ in self.args if g not in GROUPS]
@@ -273,8 +273,20 @@ class Recipe:
     def environment(self) -> dict[str, str]:
         return {k: v for k, v in self.env if v is not None}
 
-    def reference(self, platform: str) -> Reference | None:
-        return next((r for r in self.references if r.platform == platform), None)
+    def reference_for(self, profile: ParallelProfile) -> Reference | None:
+        """The reference command a profile is held to: of its platform, for its model on as many
+        GPUs if there is one, else for its model, else on as many GPUs, else the platform's first."""
+        mine = [r for r in self.references if r.platform == profile.platform]
+        for wanted in (
+            lambda r: r.model == profile.model and r.layout.gpus == profile.world_size,
+            lambda r: r.model == profile.model,
+            lambda r: r.layout.gpus == profile.world_size,
+            lambda r: True,
+        ):
+            found = next((r for r in mine if wanted(r)), None)
+            if found is not None:
+                return found
+        return None
 
 
 def _placement(profile: ParallelProfile, backend: str) -> Args:
