@@ -66,7 +66,7 @@ class LaunchPlan:
     workdirs: tuple[tuple[str, str], ...]  # role -> directory
     checkpoint: CheckpointPlan
     layout: str  # the layout check's verdict
-    status: str = ""  # verified | layout checked | untested, and why (miles.recipes.status)
+    status: str = ""  # its status and why (miles.recipes.status)
     prelude: tuple[tuple[str, ...], ...] = ()  # commands each node runs before the job (ray)
     pins: tuple[tuple[str, str], ...] = ()
     groups: tuple[tuple[str, tuple[str, ...]], ...] = field(default=(), compare=False)  # for display
