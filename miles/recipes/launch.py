@@ -100,6 +100,8 @@ def _checkpoint_json(plan: CheckpointPlan) -> dict:
         "num_layers": plan.num_layers,
         "steps": list(plan.steps),
         "stage_dir": plan.stage_dir,
+        "datasets": list(plan.datasets),
+        "data_dir": plan.data_dir,
     }
 
 
@@ -126,6 +128,7 @@ def build_plan(
         stage_dir=options.stage_dir,
         env=base,
         train_backend=recipe.backend_of(profile),
+        data_dir=options.data_dir,
     )
     run_dir = f"{options.output_dir}/{options.run_id}"
     fields = _fields(recipe, profile, checkpoint, options, run_dir)
@@ -265,6 +268,11 @@ def format_plan(plan: LaunchPlan) -> str:
         f"layout     {plan.layout}",
         f"profile    {plan.status}",
         f"checkpoint {plan.checkpoint.source} -> {plan.checkpoint.hf_dir} (steps: {', '.join(plan.checkpoint.steps)})",
+        *(
+            [f"data       {', '.join(plan.checkpoint.datasets)} -> {plan.checkpoint.data_dir} (with the fetch step)"]
+            if plan.checkpoint.datasets
+            else []
+        ),
     ]  # fmt: skip
     if plan.pins:
         lines.append("pins       " + ", ".join(f"{k}=={v}" for k, v in plan.pins))

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
 
+from miles.ckpt.datasets import UnknownDataset, dataset_of
 from miles.ckpt.families import family as _ckpt_family
 from miles.ckpt.plan import CheckpointPlan
 from miles.parallel import LayoutError, ParallelConfig, validate
@@ -27,6 +28,7 @@ GROUPS = ("checkpoint", "rollout", "grpo", "optimizer", "rollout_engine", "perf"
 SHARED = "shared"
 GPU_PLATFORMS = ("cuda", "rocm")
 CPU_BACKEND = "fsdp"  # the CPU trainer runs data-parallel over gloo ranks
+DEFAULT_DATA_DIR = ".miles/data"
 
 
 class RecipeError(ValueError):
@@ -115,8 +117,18 @@ class Recipe:
             raise RecipeError(
                 f"{self.defined_in}: unknown argument group(s) {unknown}; known: {', '.join(GROUPS)}"
             )
+        self.datasets()  # data the recipe names must be data something fetches
         for profile in self.profiles:
             self._check_profile(profile)
+
+    def datasets(self) -> tuple[str, ...]:
+        """The prompt datasets its GPU profiles read (miles.ckpt.datasets), fetched with the model."""
+        prompt = dict(self.group("rollout")).get("--prompt-data")
+        try:
+            dataset = dataset_of(str(prompt)) if prompt else None
+        except UnknownDataset as exc:
+            raise RecipeError(f"{self.defined_in}: {exc}") from None
+        return (dataset.name,) if dataset else ()
 
     def _check_profile(self, profile: ParallelProfile) -> None:
         where = f"{self.defined_in}: {self.name} ({self.variant}) profile {profile.platform} {profile.nodes}x{profile.gpus_per_node}"
@@ -201,12 +213,15 @@ class Recipe:
         stage_dir: str | None = None,
         env: Mapping[str, str] | None = None,
         train_backend: str | None = None,
+        data_dir: str = DEFAULT_DATA_DIR,
     ) -> CheckpointPlan:
         """The checkpoint pipeline's plan for `model`: fetch and validate always; trim for an
         -Nlayer slice; fp8 for FP8-rollout recipes; torch_dist for Megatron training (the
         recipe's backend unless `train_backend` says otherwise) of a family with a Megatron GPT
         layout (the others load their HF weights through Megatron-Bridge); stage when a
-        node-local stage_dir is given. `tiny` builds a random checkpoint of the family locally."""
+        node-local stage_dir is given. `tiny` builds a random checkpoint of the family locally
+        (and trains on a synthetic task); any other model's fetch also fetches the prompt
+        datasets the recipe reads into `data_dir`."""
         resolved = self.resolve(model, env)
         steps = ["fetch", "validate"]
         if not resolved.tiny:
@@ -227,6 +242,8 @@ class Recipe:
             num_layers=resolved.num_layers if (resolved.tiny or resolved.is_slice) else None,
             steps=tuple(steps),
             stage_dir=stage_dir,
+            datasets=() if resolved.tiny else self.datasets(),
+            data_dir=None if resolved.tiny else data_dir,
         )
 
     def arg_groups(
