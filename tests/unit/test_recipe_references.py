@@ -316,3 +316,12 @@ def test_the_check_command_needs_a_mirror(tmp_path):
     assert proc.returncode == 2 and "git rev-parse --git-dir" in proc.stderr
     with pytest.raises(MirrorError, match="no such directory"):
         Mirror(tmp_path / "absent")
+
+
+def test_python_the_reader_does_not_support_is_refused_with_its_line():
+    from miles.recipes.pysource import Evaluator, parse
+
+    module = parse("scripts/x.py", "def f():\n    n = 0\n    while n < 3:\n        n += 1\n    return n\n")
+    evaluator = Evaluator(lambda name: pytest.fail(f"nothing is imported here, not {name}"))
+    with pytest.raises(SourceError, match=r"^scripts/x.py:3: While statements are not read$"):
+        evaluator.call(evaluator.lookup(module, "f", module.tree), [], {})
