@@ -258,7 +258,7 @@ def cmd_references(args: argparse.Namespace) -> int:
         for name in chosen:
             launches = [f.launch for f in findings if f.recipe == name]
             if launches:
-                print(f"wrote {references.write_launches(name, launches)}")
+                print(f"wrote {references.write_launches(references.path(name), launches)}")
         return 0
     for finding in findings:
         print("\n".join(finding.lines()))

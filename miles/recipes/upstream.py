@@ -62,8 +62,8 @@ class Upstream:
         return f"{self.repo} {self.script}@{self.commit[:12]}"
 
     def command_line(self) -> str:
-        """The settings as the launcher's own flags (what a person would type)."""
-        parts = [f"python {self.script} {self.entry.strip('_').replace('_', '-')}"]
+        """The reading as its launcher's own flags, e.g. `_train() of scripts/run_x.py with --num-nodes 1`."""
+        parts = []
         for name, value in self.settings:
             flag = "--" + name.replace("_", "-")
             if value is True:
@@ -72,7 +72,8 @@ class Upstream:
                 parts.append("--no-" + name.replace("_", "-"))
             else:
                 parts.append(f"{flag} {value}")
-        return " ".join(parts)
+        environ = "".join(f"{k}={v} " for k, v in self.environ)
+        return f"{environ}{self.entry}() of {self.script} with {' '.join(parts) or 'its defaults'}"
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ on `main` (and one commit on a side branch), and reads it with the same code
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -325,3 +326,24 @@ def test_python_the_reader_does_not_support_is_refused_with_its_line():
     evaluator = Evaluator(lambda name: pytest.fail(f"nothing is imported here, not {name}"))
     with pytest.raises(SourceError, match=r"^scripts/x.py:3: While statements are not read$"):
         evaluator.call(evaluator.lookup(module, "f", module.tree), [], {})
+
+
+def test_update_rewrites_the_quotes_and_keeps_the_configuration(upstream, tmp_path):
+    from miles.recipes.references import read_file, write_launches
+
+    repo, on_main, _ = upstream
+    source = _source(on_main)
+    reading = {
+        "platform": "cuda", "model": "Tiny", "argv": ["--stale 1"], "env": {},
+        "upstream": {"script": source.script, "commit": on_main, "entry": "execute", "settings": dict(source.settings),
+                     "hardware": source.hardware, "nvlink": True},
+    }  # fmt: skip
+    file = tmp_path / "tiny.json"
+    file.write_text(json.dumps({"format": 1, "recipe": "tiny", "readings": [reading]}))
+    (stale,) = read_file(file)
+    finding = reread_one(Mirror(repo), "tiny", stale, "main")
+    assert not finding.ok
+    write_launches(file, [finding.launch])
+    (fresh,) = read_file(file)
+    assert (fresh.argv, fresh.env, fresh.source) == (EXPECTED_ARGV, EXPECTED_ENV, stale.source)
+    assert json.loads(file.read_text())["readings"][0]["argv"][:2] == ["--num-layers 6", "--hidden-size 64"]

@@ -36,8 +36,10 @@ def path(recipe: str) -> Path:
 def load(recipe: str) -> tuple[Reference, ...]:
     """The readings of `recipe` (an empty tuple when it has no reference file)."""
     file = path(recipe)
-    if not file.is_file():
-        return ()
+    return read_file(file) if file.is_file() else ()
+
+
+def read_file(file: Path) -> tuple[Reference, ...]:
     return tuple(_reading(file, i, r) for i, r in enumerate(_document(file)["readings"]))
 
 
@@ -67,10 +69,9 @@ def _reading(file: Path, index: int, raw: dict) -> Reference:
         raise ReferenceFileError(f"{where}: malformed ({type(exc).__name__}: {exc})") from None
 
 
-def write_launches(recipe: str, launches: list[Launch]) -> Path:
-    """Rewrite the quoted argv and variables of `recipe`'s readings, in order, keeping their
+def write_launches(file: Path, launches: list[Launch]) -> Path:
+    """Rewrite the quoted argv and variables of the file's readings, in order, keeping their
     configuration."""
-    file = path(recipe)
     doc = _document(file)
     if len(launches) != len(doc["readings"]):
         raise ReferenceFileError(f"{file}: {len(doc['readings'])} readings, {len(launches)} launches")
