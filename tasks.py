@@ -96,13 +96,14 @@ def check_image(c, tag, variant=None):
         "family": "without --recipe: the model family",
         "layers": "without --recipe: N of the N-layer slice",
         "scan_nan": "validate: share of every float tensor read for NaN/Inf (default 1: all; 0: headers only)",
+        "data_dir": "with --recipe: where the fetch step puts the recipe's prompt datasets (default .miles/data)",
     }
 )
 def prepare_ckpt(
     c, model, recipe=None, steps=None, platform=None, dry=False, model_dir=None, stage_dir=None,
-    source=None, family=None, layers=None, scan_nan=None,
+    source=None, family=None, layers=None, scan_nan=None, data_dir=None,
 ):  # fmt: skip
-    """Prepare a model's checkpoints (fetch, validate, trim, FP8, torch_dist, stage); resumable."""
+    """Prepare a model's checkpoints (fetch, validate, trim, FP8, torch_dist, stage) and its data; resumable."""
     from invoke import Exit
 
     from miles.ckpt.cli import main
@@ -110,7 +111,7 @@ def prepare_ckpt(
     options = {
         "--recipe": recipe, "--platform": platform, "--steps": steps, "--model-dir": model_dir,
         "--stage-dir": stage_dir, "--source": source, "--family": family, "--layers": layers,
-        "--scan-nan": scan_nan,
+        "--scan-nan": scan_nan, "--data-dir": data_dir,
     }  # fmt: skip
     argv = ["prepare", "--model", model]
     argv += [str(x) for k, v in options.items() if v is not None for x in (k, v)]

@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model-dir", help=f"without --recipe: parent of the prepared dirs (default ${MODEL_DIR_ENV})"
     )
+    p.add_argument(
+        "--data-dir",
+        help="with --recipe: where the fetch step puts the recipe's prompt datasets (default .miles/data)",
+    )
     p.add_argument("--layers", type=int, help="without --recipe: N of the N-layer slice")
     p.add_argument("--plan-steps", help="without --recipe: the plan's steps (default: all but stage)")
     p.add_argument("--stage-dir", help="without --recipe: node-local directory for the stage step")
@@ -143,9 +147,12 @@ def plan_from_args(args: argparse.Namespace) -> CheckpointPlan:
             "model_dir": args.model_dir or os.environ.get(MODEL_DIR_ENV),
             "source": args.source,
             "stage_dir": args.stage_dir,
+            "data_dir": args.data_dir,
         }
         recipe = recipes.load(args.recipe, platform=args.platform)
         return recipe.checkpoint_plan(args.model, **{k: v for k, v in given.items() if v})
+    if args.data_dir:
+        raise UsageError("--data-dir names where a recipe's datasets go; it needs --recipe")
     missing = [f"--{n}" for n in ("family", "source") if not getattr(args, n)]
     model_dir = args.model_dir or os.environ.get(MODEL_DIR_ENV)
     if not model_dir:

@@ -16,9 +16,10 @@ import json
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from miles.ckpt.datasets import fetch_for_plan
 from miles.ckpt.errors import (
     CheckpointError,
     StepFailed,
@@ -195,6 +196,11 @@ class _Run:
         start = time.monotonic()
         try:
             result = getattr(self, f"_{name}")()
+            if name == "fetch" and self.plan.datasets:  # the recipe's prompt data, beside the model
+                data = fetch_for_plan(
+                    result.status, result.detail, self.plan.datasets, str(self.plan.data_dir), dry=self.dry
+                )
+                result = replace(result, **data)
         except StepFailed:
             raise
         except CheckpointError as exc:

@@ -24,6 +24,8 @@ class CheckpointPlan:
     steps: tuple[str, ...] = ("fetch", "validate")
     stage_dir: str | None = None  # node-local directory the stage step copies to
     allow_auto_map: bool = False  # allow config.json auto_map (remote code) for this model
+    datasets: tuple[str, ...] = ()  # prompt datasets the fetch step also fetches (miles.ckpt.datasets)
+    data_dir: str | None = None  # where they go: <data_dir>/<dataset>/
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.steps if s not in STEPS]
@@ -36,6 +38,8 @@ class CheckpointPlan:
             raise ValueError(f"family '{self.family}' is not one of {', '.join(FAMILIES)}")
         if "stage" in self.steps and not self.stage_dir:
             raise ValueError("the stage step needs stage_dir")
+        if self.datasets and not self.data_dir:
+            raise ValueError("a plan that fetches datasets needs data_dir")
 
     @property
     def hf_dir(self) -> str:

@@ -7,6 +7,7 @@
     python -m miles.recipes check [NAME] [--megatron]
     python -m miles.recipes record NAME --run-json .miles/reports/<lane>/run.json [--platform P --gpus N]
     python -m miles.recipes snapshot [--update]
+    python -m miles.recipes references [--check | --update] --mirror PATH [--branch main]
 
 Exit codes: 0 fine, 1 a check, diff, facts table or snapshot found a problem, 2 bad usage.
 """
@@ -65,6 +66,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--dir", type=Path, default=None, help="snapshot folder (default: tests/snapshots/recipes)"
     )
     p.set_defaults(handler=cmd_snapshot)
+    p = sub.add_parser(
+        "references", help="list the reference readings; --check re-reads every one from a mirror of upstream"
+    )
+    p.add_argument("name", nargs="?", help="one recipe (default: all)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--check", action="store_true", help="fail on any quoted value the mirror does not give"
+    )
+    mode.add_argument("--update", action="store_true", help="rewrite the quoted values from the mirror")
+    p.add_argument("--mirror", type=Path, help="a git clone or mirror of radixark/miles (full history)")
+    p.add_argument(
+        "--branch", default="main", help="the branch every cited commit must be on (default: main)"
+    )
+    p.set_defaults(handler=cmd_references)
     return parser
 
 
@@ -113,7 +128,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from miles.recipes.diff import recipe_diff, reference_comparison
+    from miles.recipes.diff import recipe_diff, reference_comparisons
 
     unexplained = 0
     for name in [args.name] if args.name else names():
@@ -126,17 +141,17 @@ def cmd_diff(args: argparse.Namespace) -> int:
                 print(f"  why: {next(o.reason for o in base.overlays if o.platform == platform)}")
                 for line in recipe_diff(base, form) or ["  (no differences)"]:
                     print(f"  {line}")
-            comparison = reference_comparison(form, platform)
-            if comparison is None:
+            compared = reference_comparisons(form, platform)
+            if not compared:
                 print(f"{base.name} [{form.variant}] on {platform}: no reference recipe recorded")
-                continue
-            ref = comparison.reference
-            print(f"{base.name} [{form.variant}] on {platform} beside the reference {ref.script}")
-            print(f"  model flags: {ref.model_script}")
-            print(f"  = {comparison.agree} flags, variables and layouts agree")
-            for line in comparison.lines:
-                print(f"  {line.render()}")
-            unexplained += len(comparison.unexplained)
+            for item in compared:
+                ref = item.comparison.reference
+                print(f"{base.name} [{form.variant}] {item.profile.describe()}")
+                print(f"  beside {ref.script} on {ref.source.hardware}: {ref.source.command_line()}")
+                print(f"  = {item.comparison.agree} flags, variables and layouts agree")
+                for line in item.comparison.lines:
+                    print(f"  {line.render()}")
+                unexplained += len(item.unexplained)
     if unexplained:
         print(
             f"{unexplained} difference(s) from the reference are UNEXPLAINED: bring the recipe to the reference "
@@ -212,6 +227,45 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 1 if problems else 0
+
+
+def cmd_references(args: argparse.Namespace) -> int:
+    from miles.recipes import references
+    from miles.recipes.reread import reread
+    from miles.recipes.upstream import Mirror, MirrorError
+
+    chosen = [args.name] if args.name else list(names())
+    if not (args.check or args.update):
+        for name in chosen:
+            for ref in references.load(name):
+                print(f"{name} {ref.platform} {ref.model}: {ref.script} on {ref.source.hardware}")
+                print(f"  {ref.source.command_line()}")
+        return 0
+    if args.mirror is None:
+        print("error: --check and --update need --mirror PATH (a clone of radixark/miles)", file=sys.stderr)
+        return 2
+    try:
+        findings = reread(chosen, Mirror(args.mirror), args.branch)
+    except MirrorError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.update:
+        unreadable = [f for f in findings if f.launch is None]
+        for finding in unreadable:
+            print("\n".join(finding.lines()), file=sys.stderr)
+        if unreadable:
+            return 1
+        for name in chosen:
+            launches = [f.launch for f in findings if f.recipe == name]
+            if launches:
+                print(f"wrote {references.write_launches(references.path(name), launches)}")
+        return 0
+    for finding in findings:
+        print("\n".join(finding.lines()))
+    bad = sum(not f.ok for f in findings)
+    if bad:
+        print(f"{bad} of {len(findings)} reference reading(s) differ from {args.mirror}", file=sys.stderr)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from miles.parallel import ParallelConfig
 from miles.recipes.args import Args, merge
-from miles.recipes.fidelity import deviation
+from miles.recipes.fidelity import deviation, renamed
 from miles.recipes.models import TINY
 from miles.recipes.recipe import ParallelProfile, groups
 
@@ -116,7 +116,6 @@ TINY_OVERRIDES = groups(
         ("--rollout-batch-size", 4),
         ("--n-samples-per-prompt", 4),
         ("--global-batch-size", 16),
-        ("--micro-batch-size", 4),
         ("--rollout-max-response-len", 16),
     ),
     optimizer=(
@@ -138,6 +137,7 @@ TINY_OVERRIDES = groups(
         ("--hidden-dropout", None),
         ("--accumulate-allreduce-grads-in-fp32", None),
         ("--attention-softmax-in-fp32", None),
+        ("--micro-batch-size", 4),  # in perf, where the recipes set theirs, so it replaces it
         ("--distributed-backend", "gloo"),
         ("--num-threads", 1),
     ),
@@ -145,7 +145,9 @@ TINY_OVERRIDES = groups(
 )
 
 
-def cpu_tiny_profile(parallel: ParallelConfig | None = None, train_backend: str | None = None) -> ParallelProfile:
+def cpu_tiny_profile(
+    parallel: ParallelConfig | None = None, train_backend: str | None = None
+) -> ParallelProfile:
     """Two gloo ranks on one CPU machine with the trainer's own sampler: data-parallel FSDP, or
     the Megatron backend at `parallel` when `train_backend` is "megatron"."""
     return ParallelProfile(
@@ -162,8 +164,45 @@ def cpu_tiny_profile(parallel: ParallelConfig | None = None, train_backend: str 
     )
 
 
+# SGLang server arguments the reference's pinned sglang spells otherwise than the lanes' sglang
+# 0.5.23, whose ServerArgs field names miles passes (miles.train.sglang_engine.server_kwargs).
+SGLANG_RENAMES = (
+    renamed(
+        "--sglang-cuda-graph-max-bs", "--sglang-cuda-graph-max-bs-decode",
+        reason="sglang 0.5.23 splits the CUDA-graph batch limit into decode and prefill; the reference's is the decode one",
+    ),
+    renamed(
+        "--sglang-nsa-decode-backend", "--sglang-dsa-decode-backend",
+        reason="sglang 0.5.23 names the sparse-attention (NSA) backends dsa_*",
+    ),
+    renamed(
+        "--sglang-nsa-prefill-backend", "--sglang-dsa-prefill-backend",
+        reason="sglang 0.5.23 names the sparse-attention (NSA) backends dsa_*",
+    ),
+    renamed(
+        "--sglang-mamba-scheduler-strategy", "--sglang-mamba-radix-cache-strategy",
+        reason="sglang 0.5.23's field for the mamba cache strategy (same choices, extra_buffer among them)",
+    ),
+    renamed(
+        "--sglang-fp8-gemm-backend", "--sglang-fp8-gemm-runner-backend",
+        reason="sglang 0.5.23's ServerArgs field behind its --fp8-gemm-backend option; miles passes field names",
+    ),
+)  # fmt: skip
+
+# A family miles has no Megatron layout for (miles.ckpt.families: megatron_gpt) keeps HF names in
+# torch_dist, so its Megatron job loads the HF checkpoint through Megatron-Bridge (the render adds
+# --megatron-to-hf-mode bridge and points --ref-load at the HF directory).
+BRIDGE_LOAD = deviation(
+    "--megatron-to-hf-mode",
+    "--ref-load",
+    reason="miles has no Megatron layout for this family, so its job reads the HF checkpoint through "
+    "Megatron-Bridge (--megatron-to-hf-mode bridge, --ref-load the HF directory); the reference converts it to "
+    "torch_dist with its own model spec and loads that",
+)
+
 # Differences every recipe has from its reference, and why.
 COMMON_DEVIATIONS = (
+    *SGLANG_RENAMES,
     deviation(
         "--eval-*",
         "--n-samples-per-eval-prompt",
@@ -198,8 +237,8 @@ COMMON_DEVIATIONS = (
     ),
     deviation(
         "--bf16",
-        reason="miles.train keeps fp32 weights unless told --bf16; the GPU recipes train in bf16, as the "
-        "reference's Inkling and FP8 recipes state",
+        reason="the reference's Megatron backend trains in bf16 unless told --fp16 (megatron_utils/arguments.py "
+        "there); miles.train keeps fp32 weights unless told --bf16, so the GPU recipes say it",
     ),
     deviation(
         "env:RAY_EXPERIMENTAL_NOSET_*",

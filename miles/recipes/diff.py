@@ -3,8 +3,13 @@ form and the reference recipe it follows (miles.recipes.fidelity)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 from miles.recipes.args import Args
-from miles.recipes.recipe import GROUPS, Recipe, RecipeError
+from miles.recipes.fidelity import Comparison, Layout, Line, compare
+from miles.recipes.launch import RunOptions, build_plan
+from miles.recipes.recipe import GROUPS, ParallelProfile, Recipe
+from miles.recipes.stack import stack_problems
 
 
 def recipe_diff(shared: Recipe, other: Recipe) -> list[str]:
@@ -66,35 +71,53 @@ def _profiles(shared: Recipe, other: Recipe) -> list[str]:
     return ["profiles:", *body] if body else []
 
 
-def reference_comparison(form: Recipe, platform: str):
-    """The recipe form for `platform` beside its reference recipe (None when it has none)."""
-    from miles.recipes.fidelity import Layout, compare
-    from miles.recipes.launch import RunOptions, build_plan
+# Placeholder roots: the rendered command and the reference readings name the same places alike.
+RENDER_OPTIONS = RunOptions(
+    model_dir="{model_dir}",
+    data_dir="{data_dir}",
+    output_dir="{output_dir}",
+    run_id="{run_id}",
+    python="python",
+)
 
-    reference = form.reference(platform)
-    if reference is None:
-        return None
-    profiles = [p for p in form.profiles if p.platform == platform]
-    if not profiles:
-        raise RecipeError(
-            f"{form.name} ({form.variant}) has no {platform} profile to set beside its reference"
+
+@dataclass(frozen=True)
+class ProfileComparison:
+    """One profile's rendered command beside the reference reading it is held to."""
+
+    form: Recipe
+    profile: ParallelProfile
+    comparison: Comparison
+
+    @property
+    def unexplained(self) -> tuple[Line, ...]:
+        return self.comparison.unexplained
+
+
+def rendered(form: Recipe, profile: ParallelProfile) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The trainer argv and job variables the launcher would run for `profile` (render-time
+    additions included), with placeholder roots, before the stack check."""
+    options = replace(
+        RENDER_OPTIONS, model=profile.model, nodes=profile.nodes, gpus_per_node=profile.gpus_per_node
+    )
+    plan = build_plan(form, options, profile.platform, base_env={}, check=False)
+    return plan.train_args, dict(plan.env)
+
+
+def reference_comparisons(form: Recipe, platform: str) -> list[ProfileComparison]:
+    """Every `platform` profile of `form` beside its reference reading (none without references)."""
+    out = []
+    for profile in (p for p in form.profiles if p.platform == platform):
+        reference = form.reference_for(profile)
+        if reference is None:
+            continue
+        argv, env = rendered(form, profile)
+        layout = Layout(profile.world_size, profile.parallel, profile.rollout_gpus_per_engine)
+        comparison = compare(argv, env, layout, reference, form.deviations)
+        problems = tuple(
+            Line("!", flag, problem, "", None) for flag, problem in stack_problems(argv, platform)
         )
-    profile = max(profiles, key=lambda p: (p.model == reference.model, p.world_size))
-    fields = {name: f"{{{name}}}" for name in ("hf_checkpoint", "hf_dir", "ref_load", "torch_dist_dir",
-                                               "save_dir", "run_dir", "model_dir", "data_dir", "run_id",
-                                               "model_name")}  # fmt: skip
-    fields |= {
-        "nodes": profile.nodes,
-        "gpus_per_node": profile.gpus_per_node,
-        "world_size": profile.world_size,
-    }
-    fields["rollout_gpus_per_engine"] = profile.rollout_gpus_per_engine
-    args = []
-    for group, group_args in form.arg_groups(profile, fields, env={}):
-        if group == "model":
-            group_args = form.resolve(reference.model, env={}).model_args()
-        args += list(group_args)
-    options = RunOptions(model=profile.model, nodes=profile.nodes, gpus_per_node=profile.gpus_per_node)
-    env = dict(build_plan(form, options, platform, base_env={}).env)
-    layouts = [Layout(p.world_size, p.parallel, p.rollout_gpus_per_engine) for p in profiles]
-    return compare(tuple(args), env, layouts, reference, form.deviations)
+        if problems:
+            comparison = replace(comparison, lines=(*problems, *comparison.lines))
+        out.append(ProfileComparison(form, profile, comparison))
+    return out

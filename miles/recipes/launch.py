@@ -20,7 +20,7 @@ from miles.parallel import DEVICE_MAX_CONNECTIONS, env_problems, validate
 from miles.platform import job_env, require
 from miles.recipes.args import render
 from miles.recipes.models import TINY
-from miles.recipes.recipe import SHARED, ParallelProfile, Recipe, lane_megatron_core
+from miles.recipes.recipe import SHARED, ParallelProfile, Recipe, RecipeError, lane_megatron_core
 from miles.recipes.status import profile_status
 
 TRAINER_MODULE = "miles.train"
@@ -66,7 +66,7 @@ class LaunchPlan:
     workdirs: tuple[tuple[str, str], ...]  # role -> directory
     checkpoint: CheckpointPlan
     layout: str  # the layout check's verdict
-    status: str = ""  # verified | layout checked | untested, and why (miles.recipes.status)
+    status: str = ""  # its status and why (miles.recipes.status)
     prelude: tuple[tuple[str, ...], ...] = ()  # commands each node runs before the job (ray)
     pins: tuple[tuple[str, str], ...] = ()
     groups: tuple[tuple[str, tuple[str, ...]], ...] = field(default=(), compare=False)  # for display
@@ -100,6 +100,8 @@ def _checkpoint_json(plan: CheckpointPlan) -> dict:
         "num_layers": plan.num_layers,
         "steps": list(plan.steps),
         "stage_dir": plan.stage_dir,
+        "datasets": list(plan.datasets),
+        "data_dir": plan.data_dir,
     }
 
 
@@ -108,10 +110,13 @@ def build_plan(
     options: RunOptions,
     platform: str | None = None,
     base_env: Mapping[str, str] | None = None,
+    *,
+    check: bool = True,
 ) -> LaunchPlan:
     """The plan for `recipe` with `options` on `platform` (default: the recipe form's own; for
     the shared form, cpu for the tiny model and cuda otherwise). Raises NotImplementedError
-    for a profile that is not verified."""
+    for a profile that is not verified, and (with `check`) RecipeError for a recipe flag the
+    pinned stack lacks or one given twice with different values (miles.recipes.stack)."""
     base = dict(os.environ if base_env is None else base_env)
     platform = str(platform or _platform(recipe, options.model))
     profile = recipe.profile(options.model, platform, options.nodes, options.gpus_per_node)
@@ -123,6 +128,7 @@ def build_plan(
         stage_dir=options.stage_dir,
         env=base,
         train_backend=recipe.backend_of(profile),
+        data_dir=options.data_dir,
     )
     run_dir = f"{options.output_dir}/{options.run_id}"
     fields = _fields(recipe, profile, checkpoint, options, run_dir)
@@ -131,6 +137,8 @@ def build_plan(
         extra = ("--num-rollout", str(options.num_rollout), *extra)
     groups = recipe.arg_groups(profile, fields, base)
     train_args = recipe.train_args(profile, fields, extra, base)
+    if check:
+        check_command(recipe, profile, platform, train_args[: len(train_args) - len(extra)])
     env = _env(recipe, profile, platform, base, dict(options.extra_env))
     mode = "torchrun" if profile.nodes == 1 else "ray"
     command, prelude = _command(mode, profile, train_args, env, options)
@@ -155,6 +163,18 @@ def build_plan(
         pins=recipe.pins,
         groups=tuple((g, tuple(render(a))) for g, a in groups),
     )
+
+
+def check_command(recipe: Recipe, profile: ParallelProfile, platform: str, argv: tuple[str, ...]) -> None:
+    """The recipe's own flags (extra_args excluded: they are the caller's) against the stack
+    pinned for `platform`; one RecipeError lists every problem."""
+    from miles.recipes.stack import command_problems
+
+    problems = command_problems(argv, platform)
+    if problems:
+        where = f"{recipe.name} ({recipe.variant} form) {profile.describe()}"
+        listed = "; ".join(f"{flag}: {problem}" for flag, problem in problems)
+        raise RecipeError(f"{where}: {listed}. Fix the recipe in {recipe.defined_in}")
 
 
 def _platform(recipe: Recipe, model: str | None) -> str:
@@ -248,6 +268,11 @@ def format_plan(plan: LaunchPlan) -> str:
         f"layout     {plan.layout}",
         f"profile    {plan.status}",
         f"checkpoint {plan.checkpoint.source} -> {plan.checkpoint.hf_dir} (steps: {', '.join(plan.checkpoint.steps)})",
+        *(
+            [f"data       {', '.join(plan.checkpoint.datasets)} -> {plan.checkpoint.data_dir} (with the fetch step)"]
+            if plan.checkpoint.datasets
+            else []
+        ),
     ]  # fmt: skip
     if plan.pins:
         lines.append("pins       " + ", ".join(f"{k}=={v}" for k, v in plan.pins))

@@ -15,11 +15,12 @@ from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
 
+from miles.ckpt.datasets import UnknownDataset, dataset_of
 from miles.ckpt.families import family as _ckpt_family
 from miles.ckpt.plan import CheckpointPlan
 from miles.parallel import LayoutError, ParallelConfig, validate
 from miles.recipes.args import Args, drop, fill, merge, render
-from miles.recipes.fidelity import Deviation, Reference
+from miles.recipes.fidelity import Deviation, Reference, Rename
 from miles.recipes.models import TINY, ModelSpec, ResolvedModel, resolve_model
 
 # The argument groups, in the order they appear on the command line.
@@ -27,6 +28,7 @@ GROUPS = ("checkpoint", "rollout", "grpo", "optimizer", "rollout_engine", "perf"
 SHARED = "shared"
 GPU_PLATFORMS = ("cuda", "rocm")
 CPU_BACKEND = "fsdp"  # the CPU trainer runs data-parallel over gloo ranks
+DEFAULT_DATA_DIR = ".miles/data"
 
 
 class RecipeError(ValueError):
@@ -88,7 +90,7 @@ class Overlay:
     profiles: tuple[ParallelProfile, ...] = ()  # replace the shared profiles on this platform
     pins: tuple[tuple[str, str], ...] = ()  # package == version the platform's stack needs
     fp8_rollout: bool | None = None  # None: as the shared recipe
-    deviations: tuple[Deviation, ...] = ()  # where this form differs from its reference, and why
+    deviations: tuple[Deviation | Rename, ...] = ()  # where this form differs from its reference, and why
 
 
 @dataclass(frozen=True)
@@ -106,8 +108,8 @@ class Recipe:
     pins: tuple[tuple[str, str], ...] = ()
     overlays: tuple[Overlay, ...] = ()
     variant: str = SHARED  # "shared", or the platform whose overlay was applied
-    references: tuple[Reference, ...] = ()  # the reference recipe per GPU platform (facts)
-    deviations: tuple[Deviation, ...] = ()  # where the recipe differs from them, and why
+    references: tuple[Reference, ...] = ()  # the reference commands per GPU platform (quoted facts)
+    deviations: tuple[Deviation | Rename, ...] = ()  # where the recipe differs from them, and why
 
     def __post_init__(self) -> None:
         unknown = [g for g, _ in self.args if g not in GROUPS]
@@ -115,8 +117,18 @@ class Recipe:
             raise RecipeError(
                 f"{self.defined_in}: unknown argument group(s) {unknown}; known: {', '.join(GROUPS)}"
             )
+        self.datasets()  # data the recipe names must be data something fetches
         for profile in self.profiles:
             self._check_profile(profile)
+
+    def datasets(self) -> tuple[str, ...]:
+        """The prompt datasets its GPU profiles read (miles.ckpt.datasets), fetched with the model."""
+        prompt = dict(self.group("rollout")).get("--prompt-data")
+        try:
+            dataset = dataset_of(str(prompt)) if prompt else None
+        except UnknownDataset as exc:
+            raise RecipeError(f"{self.defined_in}: {exc}") from None
+        return (dataset.name,) if dataset else ()
 
     def _check_profile(self, profile: ParallelProfile) -> None:
         where = f"{self.defined_in}: {self.name} ({self.variant}) profile {profile.platform} {profile.nodes}x{profile.gpus_per_node}"
@@ -201,12 +213,15 @@ class Recipe:
         stage_dir: str | None = None,
         env: Mapping[str, str] | None = None,
         train_backend: str | None = None,
+        data_dir: str = DEFAULT_DATA_DIR,
     ) -> CheckpointPlan:
         """The checkpoint pipeline's plan for `model`: fetch and validate always; trim for an
         -Nlayer slice; fp8 for FP8-rollout recipes; torch_dist for Megatron training (the
         recipe's backend unless `train_backend` says otherwise) of a family with a Megatron GPT
         layout (the others load their HF weights through Megatron-Bridge); stage when a
-        node-local stage_dir is given. `tiny` builds a random checkpoint of the family locally."""
+        node-local stage_dir is given. `tiny` builds a random checkpoint of the family locally
+        (and trains on a synthetic task); any other model's fetch also fetches the prompt
+        datasets the recipe reads into `data_dir`."""
         resolved = self.resolve(model, env)
         steps = ["fetch", "validate"]
         if not resolved.tiny:
@@ -227,6 +242,8 @@ class Recipe:
             num_layers=resolved.num_layers if (resolved.tiny or resolved.is_slice) else None,
             steps=tuple(steps),
             stage_dir=stage_dir,
+            datasets=() if resolved.tiny else self.datasets(),
+            data_dir=None if resolved.tiny else data_dir,
         )
 
     def arg_groups(
@@ -273,8 +290,20 @@ class Recipe:
     def environment(self) -> dict[str, str]:
         return {k: v for k, v in self.env if v is not None}
 
-    def reference(self, platform: str) -> Reference | None:
-        return next((r for r in self.references if r.platform == platform), None)
+    def reference_for(self, profile: ParallelProfile) -> Reference | None:
+        """The reference command a profile is held to: of its platform, for its model on as many
+        GPUs if there is one, else for its model, else on as many GPUs, else the platform's first."""
+        mine = [r for r in self.references if r.platform == profile.platform]
+        for wanted in (
+            lambda r: r.model == profile.model and r.layout.gpus == profile.world_size,
+            lambda r: r.model == profile.model,
+            lambda r: r.layout.gpus == profile.world_size,
+            lambda r: True,
+        ):
+            found = next((r for r in mine if wanted(r)), None)
+            if found is not None:
+                return found
+        return None
 
 
 def _placement(profile: ParallelProfile, backend: str) -> Args:

@@ -260,8 +260,11 @@ def _prepare(recipe: Recipe, options: RunOptions, dry: bool, out, train_backend:
         source=options.source,
         stage_dir=options.stage_dir,
         train_backend=train_backend,
+        data_dir=options.data_dir,
     )
     print(f"checkpoint plan: {plan.source} -> {plan.hf_dir}", file=out)
+    if plan.datasets:
+        print(f"  data: {', '.join(plan.datasets)} -> {plan.data_dir}", file=out)
     print(
         f"  family {plan.family}, layers {plan.num_layers or 'all'}, steps: {', '.join(plan.steps)}", file=out
     )

@@ -40,7 +40,11 @@ def render(name: str) -> str:
                 "command": list(plan.command),
                 "env": dict(plan.env),
                 "workdirs": dict(plan.workdirs),
-                "checkpoint": {"source": plan.checkpoint.source, "steps": list(plan.checkpoint.steps)},
+                "checkpoint": {
+                    "source": plan.checkpoint.source,
+                    "steps": list(plan.checkpoint.steps),
+                    "datasets": list(plan.checkpoint.datasets),
+                },
                 "pins": dict(plan.pins),
                 "status": plan.status.split(":", 1)[0],
             }

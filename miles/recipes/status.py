@@ -1,47 +1,148 @@
-"""Whether a profile has been trained, only layout-checked, or neither, and the evidence.
+"""What is known about a profile: verified by a run, trained on the CPU lane, cannot be built, or untested.
 
-A profile is "verified" only when a lane has trained it: a run record in miles/recipes/runs/,
-written by `python -m miles.recipes record` from the CI runner's run.json, names the recipe
-form, the profile, the suite and the test file that passed, the commit, and a fingerprint of
-the command and environment the profile generates. A record whose fingerprint no longer
-matches (the recipe changed since) does not count. Without a record a Megatron profile is
-"layout checked" (the layout rules pass, and megatron-core itself accepts every recipe layout
-in tests/parallel/test_megatron_agreement.py); anything else is "untested".
+- **verified**: a run record in miles/recipes/runs/, written by `python -m miles.recipes record`
+  from the CI runner's run.json, names the recipe form, the profile, the suite and the test file
+  that passed, the commit, and a fingerprint of the command and environment the profile
+  generates. A record whose fingerprint no longer matches (the recipe changed since) does not
+  count.
+- **trained on the CPU lane**: a test file registered on a suite of the cpu lane (and not
+  disabled) builds this recipe's CPU plan (`tiny_plan("<recipe>", ...)`) and trains it; read
+  from the test files' syntax trees (`cpu_lane_trainings`), never from a list kept here.
+- **cannot build**: a GPU profile whose train backend is Megatron and whose model's config
+  types that backend's own mapping does not build (`megatron_model_types`).
+- **untested on GPU**: any other GPU profile (no GPU lane run of it has been recorded).
+- **untested**: a CPU profile no CPU-lane test trains.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import time
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
-from miles.recipes.recipe import ParallelProfile, Recipe, RecipeError, lane_megatron_core
+from miles.recipes.recipe import ParallelProfile, Recipe, RecipeError
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNS_DIR = Path(__file__).with_name("runs")
 SCHEMA = 1
-VERIFIED, LAYOUT_CHECKED, UNTESTED = "verified", "layout checked", "untested"
-CPU_TEST = "tests/e2e/test_train_recipes_tiny.py"
-CPU_MEGATRON_TEST = "tests/e2e/test_train_megatron_tiny.py"
+VERIFIED, CPU_LANE, CANNOT_BUILD = "verified", "trained on the CPU lane", "cannot build"
+UNTESTED_GPU, UNTESTED = "untested on GPU", "untested"
+CPU_LANE_NAME = "cpu"
+CPU_PLAN_FUNCTION = "tiny_plan"  # tests/e2e/recipe_runs.py: builds and prepares a recipe's CPU plan
 
 
 @dataclass(frozen=True)
 class Status:
-    kind: str  # verified | layout checked | untested
+    kind: str  # verified | trained on the CPU lane | cannot build | untested on GPU | untested
     detail: str
 
     def text(self) -> str:
         return f"{self.kind}: {self.detail}"
 
 
-def test_file(recipe: Recipe, profile: ParallelProfile) -> str:
-    """The test that trains this profile: the recipe's e2e test on GPUs; on CPU the Megatron
-    backend's tiny training test, or the tiny suite for the FSDP profiles."""
+def megatron_model_types() -> tuple[str, ...]:
+    """The config.json model types miles' Megatron backend builds, from its own mapping."""
+    from miles.ckpt.megatron_gpt import SUPPORTED_MODEL_TYPES
+
+    return tuple(SUPPORTED_MODEL_TYPES)
+
+
+# --- the CPU lane -------------------------------------------------------------------------
+
+
+@cache
+def cpu_lane_trainings(root: Path = ROOT) -> dict[str, tuple[tuple[str, str], ...]]:
+    """recipe -> ((test file, suite), ...) for the enabled cpu-backend registrations on suites
+    of the cpu lane whose file builds the recipe's CPU plan; empty without a tests/ tree."""
+    if not (root / "tests").is_dir():
+        return {}
+    from miles.ci.catalog import load_catalog
+    from miles.ci.discover import discover
+
+    lane_suites = {s.name for s in load_catalog().suites_of_lane(CPU_LANE_NAME)}
+    found: dict[str, list[tuple[str, str]]] = {}
+    for reg in discover(root, cache=False).registrations:
+        if reg.backend != "cpu" or reg.suite not in lane_suites or reg.disabled is not None:
+            continue
+        for recipe in sorted(_recipes_trained(root / reg.file)):
+            found.setdefault(recipe, []).append((reg.file, reg.suite))
+    return {k: tuple(v) for k, v in found.items()}
+
+
+def _recipes_trained(path: Path) -> set[str]:
+    """Recipe names reaching the first argument of a `tiny_plan(...)` call in the file: a string
+    literal, a module constant, a parameter of the test's `pytest.mark.parametrize`, or
+    `x["recipe"]` of the file's dict literals with a "recipe" key."""
+    try:
+        tree = ast.parse(path.read_text(), filename=str(path))
+    except (OSError, SyntaxError):
+        return set()
+    constants = {
+        t.id: node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+        for t in node.targets
+        if isinstance(t, ast.Name) and isinstance(node.value.value, str)
+    }
+    recipe_values = {
+        v.value
+        for d in ast.walk(tree)
+        if isinstance(d, ast.Dict)
+        for k, v in zip(d.keys, d.values, strict=True)
+        if isinstance(k, ast.Constant) and k.value == "recipe" and isinstance(v, ast.Constant)
+    }
+    out: set[str] = set()
+    for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+        params = _parametrized(fn)
+        for call in (n for n in ast.walk(fn) if isinstance(n, ast.Call) and _called(n) == CPU_PLAN_FUNCTION):
+            if not call.args:
+                continue
+            first = call.args[0]
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                out.add(first.value)
+            elif isinstance(first, ast.Name) and first.id in params:
+                out |= params[first.id]
+            elif isinstance(first, ast.Name) and first.id in constants:
+                out.add(constants[first.id])
+            elif isinstance(first, ast.Subscript) and isinstance(first.slice, ast.Constant):
+                if first.slice.value == "recipe":
+                    out |= recipe_values
+    return out
+
+
+def _called(call: ast.Call) -> str:
+    func = call.func
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+
+
+def _parametrized(fn: ast.FunctionDef) -> dict[str, set[str]]:
+    """{argument: its string values} of the function's `@pytest.mark.parametrize("arg", [...])`."""
+    out: dict[str, set[str]] = {}
+    for deco in fn.decorator_list:
+        if not (isinstance(deco, ast.Call) and _called(deco) == "parametrize" and len(deco.args) >= 2):
+            continue
+        name, values = deco.args[0], deco.args[1]
+        if isinstance(name, ast.Constant) and isinstance(values, ast.List | ast.Tuple):
+            strings = {
+                v.value for v in values.elts if isinstance(v, ast.Constant) and isinstance(v.value, str)
+            }
+            out[str(name.value)] = strings
+    return out
+
+
+# --- status -------------------------------------------------------------------------------
+
+
+def test_files(recipe: Recipe, profile: ParallelProfile, root: Path = ROOT) -> tuple[str, ...]:
+    """The tests that train this profile: on GPUs the recipe's e2e test; on CPU the cpu-lane
+    tests that build its CPU plan."""
     if profile.platform == "cpu":
-        return CPU_MEGATRON_TEST if recipe.backend_of(profile) == "megatron" else CPU_TEST
-    return f"tests/e2e/recipes/test_{recipe.name}_recipe.py"
+        return tuple(dict.fromkeys(f for f, _ in cpu_lane_trainings(root).get(recipe.name, ())))
+    return (f"tests/e2e/recipes/test_{recipe.name}_recipe.py",)
 
 
 def record_path(recipe: Recipe, profile: ParallelProfile, directory: Path = RUNS_DIR) -> Path:
@@ -70,12 +171,15 @@ _FIELDS = ("hf_checkpoint", "hf_dir", "ref_load", "torch_dist_dir", "save_dir", 
            "run_id", "model_name")  # fmt: skip
 
 
-def profile_status(recipe: Recipe, profile: ParallelProfile, directory: Path = RUNS_DIR) -> Status:
+def profile_status(
+    recipe: Recipe, profile: ParallelProfile, directory: Path = RUNS_DIR, root: Path = ROOT
+) -> Status:
+    """The profile's status; `root` is the project whose tests/ say what the CPU lane trains."""
     path = record_path(recipe, profile, directory)
     stale = ""
     if path.is_file():
         record = json.loads(path.read_text())
-        problem = _mismatch(record, recipe, profile)
+        problem = _mismatch(record, recipe, profile, root)
         if problem is None:
             when = time.strftime("%Y-%m-%d", time.gmtime(record.get("started_at", 0)))
             return Status(
@@ -84,24 +188,38 @@ def profile_status(recipe: Recipe, profile: ParallelProfile, directory: Path = R
                 f"({_shown(path)})",
             )
         stale = f"; {_shown(path)} does not count: {problem}"
-    if recipe.backend_of(profile) == "megatron" and profile.platform != "cpu":
-        version = lane_megatron_core(profile.platform) or "installed"
-        detail = (
-            f"the rules of megatron-core {version} pass and megatron-core accepts it; no lane has trained it"
-        )
-        if recipe.model.gaps:
-            detail += (
-                f"; megatron-core lacks {len(recipe.model.gaps)} feature(s) of {recipe.model.name} (facts)"
+    backend = recipe.backend_of(profile)
+    if profile.platform == "cpu":
+        trained = cpu_lane_trainings(root).get(recipe.name, ())
+        if trained:
+            where = ", ".join(f"{file} in {suite}" for file, suite in trained)
+            return Status(
+                CPU_LANE, f"{backend} on {profile.world_size} gloo ranks, on every PR: {where}{stale}"
             )
-        return Status(LAYOUT_CHECKED, detail + stale)
+        return Status(UNTESTED, f"no test of the {CPU_LANE_NAME} lane builds its CPU plan{stale}")
+    if backend == "megatron":
+        types = _model_types(recipe)
+        buildable = megatron_model_types()
+        if not set(types) & set(buildable):
+            return Status(
+                CANNOT_BUILD,
+                f"{recipe.model.name} is model type {'/'.join(types)}; miles' Megatron backend builds "
+                f"{', '.join(buildable)} (miles/ckpt/megatron_gpt.py){stale}",
+            )
     return Status(
-        UNTESTED,
-        f"{recipe.backend_of(profile)} on {profile.platform}: {test_file(recipe, profile)} trains it in "
-        f"{profile.suite}, but no run record says so yet (python -m miles.recipes record){stale}",
+        UNTESTED_GPU,
+        f"{backend} on {profile.platform}: {test_files(recipe, profile)[0]} trains it in {profile.suite}, but no run "
+        f"record says it passed (python -m miles.recipes record){stale}",
     )
 
 
-def _mismatch(record: dict, recipe: Recipe, profile: ParallelProfile) -> str | None:
+def _model_types(recipe: Recipe) -> tuple[str, ...]:
+    from miles.ckpt.families import family
+
+    return family(recipe.model.family).model_types
+
+
+def _mismatch(record: dict, recipe: Recipe, profile: ParallelProfile, root: Path) -> str | None:
     expected = {
         "recipe": recipe.name,
         "variant": recipe.variant,
@@ -109,12 +227,13 @@ def _mismatch(record: dict, recipe: Recipe, profile: ParallelProfile) -> str | N
         "profile": f"{profile.nodes}x{profile.gpus_per_node}",
         "model": profile.model,
         "suite": profile.suite,
-        "test": test_file(recipe, profile),
         "status": "passed",
     }
     for key, value in expected.items():
         if record.get(key) != value:
             return f"its {key} is {record.get(key)!r}, not {value!r}"
+    if record.get("test") not in test_files(recipe, profile, root):
+        return f"its test {record.get('test')!r} does not train this profile"
     if record.get("fingerprint") != fingerprint(recipe, profile):
         return "it was recorded for another command or environment (the recipe changed since)"
     return None
@@ -125,17 +244,19 @@ def record_run(recipe: Recipe, profile: ParallelProfile, run_json: Path, directo
     from miles.ci.record import RunRecord
 
     run = RunRecord.from_json(json.loads(Path(run_json).read_text()))
-    wanted = test_file(recipe, profile)
-    attempts = [a for a in run.final_attempts if a.file == wanted and a.suite == profile.suite]
+    wanted = test_files(recipe, profile)
+    if not wanted:
+        raise RecipeError(f"no test trains {recipe.name} {profile.describe()}, so no run can verify it")
+    attempts = [a for a in run.final_attempts if a.file in wanted and a.suite == profile.suite]
     if not attempts:
         raise RecipeError(
-            f"{run_json}: no attempt of {wanted} in suite {profile.suite}; a record needs the run that "
-            f"trained {recipe.name} {profile.describe()}"
+            f"{run_json}: no attempt of {' or '.join(wanted)} in suite {profile.suite}; a record needs the run "
+            f"that trained {recipe.name} {profile.describe()}"
         )
     attempt = attempts[-1]
     if attempt.status != "passed":
         raise RecipeError(
-            f"{run_json}: {wanted} {attempt.status} in {profile.suite}; only a passed run verifies"
+            f"{run_json}: {attempt.file} {attempt.status} in {profile.suite}; only a passed run verifies"
         )
     record = {
         "schema": SCHEMA,
@@ -145,7 +266,7 @@ def record_run(recipe: Recipe, profile: ParallelProfile, run_json: Path, directo
         "profile": f"{profile.nodes}x{profile.gpus_per_node}",
         "model": profile.model,
         "suite": profile.suite,
-        "test": wanted,
+        "test": attempt.file,
         "status": attempt.status,
         "commit": attempt.commit or run.commit,
         "started_at": attempt.started_at,

@@ -1,6 +1,8 @@
 """Answers questions about the installed sglang in a process of its own, as JSON on stdout.
 
     python tests/unit/sglang_probe.py '<json list of cases>'
+    python tests/unit/sglang_probe.py --fields      # ServerArgs' field names, one a line
+
 
 Each case is {"argv": [...trainer flags...], "rank": r, "local_rank": l, "local_world": n}: the
 probe parses the flags with miles, builds the engine's keyword arguments against the real
@@ -61,9 +63,26 @@ class _TritonStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-def main(cases: list[dict]) -> list[dict]:
+def _import_sglang() -> None:
     if importlib.util.find_spec("triton") is None:
         sys.meta_path.insert(0, _TritonStandIn())
+
+
+def fields() -> str:
+    """The installed sglang's ServerArgs field names (miles/recipes/stacks/sglang-<version>-serverargs.txt)."""
+    _import_sglang()
+    from importlib.metadata import version
+
+    import msgspec
+    from sglang.srt.server_args import ServerArgs
+
+    names = [f.name for f in msgspec.structs.fields(ServerArgs)]
+    header = f"# sglang {version('sglang')}: msgspec.structs.fields(sglang.srt.server_args.ServerArgs)"
+    return "\n".join([header, *names]) + "\n"
+
+
+def main(cases: list[dict]) -> list[dict]:
+    _import_sglang()
     import msgspec
     from sglang.srt.server_args import ServerArgs
 
@@ -100,4 +119,7 @@ def main(cases: list[dict]) -> list[dict]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(json.loads(sys.argv[1]))))
+    if sys.argv[1:] == ["--fields"]:
+        sys.stdout.write(fields())
+    else:
+        print(json.dumps(main(json.loads(sys.argv[1]))))

@@ -1,13 +1,15 @@
-"""Every recipe beside its reference recipe (radixark/miles), and the model beside its config.json.
+"""Every recipe's rendered command beside its reference command (radixark/miles), and the model beside its config.json.
 
-The recipes are held to two tables: `python -m miles.recipes diff` (each form against the
-reference script's flags, environment and layouts, every difference with a reason) and
-`python -m miles.recipes facts` (each published config.json value against the Megatron flag
-that carries it).
+The recipes are held to two tables: `python -m miles.recipes diff` (each profile's command, as
+the launcher renders it, against the reference launcher's quoted command, environment and
+layout, every difference with a reason) and `python -m miles.recipes facts` (each published
+config.json value against the Megatron flag that carries it).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -16,12 +18,13 @@ from pathlib import Path
 import pytest
 
 from miles.parallel import ParallelConfig
-from miles.recipes import names, shared, variants
-from miles.recipes.diff import reference_comparison
+from miles.recipes import defaults, names, shared, variants
+from miles.recipes.diff import reference_comparisons
 from miles.recipes.facts import rows
-from miles.recipes.fidelity import Deviation, Layout, Reference, compare, flags
+from miles.recipes.fidelity import Deviation, Layout, Reference, compare, deviation, flags, renamed, shown
 from miles.recipes.recipe import gpu_profile
 from miles.recipes.specs import GLM5_2_744B_A40B, QWEN3_30B_A3B
+from miles.recipes.upstream import Upstream
 
 ROOT = Path(__file__).resolve().parents[2]
 FORMS = [
@@ -29,15 +32,93 @@ FORMS = [
     for name in names()
     for form in variants(name)
 ]
+SOURCE = Upstream("scripts/run_x.py", "0" * 40, "execute", (), "a test machine", nvlink=False)
+
+
+def _reference(argv: str, platform: str = "cuda", env=()) -> Reference:
+    return Reference(platform, "X", SOURCE, tuple(argv.split()), tuple(env))
 
 
 @pytest.mark.parametrize(("name", "variant", "platform"), FORMS)
 def test_every_difference_from_the_reference_has_a_reason(name, variant, platform):
     form = shared(name).for_platform(platform)
-    comparison = reference_comparison(form, platform)
-    assert comparison is not None, f"{name} has no {platform} reference"
-    assert not comparison.unexplained, "\n".join(line.render() for line in comparison.unexplained)
-    assert comparison.agree > 30
+    compared = reference_comparisons(form, platform)
+    assert len(compared) == len([p for p in form.profiles if p.platform == platform]), (
+        "a profile has no reference"
+    )
+    for item in compared:
+        assert not item.unexplained, "\n".join(line.render() for line in item.unexplained)
+        assert item.comparison.agree > 30
+
+
+def test_every_deviation_explains_a_difference():
+    """A reason that explains nothing any more (upstream changed, the recipe was fixed) is removed:
+    each one explains a line of some form's comparison (the shared ones, of some recipe's)."""
+    explained, offered = set(), {}
+    for name in names():
+        for form in variants(name):
+            platform = "cuda" if form.variant == "shared" else form.variant
+            explained |= {
+                line.reason
+                for item in reference_comparisons(form, platform)
+                for line in item.comparison.lines
+            }
+            offered |= {d.reason: d for d in form.deviations if platform in d.platforms}
+    stale = [d for reason, d in offered.items() if reason not in explained]
+    assert not stale, "\n".join(f"{getattr(d, 'keys', None) or d.theirs}: {d.reason}" for d in stale)
+
+
+def test_a_flag_given_twice_with_different_values_is_an_error_no_reason_explains():
+    inkling = shared("inkling")
+    doubled = replace(
+        inkling,
+        args=tuple(
+            (group, (*args, ("--micro-batch-size", 4)) if group == "checkpoint" else args)
+            for group, args in inkling.args
+        ),
+        deviations=(*inkling.deviations, deviation("--micro-batch-size", reason="any")),
+    )
+    (item,) = reference_comparisons(doubled, "cuda")
+    (line,) = [line for line in item.unexplained if line.key == "--micro-batch-size"]
+    assert line.render() == (
+        "! --micro-batch-size: given 2 times with different values (4 then 1); the trainer keeps the last  UNEXPLAINED"
+    )
+
+
+def test_a_render_time_flag_that_differs_from_the_reference_is_unexplained():
+    """The launcher adds --megatron-to-hf-mode bridge for a family without a Megatron layout; the
+    reference says raw. Without the recipe's reason, diff reports it."""
+    inkling = shared("inkling")
+    assert ("--megatron-to-hf-mode", "bridge") in inkling.arg_groups(inkling.profiles[0], _FIELDS, env={})[0][
+        1
+    ]
+    bare = replace(inkling, deviations=tuple(d for d in inkling.deviations if d is not defaults.BRIDGE_LOAD))
+    (item,) = reference_comparisons(bare, "cuda")
+    rendered = [line.render() for line in item.unexplained]
+    assert "~ --megatron-to-hf-mode: ours bridge, reference raw  UNEXPLAINED" in rendered
+
+
+def test_diff_command_exits_1_on_an_unexplained_difference(tmp_path):
+    """The user's command, on a copy of the tree whose qwen3_4b recipe rolls out at 0.8 again."""
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT / "miles", tree / "miles", ignore=shutil.ignore_patterns("__pycache__"))
+    (tree / "requirements").symlink_to(ROOT / "requirements")
+    recipe = tree / "miles/recipes/library/qwen3_4b.py"
+    text = recipe.read_text()
+    assert 'rollout=(("--rm-type", "math"),)' in text
+    recipe.write_text(
+        text.replace(
+            'rollout=(("--rm-type", "math"),)',
+            'rollout=(("--rm-type", "math"), ("--rollout-temperature", 0.8))',
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "miles.recipes", "diff", "qwen3_4b", "--platform", "cuda"],
+        cwd=tree, capture_output=True, text=True, check=False, env={**os.environ, "PYTHONPATH": str(tree)},
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr
+    assert "~ --rollout-temperature: ours 0.8, reference 1  UNEXPLAINED" in proc.stdout
+    assert "difference(s) from the reference are UNEXPLAINED" in proc.stderr
 
 
 @pytest.mark.parametrize("name", names())
@@ -95,14 +176,6 @@ def test_the_recipes_carry_the_models_published_shapes():
     assert qwen["--moe-router-dtype"] == "fp32" and qwen["--moe-permute-fusion"]
 
 
-def test_no_recipe_passes_a_flag_no_megatron_parses():
-    for name in names():
-        for form in variants(name):
-            for p in form.profiles:
-                flags_ = {flag for _, args in form.arg_groups(p, _FIELDS, env={}) for flag, _ in args}
-                assert "--use-dsa" not in flags_, (name, p.describe())
-
-
 def test_window_sizes_are_written_as_megatrons_left_right_pair():
     assert dict(shared("inkling").model.model_args())["--window-size"] == "512,0"
     assert "--window-size" not in dict(shared("deepseek_v4").model.model_args())
@@ -121,22 +194,60 @@ def test_a_layout_that_differs_from_the_reference_without_a_reason_is_unexplaine
         suite="stage-c-8-gpu-h200",
     )  # fmt: skip
     drifted = replace(recipe, profiles=(recipe.profiles[0], other, recipe.profiles[2]))
-    (line,) = reference_comparison(drifted, "cuda").unexplained
+    (line,) = [line for item in reference_comparisons(drifted, "cuda") for line in item.unexplained]
     assert line.key == "layout:8" and line.reason is None
-    assert line.render().startswith("~ layout:8: ours tp2·pp1·cp1·ep8·etp1+sp, 2 GPU(s) per rollout engine")
+    assert line.render().startswith(
+        "~ layout:8: ours 8 GPU(s) tp2·pp1·cp1·ep8·etp1+sp, 2 GPU(s) per rollout engine"
+    )
 
 
 def test_a_deviation_explains_only_its_platforms():
-    reference = Reference("rocm", "s", "m", "x", flags("--lr 1e-6"), (), (Layout(4, ParallelConfig(), 1),))
+    reference = _reference("--lr 1e-6", platform="rocm")
     reasons = (Deviation(("--lr",), "because", ("cuda",)),)
-    result = compare(flags("--lr 2e-6"), {}, [Layout(4, ParallelConfig(), 1)], reference, reasons)
+    result = compare(["--lr", "2e-6"], {}, reference.layout, reference, reasons)
     assert result.unexplained[0].render() == "~ --lr: ours 2e-06, reference 1e-06  UNEXPLAINED"
 
 
 def test_numbers_compare_by_value_and_patterns_match_families():
-    reference = Reference("cuda", "s", "m", "x", flags("--kl-loss-coef 0.00 --eval-interval 20"), (), ())
-    result = compare(flags("--kl-loss-coef 0"), {}, [], reference, (Deviation(("--eval-*",), "no eval"),))
-    assert result.agree == 1 and [line.reason for line in result.lines] == ["no eval"]
+    reference = _reference("--kl-loss-coef 0.00 --eval-interval 20")
+    result = compare(
+        ["--kl-loss-coef", "0"], {}, reference.layout, reference, (Deviation(("--eval-*",), "no eval"),)
+    )
+    assert result.agree == 2 and [line.reason for line in result.lines] == [
+        "no eval"
+    ]  # the flag and the layout
+
+
+def test_a_renamed_flag_compares_its_value():
+    reference = _reference("--sglang-cuda-graph-max-bs 512")
+    rename = (
+        renamed("--sglang-cuda-graph-max-bs", "--sglang-cuda-graph-max-bs-decode", reason="0.5.23 name"),
+    )
+    same = compare(["--sglang-cuda-graph-max-bs-decode", "512"], {}, reference.layout, reference, rename)
+    assert [line.render() for line in same.lines] == [
+        "= --sglang-cuda-graph-max-bs-decode 512: the reference's --sglang-cuda-graph-max-bs  [0.5.23 name]"
+    ]
+    other = compare(["--sglang-cuda-graph-max-bs-decode", "256"], {}, reference.layout, reference, rename)
+    assert [line.render() for line in other.unexplained] == [
+        "~ --sglang-cuda-graph-max-bs-decode: ours 256, reference 512  UNEXPLAINED"
+    ]
+
+
+def test_moe_layer_patterns_compare_by_the_layers_they_describe():
+    assert (
+        shown("[0]*3+[1]*2", "--moe-layer-freq") == shown("[0,0,0,1,1]", "--moe-layer-freq") == "[0,0,0,1,1]"
+    )
+    assert shown("[1]*4", "--moe-layer-freq") != shown("[1,1,1]", "--moe-layer-freq")
+
+
+def test_the_references_layout_is_read_from_its_flags():
+    ref = _reference(
+        "--tensor-model-parallel-size 2 --sequence-parallel --context-parallel-size 4 --cp-comm-type a2a "
+        "--expert-tensor-parallel-size 1 --actor-num-nodes 1 --actor-num-gpus-per-node 8 --rollout-num-gpus-per-engine 2"
+    )
+    assert ref.layout == Layout(
+        8, ParallelConfig(tp=2, sp=True, cp=4, etp=1, cp_comm_type="a2a"), 2, "a test machine"
+    )
 
 
 def test_flags_reads_switches_values_and_lists():
@@ -146,6 +257,15 @@ def test_flags_reads_switches_values_and_lists():
         ("--spec", ("m", "f")),
         ("--c", "x y"),
     )
+
+
+def test_every_reference_cites_a_full_commit_and_the_model_of_a_profile():
+    for name in names():
+        recipe = shared(name)
+        models = {*recipe.models}
+        for ref in recipe.references:
+            assert len(ref.source.commit) == 40 and int(ref.source.commit, 16) >= 0, ref.script
+            assert ref.model in models, (name, ref.model)
 
 
 def test_diff_and_facts_commands_find_nothing_unexplained():

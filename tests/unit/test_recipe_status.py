@@ -1,4 +1,6 @@
-"""A profile is "verified" only when a run record says a lane trained it; else "layout checked" or "untested".
+"""A profile is "verified" only when a run record says a lane trained it; "trained on the CPU lane" when a
+cpu-lane test trains it (read from the tests' registrations and code); "cannot build" when the Megatron
+backend's own mapping refuses its model; otherwise untested.
 
 The run records here are real `miles.ci.record.RunRecord`s written as the runner writes its
 run.json; only the GPU that would have produced them is missing.
@@ -15,8 +17,18 @@ import pytest
 from miles.ci.record import Attempt, RunRecord
 from miles.recipes import load, shared
 from miles.recipes.launch import RunOptions, build_plan, format_plan
-from miles.recipes.recipe import RecipeError, lane_megatron_core
-from miles.recipes.status import LAYOUT_CHECKED, UNTESTED, VERIFIED, profile_status, record_run
+from miles.recipes.recipe import RecipeError
+from miles.recipes.status import (
+    CANNOT_BUILD,
+    CPU_LANE,
+    UNTESTED,
+    UNTESTED_GPU,
+    VERIFIED,
+    cpu_lane_trainings,
+    megatron_model_types,
+    profile_status,
+    record_run,
+)
 
 
 def _run_json(tmp_path: Path, file: str, suite: str, status: str = "passed") -> Path:
@@ -34,21 +46,69 @@ def _run_json(tmp_path: Path, file: str, suite: str, status: str = "passed") -> 
     return path
 
 
-def test_megatron_gpu_profiles_without_a_record_are_layout_checked(tmp_path):
+def test_a_gpu_profile_whose_model_the_megatron_backend_does_not_build_cannot_build(tmp_path):
     recipe = load("inkling", platform="rocm")
+    assert "inkling_text" not in megatron_model_types()
     status = profile_status(recipe, recipe.profiles[0], tmp_path)
-    assert status.kind == LAYOUT_CHECKED
-    assert f"megatron-core {lane_megatron_core('rocm')}" in status.detail  # the lane's pin
-    assert "no lane has trained it" in status.detail
-    assert "megatron-core lacks 5 feature(s) of Inkling-Small" in status.detail
+    assert status.kind == CANNOT_BUILD
+    assert status.detail == (
+        "Inkling-Small is model type inkling_text/inkling_mm_model; miles' Megatron backend builds qwen3, qwen3_moe "
+        "(miles/ckpt/megatron_gpt.py)"
+    )
 
 
-def test_the_cpu_tiny_profile_without_a_record_is_untested(tmp_path):
+def test_a_gpu_profile_the_backend_builds_without_a_record_is_untested_on_gpu(tmp_path):
+    recipe = shared("qwen3_30b_a3b")
+    status = profile_status(recipe, recipe.profiles[0], tmp_path)
+    assert status.kind == UNTESTED_GPU
+    assert (
+        "tests/e2e/recipes/test_qwen3_30b_a3b_recipe.py trains it in stage-c-4-gpu-h200, but no run record"
+        in (status.detail)
+    )
+
+
+@pytest.mark.parametrize("name", ["qwen3_4b", "qwen3_30b_a3b", "inkling", "glm5_2_744b_a40b", "deepseek_v4"])
+def test_every_cpu_profile_is_trained_on_the_cpu_lane(name, tmp_path):
+    recipe = shared(name)
+    status = profile_status(recipe, recipe.profile("tiny", "cpu"), tmp_path)
+    assert status.kind == CPU_LANE
+    assert "in stage-b-cpu" in status.detail
+
+
+def test_what_the_cpu_lane_trains_is_read_from_its_tests(make_tree):
+    """Enabled cpu registrations on cpu-lane suites count; a disabled one, a GPU one, or a file
+    that builds no CPU plan do not."""
+    plan = "from miles.ci.register import register_{kind}_ci\n\nregister_{kind}_ci({args})\n\n{body}\n"
+    cpu = 'est_time=60, suite="stage-b-cpu"'
+    root = make_tree(
+        {
+            "tests/e2e/test_one.py": plan.format(kind="cpu", args=cpu, body=(
+                "import pytest\n\n@pytest.mark.parametrize('recipe', ['inkling', 'deepseek_v4'])\n"
+                "def test_x(recipe, tmp_path):\n    runs.tiny_plan(recipe, tmp_path)\n"
+            )),
+            "tests/e2e/test_two.py": plan.format(kind="cpu", args=cpu, body=(
+                "SETUP = {'recipe': 'qwen3_30b_a3b'}\n\ndef test_y(tmp_path):\n"
+                "    runs.tiny_plan(SETUP['recipe'], tmp_path)\n"
+            )),
+            "tests/e2e/test_off.py": plan.format(kind="cpu", args=cpu + ', disabled="broken runner, #12"', body=(
+                "def test_z(tmp_path):\n    runs.tiny_plan('qwen3_4b', tmp_path)\n"
+            )),
+            "tests/e2e/test_gpu.py": plan.format(
+                kind="cuda", args='est_time=60, suite="stage-c-4-gpu-h200", labels=["megatron"]',
+                body="def test_g(tmp_path):\n    runs.tiny_plan('glm5_2_744b_a40b', tmp_path)\n",
+            ),
+            "tests/e2e/test_names_only.py": plan.format(kind="cpu", args=cpu, body="NAME = 'glm5_2_744b_a40b'\n"),
+        }
+    )  # fmt: skip
+    trained = cpu_lane_trainings(root)
+    assert trained == {
+        "inkling": (("tests/e2e/test_one.py", "stage-b-cpu"),),
+        "deepseek_v4": (("tests/e2e/test_one.py", "stage-b-cpu"),),
+        "qwen3_30b_a3b": (("tests/e2e/test_two.py", "stage-b-cpu"),),
+    }
     recipe = shared("qwen3_4b")
-    tiny = recipe.profile("tiny", "cpu")
-    status = profile_status(recipe, tiny, tmp_path)
-    assert status.kind == UNTESTED
-    assert "tests/e2e/test_train_megatron_tiny.py trains it in stage-b-cpu" in status.detail
+    status = profile_status(recipe, recipe.profile("tiny", "cpu"), root / "runs", root=root)
+    assert (status.kind, status.detail) == (UNTESTED, "no test of the cpu lane builds its CPU plan")
 
 
 def test_a_passed_run_of_the_profiles_test_verifies_it(tmp_path):
@@ -71,7 +131,7 @@ def test_a_record_of_another_command_does_not_verify(tmp_path):
     record_run(recipe, profile, run, tmp_path / "runs")
     changed = replace(recipe, env=(*recipe.env, ("SGLANG_NEW_SWITCH", "1")))
     status = profile_status(changed, profile, tmp_path / "runs")
-    assert status.kind == LAYOUT_CHECKED
+    assert status.kind == CANNOT_BUILD
     assert "does not count: it was recorded for another command or environment" in status.detail
 
 
@@ -108,7 +168,7 @@ def test_no_committed_profile_claims_verified_without_a_record():
 def test_the_dry_run_plan_states_the_status():
     plan = build_plan(shared("qwen3_4b"), RunOptions(model="Qwen3-4B", model_dir="/m"), base_env={})
     assert (
-        f"profile    layout checked: the rules of megatron-core {lane_megatron_core('cuda')} pass"
+        "profile    untested on GPU: megatron on cuda: tests/e2e/recipes/test_qwen3_4b_recipe.py"
         in format_plan(plan)
     )
-    assert plan.to_json()["status"].startswith("layout checked")
+    assert plan.to_json()["status"].startswith("untested on GPU")

@@ -7,9 +7,9 @@ the reference trains V4 through its own Megatron spec.
 
 from miles.parallel import ParallelConfig
 from miles.recipes import defaults as d
+from miles.recipes import references
 from miles.recipes.fidelity import deviation
 from miles.recipes.recipe import Overlay, Recipe, gpu_profile, groups, source_file
-from miles.recipes.references import deepseek_v4 as reference
 from miles.recipes.specs import DEEPSEEK_V4_FLASH
 
 MODEL = "DeepSeek-V4-Flash-4layer"
@@ -18,14 +18,13 @@ EIGHT_GPUS = ParallelConfig(tp=8, sp=True, ep=8, etp=1)
 
 ROCM = Overlay(
     platform="rocm",
-    reason="MI350 runners: the AMD reference (DAPO reward on 8k responses, FlashMLA/tilelang kernel switches, half "
-    "the memory for the engine)",
+    reason="MI350 runners: the AMD reference (8k responses, FlashMLA/tilelang kernel switches, half the memory "
+    "for the engine)",
     args=groups(
-        rollout=(("--rm-type", "dapo"), ("--reward-key", "score"), ("--rollout-max-response-len", 8192)),
+        rollout=(("--rollout-max-response-len", 8192),),
         rollout_engine=(
-            ("--sglang-fp8-gemm-backend", None),
+            ("--sglang-fp8-gemm-runner-backend", None),
             ("--sglang-moe-runner-backend", None),
-            ("--sglang-context-length", 16384),
             ("--sglang-mem-fraction-static", 0.5),
             ("--sglang-watchdog-timeout", 1800),
         ),
@@ -45,10 +44,9 @@ ROCM = Overlay(
     ),
     deviations=(
         deviation(
-            "--dsv4-impl",
             "--no-gradient-accumulation-fusion",
             "--train-env-vars",
-            reason="switches of the reference's own V4 kernels and its ROCm FP8 training, neither of which miles.train has",
+            reason="switches of the reference's ROCm FP8 training, which miles.train does not do",
         ),
     ),
 )
@@ -69,7 +67,7 @@ RECIPE = Recipe(
             ("--overlap-cpu-optimizer-d2h-h2d", True),
         ),
         rollout_engine=(
-            ("--sglang-fp8-gemm-backend", "auto"),
+            ("--sglang-fp8-gemm-runner-backend", "auto"),
             ("--sglang-moe-runner-backend", "auto"),
             ("--sglang-tp-size", "{rollout_gpus_per_engine}"),
             ("--sglang-dp-size", 1),
@@ -90,7 +88,9 @@ RECIPE = Recipe(
         ("SGLANG_HEALTH_CHECK_TIMEOUT", "120"),
         ("SGLANG_DG_CACHE_DIR_PER_PROCESS", "1"),
         ("SGLANG_OPT_FP8_WO_A_GEMM", "0"),
-        *reference.DETERMINISTIC_ENV,
+        ("NCCL_ALGO", "Ring"),
+        ("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0"),
+        ("CUBLAS_WORKSPACE_CONFIG", ":4096:8"),
     ),
     profiles=(
         gpu_profile("cuda", 1, 4, MODEL, FOUR_GPUS, rollout_gpus_per_engine=4, suite="stage-c-4-gpu-h200"),
@@ -98,9 +98,15 @@ RECIPE = Recipe(
         d.cpu_tiny_profile(),
     ),
     overlays=(ROCM,),
-    references=(reference.CUDA, reference.ROCM),
+    references=references.load("deepseek_v4"),
     deviations=(
         *d.COMMON_DEVIATIONS,
+        d.BRIDGE_LOAD,
+        deviation(
+            "--hf-checkpoint",
+            reason="miles trims DeepSeek-V4-Flash to 4 layers and converts it to FP8 itself (prepare-ckpt: "
+            "DeepSeek-V4-Flash-4layer_fp8); the reference downloads an FP8 4-layer prune (DeepSeek-V4-Flash-FP8-4layer)",
+        ),
         deviation(
             "--experimental-attention-variant",
             "--dsv4-*",

@@ -2,9 +2,9 @@
 
 from miles.parallel import ParallelConfig
 from miles.recipes import defaults as d
+from miles.recipes import references
 from miles.recipes.fidelity import deviation
 from miles.recipes.recipe import Overlay, Recipe, gpu_profile, groups, source_file
-from miles.recipes.references import glm5_2_744b_a40b as reference
 from miles.recipes.specs import GLM5_2_744B_A40B
 
 MODEL = "GLM-5.2-744B-A40B-5layer"
@@ -63,7 +63,6 @@ RECIPE = Recipe(
             # model's spare memory into KV cache.
             ("--sglang-mem-fraction-static", 0.7),
             ("--sglang-ep-size", "{rollout_gpus_per_engine}"),
-            ("--sglang-router-policy", "consistent_hashing"),
             ("--sglang-moe-a2a-backend", "deepep"),
             ("--sglang-deepep-mode", "auto"),
             ("--sglang-kv-cache-dtype", "fp8_e4m3"),
@@ -112,7 +111,7 @@ RECIPE = Recipe(
         d.cpu_tiny_profile(),
     ),
     overlays=(ROCM,),
-    references=(reference.CUDA, reference.ROCM),
+    references=references.load("glm5_2_744b_a40b"),
     deviations=(
         *d.COMMON_DEVIATIONS,
         deviation(
@@ -130,6 +129,18 @@ RECIPE = Recipe(
             reason="megatron-core's DeepEP (flex) dispatcher needs the deep_ep kernels; miles dispatches all-to-all, "
             "as the reference does without DeepEP (its AMD script)",
             platforms=("cuda",),
+        ),
+        d.BRIDGE_LOAD,
+        deviation(
+            "--hf-checkpoint",
+            reason="miles names prepared checkpoints after the recipe's model (GLM-5.2-744B-A40B-5layer_fp8, trimmed "
+            "and FP8-converted by prepare-ckpt); the reference downloads a 5-layer prune named GLM-5.2_5layer",
+        ),
+        deviation(
+            "--sglang-router-policy",
+            reason="a policy of the reference's own router in front of its engines (miles/ray/rollout/router_manager.py "
+            "there), not an SGLang server argument; miles.train sends requests to its engines without a router, and "
+            "each profile runs one engine, so there is no choice to route",
         ),
         deviation(
             "--allgather-cp",

@@ -2,9 +2,9 @@
 
 from miles.parallel import ParallelConfig
 from miles.recipes import defaults as d
+from miles.recipes import references
 from miles.recipes.fidelity import deviation
 from miles.recipes.recipe import Overlay, Recipe, gpu_profile, groups, source_file
-from miles.recipes.references import inkling as reference
 from miles.recipes.specs import INKLING_SMALL
 
 MODEL = "Inkling-Small-4layer"
@@ -31,7 +31,6 @@ RECIPE = Recipe(
     models=(MODEL,),
     defined_in=source_file(__name__),
     args=d.args_with(
-        checkpoint=(("--megatron-to-hf-mode", "raw"),),
         rollout=(
             ("--rm-type", "math"),
             ("--num-rollout", 100),
@@ -64,13 +63,24 @@ RECIPE = Recipe(
             ("--no-bias-dropout-fusion", True),
         ),
     ),
-    env=(*d.ENV, *reference.ENV),
+    env=(
+        *d.ENV,
+        ("SGLANG_ENABLE_UNIFIED_RADIX_TREE", "1"),
+        ("SGLANG_OPT_USE_INKLING_FUSED_AR_SCONV_NORM", "false"),
+        ("SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK", "1"),
+        ("MILES_SGLANG_DUMMY_LOAD", "0"),
+        ("SGLANG_SERVER_ENGINE_ROLLOUT_RETURN_LOGPROB", "1"),
+        ("RAY_memory_monitor_refresh_ms", "0"),
+        ("NCCL_MNNVL_ENABLE", "1"),
+        ("NCCL_NVLS_ENABLE", "0"),
+        ("NCCL_RAS_ENABLE", "0"),
+    ),
     profiles=(
         gpu_profile("cuda", 1, 4, MODEL, TP4_EP4, rollout_gpus_per_engine=4, suite="stage-c-4-gpu-h200"),
         d.cpu_tiny_profile(),
     ),
     overlays=(ROCM,),
-    references=(reference.CUDA, reference.ROCM),
+    references=references.load("inkling"),
     deviations=(
         *d.COMMON_DEVIATIONS,
         deviation(
@@ -118,11 +128,11 @@ RECIPE = Recipe(
             reason="fa4 kernels need Blackwell (the reference runs GB300); on H200 SGLang picks its own",
             platforms=("cuda",),
         ),
+        d.BRIDGE_LOAD,
         deviation(
-            "layout:4",
-            reason="the reference's default rollout engine spans 16 GPUs (four GB300 nodes); on one 4-GPU node the "
-            "engine takes the node, the AMD script's default",
-            platforms=("cuda",),
+            "env:MODEL_ARGS_NUM_LAYERS",
+            reason="the reference hands the 4-layer depth to its model script through the environment (its Ray "
+            "workers inherit it); miles passes --num-layers 4",
         ),
     ),
 )

@@ -2,9 +2,9 @@
 
 from miles.parallel import ParallelConfig
 from miles.recipes import defaults as d
+from miles.recipes import references
 from miles.recipes.fidelity import deviation
 from miles.recipes.recipe import Overlay, Recipe, gpu_profile, groups, source_file
-from miles.recipes.references import qwen3_30b_a3b as reference
 from miles.recipes.specs import QWEN3_30B_A3B
 
 SLICE = "Qwen3-30B-A3B-4layer"
@@ -19,11 +19,10 @@ CPU_EP2 = ParallelConfig(ep=2, etp=1)
 
 ROCM = Overlay(
     platform="rocm",
-    reason="MI350 runners: the AMD reference recipe (bf16 rollout on 2-GPU engines, temperature 1, 16k tokens per GPU)",
+    reason="MI350 runners: the AMD reference recipe (bf16 rollout on 2-GPU engines, 16k tokens per GPU)",
     fp8_rollout=False,
     args=groups(
-        rollout=(("--rollout-temperature", 1.0),),
-        rollout_engine=(("--sglang-cuda-graph-max-bs", None), ("--sglang-max-running-requests", 512)),
+        rollout_engine=(("--sglang-cuda-graph-max-bs-decode", None), ("--sglang-max-running-requests", 512)),
         perf=(("--max-tokens-per-gpu", 16384),),
     ),
     profiles=(
@@ -50,13 +49,12 @@ RECIPE = Recipe(
     defined_in=source_file(__name__),
     fp8_rollout=True,
     args=d.args_with(
-        rollout=(("--rollout-temperature", 0.8),),
         optimizer=(
             ("--optimizer-cpu-offload", True),
             ("--overlap-cpu-optimizer-d2h-h2d", True),
             ("--use-precision-aware-optimizer", True),
         ),
-        rollout_engine=(("--sglang-cuda-graph-max-bs", 512),),
+        rollout_engine=(("--sglang-cuda-graph-max-bs-decode", 512),),
         perf=(("--max-tokens-per-gpu", 32768), ("--attention-backend", "flash")),
     ),
     env=d.ENV,
@@ -66,13 +64,21 @@ RECIPE = Recipe(
         d.cpu_tiny_profile(CPU_EP2, "megatron"),
     ),
     overlays=(ROCM,),
-    references=(reference.CUDA, reference.ROCM),
+    references=references.load("qwen3_30b_a3b"),
     deviations=(
         *d.COMMON_DEVIATIONS,
         deviation(
-            "--rotary-base",
-            reason="Qwen/Qwen3-30B-A3B's config.json has rope_theta 1000000; the reference's model script defaults "
-            "to 10000000, the -2507 releases' value (MODEL_ARGS_ROTARY_BASE overrides it there)",
+            "--hf-checkpoint",
+            "--ref-load",
+            reason="miles prepares its own checkpoints (prepare-ckpt): a slice is trimmed into <model>-4layer and "
+            "converted from there, and the FP8 rollout copy is its own 128x128-block e4m3 conversion (<model>_fp8), "
+            "where the reference downloads Qwen's -FP8 release (the same block format) and runs the full checkpoint",
+        ),
+        deviation(
+            "layout:4",
+            reason="the reference runs tp4·ep4 with 2-GPU FP8 engines on 4 GPUs only as a GB200/GB300 command (its "
+            "trtllm_mha attention needs Blackwell); a 4-GPU H200 runner runs that layout with the H100 command",
+            platforms=("cuda",),
         ),
         deviation(
             "--moe-token-drop-policy",

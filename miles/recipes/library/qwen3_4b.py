@@ -2,15 +2,16 @@
 
 from miles.parallel import ParallelConfig
 from miles.recipes import defaults as d
+from miles.recipes import references
 from miles.recipes.fidelity import deviation
 from miles.recipes.recipe import Overlay, Recipe, gpu_profile, groups, source_file
-from miles.recipes.references import qwen3_4b as reference
 from miles.recipes.specs import QWEN3_4B
 
 MODEL = "Qwen3-4B"
 TP2 = ParallelConfig(tp=2, sp=True, etp=1)
-TP2_CP2 = ParallelConfig(tp=2, sp=True, cp=2, etp=1)
-TP2_CP4 = ParallelConfig(tp=2, sp=True, cp=4, etp=1)  # the reference's 8-GPU layout
+# Context parallel with all-to-all exchanges, as the reference sets whenever cp > 1.
+TP2_CP2 = ParallelConfig(tp=2, sp=True, cp=2, etp=1, cp_comm_type="a2a")
+TP2_CP4 = ParallelConfig(tp=2, sp=True, cp=4, etp=1, cp_comm_type="a2a")  # the reference's 8-GPU layout
 
 ROCM = Overlay(
     platform="rocm",
@@ -25,9 +26,10 @@ ROCM = Overlay(
     ),
     deviations=(
         deviation(
-            "layout:4",
-            reason="the reference states one MI355X node (8 GPUs); a 4-GPU runner (half a node) runs its tp2·sp "
-            "layout with dp 2",
+            "--load",
+            "--save",
+            reason="miles keeps each run's checkpoints under its run id ({output_dir}/{run_id}/checkpoints), as the "
+            "CUDA reference does; the AMD reference writes every run to {output_dir}/checkpoints",
         ),
     ),
 )
@@ -50,7 +52,7 @@ RECIPE = Recipe(
         d.cpu_tiny_profile(TP2, "megatron"),
     ),
     overlays=(ROCM,),
-    references=(reference.CUDA, reference.ROCM),
+    references=references.load("qwen3_4b"),
     deviations=(
         *d.COMMON_DEVIATIONS,
         deviation(
@@ -61,6 +63,12 @@ RECIPE = Recipe(
         deviation(
             "layout:4",
             reason="the reference states only 8 GPUs (tp2·cp4); the 4-GPU runner keeps tp2 and halves cp",
+            platforms=("cuda",),
+        ),
+        deviation(
+            "--load",
+            reason="a rerun resumes from the run's own --save in miles, as in the AMD reference; the CUDA reference "
+            "--loads the torch_dist every time (both start from the same weights: miles' --ref-load)",
             platforms=("cuda",),
         ),
     ),

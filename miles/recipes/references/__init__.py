@@ -1,38 +1,83 @@
-"""The reference recipes (radixark/miles) as facts: one module per recipe, `CUDA` and `ROCM`.
+"""The reference recipes (radixark/miles) as quoted data: one JSON file per recipe.
 
-Each `Reference` lists the trainer flags the reference script passes for the shape the CI
-runs (paths as {fields}), the environment it and its launcher set, and the layouts it states
-per GPU count, read at the commit named in `script`. Nothing here is code from there; see
-miles.recipes.fidelity for how a recipe is compared with it.
+Each file lists readings: which launcher script of the seed framework, at which commit of
+its main branch, run with which of its own flags on which hardware (`Upstream`), and what
+that launcher then passes to its trainer, token for token, with the job's variables. The
+quoted values are never typed in: `python -m miles.recipes references --check --mirror PATH`
+reads every one again from a local mirror of radixark/miles (miles.recipes.upstream) and
+fails on any difference or on a commit that is not on main; `--update` rewrites the quoted
+values from the mirror after the configuration (commit, settings) was changed by hand.
+Nothing here is code from there.
 """
 
-from miles.recipes.fidelity import flags
+from __future__ import annotations
 
-# Flags every reference script passes in the same form (its launcher adds the environment).
-LAUNCHER_ENV = (("CUDA_DEVICE_MAX_CONNECTIONS", "1"), ("PYTHONUNBUFFERED", "1"))
-AMD_ENV = (
-    ("RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES", "1"),
-    ("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "1"),
-    ("NCCL_NVLS_ENABLE", "0"),
-)
-OPTIMIZER = flags(
-    "--optimizer adam --lr 1e-6 --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98"
-)
-OPTIMIZER_OFFLOAD = flags(
-    "--optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d --use-precision-aware-optimizer"
-)
-RECOMPUTE = flags("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
-MEGATRON_MISC = flags(
-    "--attention-dropout 0.0 --hidden-dropout 0.0 --accumulate-allreduce-grads-in-fp32 --attention-softmax-in-fp32"
-)
-DAPO = flags(
-    "--prompt-data {data_dir}/dapo-math-17k/dapo-math-17k.jsonl --input-key prompt --label-key label "
-    "--apply-chat-template --rollout-shuffle"
-)
-AIME_EVAL = flags(
-    "--eval-interval 20 --eval-prompt-data aime {data_dir}/aime-2024/aime-2024.jsonl --n-samples-per-eval-prompt 16 "
-    "--eval-max-response-len 16384"
-)
-CHECKPOINT = flags(
-    "--hf-checkpoint {hf_checkpoint} --ref-load {ref_load} --load {save_dir} --save {save_dir} --save-interval 20"
-)
+import json
+import shlex
+from functools import cache
+from pathlib import Path
+
+from miles.recipes.fidelity import Reference, grouped
+from miles.recipes.upstream import Launch, Upstream
+
+DIR = Path(__file__).resolve().parent
+FORMAT = 1
+
+
+class ReferenceFileError(ValueError):
+    pass
+
+
+def path(recipe: str) -> Path:
+    return DIR / f"{recipe}.json"
+
+
+@cache
+def load(recipe: str) -> tuple[Reference, ...]:
+    """The readings of `recipe` (an empty tuple when it has no reference file)."""
+    file = path(recipe)
+    return read_file(file) if file.is_file() else ()
+
+
+def read_file(file: Path) -> tuple[Reference, ...]:
+    return tuple(_reading(file, i, r) for i, r in enumerate(_document(file)["readings"]))
+
+
+def _document(file: Path) -> dict:
+    try:
+        doc = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ReferenceFileError(f"{file}: {exc}") from None
+    if doc.get("format") != FORMAT or not isinstance(doc.get("readings"), list):
+        raise ReferenceFileError(f"{file}: expected format {FORMAT} with a list of readings")
+    return doc
+
+
+def _reading(file: Path, index: int, raw: dict) -> Reference:
+    where = f"{file}: reading {index}"
+    try:
+        up = raw["upstream"]
+        source = Upstream(
+            script=up["script"], commit=up["commit"], entry=up["entry"],
+            settings=tuple(up["settings"].items()), hardware=up["hardware"], nvlink=bool(up["nvlink"]),
+            environ=tuple(up.get("environ", {}).items()), repo=up.get("repo", "radixark/miles"),
+        )  # fmt: skip
+        argv = tuple(token for group in raw["argv"] for token in shlex.split(group))
+        env = tuple(sorted((str(k), str(v)) for k, v in raw["env"].items()))
+        return Reference(raw["platform"], raw["model"], source, argv, env)
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        raise ReferenceFileError(f"{where}: malformed ({type(exc).__name__}: {exc})") from None
+
+
+def write_launches(file: Path, launches: list[Launch]) -> Path:
+    """Rewrite the quoted argv and variables of the file's readings, in order, keeping their
+    configuration."""
+    doc = _document(file)
+    if len(launches) != len(doc["readings"]):
+        raise ReferenceFileError(f"{file}: {len(doc['readings'])} readings, {len(launches)} launches")
+    for raw, launch in zip(doc["readings"], launches, strict=True):
+        raw["argv"] = grouped(launch.argv)
+        raw["env"] = dict(launch.env)
+    file.write_text(json.dumps(doc, indent=1) + "\n")
+    load.cache_clear()
+    return file

@@ -4,7 +4,8 @@ The recipe comes from `miles.recipes.load()`, which dispatches on the platform (
 MILES_HARDWARE_PLATFORM that disagrees with torch); the shared script dispatches the same way,
 so a ROCm runner trains the ROCm form without any import switch. The prepared checkpoints
 come from MILES_MODEL_DIR (or MILES_SCRIPT_MODEL_DIR) and the run uses the trainer's
-synthetic task, so no dataset is needed.
+synthetic task; the prepare step still fetches the recipe's prompt dataset (from the Hugging
+Face cache, or the hub when HF_HUB_OFFLINE is unset), as a user's full-train does.
 
 The run keeps the --ci-test checks on. Its logprob tolerance is the bf16 one: the trainer
 and SGLang compute the same weights with different kernels (fp32 runs agree to ~1e-6, bf16
