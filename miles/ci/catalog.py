@@ -13,6 +13,7 @@ import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from functools import lru_cache
 from pathlib import Path
 from types import MappingProxyType
@@ -23,6 +24,7 @@ CATALOG_SCHEMA = 1  # the `schema = N` this miles reads
 CADENCES = ("regular", "nightly", "weekly", "release")
 GATE_MODES = ("shadow", "enforce")
 CONSUMER_KINDS = ("workflow", "external")
+MAX_EST_TIME = 86_400.0  # a day: the longest est_time a registration (or an implicit one) may state
 MAX_SHARDS = 64  # shards of one suite: more runners than any pool has, and a bound on planning
 
 _SUITE_NAME = re.compile(
@@ -109,6 +111,18 @@ class Suite:
 
 
 @dataclass(frozen=True)
+class ImplicitDir:
+    """A directory whose test files need no register_*_ci call: one without runs in `suite`."""
+
+    directory: str  # posix, relative to the project root, no trailing slash
+    suite: str
+    est_time: float
+
+    def holds(self, rel: str) -> bool:
+        return rel.startswith(self.directory + "/")
+
+
+@dataclass(frozen=True)
 class Catalog:
     path: Path
     backends: Mapping[str, Backend]
@@ -116,6 +130,13 @@ class Catalog:
     labels: Mapping[str, str]
     lanes: Mapping[str, Lane]
     suites: Mapping[str, Suite]
+    implicit: Mapping[str, ImplicitDir] = dataclass_field(default_factory=lambda: MappingProxyType({}))
+
+    def implicit_for(self, rel: str) -> ImplicitDir | None:
+        """The implicit registration of the test file at `rel` (posix, relative to the project
+        root) when it registers nothing itself; the innermost declared directory wins."""
+        holding = [d for d in self.implicit.values() if d.holds(rel)]
+        return max(holding, key=lambda d: len(d.directory), default=None)
 
     def suites_for_backend(self, backend: str) -> tuple[Suite, ...]:
         return tuple(s for s in self.suites.values() if s.backend == backend)
@@ -286,6 +307,14 @@ def _build(path: Path, raw: dict, problems: list[str]) -> Catalog:
             consumers=tuple(consumers),
             description=field(where, entry, "description", str, ""),
         )
+    implicit = {}
+    for directory, entry in table("implicit").items():
+        where = f'[implicit."{directory}"]'
+        est_time = entry.get("est_time")
+        if not isinstance(est_time, int | float) or isinstance(est_time, bool):
+            problems.append(f"{where}: `est_time` = {est_time!r} should be a number of seconds")
+            est_time = 0.0
+        implicit[directory] = ImplicitDir(directory, field(where, entry, "suite", str, ""), float(est_time))
     return Catalog(
         path=path,
         backends=MappingProxyType(backends),
@@ -293,6 +322,7 @@ def _build(path: Path, raw: dict, problems: list[str]) -> Catalog:
         labels=MappingProxyType(labels),
         lanes=MappingProxyType(lanes),
         suites=MappingProxyType(suites),
+        implicit=MappingProxyType(implicit),
     )
 
 
@@ -321,6 +351,30 @@ def validate_catalog(catalog: Catalog) -> list[str]:
             problems.append(f"{where}: no suite names this lane; remove it or point a suite at it")
     for suite in catalog.suites.values():
         problems.extend(_suite_problems(catalog, suite))
+    for implicit in catalog.implicit.values():
+        problems.extend(_implicit_problems(catalog, implicit))
+    return problems
+
+
+def _implicit_problems(catalog: Catalog, implicit: ImplicitDir) -> list[str]:
+    where = f'[implicit."{implicit.directory}"]'
+    problems = []
+    parts = implicit.directory.split("/")
+    if (
+        implicit.directory.startswith("/")
+        or "\\" in implicit.directory
+        or any(p in ("", ".", "..") for p in parts)
+    ):
+        problems.append(
+            f"{where}: the directory must be a plain path relative to the project root, such as "
+            '"tests/unit" (no leading or trailing slash, no "." or ".." parts, forward slashes)'
+        )
+    if implicit.suite not in catalog.suites:
+        problems.append(f"{where}: {unknown_name_message('suite', implicit.suite, catalog.suites)}")
+    if not (math.isfinite(implicit.est_time) and 0 < implicit.est_time <= MAX_EST_TIME):
+        problems.append(
+            f"{where}: est_time must be a number of seconds > 0 and at most {MAX_EST_TIME:g}, not {implicit.est_time:g}"
+        )
     return problems
 
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 import ast
 import math
 import re
+from collections.abc import Iterator
 
-from miles.ci.catalog import Catalog, UnknownName
+from miles.ci.catalog import MAX_EST_TIME, Catalog, UnknownName
 from miles.ci.register import BACKEND_OF_MARKER, GATE_MARKER, MARKERS
-from miles.ci.registration import GateDeclaration, Problem, Registration
+from miles.ci.registration import GateDeclaration, Problem, Registration, TestFile
 from miles.metrics.spec import CONSTRAINT_KEYS as GATE_CONSTRAINT_KEYS
 
 _REG_PARAMS = ("est_time", "suite", "labels", "nightly", "disabled")
@@ -171,7 +172,13 @@ def disabled_reason_problem(reason: str) -> str | None:
 
 
 class FileReader:
-    """Reads the marker calls of one parsed file and collects the problems it finds."""
+    """Reads the marker calls of one parsed file and collects the problems it finds.
+
+    Only what runs when the module is imported can register: top-level statements, and (as
+    mistakes to report) module-level blocks and class bodies. A marker named inside a function
+    or lambda body is a test of the markers themselves, not a registration, and a marker named
+    in a string is text; neither is read, reported or charged to any lane.
+    """
 
     def __init__(self, rel: str, catalog: Catalog, problems: list[Problem]):
         self.rel = rel
@@ -179,7 +186,9 @@ class FileReader:
         self.problems = problems
         self.registrations: list[Registration] = []
         self.gates: list[GateDeclaration] = []
-        self.named_a_marker = False
+        self.backends: set[str] = set()  # backends of the register_*_ci markers the module names
+        self.suites: set[str] = set()  # literal suites of the registration calls there
+        self.in_functions: list[tuple[int, str]] = []  # (line, marker) inside function bodies
         self._call: tuple[str, str | None] | None = None  # (backend, suite) of the call being read
 
     def problem(self, line: int, message: str) -> None:
@@ -190,7 +199,7 @@ class FileReader:
             self.problems.append(Problem(self.rel, line, message))
 
     def read(self, tree: ast.Module, mentions: int) -> None:
-        """Read top-level marker calls; flag every other place a marker is named.
+        """Read top-level marker calls; flag every other place the module names a marker.
 
         `mentions` counts marker names in the text. When every mention is an accepted
         import or top-level call, no other node can name a marker and the full tree walk
@@ -209,20 +218,27 @@ class FileReader:
                 and stmt.value.func.id in MARKERS
             ):
                 accepted.add(id(stmt.value.func))
+                self._named(stmt.value.func.id)
                 self._read_call(stmt.value)
         if accepted and len(accepted) == mentions:
-            self.named_a_marker = True
             return
-        for node in ast.walk(tree):
-            self._check_placement(node, accepted)
+        for node, in_function in _walk_module(tree):
+            if in_function:
+                name = _marker_named(node)
+                if name is not None:
+                    self.in_functions.append((getattr(node, "lineno", 1), name))
+            else:
+                self._check_placement(node, accepted)
+
+    def _named(self, marker: str) -> None:
+        if marker in BACKEND_OF_MARKER:
+            self.backends.add(BACKEND_OF_MARKER[marker])
 
     def _check_placement(self, node: ast.AST, accepted: set[int]) -> None:
         line = getattr(node, "lineno", 1)
         if isinstance(node, ast.alias):
-            if node.name in MARKERS or node.asname in MARKERS:
-                self.named_a_marker = True
-                if id(node) in accepted:
-                    return
+            if (node.name in MARKERS or node.asname in MARKERS) and id(node) not in accepted:
+                self._named(node.name if node.name in MARKERS else node.asname)
                 if node.asname not in (None, node.name):
                     self.problem(
                         line,
@@ -232,20 +248,20 @@ class FileReader:
                 else:
                     self.problem(
                         line,
-                        f"'{node.name}' is imported inside a function or block: registrations are "
-                        "read from top-level statements only; import it at the top of the module "
+                        f"'{node.name}' is imported inside a block: registrations are read from "
+                        "top-level statements only; import it at the top of the module "
                         f"and call {node.name}(...) there",
                     )
         elif isinstance(node, ast.Name) and node.id in MARKERS:
-            self.named_a_marker = True
             if id(node) not in accepted:
+                self._named(node.id)
                 self.problem(
                     line,
                     f"{node.id} is used inside a block or an expression: a registration must be "
                     f"its own top-level statement, {node.id}(...), with literal arguments",
                 )
         elif isinstance(node, ast.Attribute) and node.attr in MARKERS:
-            self.named_a_marker = True
+            self._named(node.attr)
             self.problem(
                 line,
                 f"'{ast.unparse(node)}' is an attribute call, which discovery does not read; "
@@ -266,6 +282,8 @@ class FileReader:
                 suite.value if isinstance(suite, ast.Constant) and isinstance(suite.value, str) else None
             )
             self._call = (BACKEND_OF_MARKER[name], literal)
+            if literal is not None:
+                self.suites.add(literal)
             try:
                 args = self._arguments(call, name, _REG_PARAMS, positional=_REG_POSITIONAL)
                 if args is not None:
@@ -448,7 +466,74 @@ class FileReader:
         )
 
 
-MAX_EST_TIME = 86_400.0
+def read_test_file(
+    tree: ast.Module | None, mentions: int, rel: str, catalog: Catalog
+) -> tuple[TestFile, list[Problem]]:
+    """Registrations, gate declarations and problems of one parsed file (`tree` is None when
+    the text never names a marker).
+
+    A file that registers nothing runs in the suite of the catalog's implicit directory that
+    holds it, or is a problem. Each problem is charged to the backends and suites the file
+    registers for (a refused call: its own backend and suite), so it stops only those lanes.
+    """
+    problems: list[Problem] = []
+    reader = FileReader(rel, catalog, problems)
+    if tree is not None:
+        reader.read(tree, mentions)
+    registrations = list(reader.registrations)
+    if not registrations and not reader.backends:
+        implicit = catalog.implicit_for(rel)
+        if implicit is not None:
+            backend = catalog.suites[implicit.suite].backend
+            registrations = [Registration(backend, rel, 0, implicit.est_time, implicit.suite, implicit=True)]
+        else:
+            problems.append(Problem(rel, 1, _no_registration_message(catalog, reader.in_functions)))
+    backends = tuple(sorted(reader.backends | {r.backend for r in registrations}))
+    suites = tuple(sorted(reader.suites | {r.suite for r in registrations}))
+    problems = [p.with_scope(backends, suites) for p in problems]
+    return TestFile(rel, tuple(registrations), tuple(reader.gates)), problems
+
+
+def _no_registration_message(catalog: Catalog, in_functions: list[tuple[int, str]]) -> str:
+    where = ", ".join(f"{d}/" for d in sorted(catalog.implicit)) or "(none declared)"
+    message = (
+        "no register_*_ci(...) call: every test file outside the catalog's implicit directories "
+        f"({where}) must say where it runs, e.g. "
+        'register_cpu_ci(est_time=60, suite="stage-b-cpu")'
+    )
+    calls = [(line, name) for line, name in in_functions if name in BACKEND_OF_MARKER]
+    if calls:
+        line, name = calls[0]
+        message += (
+            f"; note: {name} at line {line} is inside a function body, which is not a "
+            "registration: call it at the top level of the module"
+        )
+    return message
+
+
+def _walk_module(tree: ast.Module) -> Iterator[tuple[ast.AST, bool]]:
+    """Every node with whether it sits in a function or lambda body (code that runs only when
+    called). Decorators, default values and annotations run at definition, so they count as
+    the module's own."""
+    stack: list[tuple[ast.AST, bool]] = [(tree, False)]
+    while stack:
+        node, in_function = stack.pop()
+        yield node, in_function
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda) and not in_function:
+            body = node.body if isinstance(node.body, list) else [node.body]
+            outer = [child for child in ast.iter_child_nodes(node) if child not in body]
+            stack.extend((child, True) for child in reversed(body))
+            stack.extend((child, False) for child in reversed(outer))
+        else:
+            stack.extend((child, in_function) for child in reversed(list(ast.iter_child_nodes(node))))
+
+
+def _marker_named(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Name) and node.id in MARKERS:
+        return node.id
+    if isinstance(node, ast.Attribute) and node.attr in MARKERS:
+        return node.attr
+    return None
 
 
 def _positive_number(value: object) -> bool:
