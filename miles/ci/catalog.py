@@ -131,12 +131,22 @@ class Catalog:
     lanes: Mapping[str, Lane]
     suites: Mapping[str, Suite]
     implicit: Mapping[str, ImplicitDir] = dataclass_field(default_factory=lambda: MappingProxyType({}))
+    # workflow file in .github/workflows -> the cadence its scheduled runs use
+    schedules: Mapping[str, str] = dataclass_field(default_factory=lambda: MappingProxyType({}))
 
     def implicit_for(self, rel: str) -> ImplicitDir | None:
         """The implicit registration of the test file at `rel` (posix, relative to the project
         root) when it registers nothing itself; the innermost declared directory wins."""
         holding = [d for d in self.implicit.values() if d.holds(rel)]
         return max(holding, key=lambda d: len(d.directory), default=None)
+
+    def scheduled_runs(self, suite: str) -> tuple[tuple[str, str], ...]:
+        """(workflow, cadence) of the scheduled workflows that run `suite`."""
+        return tuple(
+            (c.name, self.schedules[c.name])
+            for c in self.suites[suite].consumers
+            if c.kind == "workflow" and c.name in self.schedules
+        )
 
     def suites_for_backend(self, backend: str) -> tuple[Suite, ...]:
         return tuple(s for s in self.suites.values() if s.backend == backend)
@@ -232,7 +242,7 @@ def _build(path: Path, raw: dict, problems: list[str]) -> Catalog:
             return {}
         entries = {}
         for key, entry in value.items():
-            if name != "labels" and not isinstance(entry, dict):
+            if name not in ("labels", "schedules") and not isinstance(entry, dict):
                 where = f'[{name}."{key}"]' if name == "suites" else f"[{name}.{key}]"
                 problems.append(f"{where} must be a table, not {type(entry).__name__} {entry!r:.40}")
                 continue
@@ -315,6 +325,12 @@ def _build(path: Path, raw: dict, problems: list[str]) -> Catalog:
             problems.append(f"{where}: `est_time` = {est_time!r} should be a number of seconds")
             est_time = 0.0
         implicit[directory] = ImplicitDir(directory, field(where, entry, "suite", str, ""), float(est_time))
+    schedules = {}
+    for workflow, cadence in table("schedules").items():
+        if not isinstance(cadence, str):
+            problems.append(f'[schedules] "{workflow}" = {cadence!r} should be a cadence name')
+            continue
+        schedules[workflow] = cadence
     return Catalog(
         path=path,
         backends=MappingProxyType(backends),
@@ -323,6 +339,7 @@ def _build(path: Path, raw: dict, problems: list[str]) -> Catalog:
         lanes=MappingProxyType(lanes),
         suites=MappingProxyType(suites),
         implicit=MappingProxyType(implicit),
+        schedules=MappingProxyType(schedules),
     )
 
 
@@ -353,6 +370,14 @@ def validate_catalog(catalog: Catalog) -> list[str]:
         problems.extend(_suite_problems(catalog, suite))
     for implicit in catalog.implicit.values():
         problems.extend(_implicit_problems(catalog, implicit))
+    consumers = {c.name for s in catalog.suites.values() for c in s.consumers if c.kind == "workflow"}
+    for workflow, cadence in catalog.schedules.items():
+        if cadence not in CADENCES:
+            problems.append(f"[schedules] \"{workflow}\": cadence '{cadence}' is not one of {list(CADENCES)}")
+        if workflow not in consumers:
+            problems.append(
+                f'[schedules] "{workflow}" runs no suite: name it among the consumers of the suites it runs'
+            )
     return problems
 
 
