@@ -183,7 +183,7 @@ def unknown_name_message(
     """ "<kind> '<name>' is not in the catalog…; did you mean …? known: …" for any closed list."""
     known = sorted(known)
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
-    hint = f"; did you mean '{close[0]}'?" if close else ""
+    hint = f"; did you mean '{close[0]}'?" if close else ";"
     return f"{kind} '{name}' is not in the catalog{where}{extra}{hint} known: {compress_names(known)}"
 
 

@@ -23,6 +23,8 @@ class UsageError(Exception):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from miles.exits import missing_package, quiet_broken_pipe
+
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -32,6 +34,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # the reader went away: stop quietly
+        return quiet_broken_pipe()
+    except ModuleNotFoundError as exc:  # torch, safetensors or huggingface_hub not installed
+        line = missing_package(exc, f"python -m miles.ckpt {args.command}")
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
         return 1
     except (KeyboardInterrupt, SystemExit, GeneratorExit):
         raise
@@ -135,6 +145,7 @@ def plan_from_args(args: argparse.Namespace) -> CheckpointPlan:
     if args.recipe:
         try:
             from miles import recipes
+            from miles.recipes.models import UnknownModel
         except ImportError as exc:
             raise UsageError(
                 f"--recipe needs miles.recipes ({exc}); use --family/--source/--model-dir"
@@ -144,8 +155,11 @@ def plan_from_args(args: argparse.Namespace) -> CheckpointPlan:
             "source": args.source,
             "stage_dir": args.stage_dir,
         }
-        recipe = recipes.load(args.recipe, platform=args.platform)
-        return recipe.checkpoint_plan(args.model, **{k: v for k, v in given.items() if v})
+        try:
+            recipe = recipes.load(args.recipe, platform=args.platform)
+            return recipe.checkpoint_plan(args.model, **{k: v for k, v in given.items() if v})
+        except (recipes.RecipeError, UnknownModel) as exc:  # an unknown recipe, model or platform
+            raise UsageError(str(exc)) from None
     missing = [f"--{n}" for n in ("family", "source") if not getattr(args, n)]
     model_dir = args.model_dir or os.environ.get(MODEL_DIR_ENV)
     if not model_dir:

@@ -14,6 +14,7 @@ still satisfies. The lock is replaced atomically.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -62,7 +63,13 @@ class LockResult:
 
 def uv_executable() -> list[str]:
     found = shutil.which("uv")
-    return [found] if found else [sys.executable, "-m", "uv"]
+    if found:
+        return [found]
+    if importlib.util.find_spec("uv") is None:
+        raise LockFailed(
+            "uv is not installed: `invoke lock` resolves with it; pip install uv (the cpu stack pins it)"
+        )
+    return [sys.executable, "-m", "uv"]
 
 
 def compile_command(
