@@ -40,7 +40,11 @@ def task(*args, **kwargs):
 @task(help={"strict": "exit non-zero on error-class findings"})
 def audit(c, strict=False):
     """Print the CI audit: disabled tests and their age, coverage gaps, unused suites."""
-    c.run(f"python -m miles.ci audit{' --strict' if strict else ''}", pty=False)
+    from miles.ci.cli import main
+
+    code = main(["audit", *(["--strict"] if strict else [])])
+    if code:
+        raise Exit(code=code)
 
 
 @task(
@@ -162,7 +166,10 @@ def prepare_ckpt(
 def make_tiny_ckpt(c, family, out, layers=4, seed=0, dim=None, shard_bytes=None, dry=False):
     """Build a tiny random checkpoint of a family's real architecture, with a local tokenizer."""
     from miles.ckpt.cli import main
+    from miles.ckpt.plan import FAMILIES
 
+    if family not in FAMILIES:  # refused in one line, with --dry too
+        raise Exit(f"error: --family {family!r} is not one of {', '.join(FAMILIES)}", code=2)
     argv = ["make-tiny", "--family", family, "--layers", str(layers), "--out", out, "--seed", str(seed)]
     argv += [x for d in dim or [] for x in ("--dim", d)]
     argv += ["--shard-bytes", str(shard_bytes)] if shard_bytes else []

@@ -201,6 +201,10 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 def cmd_make_tiny(args: argparse.Namespace) -> int:
     from miles.ckpt.tiny import make_tiny_checkpoint
 
+    if args.layers < 1:
+        raise UsageError(f"--layers {args.layers}: a checkpoint needs at least 1 layer")
+    if args.shard_bytes is not None and args.shard_bytes < 1:
+        raise UsageError(f"--shard-bytes {args.shard_bytes}: give a positive number of bytes")
     dims = {}
     for item in args.dim:
         key, _, value = item.partition("=")

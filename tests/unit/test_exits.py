@@ -141,3 +141,15 @@ def test_the_extras_come_from_pyproject():
     assert extras_providing("torch") == ["checkpoints", "train"]
     assert extras_providing("megatron") == ["megatron"]
     assert extras_providing("no_such_module") == []
+
+
+def test_make_tiny_ckpt_refuses_an_unknown_family_even_when_dry_and_zero_layers():
+    _one_error_line(
+        _invoke("make-tiny-ckpt", "--family", "bogus", "--out", "unused", "--dry"),
+        2,
+        "--family 'bogus'",
+        "qwen3",
+    )
+    done = _invoke("make-tiny-ckpt", "--family", "qwen3", "--out", "unused", "--layers", "0")
+    _one_error_line(done, 2, "--layers 0: a checkpoint needs at least 1 layer")
+    assert not (ROOT / "unused").exists()
