@@ -394,8 +394,14 @@ def _implicit_problems(catalog: Catalog, implicit: ImplicitDir) -> list[str]:
             f"{where}: the directory must be a plain path relative to the project root, such as "
             '"tests/unit" (no leading or trailing slash, no "." or ".." parts, forward slashes)'
         )
-    if implicit.suite not in catalog.suites:
+    suite = catalog.suites.get(implicit.suite)
+    if suite is None:
         problems.append(f"{where}: {unknown_name_message('suite', implicit.suite, catalog.suites)}")
+    elif suite.is_gpu:
+        problems.append(
+            f"{where}: suite '{suite.name}' is a GPU suite; a GPU registration needs labels, which an "
+            "implicit one cannot carry: name a cpu suite, or register the files explicitly"
+        )
     if not (math.isfinite(implicit.est_time) and 0 < implicit.est_time <= MAX_EST_TIME):
         problems.append(
             f"{where}: est_time must be a number of seconds > 0 and at most {MAX_EST_TIME:g}, not {implicit.est_time:g}"

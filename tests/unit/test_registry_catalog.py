@@ -203,6 +203,7 @@ def test_every_problem_is_reported_at_once(tmp_path):
         ({"suite": "stage-a-cpu", "est_time": 0}, "est_time must be a number of seconds > 0"),
         ({"suite": "stage-a-cpu", "est_time": "fast"}, "`est_time` = 'fast' should be a number"),
         ({"est_time": 15}, "missing `suite`"),
+        ({"suite": "stage-b-2-gpu-h200", "est_time": 15}, "is a GPU suite; a GPU registration needs labels"),
     ],
 )
 def test_an_implicit_directory_needs_a_known_suite_and_an_est_time(tmp_path, entry, expected):
