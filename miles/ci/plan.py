@@ -186,8 +186,11 @@ def build_plan(options: RunOptions, catalog: Catalog, discovery: Discovery) -> R
     for suite in scope.suites:
         regs = {r.file: r for r in selection.of_suite(suite.name)}
         jobs = [Job(r.file, r.est_time) for r in regs.values()]
-        n, how = shard_count(suite, jobs, n_requested, explicit)
-        partition = balanced_partition(jobs, n)
+        try:
+            n, how = shard_count(suite, jobs, n_requested, explicit)
+            partition = balanced_partition(jobs, n)
+        except ValueError as exc:  # the partition's own checks: one line, exit 2, never a traceback
+            raise PlanError(f"suite {suite.name} cannot be sharded: {exc}") from None
         run_shards = tuple(range(1, n + 1)) if k is None else ((k,) if k <= n else ())
         suite_plans.append(SuitePlan(suite, n, how, partition, run_shards))
         for index in run_shards:
