@@ -121,3 +121,19 @@ def test_planning_a_suite_of_twelve_hundred_files_prints_the_plan(make_tree, cap
     assert main(["plan", "--root", str(root), "--suite", "stage-b-cpu", "--shards", "8"]) == 0
     out = capsys.readouterr().out
     assert "suite stage-b-cpu: 1200 test(s), 8 shard(s)" in out
+
+
+def test_a_partition_the_search_refuses_is_a_one_line_plan_error(tmp_path):
+    from miles.ci.catalog import load_catalog
+    from miles.ci.discover import Discovery, Registration, TestFile
+    from miles.ci.plan import PlanError, RunOptions, build_plan
+
+    # records built in memory (a cache or another tool), not read by discovery's rules
+    bad = Registration("cpu", "tests/e2e/test_nan.py", 2, float("nan"), "stage-b-cpu")
+    discovery = Discovery(root=tmp_path, files=(TestFile(bad.file, (bad,)),), problems=())
+    with pytest.raises(PlanError) as err:
+        build_plan(RunOptions(root=tmp_path, suites=("stage-b-cpu",), shards="2"), load_catalog(), discovery)
+    assert str(err.value).startswith(
+        "suite stage-b-cpu cannot be sharded: job tests/e2e/test_nan.py has weight nan"
+    )
+    assert "\n" not in str(err.value)
