@@ -581,3 +581,27 @@ def test_the_catalog_says_which_directories_register_implicitly_and_where(make_t
     (problem,) = result.problems
     assert str(problem).startswith("tests/unit/test_c.py:1: no register_*_ci(...) call")
     assert "implicit directories (tests/fast/, tests/fast/slow/)" in str(problem)
+
+
+def test_the_cache_fingerprint_covers_every_module_discovery_reads_with():
+    """An edit to any module whose code decides a file's records must mean a fresh parse."""
+    from miles.ci.discover_cache import _CODE
+
+    package = ROOT / "miles"
+    needed, todo = set(), ["ci/discover.py"]
+    while todo:
+        rel = todo.pop()
+        if rel in needed:
+            continue
+        needed.add(rel)
+        for node in ast.walk(ast.parse((package / rel).read_text())):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module
+                and node.module.startswith("miles.")
+                and node.level == 0
+            ):
+                path = node.module.removeprefix("miles.").replace(".", "/") + ".py"
+                if (package / path).is_file() and "cache" not in path:
+                    todo.append(path)
+    assert needed <= set(_CODE), sorted(needed - set(_CODE))
