@@ -1,14 +1,50 @@
-"""Operator chores: `invoke --list`. Each task is a thin shell over a miles function."""
+"""Operator chores: `invoke --list`. Each task is a thin shell over a miles function.
+
+A task's error (an unknown variant or recipe, no docker, a package the task needs that is not
+installed) ends it with one line and the exit code miles.exits gives it, never a traceback.
+"""
 
 from __future__ import annotations
 
-from invoke import task
+import functools
+
+from invoke import Exit
+from invoke import task as invoke_task
+
+
+def task(*args, **kwargs):
+    """invoke's @task, with the task's errors ended as miles.exits describes them."""
+
+    def decorate(body):
+        @functools.wraps(body)
+        def run(c, *a, **kw):
+            from miles.exits import describe, quiet_broken_pipe
+
+            try:
+                return body(c, *a, **kw)
+            except Exit:
+                raise
+            except BrokenPipeError:
+                raise Exit(code=quiet_broken_pipe()) from None
+            except Exception as exc:
+                ended = describe(exc, f"invoke {body.__name__.replace('_', '-')}")
+                if ended is None:
+                    raise
+                raise Exit(ended[0], code=ended[1]) from None
+
+        return invoke_task(*args, **kwargs)(run)
+
+    return decorate
 
 
 @task(help={"strict": "exit non-zero on error-class findings"})
 def audit(c, strict=False):
     """Print the CI audit: disabled tests and their age, coverage gaps, unused suites."""
-    c.run(f"python -m miles.ci audit{' --strict' if strict else ''}", pty=False)
+    from miles.ci.cli import main
+
+    code = main(["audit", *(["--strict"] if strict else [])])
+    if code:
+        raise Exit(code=code)
 
 
 @task(
@@ -73,8 +109,6 @@ def check_image(c, tag, variant=None):
     """Run the image and diff its installed packages against its lane's lock (exit 1 on differences)."""
     from pathlib import Path
 
-    from invoke import Exit
-
     from miles.image.plan import check_image as check
 
     result = check(Path(__file__).resolve().parent, tag, variant=variant)
@@ -104,8 +138,6 @@ def prepare_ckpt(
     source=None, family=None, layers=None, scan_nan=None, data_dir=None,
 ):  # fmt: skip
     """Prepare a model's checkpoints (fetch, validate, trim, FP8, torch_dist, stage) and its data; resumable."""
-    from invoke import Exit
-
     from miles.ckpt.cli import main
 
     options = {
@@ -134,10 +166,11 @@ def prepare_ckpt(
 )
 def make_tiny_ckpt(c, family, out, layers=4, seed=0, dim=None, shard_bytes=None, dry=False):
     """Build a tiny random checkpoint of a family's real architecture, with a local tokenizer."""
-    from invoke import Exit
-
     from miles.ckpt.cli import main
+    from miles.ckpt.plan import FAMILIES
 
+    if family not in FAMILIES:  # refused in one line, with --dry too
+        raise Exit(f"error: --family {family!r} is not one of {', '.join(FAMILIES)}", code=2)
     argv = ["make-tiny", "--family", family, "--layers", str(layers), "--out", out, "--seed", str(seed)]
     argv += [x for d in dim or [] for x in ("--dim", d)]
     argv += ["--shard-bytes", str(shard_bytes)] if shard_bytes else []

@@ -1,13 +1,16 @@
 """Shard balance and runner overhead, measured side by side in one invocation.
 
-    python benchmarks/bench_shard.py [--seeds 5] [--files 12] [--skip-overhead]
+    python benchmarks/bench_shard.py [--seeds 5] [--files 12] [--skip-overhead] [--large 10000]
 
 1. Balance: makespan / lower bound (max(total/N, longest test)) of plain LPT and of
    miles.ci.shard.balanced_partition on synthetic suites with heavy-tailed est_times
    (Pareto, 10-300 tests, 2-8 shards), on "planted" suites where a perfect partition exists
    by construction (so 1.000 is reachable), and on this repository's own suites.
    "optimal" means the exact search proved no partition is shorter.
-2. Overhead: the same pytest command per test file, run directly (subprocess, output
+2. Scale: a synthetic suite of 10,000 tests with float est_times on 64 shards, partitioned by
+   LPT and by balanced_partition side by side, then planned whole (selection, shards,
+   timeouts, the printed plan) by miles.ci.plan; the times are printed (target: under 1 s).
+3. Overhead: the same pytest command per test file, run directly (subprocess, output
    captured) and through the runner's executor (own session, output tee, JUnit parse,
    group sweep), interleaved so machine load hits both alike; plus a whole runner pass
    (plan, execution, three reports, durations) against the direct loop.
@@ -111,6 +114,45 @@ def repository_suites() -> None:
             )
 
 
+def large_suite(tests: int, shards: int = 64) -> None:
+    from miles.ci.catalog import load_catalog
+    from miles.ci.discover import Discovery, Registration, TestFile
+    from miles.ci.plan import RunOptions, build_plan, format_plan
+
+    rng = random.Random(tests)
+    # float est_times (as `calibrate` writes them), heavy-tailed: 5 s to an hour
+    weights = [min(3600.0, 5.0 + rng.paretovariate(1.2) * 20.0 + rng.random()) for _ in range(tests)]
+    jobs = [Job(f"tests/e2e/test_{i:05d}.py", w) for i, w in enumerate(weights)]
+    print(f"\n## A synthetic suite: {tests} tests with float est_times on {shards} shards")
+    start = time.perf_counter()
+    lpt = lpt_partition(jobs, shards)
+    lpt_s = time.perf_counter() - start
+    start = time.perf_counter()
+    ours = balanced_partition(jobs, shards)
+    ours_s = time.perf_counter() - start
+    print(f"LPT                  {lpt_s * 1000:8.1f} ms   makespan/LB {lpt.ratio:.6f}")
+    print(
+        f"balanced_partition   {ours_s * 1000:8.1f} ms   makespan/LB {ours.ratio:.6f} ({ours.method}); "
+        f"{'not worse than LPT' if ours.makespan <= lpt.makespan + 1e-9 else 'WORSE THAN LPT'}; "
+        f"target under 1000 ms: {'met' if ours_s < 1.0 else 'MISSED'}"
+    )
+    catalog = load_catalog()
+    files = tuple(
+        TestFile(job.key, (Registration("cpu", job.key, 2, job.weight, "stage-b-cpu"),)) for job in jobs
+    )
+    discovery = Discovery(root=ROOT, files=files, problems=())
+    with tempfile.TemporaryDirectory() as tmp:
+        options = RunOptions(root=ROOT, suites=("stage-b-cpu",), shards=str(shards), report_dir=Path(tmp))
+        start = time.perf_counter()
+        plan = build_plan(options, catalog, discovery)
+        text = format_plan(plan)
+        plan_s = time.perf_counter() - start
+    print(
+        f"whole plan (select, partition, timeouts, {len(text.splitlines())} printed lines) "
+        f"{plan_s * 1000:8.1f} ms; {len(plan.tests)} tests in {plan.suites[0].n_shards} shards"
+    )
+
+
 def overhead(files: int) -> None:
     from miles.ci.catalog import load_catalog
     from miles.ci.discover import discover
@@ -203,11 +245,13 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=5, help="instances per (size, shards) cell")
     parser.add_argument("--files", type=int, default=8, help="test files for the overhead measurement")
     parser.add_argument("--skip-overhead", action="store_true")
+    parser.add_argument("--large", type=int, default=10_000, help="tests in the synthetic scale suite")
     args = parser.parse_args()
     print("# Shard balance: makespan / lower bound (1.000 is the best any partition can do)")
     balance_table("Synthetic heavy-tailed suites", lambda rng, size, n: heavy_tailed(rng, size), args.seeds)
     balance_table("Planted suites (a perfect partition exists)", planted, args.seeds)
     repository_suites()
+    large_suite(args.large)
     if not args.skip_overhead:
         overhead(args.files)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from miles.ci.catalog import Catalog
 from miles.ci.discover import Discovery, Registration
+from miles.metrics.store import BASELINE_CADENCES
 
 ERROR, WARNING, INFO = "error", "warning", "info"
 GPU_BACKENDS = ("cuda", "rocm")
@@ -146,6 +147,7 @@ def audit(catalog: Catalog, discovery: Discovery, *, root: Path | None = None) -
                 )
 
     findings.extend(_placeholder_findings(per_suite))
+    findings.extend(_baseline_findings(catalog, discovery))
 
     used = {label for r in registrations for label in r.labels}
     for label in catalog.labels:
@@ -178,6 +180,40 @@ def _coverage(discovery: Discovery) -> tuple[CoverageRow, ...]:
         if state["cuda"] != "-" or state["rocm"] != "-":
             rows.append(CoverageRow(f.path, state["cuda"], state["rocm"]))
     return tuple(rows)
+
+
+def _baseline_findings(catalog: Catalog, discovery: Discovery) -> list[Finding]:
+    """A gate compares a run with the history of its (test, backend, suite), and only the
+    scheduled runs of that suite store it (miles.ci.policy). Name every gate none of them feeds:
+    it would stay INACTIVE for ever."""
+    findings = []
+    for test_file in discovery.files:
+        if not test_file.gates:
+            continue
+        metrics = ", ".join(g.metric_key for g in test_file.gates)
+        for r in test_file.registrations:
+            if not r.enabled or any(c in BASELINE_CADENCES for _, c in catalog.scheduled_runs(r.suite)):
+                continue
+            where = f"{test_file.path}:{test_file.gates[0].line}: gate {metrics} on ({r.backend}, {r.suite})"
+            if r.backend == "cpu":  # the cpu lane gates on the local store, which a nightly run fills
+                severity, message = (
+                    INFO,
+                    (
+                        f"{where} has no baseline source in CI: no scheduled workflow runs {r.suite}; "
+                        f"fill the local store with `python -m miles.ci run --suite {r.suite} --cadence nightly`"
+                    ),
+                )
+            else:
+                severity, message = (
+                    WARNING,
+                    (
+                        f"{where} has no baseline source: no scheduled workflow runs {r.suite} at a nightly "
+                        "or weekly cadence, so the gate stays INACTIVE; add one to the suite's consumers "
+                        "and to [schedules] in miles/ci/catalog.toml"
+                    ),
+                )
+            findings.append(Finding(severity, "no-baseline", message))
+    return findings
 
 
 def _placeholder_findings(per_suite: dict[str, list[Registration]]) -> list[Finding]:

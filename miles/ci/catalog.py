@@ -13,6 +13,7 @@ import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from functools import lru_cache
 from pathlib import Path
 from types import MappingProxyType
@@ -23,6 +24,7 @@ CATALOG_SCHEMA = 1  # the `schema = N` this miles reads
 CADENCES = ("regular", "nightly", "weekly", "release")
 GATE_MODES = ("shadow", "enforce")
 CONSUMER_KINDS = ("workflow", "external")
+MAX_EST_TIME = 86_400.0  # a day: the longest est_time a registration (or an implicit one) may state
 MAX_SHARDS = 64  # shards of one suite: more runners than any pool has, and a bound on planning
 
 _SUITE_NAME = re.compile(
@@ -109,6 +111,18 @@ class Suite:
 
 
 @dataclass(frozen=True)
+class ImplicitDir:
+    """A directory whose test files need no register_*_ci call: one without runs in `suite`."""
+
+    directory: str  # posix, relative to the project root, no trailing slash
+    suite: str
+    est_time: float
+
+    def holds(self, rel: str) -> bool:
+        return rel.startswith(self.directory + "/")
+
+
+@dataclass(frozen=True)
 class Catalog:
     path: Path
     backends: Mapping[str, Backend]
@@ -116,6 +130,23 @@ class Catalog:
     labels: Mapping[str, str]
     lanes: Mapping[str, Lane]
     suites: Mapping[str, Suite]
+    implicit: Mapping[str, ImplicitDir] = dataclass_field(default_factory=lambda: MappingProxyType({}))
+    # workflow file in .github/workflows -> the cadence its scheduled runs use
+    schedules: Mapping[str, str] = dataclass_field(default_factory=lambda: MappingProxyType({}))
+
+    def implicit_for(self, rel: str) -> ImplicitDir | None:
+        """The implicit registration of the test file at `rel` (posix, relative to the project
+        root) when it registers nothing itself; the innermost declared directory wins."""
+        holding = [d for d in self.implicit.values() if d.holds(rel)]
+        return max(holding, key=lambda d: len(d.directory), default=None)
+
+    def scheduled_runs(self, suite: str) -> tuple[tuple[str, str], ...]:
+        """(workflow, cadence) of the scheduled workflows that run `suite`."""
+        return tuple(
+            (c.name, self.schedules[c.name])
+            for c in self.suites[suite].consumers
+            if c.kind == "workflow" and c.name in self.schedules
+        )
 
     def suites_for_backend(self, backend: str) -> tuple[Suite, ...]:
         return tuple(s for s in self.suites.values() if s.backend == backend)
@@ -152,7 +183,7 @@ def unknown_name_message(
     """ "<kind> '<name>' is not in the catalog…; did you mean …? known: …" for any closed list."""
     known = sorted(known)
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
-    hint = f"; did you mean '{close[0]}'?" if close else ""
+    hint = f"; did you mean '{close[0]}'?" if close else ";"
     return f"{kind} '{name}' is not in the catalog{where}{extra}{hint} known: {compress_names(known)}"
 
 
@@ -211,7 +242,7 @@ def _build(path: Path, raw: dict, problems: list[str]) -> Catalog:
             return {}
         entries = {}
         for key, entry in value.items():
-            if name != "labels" and not isinstance(entry, dict):
+            if name not in ("labels", "schedules") and not isinstance(entry, dict):
                 where = f'[{name}."{key}"]' if name == "suites" else f"[{name}.{key}]"
                 problems.append(f"{where} must be a table, not {type(entry).__name__} {entry!r:.40}")
                 continue
@@ -286,6 +317,20 @@ def _build(path: Path, raw: dict, problems: list[str]) -> Catalog:
             consumers=tuple(consumers),
             description=field(where, entry, "description", str, ""),
         )
+    implicit = {}
+    for directory, entry in table("implicit").items():
+        where = f'[implicit."{directory}"]'
+        est_time = entry.get("est_time")
+        if not isinstance(est_time, int | float) or isinstance(est_time, bool):
+            problems.append(f"{where}: `est_time` = {est_time!r} should be a number of seconds")
+            est_time = 0.0
+        implicit[directory] = ImplicitDir(directory, field(where, entry, "suite", str, ""), float(est_time))
+    schedules = {}
+    for workflow, cadence in table("schedules").items():
+        if not isinstance(cadence, str):
+            problems.append(f'[schedules] "{workflow}" = {cadence!r} should be a cadence name')
+            continue
+        schedules[workflow] = cadence
     return Catalog(
         path=path,
         backends=MappingProxyType(backends),
@@ -293,6 +338,8 @@ def _build(path: Path, raw: dict, problems: list[str]) -> Catalog:
         labels=MappingProxyType(labels),
         lanes=MappingProxyType(lanes),
         suites=MappingProxyType(suites),
+        implicit=MappingProxyType(implicit),
+        schedules=MappingProxyType(schedules),
     )
 
 
@@ -321,6 +368,44 @@ def validate_catalog(catalog: Catalog) -> list[str]:
             problems.append(f"{where}: no suite names this lane; remove it or point a suite at it")
     for suite in catalog.suites.values():
         problems.extend(_suite_problems(catalog, suite))
+    for implicit in catalog.implicit.values():
+        problems.extend(_implicit_problems(catalog, implicit))
+    consumers = {c.name for s in catalog.suites.values() for c in s.consumers if c.kind == "workflow"}
+    for workflow, cadence in catalog.schedules.items():
+        if cadence not in CADENCES:
+            problems.append(f"[schedules] \"{workflow}\": cadence '{cadence}' is not one of {list(CADENCES)}")
+        if workflow not in consumers:
+            problems.append(
+                f'[schedules] "{workflow}" runs no suite: name it among the consumers of the suites it runs'
+            )
+    return problems
+
+
+def _implicit_problems(catalog: Catalog, implicit: ImplicitDir) -> list[str]:
+    where = f'[implicit."{implicit.directory}"]'
+    problems = []
+    parts = implicit.directory.split("/")
+    if (
+        implicit.directory.startswith("/")
+        or "\\" in implicit.directory
+        or any(p in ("", ".", "..") for p in parts)
+    ):
+        problems.append(
+            f"{where}: the directory must be a plain path relative to the project root, such as "
+            '"tests/unit" (no leading or trailing slash, no "." or ".." parts, forward slashes)'
+        )
+    suite = catalog.suites.get(implicit.suite)
+    if suite is None:
+        problems.append(f"{where}: {unknown_name_message('suite', implicit.suite, catalog.suites)}")
+    elif suite.is_gpu:
+        problems.append(
+            f"{where}: suite '{suite.name}' is a GPU suite; a GPU registration needs labels, which an "
+            "implicit one cannot carry: name a cpu suite, or register the files explicitly"
+        )
+    if not (math.isfinite(implicit.est_time) and 0 < implicit.est_time <= MAX_EST_TIME):
+        problems.append(
+            f"{where}: est_time must be a number of seconds > 0 and at most {MAX_EST_TIME:g}, not {implicit.est_time:g}"
+        )
     return problems
 
 

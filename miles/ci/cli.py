@@ -1,7 +1,9 @@
 """`python -m miles.ci <command>`: list, audit, manifest, and the commands other parts add.
 
-Exit codes: 0 fine, 1 the command found problems, 2 bad usage (unknown suite, lane, label).
-Heavy packages are never imported here; commands import what they need when they run.
+Exit codes: 0 fine, 1 the command found problems (or a package it needs is missing), 2 bad
+usage (unknown suite, lane, label), 3 the machine cannot run a lane (preflight); 141 when the
+reader closed the output early (`list --json | head`), quietly. Heavy packages are never
+imported here; commands import what they need when they run.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ class UsageError(Exception):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    from miles.exits import EXIT_FAILED, missing_package, quiet_broken_pipe
+
     try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
         if getattr(args, "root", None) is not None:
             check_root(args.root, needs_tests=getattr(args, "needs_tests", False))
         return args.handler(args)
@@ -36,6 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     except CatalogError as exc:  # the catalog is input too: a broken one is bad input
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`list --json | head`): stop quietly
+        return quiet_broken_pipe()
+    except ModuleNotFoundError as exc:  # a command's optional package (matplotlib, psycopg)
+        line = missing_package(exc, f"python -m miles.ci {' '.join((argv or sys.argv[1:])[:1])}")
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
+        return EXIT_FAILED
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,7 +22,7 @@ from miles.ci.catalog import Catalog, load_catalog
 from miles.ci.discover_cache import DiscoveryCache
 from miles.ci.register import BACKEND_OF_MARKER, MARKERS
 from miles.ci.registration import GateDeclaration, Problem, Registration, TestFile
-from miles.ci.rules import FileReader, disabled_reason_problem
+from miles.ci.rules import disabled_reason_problem, read_test_file
 
 __all__ = [
     "Discovery",
@@ -36,10 +36,6 @@ __all__ = [
     "iter_test_files",
     "parse_test_file",
 ]
-
-UNIT_DIR = "unit"
-IMPLICIT_SUITE = "stage-a-cpu"
-IMPLICIT_EST_TIME = 15.0  # seconds; unit files are fast and rarely need their own number
 
 _MARKER_RE = re.compile(r"\b(?:" + "|".join(MARKERS) + r")\b")
 # A line that can start a new top-level statement: column 0, not blank, not a comment,
@@ -106,7 +102,7 @@ def discover(
             stat = None
         hit = memo.get(rel, stat) if memo is not None and stat is not None else None
         if hit is None:
-            hit = parse_test_file(Path(path), rel, catalog, tests_dir=tests_dir)
+            hit = parse_test_file(Path(path), rel, catalog)
             if memo is not None and stat is not None:
                 memo.put(rel, stat, *hit)
         files.append(hit[0])
@@ -137,11 +133,8 @@ def iter_test_files(root: Path, tests_dir: str = "tests") -> Iterator[str]:
     yield from sorted(found)
 
 
-def parse_test_file(
-    path: Path, rel: str, catalog: Catalog, *, tests_dir: str = "tests"
-) -> tuple[TestFile, list[Problem]]:
-    """Registrations, gate declarations and problems of one file."""
-    problems: list[Problem] = []
+def parse_test_file(path: Path, rel: str, catalog: Catalog) -> tuple[TestFile, list[Problem]]:
+    """Registrations, gate declarations and problems of one file (see rules.read_test_file)."""
     try:
         source = read_source(path)
     except (OSError, UnicodeDecodeError, SyntaxError, LookupError) as exc:
@@ -149,35 +142,14 @@ def parse_test_file(
     try:
         tree, mentions = _parse_marker_region(source, rel)
     except SyntaxError as exc:
+        # nothing can be read: the problem concerns every backend the text might register for
         named = {BACKEND_OF_MARKER[m] for m in _MARKER_RE.findall(source) if m in BACKEND_OF_MARKER}
-        if rel.startswith(f"{tests_dir}/{UNIT_DIR}/"):
-            named.add("cpu")
+        implicit = catalog.implicit_for(rel)
+        if implicit is not None:
+            named.add(catalog.suites[implicit.suite].backend)
         message = f"syntax error, registrations cannot be read: {exc.msg}"
         return TestFile(rel, ()), [Problem(rel, exc.lineno or 1, message, tuple(sorted(named)))]
-    reader = FileReader(rel, catalog, problems)
-    if tree is not None:
-        reader.read(tree, mentions)
-    registrations = reader.registrations
-    in_unit = rel.startswith(f"{tests_dir}/{UNIT_DIR}/")
-    # A problem of the whole file (a gate, an import, a misplaced call) concerns every
-    # backend the file's markers name; a unit file also runs on cpu.
-    named = {BACKEND_OF_MARKER[m] for m in _MARKER_RE.findall(source) if m in BACKEND_OF_MARKER}
-    backends = tuple(sorted(named | ({"cpu"} if in_unit else set())))
-    problems[:] = [p.with_backends(backends) for p in problems]
-    if not registrations and not reader.named_a_marker:
-        if in_unit:
-            registrations = [Registration("cpu", rel, 0, IMPLICIT_EST_TIME, IMPLICIT_SUITE, implicit=True)]
-        else:
-            problems.append(
-                Problem(
-                    rel,
-                    1,
-                    "no register_*_ci(...) call: every test file outside "
-                    f"{tests_dir}/{UNIT_DIR}/ must say where it runs, e.g. "
-                    'register_cpu_ci(est_time=60, suite="stage-b-cpu")',
-                )
-            )
-    return TestFile(rel, tuple(registrations), tuple(reader.gates)), problems
+    return read_test_file(tree, mentions, rel, catalog)
 
 
 def read_source(path: Path) -> str:

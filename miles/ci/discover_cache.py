@@ -31,6 +31,8 @@ _PACKAGE = Path(__file__).resolve().parents[1]
 _CODE = (
     "ci/discover.py",
     "ci/rules.py",
+    "ci/reasons.py",
+    "ci/catalog.py",
     "ci/registration.py",
     "ci/discover_cache.py",
     "ci/register.py",

@@ -186,8 +186,11 @@ def build_plan(options: RunOptions, catalog: Catalog, discovery: Discovery) -> R
     for suite in scope.suites:
         regs = {r.file: r for r in selection.of_suite(suite.name)}
         jobs = [Job(r.file, r.est_time) for r in regs.values()]
-        n, how = shard_count(suite, jobs, n_requested, explicit)
-        partition = balanced_partition(jobs, n)
+        try:
+            n, how = shard_count(suite, jobs, n_requested, explicit)
+            partition = balanced_partition(jobs, n)
+        except ValueError as exc:  # the partition's own checks: one line, exit 2, never a traceback
+            raise PlanError(f"suite {suite.name} cannot be sharded: {exc}") from None
         run_shards = tuple(range(1, n + 1)) if k is None else ((k,) if k <= n else ())
         suite_plans.append(SuitePlan(suite, n, how, partition, run_shards))
         for index in run_shards:
@@ -240,18 +243,29 @@ def build_plan(options: RunOptions, catalog: Catalog, discovery: Discovery) -> R
 
 def blocks(problem: Problem, scope: Scope, catalog: Catalog) -> bool:
     """Whether a registration problem stops a run of `scope`: only a problem in one of its
-    own suites does (or one that cannot be placed in a suite of its backend). The others are
-    warnings here; `audit --strict` (the lint lane) fails on every problem."""
+    own suites does (a refused call's suite, or a suite the file registers for), or one that
+    cannot be placed in a suite of its backend. The others are warnings here; `audit
+    --strict` (the lint lane) fails on every problem."""
     if scope.backend not in problem.backends:
         return False
     names = {s.name for s in scope.suites}
-    if problem.suite is None:
+    named = (problem.suite,) if problem.suite is not None else problem.suites
+    if not named:
         return True
-    suite = catalog.suites.get(problem.suite)
+    return any(_suite_in_scope(suite, scope, names, catalog) for suite in named)
+
+
+def _suite_in_scope(suite_name: str, scope: Scope, names: set[str], catalog: Catalog) -> bool:
+    """Whether a suite a problem names is one of this run's; a name no suite of the backend
+    has counts as the run's when it is a near miss of one of its suites (a typo), or when it
+    is close to none at all (it could be anyone's)."""
+    suite = catalog.suites.get(suite_name)
     if suite is not None and suite.backend == scope.backend:
         return suite.name in names
+    if suite is not None:  # a suite of another backend: this file's problem is not this run's
+        return False
     pool = [s.name for s in catalog.suites_for_backend(scope.backend)]
-    close = difflib.get_close_matches(problem.suite, pool, n=1, cutoff=0.75)
+    close = difflib.get_close_matches(suite_name, pool, n=1, cutoff=0.75)
     return close[0] in names if close else True
 
 

@@ -1,11 +1,20 @@
 """What a CI event asks for: the cadence, the PR labels that widen a run, and whether the
 run may store trusted metric history.
 
+What runs (CPU tests always run):
+- a push to main (merged code) and a schedule run every GPU test of their lanes: the policy
+  gives them `run-ci-all`, so after a merge every GPU lane runs;
+- a pull request runs the GPU tests whose labels its `run-ci-<label>` labels name
+  (`run-ci-all`: every one); an unlabeled pull request runs no GPU test, only the CPU lane;
+- a manual dispatch runs like a pull request, at the cadence its caller chose (a nightly or
+  weekly cadence admits every GPU test).
+
 History (the baselines every later run is gated against) is stored by one rule,
-`stores_history`: only a run of merged code (a schedule, a push to main, or a manual
-dispatch on main of a workflow that consumes a nightly or weekly suite) at a cadence that
-writes baselines. The rule reads the event, never a label: a PR with the `nightly` label runs
-the nightly tests but stores nothing.
+`stores_history`: only a run of merged code at a cadence that writes baselines: a schedule,
+or a dispatch on main of a scheduled workflow (the catalog's [schedules]). A push to main
+runs at the regular cadence and is gated against those baselines but stores nothing. The
+rule reads the event, never a label: a PR with the `nightly` label runs the nightly tests but
+stores nothing. Every suite's baselines come from the scheduled workflows that run it.
 
 PR labels end up in shell commands (workflow steps pass them to `--labels`), so only names
 that cannot carry shell syntax pass: `run-ci-<name>` with `<name>` made of letters, digits,
@@ -44,6 +53,9 @@ EVENT_CADENCE = {
     "release": "release",
 }
 
+
+# Events of merged code that run every GPU test (the workflows trigger `push` on main only).
+EVERY_LABEL_EVENTS = ("push", "schedule")
 
 MAIN_REF = "refs/heads/main"
 # Events whose code is already on the main line; anything else (pull_request,
@@ -150,14 +162,9 @@ class CiEvent:
 
 
 def baseline_workflows(catalog: Catalog) -> frozenset[str]:
-    """Workflow files that run a suite of a baseline-writing cadence (the nightly workflow)."""
-    return frozenset(
-        c.name
-        for s in catalog.suites.values()
-        if s.cadence in BASELINE_CADENCES
-        for c in s.consumers
-        if c.kind == "workflow"
-    )
+    """Workflow files whose scheduled runs write baselines (the catalog's [schedules] at a
+    nightly or weekly cadence)."""
+    return frozenset(name for name, cadence in catalog.schedules.items() if cadence in BASELINE_CADENCES)
 
 
 def history_decision(event: CiEvent | None, cadence: str, catalog: Catalog) -> tuple[bool, str]:
@@ -198,6 +205,17 @@ class Policy:
     @property
     def continue_on_error(self) -> bool:
         return self.labels.bypass_fastfail
+
+    def gpu_scope(self) -> str:
+        """Which GPU tests this event runs, in words (CPU tests always run)."""
+        if self.labels.all or self.cadence != "regular":
+            why = (
+                "merged code" if self.event in EVERY_LABEL_EVENTS else f"{self.cadence} cadence or run-ci-all"
+            )
+            return f"every GPU test ({why})"
+        if self.labels.domains:
+            return "the GPU tests labelled " + ", ".join(sorted(self.labels.domains))
+        return "no GPU test, only the CPU lane: add run-ci-<label> (or run-ci-all) to run GPU tests"
 
     def outputs(self) -> dict[str, str]:
         """GitHub step outputs; every value is safe to paste into a shell command."""
@@ -255,6 +273,8 @@ def resolve_policy(
     ci, ignored = [], []
     for name in pr_labels:
         (ci if name.startswith(LABEL_PREFIX) or name in SPECIAL_LABELS else ignored).append(name)
+    if event in EVERY_LABEL_EVENTS:  # merged code: every GPU lane runs
+        ci.append(BROAD_LABEL)
     labels = parse_labels(ci, catalog)
     base = cadence or EVENT_CADENCE[event]
     store = stores_history(CiEvent(event, ref, workflow), base, catalog)

@@ -6,8 +6,11 @@ checkpoints, and no processes left over from an earlier job. Each missing thing 
 any problem exits 3, before a GPU job starts and fails an hour later for the same reason.
 
 `--machine-only` skips what needs the stack (pins), so the lane can run it before installing
-anything. Leftover processes are reported; `--clean` kills them. Standard library only; torch
-is consulted through miles.platform when it is installed.
+anything. Leftover processes are reported; `--clean` kills them. Only this job's processes
+count (`JobScope`): in its cgroup, of its user, started after the job, and under GitHub
+Actions of its runner; another runner's on the same host (an MI350 host is two 4-GPU
+runners) is named as left alone, never killed. Standard library only; torch is consulted
+through miles.platform when it is installed.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ MAX_PIN_LINES = 12  # beyond this the stack is simply not installed; say so inst
 VENDOR = {"cuda": "NVIDIA", "rocm": "AMD"}
 VISIBLE_ENV = {"cuda": ("CUDA_VISIBLE_DEVICES",), "rocm": ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")}
 SMI_TOOLS = {"cuda": ("nvidia-smi",), "rocm": ("amd-smi", "rocm-smi")}
+RUNNER_ENV = "RUNNER_NAME"  # set by GitHub Actions in every step of a job: which runner runs it
 # Command lines of the processes a training job leaves behind when its runner dies.
 LEFTOVER_PATTERNS = (
     r"sglang\.launch_server",
@@ -65,10 +69,71 @@ class Leftover:
     pid: int
     command: str
     age_s: float
+    started: float = 0.0  # epoch seconds
+    uid: int = -1  # real user id
+    cgroup: str = ""  # /proc/<pid>/cgroup
+    runner: str | None = None  # RUNNER_NAME in its environment ("" unset, None unreadable)
 
     def describe(self) -> str:
         hours, rest = divmod(int(self.age_s), 3600)
         return f"pid {self.pid} ({self.command[:80]}, running {hours}h{rest // 60:02d}m)"
+
+
+@dataclass(frozen=True)
+class JobScope:
+    """What makes a process this job's, so that --clean never touches another job's."""
+
+    cgroup: str  # this process's /proc/self/cgroup: a job's processes are in it or below it
+    uid: int
+    since: float  # the job's start: its oldest ancestor in the same cgroup, of the same user
+    runner: str = ""  # RUNNER_NAME of this job under GitHub Actions ("" elsewhere)
+
+    @classmethod
+    def current(cls, env: Mapping[str, str], proc: Path = Path("/proc")) -> JobScope:
+        boot = _boot_time(proc)
+        me = _read_process(proc, os.getpid(), boot)
+        since = me.started if me else time.time()
+        for pid in _ancestor_chain(os.getpid(), proc)[1:]:
+            parent = _read_process(proc, pid, boot)
+            if parent is None or me is None or (parent.cgroup, parent.uid) != (me.cgroup, me.uid):
+                break
+            since = parent.started
+        return cls(me.cgroup if me else "", me.uid if me else os.getuid(), since, env.get(RUNNER_ENV, ""))
+
+    def not_ours(self, p: Leftover) -> str | None:
+        """Why `p` belongs to another job, or None when it is this job's."""
+        if p.uid != self.uid:
+            return f"another user's (uid {p.uid})"
+        if not _cgroup_within(p.cgroup, self.cgroup):
+            return "in another cgroup (another runner or service)"
+        if p.started < self.since:
+            return "started before this job"
+        if self.runner and p.runner != self.runner:
+            shown = "unreadable" if p.runner is None else (p.runner or "unset")
+            return f"another runner's ({RUNNER_ENV}={shown}, this job's is {self.runner})"
+        return None
+
+
+def _cgroup_within(theirs: str, ours: str) -> bool:
+    """Whether every hierarchy of `theirs` is `ours` or below it (a test's own cgroup is)."""
+    mine = _cgroup_paths(ours)
+    other = _cgroup_paths(theirs)
+    if not mine:
+        return True  # no cgroups to tell jobs apart by
+    for hierarchy, path in mine.items():
+        found = other.get(hierarchy)
+        if found is None or not (found == path or found.startswith(path.rstrip("/") + "/")):
+            return False
+    return True
+
+
+def _cgroup_paths(text: str) -> dict[str, str]:
+    """hierarchy id:controllers -> path, from /proc/<pid>/cgroup."""
+    paths = {}
+    for line in text.splitlines():
+        number, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        paths[f"{number}:{controllers}"] = path
+    return paths
 
 
 def need_for(lane: str, suites: Sequence[str] = (), catalog: Catalog | None = None) -> Need:
@@ -188,39 +253,72 @@ def check_disk(path: Path, min_free_gb: float) -> list[str]:
 
 
 def find_leftovers(patterns: Iterable[str] = LEFTOVER_PATTERNS, proc: Path = Path("/proc")) -> list[Leftover]:
-    """Processes whose command line matches a pattern, except this one and its ancestors."""
+    """Processes whose command line matches a pattern, except this one and its ancestors,
+    whoever they belong to (JobScope says which are this job's)."""
     regex = re.compile("|".join(f"(?:{p})" for p in patterns))
-    mine = _ancestors(os.getpid(), proc)
+    mine = set(_ancestor_chain(os.getpid(), proc))
     boot = _boot_time(proc)
-    tick = os.sysconf("SC_CLK_TCK")
     found = []
     for entry in proc.iterdir():
         if not entry.name.isdigit() or int(entry.name) in mine:
             continue
-        try:
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue  # exited while we looked
+        command = _command_line(entry)
         if not command or not regex.search(command):
             continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if fields[0] == "Z":
-            continue  # a zombie holds nothing but its exit status
-        started = boot + int(fields[19]) / tick
-        found.append(Leftover(int(entry.name), command, max(0.0, time.time() - started)))
+        process = _read_process(proc, int(entry.name), boot)
+        if process is not None:
+            found.append(process)
     return sorted(found, key=lambda p: p.pid)
 
 
-def _ancestors(pid: int, proc: Path) -> set[int]:
-    out = set()
-    while pid > 0 and pid not in out:
-        out.add(pid)
+def _command_line(base: Path) -> str:
+    try:
+        return (base / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""  # exited while we looked
+
+
+def _read_process(proc: Path, pid: int, boot: float) -> Leftover | None:
+    """A live process's facts, or None when it has exited (or is a zombie, which holds
+    nothing but its exit status)."""
+    base = proc / str(pid)
+    command = _command_line(base)
+    try:
+        fields = (base / "stat").read_text().rsplit(")", 1)[1].split()
+        status = (base / "status").read_text()
+        cgroup = (base / "cgroup").read_text()
+    except (OSError, IndexError):
+        return None
+    if fields[0] == "Z":
+        return None
+    started = boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    uid = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("Uid:")), -1)
+    return Leftover(pid, command, max(0.0, time.time() - started), started, uid, cgroup, _runner_of(base))
+
+
+def _runner_of(base: Path) -> str | None:
+    """RUNNER_NAME in a process's environment: "" when unset, None when it cannot be read."""
+    try:
+        environ = (base / "environ").read_bytes()
+    except OSError:
+        return None
+    prefix = f"{RUNNER_ENV}=".encode()
+    for item in environ.split(b"\0"):
+        if item.startswith(prefix):
+            return item[len(prefix) :].decode(errors="replace")
+    return ""
+
+
+def _ancestor_chain(pid: int, proc: Path) -> list[int]:
+    """`pid`, its parent, its parent's parent, ... up to the first process."""
+    chain: list[int] = []
+    while pid > 0 and pid not in chain:
+        chain.append(pid)
         try:
             pid = int((proc / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             break
-    return out
+    return chain
 
 
 def _boot_time(proc: Path) -> float:
@@ -260,18 +358,28 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def check_leftovers(clean: bool, patterns: Iterable[str] = LEFTOVER_PATTERNS) -> tuple[list[str], list[str]]:
-    """(problems, notes): leftovers are problems unless `clean` killed them."""
-    leftovers = find_leftovers(patterns)
-    if not leftovers:
-        return [], []
+def check_leftovers(
+    clean: bool, patterns: Iterable[str] = LEFTOVER_PATTERNS, scope: JobScope | None = None
+) -> tuple[list[str], list[str]]:
+    """(problems, notes): this job's leftovers are problems unless `clean` killed them; another
+    job's matching processes are named in a note and never touched."""
+    scope = scope if scope is not None else JobScope.current(os.environ)
+    ours, notes = [], []
+    for p in find_leftovers(patterns):
+        why = scope.not_ours(p)
+        if why is None:
+            ours.append(p)
+        else:
+            notes.append(f"left alone: {p.describe()}: {why}")
+    if not ours:
+        return [], notes
     if not clean:
         return [
             f"processes: {p.describe()} is left from an earlier job; rerun with --clean to kill it"
-            for p in leftovers
-        ], []
-    survivors = kill_leftovers(leftovers)
-    notes = [f"killed {p.describe()}" for p in leftovers if p not in survivors]
+            for p in ours
+        ], notes
+    survivors = kill_leftovers(ours)
+    notes += [f"killed {p.describe()}" for p in ours if p not in survivors]
     return [
         f"processes: {p.describe()} survived SIGKILL; the machine needs attention" for p in survivors
     ], notes

@@ -7,7 +7,8 @@ from dataclasses import dataclass, replace
 
 @dataclass(frozen=True)
 class Registration:
-    """One `register_<backend>_ci(...)` call (or the implicit one of a tests/unit/ file)."""
+    """One `register_<backend>_ci(...)` call (or the implicit one of a file in a directory the
+    catalog's [implicit] table names)."""
 
     backend: str
     file: str  # posix path relative to the project root
@@ -65,16 +66,19 @@ class Problem:
     line: int
     message: str
     # Which runs the problem concerns: the backends it touches (the refused call's, or every
-    # backend the file's markers name) and, for a refused registration, the suite it named.
+    # backend the file registers for) and, for a refused registration, the suite it named;
+    # for a problem of the whole file, the suites the file registers for.
     backends: tuple[str, ...] = ()
     suite: str | None = None
     refused: bool = False  # a register_*_ci(...) call refused by a rule
+    suites: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         return f"{self.file}:{self.line}: {self.message}"
 
-    def with_backends(self, backends: tuple[str, ...]) -> Problem:
-        return self if self.backends else replace(self, backends=backends)
+    def with_scope(self, backends: tuple[str, ...], suites: tuple[str, ...]) -> Problem:
+        """A problem of the whole file, charged to the backends and suites the file names."""
+        return self if self.backends else replace(self, backends=backends, suites=suites)
 
     def refusal_json(self) -> dict:
         """A refused registration as `list --json` and `manifest --json` show it."""

@@ -8,94 +8,29 @@ from __future__ import annotations
 
 import ast
 import math
-import re
+from collections.abc import Iterator
 
-from miles.ci.catalog import Catalog, UnknownName
+from miles.ci.catalog import MAX_EST_TIME, Catalog, UnknownName
+from miles.ci.reasons import disabled_reason_problem
 from miles.ci.register import BACKEND_OF_MARKER, GATE_MARKER, MARKERS
-from miles.ci.registration import GateDeclaration, Problem, Registration
+from miles.ci.registration import GateDeclaration, Problem, Registration, TestFile
 from miles.metrics.spec import CONSTRAINT_KEYS as GATE_CONSTRAINT_KEYS
+
+__all__ = ["FileReader", "disabled_reason_problem", "read_test_file"]
 
 _REG_PARAMS = ("est_time", "suite", "labels", "nightly", "disabled")
 _REG_POSITIONAL = ("est_time", "suite")
 _GATE_PARAMS = ("metric_key", "steps", "constraint", "enforce")
 
-# A disabled= reason is read for its content: a tracking reference, or a named subject
-# (a component, kernel, model, error, hardware) together with a concrete symptom or cause.
-_TRACKING_REF = re.compile(r"(?:\b[\w.-]+/[\w.-]+)?#\d+\b|https?://\S+|\b[A-Z][A-Z0-9]+-\d+\b")
-_TOKEN = re.compile(r"[A-Za-z0-9][\w.+/:-]*[A-Za-z0-9]|[A-Za-z0-9]")
-_GENERIC_ACRONYMS = frozenset("PR CI TODO FIXME WIP TBD NA XXX OK AI HACK NOTE".split())
-_DOMAIN_WORDS = frozenset(
-    """nccl rccl cuda rocm hip sglang megatron fsdp ddp torch pytorch triton aiter mori deepep
-    flashinfer transformers ray gloo numba vllm kernel kernels driver drivers firmware image
-    container docker checkpoint checkpoints tokenizer rollout rollouts reward rewards optimizer
-    allreduce all-to-all moe expert experts attention model models weights weight gradient
-    gradients logprob logprobs loss lora quantization fp8 bf16 fp16 dataset server port memory
-    disk network gpu gpus cpu node nodes rank ranks host hosts compiler wheel dependency upstream
-    api endpoint download hub proxy dns clock timer seed scheduler dataloader""".split()
-)
-_SYMPTOM = re.compile(
-    r"\b(?:[A-Za-z]*Error[A-Za-z]*|[A-Za-z]+Exception|error\s*(?:code\s*)?\d+|errno|exit(?:s|ed)?\s+(?:code\s+)?\d+"
-    r"|HTTP\s*\d{3}|segfaults?|segmentation fault|SIG[A-Z]+|core dump(?:ed|s)?|crash(?:es|ed|ing)?"
-    r"|hang(?:s|ing)?|hung|deadlocks?|stall(?:s|ed)?|times? out|timed out|timeouts?|OOMs?|out of memory"
-    r"|NaNs?|inf(?:inite)?|diverg\w*|mismatch\w*|differ(?:s|ent)?|drift\w*|drops?|aborts?|aborted"
-    r"|assert(?:ion)?s?|illegal (?:memory|instruction)|leaks?|wrong|incorrect|miscompil\w*|regress\w*"
-    r"|corrupt\w*|lose|loses|lost|exceeds?|exceeding|over (?:the )?[\w ]*budget|takes \d+|slower|too slow"
-    r"|fails? to \w+|failed to \w+|cannot \w+|can't \w+|unable to \w+|not divisible|not supported|unsupported"
-    r"|not (?:yet )?(?:implemented|available|ported|installed|released)|deprecated|removed|no longer"
-    r"|missing|requires?|needs?|depends on|waiting (?:for|on)|blocked (?:by|on)|until|rate.limited"
-    r"|no (?:module|wheel|kernel|support|space)|refused|unreachable)\b",
-    re.IGNORECASE,
-)
-
-
-def _subjects(reason: str) -> list[str]:
-    """Words that name a specific thing: identifiers, versions, acronyms, domain nouns."""
-    found = []
-    for token in _TOKEN.findall(reason):
-        core = token.strip(".:/-")
-        if not core or core.upper() in _GENERIC_ACRONYMS:
-            continue
-        identifier = (
-            re.search(r"[A-Za-z]", core)
-            and re.search(r"\d", core)  # gfx950, H200, fp8, M2.7
-            or re.search(r"[_/]|::|\w\.\w", core)  # world_size, a/b, torch.distributed
-            or re.search(r"[a-z][A-Z]", core)  # MiniMax, hipErrorNoDevice
-            or (core.isupper() and len(core) >= 2)  # NCCL, HIP, OOM
-        )
-        if identifier or core.lower() in _DOMAIN_WORDS:
-            found.append(core)
-    return found
-
-
-def disabled_reason_problem(reason: str) -> str | None:
-    """Why `reason` is not an acceptable `disabled=` value, or None when it is.
-
-    A reason is accepted when it cites a tracking reference (#123, owner/repo#123, a URL or
-    a ticket like ROCM-123), or names what fails (a component, kernel, model, error or
-    hardware: 'aiter fused-MoE kernel', 'MiniMax M2.7') and how or why (a symptom or cause:
-    'aborts with HIP error 700', 'is deprecated', 'needs 8 GPUs'). Words like "flaky",
-    "broken", "random bugs" or "failure" say neither.
-    """
-    if _TRACKING_REF.search(reason):
-        return None
-    subject, symptom = _subjects(reason), _SYMPTOM.search(reason)
-    if subject and symptom:
-        return None
-    shown = reason if reason.strip() else "(empty)"
-    missing = (
-        "what fails (a component, kernel, model, error or hardware)"
-        if not subject
-        else "how or why it fails (the error, symptom or cause)"
-    )
-    return (
-        f"disabled={shown!r} gives no diagnosis: it does not say {missing}; say what fails and why "
-        "(e.g. 'aiter fused-MoE kernel aborts with HIP error 700 on gfx950') "
-        "or cite a tracking reference (#123 or a URL)"
-    )
-
 
 class FileReader:
-    """Reads the marker calls of one parsed file and collects the problems it finds."""
+    """Reads the marker calls of one parsed file and collects the problems it finds.
+
+    Only what runs when the module is imported can register: top-level statements, and (as
+    mistakes to report) module-level blocks and class bodies. A marker named inside a function
+    or lambda body is a test of the markers themselves, not a registration, and a marker named
+    in a string is text; neither is read, reported or charged to any lane.
+    """
 
     def __init__(self, rel: str, catalog: Catalog, problems: list[Problem]):
         self.rel = rel
@@ -103,7 +38,9 @@ class FileReader:
         self.problems = problems
         self.registrations: list[Registration] = []
         self.gates: list[GateDeclaration] = []
-        self.named_a_marker = False
+        self.backends: set[str] = set()  # backends of the register_*_ci markers the module names
+        self.suites: set[str] = set()  # literal suites of the registration calls there
+        self.in_functions: list[tuple[int, str]] = []  # (line, marker) inside function bodies
         self._call: tuple[str, str | None] | None = None  # (backend, suite) of the call being read
 
     def problem(self, line: int, message: str) -> None:
@@ -114,7 +51,7 @@ class FileReader:
             self.problems.append(Problem(self.rel, line, message))
 
     def read(self, tree: ast.Module, mentions: int) -> None:
-        """Read top-level marker calls; flag every other place a marker is named.
+        """Read top-level marker calls; flag every other place the module names a marker.
 
         `mentions` counts marker names in the text. When every mention is an accepted
         import or top-level call, no other node can name a marker and the full tree walk
@@ -133,20 +70,27 @@ class FileReader:
                 and stmt.value.func.id in MARKERS
             ):
                 accepted.add(id(stmt.value.func))
+                self._named(stmt.value.func.id)
                 self._read_call(stmt.value)
         if accepted and len(accepted) == mentions:
-            self.named_a_marker = True
             return
-        for node in ast.walk(tree):
-            self._check_placement(node, accepted)
+        for node, in_function in _walk_module(tree):
+            if in_function:
+                name = _marker_named(node)
+                if name is not None:
+                    self.in_functions.append((getattr(node, "lineno", 1), name))
+            else:
+                self._check_placement(node, accepted)
+
+    def _named(self, marker: str) -> None:
+        if marker in BACKEND_OF_MARKER:
+            self.backends.add(BACKEND_OF_MARKER[marker])
 
     def _check_placement(self, node: ast.AST, accepted: set[int]) -> None:
         line = getattr(node, "lineno", 1)
         if isinstance(node, ast.alias):
-            if node.name in MARKERS or node.asname in MARKERS:
-                self.named_a_marker = True
-                if id(node) in accepted:
-                    return
+            if (node.name in MARKERS or node.asname in MARKERS) and id(node) not in accepted:
+                self._named(node.name if node.name in MARKERS else node.asname)
                 if node.asname not in (None, node.name):
                     self.problem(
                         line,
@@ -156,20 +100,20 @@ class FileReader:
                 else:
                     self.problem(
                         line,
-                        f"'{node.name}' is imported inside a function or block: registrations are "
-                        "read from top-level statements only; import it at the top of the module "
+                        f"'{node.name}' is imported inside a block: registrations are read from "
+                        "top-level statements only; import it at the top of the module "
                         f"and call {node.name}(...) there",
                     )
         elif isinstance(node, ast.Name) and node.id in MARKERS:
-            self.named_a_marker = True
             if id(node) not in accepted:
+                self._named(node.id)
                 self.problem(
                     line,
                     f"{node.id} is used inside a block or an expression: a registration must be "
                     f"its own top-level statement, {node.id}(...), with literal arguments",
                 )
         elif isinstance(node, ast.Attribute) and node.attr in MARKERS:
-            self.named_a_marker = True
+            self._named(node.attr)
             self.problem(
                 line,
                 f"'{ast.unparse(node)}' is an attribute call, which discovery does not read; "
@@ -190,6 +134,8 @@ class FileReader:
                 suite.value if isinstance(suite, ast.Constant) and isinstance(suite.value, str) else None
             )
             self._call = (BACKEND_OF_MARKER[name], literal)
+            if literal is not None:
+                self.suites.add(literal)
             try:
                 args = self._arguments(call, name, _REG_PARAMS, positional=_REG_POSITIONAL)
                 if args is not None:
@@ -372,7 +318,74 @@ class FileReader:
         )
 
 
-MAX_EST_TIME = 86_400.0
+def read_test_file(
+    tree: ast.Module | None, mentions: int, rel: str, catalog: Catalog
+) -> tuple[TestFile, list[Problem]]:
+    """Registrations, gate declarations and problems of one parsed file (`tree` is None when
+    the text never names a marker).
+
+    A file that registers nothing runs in the suite of the catalog's implicit directory that
+    holds it, or is a problem. Each problem is charged to the backends and suites the file
+    registers for (a refused call: its own backend and suite), so it stops only those lanes.
+    """
+    problems: list[Problem] = []
+    reader = FileReader(rel, catalog, problems)
+    if tree is not None:
+        reader.read(tree, mentions)
+    registrations = list(reader.registrations)
+    if not registrations and not reader.backends:
+        implicit = catalog.implicit_for(rel)
+        if implicit is not None:
+            backend = catalog.suites[implicit.suite].backend
+            registrations = [Registration(backend, rel, 0, implicit.est_time, implicit.suite, implicit=True)]
+        else:
+            problems.append(Problem(rel, 1, _no_registration_message(catalog, reader.in_functions)))
+    backends = tuple(sorted(reader.backends | {r.backend for r in registrations}))
+    suites = tuple(sorted(reader.suites | {r.suite for r in registrations}))
+    problems = [p.with_scope(backends, suites) for p in problems]
+    return TestFile(rel, tuple(registrations), tuple(reader.gates)), problems
+
+
+def _no_registration_message(catalog: Catalog, in_functions: list[tuple[int, str]]) -> str:
+    where = ", ".join(f"{d}/" for d in sorted(catalog.implicit)) or "(none declared)"
+    message = (
+        "no register_*_ci(...) call: every test file outside the catalog's implicit directories "
+        f"({where}) must say where it runs, e.g. "
+        'register_cpu_ci(est_time=60, suite="stage-b-cpu")'
+    )
+    calls = [(line, name) for line, name in in_functions if name in BACKEND_OF_MARKER]
+    if calls:
+        line, name = calls[0]
+        message += (
+            f"; note: {name} at line {line} is inside a function body, which is not a "
+            "registration: call it at the top level of the module"
+        )
+    return message
+
+
+def _walk_module(tree: ast.Module) -> Iterator[tuple[ast.AST, bool]]:
+    """Every node with whether it sits in a function or lambda body (code that runs only when
+    called). Decorators, default values and annotations run at definition, so they count as
+    the module's own."""
+    stack: list[tuple[ast.AST, bool]] = [(tree, False)]
+    while stack:
+        node, in_function = stack.pop()
+        yield node, in_function
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda) and not in_function:
+            body = node.body if isinstance(node.body, list) else [node.body]
+            outer = [child for child in ast.iter_child_nodes(node) if child not in body]
+            stack.extend((child, True) for child in reversed(body))
+            stack.extend((child, False) for child in reversed(outer))
+        else:
+            stack.extend((child, in_function) for child in reversed(list(ast.iter_child_nodes(node))))
+
+
+def _marker_named(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Name) and node.id in MARKERS:
+        return node.id
+    if isinstance(node, ast.Attribute) and node.attr in MARKERS:
+        return node.attr
+    return None
 
 
 def _positive_number(value: object) -> bool:

@@ -198,10 +198,15 @@ def cmd_policy(args: argparse.Namespace) -> int:
     except PolicyError as exc:
         raise UsageError(str(exc)) from None
     if args.json:
-        print(json.dumps({**outputs, "ignored_labels": list(policy.ignored)}, indent=2))
+        print(
+            json.dumps(
+                {**outputs, "gpu_scope": policy.gpu_scope(), "ignored_labels": list(policy.ignored)}, indent=2
+            )
+        )
     else:
         for key, value in outputs.items():
             print(f"{key}={value}")
+        print(f"# {args.event} runs {policy.gpu_scope()}", file=sys.stderr)
         if policy.ignored:
             # PR labels are anyone's text: quoted and escaped, so none can start a line that
             # GitHub would read as a workflow command (::warning::, ::add-mask::, ...)

@@ -23,6 +23,8 @@ class UsageError(Exception):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from miles.exits import missing_package, quiet_broken_pipe
+
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -32,6 +34,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # the reader went away: stop quietly
+        return quiet_broken_pipe()
+    except ModuleNotFoundError as exc:  # torch, safetensors or huggingface_hub not installed
+        line = missing_package(exc, f"python -m miles.ckpt {args.command}")
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
         return 1
     except (KeyboardInterrupt, SystemExit, GeneratorExit):
         raise
@@ -139,6 +149,7 @@ def plan_from_args(args: argparse.Namespace) -> CheckpointPlan:
     if args.recipe:
         try:
             from miles import recipes
+            from miles.recipes.models import UnknownModel
         except ImportError as exc:
             raise UsageError(
                 f"--recipe needs miles.recipes ({exc}); use --family/--source/--model-dir"
@@ -149,8 +160,11 @@ def plan_from_args(args: argparse.Namespace) -> CheckpointPlan:
             "stage_dir": args.stage_dir,
             "data_dir": args.data_dir,
         }
-        recipe = recipes.load(args.recipe, platform=args.platform)
-        return recipe.checkpoint_plan(args.model, **{k: v for k, v in given.items() if v})
+        try:
+            recipe = recipes.load(args.recipe, platform=args.platform)
+            return recipe.checkpoint_plan(args.model, **{k: v for k, v in given.items() if v})
+        except (recipes.RecipeError, UnknownModel) as exc:  # an unknown recipe, model or platform
+            raise UsageError(str(exc)) from None
     if args.data_dir:
         raise UsageError("--data-dir names where a recipe's datasets go; it needs --recipe")
     missing = [f"--{n}" for n in ("family", "source") if not getattr(args, n)]
@@ -194,6 +208,10 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 def cmd_make_tiny(args: argparse.Namespace) -> int:
     from miles.ckpt.tiny import make_tiny_checkpoint
 
+    if args.layers < 1:
+        raise UsageError(f"--layers {args.layers}: a checkpoint needs at least 1 layer")
+    if args.shard_bytes is not None and args.shard_bytes < 1:
+        raise UsageError(f"--shard-bytes {args.shard_bytes}: give a positive number of bytes")
     dims = {}
     for item in args.dim:
         key, _, value = item.partition("=")

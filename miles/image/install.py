@@ -45,12 +45,22 @@ def find_links_arguments(env: Mapping[str, str]) -> list[str]:
 
 
 def torch_source_warning(stack: Stack, root: Path, env: Mapping[str, str]) -> str | None:
-    """A hint when the lock's torch is a build outside PyPI and nothing points at its index."""
+    """A hint when nothing points the installer at the stack's torch index: needed for a build
+    outside PyPI (ROCm), worth knowing for a public pin whose PyPI build is the large
+    CUDA-capable one while the index has a CPU-only build of the same version."""
     lock = parse_lock(root / stack.lock_path, root=root)
     torch = lock.pins.get("torch")
-    if torch is None or "+" not in torch.version or any(env.get(v) for v in SOURCE_VARS):
+    if torch is None or any(env.get(v) for v in SOURCE_VARS):
+        return None
+    if "+" in torch.version:
+        return (
+            f"{lock.where('torch')} pins torch=={torch.version}, which PyPI does not publish; set "
+            f"PIP_EXTRA_INDEX_URL={stack.torch_index} (or PIP_FIND_LINKS to a folder holding the wheel)"
+        )
+    if stack.torch_index.rstrip("/") == "https://pypi.org/simple":
         return None
     return (
-        f"{lock.where('torch')} pins torch=={torch.version}, which PyPI does not publish; set "
-        f"PIP_EXTRA_INDEX_URL={stack.torch_index} (or PIP_FIND_LINKS to a folder holding the wheel)"
+        f"{lock.where('torch')} pins torch=={torch.version}: PyPI serves its CUDA-capable build (with "
+        f"CUDA libraries, several GB); set PIP_EXTRA_INDEX_URL={stack.torch_index} for the CPU-only "
+        f"build of the same version"
     )

@@ -91,10 +91,22 @@ def _store_errors_exit_1(handler: Callable[[argparse.Namespace], int]) -> Callab
     return run
 
 
+def _store_url(args: argparse.Namespace) -> str:
+    """The store URL in effect (--store, else $MILES_HISTORY_URL, else the SQLite file),
+    checked: a malformed one is bad input (exit 2), not a store that failed (exit 1)."""
+    from miles.metrics.store import HISTORY_URL_ENV, StoreError, check_store_url, resolve_url
+
+    name = "--store" if args.store is not None else HISTORY_URL_ENV
+    try:
+        return check_store_url(resolve_url(args.store, root=args.root), name=name)
+    except StoreError as exc:
+        raise _usage(str(exc)) from None
+
+
 def _open(args: argparse.Namespace):
     from miles.metrics.store import open_store
 
-    return open_store(args.store, root=args.root)
+    return open_store(_store_url(args), root=args.root)
 
 
 def _check_limit(limit: int) -> None:
@@ -164,6 +176,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
     from miles.metrics.gating import GateRun, ci_identity, gate_attempt
 
     catalog = load_catalog()
+    store_url = _store_url(args)
     test = _test_path(args.root, args.test)
     test_file = _read_test_file(args.root, test, catalog)
     if not args.record.is_dir():
@@ -180,7 +193,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
         test, backend, suite, lane.name, cadence, lane.gate_mode == "enforce", args.commit, pr, ci_run_id
     )
     outcome = gate_attempt(
-        args.record, test_file.gates, run, write_baseline=args.write, store_url=args.store, root=args.root
+        args.record, test_file.gates, run, write_baseline=args.write, store_url=store_url, root=args.root
     )
     if args.json:
         print(json.dumps(_outcome_json(outcome, run), indent=2))

@@ -207,6 +207,8 @@ def check_store_url(url: str, *, name: str = "store URL") -> str:
     if _CONTROL.search(url):
         raise refuse("it contains a control character (a newline?)")
     scheme, sep, rest = url.partition("://")
+    if sep and scheme.lower() not in (*_POSTGRES_SCHEMES, "sqlite"):
+        raise refuse(f"unknown scheme '{scheme}'")
     if not sep or scheme.lower() not in _POSTGRES_SCHEMES:
         return url
     authority_end = len(rest)

@@ -94,3 +94,22 @@ def test_a_failed_resolution_leaves_the_lock_untouched(tmp_path, index):
     with pytest.raises(LockFailed, match="no-such-package"):
         lock_stack(root, _stack(), extra=index)
     assert lock_path.read_text() == "numba==0.65.1\n"
+
+
+def test_a_stack_without_a_torch_build_pins_the_public_version_of_a_local_build(tmp_path, index):
+    """A wheel folder (or the CPU index) offers torch 2.9.1+cpu; the lock says 2.9.1, which
+    PyPI serves and the +cpu build still satisfies."""
+    wheels = Path(index[-1])
+    _wheel(wheels, "torch", "2.9.1+cpu", "helper==1.0")
+    (wheels / "torch-2.9.1-py3-none-any.whl").unlink()  # only the local build is on offer
+    stack = _stack(name="cpu-x", backend="cpu", torch_index="https://download.pytorch.org/whl/cpu")
+    root = tmp_path / "project"
+    (root / "requirements").mkdir(parents=True)
+    (root / "requirements" / "cpu-x.in").write_text("torch==2.9.1\n")
+    lock_stack(root, stack, extra=index)
+    text = (root / "requirements" / "cpu-x.txt").read_text()
+    assert {n: p.version for n, p in parse_lock(root / "requirements" / "cpu-x.txt").pins.items()} == {
+        "helper": "1.0",
+        "torch": "2.9.1",
+    }
+    assert "# Public versions only: PyPI serves every pin." in text

@@ -101,7 +101,7 @@ def test_every_stack_pins_the_megatron_core_the_cpu_lane_trains_with():
 def test_every_stack_lock_parses_and_pins_its_python_line():
     config = load_images()
     cpu = parse_lock(ROOT / config.stack("cpu").lock_path)
-    assert cpu.pins["torch"].version.endswith("+cpu")
+    assert cpu.pins["torch"].version == "2.13.0"  # a version PyPI serves; the CPU index has its +cpu build
     assert cpu.pins["megatron-core"].version.startswith("0.16.")
     cuda = parse_lock(ROOT / config.stack("cuda-h200").lock_path)
     assert "+" not in cuda.pins["torch"].version  # PyPI's CUDA build
@@ -121,6 +121,21 @@ def test_uv_gets_pips_find_links_and_extra_index():
 def test_a_stack_with_exclusions_installs_without_dependencies():
     args = install_arguments(load_images().stack("rocm-mi350"), ROOT, venv_backend="virtualenv", env={})
     assert "--no-deps" in args
+
+
+def test_the_cpu_lock_pins_only_versions_pypi_serves():
+    lock = parse_lock(ROOT / "requirements" / "cpu.txt")
+    assert [name for name, pin in lock.pins.items() if "+" in pin.version] == []
+    assert "torch==2.13.0\n" in (ROOT / "requirements" / "cpu.in").read_text()
+
+
+def test_a_public_torch_pin_hints_at_the_cpu_index_when_nothing_names_it():
+    stack = load_images().stack("cpu")
+    hint = torch_source_warning(stack, ROOT, {})
+    assert "PyPI serves its CUDA-capable build" in hint
+    assert "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu" in hint
+    assert torch_source_warning(stack, ROOT, {"PIP_EXTRA_INDEX_URL": stack.torch_index}) is None
+    assert torch_source_warning(load_images().stack("cuda-h200"), ROOT, {}) is None
 
 
 def test_missing_torch_index_is_explained():

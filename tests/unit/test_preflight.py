@@ -7,6 +7,7 @@ that report (a `PlatformInfo` as torch would describe an MI350 runner) or puts a
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import pytest
 from miles.ci.catalog import UnknownName
 from miles.ci.preflight import (
     EXIT_PREFLIGHT,
+    JobScope,
     check_disk,
     check_leftovers,
     check_pins,
@@ -220,3 +222,145 @@ def test_a_python_nobody_installed_is_reported_with_how_to_get_it(monkeypatch):
         "python: lane rocm-mi350 runs on Python 3.12, and no working python3.12 is on PATH"
     )
     assert python_available("3.99") is False
+
+
+# ------------------------------------------------------------------ only this job's processes
+
+
+def _spawn(marker: str, *, env: dict | None = None, user: int | None = None) -> subprocess.Popen:
+    """A real process whose command line carries `marker`, once /proc shows it exec'd."""
+    python = "/usr/bin/python3" if user is not None else sys.executable  # another user may not read ours
+    proc = subprocess.Popen(
+        [python, "-c", "import time; time.sleep(120)", marker], env=env, user=user, cwd="/"
+    )
+    cmdline = Path(f"/proc/{proc.pid}/cmdline")
+    deadline = time.monotonic() + 60
+    while marker.encode() not in cmdline.read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert marker.encode() in cmdline.read_bytes(), "the process never exec'd"
+    return proc
+
+
+@pytest.fixture
+def spawned():
+    procs: list[subprocess.Popen] = []
+
+    def spawn(marker: str, **kw) -> subprocess.Popen:
+        procs.append(_spawn(marker, **kw))
+        return procs[-1]
+
+    yield spawn
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def test_a_sibling_runners_process_survives_clean(spawned):
+    """Two runners on one host (an MI350 host is two 4-GPU runners): this runner's leftover is
+    killed, the sibling runner's process with the same command line is left alone."""
+    marker = f"miles-leftover-{uuid.uuid4().hex[:12]}"
+    runner = f"mi350-a-{uuid.uuid4().hex[:8]}"
+    ours = spawned(marker, env={**os.environ, "RUNNER_NAME": runner})
+    sibling = spawned(marker, env={**os.environ, "RUNNER_NAME": "mi350-b"})
+    scope = JobScope.current({"RUNNER_NAME": runner})
+    problems, notes = check_leftovers(clean=True, patterns=[marker], scope=scope)
+    assert problems == []
+    assert f"left alone: pid {sibling.pid} (" in notes[0]
+    assert f"another runner's (RUNNER_NAME=mi350-b, this job's is {runner})" in notes[0]
+    assert notes[1].startswith(f"killed pid {ours.pid}")
+    assert ours.wait(timeout=10) is not None
+    time.sleep(0.1)
+    assert sibling.poll() is None
+
+
+def test_preflight_clean_kills_only_this_runners_leftovers(spawned):
+    # the command line of a trainer a dead job left behind (a pattern preflight looks for)
+    marker = f"miles-leftover-{uuid.uuid4().hex[:12]}"
+    runner = f"mi350-a-{uuid.uuid4().hex[:8]}"
+    ours = spawned(f"-m miles.train --{marker}", env={**os.environ, "RUNNER_NAME": runner})
+    sibling = spawned(f"-m miles.train --{marker}", env={**os.environ, "RUNNER_NAME": "mi350-b"})
+    env = {**os.environ, "RUNNER_NAME": runner, "MILES_PREFLIGHT_MIN_FREE_GB": "0"}
+    done = subprocess.run(
+        [sys.executable, "-m", "miles.ci", "preflight", "--lane", "cpu", "--machine-only", "--clean"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"preflight: killed pid {ours.pid} (" in done.stdout
+    assert f"preflight: left alone: pid {sibling.pid} (" in done.stdout
+    assert ours.wait(timeout=10) is not None and sibling.poll() is None
+
+
+def test_a_process_older_than_the_job_is_not_the_jobs(stray):
+    marker, proc = stray
+    scope = dataclasses.replace(JobScope.current(os.environ), since=time.time() + 1)
+    problems, notes = check_leftovers(clean=True, patterns=[marker], scope=scope)
+    assert problems == [] and notes == [f"left alone: {notes[0].split(': ', 1)[1]}"]
+    assert notes[0].endswith(": started before this job")
+    time.sleep(0.1)
+    assert proc.poll() is None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="starting a process as another user needs root")
+def test_another_users_process_survives_clean(spawned):
+    marker = f"miles-leftover-{uuid.uuid4().hex[:12]}"
+    other = spawned(marker, user=65534, env={"PATH": "/usr/bin:/bin"})
+    problems, notes = check_leftovers(clean=True, patterns=[marker], scope=JobScope.current({}))
+    assert problems == [] and notes == [notes[0]] and "another user's (uid 65534)" in notes[0]
+    time.sleep(0.1)
+    assert other.poll() is None
+
+
+def _foreign_cgroup() -> Path | None:
+    """A new cgroup outside this process's own (next to it at a hierarchy's root), or None
+    where none can be made (not root, or no writable hierarchy where we are below the root)."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if path == "/":
+            continue
+        mounts = (
+            [Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified")]
+            if not controllers
+            else [Path("/sys/fs/cgroup") / controllers]
+        )
+        for mount in mounts:
+            if (mount / "cgroup.procs").exists():
+                target = mount / f"miles-sibling-{uuid.uuid4().hex[:8]}"
+                try:
+                    target.mkdir()
+                except OSError:
+                    continue
+                return target
+    return None
+
+
+@pytest.fixture
+def foreign_cgroup():
+    target = _foreign_cgroup()
+    if target is None:
+        pytest.skip("no cgroup outside this process's own can be made here (needs root and cgroupfs)")
+    yield target
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            target.rmdir()
+            return
+        except OSError:
+            time.sleep(0.05)  # the moved process is still exiting
+
+
+def test_a_process_in_another_cgroup_survives_clean(spawned, foreign_cgroup):
+    """A sibling runner's service has a cgroup of its own: its processes are never this job's."""
+    marker = f"miles-leftover-{uuid.uuid4().hex[:12]}"
+    sibling = spawned(marker)
+    (foreign_cgroup / "cgroup.procs").write_text(str(sibling.pid))
+    problems, notes = check_leftovers(clean=True, patterns=[marker], scope=JobScope.current({}))
+    assert problems == [] and "in another cgroup (another runner or service)" in notes[0]
+    time.sleep(0.1)
+    assert sibling.poll() is None
+    sibling.kill()
+    sibling.wait()

@@ -239,3 +239,37 @@ def test_a_refused_registration_stays_visible_in_list_and_manifest(make_tree, ca
     assert entry["status"] == "refused" and entry["line"] == 2
     cli_main(["list", "--root", str(root)])
     assert "refused: " in capsys.readouterr().out
+
+
+GATED_GPU_TEST = (
+    "from miles.ci.register import register_ci_gate, register_cuda_ci, register_rocm_ci\n"
+    'register_cuda_ci(est_time=600, suite="stage-c-4-gpu-h200", labels=["megatron"])\n'
+    'register_rocm_ci(est_time=600, suite="stage-c-4-gpu-mi350", labels=["amd"])\n'
+    'register_ci_gate(metric_key="train/grad_norm")\n'
+)
+
+
+def test_audit_names_every_gate_that_no_scheduled_run_feeds(make_tree, tmp_path_factory):
+    text = (ROOT / "miles/ci/catalog.toml").read_text()
+    start, end = text.index("[schedules]"), text.index("# Directories whose test files")
+    scratch = tmp_path_factory.mktemp("catalog") / "catalog.toml"
+    scratch.write_text(text[:start] + text[end:])  # the catalog with no scheduled workflow
+    root = make_tree({"tests/e2e/test_gated.py": GATED_GPU_TEST})
+    catalog = load_catalog(scratch)
+    findings = [
+        f for f in audit(catalog, discover(root, catalog=catalog)).findings if f.kind == "no-baseline"
+    ]
+    assert [(f.severity, f.message.split(" has ")[0]) for f in findings] == [
+        ("warning", "tests/e2e/test_gated.py:4: gate train/grad_norm on (cuda, stage-c-4-gpu-h200)"),
+        ("warning", "tests/e2e/test_gated.py:4: gate train/grad_norm on (rocm, stage-c-4-gpu-mi350)"),
+    ]
+    assert (
+        "no scheduled workflow runs stage-c-4-gpu-h200 at a nightly or weekly cadence" in findings[0].message
+    )
+
+
+def test_with_this_catalog_every_gpu_gate_has_a_baseline_source(make_tree):
+    root = make_tree({"tests/e2e/test_gated.py": GATED_GPU_TEST})
+    assert [f for f in audit(load_catalog(), discover(root)).findings if f.kind == "no-baseline"] == []
+    repository = audit(load_catalog(), discover(ROOT)).findings
+    assert [f.message for f in repository if f.kind == "no-baseline" and f.severity != "info"] == []

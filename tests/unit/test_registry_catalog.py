@@ -194,3 +194,34 @@ def test_every_problem_is_reported_at_once(tmp_path):
 
     message = _problems(tmp_path, edit)
     assert "no consumers" in message and "the name says 2 GPUs but gpus = 3" in message
+
+
+@pytest.mark.parametrize(
+    ("entry", "expected"),
+    [
+        ({"suite": "stage-a-gpu", "est_time": 15}, "suite 'stage-a-gpu' is not in the catalog"),
+        ({"suite": "stage-a-cpu", "est_time": 0}, "est_time must be a number of seconds > 0"),
+        ({"suite": "stage-a-cpu", "est_time": "fast"}, "`est_time` = 'fast' should be a number"),
+        ({"est_time": 15}, "missing `suite`"),
+        ({"suite": "stage-b-2-gpu-h200", "est_time": 15}, "is a GPU suite; a GPU registration needs labels"),
+    ],
+)
+def test_an_implicit_directory_needs_a_known_suite_and_an_est_time(tmp_path, entry, expected):
+    def edit(raw):
+        raw["implicit"]["tests/unit"] = entry
+
+    assert expected in _problems(tmp_path, edit)
+
+
+@pytest.mark.parametrize("directory", ["../tests", "/abs/tests", "tests/", "tests/./unit"])
+def test_an_implicit_directory_is_a_plain_relative_path(tmp_path, directory):
+    def edit(raw):
+        raw["implicit"] = {directory: {"suite": "stage-a-cpu", "est_time": 15}}
+
+    assert "must be a plain path relative to the project root" in _problems(tmp_path, edit)
+
+
+def test_the_unit_directory_is_implicitly_stage_a_cpu():
+    implicit = load_catalog().implicit_for("tests/unit/test_x.py")
+    assert (implicit.directory, implicit.suite, implicit.est_time) == ("tests/unit", "stage-a-cpu", 15.0)
+    assert load_catalog().implicit_for("tests/unitary/test_x.py") is None

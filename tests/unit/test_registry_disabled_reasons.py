@@ -1,5 +1,6 @@
 """The disabled= rule reads what a reason says, not how many words it has: it must name what
-fails and how or why, or cite a tracking reference. Real-world-style reasons, both verdicts."""
+fails and how or why, state what the test's subject is waiting on or replaced by, or cite a
+tracking reference. Real-world-style reasons, both verdicts (the seed framework's own among them)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,15 @@ ACCEPTED = [
     "Disabled until sgl-project/sglang#12001 lands",
     "Broken by ROCM-4412 (RCCL bootstrap regression)",
     "flaky because the SGLang server port 30000 is refused while another runner holds it",
+    # the states a switched-off test is in, as the seed framework's own tests word them
+    "Miles Router is deprecated.",  # deprecation of a named component
+    "The legacy dumper is deprecated.",  # ... whatever noun names it
+    "Temporarily disabled; superseded by test_deepseek_v32_5layer_ci on H100.",  # supersession
+    "FT soak tests pending CI infra support",  # pending infrastructure
+    "Blackwell CI not supported",  # unsupported hardware family
+    "Disabled due to sglang deepep code path bug.",  # a named defect
+    "FIXME: re-enable after the MXFP8 H200 reference path is settled.",  # what re-enabling waits on
+    "FIXME: re-enable after shared HTTP client concurrency is reset between cases.",  # a state leak
 ]
 
 REFUSED = [
@@ -64,6 +74,13 @@ REFUSED = [
     "Investigating intermittent errors",
     "see issue",
     "broken on the new runners, flaky since last week",
+    "Disabled due to bugs.",
+    "Disabled due to bugs on MI350",  # a bug of nothing named
+    "FIXME: re-enable once this case passes on the MI350 runners.",  # waits on itself
+    "re-enable once the flakiness is fixed",
+    "This test is deprecated.",  # deprecation of nothing named
+    "Superseded by another test",
+    "Disabled pending review",
 ]
 
 

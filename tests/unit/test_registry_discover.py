@@ -225,12 +225,15 @@ def test_attribute_call_is_an_error(make_tree):
     assert "tests/unit/test_attr.py:2: 'reg.register_rocm_ci' is an attribute call" in str(problem)
 
 
-def test_call_inside_a_function_is_an_error(make_tree):
+def test_a_call_inside_a_function_is_not_a_registration_only_a_note(make_tree):
     message = _problem(
         make_tree,
         'def setup_module():\n    register_rocm_ci(est_time=5, suite="stage-c-4-gpu-mi350", labels=["amd"])\n',
     )
-    assert "test_x.py:3: register_rocm_ci is used inside a block" in message
+    assert message.startswith("tests/e2e/test_x.py:1: no register_*_ci(...) call:")
+    assert (
+        "note: register_rocm_ci at line 3 is inside a function body, which is not a registration" in message
+    )
 
 
 def test_call_inside_an_if_is_an_error(make_tree):
@@ -530,3 +533,75 @@ def test_a_different_catalog_does_not_reuse_the_cache(make_tree, tmp_path_factor
     renamed.write_text(CATALOG_PATH.read_text().replace('\namd = "', '\namd-gpu = "'))
     result = discover(root, catalog=load_catalog(renamed))
     assert "label 'amd' is not in the catalog" in str(result.problems[0])
+
+
+def test_a_marker_imported_but_never_called_at_top_level_is_no_registration(make_tree):
+    message = _problem(make_tree, "def test_x():\n    pass\n")
+    assert message.startswith("tests/e2e/test_x.py:1: no register_*_ci(...) call")
+
+
+def test_a_unit_file_that_calls_markers_only_in_its_tests_is_implicit(make_tree):
+    root = make_tree(
+        {"tests/unit/test_api.py": HEADER + "def test_noop():\n    assert register_cpu_ci(1, 'x') is None\n"}
+    )
+    result = discover(root)
+    assert result.problems == ()
+    assert [(r.suite, r.implicit) for r in result.registrations] == [("stage-a-cpu", True)]
+
+
+def _catalog_with(tmp_path, implicit: str):
+    from miles.ci.catalog import CATALOG_PATH, load_catalog
+
+    text = CATALOG_PATH.read_text()
+    start = text.index("[implicit.")
+    end = text.index("# Suites.")
+    path = tmp_path / "catalog.toml"
+    path.write_text(text[:start] + implicit + "\n" + text[end:])
+    return load_catalog(path)
+
+
+def test_the_catalog_says_which_directories_register_implicitly_and_where(make_tree, tmp_path_factory):
+    catalog = _catalog_with(
+        tmp_path_factory.mktemp("catalog"),
+        '[implicit."tests/fast"]\nsuite = "stage-a-cpu"\nest_time = 1\n'
+        '[implicit."tests/fast/slow"]\nsuite = "stage-b-cpu"\nest_time = 30\n',
+    )
+    root = make_tree(
+        {
+            "tests/fast/test_a.py": "def test_a():\n    pass\n",
+            "tests/fast/slow/test_b.py": "def test_b():\n    pass\n",
+            "tests/unit/test_c.py": "def test_c():\n    pass\n",
+        }
+    )
+    result = discover(root, catalog=catalog, cache=False)
+    assert [(r.file, r.suite, r.est_time, r.implicit) for r in result.registrations] == [
+        ("tests/fast/slow/test_b.py", "stage-b-cpu", 30.0, True),
+        ("tests/fast/test_a.py", "stage-a-cpu", 1.0, True),
+    ]
+    (problem,) = result.problems
+    assert str(problem).startswith("tests/unit/test_c.py:1: no register_*_ci(...) call")
+    assert "implicit directories (tests/fast/, tests/fast/slow/)" in str(problem)
+
+
+def test_the_cache_fingerprint_covers_every_module_discovery_reads_with():
+    """An edit to any module whose code decides a file's records must mean a fresh parse."""
+    from miles.ci.discover_cache import _CODE
+
+    package = ROOT / "miles"
+    needed, todo = set(), ["ci/discover.py"]
+    while todo:
+        rel = todo.pop()
+        if rel in needed:
+            continue
+        needed.add(rel)
+        for node in ast.walk(ast.parse((package / rel).read_text())):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module
+                and node.module.startswith("miles.")
+                and node.level == 0
+            ):
+                path = node.module.removeprefix("miles.").replace(".", "/") + ".py"
+                if (package / path).is_file() and "cache" not in path:
+                    todo.append(path)
+    assert needed <= set(_CODE), sorted(needed - set(_CODE))

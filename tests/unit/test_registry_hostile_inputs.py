@@ -122,12 +122,12 @@ def test_labels_none_means_no_labels(tmp_path):
     assert problems == [] and test_file.registrations[0].labels == ()
 
 
-def test_a_marker_imported_inside_a_function_gets_a_message_that_says_so(tmp_path):
+def test_a_marker_used_only_inside_a_function_gets_a_message_that_says_so(tmp_path):
     source = "def helper():\n    from miles.ci.register import register_cpu_ci\n    return register_cpu_ci\n"
     _, problems = _parse(tmp_path, source)
     messages = " ".join(p.message for p in problems)
     assert "None" not in messages
-    assert "imported inside a function or block" in messages
+    assert "register_cpu_ci at line 3 is inside a function body, which is not a registration" in messages
 
 
 def test_a_bom_or_a_latin1_coding_cookie_is_read(tmp_path):

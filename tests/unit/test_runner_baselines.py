@@ -21,6 +21,7 @@ from miles.metrics.store import open_store
 CATALOG = load_catalog()
 MAIN = "refs/heads/main"
 NIGHTLY_WF = "miles-ci/miles/.github/workflows/nightly-rocm.yml@refs/heads/main"
+CUDA_NIGHTLY_WF = "miles-ci/miles/.github/workflows/nightly-cuda.yml@refs/heads/main"
 PR_WF = "miles-ci/miles/.github/workflows/pr-test.yml@refs/pull/7/merge"
 
 TEST = "tests/e2e/test_gated.py"
@@ -55,6 +56,9 @@ def _event(name: str, ref: str, workflow: str) -> CiEvent:
         (_event("schedule", MAIN, NIGHTLY_WF), "nightly", True),
         (_event("workflow_dispatch", MAIN, NIGHTLY_WF), "nightly", True),
         (_event("workflow_dispatch", MAIN, NIGHTLY_WF), "weekly", True),
+        # the CUDA nightly stores the history of the PR suites it runs, scheduled or dispatched
+        (_event("schedule", MAIN, CUDA_NIGHTLY_WF), "nightly", True),
+        (_event("workflow_dispatch", MAIN, CUDA_NIGHTLY_WF), "nightly", True),
         # a regular cadence extends no baseline, whatever the event
         (
             _event("push", MAIN, "miles-ci/miles/.github/workflows/pr-test.yml@refs/heads/main"),
@@ -84,6 +88,15 @@ def _event(name: str, ref: str, workflow: str) -> CiEvent:
 )
 def test_only_main_line_events_at_a_baseline_cadence_store_history(event, cadence, stores):
     assert stores_history(event, cadence, CATALOG) is stores
+
+
+def test_a_push_to_main_runs_every_gpu_label_but_stores_nothing():
+    policy = resolve_policy("push", [], CATALOG, ref=MAIN, workflow=PR_WF.replace("refs/pull/7/merge", MAIN))
+    assert policy.labels.all and policy.outputs()["labels"] == "run-ci-all"
+    assert policy.outputs()["store_history"] == "false"
+    assert policy.gpu_scope() == "every GPU test (merged code)"
+    unlabeled = resolve_policy("pull_request", ["bug"], CATALOG, ref="refs/pull/7/merge", workflow=PR_WF)
+    assert unlabeled.outputs()["labels"] == "" and unlabeled.gpu_scope().startswith("no GPU test")
 
 
 def test_the_github_environment_is_read_into_the_event():

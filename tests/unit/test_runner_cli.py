@@ -244,3 +244,45 @@ def test_matrix_honours_a_zero_timeout_floor(make_tree, capsys):
         assert main([*argv, "--timeout-floor", floor]) == 0
         minutes.append(json.loads(capsys.readouterr().out)["include"][0]["timeout_minutes"])
     assert minutes[0] == minutes[1]  # 20 s x 1.25 each under both floors
+
+
+# A CPU test of the registration API itself, like the seed framework's own registry tests:
+# it calls the markers inside its test functions and quotes them in string fixtures.
+MARKER_API_TEST = """
+from miles.ci.register import register_ci_gate, register_cpu_ci
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
+
+FIXTURE = 'register_cuda_ci(est_time=600, suite="stage-c-8-gpu-b200", labels=["megatron"])'
+
+
+def test_markers_are_no_ops_at_run_time():
+    from miles.ci.register import register_cuda_ci
+
+    assert register_cuda_ci(est_time=1, suite="stage-c-4-gpu-h200", labels=["megatron"]) is None
+    assert register_ci_gate(metric_key="train/grad_norm") is None
+"""
+
+
+def test_a_test_of_the_markers_themselves_blocks_no_lane(make_tree, capsys):
+    root = make_tree({"tests/ci/test_markers.py": MARKER_API_TEST, **GPU_TREE})
+    discovery = discover(root)
+    assert discovery.problems == ()
+    assert [(r.backend, r.suite) for r in discovery.file("tests/ci/test_markers.py").registrations] == [
+        ("cpu", "stage-a-cpu")
+    ]
+    for suite in ("stage-c-4-gpu-h200", "stage-c-4-gpu-mi350", "stage-a-cpu"):
+        assert main(["plan", "--root", str(root), "--suite", suite]) == 0, capsys.readouterr().err
+
+
+def test_a_problem_of_a_file_stops_only_the_suites_that_file_registers_for(make_tree, capsys):
+    bad_gate = (
+        "from miles.ci.register import register_ci_gate, register_cuda_ci\n"
+        'register_cuda_ci(est_time=60, suite="stage-c-4-gpu-h200", labels=["megatron"])\n'
+        'register_ci_gate(metric_key="")\n'
+    )
+    root = make_tree({"tests/e2e/test_bad_gate.py": bad_gate})
+    assert main(["plan", "--root", str(root), "--suite", "stage-c-4-gpu-h200"]) == 2
+    assert "tests/e2e/test_bad_gate.py:3: register_ci_gate: metric_key=''" in capsys.readouterr().err
+    assert main(["plan", "--root", str(root), "--suite", "stage-b-2-gpu-h200"]) == 0
+    assert "warning: 1 registration problem(s) in other suites" in capsys.readouterr().out

@@ -86,3 +86,54 @@ def test_auto_shard_count_stops_when_the_longest_test_sets_the_time():
     jobs = _jobs([5000, 10, 10, 10])
     assert shards_for_budget(jobs, 1800) == 2
     assert shards_for_budget([], 1800) == 1
+
+
+def _float_est_times(n: int) -> list[float]:
+    rng = random.Random(1)
+    return [rng.uniform(5, 600) for _ in range(n)]
+
+
+def _coarse_est_times(n: int) -> list[float]:
+    rng = random.Random(2)
+    return [float(rng.choice([60, 300, 600, 1800])) for _ in range(n)]
+
+
+@pytest.mark.parametrize(
+    "weights", [_float_est_times(1200), _coarse_est_times(1200)], ids=["float", "coarse"]
+)
+def test_a_suite_of_thousands_of_tests_is_partitioned_no_worse_than_lpt(weights):
+    jobs = _jobs(weights)
+    partition = balanced_partition(jobs, 8)
+    assert sorted(j.key for shard in partition.shards for j in shard) == sorted(j.key for j in jobs)
+    assert partition.makespan <= lpt_partition(jobs, 8).makespan + 1e-9
+
+
+def test_planning_a_suite_of_twelve_hundred_files_prints_the_plan(make_tree, capsys):
+    from miles.ci.cli import main
+
+    line = (
+        'from miles.ci.register import register_cpu_ci\nregister_cpu_ci(est_time={}, suite="stage-b-cpu")\n'
+    )
+    rng = random.Random(7)
+    root = make_tree(
+        {f"tests/e2e/test_{i:04d}.py": line.format(round(rng.uniform(5, 600), 2)) for i in range(1200)}
+    )
+    assert main(["plan", "--root", str(root), "--suite", "stage-b-cpu", "--shards", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "suite stage-b-cpu: 1200 test(s), 8 shard(s)" in out
+
+
+def test_a_partition_the_search_refuses_is_a_one_line_plan_error(tmp_path):
+    from miles.ci.catalog import load_catalog
+    from miles.ci.discover import Discovery, Registration, TestFile
+    from miles.ci.plan import PlanError, RunOptions, build_plan
+
+    # records built in memory (a cache or another tool), not read by discovery's rules
+    bad = Registration("cpu", "tests/e2e/test_nan.py", 2, float("nan"), "stage-b-cpu")
+    discovery = Discovery(root=tmp_path, files=(TestFile(bad.file, (bad,)),), problems=())
+    with pytest.raises(PlanError) as err:
+        build_plan(RunOptions(root=tmp_path, suites=("stage-b-cpu",), shards="2"), load_catalog(), discovery)
+    assert str(err.value).startswith(
+        "suite stage-b-cpu cannot be sharded: job tests/e2e/test_nan.py has weight nan"
+    )
+    assert "\n" not in str(err.value)

@@ -4,12 +4,14 @@ runner labels are the catalog's, ROCm containers see their GPUs, images are real
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
 from functools import cache
 from pathlib import Path
 
+import pytest
 import yaml
 
 from miles.ci.catalog import load_catalog
@@ -224,3 +226,156 @@ def test_a_github_cancel_reaches_the_runner_inside_the_container():
                 (shard,) = [r for r in _runs(job) if "nox -s" in r]
                 assert shard.startswith("exec docker run --rm --init "), f"{name}: {job_name}"
                 assert "-d " not in shard.split('"$IMAGE"')[0]
+
+
+# ------------------------------------------------------------------ what each event runs
+
+EXPRESSION = re.compile(r"\$\{\{\s*(.*?)\s*\}\}")
+
+
+def _run_plan_job(workflow: str, event: str, pr_labels: list[str], tmp: Path) -> tuple[dict, str]:
+    """Run the `plan` job's steps of `workflow` as GitHub would for `event` on main: each step's
+    own shell command and env, with the expressions it uses filled in. Returns the job's
+    outputs and what its steps printed on stderr."""
+    job = workflows()[workflow]["jobs"]["plan"]
+    ref = "refs/pull/7/merge" if event == "pull_request" else "refs/heads/main"
+    labels = json.dumps([{"name": name} for name in pr_labels]) if event == "pull_request" else "null"
+    bindir = tmp / "bin"
+    bindir.mkdir(exist_ok=True)
+    (bindir / "python").unlink(missing_ok=True)
+    (bindir / "python").symlink_to(sys.executable)
+    steps: dict[str, dict[str, str]] = {}
+
+    def evaluate(text: str) -> str:
+        def one(match: re.Match) -> str:
+            expr = match[1]
+            known = {
+                "github.event_name": event,
+                "toJSON(github.event.pull_request.labels)": labels,
+                "inputs.cadence": "",
+            }
+            if expr in known:
+                return known[expr]
+            step = re.fullmatch(r"steps\.(\w+)\.outputs\.(\w+)", expr)
+            assert step, f"{workflow}: the test does not know the expression {expr!r}"
+            return steps[step[1]][step[2]]
+
+        return EXPRESSION.sub(one, str(text))
+
+    stderr = ""
+    for index, step in enumerate(s for s in job["steps"] if "run" in s):
+        output = tmp / f"{workflow}-{event}-{index}.out"
+        output.write_text("")
+        env = {
+            "PATH": f"{bindir}{os.pathsep}/usr/bin:/bin",
+            "PYTHONPATH": str(ROOT),
+            "GITHUB_ACTIONS": "true",
+            "GITHUB_EVENT_NAME": event,
+            "GITHUB_REF": ref,
+            "GITHUB_WORKFLOW_REF": f"miles-ci/miles/.github/workflows/{workflow}@{ref}",
+            "GITHUB_OUTPUT": str(output),
+            **{key: evaluate(value) for key, value in step.get("env", {}).items()},
+        }
+        done = subprocess.run(
+            ["bash", "-eo", "pipefail", "-c", step["run"]], cwd=ROOT, env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0, f"{workflow}: {step['run']}\n{done.stderr}"
+        stderr += done.stderr
+        steps[step.get("id", str(index))] = dict(
+            line.split("=", 1) for line in output.read_text().splitlines() if "=" in line
+        )
+    return {key: evaluate(value) for key, value in job["outputs"].items()}, stderr
+
+
+def _full_matrix(lane: str) -> list[dict]:
+    """The lane's matrix with every label admitted (no --labels): all of its GPU tests."""
+    done = subprocess.run(
+        [sys.executable, "-m", "miles.ci", "matrix", "--lane", lane],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)["include"]
+
+
+def _gpu_matrix_jobs(workflow: str) -> list[tuple[str, str, str]]:
+    """(job, lane, plan output holding its matrix) of every GPU job fed by the plan job."""
+    wf = workflows()[workflow]
+    found = []
+    for job_name, job in wf["jobs"].items():
+        source = str(job.get("strategy", {}).get("matrix", ""))
+        match = re.search(r"needs\.plan\.outputs\.(\w+)", source)
+        if match:
+            (lane,) = _matrix_lanes(wf, job)
+            found.append((job_name, lane, match[1]))
+    return found
+
+
+@pytest.mark.parametrize("workflow", ["pr-test.yml", "pr-test-rocm.yml"])
+def test_a_push_to_main_runs_every_gpu_test_of_every_gpu_lane(workflow, tmp_path):
+    assert "push" in workflows()[workflow][True]
+    outputs, stderr = _run_plan_job(workflow, "push", [], tmp_path)
+    jobs = _gpu_matrix_jobs(workflow)
+    assert jobs
+    for job_name, lane, output in jobs:
+        full = _full_matrix(lane)
+        assert full, f"{lane} registers no GPU test, so this test shows nothing"
+        assert json.loads(outputs[output])["include"] == full, f"{workflow}: {job_name}"
+    assert "push runs every GPU test (merged code)" in stderr
+
+
+@pytest.mark.parametrize("workflow", ["pr-test.yml", "pr-test-rocm.yml"])
+def test_an_unlabeled_pr_runs_no_gpu_test_and_the_policy_says_so(workflow, tmp_path):
+    outputs, stderr = _run_plan_job(workflow, "pull_request", ["documentation"], tmp_path)
+    for job_name, _lane, output in _gpu_matrix_jobs(workflow):
+        assert json.loads(outputs[output])["include"] == [], f"{workflow}: {job_name}"
+        assert (
+            workflows()[workflow]["jobs"][job_name]["if"]
+            == f"needs.plan.outputs.{output.replace('matrix', 'empty')} == 'false'"
+        )
+    assert "pull_request runs no GPU test, only the CPU lane: add run-ci-<label>" in stderr
+
+
+def test_a_labelled_pr_runs_the_gpu_tests_its_labels_name(tmp_path):
+    outputs, _ = _run_plan_job("pr-test-rocm.yml", "pull_request", ["run-ci-fsdp"], tmp_path)
+    include = json.loads(outputs["matrix"])["include"]
+    assert include and sum(entry["tests"] for entry in include) < sum(
+        e["tests"] for e in _full_matrix("rocm-mi350")
+    )
+
+
+# ------------------------------------------------------------------ baselines for every gate
+
+
+def _cadence_passed(job: dict, lane: str) -> str:
+    """The cadence a job runs its lane at: `--cadence X` on its nox command, else the lane's."""
+    for run in _runs(job):
+        if f"nox -s {lane}" in run:
+            match = re.search(r"--cadence (\w+)", run)
+            return match[1] if match else load_catalog().lanes[lane].cadence
+    return ""
+
+
+def test_every_scheduled_workflow_is_in_the_catalog_with_the_cadence_it_runs():
+    catalog = load_catalog()
+    scheduled = {name for name, wf in workflows().items() if "schedule" in wf[True]}
+    assert scheduled == set(catalog.schedules)
+    for name in scheduled:
+        for job_name, job in workflows()[name]["jobs"].items():
+            for lane in _sessions(job):
+                assert _cadence_passed(job, lane) == catalog.schedules[name], f"{name}: {job_name}"
+                assert job.get("environment") == "history-write", f"{name}: {job_name}"
+
+
+def test_every_suite_a_pr_runs_is_also_run_on_a_schedule_that_stores_its_baselines():
+    catalog = load_catalog()
+    for suite in catalog.suites.values():
+        if suite.cadence != "regular" or not suite.is_gpu:
+            continue
+        writers = [w for w, cadence in catalog.scheduled_runs(suite.name) if cadence in ("nightly", "weekly")]
+        assert writers, f"no scheduled workflow stores the history of {suite.name}"
+        for writer in writers:
+            lanes = {s for job in workflows()[writer]["jobs"].values() for s in _sessions(job)}
+            assert suite.lane in lanes, f"{writer} never runs nox -s {suite.lane} for {suite.name}"
