@@ -6,7 +6,8 @@ the verdict. megatron-core is imported only by `miles.parallel.megatron`, and on
 """
 
 from miles.parallel.config import ATTENTION_KINDS, CP_COMM_TYPES, ModelShape, ParallelConfig
-from miles.parallel.layout import (
+from miles.parallel.rules import RULE_IDS, RULES, layers_per_virtual_stage, stage_sizes
+from miles.parallel.verdict import (
     DEVICE_MAX_CONNECTIONS,
     LayoutError,
     Verdict,
@@ -16,7 +17,6 @@ from miles.parallel.layout import (
     required_env,
     validate,
 )
-from miles.parallel.rules import RULE_IDS, RULES, layers_per_virtual_stage, stage_sizes
 
 __all__ = [
     "ATTENTION_KINDS",

@@ -15,8 +15,8 @@ import json
 import sys
 
 from miles.parallel.config import ATTENTION_KINDS, CP_COMM_TYPES, ModelShape, ParallelConfig
-from miles.parallel.layout import Verdict, validate
 from miles.parallel.megatron import ProofError, check_proof_size
+from miles.parallel.verdict import Verdict, validate
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from miles.parallel.config import ModelShape, ParallelConfig
-from miles.parallel.layout import Verdict
+from miles.parallel.verdict import Verdict
 
 STAGES = (
     "initialize_model_parallel", "TransformerConfig", "get_num_layers_to_build", "MoELayer", "MoELayer.forward",
