@@ -5,7 +5,7 @@ check ... --megatron` also runs megatron-core's own rank-grid construction under
 the verdict. megatron-core is imported only by `miles.parallel.megatron`, and only there.
 """
 
-from miles.parallel.config import ATTENTION_KINDS, CP_COMM_TYPES, ModelShape, ParallelConfig
+from miles.parallel.layout import ATTENTION_KINDS, CP_COMM_TYPES, ModelShape, ParallelConfig
 from miles.parallel.rules import RULE_IDS, RULES, layers_per_virtual_stage, stage_sizes
 from miles.parallel.verdict import (
     DEVICE_MAX_CONNECTIONS,

@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 
-from miles.parallel.config import ATTENTION_KINDS, CP_COMM_TYPES, ModelShape, ParallelConfig
+from miles.parallel.layout import ATTENTION_KINDS, CP_COMM_TYPES, ModelShape, ParallelConfig
 from miles.parallel.megatron import ProofError, check_proof_size
 from miles.parallel.verdict import Verdict, validate
 

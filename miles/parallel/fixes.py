@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import replace
 
-from miles.parallel.config import CP_COMM_TYPES, ModelShape, ParallelConfig
+from miles.parallel.layout import CP_COMM_TYPES, ModelShape, ParallelConfig
 from miles.parallel.numbers import divisors
 from miles.parallel.rules import Context, Rule, stage_sizes, violated
 

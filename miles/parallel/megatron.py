@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from miles.parallel.config import ModelShape, ParallelConfig
+from miles.parallel.layout import ModelShape, ParallelConfig
 from miles.parallel.verdict import Verdict
 
 STAGES = (

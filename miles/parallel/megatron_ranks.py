@@ -14,7 +14,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from miles.parallel.config import ModelShape, ParallelConfig
+from miles.parallel.layout import ModelShape, ParallelConfig
 from miles.parallel.megatron import STAGES, ProofError
 
 _GROUPS = ("tp", "pp", "cp", "dp", "ep", "etp", "edp")

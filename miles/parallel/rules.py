@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 
-from miles.parallel.config import ModelShape, ParallelConfig
+from miles.parallel.layout import ModelShape, ParallelConfig
 
 # megatron-core releases from which DSA attention may use context parallel (all-gather only);
 # 0.16.1's TransformerConfig refuses any cp > 1 with DSA.

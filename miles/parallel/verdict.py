@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from miles.parallel.config import ModelShape, ParallelConfig
 from miles.parallel.fixes import fixes
+from miles.parallel.layout import ModelShape, ParallelConfig
 from miles.parallel.rules import FALLBACK_MEGATRON_CORE, Context, installed_megatron_core, violated
 
 # Megatron-LM refuses to start tp > 1 or cp > 1 on GPUs before Blackwell (H200, MI350) unless
