@@ -18,21 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles.ckpt.errors import CheckpointError
+from miles.parallel import ParallelLayout
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
-
-
-@dataclass(frozen=True)
-class ModelParallel:
-    """The megatron-core parallel degrees a model is built for (1 = off)."""
-
-    tp: int = 1
-    pp: int = 1
-    vpp: int | None = None
-    cp: int = 1
-    ep: int = 1
-    etp: int | None = None  # None: the TP size, as Megatron-LM defaults it
-    sp: bool = False
 
 
 def moe_layers(config: Mapping[str, Any]) -> list[bool]:
@@ -99,7 +87,7 @@ def rope_parameters(config: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def transformer_config(
     config: Mapping[str, Any],
-    parallel: ModelParallel = ModelParallel(),
+    parallel: ParallelLayout | None = None,
     *,
     dtype=None,
     on_cpu: bool = True,
@@ -135,15 +123,7 @@ def transformer_config(
             # with the default --moe-layer-freq builds them; a mixed pattern must be a list.
             "moe_layer_freq": 1 if all(moe) else [int(m) for m in moe],
         }
-    kwargs.update(
-        tensor_model_parallel_size=parallel.tp,
-        pipeline_model_parallel_size=parallel.pp,
-        virtual_pipeline_model_parallel_size=parallel.vpp,
-        context_parallel_size=parallel.cp,
-        expert_model_parallel_size=parallel.ep,
-        expert_tensor_parallel_size=parallel.etp if parallel.etp is not None else parallel.tp,
-        sequence_parallel=parallel.sp and parallel.tp > 1,
-    )
+    kwargs.update((parallel or ParallelLayout()).transformer_config_kwargs())
     kwargs.update(overrides)
     return TransformerConfig(
         num_layers=config["num_hidden_layers"],

@@ -87,7 +87,7 @@ def _column_parallel_linear():
     return NormColumnParallelLinear
 
 
-class TELayoutSpecProvider:
+class TEShapedSpecProvider:
     """megatron-core's BackendSpecProvider protocol, answered with TE-shaped local modules."""
 
     def linear(self):
@@ -213,7 +213,7 @@ def _te_layout_spec_functions() -> Iterator[object]:
         _NORM_LINEAR = _column_parallel_linear()
     missing = object()
     saved = {name: getattr(specs, name, missing) for name in ("TESpecProvider", "TENorm")}
-    specs.TESpecProvider, specs.TENorm = TELayoutSpecProvider, Norm
+    specs.TESpecProvider, specs.TENorm = TEShapedSpecProvider, Norm
     try:
         yield specs
     finally:

@@ -1,4 +1,12 @@
-"""The two records every layout rule reads: a `ParallelConfig` and the `ModelShape` it splits."""
+"""The parallel layout of a job, and the model shape it splits.
+
+`ParallelLayout` is the one record of the Megatron parallel degrees (tp, pp, vpp, cp, ep, etp,
+sp, uneven first/last pipeline stages, the context-parallel communication). It is parsed once
+from the trainer's flags (`from_args`, where both virtual-pipeline flags are resolved), and it
+is the only place that derives the data-parallel sizes for a world size, that translates the
+layout into megatron-core's arguments (`initialize_model_parallel` and the parallel fields of
+`TransformerConfig`) and that renders it back into trainer flags. Standard library only.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +16,37 @@ ATTENTION_KINDS = ("gqa", "mla", "dsa")  # dsa: DeepSeek sparse attention (index
 # Megatron-LM's --cp-comm-type values ("allgather" is accepted as a spelling of all_gather).
 CP_COMM_TYPES = ("p2p", "a2a", "all_gather", "a2a+p2p")
 
+# Each field and the trainer flag that carries it (its argparse dest: the name with underscores).
+TRAINER_FLAGS = (
+    ("tp", "--tensor-model-parallel-size"),
+    ("pp", "--pipeline-model-parallel-size"),
+    ("cp", "--context-parallel-size"),
+    ("cp_comm_type", "--cp-comm-type"),
+    ("ep", "--expert-model-parallel-size"),
+    ("etp", "--expert-tensor-parallel-size"),
+    ("sp", "--sequence-parallel"),
+    ("first_stage_layers", "--decoder-first-pipeline-num-layers"),
+    ("last_stage_layers", "--decoder-last-pipeline-num-layers"),
+    ("vpp", "--num-virtual-stages-per-pipeline-rank"),
+)
+# Megatron-LM's other spelling of the virtual pipeline: layers per virtual stage.
+LAYERS_PER_VIRTUAL_STAGE_FLAG = "--num-layers-per-virtual-pipeline-stage"
+
+
+def dest(flag: str) -> str:
+    """The argparse attribute of a trainer flag."""
+    return flag.lstrip("-").replace("-", "_")
+
+
+class VirtualPipelineError(ValueError):
+    """Virtual pipeline flags that Megatron-LM cannot turn into a vpp degree."""
+
 
 @dataclass(frozen=True)
-class ParallelConfig:
-    """Megatron parallel degrees. `etp` (expert tensor parallel) defaults to `tp` when None;
-    `vpp` is the number of virtual pipeline stages per pipeline rank (None: not interleaved)."""
+class ParallelLayout:
+    """Megatron parallel degrees, in one canonical form: `etp` (expert tensor parallel) is None
+    when it equals `tp` (Megatron's default), and `vpp`, the virtual pipeline stages per pipeline
+    rank, is None when there is no interleaving (one stage per rank, as Megatron-LM reads 1)."""
 
     tp: int = 1
     pp: int = 1
@@ -41,6 +75,14 @@ class ParallelConfig:
             raise ValueError(
                 f"cp_comm_type must be one of {', '.join(CP_COMM_TYPES)}, got {self.cp_comm_type!r}"
             )
+        if self.etp == self.tp:
+            object.__setattr__(self, "etp", None)
+        # Megatron-LM's validate_args turns a virtual pipeline of 1 stage per rank into none
+        # (NVIDIA/Megatron-LM megatron/training/arguments.py@000c4ac2, both VPP flags).
+        if self.vpp == 1:
+            object.__setattr__(self, "vpp", None)
+
+    # --- what follows from the degrees ---------------------------------------------------
 
     @property
     def expert_tp(self) -> int:
@@ -50,6 +92,16 @@ class ParallelConfig:
     def effective_sp(self) -> bool:
         """Sequence parallel as Megatron-LM runs it: with tp=1 it is turned off (with a warning)."""
         return self.sp and self.tp > 1
+
+    @property
+    def interleaved(self) -> bool:
+        """Whether megatron-core runs the interleaved (virtual pipeline) schedule."""
+        return self.vpp is not None
+
+    @property
+    def model_chunks(self) -> int:
+        """Model chunks each rank holds: one per virtual pipeline stage."""
+        return self.vpp or 1
 
     @property
     def dense_size(self) -> int:
@@ -62,10 +114,84 @@ class ParallelConfig:
         return self.expert_tp * self.ep * self.pp
 
     def dp(self, world_size: int) -> int:
+        """Data-parallel replicas of the dense part on `world_size` ranks: world / (tp·cp·pp).
+        Raises `InvalidParallelism` (naming every factor and a value that fits) when it does not divide."""
+        self._require_grids(world_size)
         return world_size // self.dense_size
 
     def expert_dp(self, world_size: int) -> int:
+        """Data-parallel replicas of the experts on `world_size` ranks: world / (etp·ep·pp)."""
+        self._require_grids(world_size)
         return world_size // self.expert_size
+
+    def _require_grids(self, world_size: int) -> None:
+        if world_size % self.dense_size or world_size % self.expert_size:
+            from miles.parallel.verdict import InvalidParallelism, validate
+
+            raise InvalidParallelism(validate(self, world_size))
+
+    # --- megatron-core -------------------------------------------------------------------
+
+    def initialize_model_parallel_kwargs(self) -> dict:
+        """The layout's arguments of megatron-core's `parallel_state.initialize_model_parallel`."""
+        return {
+            "tensor_model_parallel_size": self.tp,
+            "pipeline_model_parallel_size": self.pp,
+            "virtual_pipeline_model_parallel_size": self.vpp,
+            "context_parallel_size": self.cp,
+            "expert_model_parallel_size": self.ep,
+            "expert_tensor_parallel_size": self.expert_tp,
+        }
+
+    def transformer_config_kwargs(self) -> dict:
+        """The parallel fields of megatron-core's `TransformerConfig` for this layout."""
+        out = {
+            "tensor_model_parallel_size": self.tp,
+            "pipeline_model_parallel_size": self.pp,
+            "virtual_pipeline_model_parallel_size": self.vpp,
+            "context_parallel_size": self.cp,
+            "expert_model_parallel_size": self.ep,
+            "expert_tensor_parallel_size": self.expert_tp,
+            # Megatron-LM's argument parsing turns sequence parallel off when tp=1.
+            "sequence_parallel": self.effective_sp,
+            "num_layers_in_first_pipeline_stage": self.first_stage_layers,
+            "num_layers_in_last_pipeline_stage": self.last_stage_layers,
+        }
+        if self.cp_comm_type is not None:
+            out["cp_comm_type"] = self.cp_comm_type
+        return out
+
+    # --- the trainer's flags -------------------------------------------------------------
+
+    def trainer_args(self) -> tuple[tuple[str, int | str | bool | None], ...]:
+        """The Megatron trainer flags for this layout as (flag, value) pairs, the names
+        `python -m miles.train` parses; False or None means the flag is not passed."""
+        values = {**{f.name: getattr(self, f.name) for f in fields(self)}, "etp": self.expert_tp}
+        return tuple((flag, values[name]) for name, flag in TRAINER_FLAGS)
+
+    def trainer_flags(self) -> tuple[str, ...]:
+        """`trainer_args()` as argv tokens."""
+        out: list[str] = []
+        for flag, value in self.trainer_args():
+            if value is True:
+                out.append(flag)
+            elif value not in (None, False):
+                out += [flag, str(value)]
+        return tuple(out)
+
+    @classmethod
+    def from_args(cls, args, num_layers: int | None = None) -> ParallelLayout:
+        """The layout a trainer command asks for (`args`: the parsed flags). `num_layers` is the
+        model's depth, needed only to read --num-layers-per-virtual-pipeline-stage.
+
+        Raises `VirtualPipelineError` for virtual pipeline flags Megatron-LM would refuse, and
+        ValueError naming the degree that is not a positive integer."""
+        given = {name: getattr(args, dest(flag), None) for name, flag in TRAINER_FLAGS if name != "vpp"}
+        given = {k: v for k, v in given.items() if v is not None}
+        given["sp"] = bool(given.get("sp", False))
+        return cls(**given, vpp=virtual_stages(args, num_layers))
+
+    # --- showing it ----------------------------------------------------------------------
 
     def describe(self) -> str:
         cp = f"cp{self.cp}" + (f"({self.cp_comm_type})" if self.cp_comm_type else "")
@@ -78,34 +204,49 @@ class ParallelConfig:
             text += f" stages(first={self.first_stage_layers}, last={self.last_stage_layers})"
         return text
 
-    def trainer_args(self) -> tuple[tuple[str, int | str | bool | None], ...]:
-        """The Megatron trainer flags for this layout as (flag, value) pairs, the names
-        `python -m miles.train` parses; False or None means the flag is not passed."""
-        return (
-            ("--tensor-model-parallel-size", self.tp),
-            ("--pipeline-model-parallel-size", self.pp),
-            ("--context-parallel-size", self.cp),
-            ("--cp-comm-type", self.cp_comm_type),
-            ("--expert-model-parallel-size", self.ep),
-            ("--expert-tensor-parallel-size", self.expert_tp),
-            ("--sequence-parallel", self.sp),
-            ("--decoder-first-pipeline-num-layers", self.first_stage_layers),
-            ("--decoder-last-pipeline-num-layers", self.last_stage_layers),
-            ("--num-virtual-stages-per-pipeline-rank", self.vpp),
-        )
-
-    def trainer_flags(self) -> tuple[str, ...]:
-        """`trainer_args()` as argv tokens."""
-        out: list[str] = []
-        for flag, value in self.trainer_args():
-            if value is True:
-                out.append(flag)
-            elif value not in (None, False):
-                out += [flag, str(value)]
-        return tuple(out)
-
     def to_json(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def virtual_stages(args, num_layers: int | None) -> int | None:
+    """Virtual pipeline stages per pipeline rank, from either Megatron-LM flag (the one place
+    both are read): --num-virtual-stages-per-pipeline-rank directly, or
+    --num-layers-per-virtual-pipeline-stage (layers per pipeline rank / layers per virtual
+    stage, even pipelines only). Giving both is refused, as Megatron-LM refuses it."""
+    stages = getattr(args, dest(TRAINER_FLAGS[-1][1]), None)
+    per_stage = getattr(args, dest(LAYERS_PER_VIRTUAL_STAGE_FLAG), None)
+    if per_stage is None:
+        return stages
+    flag = f"{LAYERS_PER_VIRTUAL_STAGE_FLAG} {per_stage}"
+    if stages is not None:
+        raise VirtualPipelineError(
+            f"{flag} and --num-virtual-stages-per-pipeline-rank {stages} both set the virtual pipeline; give one"
+        )
+    if (
+        getattr(args, "decoder_first_pipeline_num_layers", None) is not None
+        or getattr(args, "decoder_last_pipeline_num_layers", None) is not None
+    ):
+        raise VirtualPipelineError(
+            f"{flag} with explicit first/last pipeline stage sizes: Megatron-LM needs "
+            "--num-virtual-stages-per-pipeline-rank for an uneven pipeline"
+        )
+    pp = getattr(args, "pipeline_model_parallel_size", 1)
+    if pp <= 1:
+        raise VirtualPipelineError(f"{flag} needs --pipeline-model-parallel-size > 1 (got {pp})")
+    if num_layers is None:
+        where = getattr(args, "hf_checkpoint", None)
+        raise VirtualPipelineError(
+            f"{flag}: the layer count is unknown (no --num-layers and no num_hidden_layers in "
+            f"{where}/config.json); pass --num-layers or --num-virtual-stages-per-pipeline-rank"
+        )
+    if num_layers % pp:
+        raise VirtualPipelineError(f"{flag}: {num_layers} layers do not split evenly over pp({pp})")
+    per_rank = num_layers // pp
+    if per_rank % per_stage:
+        raise VirtualPipelineError(
+            f"{flag}: the {per_rank} layers of each pipeline rank do not split into virtual stages of {per_stage}"
+        )
+    return per_rank // per_stage
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from miles.parallel.layout import ModelShape, ParallelConfig
+from miles.parallel.layout import ModelShape, ParallelLayout
 from miles.parallel.verdict import Verdict
 
 STAGES = (
@@ -67,13 +67,13 @@ _MEGATRON_RULES = (
 
 @dataclass(frozen=True)
 class Case:
-    config: ParallelConfig
+    layout: ParallelLayout
     world_size: int
     model: ModelShape | None = None
 
     def to_json(self) -> dict:
         return {
-            "config": self.config.to_json(),
+            "layout": self.layout.to_json(),
             "world_size": self.world_size,
             "model": self.model.to_json() if self.model else None,
         }

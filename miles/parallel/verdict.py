@@ -1,6 +1,6 @@
 """Check a parallel layout against every Megatron rule before a GPU is touched.
 
-`validate(config, world_size, model)` returns a `Verdict` whose violations name every factor
+`validate(layout, world_size, model)` returns a `Verdict` whose violations name every factor
 and the nearest single change that makes the whole layout valid ("ep=4 → ep=2 makes
 etp·ep·pp = 4 divide world 4"), first the one megatron-core would raise first (the rules and
 their order are in `miles.parallel.rules`). What Megatron only warns about, or changes
@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from miles.parallel.fixes import fixes
-from miles.parallel.layout import ModelShape, ParallelConfig
+from miles.parallel.layout import ModelShape, ParallelLayout
 from miles.parallel.rules import FALLBACK_MEGATRON_CORE, Context, installed_megatron_core, violated
 
 # Megatron-LM refuses to start tp > 1 or cp > 1 on GPUs before Blackwell (H200, MI350) unless
@@ -35,7 +35,7 @@ class Violation:
 
 @dataclass(frozen=True)
 class Verdict:
-    config: ParallelConfig
+    layout: ParallelLayout
     world_size: int
     model: ModelShape | None
     violations: tuple[Violation, ...] = ()
@@ -52,15 +52,15 @@ class Verdict:
 
     def summary(self) -> str:
         where = f" for {self.model.name}" if self.model else ""
-        head = f"{self.config.describe()} on {self.world_size} rank(s){where}"
+        head = f"{self.layout.describe()} on {self.world_size} rank(s){where}"
         if self.ok:
-            return f"{head}: valid (dp={self.config.dp(self.world_size)})"
+            return f"{head}: valid (dp={self.layout.dp(self.world_size)})"
         return f"{head}: " + "; ".join(str(v) for v in self.violations)
 
     def headline(self) -> str:
         """The verdict in one line: valid, or the first broken rule and its message."""
         where = f" for {self.model.name}" if self.model else ""
-        head = f"layout {self.config.describe()} on {self.world_size} rank(s){where}"
+        head = f"layout {self.layout.describe()} on {self.world_size} rank(s){where}"
         if self.ok:
             return f"{head}: valid"
         first = self.violations[0]
@@ -68,7 +68,7 @@ class Verdict:
         return f"{head}: INVALID, {first.rule}: {first.message}{more}"
 
 
-class LayoutError(ValueError):
+class InvalidParallelism(ValueError):
     """A layout breaks a Megatron rule; `.verdict` holds every violation."""
 
     def __init__(self, verdict: Verdict, where: str = "") -> None:
@@ -87,7 +87,7 @@ def resolve_megatron_core(version: str | None) -> tuple[str, bool]:
 
 
 def validate(
-    config: ParallelConfig,
+    layout: ParallelLayout,
     world_size: int,
     model: ModelShape | None = None,
     megatron_core: str | None = None,
@@ -102,53 +102,53 @@ def validate(
     version, assumed = resolve_megatron_core(megatron_core)
     context = Context(world_size, model, version)
     violations = tuple(
-        Violation(rule.id, message, tuple(fixes(rule, config, context)))
-        for rule, message in violated(config, context)
+        Violation(rule.id, message, tuple(fixes(rule, layout, context)))
+        for rule, message in violated(layout, context)
     )
-    notes = list(_notes(config, model))
+    notes = list(_notes(layout, model))
     if assumed:
         notes.append(
             f"megatron-core is not installed: the rules of {version} apply (name one to change that)"
         )
-    return Verdict(config, world_size, model, violations, tuple(notes), version)
+    return Verdict(layout, world_size, model, violations, tuple(notes), version)
 
 
 def check(
-    config: ParallelConfig,
+    layout: ParallelLayout,
     world_size: int,
     model: ModelShape | None = None,
     where: str = "",
     megatron_core: str | None = None,
 ) -> Verdict:
-    """`validate`, raising `LayoutError` when the layout is not valid."""
-    verdict = validate(config, world_size, model, megatron_core)
+    """`validate`, raising `InvalidParallelism` when the layout is not valid."""
+    verdict = validate(layout, world_size, model, megatron_core)
     if not verdict.ok:
-        raise LayoutError(verdict, where)
+        raise InvalidParallelism(verdict, where)
     return verdict
 
 
-def required_env(config: ParallelConfig) -> dict[str, str]:
+def required_env(layout: ParallelLayout) -> dict[str, str]:
     """Environment the training processes of this layout need on the GPU platforms."""
-    if config.tp > 1 or config.cp > 1:
+    if layout.tp > 1 or layout.cp > 1:
         return {DEVICE_MAX_CONNECTIONS: "1"}
     return {}
 
 
-def env_problems(config: ParallelConfig, env: Mapping[str, str]) -> list[str]:
-    """What `env` (a launch environment) lacks of `required_env(config)`, one line each."""
+def env_problems(layout: ParallelLayout, env: Mapping[str, str]) -> list[str]:
+    """What `env` (a launch environment) lacks of `required_env(layout)`, one line each."""
     out = []
-    for key, wanted in required_env(config).items():
+    for key, wanted in required_env(layout).items():
         found = env.get(key)
         if found != wanted:
             shown = "unset" if found is None else f"{key}={found}"
             out.append(
-                f"{config.describe()} needs {key}={wanted} in the launch environment (tp > 1 or cp > 1: "
+                f"{layout.describe()} needs {key}={wanted} in the launch environment (tp > 1 or cp > 1: "
                 f"Megatron-LM refuses to start otherwise on H200 and MI350), found {shown}"
             )
     return out
 
 
-def _notes(c: ParallelConfig, m: ModelShape | None) -> Iterator[str]:
+def _notes(c: ParallelLayout, m: ModelShape | None) -> Iterator[str]:
     if c.sp and c.tp == 1:
         yield "sequence parallel with tp=1: Megatron-LM turns it off with a warning, so this layout runs without it"
     if c.ep > 1 and c.tp > 1 and not c.effective_sp and m is None:

@@ -8,7 +8,7 @@ with coefficient 0 (logged, not trained on).
 
 from __future__ import annotations
 
-from miles.parallel import ParallelConfig
+from miles.parallel import ParallelLayout
 from miles.recipes.args import Args, merge
 from miles.recipes.fidelity import deviation
 from miles.recipes.models import TINY
@@ -145,7 +145,9 @@ TINY_OVERRIDES = groups(
 )
 
 
-def cpu_tiny_profile(parallel: ParallelConfig | None = None, train_backend: str | None = None) -> ParallelProfile:
+def cpu_tiny_profile(
+    parallel: ParallelLayout | None = None, train_backend: str | None = None
+) -> ParallelProfile:
     """Two gloo ranks on one CPU machine with the trainer's own sampler: data-parallel FSDP, or
     the Megatron backend at `parallel` when `train_backend` is "megatron"."""
     return ParallelProfile(
@@ -153,7 +155,7 @@ def cpu_tiny_profile(parallel: ParallelConfig | None = None, train_backend: str 
         nodes=1,
         gpus_per_node=2,
         model=TINY,
-        parallel=parallel or ParallelConfig(),
+        parallel=parallel or ParallelLayout(),
         rollout_engine="torch",
         overrides=TINY_OVERRIDES,
         suite="stage-b-cpu",

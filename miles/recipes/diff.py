@@ -68,7 +68,7 @@ def _profiles(shared: Recipe, other: Recipe) -> list[str]:
 
 def reference_comparison(form: Recipe, platform: str):
     """The recipe form for `platform` beside its reference recipe (None when it has none)."""
-    from miles.recipes.fidelity import Layout, compare
+    from miles.recipes.fidelity import Placement, compare
     from miles.recipes.launch import RunOptions, build_plan
 
     reference = form.reference(platform)
@@ -96,5 +96,5 @@ def reference_comparison(form: Recipe, platform: str):
         args += list(group_args)
     options = RunOptions(model=profile.model, nodes=profile.nodes, gpus_per_node=profile.gpus_per_node)
     env = dict(build_plan(form, options, platform, base_env={}).env)
-    layouts = [Layout(p.world_size, p.parallel, p.rollout_gpus_per_engine) for p in profiles]
+    layouts = [Placement(p.world_size, p.parallel, p.rollout_gpus_per_engine) for p in profiles]
     return compare(tuple(args), env, layouts, reference, form.deviations)

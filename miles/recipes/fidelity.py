@@ -17,23 +17,23 @@ import shlex
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from miles.parallel import ParallelConfig
+from miles.parallel import ParallelLayout
 from miles.recipes.args import Args, Value
 
 # Flags a layout comparison covers (parallel degrees, placement, engine size), kept out of the
 # flag-by-flag comparison so each difference is reported once.
 LAYOUT_FLAGS = frozenset(
-    {flag for flag, _ in ParallelConfig().trainer_args()}
+    {flag for flag, _ in ParallelLayout().trainer_args()}
     | {"--actor-num-nodes", "--actor-num-gpus-per-node", "--rollout-num-gpus-per-engine"}
 )
 
 
 @dataclass(frozen=True)
-class Layout:
+class Placement:
     """A parallel layout the reference runs on `gpus` GPUs (one node unless `nodes`)."""
 
     gpus: int
-    parallel: ParallelConfig
+    parallel: ParallelLayout
     rollout_gpus_per_engine: int
     hardware: str = ""  # what the reference states it for (H100, GB200, MI355X, ...)
 
@@ -46,7 +46,7 @@ class Reference:
     model: str  # our model name the flags are for (the depth of --num-layers)
     args: Args  # trainer flags, model flags included; paths as {fields}
     env: tuple[tuple[str, str], ...]  # variables the script and its launcher set
-    layouts: tuple[Layout, ...]
+    layouts: tuple[Placement, ...]
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ def shown(value: object) -> str:
 def compare(
     ours_args: Args,
     ours_env: Mapping[str, str],
-    ours_layouts: Iterable[Layout],
+    ours_layouts: Iterable[Placement],
     reference: Reference,
     deviations: Iterable[Deviation],
 ) -> Comparison:
@@ -188,5 +188,5 @@ def compare(
     return Comparison(reference, agree, tuple(lines))
 
 
-def _layout_text(layout: Layout) -> str:
+def _layout_text(layout: Placement) -> str:
     return f"{layout.parallel.describe()}, {layout.rollout_gpus_per_engine} GPU(s) per rollout engine"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from miles.ckpt.families import family as _ckpt_family
 from miles.ckpt.plan import CheckpointPlan
-from miles.parallel import LayoutError, ParallelConfig, validate
+from miles.parallel import InvalidParallelism, ParallelLayout, validate
 from miles.recipes.args import Args, drop, fill, merge, render
 from miles.recipes.fidelity import Deviation, Reference
 from miles.recipes.models import TINY, ModelSpec, ResolvedModel, resolve_model
@@ -53,7 +53,7 @@ class ParallelProfile:
     nodes: int
     gpus_per_node: int  # on cpu: gloo ranks per node
     model: str  # the model name it was verified with ("tiny" for the CPU profile)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    parallel: ParallelLayout = field(default_factory=ParallelLayout)
     rollout_gpus_per_engine: int = 1
     rollout_engine: str = "sglang"  # sglang on GPUs; torch (the trainer's own sampler) on CPU
     overrides: tuple[tuple[str, Args], ...] = ()  # flags this profile sets or removes, by group
@@ -134,7 +134,7 @@ class Recipe:
             megatron_core=lane_megatron_core(profile.platform),
         )
         if not verdict.ok:
-            raise LayoutError(verdict, where)
+            raise InvalidParallelism(verdict, where)
 
     # --- lookups -----------------------------------------------------------------------------
 
@@ -315,7 +315,7 @@ def gpu_profile(
     nodes: int,
     gpus_per_node: int,
     model: str,
-    parallel: ParallelConfig,
+    parallel: ParallelLayout,
     *,
     rollout_gpus_per_engine: int,
     suite: str,

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from miles.parallel import ParallelConfig
+from miles.parallel import ParallelLayout
 from miles.recipes import names, shared, variants
 from miles.recipes.diff import reference_comparison
 from miles.recipes.facts import rows
-from miles.recipes.fidelity import Deviation, Layout, Reference, compare, flags
+from miles.recipes.fidelity import Deviation, Placement, Reference, compare, flags
 from miles.recipes.recipe import gpu_profile
 from miles.recipes.specs import GLM5_2_744B_A40B, QWEN3_30B_A3B
 
@@ -117,7 +117,7 @@ def test_what_megatron_core_lacks_is_said_in_the_recipe():
 def test_a_layout_that_differs_from_the_reference_without_a_reason_is_unexplained():
     recipe = shared("qwen3_30b_a3b")
     other = gpu_profile(
-        "cuda", 1, 8, "Qwen3-30B-A3B", ParallelConfig(tp=2, sp=True, ep=8, etp=1), rollout_gpus_per_engine=2,
+        "cuda", 1, 8, "Qwen3-30B-A3B", ParallelLayout(tp=2, sp=True, ep=8, etp=1), rollout_gpus_per_engine=2,
         suite="stage-c-8-gpu-h200",
     )  # fmt: skip
     drifted = replace(recipe, profiles=(recipe.profiles[0], other, recipe.profiles[2]))
@@ -127,9 +127,9 @@ def test_a_layout_that_differs_from_the_reference_without_a_reason_is_unexplaine
 
 
 def test_a_deviation_explains_only_its_platforms():
-    reference = Reference("rocm", "s", "m", "x", flags("--lr 1e-6"), (), (Layout(4, ParallelConfig(), 1),))
+    reference = Reference("rocm", "s", "m", "x", flags("--lr 1e-6"), (), (Placement(4, ParallelLayout(), 1),))
     reasons = (Deviation(("--lr",), "because", ("cuda",)),)
-    result = compare(flags("--lr 2e-6"), {}, [Layout(4, ParallelConfig(), 1)], reference, reasons)
+    result = compare(flags("--lr 2e-6"), {}, [Placement(4, ParallelLayout(), 1)], reference, reasons)
     assert result.unexplained[0].render() == "~ --lr: ours 2e-06, reference 1e-06  UNEXPLAINED"
 
 

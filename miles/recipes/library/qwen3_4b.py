@@ -1,6 +1,6 @@
 """GRPO on Qwen3-4B (dense), trained with Megatron, rolled out with SGLang."""
 
-from miles.parallel import ParallelConfig
+from miles.parallel import ParallelLayout
 from miles.recipes import defaults as d
 from miles.recipes.fidelity import deviation
 from miles.recipes.recipe import Overlay, Recipe, gpu_profile, groups, source_file
@@ -8,9 +8,9 @@ from miles.recipes.references import qwen3_4b as reference
 from miles.recipes.specs import QWEN3_4B
 
 MODEL = "Qwen3-4B"
-TP2 = ParallelConfig(tp=2, sp=True, etp=1)
-TP2_CP2 = ParallelConfig(tp=2, sp=True, cp=2, etp=1)
-TP2_CP4 = ParallelConfig(tp=2, sp=True, cp=4, etp=1)  # the reference's 8-GPU layout
+TP2 = ParallelLayout(tp=2, sp=True, etp=1)
+TP2_CP2 = ParallelLayout(tp=2, sp=True, cp=2, etp=1)
+TP2_CP4 = ParallelLayout(tp=2, sp=True, cp=4, etp=1)  # the reference's 8-GPU layout
 
 ROCM = Overlay(
     platform="rocm",

@@ -3,8 +3,8 @@
 
 import json
 
-from miles.parallel import ParallelConfig
-from miles.recipes.fidelity import Layout, Reference, flags
+from miles.parallel import ParallelLayout
+from miles.recipes.fidelity import Placement, Reference, flags
 from miles.recipes.references import LAUNCHER_ENV, OPTIMIZER, RECOMPUTE
 
 MODEL_SCRIPT = (
@@ -75,8 +75,8 @@ DETERMINISTIC_ENV = (
 )
 
 
-def _one_node(gpus: int, hardware: str) -> Layout:
-    return Layout(gpus, ParallelConfig(tp=gpus, sp=True, ep=gpus, etp=1), 4, hardware)
+def _one_node(gpus: int, hardware: str) -> Placement:
+    return Placement(gpus, ParallelLayout(tp=gpus, sp=True, ep=gpus, etp=1), 4, hardware)
 
 
 CUDA = Reference(

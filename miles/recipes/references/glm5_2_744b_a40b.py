@@ -1,8 +1,8 @@
 """GLM-5.2 in the reference: scripts/run_glm5_2_744b_a40b.py and scripts/amd/run_glm5_2_744b_a40b.py for the
 5-layer slice on one node (so mode debug_minimal), with --fp8-rollout (the option miles follows)."""
 
-from miles.parallel import ParallelConfig
-from miles.recipes.fidelity import Layout, Reference, flags
+from miles.parallel import ParallelLayout
+from miles.recipes.fidelity import Placement, Reference, flags
 from miles.recipes.references import CHECKPOINT, DAPO, LAUNCHER_ENV, MEGATRON_MISC, OPTIMIZER, RECOMPUTE
 
 MODEL_SCRIPT = (
@@ -57,7 +57,7 @@ def _misc(gpus: int) -> tuple:
     )
 
 
-TP4 = ParallelConfig(tp=4, sp=True, ep=4, etp=1)
+TP4 = ParallelLayout(tp=4, sp=True, ep=4, etp=1)
 
 CUDA = Reference(
     platform="cuda",
@@ -73,8 +73,8 @@ CUDA = Reference(
         ("SGLANG_NSA_FORCE_MLA", "1"), ("INDEXER_ROPE_NEOX_STYLE", "0"), ("NVSHMEM_DISABLE_NCCL", "1"),
     ),
     layouts=(
-        Layout(4, TP4, 4, "4 H200s (--num-gpus-per-node 4: the smoke test its notes size memory for)"),
-        Layout(8, ParallelConfig(tp=4, sp=True, ep=8, etp=1), 8, "an H200 node"),
+        Placement(4, TP4, 4, "4 H200s (--num-gpus-per-node 4: the smoke test its notes size memory for)"),
+        Placement(8, ParallelLayout(tp=4, sp=True, ep=8, etp=1), 8, "an H200 node"),
     ),
 )  # fmt: skip
 
@@ -85,5 +85,5 @@ ROCM = Reference(
     model="GLM-5.2-744B-A40B-5layer",
     args=(*COMMON, *_sglang(4, "mori", "tilelang", "tilelang"), *_misc(4), *flags("--moe-token-dispatcher-type alltoall")),
     env=(*LAUNCHER_ENV, ("NCCL_NVLS_ENABLE", "0"), ("SGLANG_NSA_FORCE_MLA", "1"), ("INDEXER_ROPE_NEOX_STYLE", "0")),
-    layouts=(Layout(4, TP4, 4, "4 MI355X GPUs"),),
+    layouts=(Placement(4, TP4, 4, "4 MI355X GPUs"),),
 )  # fmt: skip

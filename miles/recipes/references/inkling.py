@@ -1,8 +1,8 @@
 """Inkling-Small in the reference: scripts/run_inkling.py (GB300 nodes of 4) and scripts/amd/run_inkling.py,
 full-parameter GRPO on the dapo_math task, colocated, for the 4-layer slice on one node."""
 
-from miles.parallel import ParallelConfig
-from miles.recipes.fidelity import Layout, Reference, flags
+from miles.parallel import ParallelLayout
+from miles.recipes.fidelity import Placement, Reference, flags
 from miles.recipes.references import LAUNCHER_ENV, OPTIMIZER, RECOMPUTE
 
 MODEL_SCRIPT = "radixark/miles scripts/models/inkling-small.sh@03193ed0 (MODEL_ARGS_NUM_LAYERS=4)"
@@ -63,7 +63,7 @@ ENV = (
     ("NCCL_NVLS_ENABLE", "0"),
     ("NCCL_RAS_ENABLE", "0"),
 )
-TP4_EP4 = ParallelConfig(tp=4, sp=True, ep=4, etp=1)
+TP4_EP4 = ParallelLayout(tp=4, sp=True, ep=4, etp=1)
 
 CUDA = Reference(
     platform="cuda",
@@ -72,7 +72,7 @@ CUDA = Reference(
     model="Inkling-Small-4layer",
     args=(*COMMON, *flags("--sglang-attention-backend fa4")),
     env=(*LAUNCHER_ENV, *ENV),
-    layouts=(Layout(4, TP4_EP4, 16, "a GB300 node of 4; the rollout engine default spans 16 GPUs"),),
+    layouts=(Placement(4, TP4_EP4, 16, "a GB300 node of 4; the rollout engine default spans 16 GPUs"),),
 )
 
 ROCM = Reference(
@@ -82,5 +82,5 @@ ROCM = Reference(
     model="Inkling-Small-4layer",
     args=(*COMMON, *flags("--sglang-attention-backend triton")),
     env=(*LAUNCHER_ENV, *ENV),
-    layouts=(Layout(4, TP4_EP4, 4, "4 MI355X GPUs"),),
+    layouts=(Placement(4, TP4_EP4, 4, "4 MI355X GPUs"),),
 )

@@ -1,7 +1,7 @@
 """Qwen3-30B-A3B in the reference: scripts/run_qwen3_30b_a3b.py (H100 / GB200 nodes) and its AMD twin."""
 
-from miles.parallel import ParallelConfig
-from miles.recipes.fidelity import Layout, Reference, flags
+from miles.parallel import ParallelLayout
+from miles.recipes.fidelity import Placement, Reference, flags
 from miles.recipes.references import (
     AIME_EVAL,
     CHECKPOINT,
@@ -56,8 +56,8 @@ CUDA = Reference(
     ),
     env=(*LAUNCHER_ENV, ("NCCL_NVLS_ENABLE", "1")),
     layouts=(
-        Layout(8, ParallelConfig(tp=4, sp=True, ep=8, etp=1), 2, "H100 (FP8 rollout: 2-GPU engines)"),
-        Layout(4, ParallelConfig(tp=4, sp=True, ep=4, etp=1), 2, "GB200/GB300 node of 4 GPUs"),
+        Placement(8, ParallelLayout(tp=4, sp=True, ep=8, etp=1), 2, "H100 (FP8 rollout: 2-GPU engines)"),
+        Placement(4, ParallelLayout(tp=4, sp=True, ep=4, etp=1), 2, "GB200/GB300 node of 4 GPUs"),
     ),
 )  # fmt: skip
 
@@ -74,5 +74,5 @@ ROCM = Reference(
     ),
     # Its launcher's NVLink probe finds none on MI350 (no nvidia-smi), so NVLS is off.
     env=(*LAUNCHER_ENV, ("NCCL_NVLS_ENABLE", "0")),
-    layouts=(Layout(8, ParallelConfig(tp=1, sp=True, pp=2, cp=2, ep=4, etp=1), 2, "MI355X node"),),
+    layouts=(Placement(8, ParallelLayout(tp=1, sp=True, pp=2, cp=2, ep=4, etp=1), 2, "MI355X node"),),
 )  # fmt: skip

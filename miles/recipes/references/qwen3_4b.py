@@ -1,7 +1,7 @@
 """Qwen3-4B in the reference: scripts/run_qwen3_4b.py (8 H100s, Megatron) and its AMD twin."""
 
-from miles.parallel import ParallelConfig
-from miles.recipes.fidelity import Layout, Reference, flags
+from miles.parallel import ParallelLayout
+from miles.recipes.fidelity import Placement, Reference, flags
 from miles.recipes.references import (
     AIME_EVAL,
     AMD_ENV,
@@ -46,7 +46,7 @@ CUDA = Reference(
         *flags("--num-gpus-per-node 8 --colocate --use-fault-tolerance --dump-details {run_dir}/dump_details"),
     ),
     env=(*LAUNCHER_ENV, ("NCCL_NVLS_ENABLE", "1")),
-    layouts=(Layout(8, ParallelConfig(tp=2, sp=True, cp=4, etp=1), 1, "H100"),),
+    layouts=(Placement(8, ParallelLayout(tp=2, sp=True, cp=4, etp=1), 1, "H100"),),
 )  # fmt: skip
 
 ROCM = Reference(
@@ -66,5 +66,5 @@ ROCM = Reference(
         *flags("--attention-backend flash --colocate --num-gpus-per-node 8"),
     ),
     env=(*LAUNCHER_ENV, *AMD_ENV),
-    layouts=(Layout(8, ParallelConfig(tp=2, sp=True, etp=1), 2, "MI355X"),),
+    layouts=(Placement(8, ParallelLayout(tp=2, sp=True, etp=1), 2, "MI355X"),),
 )  # fmt: skip

@@ -46,7 +46,7 @@ class MegatronBackend(TrainBackend):
         self.config = mm.hf_config(args.hf_checkpoint)
         mm.check_model_flags(args, self.config, args.hf_checkpoint)
         self.source = _weights_source(args)
-        self.layout = mm.layout_from_args(args, dist_info.world_size, self.config["num_hidden_layers"])
+        self.layout = args.layout  # parsed and checked with the flags (miles.train.args)
         mm.init_parallel_state(self.layout, args.seed)
         self.tc = mm.transformer_config_for(args, self.config, self.layout, on_cpu=self.on_cpu)
         # The reference model gets a config of its own: the policy's gains DDP hooks below.
@@ -59,6 +59,8 @@ class MegatronBackend(TrainBackend):
         self.model = mm.wrap_ddp(self.chunks, self.tc)
         self.optimizer = mm.build_optimizer(self.model, self.optim_cfg, self.tc)
         self._connect_schedule(self.tc, self.model)
+        if dist_info.is_main:
+            print(f"miles.train: megatron {self.schedule()}", flush=True)
         self.ref_chunks = None
         self.ref_source = self.source
         if args.use_kl_loss:
@@ -149,6 +151,16 @@ class MegatronBackend(TrainBackend):
             _set_adam_steps(self.optimizer, self.steps_done)
         dist.barrier()
 
+    def schedule(self) -> str:
+        """The pipeline schedule megatron runs for this layout, and the model chunks per rank."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        chunks = len(self.chunks)
+        return (
+            f"{self.layout.describe()}: {get_forward_backward_func().__name__}, "
+            f"{chunks} model chunk{'s' if chunks > 1 else ''} per rank"
+        )
+
     # --- machinery ----------------------------------------------------------------------
 
     def _connect_schedule(self, tc, wrapped) -> None:
@@ -167,17 +179,15 @@ class MegatronBackend(TrainBackend):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         rows = max(self.args.micro_batch_size, max(p.size for p in parts))
-        cp = self.layout.parallel.cp
+        cp = self.layout.cp
         # sequence parallelism splits each rank's tokens over TP; context parallelism the
         # sequence into 2·cp chunks
-        seq_multiple = (self.layout.parallel.tp if self.tc.sequence_parallel else 1) * (
-            2 * cp if cp > 1 else 1
-        )
+        seq_multiple = (self.layout.tp if self.tc.sequence_parallel else 1) * (2 * cp if cp > 1 else 1)
         # The interleaved (VPP) schedule takes micro-batches in multiples of the pipeline size;
         # extra ones are all padding and add nothing to any loss or result.
         parts = list(parts)
-        if len(chunks) > 1:
-            pp = self.layout.parallel.pp
+        if self.layout.interleaved:
+            pp = self.layout.pp
             parts += [parts[-1].rows(slice(0, 0))] * (-len(parts) % pp)
         micro, seq = micro_batches(parts, rows, seq_multiple, self.device, cp, ps.get_context_parallel_rank())
 
@@ -204,8 +214,8 @@ class MegatronBackend(TrainBackend):
 
     def _schedule_count(self, parts: int) -> int:
         """How many micro-batches _run hands megatron's schedule for `parts` of them."""
-        if self.layout.parallel.vpp:
-            return parts + (-parts % self.layout.parallel.pp)
+        if self.layout.interleaved:
+            return parts + (-parts % self.layout.pp)
         return parts
 
     def _token_logprobs(self, mb, output, *, with_entropy: bool):
@@ -217,7 +227,7 @@ class MegatronBackend(TrainBackend):
             self.config["vocab_size"],
             with_entropy=with_entropy,
         )
-        cp = self.layout.parallel.cp
+        cp = self.layout.cp
         logp, entropy = gather_context_parallel(logp, cp), gather_context_parallel(entropy, cp)
         rows, width = mb.batch.size, mb.width - 1
         return logp[:rows, :width], entropy[:rows, :width]

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-from miles.ckpt.megatron_gpt import ModelParallel
+from miles.parallel import ParallelLayout
 from miles.train.backends import BackendUnavailable
 
 
@@ -61,69 +60,14 @@ def check_model_flags(args, config: dict, path: str) -> None:
         )
 
 
-@dataclass(frozen=True)
-class Layout:
-    """The parallel degrees of the job and what follows from them for the world size."""
-
-    parallel: ModelParallel
-    world_size: int
-
-    @property
-    def model_parallel(self) -> int:
-        p = self.parallel
-        return p.tp * p.pp * p.cp
-
-    @property
-    def dp(self) -> int:
-        return self.world_size // self.model_parallel
-
-
-def layout_from_args(args, world_size: int, num_layers: int) -> Layout:
-    """The job's parallel degrees, from the recipe's Megatron flags."""
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    vpp = None
-    per_virtual = args.num_layers_per_virtual_pipeline_stage
-    if per_virtual:
-        if pp < 2:
-            raise MegatronSetupError(
-                f"--num-layers-per-virtual-pipeline-stage {per_virtual} needs --pipeline-model-parallel-size > 1 "
-                f"(got {pp}); drop it or raise the pipeline size"
-            )
-        if num_layers % (pp * per_virtual):
-            raise MegatronSetupError(
-                f"{num_layers} layers do not split into {pp} pipeline stages of chunks of "
-                f"--num-layers-per-virtual-pipeline-stage {per_virtual}; pick a divisor of {num_layers // pp}"
-            )
-        vpp = num_layers // (pp * per_virtual)
-        vpp = vpp if vpp > 1 else None
-    parallel = ModelParallel(
-        tp=tp,
-        pp=pp,
-        vpp=vpp,
-        cp=args.context_parallel_size,
-        ep=args.expert_model_parallel_size,
-        etp=args.expert_tensor_parallel_size,
-        sp=bool(args.sequence_parallel),
-    )
-    return Layout(parallel, world_size)
-
-
-def init_parallel_state(layout: Layout, seed: int) -> None:
+def init_parallel_state(layout: ParallelLayout, seed: int) -> None:
     """megatron-core's process groups for the layout, and its model-parallel RNG streams."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    p = layout.parallel
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=p.tp,
-        pipeline_model_parallel_size=p.pp,
-        virtual_pipeline_model_parallel_size=p.vpp,
-        context_parallel_size=p.cp,
-        expert_model_parallel_size=p.ep,
-        expert_tensor_parallel_size=p.etp if p.etp is not None else p.tp,
-    )
+    parallel_state.initialize_model_parallel(**layout.initialize_model_parallel_kwargs())
     model_parallel_cuda_manual_seed(seed)
 
 
@@ -131,17 +75,13 @@ def hf_config(path: str | Path) -> dict:
     return json.loads((Path(path) / "config.json").read_text())
 
 
-def transformer_config_for(args, config: dict, layout: Layout, *, on_cpu: bool):
-    """The TransformerConfig of the run: the HF model's math plus the recipe's MoE switches."""
+def transformer_config_for(args, config: dict, layout: ParallelLayout, *, on_cpu: bool):
+    """The TransformerConfig of the run: the HF model's math, the layout, the recipe's MoE switches."""
     import torch
 
     from miles.ckpt.megatron_gpt import transformer_config
 
     overrides = {}
-    if args.decoder_first_pipeline_num_layers:
-        overrides["num_layers_in_first_pipeline_stage"] = args.decoder_first_pipeline_num_layers
-    if args.decoder_last_pipeline_num_layers:
-        overrides["num_layers_in_last_pipeline_stage"] = args.decoder_last_pipeline_num_layers
     if args.moe_router_dtype:
         overrides["moe_router_dtype"] = args.moe_router_dtype
     if args.moe_aux_loss_coeff:
@@ -160,9 +100,7 @@ def transformer_config_for(args, config: dict, layout: Layout, *, on_cpu: bool):
         # sends the two directions over two communicators.
         overrides["batch_p2p_comm"] = False
     dtype = torch.bfloat16 if args.bf16 and not on_cpu else torch.float32
-    return transformer_config(
-        config, layout.parallel, dtype=dtype, on_cpu=on_cpu, initialize=True, **overrides
-    )
+    return transformer_config(config, layout, dtype=dtype, on_cpu=on_cpu, initialize=True, **overrides)
 
 
 def build_chunks(config: dict, tc, vocab_size: int) -> list:
