@@ -95,7 +95,7 @@ def convert_to_torch_dist(
     gpt = family(family_name).megatron_gpt
     with _quiet(), single_process_group(), CheckpointReader(src) as reader:
         if gpt:
-            from miles.train.backends.megatron.compat import install_without_gpu
+            from miles.megatron.compat import install_without_gpu
 
             install_without_gpu()  # megatron-core's MoE layers and forward assume CUDA otherwise
         if progress is not None:
@@ -103,7 +103,7 @@ def convert_to_torch_dist(
             progress.total_tensors = len(reader.files.weight_map)
         vocab = _padded_vocab(config, vocab_multiple)
         if gpt:
-            from miles.ckpt.megatron_gpt import build_model
+            from miles.megatron.config import build_model
 
             model = build_model(config, vocab)
             _fill_gpt(model, config, reader, vocab, progress)
@@ -182,7 +182,7 @@ def _fill_gpt(model, config, reader: CheckpointReader, vocab: int, progress: Pro
     """Read every HF row block straight into its place in the megatron parameters."""
     import torch
 
-    from miles.ckpt.megatron_gpt import layout
+    from miles.megatron.config import layout
 
     params = {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
     seen = set()
@@ -288,7 +288,7 @@ def _verify_logits(loaded, config, hf_dir: Path, vocab: int) -> None:
     import torch
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from miles.ckpt.megatron_gpt import build_model, hf_logit_gap, transformer_config
+    from miles.megatron.config import build_model, hf_logit_gap, transformer_config
 
     with torch.random.fork_rng(devices=[]):  # megatron's attention forks its RNG streams
         model_parallel_cuda_manual_seed(0)
@@ -311,7 +311,7 @@ def _verify(release: Path, config, reader: CheckpointReader, gpt: bool, vocab: i
     from megatron.core.dist_checkpointing import ShardedTensor
 
     if gpt:
-        from miles.ckpt.megatron_gpt import build_model, layout
+        from miles.megatron.config import build_model, layout
 
         model = build_model(config, vocab)
         state = dist_checkpointing.load(

@@ -14,8 +14,8 @@ import argparse
 import json
 import sys
 
+from miles.megatron.proof import ProofError, check_proof_size
 from miles.parallel.layout import ATTENTION_KINDS, CP_COMM_TYPES, ModelShape, ParallelLayout
-from miles.parallel.megatron import ProofError, check_proof_size
 from miles.parallel.verdict import Verdict, validate
 
 
@@ -109,7 +109,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     verdict = validate(layout, args.world_size, model, args.megatron_core)
     proof = None
     if args.megatron:
-        from miles.parallel.megatron import Case, prove
+        from miles.megatron.proof import Case, prove
 
         proof = prove([Case(layout, args.world_size, model)])[0]
     if args.json:
@@ -134,7 +134,7 @@ def _print(verdict: Verdict, proof) -> None:
         print(f"  note: {note}")
     if proof is None:
         return
-    from miles.parallel.megatron import megatron_version
+    from miles.megatron.proof import megatron_version
 
     print(f"megatron-core {megatron_version()} on {world} gloo rank(s): {proof.summary()}")
     if proof.ok:

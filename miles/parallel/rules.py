@@ -4,7 +4,7 @@ Megatron-LM's argument parsing first (sequence parallel with tp=1 is turned off,
 then megatron-core: `initialize_model_parallel` (rank grids, virtual pipeline), the
 `TransformerConfig` checks, the pipeline split (`get_num_layers_to_build`), the MoE layer's
 construction, and the first training forward of a MoE layer. So the first violation found
-here is the error megatron-core raises first; `miles.parallel.megatron` proves that by
+here is the error megatron-core raises first; `miles.megatron.proof` proves that by
 running it. Rules whose outcome changed between megatron-core releases take the version.
 """
 

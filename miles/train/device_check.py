@@ -264,9 +264,9 @@ def step_megatron_parity(cpu: bool, workdir: Path) -> str:
     from megatron.core import dist_checkpointing
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from miles.ckpt.megatron_gpt import build_model, transformer_config
     from miles.ckpt.tiny import make_tiny_checkpoint
     from miles.ckpt.torch_dist import convert_to_torch_dist, single_process_group
+    from miles.megatron.config import build_model, transformer_config
 
     device = device_of(cpu)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -297,7 +297,7 @@ def _on_device_logit_gap(hf_dir: Path, model, config, device: str) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from miles.ckpt.megatron_gpt import megatron_logits, probe_tokens
+    from miles.megatron.config import megatron_logits, probe_tokens
 
     tokens = probe_tokens(config).to(device)
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device).eval()

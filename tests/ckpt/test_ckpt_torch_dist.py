@@ -14,7 +14,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from miles.ci.register import register_cpu_ci
-from miles.ckpt.megatron_gpt import build_model, layout
 from miles.ckpt.plan import FAMILIES
 from miles.ckpt.shards import CheckpointReader
 from miles.ckpt.torch_dist import (
@@ -24,6 +23,7 @@ from miles.ckpt.torch_dist import (
     convert_to_torch_dist,
     single_process_group,
 )
+from miles.megatron.config import build_model, layout
 
 register_cpu_ci(est_time=35, suite="stage-b-cpu")
 

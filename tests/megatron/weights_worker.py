@@ -21,20 +21,18 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from miles.ckpt.shards import CheckpointReader
-    from miles.train.backends.megatron import compat
-    from miles.train.backends.megatron import model as mm
-    from miles.train.backends.megatron.weights import WeightExporter
+    from miles.megatron import compat
+    from miles.megatron import training as mm
+    from miles.megatron.export import WeightExporter
+    from miles.parallel import ParallelLayout
 
     compat.install()
     args = SimpleNamespace(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, num_layers_per_virtual_pipeline_stage=None,
-        context_parallel_size=1, expert_model_parallel_size=ep, expert_tensor_parallel_size=1 if ep > 1 else None,
-        sequence_parallel=tp > 1, decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
         moe_router_dtype=None, moe_aux_loss_coeff=None, moe_token_dispatcher_type=None, recompute_granularity=None,
         bf16=False, hf_checkpoint=str(hf),
     )  # fmt: skip
     config = mm.hf_config(hf)
-    layout = mm.layout_from_args(args, dist.get_world_size(), config["num_hidden_layers"])
+    layout = ParallelLayout(tp=tp, pp=pp, ep=ep, etp=1 if ep > 1 else None, sp=tp > 1)
     mm.init_parallel_state(layout, seed=0)
     tc = mm.transformer_config_for(args, config, layout, on_cpu=True)
     chunks = mm.build_chunks(config, tc, config["vocab_size"])

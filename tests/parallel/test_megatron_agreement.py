@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from miles.ci.register import register_cpu_ci
+from miles.megatron.proof import Case, prove
 from miles.parallel import ModelShape, ParallelLayout, stage_sizes, validate
-from miles.parallel.megatron import Case, prove
 from miles.recipes import names, variants
 
 register_cpu_ci(est_time=40, suite="stage-b-cpu")

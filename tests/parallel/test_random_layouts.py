@@ -4,7 +4,7 @@ A seeded generator draws 160 layouts (world sizes 1-8; tp, pp, vpp, cp, ep, etp,
 stage sizes; dense, MoE, biased-MoE and DSA models), mostly from the divisors of the world
 size so that the deeper rules are reached, sometimes not so that the grid rules fire too.
 megatron-core 0.16.1 tries them all for real: one gloo process group per world size, every
-layout of that size in turn (see miles.parallel.megatron). The two must agree on every one:
+layout of that size in turn (see miles.megatron.proof). The two must agree on every one:
 the same first broken rule, or both accept and split the layers the same way. The only
 allowed difference is where miles is documented as stricter (`documented_stricter`).
 """
@@ -16,8 +16,8 @@ import random
 import pytest
 
 from miles.ci.register import register_cpu_ci
+from miles.megatron.proof import Case, prove
 from miles.parallel import RULE_IDS, ModelShape, ParallelLayout, stage_sizes, validate
-from miles.parallel.megatron import Case, prove
 from miles.parallel.numbers import divisors
 from miles.parallel.rules import middle
 

@@ -16,13 +16,13 @@ import pytest
 
 
 def test_every_redirect_still_describes_the_installed_megatron_core():
-    from miles.train.backends.megatron import compat
+    from miles.megatron import compat
 
     assert compat.stale() == []
 
 
 def test_a_redirect_whose_assumption_is_gone_is_reported_by_name(monkeypatch):
-    from miles.train.backends.megatron import compat
+    from miles.megatron import compat
 
     wrong = compat.Redirect("megatron.core.utils:GlobalMemoryBuffer.get_tensor", 'device="mps"', "made up")
     missing = compat.Redirect("megatron.core.utils:NoSuchThing.run", "x", "gone")
@@ -63,7 +63,7 @@ def _outcomes(install: bool) -> dict[str, str]:
     """Run every case in one fresh interpreter; {case: "ok" or the error it raised}."""
     lines = ["import warnings; warnings.simplefilter('ignore')", "import json, torch", "out = {}"]
     if install:
-        lines.append("from miles.train.backends.megatron import compat; compat.install()")
+        lines.append("from miles.megatron import compat; compat.install()")
     for name, body in CASES.items():
         lines.append("try:")
         lines += ["    " + line for line in body.splitlines()]
@@ -92,7 +92,7 @@ def test_each_redirect_is_what_makes_its_call_work_on_cpu():
 def test_outside_a_redirected_call_torch_cuda_is_left_alone():
     import torch
 
-    from miles.train.backends.megatron import compat
+    from miles.megatron import compat
 
     compat.install()
     before = torch.cuda.current_device

@@ -20,11 +20,11 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from miles.megatron import training as mm
+from miles.megatron.export import WeightExporter
+from miles.megatron.loss import gather_context_parallel, micro_batches, vocab_parallel_logprobs
 from miles.train.args import loss_config, optim_config
 from miles.train.backends import BackendUnavailable, StepResult, TrainBackend, batch_loss
-from miles.train.backends.megatron import model as mm
-from miles.train.backends.megatron.loss import gather_context_parallel, micro_batches, vocab_parallel_logprobs
-from miles.train.backends.megatron.weights import WeightExporter
 from miles.train.batch import TokenBatch
 
 # The distributed optimizer's shards as they are: a run resumes at the same model-parallel
@@ -37,7 +37,7 @@ class MegatronBackend(TrainBackend):
         self.args = args
         self.on_cpu = dist_info.device == "cpu"
         if self.on_cpu:
-            from miles.train.backends.megatron import compat
+            from miles.megatron import compat
 
             compat.install()
         self.device = dist_info.device

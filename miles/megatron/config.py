@@ -4,7 +4,7 @@
 query groups, norms and their epsilon, qk-norm, rope theta and scaling, tied embeddings,
 experts, top-k and whether the top-k weights are renormalised, dense-first layers) and
 refuses the ones it cannot map. `build_model` builds the GPTModel of one pipeline stage with
-the Transformer Engine layer spec (`miles.ckpt.megatron_spec`), so its keys are those of a
+the Transformer Engine layer spec (`miles.megatron.spec`), so its keys are those of a
 TE job. `layout` says where every row of every megatron weight comes from in the HF
 checkpoint: q, k and v become one `linear_qkv` whose rows are grouped per query group
 ([q heads of the group, k, v] for each group), gate and up become `linear_fc1` ([gate; up]),
@@ -161,7 +161,7 @@ def build_model(
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    from miles.ckpt.megatron_spec import decoder_block_spec
+    from miles.megatron.spec import decoder_block_spec
 
     tc = transformer if transformer is not None else transformer_config(config)
     rope = rope_parameters(config)

@@ -1,8 +1,8 @@
-"""The helper process of `miles.parallel.megatron.prove`: gloo ranks that run megatron-core.
+"""The helper process of `miles.megatron.proof.prove`: gloo ranks that run megatron-core.
 
-`python -m miles.parallel.megatron_ranks CASES.json VERDICTS.json` imports megatron-core once,
+`python -m miles.megatron.ranks CASES.json VERDICTS.json` imports megatron-core once,
 then for each world size forks that many ranks joined in a gloo process group; every rank
-tries every layout of its world in turn (see miles.parallel.megatron for what it runs) and
+tries every layout of its world in turn (see miles.megatron.proof for what it runs) and
 reports back one verdict per layout. Only this module imports torch and megatron-core.
 """
 
@@ -14,8 +14,8 @@ import sys
 import traceback
 from pathlib import Path
 
+from miles.megatron.proof import STAGES, ProofError
 from miles.parallel.layout import ModelShape, ParallelLayout
-from miles.parallel.megatron import STAGES, ProofError
 
 _GROUPS = ("tp", "pp", "cp", "dp", "ep", "etp", "edp")
 _HIDDEN_PER_HEAD = 8  # tiny widths: only the shapes' divisibility matters here

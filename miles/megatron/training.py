@@ -38,7 +38,7 @@ MODEL_FLAGS = (
 
 def check_model_flags(args, config: dict, path: str) -> None:
     """Every Megatron model flag the command sets agrees with config.json, or one error lists them all."""
-    from miles.ckpt.megatron_gpt import head_dim, num_experts, rope_parameters
+    from miles.megatron.config import head_dim, num_experts, rope_parameters
 
     known = {**config, "head_dim": head_dim(config)}
     if "num_local_experts" in config or "num_experts" in config:
@@ -79,7 +79,7 @@ def transformer_config_for(args, config: dict, layout: ParallelLayout, *, on_cpu
     """The TransformerConfig of the run: the HF model's math, the layout, the recipe's MoE switches."""
     import torch
 
-    from miles.ckpt.megatron_gpt import transformer_config
+    from miles.megatron.config import transformer_config
 
     overrides = {}
     if args.moe_router_dtype:
@@ -105,7 +105,7 @@ def transformer_config_for(args, config: dict, layout: ParallelLayout, *, on_cpu
 
 def build_chunks(config: dict, tc, vocab_size: int) -> list:
     """This rank's model: one GPTModel per virtual pipeline stage (one without VPP)."""
-    from miles.ckpt.megatron_gpt import build_model
+    from miles.megatron.config import build_model
 
     if not tc.virtual_pipeline_model_parallel_size:
         return [build_model(config, vocab_size, transformer=tc)]

@@ -15,7 +15,7 @@ the shape says `bias`, the all-to-all token dispatcher, and sequence parallel as
 hands it on (off when tp=1). Widths are tiny: only divisibility matters, and an expert's FFN
 width keeps its remainder modulo etp.
 
-The caller never imports megatron-core or torch: only the helper (miles.parallel.megatron_ranks) does.
+The caller never imports megatron-core or torch: only the helper (miles.megatron.ranks) does.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def prove(cases: Sequence[Case], timeout_s: float | None = None) -> list[Megatro
         inp.write_text(json.dumps([c.to_json() for c in cases]))
         try:
             proc = subprocess.run(
-                [sys.executable, "-m", "miles.parallel.megatron_ranks", str(inp), str(out)],
+                [sys.executable, "-m", "miles.megatron.ranks", str(inp), str(out)],
                 capture_output=True,
                 text=True,
                 timeout=timeout_s,
