@@ -3,7 +3,9 @@
 `prove(cases)` starts one helper process that imports megatron-core once and, for each world
 size, forks that many ranks joined in a gloo process group. Every rank tries every layout of
 its world size in turn, the way a training start meets them: `initialize_model_parallel`
-(the rank grids and virtual pipeline), `TransformerConfig` (the model config checks),
+(the rank grids and virtual pipeline, called as the trainer calls it:
+`miles.megatron.training.init_parallel_state`), `TransformerConfig` (the model config checks, with the layout's
+`transformer_config_kwargs`),
 `get_num_layers_to_build` for every pipeline stage and virtual stage, a MoE layer built on
 the expert groups, and that layer's training forward called without input (its first
 statement checks the layout; the missing input then stops it before any computation); then
@@ -178,7 +180,7 @@ def _verdict(r: dict) -> MegatronVerdict:
     )
 
 
-def megatron_version() -> str:
+def installed_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:

@@ -3,7 +3,7 @@
 `python -m miles.megatron.ranks CASES.json VERDICTS.json` imports megatron-core once,
 then for each world size forks that many ranks joined in a gloo process group; every rank
 tries every layout of its world in turn (see miles.megatron.proof for what it runs) and
-reports back one verdict per layout. Only this module imports torch and megatron-core.
+reports back one verdict per layout.
 """
 
 from __future__ import annotations
@@ -153,17 +153,16 @@ def _try_layout(case: dict) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from miles.megatron.training import init_parallel_state
+
     before = set(dist.distributed_c10d._world.pg_map)
     layout = ParallelLayout(**case["layout"])
     model = ModelShape(**case["model"]) if case["model"] else None
     result: dict = {"ok": True, "stage": None, "error": None, "layers_per_stage": None, "groups": None}
     stage = STAGES[0]
     try:
-        # the trainer's translation of the layout, as the trainer calls it
-        ps.initialize_model_parallel(
-            **layout.initialize_model_parallel_kwargs(),
-            create_gloo_process_groups=False,  # the default groups are gloo already on CPU
-        )
+        # the trainer's own call: the layout's one translation into megatron-core's arguments
+        init_parallel_state(layout, gloo_groups=False)  # the default groups are gloo already on CPU
         result["groups"] = _own_groups(ps)
         if model is not None:
             stage = "TransformerConfig"
@@ -250,16 +249,13 @@ def _layers_per_stage(transformer, layout: ParallelLayout) -> list[int]:
 
 
 def _build_moe_layer(transformer):
-    import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.moe.moe_layer import MoELayer
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-    if not torch.cuda.is_available() and MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:
-        # The all-to-all dispatcher makes a CUDA side stream when first built; only its
-        # forward's copies use it, and the proof stops before those.
-        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "no CUDA stream on CPU"
+    from miles.megatron.compat import without_dispatcher_stream
+
+    without_dispatcher_stream()
     spec = get_gpt_layer_local_spec(num_experts=transformer.num_moe_experts, moe_grouped_gemm=False)
     return MoELayer(
         transformer,

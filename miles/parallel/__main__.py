@@ -134,9 +134,9 @@ def _print(verdict: Verdict, proof) -> None:
         print(f"  note: {note}")
     if proof is None:
         return
-    from miles.megatron.proof import megatron_version
+    from miles.megatron.proof import installed_version
 
-    print(f"megatron-core {megatron_version()} on {world} gloo rank(s): {proof.summary()}")
+    print(f"megatron-core {installed_version()} on {world} gloo rank(s): {proof.summary()}")
     if proof.ok:
         for name, groups in proof.groups.items():
             print(f"  {name} groups: {groups}")

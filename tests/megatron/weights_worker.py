@@ -8,7 +8,6 @@ import json
 import sys
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -22,21 +21,20 @@ def main() -> None:
 
     from miles.ckpt.shards import CheckpointReader
     from miles.megatron import compat
-    from miles.megatron import training as mm
+    from miles.megatron.checkpoint import load_weights
+    from miles.megatron.config import transformer_config
     from miles.megatron.export import WeightExporter
+    from miles.megatron.model import build_chunks
+    from miles.megatron.training import init_parallel_state
     from miles.parallel import ParallelLayout
 
     compat.install()
-    args = SimpleNamespace(
-        moe_router_dtype=None, moe_aux_loss_coeff=None, moe_token_dispatcher_type=None, recompute_granularity=None,
-        bf16=False, hf_checkpoint=str(hf),
-    )  # fmt: skip
-    config = mm.hf_config(hf)
+    config = json.loads((hf / "config.json").read_text())
     layout = ParallelLayout(tp=tp, pp=pp, ep=ep, etp=1 if ep > 1 else None, sp=tp > 1)
-    mm.init_parallel_state(layout, seed=0)
-    tc = mm.transformer_config_for(args, config, layout, on_cpu=True)
-    chunks = mm.build_chunks(config, tc, config["vocab_size"])
-    mm.load_weights(chunks, torch_dist)
+    init_parallel_state(layout, seed=0)
+    tc = transformer_config(config, layout, dtype=torch.float32, initialize=True, batch_p2p_comm=False)
+    chunks = build_chunks(config, tc, config["vocab_size"])
+    load_weights(chunks, torch_dist)
 
     worst = {}
     with CheckpointReader(hf) as reader:

@@ -33,6 +33,28 @@ def test_a_redirect_whose_assumption_is_gone_is_reported_by_name(monkeypatch):
     assert problems[1].startswith("megatron.core.utils:NoSuchThing.run: not found")
 
 
+def test_a_patch_whose_reason_is_gone_is_reported_by_name(monkeypatch):
+    from miles.megatron import compat
+
+    fixed = compat.Patch(
+        "megatron.core.utils:GlobalMemoryBuffer.get_tensor", "torch.cuda", "made up", present=False
+    )
+    gone = compat.Patch("megatron.core.utils:GlobalMemoryBuffer.get_tensor", "no such text", "made up")
+    monkeypatch.setattr(compat, "PATCHES", (fixed, gone))
+    problems = compat.stale()
+    assert problems[0].endswith("its source now contains 'torch.cuda' (made up)")
+    assert problems[1].endswith("its source no longer contains 'no such text' (made up)")
+
+
+def test_another_megatron_core_release_is_reported(monkeypatch):
+    from miles.megatron import compat
+
+    monkeypatch.setattr(compat, "KNOWN_RELEASE", "0.15.0")
+    assert compat.stale()[0].startswith(
+        "megatron-core 0.16.1 is installed; every entry here was written for 0.15.0"
+    )
+
+
 CASES = {
     "attention scratch buffer": (
         "from megatron.core.utils import GlobalMemoryBuffer\n"

@@ -14,22 +14,26 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from miles.megatron import training as mm
+from miles.megatron import checkpoint as ckpt
+from miles.megatron import model as mg
+from miles.megatron import training as mt
 from miles.megatron.export import WeightExporter
 from miles.megatron.loss import gather_context_parallel, micro_batches, vocab_parallel_logprobs
 from miles.train.args import loss_config, optim_config
 from miles.train.backends import BackendUnavailable, StepResult, TrainBackend, batch_loss
 from miles.train.batch import TokenBatch
 
-# The distributed optimizer's shards as they are: a run resumes at the same model-parallel
-# layout with any number of data-parallel replicas (weights alone load at any layout).
-OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+class MegatronSetupError(BackendUnavailable):
+    """The Megatron backend cannot start with these flags; the message names the fix."""
 
 
 class MegatronBackend(TrainBackend):
@@ -43,42 +47,47 @@ class MegatronBackend(TrainBackend):
         self.device = dist_info.device
         self.loss_cfg = loss_config(args)
         self.optim_cfg = optim_config(args)
-        self.config = mm.hf_config(args.hf_checkpoint)
-        mm.check_model_flags(args, self.config, args.hf_checkpoint)
+        self.config = json.loads((Path(args.hf_checkpoint) / "config.json").read_text())
+        check_model_flags(args, self.config, args.hf_checkpoint)
         self.source = _weights_source(args)
         self.layout = args.layout  # parsed and checked with the flags (miles.train.args)
-        mm.init_parallel_state(self.layout, args.seed)
-        self.tc = mm.transformer_config_for(args, self.config, self.layout, on_cpu=self.on_cpu)
+        mt.init_parallel_state(self.layout, args.seed)
+        self.tc = _transformer_config(args, self.config, self.layout, on_cpu=self.on_cpu)
         # The reference model gets a config of its own: the policy's gains DDP hooks below.
         ref_tc = copy.copy(self.tc)
-        self.vocab = _checkpoint_vocab(self.source, self.config)
-        chunks = mm.build_chunks(self.config, self.tc, self.vocab)
-        mm.load_weights(chunks, self.source)
-        mm.freeze_padding_embedding(chunks, self.config.get("pad_token_id"))
+        self.vocab = ckpt.embedding_rows(self.source) or int(self.config["vocab_size"])
+        chunks = self._load_chunks(self.tc)
+        mg.freeze_padding_embedding(chunks, self.config.get("pad_token_id"))
         self.chunks = [c.to(self.device) for c in chunks]
-        self.model = mm.wrap_ddp(self.chunks, self.tc)
-        self.optimizer = mm.build_optimizer(self.model, self.optim_cfg, self.tc)
-        self._connect_schedule(self.tc, self.model)
+        self.model = mt.wrap_ddp(self.chunks, self.tc)
+        self.optimizer = mt.build_optimizer(self.model, self.optim_cfg, self.tc)
+        mt.connect_schedule(self.tc, self.model)
         if dist_info.is_main:
             print(f"miles.train: megatron {self.schedule()}", flush=True)
         self.ref_chunks = None
         self.ref_source = self.source
         if args.use_kl_loss:
-            ref = mm.build_chunks(self.config, ref_tc, self.vocab)
-            mm.load_weights(ref, self.source)
-            self.ref_chunks = [c.to(self.device).eval().requires_grad_(False) for c in ref]
+            self.ref_chunks = [
+                c.to(self.device).eval().requires_grad_(False) for c in self._load_chunks(ref_tc)
+            ]
         self.fused_experts = _hf_fuses_experts(args.hf_checkpoint)
         steps_per_rollout = args.rollout_batch_size * args.n_samples_per_prompt // args.global_batch_size
         self.total_steps = args.num_rollout * steps_per_rollout
         self.steps_done = 0
 
+    def _load_chunks(self, tc) -> list:
+        chunks = mg.build_chunks(self.config, tc, self.vocab)
+        try:
+            ckpt.load_weights(chunks, self.source)
+        except ckpt.CheckpointMismatch as exc:
+            raise MegatronSetupError(str(exc)) from exc
+        return chunks
+
     # --- the trainer's interface -------------------------------------------------------
 
     @property
     def data_parallel(self) -> tuple[int, int, object]:
-        from megatron.core import parallel_state as ps
-
-        return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
+        return mt.data_parallel()
 
     def logprobs(self, batch: TokenBatch, *, reference: bool = False) -> torch.Tensor:
         return self.batch_logprobs(batch, batch.size, reference=reference)
@@ -111,7 +120,7 @@ class MegatronBackend(TrainBackend):
         lr = self._set_lr()
         terms = tuple(r["terms"] for r in results)
         loss = sum(float(t.loss) for t in terms)
-        applied, grad_norm = guarded_step(self.optimizer, self.optim_cfg.clip_grad, loss)
+        applied, grad_norm = self._guarded_step(loss)
         if applied:
             self.steps_done += 1
         return StepResult(grad_norm=float(grad_norm), lr=lr, terms=terms, skipped=not applied)
@@ -121,63 +130,26 @@ class MegatronBackend(TrainBackend):
         yield from WeightExporter(self.chunks, self.config, fused_experts=fused)
 
     def save(self, directory: str, *, with_optimizer: bool) -> None:
-        from megatron.core import dist_checkpointing
-
-        state = mm.model_state_template(self.chunks)
-        if with_optimizer:
-            state["optimizer"] = self.optimizer.sharded_state_dict(
-                state, is_loading=False, metadata=OPTIMIZER_FORMAT
-            )
-            state["schedule"] = {"steps_done": self.steps_done}  # plain values: kept once, in common.pt
-        dist_checkpointing.save(state, directory)
+        steps = self.steps_done if with_optimizer else None
+        ckpt.save_training_state(self.chunks, self.optimizer, directory, steps_done=steps)
 
     def load(self, directory: str, *, with_optimizer: bool) -> None:
-        from megatron.core import dist_checkpointing
-
-        state = mm.model_state_template(self.chunks)
-        if with_optimizer:
-            _materialize_adam_state(self.optimizer)
-            state["optimizer"] = self.optimizer.sharded_state_dict(
-                state, is_loading=True, metadata=OPTIMIZER_FORMAT
-            )
-            state["schedule"] = {"steps_done": 0}
-        loaded = dist_checkpointing.load(state, directory)
-        for i, chunk in enumerate(self.chunks):
-            chunk.load_state_dict(loaded[f"model{i}"], strict=False)
-        if with_optimizer:
-            with torch.no_grad():  # fp32 main parameters are views of the model's own
-                self.optimizer.load_state_dict(loaded["optimizer"])
-            self.steps_done = int(loaded["schedule"]["steps_done"])
-            _set_adam_steps(self.optimizer, self.steps_done)
+        steps = ckpt.load_training_state(
+            self.chunks, self.optimizer, directory, with_optimizer=with_optimizer
+        )
+        if steps is not None:
+            self.steps_done = steps
         dist.barrier()
 
     def schedule(self) -> str:
         """The pipeline schedule megatron runs for this layout, and the model chunks per rank."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         chunks = len(self.chunks)
-        return (
-            f"{self.layout.describe()}: {get_forward_backward_func().__name__}, "
-            f"{chunks} model chunk{'s' if chunks > 1 else ''} per rank"
-        )
+        return f"{self.layout.describe()}: {mt.schedule_name()}, {chunks} model chunk{'s' if chunks > 1 else ''} per rank"
 
     # --- machinery ----------------------------------------------------------------------
 
-    def _connect_schedule(self, tc, wrapped) -> None:
-        """What megatron's schedule calls around the micro-batches: no gradient sync until the
-        last one, then the DP/SP/embedding gradient reductions."""
-        from megatron.core.distributed import finalize_model_grads
-
-        no_sync = [m.no_sync for m in wrapped]
-        tc.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
-        tc.finalize_model_grads_func = finalize_model_grads
-        tc.grad_scale_func = None
-
     def _run(self, parts: Sequence[TokenBatch], chunks, loss_fn, *, forward_only: bool) -> list[dict]:
         """The micro-batches through megatron's schedule; the last stage's loss outputs, on every rank."""
-        from megatron.core import parallel_state as ps
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         rows = max(self.args.micro_batch_size, max(p.size for p in parts))
         cp = self.layout.cp
         # sequence parallelism splits each rank's tokens over TP; context parallelism the
@@ -189,28 +161,15 @@ class MegatronBackend(TrainBackend):
         if self.layout.interleaved:
             pp = self.layout.pp
             parts += [parts[-1].rows(slice(0, 0))] * (-len(parts) % pp)
-        micro, seq = micro_batches(parts, rows, seq_multiple, self.device, cp, ps.get_context_parallel_rank())
+        micro, seq = micro_batches(parts, rows, seq_multiple, self.device, cp, mt.context_parallel_rank())
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             return model(mb.model_tokens, mb.model_position_ids, None), functools.partial(loss_fn, mb)
 
-        iterators = [iter(micro) for _ in chunks]
-        results = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iterators if len(chunks) > 1 else iterators[0],
-            model=list(chunks),
-            num_microbatches=len(micro),
-            seq_length=seq,
-            micro_batch_size=rows,
-            forward_only=forward_only,
+        return mt.run_schedule(
+            forward_step, chunks, micro, seq_length=seq, micro_batch_size=rows, forward_only=forward_only
         )
-        if ps.get_pipeline_model_parallel_world_size() > 1:
-            box = [results if ps.is_pipeline_last_stage(ignore_virtual=True) else None]
-            last = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())[-1]
-            dist.broadcast_object_list(box, src=last, group=ps.get_pipeline_model_parallel_group())
-            results = box[0]
-        return results
 
     def _schedule_count(self, parts: int) -> int:
         """How many micro-batches _run hands megatron's schedule for `parts` of them."""
@@ -250,64 +209,23 @@ class MegatronBackend(TrainBackend):
         from miles.train.backends.torch_dp import lr_factor
 
         lr = self.optim_cfg.lr * lr_factor(self.steps_done, self.optim_cfg, self.total_steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        mt.set_lr(self.optimizer, lr)
         return lr
 
+    def _guarded_step(self, loss: float) -> tuple[bool, float]:
+        """megatron's optimizer step, except that a non-finite loss or gradient norm on any rank
+        applies nothing (miles.train.guards); returns whether it was applied, and the norm."""
+        from miles.train.guards import all_finite_on_every_rank
 
-def guarded_step(optimizer, clip_grad: float, loss: float) -> tuple[bool, float]:
-    """megatron's optimizer step, except that a non-finite loss or gradient norm on any rank
-    applies nothing (miles.train.guards); returns whether it was applied, and the norm."""
-    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
-    from miles.train.guards import all_finite_on_every_rank
-
-    found_inf = optimizer.prepare_grads()
-    grad_norm = float(optimizer.get_grad_norm() or 0.0)
-    if found_inf or not all_finite_on_every_rank(loss, grad_norm):
-        return False, grad_norm
-    if clip_grad > 0:
-        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-            params = opt.get_parameters()
-            if params:
-                clip_grad_by_total_norm_fp32(params, max_norm=clip_grad, total_norm=grad_norm)
-    return bool(optimizer.step_with_ready_grads()), grad_norm
-
-
-def _materialize_adam_state(optimizer) -> None:
-    """Give every parameter the AdamW state torch creates lazily at the first step (zeros, step 0).
-
-    Without Apex or Transformer Engine, megatron's distributed optimizer describes its state
-    from torch's AdamW, which has none before a step; a fresh optimizer about to load a
-    checkpoint needs the tensors to load into.
-    """
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = opt.optimizer
-        for group in inner.param_groups:
-            for param in group["params"]:
-                state = inner.state[param]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-
-
-def _set_adam_steps(optimizer, steps: int) -> None:
-    """AdamW's per-parameter step count (its bias correction) after a load.
-
-    megatron-core 0.16.1 restores it for torch's AdamW from its common state as one tensor
-    shared by every parameter, which each parameter's update then increments again; every
-    parameter gets a count of its own, the number of steps applied before the checkpoint.
-    """
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for state in opt.optimizer.state.values():
-            if "step" in state:
-                state["step"] = torch.tensor(float(steps))
+        found_inf, grad_norm = mt.grads_ready(self.optimizer)
+        if found_inf or not all_finite_on_every_rank(loss, grad_norm):
+            return False, grad_norm
+        return mt.apply_step(self.optimizer, self.optim_cfg.clip_grad, grad_norm), grad_norm
 
 
 def _weights_source(args) -> str:
     """The torch_dist checkpoint the policy (and reference) start from."""
-    if mm.is_torch_dist_dir(args.ref_load):
+    if ckpt.is_torch_dist_dir(args.ref_load):
         return args.ref_load
     given = f"--ref-load {args.ref_load} is not a torch_dist checkpoint" if args.ref_load else "no --ref-load"
     raise BackendUnavailable(
@@ -327,10 +245,71 @@ def _hf_fuses_experts(path: str) -> bool:
     return any(name.endswith("mlp.experts.gate_up_proj") for name in names)
 
 
-def _checkpoint_vocab(source: str, config: dict) -> int:
-    """Rows of the checkpoint's embedding: the HF vocabulary, padded if the converter padded it."""
-    from megatron.core import dist_checkpointing
+# Megatron model flags and the config.json field each must agree with: the model is built from
+# config.json, so a recipe flag that says otherwise describes a different model.
+MODEL_FLAGS = (
+    ("num_layers", "--num-layers", "num_hidden_layers"),
+    ("hidden_size", "--hidden-size", "hidden_size"),
+    ("ffn_hidden_size", "--ffn-hidden-size", "intermediate_size"),
+    ("num_attention_heads", "--num-attention-heads", "num_attention_heads"),
+    ("num_query_groups", "--num-query-groups", "num_key_value_heads"),
+    ("kv_channels", "--kv-channels", "head_dim"),
+    ("num_experts", "--num-experts", "num_experts"),
+    ("moe_ffn_hidden_size", "--moe-ffn-hidden-size", "moe_intermediate_size"),
+    ("moe_router_topk", "--moe-router-topk", "num_experts_per_tok"),
+    ("norm_epsilon", "--norm-epsilon", "rms_norm_eps"),
+)
 
-    meta = dist_checkpointing.load_tensors_metadata(str(mm.torch_dist_release(source)))
-    embedding = meta.get("embedding.word_embeddings.weight")
-    return int(embedding.global_shape[0]) if embedding is not None else int(config["vocab_size"])
+
+def check_model_flags(args, config: dict, path: str) -> None:
+    """Every Megatron model flag the command sets agrees with config.json, or one error lists them all."""
+    from miles.megatron.config import head_dim, num_experts, rope_parameters
+
+    known = {**config, "head_dim": head_dim(config)}
+    if "num_local_experts" in config or "num_experts" in config:
+        known["num_experts"] = num_experts(config)
+    if args.rotary_base is not None:
+        pairs = [("--rotary-base", args.rotary_base, "rope_theta", rope_parameters(config)["rope_theta"])]
+    else:
+        pairs = []
+    pairs += [(flag, getattr(args, dest), key, known.get(key)) for dest, flag, key in MODEL_FLAGS]
+    wrong = [
+        f"{flag} {given} (config.json {key}: {want})"
+        for flag, given, key, want in pairs
+        if given is not None and want is not None and float(given) != float(want)
+    ]
+    if wrong:
+        raise MegatronSetupError(
+            f"{path}/config.json describes another model than the Megatron flags: {'; '.join(wrong)}. The model "
+            "is built from config.json; fix the recipe's model flags or point --hf-checkpoint at the right model"
+        )
+
+
+def _transformer_config(args, config: dict, layout, *, on_cpu: bool):
+    """The TransformerConfig of the run: the HF model's math, the layout, the recipe's MoE switches."""
+    from miles.megatron.config import transformer_config
+    from miles.megatron.families import UnmappedModel
+
+    overrides = {}
+    if args.moe_router_dtype:
+        overrides["moe_router_dtype"] = args.moe_router_dtype
+    if args.moe_aux_loss_coeff:
+        overrides["moe_aux_loss_coeff"] = args.moe_aux_loss_coeff
+        overrides["moe_router_load_balancing_type"] = args.moe_router_load_balancing_type or "aux_loss"
+    if args.moe_token_dispatcher_type:
+        overrides["moe_token_dispatcher_type"] = args.moe_token_dispatcher_type
+    if args.recompute_granularity and not on_cpu:
+        overrides["recompute_granularity"] = args.recompute_granularity
+        overrides["recompute_method"] = args.recompute_method
+        overrides["recompute_num_layers"] = args.recompute_num_layers
+    if on_cpu:
+        # gloo pairs point-to-point messages first-in first-out per pair of ranks. Batched p2p
+        # posts a two-stage pipeline's activation and gradient to the same peer in an order the
+        # peer does not mirror (the interleaved schedule swaps them); megatron's unbatched path
+        # sends the two directions over two communicators.
+        overrides["batch_p2p_comm"] = False
+    dtype = torch.bfloat16 if args.bf16 and not on_cpu else torch.float32
+    try:
+        return transformer_config(config, layout, dtype=dtype, on_cpu=on_cpu, initialize=True, **overrides)
+    except UnmappedModel as exc:
+        raise MegatronSetupError(f"{args.hf_checkpoint}: {exc}") from exc
