@@ -19,7 +19,6 @@ megatron-core call goes through the adapter, `miles.megatron`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import warnings
 from collections.abc import Iterator, Mapping
@@ -28,12 +27,18 @@ from pathlib import Path
 from typing import Any
 
 from miles.ckpt.errors import CheckpointError, full_disk_error
-from miles.ckpt.families import family
+from miles.ckpt.families import writes_megatron_keys
 from miles.ckpt.progress import Progress
 from miles.ckpt.shards import CheckpointReader, torch_dtype
-from miles.megatron.checkpoint import RELEASE, SHARDED_METADATA, TRACKER, single_process_group
+from miles.megatron.checkpoint import (
+    RELEASE,
+    SHARDED_METADATA,
+    TRACKER,
+    megatron_lm_args,
+    single_process_group,
+)
 
-__all__ = ["RELEASE", "SHARDED_METADATA", "TRACKER", "convert_to_torch_dist", "megatron_args"]
+__all__ = ["RELEASE", "SHARDED_METADATA", "TRACKER", "convert_to_torch_dist"]
 
 _COMMON = {"checkpoint_version": 3.0, "iteration": 0, "content_metadata": SHARDED_METADATA}
 _COMMON_KEYS = (*_COMMON, "miles", "args")
@@ -55,7 +60,7 @@ def convert_to_torch_dist(
     """
     src, dst = Path(src), Path(dst)
     config = json.loads((src / "config.json").read_text())
-    gpt = family(family_name).megatron_gpt
+    gpt = writes_megatron_keys(family_name)
     with _quiet(), _mapped(config), single_process_group(), CheckpointReader(src) as reader:
         if gpt:
             from miles.megatron.compat import install_without_gpu
@@ -79,7 +84,7 @@ def convert_to_torch_dist(
         layout = "megatron-gpt" if gpt else "hf-names"
         common = {**_COMMON, "miles": {"layout": layout, "model_type": config["model_type"]}}
         if gpt:  # only a GPT layout is a checkpoint Megatron-LM can load
-            common["args"] = megatron_args(config, vocab, vocab_multiple)
+            common["args"] = megatron_lm_args(config, vocab, vocab_multiple)
         _save(sharded, common, release)
         del sharded
         if gpt:
@@ -107,46 +112,6 @@ def _quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield
-
-
-def megatron_args(config: Mapping[str, Any], vocab: int, vocab_multiple: int = 1) -> argparse.Namespace:
-    """The `args` Megatron-LM's loader finds in common.pt, from the HF config.
-
-    load_checkpoint reads the TP/PP sizes the checkpoint was written with (here 1 and 1)
-    and, unless --finetune, check_checkpoint_args compares num_layers, hidden_size and
-    num_attention_heads with the run's without a default; --use-checkpoint-args takes the
-    model shape from the rest. Nothing here is a guess: each value is the HF config's.
-    """
-    rope = config.get("rope_parameters") or {}
-    heads = config["num_attention_heads"]
-    groups = config.get("num_key_value_heads") or heads
-    values: dict[str, Any] = {
-        "num_layers": config["num_hidden_layers"],
-        "hidden_size": config["hidden_size"],
-        "num_attention_heads": heads,
-        "tensor_model_parallel_size": 1,
-        "pipeline_model_parallel_size": 1,
-        "ffn_hidden_size": config.get("intermediate_size"),
-        "num_query_groups": groups,
-        "group_query_attention": groups != heads,
-        "kv_channels": config.get("head_dim") or config["hidden_size"] // heads,
-        "max_position_embeddings": config.get("max_position_embeddings"),
-        "rotary_base": rope.get("rope_theta", config.get("rope_theta")),
-        "norm_epsilon": config.get("rms_norm_eps"),
-        "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
-        "padded_vocab_size": vocab,
-        "make_vocab_size_divisible_by": vocab_multiple,
-        "ckpt_format": "torch_dist",
-        "consumed_train_samples": 0,
-        "consumed_valid_samples": 0,
-    }
-    if config.get("num_experts"):
-        values.update(
-            num_experts=config["num_experts"],
-            moe_ffn_hidden_size=config.get("moe_intermediate_size"),
-            moe_router_topk=config.get("num_experts_per_tok"),
-        )
-    return argparse.Namespace(**{k: v for k, v in values.items() if v is not None})
 
 
 def _padded_vocab(config: Mapping[str, Any], multiple: int) -> int:

@@ -181,6 +181,46 @@ def save_release(sharded: dict, common: dict, out: Path) -> None:
     save_config(CheckpointingConfig("torch_dist", 1), out)
 
 
+# The Megatron-LM arguments common.pt records that the HF config determines, as flags: every
+# one a Megatron-LM argument of the flag's name with underscores.
+_LM_ARG_FLAGS = (
+    "--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--num-query-groups",
+    "--kv-channels", "--max-position-embeddings", "--rotary-base", "--norm-epsilon",
+    "--untie-embeddings-and-output-weights", "--num-experts", "--moe-ffn-hidden-size", "--moe-router-topk",
+)  # fmt: skip
+
+
+def megatron_lm_args(config: Mapping[str, Any], vocab: int, vocab_multiple: int = 1):
+    """The `args` Megatron-LM's loader finds in common.pt, from the HF config (through its
+    family's facts table, `miles.models`).
+
+    load_checkpoint reads the TP/PP sizes the checkpoint was written with (here 1 and 1)
+    and, unless --finetune, check_checkpoint_args compares num_layers, hidden_size and
+    num_attention_heads with the run's without a default; --use-checkpoint-args takes the
+    model shape from the rest. Nothing here is a guess: each value is the HF config's.
+    """
+    import argparse
+
+    from miles.models import keys_of
+    from miles.models.facts import flag_values
+
+    flags = flag_values(keys_of(config), config)
+    values: dict[str, Any] = {f.lstrip("-").replace("-", "_"): flags[f] for f in _LM_ARG_FLAGS if f in flags}
+    heads = values["num_attention_heads"]
+    values.setdefault("num_query_groups", heads)
+    values.update(
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        group_query_attention=values["num_query_groups"] != heads,
+        padded_vocab_size=vocab,
+        make_vocab_size_divisible_by=vocab_multiple,
+        ckpt_format="torch_dist",
+        consumed_train_samples=0,
+        consumed_valid_samples=0,
+    )
+    return argparse.Namespace(**values)
+
+
 # --- a run's training state ----------------------------------------------------------------
 
 

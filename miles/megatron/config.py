@@ -1,7 +1,8 @@
 """A Hugging Face config.json as megatron-core's TransformerConfig.
 
-`transformer_config(config, parallel)` is the model's math as its family maps it
-(`miles.megatron.families`: what megatron-core cannot express is refused by name), the
+`transformer_config(config, parallel)` is the model's math: the fields its facts table
+(`miles.models`) implies through the Megatron flags, and the switches its family's mapping
+adds (`miles.megatron.families`: what megatron-core cannot express is refused by name), the
 layout's parallel fields (`ParallelLayout.transformer_config_kwargs`, the one translation of
 a layout) and any TransformerConfig field the caller overrides (router dtype, aux-loss
 coefficient, recomputation, ...).
@@ -13,26 +14,42 @@ from collections.abc import Mapping
 from typing import Any
 
 from miles.megatron.families import UnmappedModel, mapping_of
+from miles.models import keys_of
+from miles.models.facts import flag_values, rope_parameters
 from miles.parallel import ParallelLayout
 
-
-def num_experts(config: Mapping[str, Any]) -> int:
-    # Hub configs say num_experts; transformers 5 writes num_local_experts.
-    return int(config.get("num_experts") or config["num_local_experts"])
+__all__ = ["TRANSFORMER_FIELDS", "checkpoint_dtype", "model_fields", "rope_parameters", "transformer_config"]
 
 
-def head_dim(config: Mapping[str, Any]) -> int:
-    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+# Megatron flag -> TransformerConfig field, as Megatron-LM's core_transformer_config_from_args
+# carries them (NVIDIA/Megatron-LM megatron/training/arguments.py@000c4ac2): most keep their
+# name; --norm-epsilon is layernorm_epsilon, --num-experts num_moe_experts, --swiglu
+# gated_linear_unit, and --disable-bias-linear (dest add_bias_linear, store_false) the negation.
+TRANSFORMER_FIELDS: dict[str, tuple[str, bool]] = {  # flag: (field, negated)
+    "--num-layers": ("num_layers", False),
+    "--hidden-size": ("hidden_size", False),
+    "--ffn-hidden-size": ("ffn_hidden_size", False),
+    "--num-attention-heads": ("num_attention_heads", False),
+    "--num-query-groups": ("num_query_groups", False),
+    "--kv-channels": ("kv_channels", False),
+    "--norm-epsilon": ("layernorm_epsilon", False),
+    "--swiglu": ("gated_linear_unit", False),
+    "--disable-bias-linear": ("add_bias_linear", True),
+    "--num-experts": ("num_moe_experts", False),
+    "--moe-router-topk": ("moe_router_topk", False),
+    "--moe-ffn-hidden-size": ("moe_ffn_hidden_size", False),
+    "--moe-router-pre-softmax": ("moe_router_pre_softmax", False),
+}
 
 
-def rope_parameters(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    """transformers 5 writes rope_parameters; older configs write rope_theta / rope_scaling."""
-    rope = dict(config.get("rope_scaling") or {})
-    rope.update(config.get("rope_parameters") or {})
-    rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
-    if "type" in rope and "rope_type" not in rope:
-        rope["rope_type"] = rope["type"]
-    return rope
+def model_fields(config: Mapping[str, Any]) -> dict:
+    """The TransformerConfig fields a config.json sets through its family's facts table."""
+    out = {}
+    for flag, found in flag_values(keys_of(config), config).items():
+        if flag in TRANSFORMER_FIELDS:
+            name, negate = TRANSFORMER_FIELDS[flag]
+            out[name] = (not found) if negate else found
+    return out
 
 
 def checkpoint_dtype(config: Mapping[str, Any]):
@@ -63,7 +80,7 @@ def transformer_config(
     are then loaded from a checkpoint. Raises `UnmappedModel` for a config it cannot map.
     """
     import torch
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core import transformer
 
     mapping = mapping_of(config)
     mapping.refuse_unmapped(config)
@@ -71,7 +88,7 @@ def transformer_config(
     fields = mapping.transformer_fields(config)
     fields.update((parallel or ParallelLayout()).transformer_config_kwargs())
     fields.update(overrides)
-    return TransformerConfig(
+    return getattr(transformer, mapping.config_class)(
         params_dtype=dtype,
         pipeline_dtype=dtype,  # what pipeline stages exchange
         bf16=dtype == torch.bfloat16,

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from miles.megatron.config import rope_parameters, transformer_config
+from miles.megatron.config import transformer_config
+from miles.models.facts import rope_parameters
 
 
 def build_model(

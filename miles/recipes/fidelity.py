@@ -17,6 +17,7 @@ import shlex
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from miles.models.facts import shown
 from miles.parallel import ParallelLayout
 from miles.recipes.args import Args, Value
 
@@ -114,22 +115,6 @@ class Comparison:
     @property
     def unexplained(self) -> tuple[Line, ...]:
         return tuple(line for line in self.lines if line.reason is None)
-
-
-def shown(value: object) -> str:
-    """A flag value as the comparison prints it; numbers compare by value (1e-06 == 0.000001)."""
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if isinstance(value, tuple):
-        return ",".join(shown(v) for v in value)
-    if isinstance(value, int | float):
-        number = float(value)
-        return str(int(number)) if number.is_integer() else repr(number)
-    try:
-        number = float(str(value))
-    except ValueError:
-        return str(value)
-    return str(int(number)) if number.is_integer() else repr(number)
 
 
 def compare(

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
 
-from miles.ckpt.families import family as _ckpt_family
+from miles.ckpt.families import writes_megatron_keys
 from miles.ckpt.plan import CheckpointPlan
 from miles.parallel import InvalidParallelism, ParallelLayout, validate
 from miles.recipes.args import Args, drop, fill, merge, render
@@ -368,4 +368,4 @@ def source_file(module_name: str) -> str:
 def megatron_layout(family: str) -> bool:
     """Whether miles writes this family's torch_dist checkpoint in Megatron's own keys; for the
     others the torch_dist dir keeps HF names, which Megatron-LM cannot load as --ref-load."""
-    return _ckpt_family(family).megatron_gpt
+    return writes_megatron_keys(family)

@@ -23,7 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v4", "glm_moe_dsa", "inkling")
+from miles.models import FAMILIES
+
 # Distinct lengths (left padding), a GRPO group sharing its prefill, a one-token prompt.
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40], [70, 71, 72]] + [[100, 101, 102, 103]] * 4
 PARITY_TOL = {"cpu": 1e-5, "gpu": 1e-4}  # fp32; GPU kernels sum in other orders than a full forward

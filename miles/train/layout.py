@@ -25,37 +25,56 @@ def parallel_layout(args, world_size: int):
 
 
 def model_shape(args):
-    """The model facts the layout rules need: the Megatron flags first, else the HF config.
+    """The model facts the layout rules need: the Megatron flags first, else what config.json
+    implies through its family's facts table (`miles.models`).
 
     None when neither says how deep and wide the model is (only the rank-grid rules apply).
     """
-    from miles import parallel
+    from miles import models, parallel
+    from miles.models.facts import flag_values, text_config
+    from miles.parallel.layout import dest
 
     hf = {}
     config_path = Path(args.hf_checkpoint) / "config.json"
     if config_path.is_file():
-        hf = json.loads(config_path.read_text())
-    layers = args.num_layers or hf.get("num_hidden_layers")
-    heads = args.num_attention_heads or hf.get("num_attention_heads")
+        hf = text_config(json.loads(config_path.read_text()))
+    implied = flag_values(models.keys_of(hf), hf)
+
+    def flag(name: str):
+        given = getattr(args, dest(name), None)
+        return given if given not in (None, False) else implied.get(name)
+
+    layers, heads = flag("--num-layers"), flag("--num-attention-heads")
     if not layers or not heads:
         return None
-    attention = "gqa"
-    variant = getattr(args, "experimental_attention_variant", None)
-    if variant == "dsa" or args.dsa_indexer_topk or getattr(args, "use_dsa", False) or "index_topk" in hf:
-        attention = "dsa"
-    elif args.multi_latent_attention or hf.get("kv_lora_rank"):
-        attention = "mla"
     return parallel.ModelShape(
         name=Path(args.hf_checkpoint).name,
         num_layers=layers,
         num_attention_heads=heads,
-        num_query_groups=args.num_query_groups or hf.get("num_key_value_heads"),
-        num_experts=args.num_experts
-        or hf.get("num_experts")
-        or hf.get("num_local_experts")
-        or hf.get("n_routed_experts"),
-        attention=attention,
-        # Megatron-LM's linear layers carry biases unless --disable-bias-linear.
-        bias=not args.disable_bias_linear if args.num_layers else bool(hf.get("mlp_bias", False)),
-        moe_ffn_hidden_size=args.moe_ffn_hidden_size or hf.get("moe_intermediate_size"),
+        num_query_groups=flag("--num-query-groups"),
+        num_experts=flag("--num-experts"),
+        attention=_attention(args, hf, implied),
+        # Megatron-LM's linear layers carry biases unless --disable-bias-linear; a config.json
+        # without attention_bias has none
+        bias=not args.disable_bias_linear
+        if args.num_layers
+        else not implied.get("--disable-bias-linear", True),
+        moe_ffn_hidden_size=flag("--moe-ffn-hidden-size"),
     )
+
+
+def _attention(args, hf: dict, implied: dict) -> str:
+    """gqa | mla | dsa: the command's attention flags, else the config's family, else its keys."""
+    from miles import models
+
+    variant = getattr(args, "experimental_attention_variant", None)
+    if variant == "dsa" or args.dsa_indexer_topk or getattr(args, "use_dsa", False):
+        return "dsa"
+    if args.multi_latent_attention:
+        return "mla"
+    family = models.family_of(hf)
+    if family is not None:
+        return family.attention
+    if "--dsa-indexer-topk" in implied:
+        return "dsa"
+    return "mla" if "--kv-lora-rank" in implied else "gqa"

@@ -56,8 +56,9 @@ def test_megatron_logits_match_hf_logits(variant, tmp_path):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from miles.megatron.checkpoint import single_process_group
-    from miles.megatron.config import rope_parameters, transformer_config
+    from miles.megatron.config import transformer_config
     from miles.megatron.model import build_model, hf_logit_gap
+    from miles.models.facts import rope_parameters
 
     family, dims = VARIANTS[variant]
     hf, config = _converted(tmp_path, family, dims)

@@ -4,22 +4,20 @@ A mapping says what megatron-core needs to build a family's model that the facts
 (`miles.models`) does not: the TransformerConfig switches megatron-core spells its own way
 (normalisation, qk-norm, which layers are MoE, how top-k weights are renormalised), the
 config values it refuses, and where every row of a decoder layer's megatron weights comes
-from in the Hugging Face checkpoint. Adding a family: one module here, listed in `_MODULES`.
+from in the Hugging Face checkpoint. Adding a family: one module here defining `MAPPINGS`.
 Importing this package imports no torch and no megatron-core.
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
 from miles.megatron.hf_names import Weights
-
-# The modules that define mappings, each with a MAPPINGS tuple.
-_MODULES = ("miles.megatron.families.qwen3",)
 
 
 class UnmappedModel(ValueError):
@@ -31,18 +29,20 @@ class GPTMapping:
     family: str  # the miles.models family it builds
     model_types: tuple[str, ...]
     refuse_unmapped: Callable[[Mapping[str, Any]], None]  # raises UnmappedModel for what it cannot map
-    transformer_fields: Callable[[Mapping[str, Any]], dict]  # family-specific TransformerConfig fields
-    layer_weights: Callable[
-        [Mapping[str, Any], int, str], Weights
-    ]  # one decoder layer's: (config, layer, prefix)
+    # the TransformerConfig fields of the model (the facts table's, and what the family adds)
+    transformer_fields: Callable[[Mapping[str, Any]], dict]
+    # one decoder layer's weights: (config, layer index, megatron prefix)
+    layer_weights: Callable[[Mapping[str, Any], int, str], Weights]
+    # megatron.core.transformer's config class the fields fill (MLA models: "MLATransformerConfig")
+    config_class: str = "TransformerConfig"
 
 
 @cache
 def mappings() -> dict[str, GPTMapping]:
-    """Every mapping, by model_type."""
+    """Every mapping, by model_type: each module of this package defines MAPPINGS."""
     out: dict[str, GPTMapping] = {}
-    for name in _MODULES:
-        for mapping in importlib.import_module(name).MAPPINGS:
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        for mapping in importlib.import_module(f"{__name__}.{info.name}").MAPPINGS:
             for model_type in mapping.model_types:
                 out[model_type] = mapping
     return out

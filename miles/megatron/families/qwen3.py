@@ -13,9 +13,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from miles.megatron.config import head_dim, num_experts, rope_parameters
 from miles.megatron.families import GPTMapping, UnmappedModel
 from miles.megatron.hf_names import Weights, gate_up_pieces, qkv_pieces, whole
+from miles.models.facts import GQA, flag_values, rope_parameters, value
+
+
+def head_dim(config: Mapping[str, Any]) -> int:
+    return int(flag_values(GQA, config)["--kv-channels"])
+
+
+def num_experts(config: Mapping[str, Any]) -> int:
+    return int(value(config, "num_experts"))
 
 
 def moe_layers(config: Mapping[str, Any]) -> list[bool]:
@@ -46,39 +54,38 @@ def refuse_unmapped(config: Mapping[str, Any]) -> None:
 
 
 def transformer_fields(config: Mapping[str, Any]) -> dict:
+    """What megatron-core needs beyond the facts table's fields (`miles.megatron.config.model_fields`),
+    and transformers' defaults for the keys a config.json may leave out."""
     import torch
 
-    fields: dict[str, Any] = {
-        "num_layers": config["num_hidden_layers"],
-        "hidden_size": config["hidden_size"],
-        "num_attention_heads": config["num_attention_heads"],
-        "num_query_groups": config["num_key_value_heads"],
-        "kv_channels": head_dim(config),
-        "ffn_hidden_size": config["intermediate_size"],
-        "layernorm_epsilon": config.get("rms_norm_eps", 1e-6),
-        "normalization": "RMSNorm",
-        "qk_layernorm": True,
-        "gated_linear_unit": True,
-        "activation_func": torch.nn.functional.silu,
-        "add_bias_linear": False,
-        "hidden_dropout": 0.0,
-        "attention_dropout": float(config.get("attention_dropout", 0.0)),
-    }
+    from miles.megatron.config import model_fields
+
+    fields = model_fields(config)
+    fields.setdefault("layernorm_epsilon", 1e-6)  # Qwen3Config's rms_norm_eps
+    fields.setdefault("add_bias_linear", False)  # no attention_bias: none
+    fields.update(
+        normalization="RMSNorm",
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        hidden_dropout=0.0,
+        attention_dropout=float(config.get("attention_dropout", 0.0)),
+    )
     moe = moe_layers(config)
-    if any(moe):
-        fields.update(
-            num_moe_experts=num_experts(config),
-            moe_router_topk=config["num_experts_per_tok"],
-            moe_ffn_hidden_size=config["moe_intermediate_size"],
-            # Softmax over all experts then top-k keeps the weights as they are (HF
-            # norm_topk_prob=false); top-k of the logits then softmax renormalises them (true).
-            moe_router_pre_softmax=not config.get("norm_topk_prob", False),
-            moe_router_load_balancing_type="none",
-            moe_token_dispatcher_type="alltoall",
-            # An int (all layers MoE) keeps Megatron's stacked per-layer keys, as a job run
-            # with the default --moe-layer-freq builds them; a mixed pattern must be a list.
-            moe_layer_freq=1 if all(moe) else [int(m) for m in moe],
-        )
+    if not any(moe):
+        for name in ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_pre_softmax"):
+            fields.pop(name, None)
+        return fields
+    # Softmax over all experts then top-k keeps the weights as they are (HF norm_topk_prob=false,
+    # Qwen3MoeConfig's default); top-k of the logits then softmax renormalises them (true).
+    fields.setdefault("moe_router_pre_softmax", True)
+    fields.update(
+        moe_router_load_balancing_type="none",
+        moe_token_dispatcher_type="alltoall",
+        # An int (all layers MoE) keeps Megatron's stacked per-layer keys, as a job run with the
+        # default --moe-layer-freq builds them; a mixed pattern must be a list.
+        moe_layer_freq=1 if all(moe) else [int(m) for m in moe],
+    )
     return fields
 
 

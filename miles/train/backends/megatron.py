@@ -245,39 +245,17 @@ def _hf_fuses_experts(path: str) -> bool:
     return any(name.endswith("mlp.experts.gate_up_proj") for name in names)
 
 
-# Megatron model flags and the config.json field each must agree with: the model is built from
-# config.json, so a recipe flag that says otherwise describes a different model.
-MODEL_FLAGS = (
-    ("num_layers", "--num-layers", "num_hidden_layers"),
-    ("hidden_size", "--hidden-size", "hidden_size"),
-    ("ffn_hidden_size", "--ffn-hidden-size", "intermediate_size"),
-    ("num_attention_heads", "--num-attention-heads", "num_attention_heads"),
-    ("num_query_groups", "--num-query-groups", "num_key_value_heads"),
-    ("kv_channels", "--kv-channels", "head_dim"),
-    ("num_experts", "--num-experts", "num_experts"),
-    ("moe_ffn_hidden_size", "--moe-ffn-hidden-size", "moe_intermediate_size"),
-    ("moe_router_topk", "--moe-router-topk", "num_experts_per_tok"),
-    ("norm_epsilon", "--norm-epsilon", "rms_norm_eps"),
-)
-
-
 def check_model_flags(args, config: dict, path: str) -> None:
-    """Every Megatron model flag the command sets agrees with config.json, or one error lists them all."""
-    from miles.megatron.config import head_dim, num_experts, rope_parameters
+    """Every Megatron model flag the command sets agrees with config.json (through its family's
+    facts table, `miles.models`), or one error lists every one that does not: the model is built
+    from config.json, so a flag that says otherwise describes another model."""
+    from miles import models
+    from miles.models.facts import disagreements
+    from miles.parallel.layout import dest
 
-    known = {**config, "head_dim": head_dim(config)}
-    if "num_local_experts" in config or "num_experts" in config:
-        known["num_experts"] = num_experts(config)
-    if args.rotary_base is not None:
-        pairs = [("--rotary-base", args.rotary_base, "rope_theta", rope_parameters(config)["rope_theta"])]
-    else:
-        pairs = []
-    pairs += [(flag, getattr(args, dest), key, known.get(key)) for dest, flag, key in MODEL_FLAGS]
-    wrong = [
-        f"{flag} {given} (config.json {key}: {want})"
-        for flag, given, key, want in pairs
-        if given is not None and want is not None and float(given) != float(want)
-    ]
+    keys = models.keys_of(config)
+    given = {row.flag: getattr(args, dest(row.flag), None) for row in keys}
+    wrong = disagreements(keys, config, {f: v for f, v in given.items() if v not in (None, False)})
     if wrong:
         raise MegatronSetupError(
             f"{path}/config.json describes another model than the Megatron flags: {'; '.join(wrong)}. The model "
