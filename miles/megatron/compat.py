@@ -14,8 +14,9 @@ names of the layer-spec module bound to stand-ins while a spec is built without 
 (`te_stand_ins`), the MoE dispatcher's CUDA stream when the rank-grid proof builds a MoE
 layer on CPU (`without_dispatcher_stream`), and the process groups megatron-core's
 `destroy_model_parallel` leaves behind (`forget_destroyed_groups`). Nothing outside this
-module writes into megatron-core, and `stale()` checks every entry against the installed
-release, which must be the one they were written for (`KNOWN_RELEASE`).
+module writes into megatron-core (the module is long for that reason: the entries and the
+functions that apply them stay together), and `stale()` checks every entry against the
+installed release, which must be the one they were written for (`KNOWN_RELEASE`).
 """
 
 from __future__ import annotations

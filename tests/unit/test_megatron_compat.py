@@ -1,7 +1,8 @@
-"""The CPU redirects of megatron-core's CUDA assumptions: each one is needed, each one is current.
+"""The CPU redirects of megatron-core's CUDA assumptions, and its other patches: each one is needed, each current.
 
 `stale()` is the upgrade alarm: an entry whose function is gone, or whose source no longer
-holds the CUDA assumption it redirects, fails here with the entry named. The necessity cases
+holds the assumption it works around (or another megatron-core release), fails here with the
+entry named. The necessity cases
 call a few redirected functions in a fresh interpreter without and with `install()`: the
 first must fail the way megatron-core fails on a CPU build of torch, the second must work.
 """
