@@ -20,13 +20,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from miles.parallel import ParallelConfig, validate  # noqa: E402
+from miles.parallel import ParallelLayout, validate  # noqa: E402
 from miles.parallel import fixes as search  # noqa: E402
 
 
 def _timed(world: int) -> float:
     start = time.perf_counter()
-    validate(ParallelConfig(tp=3), world)
+    validate(ParallelLayout(tp=3), world)
     return time.perf_counter() - start
 
 

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_megatron_proof.py [--layouts 4] [--world-size 2]
 
-Both sides run the same code (miles.parallel.megatron.prove) on the same layouts, side by
+Both sides run the same code (miles.megatron.proof.prove) on the same layouts, side by
 side in this invocation:
   - batched: one helper process imports megatron-core once and forks one gloo group that
     tries every layout in turn (what the agreement test and `check --megatron` do),
@@ -23,15 +23,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from miles.parallel import ModelShape, ParallelConfig  # noqa: E402
-from miles.parallel.megatron import Case, prove  # noqa: E402
+from miles.parallel import ModelShape, ParallelLayout  # noqa: E402
+from miles.megatron.proof import Case, prove  # noqa: E402
 
 MODEL = ModelShape("moe", 4, 8, 8, 8)
 
 
 def _layouts(count: int, world: int) -> list[Case]:
-    configs = [ParallelConfig(), ParallelConfig(tp=world), ParallelConfig(pp=world), ParallelConfig(ep=world)]
-    configs += [ParallelConfig(cp=world), ParallelConfig(tp=world, sp=True)]
+    configs = [ParallelLayout(), ParallelLayout(tp=world), ParallelLayout(pp=world), ParallelLayout(ep=world)]
+    configs += [ParallelLayout(cp=world), ParallelLayout(tp=world, sp=True)]
     return [Case(configs[i % len(configs)], world, MODEL) for i in range(count)]
 
 

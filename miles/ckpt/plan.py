@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from miles.models import FAMILIES
+
+__all__ = ["FAMILIES", "STEPS", "TINY_SOURCE_PREFIX", "CheckpointPlan"]
+
 STEPS = ("fetch", "validate", "trim", "fp8", "torch_dist", "stage")
-FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v4", "glm_moe_dsa", "inkling")
 TINY_SOURCE_PREFIX = "tiny:"  # source "tiny:<family>" builds a tiny random checkpoint locally
 
 

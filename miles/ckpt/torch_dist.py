@@ -6,20 +6,19 @@ Layout (what Megatron-LM's `--load` with `--ckpt-format torch_dist` reads):
     <dir>/release/common.pt                 non-tensor state, with the `args` Megatron-LM reads
     <dir>/latest_checkpointed_iteration.txt "release", written last: the done marker
 
-Qwen3 and Qwen3-MoE are written in megatron-core GPTModel's own sharded keys (the local
-layer spec's model produces them, so they match what a TE model on GPU loads). The other
-families have no GPT layer spec in megatron-core 0.16.1; their tensors are stored under
-their Hugging Face names in the same container. megatron-core's save path synchronises
+The families with a megatron-core GPT mapping (`miles.megatron.families`: Qwen3 and
+Qwen3-MoE) are written in megatron-core GPTModel's own sharded keys (the TE-shaped layer
+spec's model produces them, so they match what a TE model on GPU loads). The others are
+stored under their Hugging Face names in the same container. megatron-core's save path synchronises
 CUDA, so the tensors are translated with megatron's own functions and written with
 torch.distributed.checkpoint's synchronous writer; a world of one process over an in-memory
 store stands in for the training job (no network). After writing, the checkpoint is
-loaded back with `megatron.core.dist_checkpointing.load` and compared tensor by tensor.
+loaded back with megatron-core's dist_checkpointing and compared tensor by tensor. Every
+megatron-core call goes through the adapter, `miles.megatron`.
 """
 
 from __future__ import annotations
 
-import argparse
-import io
 import json
 import warnings
 from collections.abc import Iterator, Mapping
@@ -28,52 +27,21 @@ from pathlib import Path
 from typing import Any
 
 from miles.ckpt.errors import CheckpointError, full_disk_error
-from miles.ckpt.families import family
+from miles.ckpt.families import writes_megatron_keys
 from miles.ckpt.progress import Progress
 from miles.ckpt.shards import CheckpointReader, torch_dtype
+from miles.megatron.checkpoint import (
+    RELEASE,
+    SHARDED_METADATA,
+    TRACKER,
+    megatron_lm_args,
+    single_process_group,
+)
 
-RELEASE = "release"
-TRACKER = "latest_checkpointed_iteration.txt"
-# Megatron-LM rebuilds the model's sharded state dict with the content_metadata it finds in
-# common.pt, so recording the (default) metadata used here makes a loader ask for these keys.
-SHARDED_METADATA: dict = {}
+__all__ = ["RELEASE", "SHARDED_METADATA", "TRACKER", "convert_to_torch_dist"]
+
 _COMMON = {"checkpoint_version": 3.0, "iteration": 0, "content_metadata": SHARDED_METADATA}
 _COMMON_KEYS = (*_COMMON, "miles", "args")
-
-
-@contextmanager
-def single_process_group() -> Iterator[None]:
-    """torch.distributed and megatron's parallel state for one CPU process, unless already set up."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    own_pg = not dist.is_initialized()
-    if own_pg:  # an in-memory store: no port, no file left behind by a killed run
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    own_mp = not parallel_state.model_parallel_is_initialized()
-    if own_mp:
-        parallel_state.initialize_model_parallel(1, 1)
-    try:
-        yield
-    finally:
-        if own_mp:
-            parallel_state.destroy_model_parallel()
-            _drop_group_handles(parallel_state)
-        if own_pg:
-            dist.destroy_process_group()
-
-
-def _drop_group_handles(module) -> None:
-    """Forget process groups megatron-core 0.16.1's destroy_model_parallel leaves behind.
-
-    It keeps the intra-partial data-parallel groups; a stale group's destructor, run later
-    (in a forked child it waits forever on threads that were not forked), must not be left.
-    """
-    import torch.distributed as dist
-
-    for name, value in list(vars(module).items()):
-        if name.startswith("_") and isinstance(value, dist.ProcessGroup):
-            setattr(module, name, None)
 
 
 def convert_to_torch_dist(
@@ -92,10 +60,10 @@ def convert_to_torch_dist(
     """
     src, dst = Path(src), Path(dst)
     config = json.loads((src / "config.json").read_text())
-    gpt = family(family_name).megatron_gpt
-    with _quiet(), single_process_group(), CheckpointReader(src) as reader:
+    gpt = writes_megatron_keys(family_name)
+    with _quiet(), _mapped(config), single_process_group(), CheckpointReader(src) as reader:
         if gpt:
-            from miles.train.backends.megatron.compat import install_without_gpu
+            from miles.megatron.compat import install_without_gpu
 
             install_without_gpu()  # megatron-core's MoE layers and forward assume CUDA otherwise
         if progress is not None:
@@ -103,11 +71,12 @@ def convert_to_torch_dist(
             progress.total_tensors = len(reader.files.weight_map)
         vocab = _padded_vocab(config, vocab_multiple)
         if gpt:
-            from miles.ckpt.megatron_gpt import build_model
+            from miles.megatron.checkpoint import gpt_state
+            from miles.megatron.model import build_model
 
             model = build_model(config, vocab)
             _fill_gpt(model, config, reader, vocab, progress)
-            sharded = model.sharded_state_dict(metadata=dict(SHARDED_METADATA))
+            sharded = gpt_state(model)
         else:
             sharded = _hf_named_state(reader, progress)
         release = dst / RELEASE
@@ -115,7 +84,7 @@ def convert_to_torch_dist(
         layout = "megatron-gpt" if gpt else "hf-names"
         common = {**_COMMON, "miles": {"layout": layout, "model_type": config["model_type"]}}
         if gpt:  # only a GPT layout is a checkpoint Megatron-LM can load
-            common["args"] = megatron_args(config, vocab, vocab_multiple)
+            common["args"] = megatron_lm_args(config, vocab, vocab_multiple)
         _save(sharded, common, release)
         del sharded
         if gpt:
@@ -126,51 +95,23 @@ def convert_to_torch_dist(
 
 
 @contextmanager
+def _mapped(config: Mapping[str, Any]) -> Iterator[None]:
+    """The adapter's refusals of a config (and of a checkpoint) as checkpoint errors."""
+    from miles.megatron.checkpoint import CheckpointMismatch
+    from miles.megatron.families import UnmappedModel
+
+    try:
+        yield
+    except (UnmappedModel, CheckpointMismatch) as exc:
+        raise CheckpointError(f"torch_dist: {exc}") from exc
+
+
+@contextmanager
 def _quiet() -> Iterator[None]:
     """No warnings: megatron warns (also while it is imported) about CUDA extensions it cannot use here."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield
-
-
-def megatron_args(config: Mapping[str, Any], vocab: int, vocab_multiple: int = 1) -> argparse.Namespace:
-    """The `args` Megatron-LM's loader finds in common.pt, from the HF config.
-
-    load_checkpoint reads the TP/PP sizes the checkpoint was written with (here 1 and 1)
-    and, unless --finetune, check_checkpoint_args compares num_layers, hidden_size and
-    num_attention_heads with the run's without a default; --use-checkpoint-args takes the
-    model shape from the rest. Nothing here is a guess: each value is the HF config's.
-    """
-    rope = config.get("rope_parameters") or {}
-    heads = config["num_attention_heads"]
-    groups = config.get("num_key_value_heads") or heads
-    values: dict[str, Any] = {
-        "num_layers": config["num_hidden_layers"],
-        "hidden_size": config["hidden_size"],
-        "num_attention_heads": heads,
-        "tensor_model_parallel_size": 1,
-        "pipeline_model_parallel_size": 1,
-        "ffn_hidden_size": config.get("intermediate_size"),
-        "num_query_groups": groups,
-        "group_query_attention": groups != heads,
-        "kv_channels": config.get("head_dim") or config["hidden_size"] // heads,
-        "max_position_embeddings": config.get("max_position_embeddings"),
-        "rotary_base": rope.get("rope_theta", config.get("rope_theta")),
-        "norm_epsilon": config.get("rms_norm_eps"),
-        "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
-        "padded_vocab_size": vocab,
-        "make_vocab_size_divisible_by": vocab_multiple,
-        "ckpt_format": "torch_dist",
-        "consumed_train_samples": 0,
-        "consumed_valid_samples": 0,
-    }
-    if config.get("num_experts"):
-        values.update(
-            num_experts=config["num_experts"],
-            moe_ffn_hidden_size=config.get("moe_intermediate_size"),
-            moe_router_topk=config.get("num_experts_per_tok"),
-        )
-    return argparse.Namespace(**{k: v for k, v in values.items() if v is not None})
 
 
 def _padded_vocab(config: Mapping[str, Any], multiple: int) -> int:
@@ -182,7 +123,7 @@ def _fill_gpt(model, config, reader: CheckpointReader, vocab: int, progress: Pro
     """Read every HF row block straight into its place in the megatron parameters."""
     import torch
 
-    from miles.ckpt.megatron_gpt import layout
+    from miles.megatron.hf_names import layout
 
     params = {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
     seen = set()
@@ -224,52 +165,28 @@ def _target(params, name: str, pieces, reader: CheckpointReader):
 
 
 def _hf_named_state(reader: CheckpointReader, progress: Progress | None) -> dict:
-    from megatron.core.dist_checkpointing import ShardedTensor
+    from miles.megatron.checkpoint import hf_named_state
 
-    state = {}
-    for name in sorted(reader.files.weight_map):
-        tensor = reader.read(name)
-        state[name] = ShardedTensor.from_rank_offsets(name, tensor, replica_id=0)
-        if progress is not None:
-            progress.advance(tensor.numel() * tensor.element_size(), 1)
-    return state
+    def tensors():
+        for name in sorted(reader.files.weight_map):
+            tensor = reader.read(name)
+            if progress is not None:
+                progress.advance(tensor.numel() * tensor.element_size(), 1)
+            yield name, tensor
+
+    return hf_named_state(tensors())
 
 
 def _save(sharded: dict, common: dict, out: Path) -> None:
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
-    from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
-    from megatron.core.dist_checkpointing.strategies.torch import (
-        MCoreSavePlanner,
-        _replace_state_dict_keys_with_sharded_keys,
-        mcore_to_pyt_state_dict,
-    )
+    from miles.megatron.checkpoint import save_release
 
-    class Writer(dcp.FileSystemWriter):
-        def storage_meta(self):
-            return None  # it would record the temp path and a random save id; the bytes must not depend on either
-
-    tensors, common_part = save_preprocess(sharded, validate_access_integrity=True)
-    # serialized in memory, then written by Python: a full disk is an OSError naming its errno
-    # (torch.save's own file writer reports "file write failed" and nothing more)
-    buffer = io.BytesIO()
-    torch.save({**common_part, **common}, buffer)
-    (out / "common.pt").write_bytes(buffer.getvalue())
-    flat, _, _ = _replace_state_dict_keys_with_sharded_keys(tensors, keep_only_main_replica=True)
-    state = mcore_to_pyt_state_dict(flat, is_loading=False)
     try:
-        dcp.save(
-            state,
-            storage_writer=Writer(out, thread_count=1),
-            planner=MCoreSavePlanner(flatten_state_dict=False),
-        )
+        save_release(sharded, common, out)
     except BaseException as exc:  # torch.save inside DCP reports a full disk without its errno
         full = full_disk_error(out, exc)
         if full is None:
             raise
         raise full from exc
-    save_config(CheckpointingConfig("torch_dist", 1), out)
 
 
 # The loaded model is also run against the HF model when both fit in memory twice over in
@@ -282,19 +199,16 @@ def _weight_bytes(reader: CheckpointReader) -> int:
     return sum(reader.info(n)[1].nbytes for n in reader.files.weight_map)
 
 
-def _verify_logits(loaded, config, hf_dir: Path, vocab: int) -> None:
+def _verify_logits(release: Path, config, hf_dir: Path, vocab: int) -> None:
     """The loaded-back model computes the HF model's logits (float32, a fixed token sequence):
     equal tensors in the wrong places would not."""
     import torch
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from miles.ckpt.megatron_gpt import build_model, hf_logit_gap, transformer_config
+    from miles.megatron.checkpoint import load_model
+    from miles.megatron.model import hf_logit_gap
 
     with torch.random.fork_rng(devices=[]):  # megatron's attention forks its RNG streams
-        model_parallel_cuda_manual_seed(0)
-        model = build_model(config, vocab, transformer=transformer_config(config, dtype=torch.float32))
-        model.load_state_dict(loaded.state_dict())
-        gap = hf_logit_gap(hf_dir, model, config)
+        gap = hf_logit_gap(hf_dir, load_model(config, release, vocab, dtype=torch.float32), config)
     if not gap <= LOGIT_TOL:
         raise CheckpointError(
             f"{hf_dir}: the converted megatron model's logits differ from the HF model's by up to {gap:.3g} "
@@ -307,16 +221,15 @@ def _verify(release: Path, config, reader: CheckpointReader, gpt: bool, vocab: i
     """Load `release` back with megatron-core, compare every tensor with the HF weights and, for a
     model small enough, its logits with the HF model's."""
     import torch
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from miles.megatron.checkpoint import gpt_state, hf_named_state, load_release
 
     if gpt:
-        from miles.ckpt.megatron_gpt import build_model, layout
+        from miles.megatron.hf_names import layout
+        from miles.megatron.model import build_model
 
         model = build_model(config, vocab)
-        state = dist_checkpointing.load(
-            model.sharded_state_dict(metadata=dict(SHARDED_METADATA)), str(release)
-        )
+        state = load_release(gpt_state(model), release)
         model.load_state_dict({k: v for k, v in state.items() if k not in _COMMON_KEYS})
         loaded = model.state_dict()
         checks = (
@@ -325,12 +238,11 @@ def _verify(release: Path, config, reader: CheckpointReader, gpt: bool, vocab: i
             for p in pieces
         )
     else:
-        template = {}
-        for name in reader.files.weight_map:
-            _, info = reader.info(name)
-            empty = torch.empty(info.shape, dtype=torch_dtype(info.dtype))
-            template[name] = ShardedTensor.from_rank_offsets(name, empty, replica_id=0)
-        loaded = dist_checkpointing.load(template, str(release))
+        empty = (
+            (name, torch.empty(info.shape, dtype=torch_dtype(info.dtype)))
+            for name, info in ((n, reader.info(n)[1]) for n in reader.files.weight_map)
+        )
+        loaded = load_release(hf_named_state(empty), release)
         checks = (
             (name, loaded[name], name, 0, reader.info(name)[1].shape[0] if reader.info(name)[1].shape else 1)
             for name in sorted(reader.files.weight_map)
@@ -350,4 +262,4 @@ def _verify(release: Path, config, reader: CheckpointReader, gpt: bool, vocab: i
                 f"{release}: {name} differs from {hf_name} rows {start}:{stop} after loading back; rerun the step"
             )
     if gpt and _weight_bytes(reader) <= LOGIT_CHECK_BYTES:
-        _verify_logits(model, config, reader.files.root, vocab)
+        _verify_logits(release, config, reader.files.root, vocab)

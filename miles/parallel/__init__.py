@@ -1,14 +1,23 @@
 """Parallel layouts (tp, pp, vpp, cp, ep, etp, sp) and the Megatron rules that reject them.
 
-`validate(config, world_size, model)` checks a layout without a GPU; `python -m miles.parallel
-check ... --megatron` also runs megatron-core's own rank-grid construction under gloo to prove
-the verdict. megatron-core is imported only by `miles.parallel.megatron`, and only there.
+`ParallelLayout` is the one record of a job's layout (parsed from the trainer's flags, turned
+into megatron-core's arguments and back into flags in one place); `validate(layout,
+world_size, model)` checks it without a GPU; `python -m miles.parallel check ... --megatron`
+also runs megatron-core's own rank-grid construction under gloo to prove the verdict (through
+the Megatron adapter, `miles.megatron`). Standard library only.
 """
 
-from miles.parallel.config import ATTENTION_KINDS, CP_COMM_TYPES, ModelShape, ParallelConfig
 from miles.parallel.layout import (
+    ATTENTION_KINDS,
+    CP_COMM_TYPES,
+    ModelShape,
+    ParallelLayout,
+    VirtualPipelineError,
+)
+from miles.parallel.rules import RULE_IDS, RULES, layers_per_virtual_stage, stage_sizes
+from miles.parallel.verdict import (
     DEVICE_MAX_CONNECTIONS,
-    LayoutError,
+    InvalidParallelism,
     Verdict,
     Violation,
     check,
@@ -16,7 +25,6 @@ from miles.parallel.layout import (
     required_env,
     validate,
 )
-from miles.parallel.rules import RULE_IDS, RULES, layers_per_virtual_stage, stage_sizes
 
 __all__ = [
     "ATTENTION_KINDS",
@@ -24,10 +32,11 @@ __all__ = [
     "DEVICE_MAX_CONNECTIONS",
     "RULES",
     "RULE_IDS",
-    "LayoutError",
+    "InvalidParallelism",
     "ModelShape",
-    "ParallelConfig",
+    "ParallelLayout",
     "Verdict",
+    "VirtualPipelineError",
     "Violation",
     "check",
     "env_problems",

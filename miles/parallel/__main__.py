@@ -14,9 +14,9 @@ import argparse
 import json
 import sys
 
-from miles.parallel.config import ATTENTION_KINDS, CP_COMM_TYPES, ModelShape, ParallelConfig
-from miles.parallel.layout import Verdict, validate
-from miles.parallel.megatron import ProofError, check_proof_size
+from miles.megatron.proof import ProofError, check_proof_size
+from miles.parallel.layout import ATTENTION_KINDS, CP_COMM_TYPES, ModelShape, ParallelLayout
+from miles.parallel.verdict import Verdict, validate
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -91,7 +91,7 @@ def _model(args: argparse.Namespace) -> ModelShape | None:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    config = ParallelConfig(
+    layout = ParallelLayout(
         tp=args.tp,
         pp=args.pp,
         cp=args.cp,
@@ -106,12 +106,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     model = _model(args)
     if args.megatron:
         check_proof_size(args.world_size)
-    verdict = validate(config, args.world_size, model, args.megatron_core)
+    verdict = validate(layout, args.world_size, model, args.megatron_core)
     proof = None
     if args.megatron:
-        from miles.parallel.megatron import Case, prove
+        from miles.megatron.proof import Case, prove
 
-        proof = prove([Case(config, args.world_size, model)])[0]
+        proof = prove([Case(layout, args.world_size, model)])[0]
     if args.json:
         print(json.dumps(_to_json(verdict, proof), indent=2))
     else:
@@ -122,10 +122,10 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def _print(verdict: Verdict, proof) -> None:
-    config, world = verdict.config, verdict.world_size
+    layout, world = verdict.layout, verdict.world_size
     print(verdict.headline())
     if verdict.ok:
-        print(f"  dp={config.dp(world)}, expert dp={config.expert_dp(world)}")
+        print(f"  dp={layout.dp(world)}, expert dp={layout.expert_dp(world)}")
     for v in verdict.violations:
         print(f"  {v.rule}: {v.message}")
         for i, fix in enumerate(v.fixes):
@@ -134,9 +134,9 @@ def _print(verdict: Verdict, proof) -> None:
         print(f"  note: {note}")
     if proof is None:
         return
-    from miles.parallel.megatron import megatron_version
+    from miles.megatron.proof import installed_version
 
-    print(f"megatron-core {megatron_version()} on {world} gloo rank(s): {proof.summary()}")
+    print(f"megatron-core {installed_version()} on {world} gloo rank(s): {proof.summary()}")
     if proof.ok:
         for name, groups in proof.groups.items():
             print(f"  {name} groups: {groups}")
@@ -150,7 +150,7 @@ def _print(verdict: Verdict, proof) -> None:
 
 def _to_json(verdict: Verdict, proof) -> dict:
     payload = {
-        "config": verdict.config.to_json(),
+        "layout": verdict.layout.to_json(),
         "world_size": verdict.world_size,
         "model": verdict.model.to_json() if verdict.model else None,
         "megatron_core": verdict.megatron_core,

@@ -1,159 +1,290 @@
-"""Check a parallel layout against every Megatron rule before a GPU is touched.
+"""The parallel layout of a job, and the model shape it splits.
 
-`validate(config, world_size, model)` returns a `Verdict` whose violations name every factor
-and the nearest single change that makes the whole layout valid ("ep=4 → ep=2 makes
-etp·ep·pp = 4 divide world 4"), first the one megatron-core would raise first (the rules and
-their order are in `miles.parallel.rules`). What Megatron only warns about, or changes
-silently, is in `Verdict.notes`; what the job's environment must hold is `required_env()`.
+`ParallelLayout` is the one record of the Megatron parallel degrees (tp, pp, vpp, cp, ep, etp,
+sp, uneven first/last pipeline stages, the context-parallel communication). It is parsed once
+from the trainer's flags (`from_args`, where both virtual-pipeline flags are resolved), and it
+is the only place that derives the data-parallel sizes for a world size, that translates the
+layout into megatron-core's arguments (`initialize_model_parallel` and the parallel fields of
+`TransformerConfig`) and that renders it back into trainer flags. Standard library only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from miles.parallel.config import ModelShape, ParallelConfig
-from miles.parallel.fixes import fixes
-from miles.parallel.rules import FALLBACK_MEGATRON_CORE, Context, installed_megatron_core, violated
+ATTENTION_KINDS = ("gqa", "mla", "dsa")  # dsa: DeepSeek sparse attention (indexer + top-k)
+# Megatron-LM's --cp-comm-type values ("allgather" is accepted as a spelling of all_gather).
+CP_COMM_TYPES = ("p2p", "a2a", "all_gather", "a2a+p2p")
 
-# Megatron-LM refuses to start tp > 1 or cp > 1 on GPUs before Blackwell (H200, MI350) unless
-# the CUDA runtime keeps one hardware queue, so its communication kernels are ordered.
-DEVICE_MAX_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
+# Each field and the trainer flag that carries it (its argparse dest: the name with underscores).
+TRAINER_FLAGS = (
+    ("tp", "--tensor-model-parallel-size"),
+    ("pp", "--pipeline-model-parallel-size"),
+    ("cp", "--context-parallel-size"),
+    ("cp_comm_type", "--cp-comm-type"),
+    ("ep", "--expert-model-parallel-size"),
+    ("etp", "--expert-tensor-parallel-size"),
+    ("sp", "--sequence-parallel"),
+    ("first_stage_layers", "--decoder-first-pipeline-num-layers"),
+    ("last_stage_layers", "--decoder-last-pipeline-num-layers"),
+    ("vpp", "--num-virtual-stages-per-pipeline-rank"),
+)
+# Megatron-LM's other spelling of the virtual pipeline: layers per virtual stage.
+LAYERS_PER_VIRTUAL_STAGE_FLAG = "--num-layers-per-virtual-pipeline-stage"
+
+
+def dest(flag: str) -> str:
+    """The argparse attribute of a trainer flag."""
+    return flag.lstrip("-").replace("-", "_")
+
+
+class VirtualPipelineError(ValueError):
+    """Virtual pipeline flags that Megatron-LM cannot turn into a vpp degree."""
 
 
 @dataclass(frozen=True)
-class Violation:
-    rule: str  # id of the rule, e.g. "expert-grid"
-    message: str  # names every factor and the world size
-    fixes: tuple[str, ...] = ()  # nearest single changes, best first
+class ParallelLayout:
+    """Megatron parallel degrees, in one canonical form: `etp` (expert tensor parallel) is None
+    when it equals `tp` (Megatron's default), and `vpp`, the virtual pipeline stages per pipeline
+    rank, is None when there is no interleaving (one stage per rank, as Megatron-LM reads 1)."""
 
-    def __str__(self) -> str:
-        if not self.fixes:
-            return self.message
-        return f"{self.message}; " + " or ".join(self.fixes)
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    sp: bool = False
+    first_stage_layers: int | None = None  # --decoder-first-pipeline-num-layers
+    last_stage_layers: int | None = None  # --decoder-last-pipeline-num-layers
+    vpp: int | None = None  # --num-virtual-stages-per-pipeline-rank
+    cp_comm_type: str | None = None  # --cp-comm-type (None: Megatron's default, p2p)
 
-
-@dataclass(frozen=True)
-class Verdict:
-    config: ParallelConfig
-    world_size: int
-    model: ModelShape | None
-    violations: tuple[Violation, ...] = ()
-    notes: tuple[str, ...] = ()  # what Megatron only warns about or silently changes
-    megatron_core: str = FALLBACK_MEGATRON_CORE  # the release whose rules were applied
-
-    @property
-    def ok(self) -> bool:
-        return not self.violations
-
-    @property
-    def rules(self) -> tuple[str, ...]:
-        return tuple(v.rule for v in self.violations)
-
-    def summary(self) -> str:
-        where = f" for {self.model.name}" if self.model else ""
-        head = f"{self.config.describe()} on {self.world_size} rank(s){where}"
-        if self.ok:
-            return f"{head}: valid (dp={self.config.dp(self.world_size)})"
-        return f"{head}: " + "; ".join(str(v) for v in self.violations)
-
-    def headline(self) -> str:
-        """The verdict in one line: valid, or the first broken rule and its message."""
-        where = f" for {self.model.name}" if self.model else ""
-        head = f"layout {self.config.describe()} on {self.world_size} rank(s){where}"
-        if self.ok:
-            return f"{head}: valid"
-        first = self.violations[0]
-        more = f" (+{len(self.violations) - 1} more)" if len(self.violations) > 1 else ""
-        return f"{head}: INVALID, {first.rule}: {first.message}{more}"
-
-
-class LayoutError(ValueError):
-    """A layout breaks a Megatron rule; `.verdict` holds every violation."""
-
-    def __init__(self, verdict: Verdict, where: str = "") -> None:
-        self.verdict = verdict
-        prefix = f"{where}: " if where else ""
-        super().__init__(prefix + verdict.summary())
-
-
-def resolve_megatron_core(version: str | None) -> tuple[str, bool]:
-    """(the release whose rules apply, whether it was assumed): the named one, else the
-    installed one, else the strictest known (0.16.1)."""
-    if version:
-        return version, False
-    installed = installed_megatron_core()
-    return (installed, False) if installed else (FALLBACK_MEGATRON_CORE, True)
-
-
-def validate(
-    config: ParallelConfig,
-    world_size: int,
-    model: ModelShape | None = None,
-    megatron_core: str | None = None,
-) -> Verdict:
-    """Every rule the layout breaks on `world_size` ranks, first the one megatron-core hits first.
-
-    Without `model` only the rank-grid rules apply. `megatron_core` names the release whose
-    rules apply (default: the installed one).
-    """
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world size must be an integer >= 1, got {world_size!r}")
-    version, assumed = resolve_megatron_core(megatron_core)
-    context = Context(world_size, model, version)
-    violations = tuple(
-        Violation(rule.id, message, tuple(fixes(rule, config, context)))
-        for rule, message in violated(config, context)
-    )
-    notes = list(_notes(config, model))
-    if assumed:
-        notes.append(
-            f"megatron-core is not installed: the rules of {version} apply (name one to change that)"
-        )
-    return Verdict(config, world_size, model, violations, tuple(notes), version)
-
-
-def check(
-    config: ParallelConfig,
-    world_size: int,
-    model: ModelShape | None = None,
-    where: str = "",
-    megatron_core: str | None = None,
-) -> Verdict:
-    """`validate`, raising `LayoutError` when the layout is not valid."""
-    verdict = validate(config, world_size, model, megatron_core)
-    if not verdict.ok:
-        raise LayoutError(verdict, where)
-    return verdict
-
-
-def required_env(config: ParallelConfig) -> dict[str, str]:
-    """Environment the training processes of this layout need on the GPU platforms."""
-    if config.tp > 1 or config.cp > 1:
-        return {DEVICE_MAX_CONNECTIONS: "1"}
-    return {}
-
-
-def env_problems(config: ParallelConfig, env: Mapping[str, str]) -> list[str]:
-    """What `env` (a launch environment) lacks of `required_env(config)`, one line each."""
-    out = []
-    for key, wanted in required_env(config).items():
-        found = env.get(key)
-        if found != wanted:
-            shown = "unset" if found is None else f"{key}={found}"
-            out.append(
-                f"{config.describe()} needs {key}={wanted} in the launch environment (tp > 1 or cp > 1: "
-                f"Megatron-LM refuses to start otherwise on H200 and MI350), found {shown}"
+    def __post_init__(self) -> None:
+        optional = ("etp", "first_stage_layers", "last_stage_layers", "vpp")
+        for name in ("tp", "pp", "cp", "ep", *optional):
+            value = getattr(self, name)
+            if value is None and name in optional:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.sp, bool):
+            raise ValueError(f"sp must be true or false, got {self.sp!r}")
+        if self.cp_comm_type == "allgather":
+            object.__setattr__(self, "cp_comm_type", "all_gather")
+        if self.cp_comm_type is not None and self.cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(
+                f"cp_comm_type must be one of {', '.join(CP_COMM_TYPES)}, got {self.cp_comm_type!r}"
             )
-    return out
+        if self.etp == self.tp:
+            object.__setattr__(self, "etp", None)
+        # Megatron-LM's validate_args turns a virtual pipeline of 1 stage per rank into none
+        # (NVIDIA/Megatron-LM megatron/training/arguments.py@000c4ac2, both VPP flags).
+        if self.vpp == 1:
+            object.__setattr__(self, "vpp", None)
+
+    # --- what follows from the degrees ---------------------------------------------------
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def effective_sp(self) -> bool:
+        """Sequence parallel as Megatron-LM runs it: with tp=1 it is turned off (with a warning)."""
+        return self.sp and self.tp > 1
+
+    @property
+    def interleaved(self) -> bool:
+        """Whether megatron-core runs the interleaved (virtual pipeline) schedule."""
+        return self.vpp is not None
+
+    @property
+    def model_chunks(self) -> int:
+        """Model chunks each rank holds: one per virtual pipeline stage."""
+        return self.vpp or 1
+
+    @property
+    def dense_size(self) -> int:
+        """Ranks one replica of the dense (attention) part spans: tp·cp·pp."""
+        return self.tp * self.cp * self.pp
+
+    @property
+    def expert_size(self) -> int:
+        """Ranks one replica of the expert part spans: etp·ep·pp."""
+        return self.expert_tp * self.ep * self.pp
+
+    def dp(self, world_size: int) -> int:
+        """Data-parallel replicas of the dense part on `world_size` ranks: world / (tp·cp·pp).
+        Raises `InvalidParallelism` (naming every factor and a value that fits) when it does not divide."""
+        self._require_grids(world_size)
+        return world_size // self.dense_size
+
+    def expert_dp(self, world_size: int) -> int:
+        """Data-parallel replicas of the experts on `world_size` ranks: world / (etp·ep·pp)."""
+        self._require_grids(world_size)
+        return world_size // self.expert_size
+
+    def _require_grids(self, world_size: int) -> None:
+        if world_size % self.dense_size or world_size % self.expert_size:
+            from miles.parallel.verdict import InvalidParallelism, validate
+
+            raise InvalidParallelism(validate(self, world_size))
+
+    # --- megatron-core -------------------------------------------------------------------
+
+    def initialize_model_parallel_kwargs(self) -> dict:
+        """The layout's arguments of megatron-core's `parallel_state.initialize_model_parallel`."""
+        return {
+            "tensor_model_parallel_size": self.tp,
+            "pipeline_model_parallel_size": self.pp,
+            "virtual_pipeline_model_parallel_size": self.vpp,
+            "context_parallel_size": self.cp,
+            "expert_model_parallel_size": self.ep,
+            "expert_tensor_parallel_size": self.expert_tp,
+        }
+
+    def transformer_config_kwargs(self) -> dict:
+        """The parallel fields of megatron-core's `TransformerConfig` for this layout."""
+        out = {
+            "tensor_model_parallel_size": self.tp,
+            "pipeline_model_parallel_size": self.pp,
+            "virtual_pipeline_model_parallel_size": self.vpp,
+            "context_parallel_size": self.cp,
+            "expert_model_parallel_size": self.ep,
+            "expert_tensor_parallel_size": self.expert_tp,
+            # Megatron-LM's argument parsing turns sequence parallel off when tp=1.
+            "sequence_parallel": self.effective_sp,
+            "num_layers_in_first_pipeline_stage": self.first_stage_layers,
+            "num_layers_in_last_pipeline_stage": self.last_stage_layers,
+        }
+        if self.cp_comm_type is not None:
+            out["cp_comm_type"] = self.cp_comm_type
+        return out
+
+    # --- the trainer's flags -------------------------------------------------------------
+
+    def trainer_args(self) -> tuple[tuple[str, int | str | bool | None], ...]:
+        """The Megatron trainer flags for this layout as (flag, value) pairs, the names
+        `python -m miles.train` parses; False or None means the flag is not passed."""
+        values = {**{f.name: getattr(self, f.name) for f in fields(self)}, "etp": self.expert_tp}
+        return tuple((flag, values[name]) for name, flag in TRAINER_FLAGS)
+
+    def trainer_flags(self) -> tuple[str, ...]:
+        """`trainer_args()` as argv tokens."""
+        out: list[str] = []
+        for flag, value in self.trainer_args():
+            if value is True:
+                out.append(flag)
+            elif value not in (None, False):
+                out += [flag, str(value)]
+        return tuple(out)
+
+    @classmethod
+    def from_args(cls, args, num_layers: int | None = None) -> ParallelLayout:
+        """The layout a trainer command asks for (`args`: the parsed flags). `num_layers` is the
+        model's depth, needed only to read --num-layers-per-virtual-pipeline-stage.
+
+        Raises `VirtualPipelineError` for virtual pipeline flags Megatron-LM would refuse, and
+        ValueError naming the degree that is not a positive integer."""
+        given = {name: getattr(args, dest(flag), None) for name, flag in TRAINER_FLAGS if name != "vpp"}
+        given = {k: v for k, v in given.items() if v is not None}
+        given["sp"] = bool(given.get("sp", False))
+        return cls(**given, vpp=virtual_stages(args, num_layers))
+
+    # --- showing it ----------------------------------------------------------------------
+
+    def describe(self) -> str:
+        cp = f"cp{self.cp}" + (f"({self.cp_comm_type})" if self.cp_comm_type else "")
+        text = f"tp{self.tp}·pp{self.pp}·{cp}·ep{self.ep}·etp{self.expert_tp}"
+        if self.sp:
+            text += "+sp"
+        if self.vpp is not None:
+            text += f" vpp{self.vpp}"
+        if self.first_stage_layers is not None or self.last_stage_layers is not None:
+            text += f" stages(first={self.first_stage_layers}, last={self.last_stage_layers})"
+        return text
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def _notes(c: ParallelConfig, m: ModelShape | None) -> Iterator[str]:
-    if c.sp and c.tp == 1:
-        yield "sequence parallel with tp=1: Megatron-LM turns it off with a warning, so this layout runs without it"
-    if c.ep > 1 and c.tp > 1 and not c.effective_sp and m is None:
-        yield "megatron-core warns that training with ep > 1 and tp > 1 should use sequence parallel"
-    if c.cp_comm_type is not None and c.cp == 1:
-        yield f"cp_comm_type {c.cp_comm_type} has no effect with cp=1"
-    if required_env(c):
-        yield f"the launch environment needs {DEVICE_MAX_CONNECTIONS}=1 (tp > 1 or cp > 1)"
+def virtual_stages(args, num_layers: int | None) -> int | None:
+    """Virtual pipeline stages per pipeline rank, from either Megatron-LM flag (the one place
+    both are read): --num-virtual-stages-per-pipeline-rank directly, or
+    --num-layers-per-virtual-pipeline-stage (layers per pipeline rank / layers per virtual
+    stage, even pipelines only). Giving both is refused, as Megatron-LM refuses it."""
+    stages = getattr(args, dest(TRAINER_FLAGS[-1][1]), None)
+    per_stage = getattr(args, dest(LAYERS_PER_VIRTUAL_STAGE_FLAG), None)
+    if per_stage is None:
+        return stages
+    flag = f"{LAYERS_PER_VIRTUAL_STAGE_FLAG} {per_stage}"
+    if stages is not None:
+        raise VirtualPipelineError(
+            f"{flag} and --num-virtual-stages-per-pipeline-rank {stages} both set the virtual pipeline; give one"
+        )
+    if (
+        getattr(args, "decoder_first_pipeline_num_layers", None) is not None
+        or getattr(args, "decoder_last_pipeline_num_layers", None) is not None
+    ):
+        raise VirtualPipelineError(
+            f"{flag} with explicit first/last pipeline stage sizes: Megatron-LM needs "
+            "--num-virtual-stages-per-pipeline-rank for an uneven pipeline"
+        )
+    pp = getattr(args, "pipeline_model_parallel_size", 1)
+    if pp <= 1:
+        raise VirtualPipelineError(f"{flag} needs --pipeline-model-parallel-size > 1 (got {pp})")
+    if num_layers is None:
+        where = getattr(args, "hf_checkpoint", None)
+        raise VirtualPipelineError(
+            f"{flag}: the layer count is unknown (no --num-layers and no num_hidden_layers in "
+            f"{where}/config.json); pass --num-layers or --num-virtual-stages-per-pipeline-rank"
+        )
+    if num_layers % pp:
+        raise VirtualPipelineError(f"{flag}: {num_layers} layers do not split evenly over pp({pp})")
+    per_rank = num_layers // pp
+    if per_rank % per_stage:
+        raise VirtualPipelineError(
+            f"{flag}: the {per_rank} layers of each pipeline rank do not split into virtual stages of {per_stage}"
+        )
+    return per_rank // per_stage
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The facts of a model that parallel layouts depend on."""
+
+    name: str
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int | None = None  # KV heads; None = one per attention head
+    num_experts: int | None = None  # None = dense
+    attention: str = "gqa"
+    bias: bool = False  # biases in the linear layers (every recipe model passes --disable-bias-linear)
+    moe_ffn_hidden_size: int | None = None  # an expert's FFN width (None: not checked)
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention {self.attention!r} is not one of {', '.join(ATTENTION_KINDS)}")
+        for name in (
+            "num_layers",
+            "num_attention_heads",
+            "num_query_groups",
+            "num_experts",
+            "moe_ffn_hidden_size",
+        ):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{self.name}: {name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.bias, bool):
+            raise ValueError(f"{self.name}: bias must be true or false, got {self.bias!r}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_attention_heads if self.num_query_groups is None else self.num_query_groups
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts is not None
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

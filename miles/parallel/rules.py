@@ -4,7 +4,7 @@ Megatron-LM's argument parsing first (sequence parallel with tp=1 is turned off,
 then megatron-core: `initialize_model_parallel` (rank grids, virtual pipeline), the
 `TransformerConfig` checks, the pipeline split (`get_num_layers_to_build`), the MoE layer's
 construction, and the first training forward of a MoE layer. So the first violation found
-here is the error megatron-core raises first; `miles.parallel.megatron` proves that by
+here is the error megatron-core raises first; `miles.megatron.proof` proves that by
 running it. Rules whose outcome changed between megatron-core releases take the version.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 
-from miles.parallel.config import ModelShape, ParallelConfig
+from miles.parallel.layout import ModelShape, ParallelLayout
 
 # megatron-core releases from which DSA attention may use context parallel (all-gather only);
 # 0.16.1's TransformerConfig refuses any cp > 1 with DSA.
@@ -56,7 +56,7 @@ class Context:
         return parse_version(self.megatron_core)
 
 
-Check = Callable[[ParallelConfig, Context], "str | None"]
+Check = Callable[[ParallelLayout, Context], "str | None"]
 
 
 @dataclass(frozen=True)
@@ -64,40 +64,40 @@ class Rule:
     id: str
     stage: str  # where megatron-core (or Megatron-LM) enforces it
     check: Check  # message when violated, else None
-    factors: tuple[str, ...]  # the ParallelConfig fields a fix may change, preferred first
+    factors: tuple[str, ...]  # the ParallelLayout fields a fix may change, preferred first
     # What a fix achieves for this rule; without one, a fix says whether the whole layout
     # becomes valid.
-    outcome: Callable[[ParallelConfig, Context], str] | None = None
+    outcome: Callable[[ParallelLayout, Context], str] | None = None
     needs_model: bool = False
 
 
-def _dense_grid(c: ParallelConfig, x: Context) -> str | None:
+def _dense_grid(c: ParallelLayout, x: Context) -> str | None:
     if x.world % c.dense_size:
         return f"tp({c.tp})·cp({c.cp})·pp({c.pp}) = {c.dense_size} does not divide world size {x.world}"
     return None
 
 
-def _vpp_needs_pp(c: ParallelConfig, x: Context) -> str | None:
+def _vpp_needs_pp(c: ParallelLayout, x: Context) -> str | None:
     if c.vpp is not None and c.pp <= 1:
         return f"virtual pipeline stages (vpp={c.vpp}) interleave pipeline ranks, so they need pp > 1 (pp={c.pp})"
     return None
 
 
-def _expert_grid(c: ParallelConfig, x: Context) -> str | None:
+def _expert_grid(c: ParallelLayout, x: Context) -> str | None:
     if x.world % c.expert_size:
         etp = f"etp({c.expert_tp})" if c.etp is not None else f"etp(= tp, {c.expert_tp})"
         return f"{etp}·ep({c.ep})·pp({c.pp}) = {c.expert_size} does not divide world size {x.world}"
     return None
 
 
-def _heads_tp(c: ParallelConfig, x: Context) -> str | None:
+def _heads_tp(c: ParallelLayout, x: Context) -> str | None:
     m = x.model
     if m.num_attention_heads % c.tp:
         return f"{m.name}: {m.num_attention_heads} attention heads do not split evenly over tp({c.tp})"
     return None
 
 
-def _kv_heads_tp(c: ParallelConfig, x: Context) -> str | None:
+def _kv_heads_tp(c: ParallelLayout, x: Context) -> str | None:
     m = x.model
     kv = m.kv_heads
     if kv % c.tp and c.tp % kv:
@@ -105,14 +105,14 @@ def _kv_heads_tp(c: ParallelConfig, x: Context) -> str | None:
     return None
 
 
-def _ep_needs_moe(c: ParallelConfig, x: Context) -> str | None:
+def _ep_needs_moe(c: ParallelLayout, x: Context) -> str | None:
     m = x.model
     if c.ep > 1 and not m.moe:
         return f"{m.name} is a dense model (no experts), so ep({c.ep}) must be 1"
     return None
 
 
-def middle(c: ParallelConfig, m: ModelShape) -> tuple[int, int]:
+def middle(c: ParallelLayout, m: ModelShape) -> tuple[int, int]:
     """Layers and pipeline stages left between explicit first/last stage sizes."""
     layers, stages = m.num_layers, c.pp
     for given in (c.first_stage_layers, c.last_stage_layers):
@@ -122,7 +122,7 @@ def middle(c: ParallelConfig, m: ModelShape) -> tuple[int, int]:
     return layers, stages
 
 
-def _stage_layers(c: ParallelConfig, x: Context) -> str | None:
+def _stage_layers(c: ParallelLayout, x: Context) -> str | None:
     m = x.model
     if c.first_stage_layers is None and c.last_stage_layers is None:
         return None
@@ -159,14 +159,14 @@ def _stage_layers(c: ParallelConfig, x: Context) -> str | None:
     return None
 
 
-def _moe_bias_etp(c: ParallelConfig, x: Context) -> str | None:
+def _moe_bias_etp(c: ParallelLayout, x: Context) -> str | None:
     m = x.model
     if m.moe and m.bias and c.expert_tp != 1:
         return f"{m.name}: MoE layers with biases (no --disable-bias-linear) need etp = 1, got etp({c.expert_tp})"
     return None
 
 
-def _dsa_cp(c: ParallelConfig, x: Context) -> str | None:
+def _dsa_cp(c: ParallelLayout, x: Context) -> str | None:
     m = x.model
     if m.attention != "dsa" or c.cp == 1:
         return None
@@ -184,14 +184,14 @@ def _dsa_cp(c: ParallelConfig, x: Context) -> str | None:
     return None
 
 
-def _layers_pp(c: ParallelConfig, x: Context) -> str | None:
+def _layers_pp(c: ParallelLayout, x: Context) -> str | None:
     m = x.model
     if c.first_stage_layers is None and c.last_stage_layers is None and m.num_layers % c.pp:
         return f"{m.name}: {m.num_layers} layers do not split evenly over pp({c.pp}) pipeline stages"
     return None
 
 
-def _vpp_layers(c: ParallelConfig, x: Context) -> str | None:
+def _vpp_layers(c: ParallelLayout, x: Context) -> str | None:
     m = x.model
     if c.vpp is None or c.pp <= 1 or c.first_stage_layers is not None or c.last_stage_layers is not None:
         return None
@@ -206,21 +206,21 @@ def _vpp_layers(c: ParallelConfig, x: Context) -> str | None:
     return None
 
 
-def _experts_ep(c: ParallelConfig, x: Context) -> str | None:
+def _experts_ep(c: ParallelLayout, x: Context) -> str | None:
     m = x.model
     if m.moe and m.num_experts % c.ep:
         return f"{m.name}: {m.num_experts} experts do not split evenly over ep({c.ep})"
     return None
 
 
-def _moe_ffn_etp(c: ParallelConfig, x: Context) -> str | None:
+def _moe_ffn_etp(c: ParallelLayout, x: Context) -> str | None:
     m = x.model
     if m.moe and m.moe_ffn_hidden_size is not None and m.moe_ffn_hidden_size % c.expert_tp:
         return f"{m.name}: an expert's FFN width {m.moe_ffn_hidden_size} does not split evenly over etp({c.expert_tp})"
     return None
 
 
-def _moe_tp_needs_sp(c: ParallelConfig, x: Context) -> str | None:
+def _moe_tp_needs_sp(c: ParallelLayout, x: Context) -> str | None:
     m = x.model
     if m.moe and c.tp > 1 and not c.effective_sp:
         return (
@@ -230,7 +230,7 @@ def _moe_tp_needs_sp(c: ParallelConfig, x: Context) -> str | None:
     return None
 
 
-def split_text(c: ParallelConfig, m: ModelShape) -> str:
+def split_text(c: ParallelLayout, m: ModelShape) -> str:
     sizes = stage_sizes(c, m)
     if c.first_stage_layers is None and c.last_stage_layers is None:
         text = f"splits {m.num_layers} layers {sizes[0]} per stage"
@@ -260,28 +260,28 @@ RULES: tuple[Rule, ...] = (
 RULE_IDS = tuple(r.id for r in RULES)
 
 
-def violated(config: ParallelConfig, context: Context) -> Iterator[tuple[Rule, str]]:
+def violated(layout: ParallelLayout, context: Context) -> Iterator[tuple[Rule, str]]:
     for rule in RULES:
         if rule.needs_model and context.model is None:
             continue
-        message = rule.check(config, context)
+        message = rule.check(layout, context)
         if message:
             yield rule, message
 
 
-def stage_sizes(config: ParallelConfig, model: ModelShape) -> tuple[int, ...]:
+def stage_sizes(layout: ParallelLayout, model: ModelShape) -> tuple[int, ...]:
     """Layers per pipeline rank, as megatron-core assigns them (assumes a valid layout)."""
-    layers, stages = middle(config, model)
+    layers, stages = middle(layout, model)
     per_middle = layers // stages if stages else 0
-    sizes = [per_middle] * config.pp
-    if config.first_stage_layers is not None:
-        sizes[0] = config.first_stage_layers
-    if config.last_stage_layers is not None:
-        sizes[-1] = config.last_stage_layers
+    sizes = [per_middle] * layout.pp
+    if layout.first_stage_layers is not None:
+        sizes[0] = layout.first_stage_layers
+    if layout.last_stage_layers is not None:
+        sizes[-1] = layout.last_stage_layers
     return tuple(sizes)
 
 
-def layers_per_virtual_stage(config: ParallelConfig, model: ModelShape) -> tuple[int, ...]:
+def layers_per_virtual_stage(layout: ParallelLayout, model: ModelShape) -> tuple[int, ...]:
     """Layers in each virtual stage of each pipeline rank (what `get_num_layers_to_build`
     returns per model chunk); equal to `stage_sizes` without interleaving."""
-    return tuple(size // (config.vpp or 1) for size in stage_sizes(config, model))
+    return tuple(size // (layout.vpp or 1) for size in stage_sizes(layout, model))

@@ -197,7 +197,7 @@ def cmd_check(args: argparse.Namespace) -> int:
                 cases.append((f"{name} [{form.variant}] {p.describe()}", p, shape, verdict))
     proofs = [None] * len(cases)
     if args.megatron:
-        from miles.parallel.megatron import Case, prove
+        from miles.megatron.proof import Case, prove
 
         proofs = prove([Case(p.parallel, p.world_size, shape) for _, p, shape, _ in cases])
     bad = 0

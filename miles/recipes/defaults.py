@@ -8,7 +8,7 @@ with coefficient 0 (logged, not trained on).
 
 from __future__ import annotations
 
-from miles.parallel import ParallelConfig
+from miles.parallel import ParallelLayout
 from miles.recipes.args import Args, merge
 from miles.recipes.fidelity import deviation, renamed
 from miles.recipes.models import TINY
@@ -146,7 +146,7 @@ TINY_OVERRIDES = groups(
 
 
 def cpu_tiny_profile(
-    parallel: ParallelConfig | None = None, train_backend: str | None = None
+    parallel: ParallelLayout | None = None, train_backend: str | None = None
 ) -> ParallelProfile:
     """Two gloo ranks on one CPU machine with the trainer's own sampler: data-parallel FSDP, or
     the Megatron backend at `parallel` when `train_backend` is "megatron"."""
@@ -155,7 +155,7 @@ def cpu_tiny_profile(
         nodes=1,
         gpus_per_node=2,
         model=TINY,
-        parallel=parallel or ParallelConfig(),
+        parallel=parallel or ParallelLayout(),
         rollout_engine="torch",
         overrides=TINY_OVERRIDES,
         suite="stage-b-cpu",
@@ -189,7 +189,7 @@ SGLANG_RENAMES = (
     ),
 )  # fmt: skip
 
-# A family miles has no Megatron layout for (miles.ckpt.families: megatron_gpt) keeps HF names in
+# A family miles has no Megatron layout for (miles.megatron.families has no mapping) keeps HF names in
 # torch_dist, so its Megatron job loads the HF checkpoint through Megatron-Bridge (the render adds
 # --megatron-to-hf-mode bridge and points --ref-load at the HF directory).
 BRIDGE_LOAD = deviation(

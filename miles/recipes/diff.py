@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from miles.recipes.args import Args
-from miles.recipes.fidelity import Comparison, Layout, Line, compare
+from miles.recipes.fidelity import Comparison, Line, Placement, compare
 from miles.recipes.launch import RunOptions, build_plan
 from miles.recipes.recipe import GROUPS, ParallelProfile, Recipe
 from miles.recipes.stack import stack_problems
@@ -112,7 +112,7 @@ def reference_comparisons(form: Recipe, platform: str) -> list[ProfileComparison
         if reference is None:
             continue
         argv, env = rendered(form, profile)
-        layout = Layout(profile.world_size, profile.parallel, profile.rollout_gpus_per_engine)
+        layout = Placement(profile.world_size, profile.parallel, profile.rollout_gpus_per_engine)
         comparison = compare(argv, env, layout, reference, form.deviations)
         problems = tuple(
             Line("!", flag, problem, "", None) for flag, problem in stack_problems(argv, platform)

@@ -21,24 +21,25 @@ import shlex
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from miles.parallel import ParallelConfig
+from miles.models.facts import shown as facts_shown
+from miles.parallel import ParallelLayout
 from miles.recipes.args import Args, Value
 from miles.recipes.upstream import Upstream
 
 # Flags a layout comparison covers (parallel degrees, placement, engine size), kept out of the
 # flag-by-flag comparison so each difference is reported once.
 LAYOUT_FLAGS = frozenset(
-    {flag for flag, _ in ParallelConfig().trainer_args()}
+    {flag for flag, _ in ParallelLayout().trainer_args()}
     | {"--actor-num-nodes", "--actor-num-gpus-per-node", "--rollout-num-gpus-per-engine"}
 )
 
 
 @dataclass(frozen=True)
-class Layout:
+class Placement:
     """A parallel layout on `gpus` GPUs with rollout engines of `rollout_gpus_per_engine`."""
 
     gpus: int
-    parallel: ParallelConfig
+    parallel: ParallelLayout
     rollout_gpus_per_engine: int
     hardware: str = ""  # what it runs on (H100, GB300, MI355X, ...)
 
@@ -62,7 +63,7 @@ class Reference:
         return pairs(self.argv)
 
     @property
-    def layout(self) -> Layout:
+    def layout(self) -> Placement:
         """The layout the command runs (its parallel flags; the last of a repeated one wins, as
         the trainer's argparse reads it)."""
         last = {flag: value for flag, value in self.args}
@@ -71,7 +72,7 @@ class Reference:
             value = last.get(flag)
             return default if value is None else int(str(value))
 
-        parallel = ParallelConfig(
+        parallel = ParallelLayout(
             tp=number("--tensor-model-parallel-size", 1), pp=number("--pipeline-model-parallel-size", 1),
             cp=number("--context-parallel-size", 1), ep=number("--expert-model-parallel-size", 1),
             etp=number("--expert-tensor-parallel-size", None), sp=last.get("--sequence-parallel") is True,
@@ -81,7 +82,7 @@ class Reference:
             cp_comm_type=None if last.get("--cp-comm-type") is None else str(last["--cp-comm-type"]),
         )  # fmt: skip
         gpus = number("--actor-num-nodes", 1) * number("--actor-num-gpus-per-node", 1)
-        return Layout(gpus, parallel, number("--rollout-num-gpus-per-engine", 1), self.source.hardware)
+        return Placement(gpus, parallel, number("--rollout-num-gpus-per-engine", 1), self.source.hardware)
 
 
 @dataclass(frozen=True)
@@ -190,27 +191,17 @@ _PATTERN_PART = re.compile(r"^\[(\d)\]\*(\d+)$")
 
 
 def shown(value: object, flag: str = "") -> str:
-    """A flag value as the comparison prints it: numbers compare by value (1e-06 == 0.000001),
-    and Megatron's --moe-layer-freq patterns by the layers they describe ([1]*4 == [1,1,1,1])."""
+    """A flag value as the comparison prints it: as the facts table shows it (numbers by value,
+    1e-06 == 0.000001), Megatron's --moe-layer-freq patterns by the layers they describe
+    ([1]*4 == [1,1,1,1]), and a directory with or without its trailing slash alike."""
     if flag == "--moe-layer-freq" and isinstance(value, str):
         expanded = _layer_pattern(value)
         if expanded is not None:
             return expanded
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if isinstance(value, tuple):
-        return ",".join(shown(v) for v in value)
-    if isinstance(value, int | float):
-        number = float(value)
-        return str(int(number)) if number.is_integer() else repr(number)
-    try:
-        number = float(str(value))
-    except ValueError:
-        text = str(value)
-        return (
-            text[:-1] if len(text) > 1 and text.endswith("/") and "/" in text[:-1] else text
-        )  # a dir is a dir
-    return str(int(number)) if number.is_integer() else repr(number)
+    text = facts_shown(value)
+    if isinstance(value, str) and text == value and len(text) > 1 and text.endswith("/") and "/" in text[:-1]:
+        return text[:-1]  # a dir is a dir
+    return text
 
 
 def _layer_pattern(text: str) -> str | None:
@@ -242,7 +233,7 @@ def twice(values: Sequence[str]) -> str:
 def compare(
     ours_argv: Sequence[str],
     ours_env: Mapping[str, str],
-    ours_layout: Layout,
+    ours_layout: Placement,
     reference: Reference,
     deviations: Iterable[Deviation | Rename],
 ) -> Comparison:
@@ -296,7 +287,7 @@ def compare(
     return Comparison(reference, agree, tuple(lines))
 
 
-def _layout_text(layout: Layout) -> str:
+def _layout_text(layout: Placement) -> str:
     return (
         f"{layout.gpus} GPU(s) {layout.parallel.describe()}, "
         f"{layout.rollout_gpus_per_engine} GPU(s) per rollout engine"

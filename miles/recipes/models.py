@@ -20,6 +20,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from miles.models import family
+from miles.models.facts import moe_layer_freq
 from miles.parallel import ModelShape
 from miles.recipes.args import Args
 
@@ -59,7 +61,7 @@ class ModelSpec:
     """One architecture at full depth."""
 
     name: str  # e.g. "Qwen3-30B-A3B"
-    family: str  # miles.ckpt.plan.FAMILIES
+    family: str  # a miles.models family
     hf_repo: str  # where the full checkpoint is published
     num_layers: int
     num_attention_heads: int
@@ -76,11 +78,8 @@ class ModelSpec:
 
     @property
     def attention(self) -> str:
-        """gqa | mla | dsa, from the flags (a DSA indexer makes the attention sparse)."""
-        flags = dict(self.arch_args)
-        if flags.get("--experimental-attention-variant") == "dsa" or "--dsa-indexer-topk" in flags:
-            return "dsa"
-        return "mla" if flags.get("--multi-latent-attention") else "gqa"
+        """gqa | mla | dsa: its family's (miles.models)."""
+        return family(self.family).attention
 
     def shape(self, num_layers: int | None = None, name: str | None = None) -> ModelShape:
         layers = num_layers or self.num_layers
@@ -104,15 +103,6 @@ class ModelSpec:
                 ("--moe-layer-freq", moe_layer_freq(self.first_k_dense, layers)),
             ]
         return (*out, *self.arch_args, *(self.kernel_args if kernels else ()))
-
-
-def moe_layer_freq(first_k_dense: int, num_layers: int) -> str:
-    """Megatron's per-layer MoE pattern: the leading dense layers (capped at the depth), then MoE."""
-    dense = min(first_k_dense, num_layers)
-    parts = [f"[0]*{dense}"] if dense else []
-    if num_layers - dense:
-        parts.append(f"[1]*{num_layers - dense}")
-    return "+".join(parts)
 
 
 @dataclass(frozen=True)

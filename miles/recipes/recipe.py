@@ -16,9 +16,9 @@ from functools import cache
 from pathlib import Path
 
 from miles.ckpt.datasets import UnknownDataset, dataset_of
-from miles.ckpt.families import family as _ckpt_family
+from miles.ckpt.families import writes_megatron_keys
 from miles.ckpt.plan import CheckpointPlan
-from miles.parallel import LayoutError, ParallelConfig, validate
+from miles.parallel import InvalidParallelism, ParallelLayout, validate
 from miles.recipes.args import Args, drop, fill, merge, render
 from miles.recipes.fidelity import Deviation, Reference, Rename
 from miles.recipes.models import TINY, ModelSpec, ResolvedModel, resolve_model
@@ -55,7 +55,7 @@ class ParallelProfile:
     nodes: int
     gpus_per_node: int  # on cpu: gloo ranks per node
     model: str  # the model name it was verified with ("tiny" for the CPU profile)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    parallel: ParallelLayout = field(default_factory=ParallelLayout)
     rollout_gpus_per_engine: int = 1
     rollout_engine: str = "sglang"  # sglang on GPUs; torch (the trainer's own sampler) on CPU
     overrides: tuple[tuple[str, Args], ...] = ()  # flags this profile sets or removes, by group
@@ -146,7 +146,7 @@ class Recipe:
             megatron_core=lane_megatron_core(profile.platform),
         )
         if not verdict.ok:
-            raise LayoutError(verdict, where)
+            raise InvalidParallelism(verdict, where)
 
     # --- lookups -----------------------------------------------------------------------------
 
@@ -344,7 +344,7 @@ def gpu_profile(
     nodes: int,
     gpus_per_node: int,
     model: str,
-    parallel: ParallelConfig,
+    parallel: ParallelLayout,
     *,
     rollout_gpus_per_engine: int,
     suite: str,
@@ -397,4 +397,4 @@ def source_file(module_name: str) -> str:
 def megatron_layout(family: str) -> bool:
     """Whether miles writes this family's torch_dist checkpoint in Megatron's own keys; for the
     others the torch_dist dir keeps HF names, which Megatron-LM cannot load as --ref-load."""
-    return _ckpt_family(family).megatron_gpt
+    return writes_megatron_keys(family)

@@ -46,9 +46,9 @@ class Status:
 
 def megatron_model_types() -> tuple[str, ...]:
     """The config.json model types miles' Megatron backend builds, from its own mapping."""
-    from miles.ckpt.megatron_gpt import SUPPORTED_MODEL_TYPES
+    from miles.megatron.families import mappings
 
-    return tuple(SUPPORTED_MODEL_TYPES)
+    return tuple(sorted(mappings()))
 
 
 # --- the CPU lane -------------------------------------------------------------------------
@@ -204,7 +204,7 @@ def profile_status(
             return Status(
                 CANNOT_BUILD,
                 f"{recipe.model.name} is model type {'/'.join(types)}; miles' Megatron backend builds "
-                f"{', '.join(buildable)} (miles/ckpt/megatron_gpt.py){stale}",
+                f"{', '.join(buildable)} (miles/megatron/families/){stale}",
             )
     return Status(
         UNTESTED_GPU,

@@ -22,6 +22,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from miles.parallel import ParallelLayout
+
 TRAIN_BACKENDS = ("fsdp", "ddp", "megatron")
 ADVANTAGE_ESTIMATORS = ("grpo", "gspo")
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
@@ -170,7 +172,9 @@ def _add_rollout(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tokens-per-gpu", type=_positive_int)
     g.add_argument("--log-passrate", action="store_true")
     g.add_argument("--update-weights-interval", type=_positive_int, default=1)
-    g.add_argument("--update-weight-buffer-size", type=_positive_int, help="bytes per weight push to SGLang (512 MiB)")
+    g.add_argument(
+        "--update-weight-buffer-size", type=_positive_int, help="bytes per weight push to SGLang (512 MiB)"
+    )
     g.add_argument("--sglang-mem-fraction-static", type=_fraction, help="SGLang KV-cache memory share")
 
 
@@ -525,8 +529,7 @@ def validate(args: argparse.Namespace) -> None:
                 f"--train-backend {args.train_backend} is data-parallel only, but {shown} was given; "
                 "use --train-backend megatron for model parallelism or set them to 1"
             )
-    if args.train_backend == "megatron":
-        _check_megatron_layout(args)
+    args.layout = _megatron_layout(args) if args.train_backend == "megatron" else ParallelLayout()
     if (args.ci_metric_checker_key is None) != (args.ci_metric_checker_threshold is None):
         raise ArgsError("--ci-metric-checker-key and --ci-metric-checker-threshold go together")
     if args.eval_prompt_data and len(args.eval_prompt_data) % 2:
@@ -538,32 +541,27 @@ def validate(args: argparse.Namespace) -> None:
         raise ArgsError("--load-debug-rollout-data and --debug-rollout-only exclude each other")
 
 
-def _check_megatron_layout(args: argparse.Namespace) -> None:
-    """The Megatron layout must fit the GPUs the job asks for, checked before anything starts."""
+def _megatron_layout(args: argparse.Namespace) -> ParallelLayout:
+    """The Megatron layout, parsed once; it must fit the GPUs the job asks for, checked before
+    anything starts."""
     from miles.train.layout import parallel_layout
 
     world = args.actor_num_nodes * args.actor_num_gpus_per_node
     try:
-        parallel_layout(args, world)
-    except ValueError as exc:  # LayoutError, or virtual pipeline flags Megatron-LM refuses
+        return parallel_layout(args, world)
+    except ValueError as exc:  # InvalidParallelism, or virtual pipeline flags Megatron-LM refuses
         raise ArgsError(
             f"{exc} (world = --actor-num-nodes {args.actor_num_nodes} x --actor-num-gpus-per-node "
             f"{args.actor_num_gpus_per_node})"
         ) from exc
 
 
-def data_parallel_size(args: argparse.Namespace, world_size: int) -> int:
-    """Ranks that train on different rows: all of them, except that Megatron's tensor, pipeline
-    and context parallel peers share theirs."""
-    if args.train_backend != "megatron":
-        return world_size
-    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
-    return max(1, world_size // model_parallel)
-
-
 def validate_world(args: argparse.Namespace, world_size: int) -> None:
     """Rules that need the number of ranks (known once the process group is up)."""
-    dp = data_parallel_size(args, world_size)
+    try:
+        dp = args.layout.dp(world_size)  # the data-parallel backends' layout: dp = every rank
+    except ValueError as exc:
+        raise ArgsError(f"{exc} (the process group has {world_size} rank(s))") from exc
     per_rank, rest = divmod(args.global_batch_size, dp)
     if rest:
         raise ArgsError(

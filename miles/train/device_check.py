@@ -23,7 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v4", "glm_moe_dsa", "inkling")
+from miles.models import FAMILIES
+
 # Distinct lengths (left padding), a GRPO group sharing its prefill, a one-token prompt.
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40], [70, 71, 72]] + [[100, 101, 102, 103]] * 4
 PARITY_TOL = {"cpu": 1e-5, "gpu": 1e-4}  # fp32; GPU kernels sum in other orders than a full forward
@@ -261,12 +262,11 @@ def step_grpo(cpu: bool, workdir: Path) -> str:
 def step_megatron_parity(cpu: bool, workdir: Path) -> str:
     """HF logits against the megatron GPTModel loaded from the torch_dist conversion, fp32."""
     import torch
-    from megatron.core import dist_checkpointing
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from miles.ckpt.megatron_gpt import build_model, transformer_config
     from miles.ckpt.tiny import make_tiny_checkpoint
-    from miles.ckpt.torch_dist import convert_to_torch_dist, single_process_group
+    from miles.ckpt.torch_dist import RELEASE, convert_to_torch_dist
+    from miles.megatron.checkpoint import load_model, single_process_group
+    from miles.megatron.model import hf_logit_gap
 
     device = device_of(cpu)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -280,30 +280,12 @@ def step_megatron_parity(cpu: bool, workdir: Path) -> str:
             convert_to_torch_dist(hf, dist, family)
         config = json.loads((hf / "config.json").read_text())
         with single_process_group(), torch.random.fork_rng(devices=[]):
-            model_parallel_cuda_manual_seed(0)
-            model = build_model(
-                config, transformer=transformer_config(config, dtype=torch.float32, on_cpu=cpu)
-            )
-            state = dist_checkpointing.load(model.sharded_state_dict(), str(dist / "release"))
-            model.load_state_dict({k: v for k, v in state.items() if k in model.state_dict()})
-            gaps[family] = _on_device_logit_gap(hf, model.to(device), config, device)
+            model = load_model(config, dist / RELEASE, dtype=torch.float32, on_cpu=cpu)
+            gaps[family] = hf_logit_gap(hf, model.to(device), config, device)
     report = ", ".join(f"{f} {g:.1e}" for f, g in gaps.items())
     if max(gaps.values()) > tol:
         raise CheckFailed(f"HF vs Megatron max |logit gap| over {tol:g}: {report}")
     return f"HF vs Megatron GPTModel from the torch_dist conversion, max |logit gap| (fp32, tol {tol:g}): {report}"
-
-
-def _on_device_logit_gap(hf_dir: Path, model, config, device: str) -> float:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from miles.ckpt.megatron_gpt import megatron_logits, probe_tokens
-
-    tokens = probe_tokens(config).to(device)
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device).eval()
-    with torch.no_grad():
-        want = hf(input_ids=tokens).logits.float()
-    return float((want - megatron_logits(model, tokens, config["vocab_size"])).abs().max())
 
 
 def step_megatron_grpo(cpu: bool, workdir: Path) -> str:

@@ -1,5 +1,5 @@
 """Run under `torch.distributed.run --nproc-per-node 2`: vocabulary-parallel logprobs and entropy
-(miles.train.backends.megatron.loss) against the full-vocabulary computation, values and
+(miles.megatron.loss) against the full-vocabulary computation, values and
 gradients. Not a test module; tests/megatron/test_megatron_loss.py launches it."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     from megatron.core import parallel_state
 
+    from miles.megatron import compat
+    from miles.megatron.loss import vocab_parallel_logprobs
     from miles.train.algorithm import token_logprobs_and_entropy
-    from miles.train.backends.megatron import compat
-    from miles.train.backends.megatron.loss import vocab_parallel_logprobs
 
     compat.install()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)

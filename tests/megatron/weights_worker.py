@@ -8,7 +8,6 @@ import json
 import sys
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -21,24 +20,21 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from miles.ckpt.shards import CheckpointReader
-    from miles.train.backends.megatron import compat
-    from miles.train.backends.megatron import model as mm
-    from miles.train.backends.megatron.weights import WeightExporter
+    from miles.megatron import compat
+    from miles.megatron.checkpoint import load_weights
+    from miles.megatron.config import transformer_config
+    from miles.megatron.export import WeightExporter
+    from miles.megatron.model import build_chunks
+    from miles.megatron.training import init_parallel_state
+    from miles.parallel import ParallelLayout
 
     compat.install()
-    args = SimpleNamespace(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, num_layers_per_virtual_pipeline_stage=None,
-        context_parallel_size=1, expert_model_parallel_size=ep, expert_tensor_parallel_size=1 if ep > 1 else None,
-        sequence_parallel=tp > 1, decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
-        moe_router_dtype=None, moe_aux_loss_coeff=None, moe_token_dispatcher_type=None, recompute_granularity=None,
-        bf16=False, hf_checkpoint=str(hf),
-    )  # fmt: skip
-    config = mm.hf_config(hf)
-    layout = mm.layout_from_args(args, dist.get_world_size(), config["num_hidden_layers"])
-    mm.init_parallel_state(layout, seed=0)
-    tc = mm.transformer_config_for(args, config, layout, on_cpu=True)
-    chunks = mm.build_chunks(config, tc, config["vocab_size"])
-    mm.load_weights(chunks, torch_dist)
+    config = json.loads((hf / "config.json").read_text())
+    layout = ParallelLayout(tp=tp, pp=pp, ep=ep, etp=1 if ep > 1 else None, sp=tp > 1)
+    init_parallel_state(layout, seed=0)
+    tc = transformer_config(config, layout, dtype=torch.float32, initialize=True, batch_p2p_comm=False)
+    chunks = build_chunks(config, tc, config["vocab_size"])
+    load_weights(chunks, torch_dist)
 
     worst = {}
     with CheckpointReader(hf) as reader:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from miles.ci.register import register_cpu_ci
-from miles.parallel import ModelShape, ParallelConfig, stage_sizes, validate
-from miles.parallel.megatron import Case, prove
+from miles.megatron.proof import Case, prove
+from miles.parallel import ModelShape, ParallelLayout, stage_sizes, validate
 from miles.recipes import names, variants
 
 register_cpu_ci(est_time=40, suite="stage-b-cpu")
@@ -28,7 +28,7 @@ E12 = ModelShape("moe12", 4, 8, 8, 12)
 D8 = ModelShape("dense8", 8, 8)
 BIASED = ModelShape("biased-moe8", 4, 8, 8, 8, bias=True)
 ODD = ModelShape("moe8-ffn35", 4, 8, 8, 8, moe_ffn_hidden_size=35)
-P = ParallelConfig
+P = ParallelLayout
 
 EP_DENSE = "ValueError: num_moe_experts must be non None to use expert-parallel."
 HEADS_3 = "ValueError: num_attention_heads (32) must be a multiple of tensor_model_parallel_size (3)."

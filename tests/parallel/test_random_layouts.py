@@ -4,7 +4,7 @@ A seeded generator draws 160 layouts (world sizes 1-8; tp, pp, vpp, cp, ep, etp,
 stage sizes; dense, MoE, biased-MoE and DSA models), mostly from the divisors of the world
 size so that the deeper rules are reached, sometimes not so that the grid rules fire too.
 megatron-core 0.16.1 tries them all for real: one gloo process group per world size, every
-layout of that size in turn (see miles.parallel.megatron). The two must agree on every one:
+layout of that size in turn (see miles.megatron.proof). The two must agree on every one:
 the same first broken rule, or both accept and split the layers the same way. The only
 allowed difference is where miles is documented as stricter (`documented_stricter`).
 """
@@ -16,8 +16,8 @@ import random
 import pytest
 
 from miles.ci.register import register_cpu_ci
-from miles.parallel import RULE_IDS, ModelShape, ParallelConfig, stage_sizes, validate
-from miles.parallel.megatron import Case, prove
+from miles.megatron.proof import Case, prove
+from miles.parallel import RULE_IDS, ModelShape, ParallelLayout, stage_sizes, validate
 from miles.parallel.numbers import divisors
 from miles.parallel.rules import middle
 
@@ -75,7 +75,7 @@ def random_layouts(seed: int = SEED, count: int = COUNT) -> list[Case]:
         if pp > 1 and rng.random() < 0.3:
             first = rng.randint(1, model.num_layers)
             last = rng.choice((None, rng.randint(1, model.num_layers)))
-        config = ParallelConfig(
+        config = ParallelLayout(
             tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, sp=rng.random() < 0.6, vpp=vpp,
             first_stage_layers=first, last_stage_layers=last,
             cp_comm_type=rng.choice((None, "p2p", "all_gather")) if cp > 1 else None,
@@ -84,7 +84,7 @@ def random_layouts(seed: int = SEED, count: int = COUNT) -> list[Case]:
     return cases
 
 
-def documented_stricter(config: ParallelConfig, model: ModelShape) -> bool:
+def documented_stricter(config: ParallelLayout, model: ModelShape) -> bool:
     """Where miles refuses what megatron-core 0.16.1 accepts (see rules._stage_layers): explicit
     first and last stage sizes on a single stage (megatron-core builds only the last size), or
     sizes adding up to more than the model (it builds a negative middle stage)."""
@@ -103,23 +103,69 @@ def verdicts():
 
 
 def test_the_generator_covers_vpp_moe_and_meets_every_rule_first():
-    ours = [validate(c.config, c.world_size, c.model) for c in CASES]
+    ours = [validate(c.layout, c.world_size, c.model) for c in CASES]
     assert len(CASES) >= 100
-    assert sum(c.config.vpp is not None for c in CASES) >= 30
+    assert sum(c.layout.vpp is not None for c in CASES) >= 30
     assert sum(c.model.moe for c in CASES) >= 50
     assert {v.rules[0] for v in ours if not v.ok} == set(RULE_IDS)  # each rule is met first at least once
     assert sum(v.ok for v in ours) >= 20
 
 
+def _read_back(flags: tuple[str, ...], num_layers: int) -> ParallelLayout:
+    """The layout the trainer parses from `flags` (its own parser, then the one layout parser)."""
+    from miles.train.args import build_parser
+
+    return ParallelLayout.from_args(build_parser().parse_args(["--hf-checkpoint", "-", *flags]), num_layers)
+
+
+def test_every_random_layout_survives_the_trainer_flags_and_back():
+    respelled = 0
+    for case in CASES:
+        layout, layers = case.layout, case.model.num_layers
+        assert _read_back(layout.trainer_flags(), layers) == layout, layout.describe()
+        per_rank, stages = layers // layout.pp, layout.vpp
+        even = layout.first_stage_layers is None and layout.last_stage_layers is None
+        if stages and even and layout.pp > 1 and layers % layout.pp == 0 and per_rank % stages == 0:
+            # Megatron-LM's other spelling of the same virtual pipeline
+            other = (*_without_vpp(layout.trainer_flags()), "--num-layers-per-virtual-pipeline-stage",
+                     str(per_rank // stages))  # fmt: skip
+            assert _read_back(other, layers) == layout, layout.describe()
+            respelled += 1
+    assert respelled >= 3
+
+
+def _without_vpp(flags: tuple[str, ...]) -> tuple[str, ...]:
+    i = flags.index("--num-virtual-stages-per-pipeline-rank")
+    return (*flags[:i], *flags[i + 2 :])
+
+
+def test_megatron_cores_rank_grids_have_the_layouts_sizes(verdicts):
+    checked = 0
+    for case, theirs in zip(CASES, verdicts, strict=True):
+        if not theirs.groups:  # initialize_model_parallel refused the layout
+            continue
+        layout, world = case.layout, case.world_size
+        want = {
+            "tp": layout.tp, "pp": layout.pp, "cp": layout.cp, "dp": layout.dp(world),
+            "ep": layout.ep, "etp": layout.expert_tp, "edp": layout.expert_dp(world),
+        }  # fmt: skip
+        for name, size in want.items():
+            groups = theirs.groups[name]
+            assert {len(g) for g in groups} == {size}, f"{layout.describe()} on {world}: {name} {groups}"
+            assert sorted(r for g in groups for r in g) == list(range(world)), f"{name} {groups}"
+        checked += 1
+    assert checked >= 60
+
+
 def test_miles_and_megatron_core_agree_on_every_random_layout(verdicts):
     disagreements = []
     for case, theirs in zip(CASES, verdicts, strict=True):
-        ours = validate(case.config, case.world_size, case.model)
+        ours = validate(case.layout, case.world_size, case.model)
         if theirs.agrees_with(ours):
-            if ours.ok and theirs.layers_per_stage != stage_sizes(case.config, case.model):
+            if ours.ok and theirs.layers_per_stage != stage_sizes(case.layout, case.model):
                 disagreements.append(f"{ours.summary()}: megatron-core splits {theirs.layers_per_stage}")
             continue
-        if theirs.ok and ours.rules[0] == "stage-layers" and documented_stricter(case.config, case.model):
+        if theirs.ok and ours.rules[0] == "stage-layers" and documented_stricter(case.layout, case.model):
             continue
         disagreements.append(f"{ours.headline()} | megatron-core: {theirs.summary()}")
     assert not disagreements, "\n".join(disagreements)

@@ -1,7 +1,8 @@
-"""The CPU redirects of megatron-core's CUDA assumptions: each one is needed, each one is current.
+"""The CPU redirects of megatron-core's CUDA assumptions, and its other patches: each one is needed, each current.
 
 `stale()` is the upgrade alarm: an entry whose function is gone, or whose source no longer
-holds the CUDA assumption it redirects, fails here with the entry named. The necessity cases
+holds the assumption it works around (or another megatron-core release), fails here with the
+entry named. The necessity cases
 call a few redirected functions in a fresh interpreter without and with `install()`: the
 first must fail the way megatron-core fails on a CPU build of torch, the second must work.
 """
@@ -16,13 +17,13 @@ import pytest
 
 
 def test_every_redirect_still_describes_the_installed_megatron_core():
-    from miles.train.backends.megatron import compat
+    from miles.megatron import compat
 
     assert compat.stale() == []
 
 
 def test_a_redirect_whose_assumption_is_gone_is_reported_by_name(monkeypatch):
-    from miles.train.backends.megatron import compat
+    from miles.megatron import compat
 
     wrong = compat.Redirect("megatron.core.utils:GlobalMemoryBuffer.get_tensor", 'device="mps"', "made up")
     missing = compat.Redirect("megatron.core.utils:NoSuchThing.run", "x", "gone")
@@ -31,6 +32,28 @@ def test_a_redirect_whose_assumption_is_gone_is_reported_by_name(monkeypatch):
     assert len(problems) == 2
     assert "GlobalMemoryBuffer.get_tensor" in problems[0] and "'device=\"mps\"'" in problems[0]
     assert problems[1].startswith("megatron.core.utils:NoSuchThing.run: not found")
+
+
+def test_a_patch_whose_reason_is_gone_is_reported_by_name(monkeypatch):
+    from miles.megatron import compat
+
+    fixed = compat.Patch(
+        "megatron.core.utils:GlobalMemoryBuffer.get_tensor", "torch.cuda", "made up", present=False
+    )
+    gone = compat.Patch("megatron.core.utils:GlobalMemoryBuffer.get_tensor", "no such text", "made up")
+    monkeypatch.setattr(compat, "PATCHES", (fixed, gone))
+    problems = compat.stale()
+    assert problems[0].endswith("its source now contains 'torch.cuda' (made up)")
+    assert problems[1].endswith("its source no longer contains 'no such text' (made up)")
+
+
+def test_another_megatron_core_release_is_reported(monkeypatch):
+    from miles.megatron import compat
+
+    monkeypatch.setattr(compat, "KNOWN_RELEASE", "0.15.0")
+    assert compat.stale()[0].startswith(
+        "megatron-core 0.16.1 is installed; every entry here was written for 0.15.0"
+    )
 
 
 CASES = {
@@ -63,7 +86,7 @@ def _outcomes(install: bool) -> dict[str, str]:
     """Run every case in one fresh interpreter; {case: "ok" or the error it raised}."""
     lines = ["import warnings; warnings.simplefilter('ignore')", "import json, torch", "out = {}"]
     if install:
-        lines.append("from miles.train.backends.megatron import compat; compat.install()")
+        lines.append("from miles.megatron import compat; compat.install()")
     for name, body in CASES.items():
         lines.append("try:")
         lines += ["    " + line for line in body.splitlines()]
@@ -92,7 +115,7 @@ def test_each_redirect_is_what_makes_its_call_work_on_cpu():
 def test_outside_a_redirected_call_torch_cuda_is_left_alone():
     import torch
 
-    from miles.train.backends.megatron import compat
+    from miles.megatron import compat
 
     compat.install()
     before = torch.cuda.current_device

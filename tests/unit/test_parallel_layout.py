@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from miles.parallel import (
-    LayoutError,
+    InvalidParallelism,
     ModelShape,
-    ParallelConfig,
+    ParallelLayout,
     check,
     env_problems,
     layers_per_virtual_stage,
@@ -33,16 +33,16 @@ DENSE = ModelShape("Qwen3-4B", 36, 32, 8)
 
 def test_sizes_below_one_are_refused_by_name():
     with pytest.raises(ValueError, match="ep must be an integer >= 1, got 0"):
-        ParallelConfig(ep=0)
+        ParallelLayout(ep=0)
 
 
 def test_expert_tensor_parallel_defaults_to_tensor_parallel():
-    config = ParallelConfig(tp=4, ep=2)
+    config = ParallelLayout(tp=4, ep=2)
     assert (config.expert_tp, config.expert_size, config.dense_size) == (4, 8, 4)
 
 
 def test_trainer_flags_use_megatron_names():
-    flags = ParallelConfig(tp=2, pp=2, ep=2, etp=1, sp=True, first_stage_layers=3).trainer_flags()
+    flags = ParallelLayout(tp=2, pp=2, ep=2, etp=1, sp=True, first_stage_layers=3).trainer_flags()
     assert flags == (
         "--tensor-model-parallel-size", "2",
         "--pipeline-model-parallel-size", "2",
@@ -54,86 +54,135 @@ def test_trainer_flags_use_megatron_names():
     )  # fmt: skip
 
 
+def test_data_parallel_sizes_are_derived_for_a_world_size():
+    layout = ParallelLayout(tp=2, pp=2, ep=4, etp=1)
+    assert (layout.dp(8), layout.expert_dp(8)) == (2, 1)
+    assert ParallelLayout().dp(3) == 3  # the data-parallel backends: every rank is a replica
+
+
+def test_a_world_the_grids_do_not_fit_names_every_factor_and_a_value_that_fits():
+    with pytest.raises(InvalidParallelism) as err:
+        ParallelLayout(tp=2, pp=2, ep=4, etp=1).dp(4)
+    assert "etp(1)·ep(4)·pp(2) = 8 does not divide world size 4" in str(err.value)
+    assert "ep=4 → ep=2" in str(err.value)
+
+
+def test_megatron_core_gets_the_layout_from_one_translation():
+    layout = ParallelLayout(tp=2, pp=2, vpp=2, cp=2, ep=2, sp=True, first_stage_layers=3, cp_comm_type="a2a")
+    assert layout.initialize_model_parallel_kwargs() == {
+        "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+        "virtual_pipeline_model_parallel_size": 2, "context_parallel_size": 2,
+        "expert_model_parallel_size": 2, "expert_tensor_parallel_size": 2,
+    }  # fmt: skip
+    fields = layout.transformer_config_kwargs()
+    assert fields["sequence_parallel"] and fields["num_layers_in_first_pipeline_stage"] == 3
+    assert fields["cp_comm_type"] == "a2a" and fields["num_layers_in_last_pipeline_stage"] is None
+    assert not ParallelLayout(sp=True).transformer_config_kwargs()["sequence_parallel"]  # tp=1
+
+
+def test_one_virtual_stage_per_rank_is_no_virtual_pipeline_as_megatron_lm_reads_it():
+    assert ParallelLayout(pp=2, vpp=1) == ParallelLayout(pp=2)
+    assert not ParallelLayout(pp=2, vpp=1).interleaved and ParallelLayout(pp=2, vpp=2).model_chunks == 2
+
+
+def test_an_expert_tensor_parallel_size_equal_to_tp_is_the_default():
+    assert ParallelLayout(tp=4, etp=4) == ParallelLayout(tp=4)
+    assert ParallelLayout(tp=4).trainer_flags()[-2:] == ("--expert-tensor-parallel-size", "4")
+
+
+def test_one_layout_type_in_the_package():
+    import re
+
+    pattern = re.compile(r"class .*Layout|class ModelParallel")
+    found = [
+        f"{path.relative_to(ROOT)}: {line.strip()}"
+        for path in sorted((ROOT / "miles").rglob("*.py"))
+        for line in path.read_text().splitlines()
+        if pattern.search(line)
+    ]
+    assert found == ["miles/parallel/layout.py: class ParallelLayout:"]
+
+
 def test_expert_grid_message_names_every_factor_and_the_world_size():
-    verdict = validate(ParallelConfig(tp=2, pp=2, ep=4, etp=1), 4)
+    verdict = validate(ParallelLayout(tp=2, pp=2, ep=4, etp=1), 4)
     assert verdict.rules == ("expert-grid",)
     assert verdict.violations[0].message == "etp(1)·ep(4)·pp(2) = 8 does not divide world size 4"
 
 
 def test_expert_grid_fix_prefers_the_nearest_ep():
-    fixes = validate(ParallelConfig(tp=2, pp=2, ep=4, etp=1), 4).violations[0].fixes
+    fixes = validate(ParallelLayout(tp=2, pp=2, ep=4, etp=1), 4).violations[0].fixes
     assert fixes[0] == "ep=4 → ep=2 makes etp·ep·pp = 4 divide world 4"
 
 
 def test_implicit_expert_tensor_parallel_is_named_as_such():
-    message = validate(ParallelConfig(tp=4, ep=4), 4).violations[0].message
+    message = validate(ParallelLayout(tp=4, ep=4), 4).violations[0].message
     assert message.startswith("etp(= tp, 4)·ep(4)·pp(1) = 16")
 
 
 def test_dense_grid_names_tp_cp_pp():
-    verdict = validate(ParallelConfig(tp=2, cp=2, pp=2), 4, DENSE)
+    verdict = validate(ParallelLayout(tp=2, cp=2, pp=2), 4, DENSE)
     assert verdict.violations[0].message == "tp(2)·cp(2)·pp(2) = 8 does not divide world size 4"
 
 
 def test_the_smallest_change_comes_first():
     # tp=1 and tp=2 both make the layout valid on 6 ranks; 3 -> 2 is the smaller step.
-    fixes = validate(ParallelConfig(tp=3), 6, DENSE).violations[0].fixes
+    fixes = validate(ParallelLayout(tp=3), 6, DENSE).violations[0].fixes
     assert fixes[0] == "tp=3 → tp=2 splits 32 heads 16 per tp rank"
 
 
 def test_a_fix_that_would_break_another_rule_is_not_offered_first():
     # 8 experts on ep=3 (world 3): ep=2 splits the experts but 2 does not divide 3 ranks.
-    fixes = validate(ParallelConfig(ep=3), 3, ModelShape("moe8", 4, 8, 8, 8)).violations[0].fixes
+    fixes = validate(ParallelLayout(ep=3), 3, ModelShape("moe8", 4, 8, 8, 8)).violations[0].fixes
     assert fixes[0].startswith("ep=3 → ep=1")
 
 
 def test_fewer_kv_heads_than_tp_ranks_are_replicated_and_allowed():
-    assert validate(ParallelConfig(tp=8), 8, ModelShape("gqa2", 4, 16, 2)).ok
+    assert validate(ParallelLayout(tp=8), 8, ModelShape("gqa2", 4, 16, 2)).ok
 
 
 def test_kv_heads_neither_multiple_nor_divisor_of_tp_are_refused():
-    verdict = validate(ParallelConfig(tp=4), 4, ModelShape("kv3", 4, 12, 3))
+    verdict = validate(ParallelLayout(tp=4), 4, ModelShape("kv3", 4, 12, 3))
     assert verdict.rules == ("kv-heads-tp",)
 
 
 def test_sequence_parallel_with_tp_1_is_turned_off_with_a_note_as_megatron_lm_does():
-    verdict = validate(ParallelConfig(sp=True, pp=2, cp=2, ep=4, etp=1), 8, MOE)  # the AMD reference
+    verdict = validate(ParallelLayout(sp=True, pp=2, cp=2, ep=4, etp=1), 8, MOE)  # the AMD reference
     assert verdict.ok
     assert "Megatron-LM turns it off with a warning" in verdict.notes[0]
-    assert not ParallelConfig(sp=True).effective_sp
+    assert not ParallelLayout(sp=True).effective_sp
 
 
 def test_expert_parallel_on_a_dense_model_is_refused():
-    assert validate(ParallelConfig(ep=2), 2, DENSE).rules == ("ep-needs-moe",)
+    assert validate(ParallelLayout(ep=2), 2, DENSE).rules == ("ep-needs-moe",)
 
 
 GLM = ModelShape("GLM-5.2-5layer", 5, 64, 64, 256, "dsa")
 
 
 def test_dsa_with_context_parallel_is_refused_by_megatron_core_0_16():
-    verdict = validate(ParallelConfig(cp=2, cp_comm_type="all_gather"), 2, GLM, megatron_core="0.16.1")
+    verdict = validate(ParallelLayout(cp=2, cp_comm_type="all_gather"), 2, GLM, megatron_core="0.16.1")
     assert verdict.rules == ("dsa-cp",)
     assert "megatron-core 0.16.1 cannot split over cp(2)" in verdict.violations[0].message
 
 
 def test_dsa_with_context_parallel_needs_all_gather_from_megatron_core_0_19():
-    assert validate(ParallelConfig(cp=2), 2, GLM, megatron_core="0.19.2").rules == ("dsa-cp",)
-    assert validate(ParallelConfig(cp=2, cp_comm_type="all_gather"), 2, GLM, megatron_core="0.19.2").ok
+    assert validate(ParallelLayout(cp=2), 2, GLM, megatron_core="0.19.2").rules == ("dsa-cp",)
+    assert validate(ParallelLayout(cp=2, cp_comm_type="all_gather"), 2, GLM, megatron_core="0.19.2").ok
 
 
 def test_dsa_fix_under_0_19_is_the_all_gather_communication():
-    fixes = validate(ParallelConfig(cp=2), 2, GLM, megatron_core="0.19.2").violations[0].fixes
+    fixes = validate(ParallelLayout(cp=2), 2, GLM, megatron_core="0.19.2").violations[0].fixes
     assert "cp_comm_type=unset → cp_comm_type=all_gather makes the layout valid" in fixes
 
 
 def test_the_installed_megatron_core_decides_by_default():
     from miles.parallel.rules import installed_megatron_core
 
-    assert validate(ParallelConfig(), 1).megatron_core == installed_megatron_core() == "0.16.1"
+    assert validate(ParallelLayout(), 1).megatron_core == installed_megatron_core() == "0.16.1"
 
 
 def test_uneven_layers_suggest_an_explicit_first_stage():
-    verdict = validate(ParallelConfig(pp=2), 2, ModelShape("GLM-5.2-5layer", 5, 64, 64, 256, "dsa"))
+    verdict = validate(ParallelLayout(pp=2), 2, ModelShape("GLM-5.2-5layer", 5, 64, 64, 256, "dsa"))
     assert verdict.rules == ("layers-pp",)
     assert (
         verdict.violations[0].fixes[0]
@@ -142,26 +191,26 @@ def test_uneven_layers_suggest_an_explicit_first_stage():
 
 
 def test_stage_sizes_larger_than_the_model_are_refused():
-    verdict = validate(ParallelConfig(pp=3, first_stage_layers=3, last_stage_layers=3), 3, MOE)
+    verdict = validate(ParallelLayout(pp=3, first_stage_layers=3, last_stage_layers=3), 3, MOE)
     assert verdict.rules == ("stage-layers",)
 
 
 def test_first_and_last_stage_sizes_on_a_single_stage_are_refused():
     # megatron-core would build only the last stage's 1 layer of the model's 4.
-    verdict = validate(ParallelConfig(first_stage_layers=1, last_stage_layers=1), 1, MOE)
+    verdict = validate(ParallelLayout(first_stage_layers=1, last_stage_layers=1), 1, MOE)
     assert verdict.rules == ("stage-layers",)
     assert "pp(1) has one stage, which is both first and last" in verdict.violations[0].message
 
 
 def test_fix_candidates_are_the_divisors_of_the_world():
     # pp=3 would clear stage-layers but can never divide 4 ranks, so it is not searched.
-    fixes = validate(ParallelConfig(first_stage_layers=1, last_stage_layers=1), 4, MOE).violations[0].fixes
+    fixes = validate(ParallelLayout(first_stage_layers=1, last_stage_layers=1), 4, MOE).violations[0].fixes
     assert fixes == ("pp=1 → pp=4 makes the layout valid",)
 
 
 def test_a_fix_with_a_rule_outcome_still_says_when_the_layout_stays_invalid():
     # etp follows tp=3; etp=4 clears the expert grid but tp=3 still breaks the dense grid.
-    fixes = validate(ParallelConfig(tp=3), 8).violations[1].fixes
+    fixes = validate(ParallelLayout(tp=3), 8).violations[1].fixes
     assert fixes[0] == (
         "etp=3 → etp=4 makes etp·ep·pp = 4 divide world 8, but the layout would still be invalid "
         "(dense-grid: tp(3)·cp(1)·pp(1) = 3 does not divide world size 8)"
@@ -169,27 +218,27 @@ def test_a_fix_with_a_rule_outcome_still_says_when_the_layout_stays_invalid():
 
 
 def test_stage_sizes_follow_megatron_assignment():
-    assert stage_sizes(ParallelConfig(pp=4, first_stage_layers=2), ModelShape("m", 5, 8)) == (2, 1, 1, 1)
-    assert stage_sizes(ParallelConfig(pp=2), MOE) == (2, 2)
+    assert stage_sizes(ParallelLayout(pp=4, first_stage_layers=2), ModelShape("m", 5, 8)) == (2, 1, 1, 1)
+    assert stage_sizes(ParallelLayout(pp=2), MOE) == (2, 2)
 
 
 def test_without_a_model_only_the_grid_rules_apply():
-    assert validate(ParallelConfig(tp=3), 3).ok
+    assert validate(ParallelLayout(tp=3), 3).ok
 
 
 def test_every_broken_rule_is_reported_in_megatron_order():
-    verdict = validate(ParallelConfig(tp=3, ep=2), 6, DENSE)
+    verdict = validate(ParallelLayout(tp=3, ep=2), 6, DENSE)
     assert verdict.rules == ("heads-tp", "kv-heads-tp", "ep-needs-moe")
 
 
 def test_ep_with_tp_without_sequence_parallel_carries_megatron_warning_without_a_model():
-    verdict = validate(ParallelConfig(tp=2, ep=2, etp=1), 4)
+    verdict = validate(ParallelLayout(tp=2, ep=2, etp=1), 4)
     assert verdict.ok and "sequence parallel" in verdict.notes[0]
 
 
 def test_check_raises_with_where_prefix():
-    with pytest.raises(LayoutError, match=r"^recipe inkling, rocm 1x4: tp2·pp2") as err:
-        check(ParallelConfig(tp=2, pp=2, ep=4, etp=1, sp=True), 4, MOE, where="recipe inkling, rocm 1x4")
+    with pytest.raises(InvalidParallelism, match=r"^recipe inkling, rocm 1x4: tp2·pp2") as err:
+        check(ParallelLayout(tp=2, pp=2, ep=4, etp=1, sp=True), 4, MOE, where="recipe inkling, rocm 1x4")
     assert err.value.verdict.rules == ("expert-grid",)
 
 
@@ -236,20 +285,20 @@ EIGHT = ModelShape("dense8", 8, 8)
 
 
 def test_virtual_pipeline_needs_more_than_one_pipeline_rank():
-    verdict = validate(ParallelConfig(vpp=2), 1, EIGHT)
+    verdict = validate(ParallelLayout(vpp=2), 1, EIGHT)
     assert verdict.rules == ("vpp-needs-pp",)
     assert verdict.violations[0].fixes[0] == "vpp=2 → vpp=unset makes the layout valid"
 
 
 def test_layers_per_virtual_stage_follow_megatron_assignment():
-    config = ParallelConfig(tp=2, pp=2, vpp=2)
+    config = ParallelLayout(tp=2, pp=2, vpp=2)
     assert validate(config, 4, EIGHT).ok
     assert stage_sizes(config, EIGHT) == (4, 4)
     assert layers_per_virtual_stage(config, EIGHT) == (2, 2)
 
 
 def test_layers_per_pipeline_rank_must_split_into_the_virtual_stages():
-    verdict = validate(ParallelConfig(pp=2, vpp=3), 2, EIGHT)
+    verdict = validate(ParallelLayout(pp=2, vpp=3), 2, EIGHT)
     assert verdict.rules == ("vpp-layers",)
     assert verdict.violations[0].message == (
         "dense8: 8 layers over pp(2) leave 4 per pipeline rank, which do not split into vpp(3) virtual stages"
@@ -257,13 +306,13 @@ def test_layers_per_pipeline_rank_must_split_into_the_virtual_stages():
 
 
 def test_explicit_stage_sizes_must_split_into_the_virtual_stages():
-    verdict = validate(ParallelConfig(pp=4, vpp=2, first_stage_layers=3), 4, ModelShape("m", 9, 8))
+    verdict = validate(ParallelLayout(pp=4, vpp=2, first_stage_layers=3), 4, ModelShape("m", 9, 8))
     assert verdict.rules == ("stage-layers",)
     assert "the first stage's 3 layer(s) do not split into vpp(2)" in verdict.violations[0].message
 
 
 def test_virtual_pipeline_reaches_the_trainer_under_megatron_lm_flag():
-    flags = ParallelConfig(tp=2, pp=2, vpp=2).trainer_flags()
+    flags = ParallelLayout(tp=2, pp=2, vpp=2).trainer_flags()
     assert flags[-2:] == ("--num-virtual-stages-per-pipeline-rank", "2")
 
 
@@ -271,42 +320,42 @@ def test_virtual_pipeline_reaches_the_trainer_under_megatron_lm_flag():
 
 
 def test_moe_with_tensor_parallel_needs_sequence_parallel():
-    verdict = validate(ParallelConfig(tp=2), 2, MOE)
+    verdict = validate(ParallelLayout(tp=2), 2, MOE)
     assert verdict.rules == ("moe-tp-needs-sp",)
     assert verdict.violations[0].fixes[0] == "sp=off → sp=on makes the layout valid"
 
 
 def test_dense_models_may_use_tensor_parallel_without_sequence_parallel():
-    assert validate(ParallelConfig(tp=2), 2, DENSE).ok
+    assert validate(ParallelLayout(tp=2), 2, DENSE).ok
 
 
 def test_moe_with_biases_needs_expert_tensor_parallel_1():
     biased = ModelShape("biased-moe", 4, 8, 8, 8, bias=True)
-    verdict = validate(ParallelConfig(tp=2, sp=True, etp=2), 2, biased)
+    verdict = validate(ParallelLayout(tp=2, sp=True, etp=2), 2, biased)
     assert verdict.rules == ("moe-bias-etp",)
     assert verdict.violations[0].fixes[0] == "etp=2 → etp=1 makes the layout valid"
-    assert validate(ParallelConfig(tp=2, sp=True, etp=2), 2, replace(biased, bias=False)).ok
+    assert validate(ParallelLayout(tp=2, sp=True, etp=2), 2, replace(biased, bias=False)).ok
 
 
 def test_an_expert_ffn_width_must_split_over_expert_tensor_parallel():
     odd = ModelShape("odd-moe", 4, 8, 8, 8, moe_ffn_hidden_size=36)
-    assert validate(ParallelConfig(tp=8, sp=True, etp=8), 8, odd).rules == ("moe-ffn-etp",)
+    assert validate(ParallelLayout(tp=8, sp=True, etp=8), 8, odd).rules == ("moe-ffn-etp",)
 
 
 # --- environment -------------------------------------------------------------------------
 
 
 def test_tensor_or_context_parallel_need_one_device_connection():
-    assert required_env(ParallelConfig(tp=2)) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
-    assert required_env(ParallelConfig(cp=2)) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
-    assert required_env(ParallelConfig(pp=2, ep=2)) == {}
+    assert required_env(ParallelLayout(tp=2)) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert required_env(ParallelLayout(cp=2)) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert required_env(ParallelLayout(pp=2, ep=2)) == {}
 
 
 def test_a_launch_environment_without_the_setting_is_named():
-    (problem,) = env_problems(ParallelConfig(tp=2), {"CUDA_DEVICE_MAX_CONNECTIONS": "8"})
+    (problem,) = env_problems(ParallelLayout(tp=2), {"CUDA_DEVICE_MAX_CONNECTIONS": "8"})
     assert "needs CUDA_DEVICE_MAX_CONNECTIONS=1 in the launch environment" in problem
     assert problem.endswith("found CUDA_DEVICE_MAX_CONNECTIONS=8")
-    assert env_problems(ParallelConfig(tp=2), {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}) == []
+    assert env_problems(ParallelLayout(tp=2), {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}) == []
 
 
 # --- the fix search ----------------------------------------------------------------------
@@ -322,7 +371,7 @@ def test_divisors_come_from_the_prime_factors():
 
 
 def test_a_world_of_two_to_the_40_gets_divisor_fixes():
-    verdict = validate(ParallelConfig(tp=3), 2**40)
+    verdict = validate(ParallelLayout(tp=3), 2**40)
     assert verdict.violations[0].fixes[0] == "tp=3 → tp=4 makes tp·cp·pp = 4 divide world 1099511627776"
 
 
@@ -381,6 +430,20 @@ def test_trainer_layers_per_virtual_stage_become_the_vpp_degree():
 
     args = _trainer("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2")
     assert parallel_layout(args, 4).vpp == 2  # 8 layers / pp 2 = 4 per rank = 2 virtual stages of 2
+
+
+def test_trainer_virtual_stages_per_rank_become_the_vpp_degree_the_run_carries():
+    args = _trainer("--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2")
+    assert args.layout == ParallelLayout(pp=2, vpp=2)
+
+
+def test_trainer_gets_one_virtual_pipeline_flag_at_most(capsys):
+    with pytest.raises(SystemExit):
+        _trainer(
+            "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+            "--num-layers-per-virtual-pipeline-stage", "2",
+        )  # fmt: skip
+    assert "both set the virtual pipeline; give one" in capsys.readouterr().err
 
 
 def test_trainer_virtual_stages_per_rank_reach_the_layout_checks(capsys):

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from miles.parallel import ParallelConfig
+from miles.parallel import ParallelLayout
 from miles.recipes import defaults, names, shared, variants
 from miles.recipes.diff import reference_comparisons
 from miles.recipes.facts import rows
-from miles.recipes.fidelity import Deviation, Layout, Reference, compare, deviation, flags, renamed, shown
+from miles.recipes.fidelity import Deviation, Placement, Reference, compare, deviation, flags, renamed, shown
 from miles.recipes.recipe import gpu_profile
 from miles.recipes.specs import GLM5_2_744B_A40B, QWEN3_30B_A3B
 from miles.recipes.upstream import Upstream
@@ -190,7 +190,7 @@ def test_what_megatron_core_lacks_is_said_in_the_recipe():
 def test_a_layout_that_differs_from_the_reference_without_a_reason_is_unexplained():
     recipe = shared("qwen3_30b_a3b")
     other = gpu_profile(
-        "cuda", 1, 8, "Qwen3-30B-A3B", ParallelConfig(tp=2, sp=True, ep=8, etp=1), rollout_gpus_per_engine=2,
+        "cuda", 1, 8, "Qwen3-30B-A3B", ParallelLayout(tp=2, sp=True, ep=8, etp=1), rollout_gpus_per_engine=2,
         suite="stage-c-8-gpu-h200",
     )  # fmt: skip
     drifted = replace(recipe, profiles=(recipe.profiles[0], other, recipe.profiles[2]))
@@ -245,8 +245,8 @@ def test_the_references_layout_is_read_from_its_flags():
         "--tensor-model-parallel-size 2 --sequence-parallel --context-parallel-size 4 --cp-comm-type a2a "
         "--expert-tensor-parallel-size 1 --actor-num-nodes 1 --actor-num-gpus-per-node 8 --rollout-num-gpus-per-engine 2"
     )
-    assert ref.layout == Layout(
-        8, ParallelConfig(tp=2, sp=True, cp=4, etp=1, cp_comm_type="a2a"), 2, "a test machine"
+    assert ref.layout == Placement(
+        8, ParallelLayout(tp=2, sp=True, cp=4, etp=1, cp_comm_type="a2a"), 2, "a test machine"
     )
 
 

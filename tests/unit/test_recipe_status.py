@@ -53,7 +53,7 @@ def test_a_gpu_profile_whose_model_the_megatron_backend_does_not_build_cannot_bu
     assert status.kind == CANNOT_BUILD
     assert status.detail == (
         "Inkling-Small is model type inkling_text/inkling_mm_model; miles' Megatron backend builds qwen3, qwen3_moe "
-        "(miles/ckpt/megatron_gpt.py)"
+        "(miles/megatron/families/)"
     )
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from miles.parallel import LayoutError, ParallelConfig, validate
+from miles.parallel import InvalidParallelism, ParallelLayout, validate
 from miles.platform import PlatformMismatch
 from miles.recipes import GROUPS, load, names, shared, variants
 from miles.recipes.args import ArgsError, fill, merge, render
@@ -48,10 +48,10 @@ def test_every_verified_profile_passes_validate():
 def test_an_impossible_profile_is_refused_where_the_recipe_is_defined():
     recipe = shared("qwen3_30b_a3b")
     bad = gpu_profile(
-        "cuda", 1, 4, "Qwen3-30B-A3B-4layer", ParallelConfig(tp=2, pp=2, ep=4, etp=1),
+        "cuda", 1, 4, "Qwen3-30B-A3B-4layer", ParallelLayout(tp=2, pp=2, ep=4, etp=1),
         rollout_gpus_per_engine=4, suite="stage-c-4-gpu-h200",
     )  # fmt: skip
-    with pytest.raises(LayoutError) as err:
+    with pytest.raises(InvalidParallelism) as err:
         replace(recipe, profiles=(bad,))
     message = str(err.value)
     assert message.startswith(
@@ -67,7 +67,7 @@ def test_a_profile_on_a_suite_the_catalog_lacks_is_refused():
             1,
             4,
             "Qwen3-4B",
-            ParallelConfig(tp=2),
+            ParallelLayout(tp=2),
             rollout_gpus_per_engine=1,
             suite="stage-c-4-gpu-mi300x",
         )
@@ -80,7 +80,7 @@ def test_a_profile_whose_gpu_count_differs_from_its_suite_is_refused():
             1,
             4,
             "Qwen3-4B",
-            ParallelConfig(tp=2),
+            ParallelLayout(tp=2),
             rollout_gpus_per_engine=1,
             suite="stage-c-8-gpu-h200",
         )
@@ -308,7 +308,10 @@ def test_tiny_profile_of_a_family_megatron_cannot_build_is_data_parallel_fsdp():
 
 @pytest.mark.parametrize(
     ("recipe", "layout"),
-    [("qwen3_4b", ("--tensor-model-parallel-size", "2")), ("qwen3_30b_a3b", ("--expert-model-parallel-size", "2"))],
+    [
+        ("qwen3_4b", ("--tensor-model-parallel-size", "2")),
+        ("qwen3_30b_a3b", ("--expert-model-parallel-size", "2")),
+    ],
 )
 def test_tiny_profile_of_a_gpt_family_trains_with_megatron_at_a_layout_of_its_own(recipe, layout):
     flags = _flags(shared(recipe), "cpu")

@@ -5,7 +5,7 @@ megatron-core 0.16.1 cannot build DeepSeek-V4's attention, hyper-connections or 
 the reference trains V4 through its own Megatron spec.
 """
 
-from miles.parallel import ParallelConfig
+from miles.parallel import ParallelLayout
 from miles.recipes import defaults as d
 from miles.recipes import references
 from miles.recipes.fidelity import deviation
@@ -13,8 +13,8 @@ from miles.recipes.recipe import Overlay, Recipe, gpu_profile, groups, source_fi
 from miles.recipes.specs import DEEPSEEK_V4_FLASH
 
 MODEL = "DeepSeek-V4-Flash-4layer"
-FOUR_GPUS = ParallelConfig(tp=4, sp=True, ep=4, etp=1)
-EIGHT_GPUS = ParallelConfig(tp=8, sp=True, ep=8, etp=1)
+FOUR_GPUS = ParallelLayout(tp=4, sp=True, ep=4, etp=1)
+EIGHT_GPUS = ParallelLayout(tp=8, sp=True, ep=8, etp=1)
 
 ROCM = Overlay(
     platform="rocm",

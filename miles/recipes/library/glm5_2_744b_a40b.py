@@ -1,6 +1,6 @@
 """GRPO on GLM-5.2-744B-A40B (a 5-layer slice in CI): MLA with DSA sparse attention, FP8 rollouts."""
 
-from miles.parallel import ParallelConfig
+from miles.parallel import ParallelLayout
 from miles.recipes import defaults as d
 from miles.recipes import references
 from miles.recipes.fidelity import deviation
@@ -9,8 +9,8 @@ from miles.recipes.specs import GLM5_2_744B_A40B
 
 MODEL = "GLM-5.2-744B-A40B-5layer"
 # DSA attention cannot use context parallel on megatron-core 0.16.1; 5 layers keep PP at 1.
-FOUR_GPUS = ParallelConfig(tp=4, sp=True, ep=4, etp=1)
-EIGHT_GPUS = ParallelConfig(tp=4, sp=True, ep=8, etp=1)
+FOUR_GPUS = ParallelLayout(tp=4, sp=True, ep=4, etp=1)
+EIGHT_GPUS = ParallelLayout(tp=4, sp=True, ep=8, etp=1)
 
 
 def _prefill(gpus: int) -> tuple:

@@ -1,6 +1,6 @@
 """GRPO on Inkling-Small (a 4-layer slice in CI), trained with Megatron, rolled out with SGLang."""
 
-from miles.parallel import ParallelConfig
+from miles.parallel import ParallelLayout
 from miles.recipes import defaults as d
 from miles.recipes import references
 from miles.recipes.fidelity import deviation
@@ -9,7 +9,7 @@ from miles.recipes.specs import INKLING_SMALL
 
 MODEL = "Inkling-Small-4layer"
 # TP4 with sequence parallel and all experts spread over the 4 GPUs (ETP1): both references.
-TP4_EP4 = ParallelConfig(tp=4, sp=True, ep=4, etp=1)
+TP4_EP4 = ParallelLayout(tp=4, sp=True, ep=4, etp=1)
 
 ROCM = Overlay(
     platform="rocm",

@@ -1,6 +1,6 @@
 """GRPO on Qwen3-30B-A3B (MoE), trained with Megatron, rolled out with SGLang (FP8 on CUDA)."""
 
-from miles.parallel import ParallelConfig
+from miles.parallel import ParallelLayout
 from miles.recipes import defaults as d
 from miles.recipes import references
 from miles.recipes.fidelity import deviation
@@ -9,13 +9,13 @@ from miles.recipes.specs import QWEN3_30B_A3B
 
 SLICE = "Qwen3-30B-A3B-4layer"
 FULL = "Qwen3-30B-A3B"
-FOUR_GPUS = ParallelConfig(tp=4, sp=True, ep=4, etp=1)  # the reference's 4-GPU (GB200 node) layout
-EIGHT_GPUS = ParallelConfig(tp=4, sp=True, ep=8, etp=1)  # the reference's H100 node
+FOUR_GPUS = ParallelLayout(tp=4, sp=True, ep=4, etp=1)  # the reference's 4-GPU (GB200 node) layout
+EIGHT_GPUS = ParallelLayout(tp=4, sp=True, ep=8, etp=1)  # the reference's H100 node
 # On a 4-GPU MI350 runner with PP2, etp·ep·pp must divide 4: EP2 with ETP1 (EP4 needs 8 ranks).
-MI350_FOUR = ParallelConfig(tp=2, sp=True, pp=2, ep=2, etp=1)
-MI350_EIGHT = ParallelConfig(tp=1, sp=True, pp=2, cp=2, ep=4, etp=1)  # the AMD reference's node
+MI350_FOUR = ParallelLayout(tp=2, sp=True, pp=2, ep=2, etp=1)
+MI350_EIGHT = ParallelLayout(tp=1, sp=True, pp=2, cp=2, ep=4, etp=1)  # the AMD reference's node
 # The CPU lane's two gloo ranks: the experts split over both, attention data-parallel.
-CPU_EP2 = ParallelConfig(ep=2, etp=1)
+CPU_EP2 = ParallelLayout(ep=2, etp=1)
 
 ROCM = Overlay(
     platform="rocm",

@@ -1,6 +1,6 @@
 """GRPO on Qwen3-4B (dense), trained with Megatron, rolled out with SGLang."""
 
-from miles.parallel import ParallelConfig
+from miles.parallel import ParallelLayout
 from miles.recipes import defaults as d
 from miles.recipes import references
 from miles.recipes.fidelity import deviation
@@ -8,10 +8,10 @@ from miles.recipes.recipe import Overlay, Recipe, gpu_profile, groups, source_fi
 from miles.recipes.specs import QWEN3_4B
 
 MODEL = "Qwen3-4B"
-TP2 = ParallelConfig(tp=2, sp=True, etp=1)
+TP2 = ParallelLayout(tp=2, sp=True, etp=1)
 # Context parallel with all-to-all exchanges, as the reference sets whenever cp > 1.
-TP2_CP2 = ParallelConfig(tp=2, sp=True, cp=2, etp=1, cp_comm_type="a2a")
-TP2_CP4 = ParallelConfig(tp=2, sp=True, cp=4, etp=1, cp_comm_type="a2a")  # the reference's 8-GPU layout
+TP2_CP2 = ParallelLayout(tp=2, sp=True, cp=2, etp=1, cp_comm_type="a2a")
+TP2_CP4 = ParallelLayout(tp=2, sp=True, cp=4, etp=1, cp_comm_type="a2a")  # the reference's 8-GPU layout
 
 ROCM = Overlay(
     platform="rocm",

@@ -97,7 +97,7 @@ def batch_loss(logp, entropy, batch: TokenBatch, cfg) -> LossTerms:
 
 def make_backend(args, dist_info) -> TrainBackend:
     if args.train_backend == "megatron":
-        from miles.train.backends.megatron.backend import MegatronBackend
+        from miles.train.backends.megatron import MegatronBackend
 
         return MegatronBackend(args, dist_info)
     from miles.train.backends.torch_dp import TorchDPBackend

@@ -1,4 +1,4 @@
-"""megatron-core on a machine without a GPU: the CUDA assumptions it makes, redirected to the CPU.
+"""Every place miles changes megatron-core, each tied to the source text that makes it needed.
 
 megatron-core 0.16.1's GPTModel, schedules, DDP and optimizer run on CPU tensors under gloo
 except for a handful of places that allocate on `torch.cuda.current_device()` or
@@ -8,6 +8,15 @@ megatron-core function, the text in its source that is the assumption (so an upg
 changes the function is detected, see `stale()`), and why it matters. `install()` wraps
 exactly those functions so that their bodies run inside `on_cpu()`; everything else in the
 process is untouched. It is only ever installed when no GPU is present.
+
+The other changes are `PATCHES`, each applied by one function here: the Transformer Engine
+names of the layer-spec module bound to stand-ins while a spec is built without TE
+(`te_stand_ins`), the MoE dispatcher's CUDA stream when the rank-grid proof builds a MoE
+layer on CPU (`without_dispatcher_stream`), and the process groups megatron-core's
+`destroy_model_parallel` leaves behind (`forget_destroyed_groups`). Nothing outside this
+module writes into megatron-core (the module is long for that reason: the entries and the
+functions that apply them stay together), and `stale()` checks every entry against the
+installed release, which must be the one they were written for (`KNOWN_RELEASE`).
 """
 
 from __future__ import annotations
@@ -19,6 +28,10 @@ import inspect
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+# The megatron-core release every entry below was written against; pyproject.toml's megatron
+# extra and every lane's lock pin it (tests/unit/test_megatron_compat.py holds them together).
+KNOWN_RELEASE = "0.16.1"
 
 
 @dataclass(frozen=True)
@@ -187,6 +200,48 @@ REDIRECTS: tuple[Redirect, ...] = (
 # the MoE router's fp32 GEMM raises NameError instead of taking its torch fallback.
 MISSING_SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("megatron.core.transformer.moe.moe_utils", "te_general_gemm", "te_general_gemm is not None"),
+)
+
+
+@dataclass(frozen=True)
+class Patch:
+    """A change to megatron-core other than a redirect, and the source text that makes it needed:
+    it must be in the target's source (`present`), or, for a workaround of something megatron-core
+    leaves undone, must not be."""
+
+    target: str  # "module:Qualified.name" whose source is checked
+    marker: str
+    why: str
+    present: bool = True
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        "megatron.core.models.gpt.gpt_layer_specs:get_gpt_layer_with_transformer_engine_spec",
+        "TESpecProvider()",
+        "te_stand_ins() binds the module's TESpecProvider to the TE-shaped local provider when TE is absent",
+    ),
+    Patch(
+        "megatron.core.models.gpt.gpt_layer_specs:get_gpt_decoder_block_spec",
+        "layer_norm_impl = TENorm",
+        "te_stand_ins() binds the module's TENorm (the final norm of a TE spec) to the local norm",
+    ),
+    Patch(
+        "megatron.core.transformer.moe.token_dispatcher:MoEAlltoAllTokenDispatcher.__init__",
+        "if MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:",
+        "without_dispatcher_stream() sets the class's shared stream so the dispatcher builds without CUDA",
+    ),
+    Patch(
+        "megatron.core.parallel_state:destroy_model_parallel",
+        "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP = None",
+        "forget_destroyed_groups() drops the intra-partial data-parallel groups destroy_model_parallel keeps",
+        present=False,
+    ),
+    Patch(
+        "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.fork",
+        "_set_cuda_rng_state(",
+        "on_cpu() swaps the module's _get_cuda_rng_state and _set_cuda_rng_state for the CPU generator's",
+    ),
 )
 
 
@@ -395,20 +450,87 @@ def install_without_gpu() -> bool:
     return True
 
 
+@contextlib.contextmanager
+def te_stand_ins(provider, norm) -> Iterator[object]:
+    """megatron-core's gpt_layer_specs module with the TE names its TE spec functions use
+    (TESpecProvider, TENorm) bound to `provider` and `norm` for the duration."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    missing = object()
+    saved = {name: getattr(specs, name, missing) for name in ("TESpecProvider", "TENorm")}
+    specs.TESpecProvider, specs.TENorm = provider, norm
+    try:
+        yield specs
+    finally:
+        for name, value in saved.items():
+            if value is missing:
+                delattr(specs, name)
+            else:
+                setattr(specs, name, value)
+
+
+def without_dispatcher_stream() -> None:
+    """Without CUDA, let the all-to-all MoE dispatcher be built: it makes a CUDA side stream when
+    first built, which only its forward's copies use (the rank-grid proof stops before those)."""
+    import torch
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    if not torch.cuda.is_available() and MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:
+        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "no CUDA stream on CPU"
+
+
+def forget_destroyed_groups() -> None:
+    """After `destroy_model_parallel`: forget the process groups megatron-core 0.16.1 keeps (the
+    intra-partial data-parallel ones); a stale group's destructor, run later (in a forked child
+    it waits forever on threads that were not forked), must not be left."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    for name, value in list(vars(parallel_state).items()):
+        if name.startswith("_") and isinstance(value, dist.ProcessGroup):
+            setattr(parallel_state, name, None)
+
+
+def _source_of(target: str) -> str:
+    owner, name = _resolve(target)
+    fn = _installed.get(target) or inspect.getattr_static(owner, name)
+    fn = getattr(fn, "__func__", fn)
+    fn = getattr(fn, "__wrapped__", fn) if getattr(fn, "__miles_cpu_redirect__", False) else fn
+    return inspect.getsource(fn)
+
+
 def stale() -> list[str]:
-    """Entries that no longer describe megatron-core: a target that is gone, or whose source no
-    longer holds the CUDA assumption it redirects (so the entry may be unneeded or too narrow)."""
+    """Entries that no longer describe megatron-core: another release than the one they were
+    written for, a target that is gone, or a source that no longer holds the assumption an entry
+    works around (so the entry may be unneeded or too narrow)."""
+    from importlib.metadata import PackageNotFoundError, version
+
     problems = []
+    try:
+        installed = version("megatron-core")
+    except PackageNotFoundError:
+        installed = "not installed"
+    if installed != KNOWN_RELEASE:
+        problems.append(
+            f"megatron-core {installed} is installed; every entry here was written for {KNOWN_RELEASE}: "
+            "check each one against the new release, then move KNOWN_RELEASE and the pins together"
+        )
+    for patch in PATCHES:
+        try:
+            source = _source_of(patch.target)
+        except (ImportError, AttributeError) as exc:
+            problems.append(f"{patch.target}: not found in this megatron-core ({exc})")
+            continue
+        if (patch.marker in source) != patch.present:
+            state = "no longer contains" if patch.present else "now contains"
+            problems.append(f"{patch.target}: its source {state} {patch.marker!r} ({patch.why})")
     for redirect in REDIRECTS:
         try:
-            owner, name = _resolve(redirect.target)
+            source = _source_of(redirect.target)
         except (ImportError, AttributeError) as exc:
             problems.append(f"{redirect.target}: not found in this megatron-core ({exc})")
             continue
-        fn = _installed.get(redirect.target) or inspect.getattr_static(owner, name)
-        fn = getattr(fn, "__func__", fn)
-        fn = getattr(fn, "__wrapped__", fn) if getattr(fn, "__miles_cpu_redirect__", False) else fn
-        if redirect.marker not in inspect.getsource(fn):
+        if redirect.marker not in source:
             problems.append(
                 f"{redirect.target}: its source no longer contains {redirect.marker!r} ({redirect.why})"
             )

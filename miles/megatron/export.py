@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from miles.ckpt.megatron_gpt import layer_layout
+from miles.megatron.hf_names import layer_layout
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")

@@ -1,9 +1,9 @@
-"""The helper process of `miles.parallel.megatron.prove`: gloo ranks that run megatron-core.
+"""The helper process of `miles.megatron.proof.prove`: gloo ranks that run megatron-core.
 
-`python -m miles.parallel.megatron_ranks CASES.json VERDICTS.json` imports megatron-core once,
+`python -m miles.megatron.ranks CASES.json VERDICTS.json` imports megatron-core once,
 then for each world size forks that many ranks joined in a gloo process group; every rank
-tries every layout of its world in turn (see miles.parallel.megatron for what it runs) and
-reports back one verdict per layout. Only this module imports torch and megatron-core.
+tries every layout of its world in turn (see miles.megatron.proof for what it runs) and
+reports back one verdict per layout.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from miles.parallel.config import ModelShape, ParallelConfig
-from miles.parallel.megatron import STAGES, ProofError
+from miles.megatron.proof import STAGES, ProofError
+from miles.parallel.layout import ModelShape, ParallelLayout
 
 _GROUPS = ("tp", "pp", "cp", "dp", "ep", "etp", "edp")
 _HIDDEN_PER_HEAD = 8  # tiny widths: only the shapes' divisibility matters here
@@ -153,27 +153,22 @@ def _try_layout(case: dict) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from miles.megatron.training import init_parallel_state
+
     before = set(dist.distributed_c10d._world.pg_map)
-    config = ParallelConfig(**case["config"])
+    layout = ParallelLayout(**case["layout"])
     model = ModelShape(**case["model"]) if case["model"] else None
     result: dict = {"ok": True, "stage": None, "error": None, "layers_per_stage": None, "groups": None}
     stage = STAGES[0]
     try:
-        ps.initialize_model_parallel(
-            tensor_model_parallel_size=config.tp,
-            pipeline_model_parallel_size=config.pp,
-            context_parallel_size=config.cp,
-            expert_model_parallel_size=config.ep,
-            expert_tensor_parallel_size=config.etp,
-            virtual_pipeline_model_parallel_size=config.vpp,
-            create_gloo_process_groups=False,  # the default groups are gloo already on CPU
-        )
+        # the trainer's own call: the layout's one translation into megatron-core's arguments
+        init_parallel_state(layout, gloo_groups=False)  # the default groups are gloo already on CPU
         result["groups"] = _own_groups(ps)
         if model is not None:
             stage = "TransformerConfig"
-            transformer = _transformer_config(config, model)
+            transformer = _transformer_config(layout, model)
             stage = "get_num_layers_to_build"
-            result["layers_per_stage"] = _layers_per_stage(transformer, config)
+            result["layers_per_stage"] = _layers_per_stage(transformer, layout)
             if model.num_experts is not None:
                 stage = "MoELayer"
                 layer = _build_moe_layer(transformer)
@@ -205,7 +200,7 @@ def _own_groups(ps) -> dict:
     return {name: dist.get_process_group_ranks(get()) for name, get in getters.items()}
 
 
-def _transformer_config(config: ParallelConfig, model: ModelShape):
+def _transformer_config(layout: ParallelLayout, model: ModelShape):
     import torch
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -215,25 +210,14 @@ def _transformer_config(config: ParallelConfig, model: ModelShape):
         num_attention_heads=model.num_attention_heads,
         num_query_groups=model.num_query_groups,
         add_bias_linear=model.bias,
-        tensor_model_parallel_size=config.tp,
-        pipeline_model_parallel_size=config.pp,
-        virtual_pipeline_model_parallel_size=config.vpp,
-        context_parallel_size=config.cp,
-        expert_model_parallel_size=config.ep,
-        expert_tensor_parallel_size=config.etp,
-        # Megatron-LM's argument parsing turns sequence parallel off when tp=1 (with a warning).
-        sequence_parallel=config.effective_sp,
-        num_layers_in_first_pipeline_stage=config.first_stage_layers,
-        num_layers_in_last_pipeline_stage=config.last_stage_layers,
+        **layout.transformer_config_kwargs(),  # the trainer's translation
         pipeline_dtype=torch.float32,
         use_cpu_initialization=True,
     )
-    if config.cp_comm_type is not None:
-        kwargs.update(cp_comm_type=config.cp_comm_type)
     if model.num_experts is not None:
         kwargs.update(
             num_moe_experts=model.num_experts,
-            moe_ffn_hidden_size=_expert_width(model, config.expert_tp),
+            moe_ffn_hidden_size=_expert_width(model, layout.expert_tp),
             moe_token_dispatcher_type="alltoall",
         )
     if model.attention == "dsa":
@@ -250,32 +234,28 @@ def _expert_width(model: ModelShape, etp: int) -> int:
     return model.moe_ffn_hidden_size % unit + unit
 
 
-def _layers_per_stage(transformer, config: ParallelConfig) -> list[int]:
+def _layers_per_stage(transformer, layout: ParallelLayout) -> list[int]:
     """Layers each pipeline rank builds: per virtual stage times the virtual stages."""
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
-    vpp = config.vpp or 1
     out = []
-    for rank in range(config.pp):
+    for rank in range(layout.pp):
         chunks = [
-            get_num_layers_to_build(transformer, vp_stage=v if config.vpp else None, pp_rank=rank)
-            for v in range(vpp)
+            get_num_layers_to_build(transformer, vp_stage=v if layout.interleaved else None, pp_rank=rank)
+            for v in range(layout.model_chunks)
         ]
         out.append(sum(chunks))
     return out
 
 
 def _build_moe_layer(transformer):
-    import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.moe.moe_layer import MoELayer
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-    if not torch.cuda.is_available() and MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:
-        # The all-to-all dispatcher makes a CUDA side stream when first built; only its
-        # forward's copies use it, and the proof stops before those.
-        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "no CUDA stream on CPU"
+    from miles.megatron.compat import without_dispatcher_stream
+
+    without_dispatcher_stream()
     spec = get_gpt_layer_local_spec(num_experts=transformer.num_moe_experts, moe_grouped_gemm=False)
     return MoELayer(
         transformer,

@@ -2,7 +2,7 @@
 
 Transformer Engine cannot be installed here, so the spec is megatron-core's own
 `get_gpt_layer_with_transformer_engine_spec`, called with local modules that have TE's
-parameter names (miles.ckpt.megatron_spec). Which norms are fused into which linear, and
+parameter names (miles.megatron.spec). Which norms are fused into which linear, and
 where an MoE layer keeps its own pre-MLP norm, is decided by that megatron-core function;
 the checkpoint must load into the resulting model with nothing missing and nothing left over.
 """
@@ -37,9 +37,9 @@ def mixed_moe(tmp_path_factory):
 def _te_spec_layers(config):
     from megatron.core.transformer.identity_op import IdentityOp
 
-    from miles.ckpt.megatron_gpt import transformer_config
-    from miles.ckpt.megatron_spec import decoder_block_spec
-    from miles.ckpt.torch_dist import single_process_group
+    from miles.megatron.checkpoint import single_process_group
+    from miles.megatron.config import transformer_config
+    from miles.megatron.spec import decoder_block_spec
 
     with single_process_group():
         specs = decoder_block_spec(transformer_config(config)).layer_specs
@@ -59,8 +59,8 @@ def test_checkpoint_loads_strictly_into_the_te_spec_model(mixed_moe):
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
-    from miles.ckpt.megatron_gpt import build_model
-    from miles.ckpt.torch_dist import single_process_group
+    from miles.megatron.checkpoint import single_process_group
+    from miles.megatron.model import build_model
 
     config, release = mixed_moe
     with single_process_group():
@@ -82,8 +82,8 @@ def test_megatron_cores_local_spec_would_ask_for_a_moe_key_no_te_job_writes(mixe
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    from miles.ckpt.megatron_gpt import transformer_config
-    from miles.ckpt.torch_dist import single_process_group
+    from miles.megatron.checkpoint import single_process_group
+    from miles.megatron.config import transformer_config
 
     config, _ = mixed_moe
     with single_process_group():

@@ -3,7 +3,9 @@
 `prove(cases)` starts one helper process that imports megatron-core once and, for each world
 size, forks that many ranks joined in a gloo process group. Every rank tries every layout of
 its world size in turn, the way a training start meets them: `initialize_model_parallel`
-(the rank grids and virtual pipeline), `TransformerConfig` (the model config checks),
+(the rank grids and virtual pipeline, called as the trainer calls it:
+`miles.megatron.training.init_parallel_state`), `TransformerConfig` (the model config checks, with the layout's
+`transformer_config_kwargs`),
 `get_num_layers_to_build` for every pipeline stage and virtual stage, a MoE layer built on
 the expert groups, and that layer's training forward called without input (its first
 statement checks the layout; the missing input then stops it before any computation); then
@@ -15,7 +17,7 @@ the shape says `bias`, the all-to-all token dispatcher, and sequence parallel as
 hands it on (off when tp=1). Widths are tiny: only divisibility matters, and an expert's FFN
 width keeps its remainder modulo etp.
 
-The caller never imports megatron-core or torch: only the helper (miles.parallel.megatron_ranks) does.
+The caller never imports megatron-core or torch: only the helper (miles.megatron.ranks) does.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from miles.parallel.config import ModelShape, ParallelConfig
-from miles.parallel.layout import Verdict
+from miles.parallel.layout import ModelShape, ParallelLayout
+from miles.parallel.verdict import Verdict
 
 STAGES = (
     "initialize_model_parallel", "TransformerConfig", "get_num_layers_to_build", "MoELayer", "MoELayer.forward",
@@ -67,13 +69,13 @@ _MEGATRON_RULES = (
 
 @dataclass(frozen=True)
 class Case:
-    config: ParallelConfig
+    layout: ParallelLayout
     world_size: int
     model: ModelShape | None = None
 
     def to_json(self) -> dict:
         return {
-            "config": self.config.to_json(),
+            "layout": self.layout.to_json(),
             "world_size": self.world_size,
             "model": self.model.to_json() if self.model else None,
         }
@@ -150,7 +152,7 @@ def prove(cases: Sequence[Case], timeout_s: float | None = None) -> list[Megatro
         inp.write_text(json.dumps([c.to_json() for c in cases]))
         try:
             proc = subprocess.run(
-                [sys.executable, "-m", "miles.parallel.megatron_ranks", str(inp), str(out)],
+                [sys.executable, "-m", "miles.megatron.ranks", str(inp), str(out)],
                 capture_output=True,
                 text=True,
                 timeout=timeout_s,
@@ -178,7 +180,7 @@ def _verdict(r: dict) -> MegatronVerdict:
     )
 
 
-def megatron_version() -> str:
+def installed_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:

@@ -88,7 +88,7 @@ def gather_context_parallel(x: torch.Tensor, cp: int) -> torch.Tensor:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-    from miles.ckpt.megatron_spec import context_parallel_order
+    from miles.megatron.attention import context_parallel_order
 
     gathered = gather_from_sequence_parallel_region(
         x.transpose(0, 1).contiguous(), False, parallel_state.get_context_parallel_group()
@@ -103,7 +103,7 @@ def micro_batches(
     """Pad every micro-batch to `rows` rows and one common length that sequence parallelism can
     split: a pipeline exchanges fixed-shape activations. Padding rows and columns are never
     read back (the loss takes each part's own rows and width)."""
-    from miles.ckpt.megatron_spec import context_parallel_positions
+    from miles.megatron.attention import context_parallel_positions
 
     width = max(int(p.input_ids.shape[1]) for p in parts)
     seq = -(-width // seq_multiple) * seq_multiple

@@ -1,0 +1,13 @@
+"""The one adapter to megatron-core: everything miles asks of it goes through this package.
+
+config.py maps a Hugging Face config to megatron-core's TransformerConfig (per family:
+families/), spec.py and attention.py give the Transformer Engine layer spec with or without
+TE (and context-parallel attention without it), model.py builds the GPTModel chunks,
+hf_names.py and export.py say where every megatron weight comes from in the HF checkpoint
+and hand the weights back under HF names, checkpoint.py reads and writes torch_dist,
+training.py holds the parallel state, DDP, optimizer and schedules the training backend
+drives, loss.py the vocabulary-parallel logprobs, proof.py and ranks.py run megatron-core's
+rank grids under gloo, and compat.py lets megatron-core run without a GPU: every place
+megatron-core is patched is there, under one `stale()` check. Nothing outside this package
+imports megatron-core; importing the package itself imports nothing heavy.
+"""

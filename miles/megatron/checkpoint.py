@@ -1,0 +1,294 @@
+"""megatron-core's torch_dist checkpoints: read into model chunks, written from a conversion,
+and the training state (model, distributed optimizer, schedule) a run saves and resumes.
+
+Layout of a torch_dist directory (what Megatron-LM's `--load` with `--ckpt-format torch_dist`
+reads): `<dir>/release/` holds torch.distributed.checkpoint data, its index, `metadata.json`
+and `common.pt` (non-tensor state); `<dir>/latest_checkpointed_iteration.txt` names the
+release and is written last.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+RELEASE = "release"
+TRACKER = "latest_checkpointed_iteration.txt"
+# Megatron-LM rebuilds the model's sharded state dict with the content_metadata it finds in
+# common.pt, so recording the (default) metadata used here makes a loader ask for these keys.
+SHARDED_METADATA: dict = {}
+# The distributed optimizer's shards as they are: a run resumes at the same model-parallel
+# layout with any number of data-parallel replicas (weights alone load at any layout).
+OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+class CheckpointMismatch(ValueError):
+    """A torch_dist checkpoint that does not hold what the model asks for."""
+
+
+def is_torch_dist_dir(path: str | Path | None) -> bool:
+    if not path:
+        return False
+    path = Path(path)
+    return (path / TRACKER).is_file() or (path / "metadata.json").is_file()
+
+
+def torch_dist_release(path: str | Path) -> Path:
+    """The directory holding the tensors of a torch_dist checkpoint (its `release/` or itself)."""
+    path = Path(path)
+    marker = path / TRACKER
+    if marker.is_file():
+        tag = marker.read_text().strip()
+        name = tag if tag == RELEASE else f"iter_{int(tag):07d}"
+        return path / name
+    return path
+
+
+@contextmanager
+def single_process_group() -> Iterator[None]:
+    """torch.distributed and megatron's parallel state for one CPU process, unless already set up."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from miles.megatron.compat import forget_destroyed_groups
+
+    own_pg = not dist.is_initialized()
+    if own_pg:  # an in-memory store: no port, no file left behind by a killed run
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    own_mp = not parallel_state.model_parallel_is_initialized()
+    if own_mp:
+        parallel_state.initialize_model_parallel(1, 1)
+    try:
+        yield
+    finally:
+        if own_mp:
+            parallel_state.destroy_model_parallel()
+            forget_destroyed_groups()
+        if own_pg:
+            dist.destroy_process_group()
+
+
+# --- model weights -------------------------------------------------------------------------
+
+
+def model_state_template(chunks: Sequence) -> dict:
+    """Every chunk's sharded state dict (TE's fp8 `_extra_state` left out: converted weights have none)."""
+    state = {}
+    for i, chunk in enumerate(chunks):
+        sharded = chunk.sharded_state_dict()
+        state[f"model{i}"] = {k: v for k, v in sharded.items() if not k.endswith("_extra_state")}
+    return state
+
+
+def load_weights(chunks: Sequence, path: str | Path) -> None:
+    """Fill the chunks with the weights of torch_dist checkpoint `path`, resharded to this layout."""
+    from megatron.core import dist_checkpointing
+
+    release = torch_dist_release(path)
+    loaded = dist_checkpointing.load(model_state_template(chunks), str(release))
+    for i, chunk in enumerate(chunks):
+        missing, _ = chunk.load_state_dict(loaded[f"model{i}"], strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing:
+            raise CheckpointMismatch(
+                f"{release}: holds no value for {missing[:5]}; is it a GPT torch_dist of this model?"
+            )
+
+
+def embedding_rows(path: str | Path) -> int | None:
+    """Rows of the checkpoint's input embedding (the vocabulary as the converter padded it), if any."""
+    from megatron.core import dist_checkpointing
+
+    meta = dist_checkpointing.load_tensors_metadata(str(torch_dist_release(path)))
+    embedding = meta.get("embedding.word_embeddings.weight")
+    return int(embedding.global_shape[0]) if embedding is not None else None
+
+
+def load_model(
+    config: Mapping[str, Any], release: Path, vocab: int | None = None, *, dtype=None, on_cpu=True
+):
+    """A world-of-one GPTModel of `config` holding the weights of a converted `release`
+    (inside `single_process_group()`); its RNG streams are seeded in a forked RNG state."""
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from miles.megatron.config import transformer_config
+    from miles.megatron.model import build_model
+
+    with torch.random.fork_rng(devices=[]):  # megatron's attention forks its RNG streams
+        model_parallel_cuda_manual_seed(0)
+        tc = transformer_config(config, dtype=dtype, on_cpu=on_cpu)
+        model = build_model(config, vocab, transformer=tc)
+    state = dist_checkpointing.load(model.sharded_state_dict(metadata=dict(SHARDED_METADATA)), str(release))
+    model.load_state_dict({k: v for k, v in state.items() if k in model.state_dict()})
+    return model
+
+
+# --- a conversion's release ----------------------------------------------------------------
+
+
+def gpt_state(model) -> dict:
+    """The sharded state dict a GPTModel is saved and loaded under."""
+    return model.sharded_state_dict(metadata=dict(SHARDED_METADATA))
+
+
+def hf_named_state(tensors: Iterator[tuple[str, Any]]) -> dict:
+    """(name, tensor) pairs as a sharded state dict that keeps the names (one replica each)."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    return {name: ShardedTensor.from_rank_offsets(name, tensor, replica_id=0) for name, tensor in tensors}
+
+
+def load_release(template: dict, release: Path) -> dict:
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.load(template, str(release))
+
+
+def save_release(sharded: dict, common: dict, out: Path) -> None:
+    """Write `sharded` (and `common`, merged into common.pt) as the torch_dist data of `out`,
+    synchronously and byte-reproducibly: megatron-core's own save path synchronises CUDA, so its
+    translation functions are used with torch.distributed.checkpoint's synchronous writer."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+    from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+
+    class Writer(dcp.FileSystemWriter):
+        def storage_meta(self):
+            return None  # it would record the temp path and a random save id; the bytes must not depend on either
+
+    tensors, common_part = save_preprocess(sharded, validate_access_integrity=True)
+    # serialized in memory, then written by Python: a full disk is an OSError naming its errno
+    # (torch.save's own file writer reports "file write failed" and nothing more)
+    buffer = io.BytesIO()
+    torch.save({**common_part, **common}, buffer)
+    (out / "common.pt").write_bytes(buffer.getvalue())
+    flat, _, _ = _replace_state_dict_keys_with_sharded_keys(tensors, keep_only_main_replica=True)
+    state = mcore_to_pyt_state_dict(flat, is_loading=False)
+    dcp.save(
+        state, storage_writer=Writer(out, thread_count=1), planner=MCoreSavePlanner(flatten_state_dict=False)
+    )
+    save_config(CheckpointingConfig("torch_dist", 1), out)
+
+
+# The Megatron-LM arguments common.pt records that the HF config determines, as flags: every
+# one a Megatron-LM argument of the flag's name with underscores.
+_LM_ARG_FLAGS = (
+    "--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--num-query-groups",
+    "--kv-channels", "--max-position-embeddings", "--rotary-base", "--norm-epsilon",
+    "--untie-embeddings-and-output-weights", "--num-experts", "--moe-ffn-hidden-size", "--moe-router-topk",
+)  # fmt: skip
+
+
+def megatron_lm_args(config: Mapping[str, Any], vocab: int, vocab_multiple: int = 1):
+    """The `args` Megatron-LM's loader finds in common.pt, from the HF config (through its
+    family's facts table, `miles.models`).
+
+    load_checkpoint reads the TP/PP sizes the checkpoint was written with (here 1 and 1)
+    and, unless --finetune, check_checkpoint_args compares num_layers, hidden_size and
+    num_attention_heads with the run's without a default; --use-checkpoint-args takes the
+    model shape from the rest. Nothing here is a guess: each value is the HF config's.
+    """
+    import argparse
+
+    from miles.models import keys_of
+    from miles.models.facts import flag_values
+
+    flags = flag_values(keys_of(config), config)
+    values: dict[str, Any] = {f.lstrip("-").replace("-", "_"): flags[f] for f in _LM_ARG_FLAGS if f in flags}
+    heads = values["num_attention_heads"]
+    values.setdefault("num_query_groups", heads)
+    values.update(
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        group_query_attention=values["num_query_groups"] != heads,
+        padded_vocab_size=vocab,
+        make_vocab_size_divisible_by=vocab_multiple,
+        ckpt_format="torch_dist",
+        consumed_train_samples=0,
+        consumed_valid_samples=0,
+    )
+    return argparse.Namespace(**values)
+
+
+# --- a run's training state ----------------------------------------------------------------
+
+
+def save_training_state(chunks: Sequence, optimizer, directory: str, *, steps_done: int | None) -> None:
+    """Model chunks (and, with `steps_done`, the distributed optimizer and the schedule step) into
+    `directory`, every rank its shards."""
+    from megatron.core import dist_checkpointing
+
+    state = model_state_template(chunks)
+    if steps_done is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False, metadata=OPTIMIZER_FORMAT)
+        state["schedule"] = {"steps_done": steps_done}  # plain values: kept once, in common.pt
+    dist_checkpointing.save(state, directory)
+
+
+def load_training_state(chunks: Sequence, optimizer, directory: str, *, with_optimizer: bool) -> int | None:
+    """What `save_training_state` wrote, back into the chunks (and optimizer); returns the
+    schedule step saved with the optimizer (None without it)."""
+    import torch
+    from megatron.core import dist_checkpointing
+
+    state = model_state_template(chunks)
+    if with_optimizer:
+        _materialize_adam_state(optimizer)
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=OPTIMIZER_FORMAT)
+        state["schedule"] = {"steps_done": 0}
+    loaded = dist_checkpointing.load(state, directory)
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(loaded[f"model{i}"], strict=False)
+    if not with_optimizer:
+        return None
+    with torch.no_grad():  # fp32 main parameters are views of the model's own
+        optimizer.load_state_dict(loaded["optimizer"])
+    steps = int(loaded["schedule"]["steps_done"])
+    _set_adam_steps(optimizer, steps)
+    return steps
+
+
+def _materialize_adam_state(optimizer) -> None:
+    """Give every parameter the AdamW state torch creates lazily at the first step (zeros, step 0).
+
+    Without Apex or Transformer Engine, megatron's distributed optimizer describes its state
+    from torch's AdamW, which has none before a step; a fresh optimizer about to load a
+    checkpoint needs the tensors to load into.
+    """
+    import torch
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for param in group["params"]:
+                state = inner.state[param]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def _set_adam_steps(optimizer, steps: int) -> None:
+    """AdamW's per-parameter step count (its bias correction) after a load.
+
+    megatron-core 0.16.1 restores it for torch's AdamW from its common state as one tensor
+    shared by every parameter, which each parameter's update then increments again; every
+    parameter gets a count of its own, the number of steps applied before the checkpoint.
+    """
+    import torch
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in opt.optimizer.state.values():
+            if "step" in state:
+                state["step"] = torch.tensor(float(steps))

@@ -1,0 +1,63 @@
+"""The megatron-core GPT mapping of each model family, found by config.json's model_type.
+
+A mapping says what megatron-core needs to build a family's model that the facts table
+(`miles.models`) does not: the TransformerConfig switches megatron-core spells its own way
+(normalisation, qk-norm, which layers are MoE, how top-k weights are renormalised), the
+config values it refuses, and where every row of a decoder layer's megatron weights comes
+from in the Hugging Face checkpoint. Adding a family: one module here defining `MAPPINGS`.
+Importing this package imports no torch and no megatron-core.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from miles.megatron.hf_names import Weights
+
+
+class UnmappedModel(ValueError):
+    """A config megatron-core's GPTModel cannot be built from (the message names the key and the fix)."""
+
+
+@dataclass(frozen=True)
+class GPTMapping:
+    family: str  # the miles.models family it builds
+    model_types: tuple[str, ...]
+    refuse_unmapped: Callable[[Mapping[str, Any]], None]  # raises UnmappedModel for what it cannot map
+    # the TransformerConfig fields of the model (the facts table's, and what the family adds)
+    transformer_fields: Callable[[Mapping[str, Any]], dict]
+    # one decoder layer's weights: (config, layer index, megatron prefix)
+    layer_weights: Callable[[Mapping[str, Any], int, str], Weights]
+    # megatron.core.transformer's config class the fields fill (MLA models: "MLATransformerConfig")
+    config_class: str = "TransformerConfig"
+
+
+@cache
+def mappings() -> dict[str, GPTMapping]:
+    """Every mapping, by model_type: each module of this package defines MAPPINGS."""
+    out: dict[str, GPTMapping] = {}
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        for mapping in importlib.import_module(f"{__name__}.{info.name}").MAPPINGS:
+            for model_type in mapping.model_types:
+                out[model_type] = mapping
+    return out
+
+
+def mapping_of(config: Mapping[str, Any]) -> GPTMapping:
+    """The mapping of a config.json, or `UnmappedModel` naming the mapped model types."""
+    model_type = config.get("model_type")
+    found = mappings().get(model_type)
+    if found is None:
+        known = ", ".join(sorted(mappings()))
+        raise UnmappedModel(f"no megatron GPT mapping for model_type {model_type!r}; mapped: {known}")
+    return found
+
+
+def has_mapping(family: str) -> bool:
+    """Whether megatron-core builds this miles.models family here (torch_dist then holds megatron's keys)."""
+    return any(m.family == family for m in mappings().values())

@@ -1,0 +1,115 @@
+"""One facts table per model family (miles.models), read by everything that maps config.json to Megatron.
+
+The recipes' fact check, the Megatron backend's model-flag check, the layout checker's model
+shape, the converter's TransformerConfig and the common.pt arguments all read a family's
+rows; these tests hold them to one another: a recipe's own flags pass the backend's check
+against its published config, every row's flag is one the trainer parses, and a family is
+found from its module alone.
+"""
+
+from __future__ import annotations
+
+import json
+import pkgutil
+from pathlib import Path
+
+import pytest
+
+from miles import models
+from miles.models.facts import ABSENT, flag_values, value
+from miles.recipes import names, variants
+from miles.train.args import build_parser, parse_args
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _specs():
+    return {recipe.model.name: recipe.model for name in names() for recipe in variants(name)}
+
+
+def test_a_family_is_its_module():
+    modules = sorted(m.name for m in pkgutil.iter_modules(models.__path__) if m.name != "facts")
+    assert models.FAMILIES == tuple(modules)
+    assert {spec.family for spec in _specs().values()} == set(models.FAMILIES)
+
+
+def test_every_row_names_a_flag_the_trainer_parses():
+    dests = {opt for action in build_parser()._actions for opt in action.option_strings}
+    missing = {row.flag for f in models.FAMILY_TABLES.values() for row in f.keys} - dests
+    assert missing == set()
+
+
+@pytest.mark.parametrize("name", sorted(_specs()))
+def test_a_recipes_own_flags_pass_the_backends_check_against_its_published_config(name, tmp_path):
+    from miles.train.backends.megatron import check_model_flags
+
+    spec = _specs()[name]
+    config = {"model_type": models.family(spec.family).model_types[0], **dict(spec.published.values)}
+    argv = ["--hf-checkpoint", str(tmp_path)]
+    for flag, val in spec.model_args():
+        argv += [flag] if val is True else [flag, str(val)]
+    check_model_flags(parse_args(argv), config, str(tmp_path))
+
+
+def test_the_backend_names_every_flag_that_describes_another_model(tmp_path):
+    from miles.train.backends.megatron import MegatronSetupError, check_model_flags
+
+    config = {"model_type": "qwen3_moe", "num_hidden_layers": 2, "hidden_size": 128, "num_local_experts": 8,
+              "rope_parameters": {"rope_theta": 1000000}, "router_aux_loss_coef": 0.001}  # fmt: skip
+    args = parse_args(["--hf-checkpoint", str(tmp_path), "--num-layers", "4", "--num-experts", "8",
+                       "--rotary-base", "10000", "--moe-aux-loss-coeff", "0"])  # fmt: skip
+    with pytest.raises(MegatronSetupError) as err:
+        check_model_flags(args, config, "m")
+    message = str(err.value)
+    assert (
+        "--num-layers 4 (config.json num_hidden_layers: 2); --rotary-base 10000 (config.json rope_theta: 1000000)"
+        in message
+    )
+    assert "--num-experts" not in message  # num_local_experts, as transformers 5 writes it
+    assert "--moe-aux-loss-coeff" not in message  # a training choice, not another model
+
+
+def test_config_readers_find_values_where_transformers_writes_them():
+    assert value({"rope_parameters": {"rope_theta": 5}}, "rope_theta") == 5
+    assert flag_values(models.family("qwen3").keys, {"hidden_size": 128, "num_attention_heads": 4}) == {
+        "--hidden-size": 128, "--num-attention-heads": 4, "--kv-channels": 32,
+    }  # fmt: skip
+    assert "--v-head-dim" not in flag_values(models.family("glm_moe_dsa").keys, {"hidden_size": 128})
+    assert value({"num_local_experts": 8}, "num_experts") == 8
+    assert value({}, "num_experts") is ABSENT
+
+
+def test_mla_families_expand_kv_heads_to_every_attention_head():
+    glm = models.family("glm_moe_dsa")
+    flags = flag_values(glm.keys, {"num_attention_heads": 64, "num_key_value_heads": 64, "head_dim": 256})
+    assert flags == {"--num-attention-heads": 64, "--v-head-dim": 256}  # no query groups for MLA
+
+
+@pytest.mark.parametrize("name", sorted(_specs()))
+def test_a_recipe_models_attention_is_its_familys_and_its_flags_say_so(name):
+    spec = _specs()[name]
+    flags = dict(spec.arch_args)
+    from_flags = (
+        "dsa" if "--dsa-indexer-topk" in flags else "mla" if flags.get("--multi-latent-attention") else "gqa"
+    )
+    assert spec.attention == models.family(spec.family).attention == from_flags
+
+
+@pytest.mark.parametrize("family", models.FAMILIES)
+def test_the_layout_checker_reads_a_tiny_config_through_its_family(family, tmp_path):
+    from miles.train.layout import model_shape
+
+    table = models.family(family)
+    config = {"model_type": table.model_types[0], "num_hidden_layers": 2, **table.tiny_dims}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = model_shape(build_parser().parse_args(["--hf-checkpoint", str(tmp_path)]))
+    assert (shape.num_layers, shape.num_attention_heads, shape.attention) == (
+        2, table.tiny_dims["num_attention_heads"], table.attention,
+    )  # fmt: skip
+    experts = value(config, "num_experts")
+    assert shape.num_experts == (value(config, "n_routed_experts") if experts is ABSENT else experts) or (
+        shape.num_experts is None and family == "qwen3"
+    )
+    assert shape.num_query_groups == (
+        None if table.attention != "gqa" else table.tiny_dims["num_key_value_heads"]
+    )
