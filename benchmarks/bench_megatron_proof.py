@@ -23,8 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from miles.parallel import ModelShape, ParallelLayout  # noqa: E402
 from miles.megatron.proof import Case, prove  # noqa: E402
+from miles.parallel import ModelShape, ParallelLayout  # noqa: E402
 
 MODEL = ModelShape("moe", 4, 8, 8, 8)
 
