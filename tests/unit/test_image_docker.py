@@ -219,13 +219,12 @@ def test_the_rocm_image_builds_its_kernels_for_the_variants_gpu():
     assert "TMS_PLATFORM=hip" in step("torch_memory_saver.git")
 
 
-def test_the_rocm_image_sets_the_runtime_variables_a_colocated_engine_needs():
+def test_the_rocm_image_says_which_gpu_its_kernels_are_built_for():
+    # the lane's preflight compares MILES_GPU_ARCH with the GPU (ROCm runtime settings: test_platform.py)
     env = " ".join(
         line for line in _run_lines(ROOT / "docker" / "Dockerfile.rocm") if line.startswith("ENV ")
     )
-    for setting in ("HSA_ENABLE_IPC_MODE_LEGACY=1", "HSA_NO_SCRATCH_RECLAIM=1", "HIP_FORCE_DEV_KERNARG=1",
-                    "NCCL_MIN_NCHANNELS=112", "MILES_GPU_ARCH=${GPU_ARCHS}"):  # fmt: skip
-        assert setting in env
+    assert "MILES_GPU_ARCH=${GPU_ARCHS}" in env
 
 
 def _patch_tree(tmp_path: Path) -> tuple[Path, Path]:
