@@ -83,14 +83,16 @@ class LocalModel:
     def params(self) -> dict:
         return {n.replace("__", "."): p for n, p in self.module.named_parameters()}
 
-    # what sglang's WeightUpdater calls
+    # what sglang's WeightUpdater calls; a name the model has no parameter for is skipped, as
+    # sglang's Qwen3ForCausalLM.load_weights does (models/qwen3.py: "Parameter ... not found")
     def load_weights(self, named_tensors):
         from sglang.srt.model_loader.weight_utils import default_weight_loader
 
         params = self.params()
         for name, tensor in named_tensors:
-            default_weight_loader(params[name], tensor)
-            self.loaded.append(name)
+            if name in params:
+                default_weight_loader(params[name], tensor)
+                self.loaded.append(name)
 
     def named_buffers(self):
         return self.module.named_buffers()
