@@ -1,9 +1,9 @@
 """The SGLang rollout engine against the pinned sglang's own code (requirements/cpu-sglang.txt).
 
 Server arguments are checked against the real `ServerArgs` (a msgspec Struct in 0.5.23):
-tests/unit/sglang_probe.py constructs one from what miles builds. Everything else runs the
-adapter against a real `sglang.Engine` whose scheduler lives in the test's process
-(tests/unit/sglang_scenarios.py over tests/unit/sglang_local.py): sglang's own Engine
+one is constructed from what miles builds. Everything else runs the adapter against a real
+`sglang.Engine` whose scheduler lives in the scenarios' process (tests/unit/sglang_scenarios.py
+over tests/unit/sglang_local.py): sglang's own Engine
 methods, tokenizer-manager control plane, request validation, SamplingParams, finish
 reasons, weight-update session, tagged memory release, flattened-bucket deserialization and
 subprocess watchdog. What stands in is what needs a GPU (the model and its sampler, the
