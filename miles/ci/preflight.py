@@ -1,8 +1,9 @@
 """Check the machine before a GPU lane runs a single test: `python -m miles.ci preflight`.
 
 A lane needs its Python, the right vendor with enough visible GPUs for its suites, its pinned stack
-installed, `MILES_HARDWARE_PLATFORM` consistent with the torch build, free disk for
-checkpoints, and no processes left over from an earlier job. Each missing thing is one line;
+installed (every package its rollout engine imports, kernels built for this GPU, a driver that
+runs the stack: miles.ci.gpu_stack), `MILES_HARDWARE_PLATFORM` consistent with the torch build,
+free disk for checkpoints, and no processes left over from an earlier job. Each missing thing is one line;
 any problem exits 3, before a GPU job starts and fails an hour later for the same reason.
 
 `--machine-only` skips what needs the stack (pins), so the lane can run it before installing
@@ -401,12 +402,23 @@ def preflight(
     problems = check_python(lane) + check_vendor(need, env)
     if not machine_only:
         problems += check_pins(lane)
+    problems += engine_stack_problems(need, env, machine_only=machine_only)
     threshold = (
         min_free_gb if min_free_gb is not None else float(env.get(MIN_FREE_ENV, MIN_FREE_GB[need.backend]))
     )
     problems += check_disk(model_dir or Path(env.get(MODEL_DIR_ENV, ".")).resolve(), threshold)
     leftover_problems, notes = check_leftovers(clean)
     return problems + leftover_problems, notes
+
+
+def engine_stack_problems(need: Need, env: Mapping[str, str], *, machine_only: bool) -> list[str]:
+    """The rollout engine's imports, the GPU architecture against the image's kernels, and the
+    driver against the stack (miles.ci.gpu_stack); GPU lanes only."""
+    if need.gpus == 0:
+        return []
+    from miles.ci.gpu_stack import gpu_stack_problems
+
+    return gpu_stack_problems(need.lane, need.backend, env, machine_only=machine_only)
 
 
 @dataclass(frozen=True)

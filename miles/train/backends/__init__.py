@@ -9,8 +9,9 @@ weights for the rollout engine, and checkpoint state all go through here.
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from miles.train.algorithm import LossTerms
 from miles.train.batch import TokenBatch
@@ -54,6 +55,17 @@ class TrainBackend(abc.ABC):
             logp = self.logprobs(part, reference=reference)
             out[start : start + micro_batch_size, : logp.shape[1]] = logp
         return out
+
+    @contextlib.contextmanager
+    def scoring_temperature(self, temperature: float) -> Iterator[None]:
+        """logprobs() at `temperature` instead of the rollout temperature, inside the block
+        (every backend scales its logits by self.loss_cfg.temperature)."""
+        saved = self.loss_cfg
+        self.loss_cfg = replace(saved, temperature=temperature)
+        try:
+            yield
+        finally:
+            self.loss_cfg = saved
 
     @abc.abstractmethod
     def train_step(self, micro_batches: Sequence[TokenBatch], normalizer: float) -> StepResult:
