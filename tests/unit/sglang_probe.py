@@ -40,6 +40,11 @@ def fields() -> str:
     return "\n".join([header, *names]) + "\n"
 
 
+def _named(value):
+    """A value as JSON holds it: a function (sglang's custom_sigquit_handler) by its dotted name."""
+    return f"{value.__module__}.{value.__qualname__}" if callable(value) else value
+
+
 def main(cases: list[dict]) -> list[dict]:
     _import_sglang()
     import msgspec
@@ -67,8 +72,8 @@ def main(cases: list[dict]) -> list[dict]:
         built = ServerArgs(**kwargs)
         answers.append(
             {
-                "kwargs": kwargs,
-                "built": {k: getattr(built, k) for k in kwargs},
+                "kwargs": {k: _named(v) for k, v in kwargs.items()},
+                "built": {k: _named(getattr(built, k)) for k in kwargs},
                 "types": {k: type(getattr(built, k)).__name__ for k in kwargs},
                 "is_msgspec_struct": issubclass(ServerArgs, msgspec.Struct),
                 "rollout_seed": args.rollout_seed,
