@@ -11,3 +11,6 @@ rank grids under gloo, and compat.py lets megatron-core run without a GPU: every
 megatron-core is patched is there, under one `stale()` check. Nothing outside this package
 imports megatron-core; importing the package itself imports nothing heavy.
 """
+
+# The module this package wraps, for callers that only ask whether it is installed.
+CORE_MODULE = "megatron.core"

@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from miles.megatron import CORE_MODULE
 from miles.models import FAMILIES
 
 # Distinct lengths (left padding), a GRPO group sharing its prefill, a one-token prompt.
@@ -48,9 +49,9 @@ NEEDS = {
     "parity": ("transformers", "safetensors"),
     "generate": ("transformers",),
     "grpo": ("transformers", "safetensors"),
-    "megatron-parity": ("transformers", "safetensors", "megatron.core"),
-    "megatron-grpo": ("transformers", "safetensors", "megatron.core"),
-    "megatron-moe": ("transformers", "safetensors", "megatron.core"),
+    "megatron-parity": ("transformers", "safetensors", CORE_MODULE),
+    "megatron-grpo": ("transformers", "safetensors", CORE_MODULE),
+    "megatron-moe": ("transformers", "safetensors", CORE_MODULE),
 }
 
 
@@ -110,7 +111,7 @@ def step_platform(cpu: bool, workdir: Path) -> str:
     # imported for real, each in its own process: a package that is installed but cannot load
     # (sglang without triton) is a "no"
     found = {
-        m: import_problem(m) for m in ("sglang", "torch_memory_saver", "transformer_engine", "megatron.core")
+        m: import_problem(m) for m in ("sglang", "torch_memory_saver", "transformer_engine", CORE_MODULE)
     }
     return f"{info.describe()}; device {gpu}; torch {torch.__version__}; {stack}; " + ", ".join(
         f"{m} {'yes' if problem is None else f'no ({problem})'}" for m, problem in found.items()

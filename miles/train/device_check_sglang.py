@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from miles.megatron import CORE_MODULE
 from miles.train.device_check import CheckFailed, Skipped, import_problem, require, train_tiny_recipe
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41], [70, 71, 72], [100, 101, 102, 103], [7], [200, 3, 9, 44]]
@@ -182,7 +183,7 @@ def check_logprob_gap(engine, backend) -> str:
 
 def step_sglang_grpo(cpu: bool, workdir: Path) -> str:
     sglang_ready(cpu)
-    require("megatron.core")
+    require(CORE_MODULE)
     rollouts = 3
     series, elapsed = train_tiny_recipe(workdir, "sglang", (
         "--num-rollout", str(rollouts), "--rollout-engine", "sglang", "--train-backend", "megatron", "--bf16",
