@@ -131,6 +131,7 @@ def replace_file(path: Path | str, data: bytes, *, mode: int = 0o644, fsync: boo
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
     try:
         with create_new(tmp, mode) as fh:
+            os.fchmod(fh.fileno(), mode)  # exactly `mode`, whatever the umask
             fh.write(data)
             if fsync:
                 fh.flush()
