@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from miles.text import printable
+
 
 @dataclass(frozen=True)
 class Registration:
@@ -71,7 +73,8 @@ class Problem:
     refused: bool = False  # a register_*_ci(...) call refused by a rule
 
     def __str__(self) -> str:
-        return f"{self.file}:{self.line}: {self.message}"
+        # one visible line whatever the file is called or its literals hold
+        return printable(f"{self.file}:{self.line}: {self.message}")
 
     def with_backends(self, backends: tuple[str, ...]) -> Problem:
         return self if self.backends else replace(self, backends=backends)
