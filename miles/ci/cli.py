@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     except CatalogError as exc:  # the catalog is input too: a broken one is bad input
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # `run` handles its own signals; every other command just stops
+        print(f"interrupted: {args.command} stopped", file=sys.stderr)
+        return 130
 
 
 def build_parser() -> argparse.ArgumentParser:

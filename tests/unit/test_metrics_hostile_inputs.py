@@ -314,3 +314,10 @@ def test_a_locked_postgres_table_fails_the_command_within_the_store_timeout(
     assert done.returncode == 1, (done.stdout, done.stderr)
     assert "no answer within 2 s" in done.stderr and "lock" in done.stderr, done.stderr
     assert mask_url(locked_postgres) in done.stderr and "canceling statement" in done.stderr
+
+
+def test_a_limit_past_what_a_store_can_hold_is_bad_usage(project, tmp_path, capsys):
+    url = f"sqlite:///{tmp_path / 'h.sqlite'}"
+    argv = ["history", "show", "--root", str(project), "--test", TEST, "--store", url, "--limit", "9" * 20]
+    line = _one_error_line(capsys, 2, argv)
+    assert "must be at least 1 and at most 1000000" in line, line
