@@ -189,7 +189,10 @@ def parse_test_file(
             reader.read(tree, mentions)
         except (RecursionError, MemoryError):
             message = "a marker call's arguments are nested too deeply to read; write them as plain literals"
-            return TestFile(rel, ()), [Problem(rel, 1, message, _named_backends(source, rel, tests_dir))]
+            line = next(
+                (s.lineno for s in tree.body if isinstance(s, ast.Expr) and isinstance(s.value, ast.Call)), 1
+            )
+            return TestFile(rel, ()), [Problem(rel, line, message, _named_backends(source, rel, tests_dir))]
     registrations = reader.registrations
     in_unit = rel.startswith(f"{tests_dir}/{UNIT_DIR}/")
     # A problem of the whole file (a gate, an import, a misplaced call) concerns every
