@@ -12,6 +12,7 @@ from pathlib import Path
 
 from miles.ci.catalog import Catalog
 from miles.ci.discover import Discovery, Registration
+from miles.ci.summary import cell, printable
 from miles.metrics.store import BASELINE_CADENCES
 
 ERROR, WARNING, INFO = "error", "warning", "info"
@@ -86,7 +87,7 @@ class AuditReport:
             for d in self.disabled:
                 r = d.registration
                 out.append(
-                    f"| {r.backend} | {r.suite} | {r.file}:{r.line} | {r.disabled} | "
+                    f"| {r.backend} | {r.suite} | {cell(f'{r.file}:{r.line}')} | {cell(r.disabled or '')} | "
                     f"{d.since or 'uncommitted'} | {'' if d.age_days is None else d.age_days} |"
                 )
         else:
@@ -95,12 +96,12 @@ class AuditReport:
         gaps = [c for c in self.coverage if "-" in (c.cuda, c.rocm) or c.cuda != c.rocm]
         if gaps:
             out += ["| file | cuda | rocm |", "| --- | --- | --- |"]
-            out += [f"| {c.file} | {c.cuda} | {c.rocm} |" for c in gaps]
+            out += [f"| {cell(c.file)} | {c.cuda} | {c.rocm} |" for c in gaps]
         else:
             out.append("Every GPU test runs on both backends.")
         out += ["", "## Findings", ""]
         if self.findings:
-            out += [f"- **{f.severity}** [{f.kind}] {f.message}" for f in self.findings]
+            out += [f"- **{f.severity}** [{f.kind}] {printable(f.message)}" for f in self.findings]
         else:
             out.append("None.")
         return "\n".join(out) + "\n"

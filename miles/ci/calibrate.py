@@ -15,7 +15,7 @@ import io
 import math
 import os
 import re
-import shutil
+import stat
 import tokenize
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,12 +25,15 @@ from miles.ci.discover import Discovery
 from miles.ci.durations import load_durations
 from miles.ci.register import BACKEND_OF_MARKER
 from miles.ci.registration import Registration
+from miles.files import read_regular, replace_file
+from miles.text import printable
 
 DEFAULT_QUANTILE = 0.9
 MIN_PASSED_RUNS = 3
 MARGIN = 1.25
 BUCKETS = ((60.0, 5.0), (300.0, 15.0), (1800.0, 60.0), (math.inf, 300.0))  # (below, step)
 MARKER_OF_BACKEND = {backend: name for name, backend in BACKEND_OF_MARKER.items()}
+MAX_SOURCE_BYTES = 64 << 20
 
 
 def nearest_rank_quantile(values: Sequence[float], q: float) -> float:
@@ -83,7 +86,7 @@ class Proposals:
                 f"{r.file}{mark}{note}"
             )
         lines.append(f"{len(self.changes)} change(s) proposed (* marks them); --write applies them")
-        return lines
+        return [printable(line) for line in lines]
 
 
 def propose(
@@ -171,7 +174,7 @@ def apply_proposals(root: Path | str, proposals: Sequence[Proposal]) -> str:
     diffs = []
     for rel, items in sorted(by_file.items()):
         path = root / rel
-        raw = path.read_bytes()
+        raw = read_regular(path, MAX_SOURCE_BYTES, what="test file")
         # the file's own encoding (a BOM, a PEP 263 cookie) in and out: only the number changes
         encoding, _ = tokenize.detect_encoding(io.BytesIO(raw).readline)
         before = raw.decode(encoding)
@@ -179,10 +182,8 @@ def apply_proposals(root: Path | str, proposals: Sequence[Proposal]) -> str:
             before, [(_est_time_span(before, p.registration), format_seconds(p.proposed)) for p in items]
         )
         ast.parse(after, rel)  # never leave a file that no longer parses
-        tmp = path.with_name(f".{path.name}.calibrate.tmp")
-        tmp.write_bytes(after.encode(encoding))
-        shutil.copymode(path, tmp)
-        os.replace(tmp, path)
+        # a new file renamed over the test file: a link planted at a temp name is never followed
+        replace_file(path, after.encode(encoding), mode=stat.S_IMODE(os.stat(path).st_mode))
         diffs.extend(
             difflib.unified_diff(
                 before.splitlines(keepends=True),

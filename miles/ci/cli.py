@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from miles.ci.catalog import CatalogError, UnknownName, load_catalog
+from miles.text import printable
 
 # Modules that add subcommands: each has `add_commands(subparsers)` and keeps its own heavy
 # imports inside the handlers, so that `list` stays a bare-Python command.
@@ -42,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except BrokenPipeError:  # the reader went away (`list --json | head`): stop quietly
         return quiet_broken_pipe()
+    except KeyboardInterrupt:  # `run` handles its own signals; every other command just stops
+        print(f"interrupted: {args.command} stopped", file=sys.stderr)
+        return 130
     except ModuleNotFoundError as exc:  # a command's optional package (matplotlib, psycopg)
         line = missing_package(exc, f"python -m miles.ci {' '.join((argv or sys.argv[1:])[:1])}")
         if line is None:
@@ -171,6 +175,7 @@ def _print_table(regs, refused=()) -> None:
                 f"refused: {x['rule']}",
             )
         )
+    rows = [tuple(printable(cell) for cell in row) for row in rows]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths, strict=True)) + "  " + row[-1])
@@ -187,7 +192,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     else:
         print(report.to_markdown(), end="")
     for finding in report.errors:
-        print(f"error: {finding.message}", file=sys.stderr)
+        print(f"error: {printable(finding.message)}", file=sys.stderr)
     return 1 if args.strict and report.errors else 0
 
 

@@ -37,6 +37,8 @@ __all__ = [
     "parse_test_file",
 ]
 
+MAX_SOURCE_BYTES = 64 << 20  # a test file larger than this is refused unread
+
 _MARKER_RE = re.compile(r"\b(?:" + "|".join(MARKERS) + r")\b")
 # A line that can start a new top-level statement: column 0, not blank, not a comment,
 # not a closing bracket of the statement before it.
@@ -85,15 +87,15 @@ def discover(
 ) -> Discovery:
     """Read every `test_*.py` under `root/tests_dir`; paths in records are relative to `root`.
 
-    With `cache` (the default), results of unchanged files come from
-    `root/.miles/cache/discover.pickle` instead of being parsed again.
+    With `cache` (the default), results of unchanged files come from the signed JSON cache
+    `root/.miles/cache/discover.json` (miles.ci.discover_cache) instead of being parsed again.
     """
     root = Path(root)
     catalog = catalog if catalog is not None else load_catalog()
     memo = DiscoveryCache(root, catalog.path) if cache else None
     files, problems, seen = [], [], set()
     base = str(root)
-    for rel in iter_test_files(root, tests_dir):
+    for rel in iter_test_files(root, tests_dir, problems):
         path = os.path.join(base, rel)
         seen.add(rel)
         try:
@@ -113,8 +115,14 @@ def discover(
     return Discovery(root=root, files=tuple(files), problems=tuple(problems))
 
 
-def iter_test_files(root: Path, tests_dir: str = "tests") -> Iterator[str]:
-    """Posix paths (relative to root) of test_*.py files, sorted, skipping hidden dirs."""
+def iter_test_files(
+    root: Path, tests_dir: str = "tests", problems: list[Problem] | None = None
+) -> Iterator[str]:
+    """Posix paths (relative to root) of test_*.py files, sorted, skipping hidden dirs.
+
+    A folder that cannot be listed is skipped; with `problems` it becomes one Problem
+    that blocks no lane (its tests' backends are unknown), shown as a warning by every plan
+    and failing `audit --strict`."""
     base = root / tests_dir
     if not base.is_dir():
         return
@@ -122,14 +130,29 @@ def iter_test_files(root: Path, tests_dir: str = "tests") -> Iterator[str]:
     stack = [(str(base), tests_dir)]
     while stack:
         real, rel = stack.pop()
-        with os.scandir(real) as entries:
-            for entry in entries:
-                name = entry.name
-                if entry.is_dir(follow_symlinks=False):
-                    if not name.startswith(".") and name != "__pycache__":
-                        stack.append((entry.path, f"{rel}/{name}"))
-                elif name.startswith("test_") and name.endswith(".py"):
-                    found.append(f"{rel}/{name}")  # not-regular files are reported when read
+        try:
+            with os.scandir(real) as entries:
+                for entry in entries:
+                    name = entry.name
+                    try:
+                        is_dir = entry.is_dir(follow_symlinks=False)
+                    except OSError:
+                        is_dir = False
+                    if is_dir:
+                        if not name.startswith(".") and name != "__pycache__":
+                            stack.append((entry.path, f"{rel}/{name}"))
+                    elif name.startswith("test_") and name.endswith(".py"):
+                        found.append(f"{rel}/{name}")  # not-regular files are reported when read
+        except OSError as exc:
+            if problems is not None:
+                problems.append(
+                    Problem(
+                        rel,
+                        1,
+                        f"cannot list this folder ({exc.strerror or exc}): the test files in it are not "
+                        "discovered and do not run; make it readable or remove it",
+                    )
+                )
     yield from sorted(found)
 
 
@@ -141,15 +164,37 @@ def parse_test_file(path: Path, rel: str, catalog: Catalog) -> tuple[TestFile, l
         return TestFile(rel, ()), [Problem(rel, 1, f"cannot read the file: {exc}")]
     try:
         tree, mentions = _parse_marker_region(source, rel)
-    except SyntaxError as exc:
-        # nothing can be read: the problem concerns every backend the text might register for
-        named = {BACKEND_OF_MARKER[m] for m in _MARKER_RE.findall(source) if m in BACKEND_OF_MARKER}
-        implicit = catalog.implicit_for(rel)
-        if implicit is not None:
-            named.add(catalog.suites[implicit.suite].backend)
-        message = f"syntax error, registrations cannot be read: {exc.msg}"
-        return TestFile(rel, ()), [Problem(rel, exc.lineno or 1, message, tuple(sorted(named)))]
-    return read_test_file(tree, mentions, rel, catalog)
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
+        # MemoryError and RecursionError are the parser's own nesting limits here (a deeply
+        # nested expression), not the machine running out: the file alone is unreadable
+        if isinstance(exc, SyntaxError):
+            line, message = exc.lineno or 1, f"syntax error, registrations cannot be read: {exc.msg}"
+        else:
+            why = (
+                "it holds a NUL byte; remove it"
+                if isinstance(exc, ValueError)
+                else "an expression is nested too deeply; build it in steps or in a function"
+            )
+            line, message = 1, f"the Python parser gives up on this file, registrations cannot be read: {why}"
+        return TestFile(rel, ()), [Problem(rel, line, message, _named_backends(source, rel, catalog))]
+    try:
+        return read_test_file(tree, mentions, rel, catalog)
+    except (RecursionError, MemoryError):
+        message = "a marker call's arguments are nested too deeply to read; write them as plain literals"
+        line = next(
+            (s.lineno for s in tree.body if isinstance(s, ast.Expr) and isinstance(s.value, ast.Call)), 1
+        )
+        return TestFile(rel, ()), [Problem(rel, line, message, _named_backends(source, rel, catalog))]
+
+
+def _named_backends(source: str, rel: str, catalog: Catalog) -> tuple[str, ...]:
+    """The backends a file's marker names mention (and its implicit directory's backend): who
+    a file that cannot be read concerns."""
+    named = {BACKEND_OF_MARKER[m] for m in _MARKER_RE.findall(source) if m in BACKEND_OF_MARKER}
+    implicit = catalog.implicit_for(rel)
+    if implicit is not None:
+        named.add(catalog.suites[implicit.suite].backend)
+    return tuple(sorted(named))
 
 
 def read_source(path: Path) -> str:
@@ -158,8 +203,13 @@ def read_source(path: Path) -> str:
     OSError."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
             raise OSError(f"{path.name} is not a regular file; a test file must be one")
+        if info.st_size > MAX_SOURCE_BYTES:
+            raise OSError(
+                f"{path.name} is {info.st_size} bytes, over the {MAX_SOURCE_BYTES}-byte limit for a test file"
+            )
         with os.fdopen(fd, "rb", closefd=False) as fh:
             raw = fh.read()
     finally:

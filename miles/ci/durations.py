@@ -43,12 +43,13 @@ def durations_path(root: Path | str = ".") -> Path | str:
 def check_store_settings(root: Path | str = ".") -> None:
     """Raise StoreError (one line, password masked) when MILES_HISTORY_URL or
     MILES_DURATIONS_PATH cannot name a store, before anything runs."""
-    from miles.metrics.store import HISTORY_URL_ENV, check_store_url
+    from miles.metrics.store import HISTORY_URL_ENV, check_store_url, statement_timeout
 
     url = os.environ.get(HISTORY_URL_ENV, "").strip()
     if url:
         check_store_url(url, name=HISTORY_URL_ENV)
     durations_path(root)
+    statement_timeout()
 
 
 def _ran_to_an_end(a: Attempt) -> bool:

@@ -11,7 +11,7 @@ What happened is read and classified by miles.ci.outcome.
 
 from __future__ import annotations
 
-import collections
+import codecs
 import os
 import select
 import shlex
@@ -28,9 +28,12 @@ from typing import IO, Any
 from miles.ci.outcome import classify_attempt, read_junit, signal_name
 from miles.ci.processes import Containment
 from miles.ci.record import CANCELLED, FAILED, Attempt
+from miles.files import Folder
 
 TAIL_LINES = 80
 TAIL_CHARS = 12_000
+TAIL_BYTES = 64 << 10  # what the tail keeps in memory: enough bytes for TAIL_CHARS of UTF-8
+PUMP_CHUNK = 64 << 10
 POLL_S = 0.25  # how often the wait loop looks at the cancel flag and the progress display
 
 
@@ -160,7 +163,7 @@ def format_command(argv: list[str], env: Mapping[str, str] | None = None) -> str
 
 def run_attempt(
     test: TestRun,
-    attempt_dir: Path,
+    attempt_dir: Path | Folder,
     settings: Settings,
     cancel: CancelToken,
     tick: Callable[[float], None] | None = None,
@@ -168,12 +171,39 @@ def run_attempt(
 ) -> Attempt:
     """Run `test` once and return its record; never raises for anything the test does.
     `on_cancel` gets the attempt as cancelled the moment a cancel is seen, before any
-    waiting (the grace period, the output pipe), so reports can be written first."""
-    attempt_dir.mkdir(parents=True, exist_ok=True)
+    waiting (the grace period, the output pipe), so reports can be written first.
+
+    `attempt_dir` is the attempt's own folder (a Folder the runner made for it, or a path);
+    the runner creates `metrics/` and `output.log` in it exclusively, never through a link."""
+    folder = attempt_dir
+    try:
+        if not isinstance(folder, Folder):
+            folder = Folder.open(attempt_dir, create=True)
+        with folder.subfolder("metrics"):
+            pass
+        log = folder.create("output.log")
+    except (OSError, ValueError) as exc:  # FileRefused is a ValueError
+        path = getattr(folder, "path", attempt_dir)
+        message = f"cannot prepare the attempt folder {path}: {getattr(exc, 'strerror', None) or exc}"
+        return test.record(FAILED, "report-folder", message=message, output_tail=message)
+    finally:
+        if folder is not attempt_dir and isinstance(folder, Folder):
+            folder.close()
+    with log:
+        return _run_in(test, folder.path, log, settings, cancel, tick, on_cancel)
+
+
+def _run_in(
+    test: TestRun,
+    attempt_dir: Path,
+    log: IO[bytes],
+    settings: Settings,
+    cancel: CancelToken,
+    tick: Callable[[float], None] | None,
+    on_cancel: Callable[[Attempt], None] | None,
+) -> Attempt:
     record_dir = attempt_dir / "metrics"
-    record_dir.mkdir(parents=True, exist_ok=True)
     junit_path = attempt_dir / "junit.xml"
-    log_path = attempt_dir / "output.log"
     base = test.record(FAILED, "", record_dir=str(record_dir))
     if cancel.cancelled:
         return base.replace(
@@ -183,7 +213,7 @@ def run_attempt(
         )
     if not (settings.root / test.file).is_file():
         message = f"{test.file} does not exist (deleted or moved after the plan was made)"
-        log_path.write_text(message + "\n", encoding="utf-8")
+        log.write((message + "\n").encode("utf-8", "backslashreplace"))
         return base.replace(classification="missing-file", message=message, output_tail=message)
 
     argv = pytest_command(settings, test.file, junit_path)
@@ -191,39 +221,46 @@ def run_attempt(
     env = {**settings.base_env, **test.env(record_dir), **containment.env()}
     started = time.monotonic()
     try:
-        with open(log_path, "wb") as log:
-            try:
-                proc = _start(argv, settings.root, env, containment)
-            except (OSError, subprocess.SubprocessError) as exc:
-                message = f"could not start {argv[0]}: {exc}"
-                return base.replace(classification="launch-error", message=message, output_tail=message)
-            containment.started(proc.pid)
-            tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-            reader = threading.Thread(target=_pump, args=(proc.stdout, log, tail, settings.echo), daemon=True)
-            reader.start()
-            outcome = _wait(proc, started + test.timeout, cancel, tick, started)
-            elapsed = time.monotonic() - started
-            if outcome == "cancelled" and on_cancel is not None:
-                on_cancel(
-                    base.replace(
-                        status=CANCELLED,
-                        classification="cancelled",
-                        elapsed=elapsed,
-                        message=f"stopped: the run was cancelled by {cancel.name}",
-                        output_tail="".join(tail)[-TAIL_CHARS:],
-                    )
+        try:
+            proc = _start(argv, settings.root, env, containment)
+        except (OSError, subprocess.SubprocessError) as exc:
+            message = f"could not start {argv[0]}: {exc}"
+            return base.replace(classification="launch-error", message=message, output_tail=message)
+        containment.started(proc.pid)
+        tail = Tail()
+        reader = threading.Thread(target=_pump, args=(proc.stdout, log, tail, settings.echo), daemon=True)
+        reader.start()
+        outcome = _wait(proc, started + test.timeout, cancel, tick, started)
+        elapsed = time.monotonic() - started
+        if outcome == "cancelled" and on_cancel is not None:
+            on_cancel(
+                base.replace(
+                    status=CANCELLED,
+                    classification="cancelled",
+                    elapsed=elapsed,
+                    message=f"stopped: the run was cancelled by {cancel.name}",
+                    output_tail=tail.text(),
                 )
-            killed = containment.stop(settings.grace, hurry=lambda: cancel.hurry)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:  # stuck in the kernel (a hung GPU driver call); go on
-                print(f"warning: test process {proc.pid} did not die within 30 s of SIGKILL", file=sys.stderr)
-            # Every holder of the pipe is gone by now; the bound is for one stuck in the kernel.
-            reader.join(timeout=1 if cancel.cancelled else 5)
+            )
+        killed = containment.stop(settings.grace, hurry=lambda: cancel.hurry)
+        if containment.escaped:  # said in the record and on the console: containment was partial
+            killed += tuple(
+                f"still running after the sweep (containment partial): {p}" for p in containment.escaped
+            )
+            print(
+                f"warning: {test.file}: processes outlived the sweep: {'; '.join(containment.escaped)}",
+                file=sys.stderr,
+            )
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # stuck in the kernel (a hung GPU driver call); go on
+            print(f"warning: test process {proc.pid} did not die within 30 s of SIGKILL", file=sys.stderr)
+        # Every holder of the pipe is gone by now; the bound is for one stuck in the kernel.
+        reader.join(timeout=1 if cancel.cancelled else 5)
     finally:
         containment.close()
     returncode = proc.returncode
-    text = "".join(tail)[-TAIL_CHARS:]
+    text = tail.text()
     parsed = read_junit(junit_path)
     status, classification, message = classify_attempt(
         returncode=returncode,
@@ -266,15 +303,39 @@ def _start(argv: list[str], cwd: Path, env: dict[str, str], containment: Contain
         return subprocess.Popen(argv, **kwargs)
 
 
-def _pump(stream: IO[bytes], log: IO[bytes], tail: collections.deque, echo: IO[str] | None) -> None:
-    """Copy the test's output to its log file, the tail buffer and (optionally) the console."""
+class Tail:
+    """The last TAIL_BYTES of the test's output: memory stays bounded whatever it prints,
+    one 200 MB line included (it is read in chunks, never as a line)."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._lock = threading.Lock()
+
+    def add(self, chunk: bytes) -> None:
+        with self._lock:
+            self._buf += chunk
+            if len(self._buf) > 2 * TAIL_BYTES:
+                del self._buf[: len(self._buf) - TAIL_BYTES]
+
+    def text(self) -> str:
+        """The last TAIL_LINES lines, at most TAIL_CHARS characters."""
+        with self._lock:
+            raw = bytes(self._buf[-TAIL_BYTES:])
+        text = raw.decode("utf-8", errors="replace")
+        return "".join(text.splitlines(keepends=True)[-TAIL_LINES:])[-TAIL_CHARS:]
+
+
+def _pump(stream: IO[bytes], log: IO[bytes], tail: Tail, echo: IO[str] | None) -> None:
+    """Copy the test's output to its log file, the tail buffer and (optionally) the console,
+    in chunks of at most PUMP_CHUNK bytes."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     try:
-        for raw in iter(stream.readline, b""):
-            log.write(raw)
-            line = raw.decode("utf-8", errors="replace")
-            tail.append(line)
+        fd = stream.fileno()
+        while chunk := os.read(fd, PUMP_CHUNK):
+            log.write(chunk)
+            tail.add(chunk)
             if echo is not None:
-                echo.write(line)
+                echo.write(decoder.decode(chunk))
                 echo.flush()
         log.flush()
     except (OSError, ValueError):

@@ -13,6 +13,7 @@ missing JUnit, is never retried: running it again costs a runner and hides a rea
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import xml.etree.ElementTree as ET
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from miles.ci.record import CANCELLED, ERROR, FAILED, PASSED, TIMEOUT, CaseResult
+from miles.files import FileRefused, read_regular
 
 _KIND_AT_END = re.compile(r"^\S+:\d+: ([A-Za-z_][\w.]*)$")
 _KIND_E_LINE = re.compile(r"^E\s+([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt))\b")
@@ -36,12 +38,19 @@ class JUnitResult:
     problem_kind: str = ""  # no-junit | bad-junit
 
 
+MAX_JUNIT_BYTES = 64 << 20
+
+
 def read_junit(path: Path) -> JUnitResult:
-    """The test cases of one pytest JUnit file, or why it cannot be trusted."""
-    if not path.is_file():
+    """The test cases of one pytest JUnit file, or why it cannot be trusted. The file is the
+    test's to write, so only a regular file (not a link, FIFO or device) of at most
+    MAX_JUNIT_BYTES is read."""
+    if not os.path.lexists(path):
         return JUnitResult(False, problem="pytest wrote no JUnit file", problem_kind="no-junit")
     try:
-        root = ET.parse(path).getroot()
+        root = ET.fromstring(read_regular(path, MAX_JUNIT_BYTES, follow=False, what="the JUnit file"))
+    except FileRefused as exc:
+        return JUnitResult(False, problem=str(exc), problem_kind="bad-junit")
     except (ET.ParseError, OSError) as exc:
         return JUnitResult(False, problem=f"the JUnit file is corrupt ({exc})", problem_kind="bad-junit")
     if root.tag not in ("testsuites", "testsuite"):

@@ -8,6 +8,7 @@ machine with nothing heavy installed. `build_plan()` computes everything the run
 from __future__ import annotations
 
 import difflib
+import hashlib
 import math
 import os
 import sys
@@ -22,6 +23,7 @@ from miles.ci.registration import GateDeclaration, Problem, Registration
 from miles.ci.report import REPORT_FILES
 from miles.ci.select import Scope, Selection, default_cadence, resolve_scope, select
 from miles.ci.shard import Job, Partition, balanced_partition, lower_bound, shards_for_budget
+from miles.text import printable
 
 DEFAULT_TIMEOUT_FLOOR = 60.0  # seconds; short tests still get time to import torch
 DEFAULT_GRACE = 10.0  # seconds between SIGTERM and SIGKILL
@@ -269,9 +271,19 @@ def _suite_in_scope(suite_name: str, scope: Scope, names: set[str], catalog: Cat
     return close[0] in names if close else True
 
 
+def attempt_name(test: PlannedTest, attempt: int) -> str:
+    """`<suite>/<file slug>-<hash>/<attempt>` under the run's attempts/ folder. The slug is the
+    file's path cut to 96 bytes; the hash of the whole path keeps every name unique and short
+    (a folder name over 255 bytes cannot be made)."""
+    file = test.registration.file
+    slug = file.removesuffix(".py").replace("/", "__").encode("utf-8", "surrogateescape")[:96]
+    slug = slug.decode("utf-8", "ignore")
+    digest = hashlib.sha256(file.encode("utf-8", "surrogateescape")).hexdigest()[:10]
+    return f"{test.registration.suite}/{slug}-{digest}/{attempt}"
+
+
 def attempt_dir(plan: RunPlan, test: PlannedTest, attempt: int) -> Path:
-    slug = test.registration.file.replace("/", "__").removesuffix(".py")
-    return plan.report_dir / "attempts" / test.registration.suite / slug / str(attempt)
+    return plan.report_dir / "attempts" / attempt_name(test, attempt)
 
 
 def test_run(
@@ -349,4 +361,6 @@ def format_plan(plan: RunPlan) -> str:
     else:
         out += ["", "nothing to run in this shard."]
     out.append(f"reports: {plan.report_dir}/{{{','.join(REPORT_FILES)}}}")
-    return "\n".join(out) + "\n"
+    # file names and reasons are anyone's text: a newline in one must not start a line (a
+    # workflow command is any line that starts with '::')
+    return "\n".join(printable(line) for line in out) + "\n"

@@ -11,8 +11,14 @@ them. Two nets catch them:
   descendants, the orphans adopted during the attempt, the test's group and session, and any
   process whose environment carries the attempt's token.
 
-`Containment.stop()` sends SIGTERM to all of them, waits the grace period, SIGKILLs what is
-left, reaps the orphans it adopted and says which processes it stopped.
+`Containment.stop()` sends SIGTERM to all of them and waits the grace period. Then it freezes
+what is left before killing it: a process that forks and lets its parent exit, over and over,
+outruns any kill-what-you-see loop, so every member gets SIGSTOP until two scans in a row
+find the same members, all of them already stopped in both, none vanished (a stopped
+process cannot fork, and with the runner as subreaper every descendant stays in its tree).
+Only then does everything get SIGKILL. The freeze is bounded (FREEZE_S): a member that will
+not stop (stuck in the kernel) leaves containment partial, and `escaped` names it. It reaps
+the orphans it adopted and says which processes it stopped.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from pathlib import Path
 TOKEN_ENV = "MILES_CI_ATTEMPT_TOKEN"
 PR_SET_CHILD_SUBREAPER = 36
 _POLL_S = 0.02
+FREEZE_S = 10.0  # how long the freeze may take before containment is called partial
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,15 @@ class Proc:
     pgid: int
     sid: int
     start: int  # start time in clock ticks since boot: (pid, start) names one process for good
+    state: str = "R"  # the kernel's one-letter state: T (stopped) and t (traced) cannot run
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.pid, self.start
+
+    @property
+    def stopped(self) -> bool:
+        return self.state in ("T", "t")
 
     def describe(self) -> str:
         try:
@@ -67,10 +83,12 @@ def _stat(pid: int) -> Proc | None:
     fields = raw[raw.rfind(b")") + 2 :].split()
     if fields[0] in (b"Z", b"X"):
         return None
-    return Proc(pid, int(fields[1]), int(fields[2]), int(fields[3]), int(fields[19]))
+    return Proc(pid, int(fields[1]), int(fields[2]), int(fields[3]), int(fields[19]), fields[0].decode())
 
 
-def process_table() -> dict[int, Proc]:
+def process_table(vanished: set[int] | None = None) -> dict[int, Proc]:
+    """Every live process; the pids listed but gone by the time they were read are added to
+    `vanished` when given."""
     table = {}
     try:
         entries = os.listdir("/proc")
@@ -81,6 +99,8 @@ def process_table() -> dict[int, Proc]:
             proc = _stat(int(entry))
             if proc is not None:
                 table[proc.pid] = proc
+            elif vanished is not None and not os.path.exists(f"/proc/{entry}"):
+                vanished.add(int(entry))  # gone between the listing and the read (a zombie is not)
     return table
 
 
@@ -213,6 +233,7 @@ class Containment:
         self.before = children_of(self.runner)  # the runner's children that are not the test's
         self.root: int | None = None
         self.killed: dict[tuple[int, int], str] = {}
+        self.escaped: tuple[str, ...] = ()  # members still alive after stop(): containment was partial
 
     @property
     def method(self) -> str:
@@ -233,9 +254,9 @@ class Containment:
     def started(self, pid: int) -> None:
         self.root = pid
 
-    def members(self) -> dict[int, Proc]:
+    def members(self, table: dict[int, Proc] | None = None) -> dict[int, Proc]:
         """Every live process of the attempt (the runner and its ancestors never count)."""
-        table = process_table()
+        table = process_table() if table is None else table
         excluded = _ancestors(self.runner, table) | {self.runner}
         roots: set[int] = set()
         if self.root is not None:
@@ -270,27 +291,101 @@ class Containment:
         return members
 
     def stop(self, grace: float, hurry: Callable[[], bool] = lambda: False) -> tuple[str, ...]:
-        """SIGTERM every member, up to `grace` seconds for them to go, SIGKILL the rest;
-        returns what it stopped (the test process itself is named only if it had to be
-        killed). Leaves no member alive unless one is stuck in the kernel."""
-        if not self.signal_all(signal.SIGTERM):
-            self._reap()
-            return tuple(self.killed.values())
+        """SIGTERM every member, up to `grace` seconds for them to go, then freeze and SIGKILL
+        the rest; returns what it stopped (the test process itself is named only if it had to
+        be killed). Leaves no member alive unless one is stuck in the kernel, which `escaped`
+        then names."""
+        termed = self.signal_all(signal.SIGTERM)
         deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and not hurry():
+        seen = {p.key for p in termed.values()}
+        while termed and time.monotonic() < deadline and not hurry():
             self._reap()
-            if not self.members():
+            members = self.members()
+            if not members:
                 break
+            for proc in members.values():  # one forked after the SIGTERM went out gets its own
+                if proc.key not in seen:
+                    seen.add(proc.key)
+                    _signal(proc.pid, signal.SIGTERM)
             time.sleep(_POLL_S)
-        for _ in range(50):  # a member may fork while dying: repeat until nothing is left
-            if self.cgroup is not None:
-                self.cgroup.kill()
-            if not self.signal_all(signal.SIGKILL):
-                break
-            self._reap()
-            time.sleep(_POLL_S)
+        frozen = self._freeze()
+        if self.cgroup is not None:
+            self.cgroup.kill()
+        for proc in frozen.values():
+            self.killed.setdefault(proc.key, proc.describe())
+            _signal(proc.pid, signal.SIGKILL)
+        self._wait_gone(frozen)
         self._reap()
         return tuple(self.killed.values())
+
+    def _freeze(self) -> dict[int, Proc]:
+        """SIGSTOP every member until none can run or fork any more; returns the members, all
+        stopped, or those found when FREEZE_S ran out.
+
+        Done means two scans in a row found the same members, every one already stopped in
+        both (a stopped process cannot fork), and no process that the earlier scan had not
+        seen came and went during the later one (it could have forked before it went).
+        Between scans, quick passes over the runner's own process tree stop a process that
+        forks and exits faster than a scan of /proc."""
+        deadline = time.monotonic() + FREEZE_S
+        previous: set[tuple[int, int]] | None = None
+        known: set[int] = set()
+        while True:
+            self._stop_tree()
+            vanished: set[int] = set()
+            table = process_table(vanished)
+            members = self.members(table)
+            keys = {p.key for p in members.values()}
+            running = [p for p in members.values() if not p.stopped]
+            for proc in running:
+                _signal(proc.pid, signal.SIGSTOP)
+            if (not running and keys == previous and not vanished - known) or time.monotonic() >= deadline:
+                return members
+            previous = None if running else keys
+            known = set(table) | vanished
+            self._reap()
+
+    def _stop_tree(self, passes: int = 200) -> None:
+        """SIGSTOP every process under the runner (its children but those it had before the
+        attempt, theirs, ...), read from /proc/<pid>/task/<tid>/children, again and again
+        until a pass finds the same processes as the one before; reaps adopted zombies."""
+        last: set[int] | None = None
+        for _ in range(passes):
+            found: set[int] = set()
+            stack = [p for p in _children(self.runner) if p not in self.before]
+            if not stack and not _children_supported():
+                return
+            while stack:
+                pid = stack.pop()
+                if pid in found:
+                    continue
+                found.add(pid)
+                _signal(pid, signal.SIGSTOP)
+                stack.extend(_children(pid))
+            for pid in found - {self.root}:
+                if _parent(pid) == self.runner:
+                    try:
+                        os.waitpid(pid, os.WNOHANG)  # an exited hopper: reaped, gone from the list
+                    except ChildProcessError:
+                        pass
+            if found == last:
+                return
+            last = found
+
+    def _wait_gone(self, killed: dict[int, Proc]) -> None:
+        """Wait (bounded) for the SIGKILLed members to die; name those that do not."""
+        deadline = time.monotonic() + 5
+        left = dict(killed)
+        while left and time.monotonic() < deadline:
+            self._reap()
+            table = process_table()
+            left = {pid: p for pid, p in left.items() if pid in table and table[pid].start == p.start}
+            left.update({pid: p for pid, p in self.members(table).items() if pid not in left})
+            for proc in left.values():
+                _signal(proc.pid, signal.SIGKILL)
+            if left:
+                time.sleep(_POLL_S)
+        self.escaped = tuple(p.describe() for p in left.values())
 
     def _reap(self) -> None:
         """Collect the exit status of orphans this runner adopted (never of its own Popen
@@ -307,6 +402,35 @@ class Containment:
             set_subreaper(False)
         if self.cgroup is not None:
             self.cgroup.remove()
+
+
+def _children(pid: int) -> list[int]:
+    """The children of every thread of `pid` (the kernel's list, exact once they are stopped)."""
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as fh:
+                found.extend(int(x) for x in fh.read().split())
+        except OSError:
+            continue
+    return found
+
+
+def _children_supported() -> bool:
+    return os.path.exists(f"/proc/self/task/{os.getpid()}/children")
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        return None
+    return int(raw[raw.rfind(b")") + 2 :].split()[1])
 
 
 def _ancestors(pid: int, table: dict[int, Proc]) -> set[int]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from miles.text import printable
+
 
 @dataclass(frozen=True)
 class Registration:
@@ -74,7 +76,8 @@ class Problem:
     suites: tuple[str, ...] = ()
 
     def __str__(self) -> str:
-        return f"{self.file}:{self.line}: {self.message}"
+        # one visible line whatever the file is called or its literals hold
+        return printable(f"{self.file}:{self.line}: {self.message}")
 
     def with_scope(self, backends: tuple[str, ...], suites: tuple[str, ...]) -> Problem:
         """A problem of the whole file, charged to the backends and suites the file names."""

@@ -26,6 +26,7 @@ from miles.ci.record import (
     RunRecord,
 )
 from miles.ci.summary import ANSI, escape_char, render_markdown, run_title
+from miles.files import Folder, read_regular
 from miles.metrics import gate
 
 __all__ = ["REPORT_FILES", "render_json", "render_junit", "render_markdown", "write_reports", "xml_safe"]
@@ -175,6 +176,62 @@ def _dotted(file: str) -> str:
     return file.removesuffix(".py").replace("/", ".")
 
 
+# ---------------------------------------------------------------- the report folder
+
+ATTEMPTS = "attempts"
+OWNER_FILE = ".miles-reports.json"  # which attempts/ folder a run of miles made here
+
+
+def claim_report_dir(report_dir: Path) -> tuple[Folder, Folder]:
+    """Open the report folder for a new run and make its attempts/ folder afresh: (report
+    folder, attempts folder), both held open by descriptor.
+
+    The previous run's attempts/ is deleted only when it is the very folder (device, inode)
+    that run recorded making; attempts/ or a report file that no miles run made there is never
+    deleted or overwritten: the run is refused (PlanError) before anything is written."""
+    from miles.ci.plan import PlanError
+
+    try:
+        folder = Folder.open(report_dir, create=True)
+    except OSError as exc:
+        raise PlanError(f"--report-dir {report_dir}: cannot create it ({exc.strerror})") from None
+    try:
+        made = _recorded_attempts(folder)
+        if made is not None:
+            folder.remove_folder(ATTEMPTS, made)  # only the very folder that run made
+        present = [name for name in (ATTEMPTS, *REPORT_FILES) if folder.lstat(name) is not None]
+        # without a record nothing here is a run's; with one, its reports are (replaced later)
+        foreign = present if made is None else [name for name in present if name == ATTEMPTS]
+        if foreign:
+            raise PlanError(
+                f"--report-dir {report_dir} already holds {', '.join(foreign)}, which no miles run made "
+                "there; the runner never deletes or overwrites what it did not write: move them away "
+                "or choose another --report-dir"
+            )
+        attempts = folder.subfolder(ATTEMPTS, exclusive=True)
+        identity = attempts.identity()
+        folder.replace(OWNER_FILE, json.dumps({"attempts": list(identity)}).encode())
+    except OSError as exc:
+        folder.close()
+        raise PlanError(f"--report-dir {report_dir}: cannot prepare it ({exc.strerror or exc})") from None
+    except BaseException:
+        folder.close()
+        raise
+    return folder, attempts
+
+
+def _recorded_attempts(folder: Folder) -> tuple[int, int] | None:
+    """The (device, inode) of the attempts/ folder the last run recorded making, if any."""
+    try:
+        data = json.loads(read_regular(folder.path / OWNER_FILE, 4096, follow=False))
+        device, inode = data["attempts"]
+        if isinstance(device, int) and isinstance(inode, int):
+            return device, inode
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
 # ---------------------------------------------------------------- JSON and writing
 
 
@@ -182,22 +239,27 @@ def render_json(run: RunRecord) -> str:
     return json.dumps(run.to_json(), indent=2) + "\n"
 
 
-def write_reports(run: RunRecord, report_dir: Path, *, step_summary: bool = True) -> dict[str, Path]:
+def write_reports(run: RunRecord, report_dir: Path | Folder, *, step_summary: bool = True) -> dict[str, Path]:
     """Write junit.xml, summary.md and run.json (each complete or absent, never half
-    written); append the summary to $GITHUB_STEP_SUMMARY when set and `step_summary`."""
-    report_dir.mkdir(parents=True, exist_ok=True)
+    written); append the summary to $GITHUB_STEP_SUMMARY when set and `step_summary`.
+
+    Each is a new file renamed over its name (miles.files.Folder.replace), so a link a test
+    planted in the report folder, under the report's name or its temp file's, is replaced,
+    never written through."""
     rendered = {
         "junit.xml": render_junit(run),
         "summary.md": render_markdown(run),
         "run.json": render_json(run),
     }
-    paths = {}
-    for name, text in rendered.items():
-        path = report_dir / name
-        tmp = path.with_name(f".{name}.tmp")
-        tmp.write_text(text, encoding="utf-8", errors="backslashreplace")
-        os.replace(tmp, path)
-        paths[name] = path
+    folder = report_dir if isinstance(report_dir, Folder) else Folder.open(report_dir, create=True)
+    try:
+        paths = {
+            name: folder.replace(name, text.encode("utf-8", errors="backslashreplace"))
+            for name, text in rendered.items()
+        }
+    finally:
+        if folder is not report_dir:
+            folder.close()
     summary_path = os.environ.get("GITHUB_STEP_SUMMARY") if step_summary else None
     if summary_path:
         try:

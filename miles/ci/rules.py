@@ -15,6 +15,7 @@ from miles.ci.reasons import disabled_reason_problem
 from miles.ci.register import BACKEND_OF_MARKER, GATE_MARKER, MARKERS
 from miles.ci.registration import GateDeclaration, Problem, Registration, TestFile
 from miles.metrics.spec import CONSTRAINT_KEYS as GATE_CONSTRAINT_KEYS
+from miles.metrics.spec import metric_key_problem
 
 __all__ = ["FileReader", "disabled_reason_problem", "read_test_file"]
 
@@ -281,8 +282,9 @@ class FileReader:
             self.problem(line, f"{GATE_MARKER}: {message}")
 
         metric = args.get("metric_key")
-        if not isinstance(metric, str) or not metric.strip():
-            fail(f"metric_key={metric!r} must be a non-empty string such as 'train/grad_norm'")
+        complaint = metric_key_problem(metric)
+        if complaint:
+            fail(complaint)
         steps = args.get("steps", "last")
         if isinstance(steps, list | tuple):
             if not steps or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in steps):

@@ -266,6 +266,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     for line in proposals.table():
         print(line)
     if args.write:
-        diff = apply_proposals(args.root, proposals.changes)
+        try:
+            diff = apply_proposals(args.root, proposals.changes)
+        except (OSError, ValueError, SyntaxError) as exc:  # FileRefused is a ValueError
+            print(
+                f"error: calibrate --write stopped: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr
+            )
+            return 1
         print(diff or "nothing to write: every est_time already matches its proposal")
     return 0

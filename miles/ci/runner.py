@@ -6,13 +6,16 @@ test file by test file, retry infrastructure failures, gate, report.
 
 A SIGTERM or SIGINT to the runner stops the running
 test's whole process group, marks what did not finish `cancelled`, still writes every
-report, and exits 1.
+report, and exits 1, within the grace period whatever step it is in: the gate step and the
+duration store run on a helper thread the runner stops waiting for.
+
+The runner writes only inside the report folder's files and the attempts/ folder it makes
+afresh for each run (miles.ci.report.claim_report_dir), each file created exclusively.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,17 +24,17 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO
+from typing import IO, TypeVar
 
 from miles.ci.catalog import Catalog, Lane
-from miles.ci.execute import CancelToken, run_attempt
+from miles.ci.execute import POLL_S, CancelToken, TestRun, run_attempt
 from miles.ci.outcome import is_retryable
 from miles.ci.plan import (
     PlanError,
     PlannedTest,
     RunOptions,
     RunPlan,
-    attempt_dir,
+    attempt_name,
     build_plan,
     format_plan,
     test_run,
@@ -39,7 +42,10 @@ from miles.ci.plan import (
 from miles.ci.progress import Progress
 from miles.ci.record import CANCELLED, FAILED, FLAKY, PASSED, SKIPPED, Attempt, RunRecord
 from miles.ci.registration import GateDeclaration
-from miles.ci.report import REPORT_FILES, write_reports
+from miles.ci.report import claim_report_dir, write_reports
+from miles.files import Folder
+
+T = TypeVar("T")
 
 
 def apply_gates(
@@ -118,25 +124,77 @@ def _gate_safely(attempt: Attempt, plan: RunPlan, test: PlannedTest, catalog: Ca
         return attempt.replace(status=FAILED, classification="gate", message=f"metric gate error: {reason}")
 
 
+class Abandoned(Exception):
+    """A step the runner stopped waiting for: the run was cancelled and it did not end in time."""
+
+
+def call_bounded(fn: Callable[[], T], cancel: CancelToken, grace: float) -> T:
+    """fn() on a helper thread. Once the run is cancelled, fn gets `grace` more seconds (none
+    after a second signal), then the runner goes on without it (Abandoned); the thread is a
+    daemon and ends with the runner. fn's own exception is re-raised here."""
+    box: dict[str, object] = {}
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # handed to the caller
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name="miles-ci-step", daemon=True).start()
+    while not done.wait(POLL_S):
+        if cancel.cancelled:
+            deadline = time.monotonic() + grace
+            while not done.wait(POLL_S):
+                if cancel.hurry or time.monotonic() >= deadline:
+                    raise Abandoned
+            break
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["value"]  # type: ignore[return-value]
+
+
+def _gate_bounded(attempt: Attempt, plan: RunPlan, test: PlannedTest, catalog: Catalog, cancel) -> Attempt:
+    try:
+        return call_bounded(lambda: _gate_safely(attempt, plan, test, catalog), cancel, plan.settings.grace)
+    except Abandoned:
+        return attempt.replace(
+            status=CANCELLED,
+            classification="cancelled",
+            message=f"the test passed, but its metric gate had not finished when {cancel.name} "
+            f"arrived (waited {plan.settings.grace:g} s more)",
+        )
+
+
 def execute_plan(
     plan: RunPlan,
     catalog: Catalog,
     cancel: CancelToken,
     out: IO[str] | None = None,
     checkpoint: Callable[[RunRecord], None] | None = None,
+    folders: tuple[Folder, Folder] | None = None,
 ) -> RunRecord:
     """Run the plan's tests in order; always returns a complete record (cancellation included).
 
     `checkpoint` receives an incomplete record before each attempt starts (the running test
     and the rest marked as not finished) and again the moment a cancel arrives, so reports
-    on disk always describe the run even if the runner is killed without warning."""
+    on disk always describe the run even if the runner is killed without warning.
+    `folders` is (report folder, attempts folder) from claim_report_dir; without it the
+    report folder is claimed here (PlanError when it holds what no run of miles made)."""
     out = out if out is not None else sys.stdout
-    for name in ("attempts", *REPORT_FILES):  # a rerun starts clean
-        path = plan.report_dir / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
+    owned = folders is None
+    report_folder, attempts = claim_report_dir(plan.report_dir) if folders is None else folders
+    try:
+        return _execute(plan, catalog, cancel, out, checkpoint, attempts)
+    finally:
+        if owned:
+            attempts.close()
+            report_folder.close()
+
+
+def _execute(plan, catalog, cancel, out, checkpoint, attempt_folders: Folder) -> RunRecord:
     commit = current_commit(plan.settings.root)
     started = time.time()
     github = os.environ.get("GITHUB_ACTIONS") == "true"
@@ -167,9 +225,10 @@ def execute_plan(
             run = test_run(plan, test, number, retry_reason, commit)
             provisional(index, run.record(CANCELLED, "unfinished", message=UNFINISHED), NEVER_REACHED)
             progress.start(index, run)
-            attempt = run_attempt(
+            attempt = _attempt_in_own_folder(
                 run,
-                attempt_dir(plan, test, number),
+                attempt_folders,
+                attempt_name(test, number),
                 plan.settings,
                 cancel,
                 progress.tick,
@@ -178,7 +237,7 @@ def execute_plan(
                 ),
             )
             if attempt.status == PASSED:
-                attempt = _gate_safely(attempt, plan, test, catalog)
+                attempt = _gate_bounded(attempt, plan, test, catalog, cancel)
             if attempt.status == PASSED and number > 1:
                 # It failed as infrastructure and then passed: say so, it is not a plain pass.
                 attempt = attempt.replace(
@@ -197,6 +256,22 @@ def execute_plan(
         if not attempt.ok and not cancel.cancelled and not plan.continue_on_error:
             stop = f"not run: fast-fail after {test.registration.file} ended {attempt.status}"
     return record(attempts)
+
+
+def _attempt_in_own_folder(
+    run: TestRun, attempts: Folder, name: str, settings, cancel, tick, on_cancel
+) -> Attempt:
+    """run_attempt in a folder made for it alone: a name taken already, or a link a test
+    planted in its place, fails this attempt (never the run) and is never followed."""
+    try:
+        folder = attempts.subfolder(name, exclusive=True)
+    except (OSError, ValueError) as exc:  # FileRefused is a ValueError
+        message = (
+            f"cannot make the attempt folder {attempts.path / name}: {getattr(exc, 'strerror', None) or exc}"
+        )
+        return run.record(FAILED, "report-folder", message=message, output_tail=message)
+    with folder:
+        return run_attempt(run, folder, settings, cancel, tick, on_cancel=on_cancel)
 
 
 def _run_record(
@@ -266,24 +341,28 @@ def run(options: RunOptions, *, plan_only: bool = False, out: IO[str] | None = N
     out.flush()
     if plan_only:
         return 0
-    try:
-        plan.report_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise PlanError(f"--report-dir {plan.report_dir}: cannot create it ({exc.strerror})") from None
     from miles.ci.durations import durations_path, record_durations
 
+    report_folder, attempts = claim_report_dir(plan.report_dir)
     cancel = CancelToken()
-    with cancel_on_signals(cancel):
+    with cancel_on_signals(cancel), report_folder, attempts:
         record = execute_plan(
             plan,
             catalog,
             cancel,
             out,
-            checkpoint=lambda partial: write_reports(partial, plan.report_dir, step_summary=False),
+            checkpoint=lambda partial: write_reports(partial, report_folder, step_summary=False),
+            folders=(report_folder, attempts),
         )
-        paths = write_reports(record, plan.report_dir)
+        paths = write_reports(record, report_folder)
         try:
-            record_durations(record.attempts, durations_path(plan.settings.root))
+            call_bounded(
+                lambda: record_durations(record.attempts, durations_path(plan.settings.root)),
+                cancel,
+                plan.settings.grace,
+            )
+        except Abandoned:
+            print(f"warning: durations not stored: {cancel.name} arrived while storing them", file=sys.stderr)
         except (OSError, ValueError, TimeoutError, StoreError) as exc:
             print(f"warning: durations not stored: {exc}", file=sys.stderr)
     counts = record.counts()

@@ -11,6 +11,18 @@ import html
 import re
 
 from miles.ci.record import CANCELLED, ERROR, FAILED, FLAKY, PASSED, SKIPPED, TIMEOUT, RunRecord
+from miles.text import ANSI, CONTROL, escape_char, printable
+
+__all__ = [
+    "ANSI",
+    "cell",
+    "code",
+    "escape_char",
+    "mermaid_name",
+    "printable",
+    "printable_block",
+    "render_markdown",
+]
 
 STATUS_ICON = {
     PASSED: "✅",
@@ -21,26 +33,13 @@ STATUS_ICON = {
     CANCELLED: "🛑",
     SKIPPED: "⏭️",
 }
-ANSI = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[@-Z\\-_])")
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\u2028\u2029\ud800-\udfff]")
-_CONTROL_OR_NEWLINE = re.compile(r"[\x00-\x1f\x7f\u2028\u2029\ud800-\udfff]")
 _MERMAID_UNSAFE = re.compile(r"[^\w ./()\[\]+=,@-]")
-
-
-def escape_char(match: re.Match) -> str:
-    code = ord(match.group(0))
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
-
-
-def printable(text: str) -> str:
-    """One visible line: colour codes dropped, control characters and newlines as \\xNN."""
-    return _CONTROL_OR_NEWLINE.sub(escape_char, ANSI.sub("", text))
 
 
 def printable_block(text: str) -> str:
     """Output for a fenced block: colour codes dropped, newlines and tabs kept, other
     control characters shown as \\xNN."""
-    return _CONTROL.sub(escape_char, ANSI.sub("", text.replace("\r\n", "\n")))
+    return CONTROL.sub(escape_char, ANSI.sub("", text.replace("\r\n", "\n")))
 
 
 def code(text: str) -> str:

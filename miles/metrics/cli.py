@@ -109,9 +109,14 @@ def _open(args: argparse.Namespace):
     return open_store(_store_url(args), root=args.root)
 
 
+MAX_LIMIT = 1_000_000
+
+
 def _check_limit(limit: int) -> None:
-    if limit < 1:  # the stores would read -1 differently (SQLite: no limit; PostgreSQL: error)
-        raise _usage(f"--limit {limit} must be at least 1")
+    # the stores would read -1 differently (SQLite: no limit; PostgreSQL: error), and neither
+    # holds a number past 64 bits
+    if not 1 <= limit <= MAX_LIMIT:
+        raise _usage(f"--limit {limit} must be at least 1 and at most {MAX_LIMIT}")
 
 
 def _test_path(root: Path, test: str) -> str:

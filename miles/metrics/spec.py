@@ -106,6 +106,26 @@ class GateSpec:
         return Coordinate(self.metric, self.steps_key, self.constraint_key, step)
 
 
+MAX_METRIC_KEY = 200
+
+
+def metric_key_problem(key: object) -> str | None:
+    """Why `key` cannot name a gated metric, or None. A key is stored, printed and matched
+    against training records, so it is printable text (no control character, newline or
+    lone surrogate, which no store can encode) of at most MAX_METRIC_KEY characters."""
+    if not isinstance(key, str) or not key.strip():
+        return f"metric_key={key!r} must be a non-empty string such as 'train/grad_norm'"
+    if len(key) > MAX_METRIC_KEY:
+        return f"metric_key of {len(key)} characters is longer than {MAX_METRIC_KEY}; name the metric shortly"
+    if not key.isprintable() or key != key.strip():
+        shown = key.encode("unicode_escape", "backslashreplace").decode("ascii")
+        return (
+            f"metric_key='{shown}' must be printable text without control characters, lone surrogates "
+            "or surrounding spaces (the stores and the reports hold it as is)"
+        )
+    return None
+
+
 def constraint_key(constraint: Mapping[str, float]) -> str:
     """Canonical text of the constraint as declared ("{}" for the defaults).
 

@@ -474,7 +474,7 @@ def test_unchanged_file_is_read_from_the_cache(make_tree, monkeypatch):
     root = make_tree({"tests/e2e/test_x.py": source})
     _age(root / "tests/e2e/test_x.py")
     first = discover(root)
-    assert (root / ".miles/cache/discover.pickle").is_file()
+    assert (root / ".miles/cache/discover.json").is_file()
 
     def parse_again(*args, **kwargs):
         raise AssertionError("an unchanged file was parsed again")
@@ -498,8 +498,8 @@ def test_file_modified_just_now_is_not_cached(make_tree):
     root = make_tree({"tests/e2e/test_x.py": HEADER + 'register_cpu_ci(est_time=5, suite="stage-b-cpu")\n'})
     discover(root)
     cached = (
-        (root / ".miles/cache/discover.pickle").read_text()
-        if (root / ".miles/cache/discover.pickle").exists()
+        (root / ".miles/cache/discover.json").read_text()
+        if (root / ".miles/cache/discover.json").exists()
         else ""
     )
     assert "tests/e2e/test_x.py" not in cached
