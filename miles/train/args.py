@@ -27,7 +27,7 @@ class ArgsError(ValueError):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
-        # The full usage of ~250 flags would bury the one line that matters.
+        # The full usage of ~235 flags would bury the one line that matters.
         self.exit(2, f"{self.prog}: error: {message}\n(python -m miles.train --help lists every flag)\n")
 
 

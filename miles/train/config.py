@@ -362,7 +362,7 @@ class JobConfig(Section):
     """Which backend and engine run, on how many GPUs, where, and the run's seed."""
 
     name: ClassVar[str] = "job"
-    title: ClassVar[str] = "job: backend, engine, GPUs, placement, seed"
+    title: ClassVar[str] = "job (backend, engine, GPUs, placement, seed)"
 
     train_backend: str = flag(default="fsdp", choices=TRAIN_BACKENDS)
     rollout_engine: str = flag(default="auto", choices=ROLLOUT_ENGINES, help="auto: sglang on GPU")
