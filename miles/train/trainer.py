@@ -53,10 +53,10 @@ CONSUMES = {
     "batch": ("global_batch_size", "micro_batch_size"),
     "reward": ("rm_type", "custom_rm_path", "reward_key"),
     "algorithm": (
-        "advantage_estimator", "disable_grpo_std_normalization", "use_kl_loss", "kl_loss_type", "kl_loss_coef",
-        "use_tis", "calculate_per_token_loss", "use_rollout_logprobs",
+        "disable_grpo_std_normalization", "use_kl_loss", "use_tis", "calculate_per_token_loss",
+        "use_rollout_logprobs",
     ),
-    "optimizer": ("max_skipped_steps", "bf16"),
+    "optimizer": ("max_skipped_steps",),
     "job": (
         "train_backend", "rollout_engine", "distributed_backend", "actor_num_nodes", "actor_num_gpus_per_node",
         "seed", "num_threads",

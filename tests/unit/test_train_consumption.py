@@ -50,6 +50,45 @@ def test_a_component_is_built_from_exactly_the_sections_it_declares(kind, choice
     assert annotated == {name: name for name in cls.CONSUMES}  # each takes its section's type
 
 
+def _sources(module: str) -> list[Path]:
+    """A component's module, the miles.train modules it imports (where its helpers read fields)
+    and the sections' own derivations (sampling, loss and optimizer settings)."""
+    path = consumption.source_file(module)
+    tree = ast.parse(path.read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    imported |= {f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+                 for a in n.names}  # fmt: skip
+    found = {
+        consumption.source_file(m) for m in {*imported, "miles.train.config"} if m.startswith("miles.train")
+    }
+    return sorted({path} | {f for f in found if f.is_file()})
+
+
+def _unread(uses, module: str) -> list[str]:
+    """Declared fields no attribute read in the component's sources names (a Namespace's excepted)."""
+    read = {
+        node.attr
+        for path in _sources(module)
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute)
+        and not (isinstance(node.value, ast.Name) and node.value.id == "args")
+    }
+    return sorted(
+        f"{s}.{f}" for s, fields in uses.items() if fields != consumption.ALL for f in fields if f not in read
+    )
+
+
+@pytest.mark.parametrize(
+    ("module", "name"), [consumption.TRAINER, *consumption.BACKENDS.values(), *consumption.ENGINES.values()]
+)
+def test_every_field_a_component_declares_is_read_by_it(module, name):
+    assert _unread(consumption.declared(module, name), module) == []
+
+
+def test_a_declared_field_the_component_never_reads_is_caught():
+    assert _unread({"logging": ("use_wandb",)}, "miles.train.backends.torch_dp") == ["logging.use_wandb"]
+
+
 def test_a_declaration_naming_a_missing_section_or_field_is_refused():
     with pytest.raises(consumption.DeclarationError, match="no section 'optimiser'"):
         consumption.checked_declaration({"optimiser": "*"}, "X.CONSUMES")
