@@ -75,14 +75,7 @@ def declared(module: str, cls: str | None) -> Mapping[str, frozenset[str] | str]
             raise DeclarationError(f"{path}: no class {cls}")
         body, where = node.body, f"{path}: {cls}"
     for node in body:
-        targets = (
-            node.targets
-            if isinstance(node, ast.Assign)
-            else [node.target]
-            if isinstance(node, ast.AnnAssign)
-            else []
-        )
-        if any(isinstance(t, ast.Name) and t.id == "CONSUMES" for t in targets) and node.value is not None:
+        if "CONSUMES" in _assigned(node) and node.value is not None:
             try:
                 value = ast.literal_eval(node.value)
             except ValueError:
@@ -93,7 +86,18 @@ def declared(module: str, cls: str | None) -> Mapping[str, frozenset[str] | str]
     raise DeclarationError(f"{where} declares no CONSUMES (which section fields it acts on)")
 
 
+def _assigned(node: ast.stmt) -> set[str]:
+    """The names a statement assigns (`X = ...` or `X: T = ...`)."""
+    if isinstance(node, ast.Assign):
+        return {t.id for t in node.targets if isinstance(t, ast.Name)}
+    if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+        return {node.target.id}
+    return set()
+
+
 def checked_declaration(value: object, where: str) -> Mapping[str, frozenset[str] | str]:
+    """A CONSUMES value as section -> frozenset of fields (or ALL); a section or field that
+    does not exist is a DeclarationError naming `where`."""
     if not isinstance(value, dict):
         raise DeclarationError(f"{where}: must be a dict of section name -> fields or '*'")
     fields_of = {name: {f.dest for f in FLAGS if f.section == name} for name in SECTION_NAMES}
