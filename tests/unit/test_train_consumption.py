@@ -51,8 +51,8 @@ def test_a_component_is_built_from_exactly_the_sections_it_declares(kind, choice
 
 
 def _sources(module: str) -> list[Path]:
-    """A component's module, the miles modules it imports (miles.megatron among them) (where its helpers read fields)
-    and the sections' own derivations (sampling, loss and optimizer settings)."""
+    """A component's module, the miles modules it imports (where its helpers read fields, in
+    miles.megatron too) and the sections' own derivations (sampling, loss and optimizer settings)."""
     path = consumption.source_file(module)
     tree = ast.parse(path.read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
