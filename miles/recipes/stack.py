@@ -6,8 +6,8 @@ sglang the platform's lane pins (requirements/<stack>.txt). The field names of e
 release are kept in `stacks/sglang-<version>-serverargs.txt`, written from the installed package's
 own class (`python tests/unit/sglang_probe.py --fields`), and tests/unit/test_recipe_stack.py
 checks the list against the installed sglang's ServerArgs. Every other flag must be one
-`python -m miles.train` parses (miles.train.args.build_parser). Neither import is heavy:
-the field list is a text file and the trainer's parser is standard-library argparse.
+`python -m miles.train` parses (the sections' flags, miles.train.config.FLAGS). Neither import is
+heavy: the field list is a text file and the trainer's sections are standard-library dataclasses.
 """
 
 from __future__ import annotations
@@ -63,9 +63,9 @@ def sglang_fields(version: str) -> frozenset[str]:
 
 @cache
 def trainer_flags() -> frozenset[str]:
-    from miles.train.args import build_parser
+    from miles.train.config import FLAGS
 
-    return frozenset(opt for action in build_parser()._actions for opt in action.option_strings)
+    return frozenset(f.option for f in FLAGS)
 
 
 def stack_problems(argv: Sequence[str], platform: str) -> list[tuple[str, str]]:

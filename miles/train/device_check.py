@@ -139,7 +139,7 @@ def step_parity(cpu: bool, workdir: Path) -> str:
     import torch
 
     from miles.ckpt.tiny import make_tiny_checkpoint
-    from miles.train.args import SamplingConfig
+    from miles.train.config import SamplingConfig
     from miles.train.model import load_causal_lm
     from miles.train.rollout import TorchRolloutEngine
 
@@ -189,7 +189,7 @@ def qwen3_model(cpu: bool):
 def step_generate(cpu: bool, workdir: Path) -> str:
     import torch
 
-    from miles.train.args import SamplingConfig
+    from miles.train.config import SamplingConfig
     from miles.train.rollout import TorchRolloutEngine
 
     model, config = qwen3_model(cpu)

@@ -72,21 +72,20 @@ def _checked(check, engine, backend) -> tuple[str | None, str]:
 
 def start(path: Path):
     """The adapter's engine (one GPU) and the trainer's backend, both from `path`."""
-    from miles.train.args import parse_args
-    from miles.train.backends.torch_dp import TorchDPBackend
+    from miles.train.args import parse_config
+    from miles.train.consumption import build
     from miles.train.distributed import DistInfo
-    from miles.train.sglang_engine import SGLangRolloutEngine
 
-    args = parse_args(
+    config = parse_config(
         ["--hf-checkpoint", str(path), "--rollout-engine", "sglang", "--bf16", "--sglang-mem-fraction-static", "0.3",
          "--update-weight-buffer-size", str(1 << 20)]  # several buckets even for a tiny model
     )  # fmt: skip
     info = DistInfo(rank=0, world_size=1, local_rank=0, device="cuda:0", backend="nccl")
-    return SGLangRolloutEngine(args, info), TorchDPBackend(args, info)
+    return build("engine", "sglang", config, info), build("backend", "fsdp", config, info)
 
 
 def sampling(**changes):
-    from miles.train.args import SamplingConfig
+    from miles.train.config import SamplingConfig
 
     return SamplingConfig(
         **{"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_response_len": NEW_TOKENS} | changes

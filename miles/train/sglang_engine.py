@@ -34,7 +34,7 @@ import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from miles.train.args import SamplingConfig
+from miles.train.config import CheckpointConfig, RolloutConfig, SamplingConfig, SGLangConfig
 from miles.train.rollout import Generation, RolloutEngine, RolloutEngineError
 from miles.train.sglang_server import (
     CHILD_FAILED,
@@ -92,10 +92,23 @@ def to_generation(prompt: Sequence[int], out: Mapping[str, Any]) -> Generation:
 
 
 class SGLangRolloutEngine(RolloutEngine):
+    name = "sglang"
     exact_weights = False  # SGLang's Qwen3 has no get_weights_by_name: the weight check uses logprobs
     weight_names = "checkpoint"  # its models' load_weights read checkpoint names
+    colocated = True  # it shares the training GPUs and releases its memory while the trainer steps
+    # The model it serves, its server's seed, and every SGLang option.
+    CONSUMES = {"sglang": "*", "checkpoint": ("hf_checkpoint",), "rollout": ("rollout_seed",)}
 
-    def __init__(self, args, dist_info, *, engine_cls=None, server_args_cls=None):
+    def __init__(
+        self,
+        *,
+        sglang: SGLangConfig,
+        checkpoint: CheckpointConfig,
+        rollout: RolloutConfig,
+        dist_info,
+        engine_cls=None,
+        server_args_cls=None,
+    ):
         """`engine_cls` and `server_args_cls` default to sglang's Engine and ServerArgs."""
         from miles.train.fp8_export import Fp8ExportError, fp8_export_for
 
@@ -104,19 +117,25 @@ class SGLangRolloutEngine(RolloutEngine):
         if engine_cls is None or server_args_cls is None:
             engine_cls, server_args_cls = _import_sglang(engine_cls, server_args_cls)
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist_info.world_size))
-        self.kwargs = server_kwargs(args, dist_info, server_args_cls, local_world_size=local_world)
-        self.slot = engine_slot(
-            dist_info.rank, dist_info.local_rank, local_world, args.rollout_num_gpus_per_engine
+        self.kwargs = server_kwargs(
+            sglang,
+            dist_info,
+            server_args_cls,
+            model_path=checkpoint.hf_checkpoint,
+            seed=rollout.rollout_seed,
+            local_world_size=local_world,
         )
+        gpus = sglang.rollout_num_gpus_per_engine
+        self.slot = engine_slot(dist_info.rank, dist_info.local_rank, local_world, gpus)
         self.rank = dist_info.rank
         self.seeded = seeds_honoured(self.kwargs)
-        self.bucket_bytes = args.update_weight_buffer_size or 512 << 20
+        self.bucket_bytes = sglang.update_weight_buffer_size or 512 << 20
         try:
-            self.fp8 = fp8_export_for(args.hf_checkpoint)
+            self.fp8 = fp8_export_for(checkpoint.hf_checkpoint)
         except Fp8ExportError as exc:
             raise SGLangUnavailable(f"--hf-checkpoint: {exc}") from None
         self.released: set[str] = set()
-        self.group = engine_groups(dist_info.world_size, args.rollout_num_gpus_per_engine, self.rank)
+        self.group = engine_groups(dist_info.world_size, gpus, self.rank)
         self.engine = self._start(engine_cls) if self.slot.leader else None
 
     def _start(self, engine_cls):

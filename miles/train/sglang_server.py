@@ -14,6 +14,8 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from miles.train.config import SGLangConfig
+
 # Set when an engine process sends this one SIGQUIT (sglang's signal that a child failed).
 CHILD_FAILED = threading.Event()
 
@@ -108,19 +110,28 @@ def engine_slot(rank: int, local_rank: int, local_world_size: int, gpus_per_engi
     return EngineSlot(offset == 0, local_rank - offset, tuple(range(first, first + gpus_per_engine)))
 
 
-def server_kwargs(args, dist_info, server_args_cls, *, local_world_size: int | None = None) -> dict:
-    """Engine keyword arguments: the model, this engine's GPUs, the memory saver, --sglang-*."""
+def server_kwargs(
+    sglang: SGLangConfig,
+    dist_info,
+    server_args_cls,
+    *,
+    model_path: str,
+    seed: int,
+    local_world_size: int | None = None,
+) -> dict:
+    """Engine keyword arguments: the model, this engine's GPUs and seed (`seed` + rank), the
+    memory saver, the SGLang section's options and its --sglang-* server arguments."""
     fields = server_fields(server_args_cls)
     slot = engine_slot(
         dist_info.rank,
         dist_info.local_rank,
         local_world_size or dist_info.world_size,
-        args.rollout_num_gpus_per_engine,
+        sglang.rollout_num_gpus_per_engine,
     )
     kwargs = {
-        "model_path": args.hf_checkpoint,
-        "tp_size": args.rollout_num_gpus_per_engine,
-        "random_seed": args.rollout_seed + dist_info.rank,
+        "model_path": model_path,
+        "tp_size": sglang.rollout_num_gpus_per_engine,
+        "random_seed": seed + dist_info.rank,
         "log_level": "error",
         # Colocated with training: memory is released while the trainer steps.
         "enable_memory_saver": True,
@@ -128,9 +139,9 @@ def server_kwargs(args, dist_info, server_args_cls, *, local_world_size: int | N
         # sglang's default kills this whole process tree when a child fails during launch
         "custom_sigquit_handler": engine_child_failed,
     }
-    if args.sglang_mem_fraction_static is not None:
-        kwargs["mem_fraction_static"] = args.sglang_mem_fraction_static
-    for name, value in args.sglang_args.items():
+    if sglang.sglang_mem_fraction_static is not None:
+        kwargs["mem_fraction_static"] = sglang.sglang_mem_fraction_static
+    for name, value in sglang.server_args.items():
         flag = f"--sglang-{name.replace('_', '-')}"
         field = fields.get(name)
         if field is None:

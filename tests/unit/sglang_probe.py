@@ -50,13 +50,13 @@ def main(cases: list[dict]) -> list[dict]:
     import msgspec
     from sglang.srt.server_args import ServerArgs
 
-    from miles.train.args import parse_args
+    from miles.train.args import parse_config
     from miles.train.distributed import DistInfo
     from miles.train.sglang_engine import SGLangUnavailable, server_kwargs
 
     answers = []
     for case in cases:
-        args = parse_args(case["argv"])
+        config = parse_config(case["argv"])
         dist = DistInfo(
             rank=case.get("rank", 0),
             world_size=case.get("local_world", 1),
@@ -65,7 +65,14 @@ def main(cases: list[dict]) -> list[dict]:
             backend="nccl",
         )
         try:
-            kwargs = server_kwargs(args, dist, ServerArgs, local_world_size=case.get("local_world", 1))
+            kwargs = server_kwargs(
+                config.sglang,
+                dist,
+                ServerArgs,
+                model_path=config.checkpoint.hf_checkpoint,
+                seed=config.rollout.rollout_seed,
+                local_world_size=case.get("local_world", 1),
+            )
         except SGLangUnavailable as exc:
             answers.append({"error": str(exc)})
             continue
@@ -76,7 +83,7 @@ def main(cases: list[dict]) -> list[dict]:
                 "built": {k: _named(getattr(built, k)) for k in kwargs},
                 "types": {k: type(getattr(built, k)).__name__ for k in kwargs},
                 "is_msgspec_struct": issubclass(ServerArgs, msgspec.Struct),
-                "rollout_seed": args.rollout_seed,
+                "rollout_seed": config.rollout.rollout_seed,
             }
         )
     return answers

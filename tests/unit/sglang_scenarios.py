@@ -58,18 +58,25 @@ def tensors(path: Path) -> dict:
 def adapter(checkpoint: Path, *flags: str, rank: int = 0, world: int = 1):
     from sglang.srt.server_args import ServerArgs
 
-    from miles.train.args import parse_args
+    from miles.train.args import parse_config
     from miles.train.distributed import DistInfo
     from miles.train.sglang_engine import SGLangRolloutEngine
 
-    args = parse_args(["--hf-checkpoint", str(checkpoint), *flags])
+    config = parse_config(["--hf-checkpoint", str(checkpoint), *flags])
     # The adapter only reads the device's name: the engine is the GPU stand-in.
     info = DistInfo(rank=rank, world_size=world, local_rank=rank, device=f"cuda:{rank}", backend="gloo")
-    return SGLangRolloutEngine(args, info, engine_cls=LocalEngine, server_args_cls=ServerArgs)
+    return SGLangRolloutEngine(
+        sglang=config.sglang,
+        checkpoint=config.checkpoint,
+        rollout=config.rollout,
+        dist_info=info,
+        engine_cls=LocalEngine,
+        server_args_cls=ServerArgs,
+    )
 
 
 def sampling(**changes):
-    from miles.train.args import SamplingConfig
+    from miles.train.config import SamplingConfig
 
     return SamplingConfig(**{"temperature": 0.8, "top_p": 1.0, "top_k": -1, "max_response_len": 4} | changes)
 
@@ -90,13 +97,13 @@ def scenario_server_args(workdir: Path) -> list[dict]:
     import msgspec
     from sglang.srt.server_args import ServerArgs
 
-    from miles.train.args import parse_args
+    from miles.train.args import parse_config
     from miles.train.distributed import DistInfo
     from miles.train.sglang_server import SGLangUnavailable, server_kwargs
 
     answers = []
     for case in json.loads((workdir / "server_args.json").read_text()):
-        args = parse_args(case["argv"])
+        config = parse_config(case["argv"])
         dist = DistInfo(
             rank=case.get("rank", 0),
             world_size=case.get("local_world", 1),
@@ -105,7 +112,14 @@ def scenario_server_args(workdir: Path) -> list[dict]:
             backend="nccl",
         )
         try:
-            kwargs = server_kwargs(args, dist, ServerArgs, local_world_size=case.get("local_world", 1))
+            kwargs = server_kwargs(
+                config.sglang,
+                dist,
+                ServerArgs,
+                model_path=config.checkpoint.hf_checkpoint,
+                seed=config.rollout.rollout_seed,
+                local_world_size=case.get("local_world", 1),
+            )
         except SGLangUnavailable as exc:
             answers.append({"error": str(exc)})
             continue
@@ -121,7 +135,7 @@ def scenario_server_args(workdir: Path) -> list[dict]:
                 # sglang pickles the server arguments into the engine's processes (spawn)
                 "pickles": pickle.loads(pickle.dumps(built)).custom_sigquit_handler
                 is kwargs["custom_sigquit_handler"],
-                "rollout_seed": args.rollout_seed,
+                "rollout_seed": config.rollout.rollout_seed,
             }
         )
     return answers

@@ -66,11 +66,13 @@ def test_save_writes_state_then_marker_and_leaves_no_temporary(tmp_path):
 
 
 def test_resuming_with_other_batch_flags_is_refused():
-    args = SimpleNamespace(
-        seed=1, rollout_batch_size=8, n_samples_per_prompt=8, prompt_data="synthetic:fixed", load="x"
+    from miles.train.args import parse_config
+
+    config = parse_config(
+        "--hf-checkpoint m --seed 1 --rollout-batch-size 8 --n-samples-per-prompt 8 --load x".split()
     )
-    with pytest.raises(checkpoint.CheckpointError, match="--rollout-batch-size 4 -> 8"):
-        checkpoint.check_compatible(_state(2), args)
+    with pytest.raises(checkpoint.CheckpointError, match="--load x: .*--rollout-batch-size 4 -> 8"):
+        checkpoint.check_compatible(_state(2), config)
 
 
 def test_lr_schedule_warms_up_then_decays_to_min_lr():
@@ -143,8 +145,8 @@ def test_the_logprob_weight_check_passes_a_synced_engine_and_catches_a_stale_one
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from miles.train.args import SamplingConfig
     from miles.train.checks import check_probe_logprobs, probe_logprob_gap
+    from miles.train.config import SamplingConfig
     from miles.train.rollout import TorchRolloutEngine
 
     torch.manual_seed(0)
@@ -232,17 +234,17 @@ def test_the_logprob_weight_probe_agrees_with_a_greedy_engine_at_any_rollout_tem
     import torch
 
     from miles.ckpt.tiny import make_tiny_checkpoint
-    from miles.train.args import parse_args, sampling_config
-    from miles.train.backends.torch_dp import TorchDPBackend
+    from miles.train.args import parse_config
+    from miles.train.backends import make_backend
     from miles.train.checks import probe_logprob_gap
     from miles.train.distributed import DistInfo
     from miles.train.model import load_causal_lm
 
     path = make_tiny_checkpoint("qwen3", 2, tmp_path / "qwen3", dtype="float32")
-    args = parse_args(["--hf-checkpoint", str(path), "--rollout-temperature", "0.7"])
-    backend = TorchDPBackend(args, DistInfo(0, 1, 0, "cpu", "gloo"))
+    config = parse_config(["--hf-checkpoint", str(path), "--rollout-temperature", "0.7"])
+    backend = make_backend(config, DistInfo(0, 1, 0, "cpu", "gloo"))
     engine = SGLangGreedy(load_causal_lm(path, dtype=torch.float32, device="cpu"))
     prompts = [[5, 6, 7], [40, 41], [9]]
-    gap = probe_logprob_gap(engine, backend, prompts, sampling_config(args, ()))
+    gap = probe_logprob_gap(engine, backend, prompts, config.rollout.sampling_config())
     assert gap < 1e-5
     assert backend.loss_cfg.temperature == 0.7  # scoring at 1 lasts only for the probe

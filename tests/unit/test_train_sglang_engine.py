@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from miles.train.args import SamplingConfig, parse_args
+from miles.train.args import parse_config
+from miles.train.config import SamplingConfig
 from miles.train.distributed import DistInfo
 from miles.train.rollout import RolloutEngineError
 from miles.train.sglang_engine import SGLangRolloutEngine, sampling_params, to_generation
@@ -282,10 +283,12 @@ def test_a_stop_finish_keeps_the_stop_token():
 
 
 def test_on_cpu_the_engine_names_the_alternative():
-    args = parse_args(["--hf-checkpoint", "/m"])
+    config = parse_config(["--hf-checkpoint", "/m"])
     cpu = DistInfo(rank=0, world_size=1, local_rank=0, device="cpu", backend="gloo")
     with pytest.raises(SGLangUnavailable, match="use --rollout-engine torch"):
-        SGLangRolloutEngine(args, cpu)
+        SGLangRolloutEngine(
+            sglang=config.sglang, checkpoint=config.checkpoint, rollout=config.rollout, dist_info=cpu
+        )
 
 
 def test_a_missing_memory_saver_is_named_before_the_engine_starts():

@@ -27,9 +27,20 @@ from miles.megatron import model as mg
 from miles.megatron import training as mt
 from miles.megatron.export import WeightExporter
 from miles.megatron.loss import gather_context_parallel, micro_batches, vocab_parallel_logprobs
-from miles.train.args import loss_config, optim_config
+from miles.parallel import ParallelLayout
 from miles.train.backends import BackendUnavailable, StepResult, TrainBackend, batch_loss
 from miles.train.batch import TokenBatch
+from miles.train.config import (
+    AlgorithmConfig,
+    BatchConfig,
+    CheckpointConfig,
+    JobConfig,
+    MegatronConfig,
+    ModelConfig,
+    OptimizerConfig,
+    RolloutConfig,
+    optimizer_steps,
+)
 
 
 class MegatronSetupError(BackendUnavailable):
@@ -37,22 +48,61 @@ class MegatronSetupError(BackendUnavailable):
 
 
 class MegatronBackend(TrainBackend):
-    def __init__(self, args, dist_info):
-        self.args = args
+    # The section fields it acts on (miles.train.consumption). The model shape is built from
+    # config.json, and a model flag that describes another model is refused (check_model_flags);
+    # of Megatron's training options, those passed into the TransformerConfig below.
+    CONSUMES = {
+        "job": ("seed",),
+        "checkpoint": ("hf_checkpoint", "ref_load"),
+        "rollout": ("num_rollout", "rollout_batch_size", "n_samples_per_prompt", "rollout_temperature"),
+        "batch": ("global_batch_size", "micro_batch_size"),
+        "algorithm": (
+            "advantage_estimator", "eps_clip", "eps_clip_high", "eps_clip_c", "use_kl_loss", "kl_loss_type",
+            "kl_loss_coef", "entropy_coef", "use_tis", "tis_clip", "tis_clip_low", "calculate_per_token_loss",
+        ),
+        "optimizer": (
+            "lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "weight_decay", "adam_beta1",
+            "adam_beta2", "adam_eps", "clip_grad", "bf16",
+        ),
+        "layout": "*",
+        "model": "*",
+        "megatron": (
+            "moe_router_dtype", "moe_aux_loss_coeff", "moe_router_load_balancing_type", "moe_token_dispatcher_type",
+            "recompute_granularity", "recompute_method", "recompute_num_layers",
+        ),
+    }  # fmt: skip
+
+    def __init__(
+        self,
+        *,
+        job: JobConfig,
+        checkpoint: CheckpointConfig,
+        rollout: RolloutConfig,
+        batch: BatchConfig,
+        algorithm: AlgorithmConfig,
+        optimizer: OptimizerConfig,
+        layout: ParallelLayout,
+        model: ModelConfig,
+        megatron: MegatronConfig,
+        dist_info,
+    ):
         self.on_cpu = dist_info.device == "cpu"
         if self.on_cpu:
             from miles.megatron import compat
 
             compat.install()
         self.device = dist_info.device
-        self.loss_cfg = loss_config(args)
-        self.optim_cfg = optim_config(args)
-        self.config = json.loads((Path(args.hf_checkpoint) / "config.json").read_text())
-        check_model_flags(args, self.config, args.hf_checkpoint)
-        self.source = _weights_source(args)
-        self.layout = args.layout  # parsed and checked with the flags (miles.train.args)
-        mt.init_parallel_state(self.layout, args.seed)
-        self.tc = _transformer_config(args, self.config, self.layout, on_cpu=self.on_cpu)
+        self.micro_batch_size = batch.micro_batch_size
+        self.loss_cfg = algorithm.loss_config(rollout.rollout_temperature)
+        self.optim_cfg = optimizer.optim_config()
+        hf = checkpoint.hf_checkpoint
+        self.config = json.loads((Path(hf) / "config.json").read_text())
+        check_model_flags(model, self.config, hf)
+        self.source = _weights_source(checkpoint)
+        self.layout = layout  # parsed and checked with the flags (miles.train.args)
+        mt.init_parallel_state(self.layout, job.seed)
+        dtype = torch.bfloat16 if optimizer.bf16 and not self.on_cpu else torch.float32
+        self.tc = _transformer_config(megatron, self.config, self.layout, hf, dtype=dtype, on_cpu=self.on_cpu)
         # The reference model gets a config of its own: the policy's gains DDP hooks below.
         ref_tc = copy.copy(self.tc)
         self.vocab = ckpt.embedding_rows(self.source) or int(self.config["vocab_size"])
@@ -66,13 +116,12 @@ class MegatronBackend(TrainBackend):
             print(f"miles.train: megatron {self.schedule()}", flush=True)
         self.ref_chunks = None
         self.ref_source = self.source
-        if args.use_kl_loss:
+        if algorithm.use_kl_loss:
             self.ref_chunks = [
                 c.to(self.device).eval().requires_grad_(False) for c in self._load_chunks(ref_tc)
             ]
-        self.fused_experts = _hf_fuses_experts(args.hf_checkpoint)
-        steps_per_rollout = args.rollout_batch_size * args.n_samples_per_prompt // args.global_batch_size
-        self.total_steps = args.num_rollout * steps_per_rollout
+        self.fused_experts = _hf_fuses_experts(hf)
+        self.total_steps = optimizer_steps(rollout, batch)
         self.steps_done = 0
 
     def _load_chunks(self, tc) -> list:
@@ -150,7 +199,7 @@ class MegatronBackend(TrainBackend):
 
     def _run(self, parts: Sequence[TokenBatch], chunks, loss_fn, *, forward_only: bool) -> list[dict]:
         """The micro-batches through megatron's schedule; the last stage's loss outputs, on every rank."""
-        rows = max(self.args.micro_batch_size, max(p.size for p in parts))
+        rows = max(self.micro_batch_size, max(p.size for p in parts))
         cp = self.layout.cp
         # sequence parallelism splits each rank's tokens over TP; context parallelism the
         # sequence into 2·cp chunks
@@ -223,14 +272,15 @@ class MegatronBackend(TrainBackend):
         return mt.apply_step(self.optimizer, self.optim_cfg.clip_grad, grad_norm), grad_norm
 
 
-def _weights_source(args) -> str:
+def _weights_source(checkpoint: CheckpointConfig) -> str:
     """The torch_dist checkpoint the policy (and reference) start from."""
-    if ckpt.is_torch_dist_dir(args.ref_load):
-        return args.ref_load
-    given = f"--ref-load {args.ref_load} is not a torch_dist checkpoint" if args.ref_load else "no --ref-load"
+    ref_load = checkpoint.ref_load
+    if ckpt.is_torch_dist_dir(ref_load):
+        return ref_load
+    given = f"--ref-load {ref_load} is not a torch_dist checkpoint" if ref_load else "no --ref-load"
     raise BackendUnavailable(
         f"--train-backend megatron loads its starting weights from a Megatron torch_dist checkpoint; {given}. "
-        f"Convert {args.hf_checkpoint} with `invoke prepare-ckpt` (it writes <model>_torch_dist) and pass that "
+        f"Convert {checkpoint.hf_checkpoint} with `invoke prepare-ckpt` (it writes <model>_torch_dist) and pass that "
         "directory as --ref-load"
     )
 
@@ -245,7 +295,7 @@ def _hf_fuses_experts(path: str) -> bool:
     return any(name.endswith("mlp.experts.gate_up_proj") for name in names)
 
 
-def check_model_flags(args, config: dict, path: str) -> None:
+def check_model_flags(model: ModelConfig, config: dict, path: str) -> None:
     """Every Megatron model flag the command sets agrees with config.json (through its family's
     facts table, `miles.models`), or one error lists every one that does not: the model is built
     from config.json, so a flag that says otherwise describes another model."""
@@ -254,7 +304,7 @@ def check_model_flags(args, config: dict, path: str) -> None:
     from miles.parallel.layout import dest
 
     keys = models.keys_of(config)
-    given = {row.flag: getattr(args, dest(row.flag), None) for row in keys}
+    given = {row.flag: getattr(model, dest(row.flag), None) for row in keys}
     wrong = disagreements(keys, config, {f: v for f, v in given.items() if v not in (None, False)})
     if wrong:
         raise MegatronSetupError(
@@ -263,31 +313,32 @@ def check_model_flags(args, config: dict, path: str) -> None:
         )
 
 
-def _transformer_config(args, config: dict, layout, *, on_cpu: bool):
+def _transformer_config(
+    megatron: MegatronConfig, config: dict, layout: ParallelLayout, path: str, *, dtype, on_cpu: bool
+):
     """The TransformerConfig of the run: the HF model's math, the layout, the recipe's MoE switches."""
     from miles.megatron.config import transformer_config
     from miles.megatron.families import UnmappedModel
 
     overrides = {}
-    if args.moe_router_dtype:
-        overrides["moe_router_dtype"] = args.moe_router_dtype
-    if args.moe_aux_loss_coeff:
-        overrides["moe_aux_loss_coeff"] = args.moe_aux_loss_coeff
-        overrides["moe_router_load_balancing_type"] = args.moe_router_load_balancing_type or "aux_loss"
-    if args.moe_token_dispatcher_type:
-        overrides["moe_token_dispatcher_type"] = args.moe_token_dispatcher_type
-    if args.recompute_granularity and not on_cpu:
-        overrides["recompute_granularity"] = args.recompute_granularity
-        overrides["recompute_method"] = args.recompute_method
-        overrides["recompute_num_layers"] = args.recompute_num_layers
+    if megatron.moe_router_dtype:
+        overrides["moe_router_dtype"] = megatron.moe_router_dtype
+    if megatron.moe_aux_loss_coeff:
+        overrides["moe_aux_loss_coeff"] = megatron.moe_aux_loss_coeff
+        overrides["moe_router_load_balancing_type"] = megatron.moe_router_load_balancing_type or "aux_loss"
+    if megatron.moe_token_dispatcher_type:
+        overrides["moe_token_dispatcher_type"] = megatron.moe_token_dispatcher_type
+    if megatron.recompute_granularity and not on_cpu:
+        overrides["recompute_granularity"] = megatron.recompute_granularity
+        overrides["recompute_method"] = megatron.recompute_method
+        overrides["recompute_num_layers"] = megatron.recompute_num_layers
     if on_cpu:
         # gloo pairs point-to-point messages first-in first-out per pair of ranks. Batched p2p
         # posts a two-stage pipeline's activation and gradient to the same peer in an order the
         # peer does not mirror (the interleaved schedule swaps them); megatron's unbatched path
         # sends the two directions over two communicators.
         overrides["batch_p2p_comm"] = False
-    dtype = torch.bfloat16 if args.bf16 and not on_cpu else torch.float32
     try:
         return transformer_config(config, layout, dtype=dtype, on_cpu=on_cpu, initialize=True, **overrides)
     except UnmappedModel as exc:
-        raise MegatronSetupError(f"{args.hf_checkpoint}: {exc}") from exc
+        raise MegatronSetupError(f"{path}: {exc}") from exc
