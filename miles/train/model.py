@@ -11,6 +11,8 @@ import torch
 class ModelLoadError(RuntimeError):
     """A checkpoint directory cannot be loaded as a causal LM; names the directory and the fix."""
 
+    same_on_every_rank = True  # every rank loads the same directory
+
 
 def train_dtype(bf16: bool) -> torch.dtype:
     """The compute dtype of `--bf16` (master weights stay float32), the same on every device."""

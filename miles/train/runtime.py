@@ -15,6 +15,7 @@ from miles.train.backends import TrainBackend, make_backend
 from miles.train.config import RunConfig, SamplingConfig
 from miles.train.consumption import build, run_notes
 from miles.train.distributed import DistInfo, init_distributed, seed_everything
+from miles.train.inputs import verify_checkpoints
 from miles.train.rewards import RewardFn, load_reward, score
 from miles.train.rollout import Generation, RolloutEngine
 
@@ -79,6 +80,7 @@ def build_run(config: RunConfig) -> Run:
         torch.set_num_threads(job.num_threads)
     dist_info = init_distributed(job.distributed_backend)
     validate_world(config, dist_info.world_size)
+    verify_checkpoints(config, dist_info)  # before any model loads from them
     if ckpt.load:  # before any model loads: a mistyped --load fails in a second
         checkpoint.check_load_dir(ckpt.load, ckpt.save)
     seed_everything(job.seed)
@@ -98,7 +100,7 @@ def build_run(config: RunConfig) -> Run:
     if model is not None:
         warn_if_not_causal(run)
     run.start_rollout = resume(run)
-    engine.update_weights(backend.full_weights(names=engine.weight_names))
+    push_initial_weights(run)
     algorithm = config.algorithm
     kl = f", KL {algorithm.kl_loss_type} x {algorithm.kl_loss_coef} vs {backend.ref_source or '-'}"
     run.log(
@@ -119,6 +121,41 @@ def build_run(config: RunConfig) -> Run:
     for note in notes:
         run.log(f"miles.train: note: {note}")
     return run
+
+
+def push_initial_weights(run: Run) -> None:
+    """The engine gets the trainer's weights; with --ci-test on a fresh run, they are checked
+    against --hf-checkpoint's files as the engine holds them (miles.train.checks, check 5)."""
+    from miles.train import checks
+    from miles.train.distributed import all_gather_objects
+
+    engine, cfg = run.engine, run.config
+    stream = run.backend.full_weights(names=engine.weight_names)
+    against = cfg.checks.ci_test and run.start_rollout == 0
+    comparison = None
+    if against and run.dist.is_main:
+        comparison = checks.CheckpointComparison(
+            cfg.checkpoint.hf_checkpoint, cfg.checks.check_weight_update_skip_list
+        )
+        if not engine.exact_weights:  # it cannot hand its tensors back: compare what it is given
+            stream = comparison.teed(stream)
+    engine.update_weights(stream)
+    if not against:
+        return
+    verdict = None
+    if comparison is not None:
+        if engine.exact_weights:
+            from miles.train.backends.torch_dp import checkpoint_names
+
+            held = checkpoint_names(engine.local_model, dict(engine.named_weights()))
+            for name, tensor in held.items():
+                comparison.add(name, tensor)
+            verdict = comparison.verdict(f"the {engine.name} rollout engine's weights")
+        else:
+            verdict = comparison.verdict(f"the weights given to the {engine.name} rollout engine")
+    found = [v for v in all_gather_objects(verdict) if v]
+    if found:
+        raise checks.NotTheCheckpoint(found[0])
 
 
 def warn_if_not_causal(run: Run) -> None:
@@ -161,6 +198,7 @@ def resume(run: Run) -> int:
         run.log(f"miles.train: no checkpoint in --load {ckpt.load}; starting from --hf-checkpoint")
         return 0
     checkpoint.check_compatible(state, run.config)
+    checkpoint.check_files(ckpt.load, state.rollouts_done)
     with_optimizer = state.with_optimizer and not ckpt.no_load_optim
     run.backend.load(
         str(checkpoint.iteration_dir(ckpt.load, state.rollouts_done)), with_optimizer=with_optimizer

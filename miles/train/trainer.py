@@ -29,7 +29,15 @@ from miles.train.args import ArgsError, parse_config
 from miles.train.backends import BackendUnavailable
 from miles.train.batch import Sample, TokenBatch, collate, load_samples, save_samples
 from miles.train.data import SYNTHETIC_PREFIX, DataError, batch_for_rollout
-from miles.train.distributed import all_gather_objects, all_reduce_sum, barrier, sampling_seed, shutdown
+from miles.train.distributed import (
+    all_gather_objects,
+    all_reduce_sum,
+    barrier,
+    current_rank,
+    sampling_seed,
+    shutdown,
+)
+from miles.train.inputs import CheckpointRefused
 from miles.train.model import ModelLoadError
 from miles.train.rewards import RewardError
 from miles.train.rollout import RolloutEngineError
@@ -73,6 +81,7 @@ FOR_PEOPLE = (
     ArgsError,
     BackendUnavailable,
     checkpoint.CheckpointError,
+    CheckpointRefused,
     checks.CheckFailed,
     DataError,
     guards.NonFiniteTraining,
@@ -301,7 +310,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         run = build_run(config)
         train(run)
     except FOR_PEOPLE as exc:
-        print(f"miles.train: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        # An error every rank raises alike is said once, by rank 0.
+        if not getattr(exc, "same_on_every_rank", False) or current_rank() == 0:
+            print(f"miles.train: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
         shutdown()

@@ -22,6 +22,8 @@ from miles.train.batch import TokenBatch
 class BackendUnavailable(RuntimeError):
     """The chosen backend cannot run on this machine; the message says what it needs."""
 
+    same_on_every_rank = True  # every rank builds the same backend from the same flags
+
 
 @dataclass(frozen=True)
 class StepResult:
