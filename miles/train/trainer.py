@@ -23,6 +23,7 @@ from dataclasses import replace
 
 import torch
 
+from miles import children
 from miles.train import checkpoint, checks, evaluation, guards, report
 from miles.train.algorithm import LOSS_SUMS, group_advantages
 from miles.train.args import ArgsError, parse_config
@@ -305,6 +306,7 @@ def maybe_save(run: Run, rollout_id: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    children.arm()  # what the run forks (checkpoint writers) dies with it, even on SIGKILL
     config = parse_config(argv)
     try:
         run = build_run(config)
