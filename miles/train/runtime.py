@@ -161,13 +161,14 @@ def push_initial_weights(run: Run) -> None:
 def warn_if_not_causal(run: Run) -> None:
     """Say up front when the model's forward is not causal: the logprob check would otherwise
     blame the weight sync for a gap no engine can close."""
-    from miles.train.model import CAUSALITY_TOL, causality_leak
+    from miles.train.model import causality_probe
 
-    leak = causality_leak(run.engine.model)
-    if leak > CAUSALITY_TOL:
+    leak, tolerance = causality_probe(run.engine.model)  # the tolerance follows the engine's dtype
+    if leak > tolerance:
         run.log(
             f"miles.train: warning: {run.engine.model.config.model_type}'s forward is not causal here: logits "
-            f"of earlier positions change by up to {leak:.2g} when tokens are appended (24 -> 40 tokens), so "
+            f"of earlier positions change by up to {leak:.2g} when tokens are appended (24 -> 40 tokens; float "
+            f"noise in its dtype stays under {tolerance:.2g}), so "
             "rollout and trainer logprobs differ on long sequences; keep prompt + response short (a tiny "
             "glm_moe_dsa: within its index_topk) or raise --ci-logprob-abs-diff-tol"
         )
