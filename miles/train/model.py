@@ -58,6 +58,21 @@ def load_causal_lm(path: str | Path, *, dtype: torch.dtype, device: str = "cpu")
     return model.to(device)
 
 
+def empty_causal_lm(path: str | Path, *, dtype: torch.dtype):
+    """The model of `path` on the meta device (no memory, no weights), with the attention
+    implementation load_causal_lm would choose."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(require_hf_dir(path))
+    with torch.device("meta"):
+        try:
+            return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        except ValueError as exc:
+            if "attention implementation" not in str(exc):
+                raise
+            return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
+
+
 def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 

@@ -72,6 +72,12 @@ class RolloutEngine(abc.ABC):
     seeded = True
 
     @property
+    def weight_dtype(self):
+        """The dtype the engine holds its floating-point weights in: the trainer casts each tensor
+        to it before the push (None: pushed as the trainer holds them)."""
+        return None
+
+    @property
     def local_model(self):
         """The Hugging Face model the engine samples with in this process (its generation
         config says how it ends a sequence), or None when the model lives elsewhere."""
@@ -133,6 +139,10 @@ class TorchRolloutEngine(RolloutEngine):
     @property
     def local_model(self):
         return self.model
+
+    @property
+    def weight_dtype(self):
+        return next(self.model.parameters()).dtype
 
     def generate(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, seed: int

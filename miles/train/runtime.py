@@ -130,7 +130,7 @@ def push_initial_weights(run: Run) -> None:
     from miles.train.distributed import all_gather_objects
 
     engine, cfg = run.engine, run.config
-    stream = run.backend.full_weights(names=engine.weight_names)
+    stream = run.backend.full_weights(names=engine.weight_names, dtype=engine.weight_dtype)
     against = cfg.checks.ci_test and run.start_rollout == 0
     comparison = None
     if against and run.dist.is_main:

@@ -134,6 +134,10 @@ class SGLangRolloutEngine(RolloutEngine):
             self.fp8 = fp8_export_for(checkpoint.hf_checkpoint)
         except Fp8ExportError as exc:
             raise SGLangUnavailable(f"--hf-checkpoint: {exc}") from None
+        # FP8 checkpoints: miles quantizes the trainer's tensors as they are (miles.train.fp8_export)
+        self._weight_dtype = (
+            None if self.fp8 is not None else served_dtype(checkpoint.hf_checkpoint, self.kwargs)
+        )
         self.released: set[str] = set()
         self.group = engine_groups(dist_info.world_size, gpus, self.rank)
         self.engine = self._start(engine_cls) if self.slot.leader else None
@@ -148,6 +152,10 @@ class SGLangRolloutEngine(RolloutEngine):
             ) from None
         _watch_children(engine)
         return engine
+
+    @property
+    def weight_dtype(self):
+        return self._weight_dtype
 
     # --- generation ---
 
@@ -292,6 +300,34 @@ class SGLangRolloutEngine(RolloutEngine):
         if self.engine is not None:
             engine, self.engine = self.engine, None
             engine.shutdown()
+
+
+def served_dtype(model_path: str, kwargs: Mapping[str, Any]):
+    """The dtype SGLang serves `model_path` in with these server arguments, as sglang 0.5.23
+    decides it (srt/configs/model_config.py, _get_and_verify_dtype): `dtype` "auto" takes
+    config.json's (`dtype`, else `torch_dtype`; float32 when absent), except that a float32
+    model is served in float16 (bfloat16 for Gemma); any other value names the dtype."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    names = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16,
+             "float": torch.float32, "float32": torch.float32}  # fmt: skip
+    dtype = str(kwargs.get("dtype", "auto")).lower()
+    if dtype != "auto":
+        if dtype not in names:
+            raise SGLangUnavailable(
+                f"--sglang-dtype {dtype}: SGLang knows auto, {', '.join(names)}; pass one of them"
+            )
+        return names[dtype]
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    config_dtype = names.get(
+        str(config.get("dtype") or config.get("torch_dtype") or "float32"), torch.float32
+    )
+    if config_dtype == torch.float32:
+        return torch.bfloat16 if str(config.get("model_type", "")).startswith("gemma") else torch.float16
+    return config_dtype
 
 
 def _import_sglang(engine_cls, server_args_cls):

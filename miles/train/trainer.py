@@ -255,7 +255,7 @@ def sync_weights(run: Run, rollout_id: int) -> dict[str, float]:
         return {}
     started = time.perf_counter()
     check = run.config.checks.ci_test or run.config.checks.check_weight_update_equal
-    stream = run.backend.full_weights(names=run.engine.weight_names)
+    stream = run.backend.full_weights(names=run.engine.weight_names, dtype=run.engine.weight_dtype)
     # Only a bit-exact check needs every tensor at once; otherwise they stream to the engine.
     weights = dict(stream) if check and run.engine.exact_weights else None
     run.engine.update_weights(weights.items() if weights is not None else stream)

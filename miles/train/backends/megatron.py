@@ -174,9 +174,10 @@ class MegatronBackend(TrainBackend):
             self.steps_done += 1
         return StepResult(grad_norm=float(grad_norm), lr=lr, terms=terms, skipped=not applied)
 
-    def full_weights(self, names: str = "model") -> Iterator[tuple[str, torch.Tensor]]:
+    def full_weights(self, names: str = "model", dtype=None) -> Iterator[tuple[str, torch.Tensor]]:
         fused = self.fused_experts and names == "model"
-        yield from WeightExporter(self.chunks, self.config, fused_experts=fused)
+        for name, tensor in WeightExporter(self.chunks, self.config, fused_experts=fused):
+            yield name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
 
     def save(self, directory: str, *, with_optimizer: bool) -> None:
         steps = self.steps_done if with_optimizer else None
