@@ -8,6 +8,11 @@ class attribute; each constructor takes exactly the sections it names). A flag h
 in a run when it is set and no chosen component consumes its field: that follows from the
 declarations, with no list of its own. The declarations are read from the source files' syntax
 trees, so a recipe can ask without importing torch.
+
+Such a flag is refused in one line (`refusal`): when a recipe's command is built
+(miles.recipes.launch) and when `python -m miles.train` starts (miles.train.runtime). The only
+exception is PENDING: options the shipped GPU recipes pass to --train-backend megatron that it
+does not act on yet, accepted there alone with a start-up note (`run_notes`).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from miles.train.config import FLAGS, SECTION_NAMES, Flag, ModelConfig, RunConfig, SGLangConfig, flag_of
+from miles.train.config import FLAGS, SECTION_NAMES, Flag, RunConfig, SGLangConfig, flag_of
 
 ALL = "*"
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # miles/
@@ -170,41 +175,79 @@ def flags_without_effect(config: RunConfig, engine_choice: str) -> list[str]:
     return [f.option for f in unconsumed(config, chosen(config, engine_choice))]
 
 
-def run_notes(config: RunConfig, engine_choice: str) -> list[str]:
-    """The start-up notes naming the flags this command sets that its run does not act on,
-    each group with who would act on them."""
-    train_backend = config.job.train_backend
-    unused = unconsumed(config, chosen(config, engine_choice))
-    other_backends = [backend(c) for c in BACKENDS if c != train_backend]
-    other_engines = [engine(c) for c in ENGINES if c != engine_choice]
-    groups: dict[str, list[str]] = {}
-    model: list[Flag] = []
-    for flag in unused:
-        readers = [c for c in (*other_engines, *other_backends) if c.consumes(flag)]
-        if flag.section == ModelConfig.name and readers:
-            model.append(flag)  # recipes pass the whole shape; counted, not listed
+# The flags the shipped GPU recipes pass to --train-backend megatron that it does not act on
+# yet, with what is missing. There alone they are accepted, and named at start-up; anywhere
+# else, and any other flag without effect, is refused (tests/unit/test_train_consumption.py
+# keeps this table to what the recipes pass and the backend still ignores).
+PENDING_BACKEND = "megatron"
+_MEGATRON_CORE = "a megatron-core option the backend does not pass to megatron-core yet"
+_TOKEN_BUDGET = "token-budget micro-batching is not implemented yet (fixed --micro-batch-size)"
+PENDING: Mapping[str, str] = {
+    **dict.fromkeys(
+        (
+            "--accumulate-allreduce-grads-in-fp32", "--attention-backend", "--attention-dropout",
+            "--attention-softmax-in-fp32", "--hidden-dropout", "--moe-grouped-gemm", "--moe-permute-fusion",
+            "--moe-router-bias-update-rate", "--no-bias-dropout-fusion", "--no-masked-softmax-fusion",
+            "--no-rope-fusion", "--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d", "--transformer-impl",
+            "--use-distributed-optimizer", "--use-precision-aware-optimizer",
+        ),
+        _MEGATRON_CORE,
+    ),
+    **dict.fromkeys(("--use-dynamic-batch-size", "--max-tokens-per-gpu", "--balance-data"), _TOKEN_BUDGET),
+    "--megatron-to-hf-mode": "the backend exports its weights through its own converter whatever the mode",
+}  # fmt: skip
+
+
+# Why no component acts on a flag, where a reader would not guess it.
+_PLACEMENT = (
+    "miles' SGLang engine always runs on the training GPUs and frees its memory while the trainer steps, and the "
+    "built-in engine runs inside the trainer's processes: there is no other placement to choose"
+)
+WHY_NOT: Mapping[str, str] = {
+    "--colocate": _PLACEMENT,
+    "--offload-rollout": _PLACEMENT,
+    "--rollout-num-gpus": _PLACEMENT,
+    "--offload": "no backend moves its weights or optimizer state off the GPU between steps yet",
+    "--offload-train": "no backend moves its weights or optimizer state off the GPU between steps yet",
+}
+
+
+def _pending(config: RunConfig, flag: Flag) -> bool:
+    return config.job.train_backend == PENDING_BACKEND and flag.option in PENDING
+
+
+def refusal(config: RunConfig, engine_choice: str) -> str | None:
+    """One line naming every flag the command sets that its run would not act on (pending ones
+    aside), who would act on each and the fix; None when every flag acts."""
+    run = f"--train-backend {config.job.train_backend} with the {engine_choice} rollout engine"
+    others = [backend(c) for c in BACKENDS if c != config.job.train_backend]
+    others += [engine(c) for c in ENGINES if c != engine_choice]
+    by_reader: dict[str, list[str]] = {}
+    for flag in unconsumed(config, chosen(config, engine_choice)):
+        if _pending(config, flag):
             continue
-        if readers:
-            on = (
-                f"the {engine_choice} rollout engine"
-                if readers[0].kind == "engine"
-                else f"--train-backend {train_backend}"
-            )
-            key = f"without effect on {on} (read by {_names(readers)})"
-        else:
-            key = (
-                f"without effect on --train-backend {train_backend} with the {engine_choice} rollout engine "
-                "(no backend or engine acts on them yet)"
-            )
-        groups.setdefault(key, []).append(flag.option)
-    notes = [f"{key}: {' '.join(options)}" for key, options in groups.items()]
-    if model:
-        readers = _names([c for c in other_backends if c.consumes(model[0])])
-        notes.append(
-            f"{len(model)} Megatron model flag(s) are read by {readers} only "
-            f"(--train-backend {train_backend} takes the shape from the HF config)"
-        )
-    return notes
+        readers = [c for c in others if c.consumes(flag)]
+        who = f"read by {_names(readers)}" if readers else WHY_NOT.get(flag.option, "read by no component")
+        by_reader.setdefault(who, []).append(flag.option)
+    if not by_reader:
+        return None
+    listed = "; ".join(f"{' '.join(options)} ({who})" for who, options in by_reader.items())
+    return (
+        f"{listed}: no effect on {run}, so refused; drop them, or run with the backend or engine that "
+        "reads them"
+    )
+
+
+def run_notes(config: RunConfig, engine_choice: str) -> list[str]:
+    """The start-up notes naming the pending flags (PENDING) this command sets, with what is missing."""
+    by_reason: dict[str, list[str]] = {}
+    for flag in unconsumed(config, chosen(config, engine_choice)):
+        if _pending(config, flag):
+            by_reason.setdefault(PENDING[flag.option], []).append(flag.option)
+    return [
+        f"accepted without effect on --train-backend {PENDING_BACKEND} ({why}): {' '.join(options)}"
+        for why, options in by_reason.items()
+    ]
 
 
 def _names(components: Sequence[Consumer]) -> str:

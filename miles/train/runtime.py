@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from miles.train import checkpoint, data, guards
-from miles.train.args import validate_world, world_note
+from miles.train.args import ArgsError, validate_world, world_note
 from miles.train.backends import TrainBackend, make_backend
 from miles.train.config import RunConfig, SamplingConfig
-from miles.train.consumption import build, run_notes
+from miles.train.consumption import build, refusal, run_notes
 from miles.train.distributed import DistInfo, init_distributed, seed_everything
 from miles.train.inputs import verify_checkpoints
 from miles.train.rewards import RewardFn, load_reward, score
@@ -80,6 +80,9 @@ def build_run(config: RunConfig) -> Run:
         torch.set_num_threads(job.num_threads)
     dist_info = init_distributed(job.distributed_backend)
     validate_world(config, dist_info.world_size)
+    refused = refusal(config, engine_choice(config, dist_info))
+    if refused:  # before anything loads: a flag the run would not act on
+        raise ArgsError(f"python -m miles.train: {refused}")
     verify_checkpoints(config, dist_info)  # before any model loads from them
     if ckpt.load:  # before any model loads: a mistyped --load fails in a second
         checkpoint.check_load_dir(ckpt.load, ckpt.save)
@@ -177,10 +180,15 @@ def warn_if_not_causal(run: Run) -> None:
 def make_engine(config: RunConfig, dist_info: DistInfo) -> RolloutEngine:
     """The --rollout-engine (auto: sglang on a GPU machine that has it, else the built-in one),
     given the sections it consumes."""
+    return build("engine", engine_choice(config, dist_info), config, dist_info)
+
+
+def engine_choice(config: RunConfig, dist_info: DistInfo) -> str:
+    """What --rollout-engine resolves to on this machine (auto: sglang on a GPU that has it)."""
     choice = config.job.rollout_engine
     if choice == "auto":
         choice = "sglang" if dist_info.device != "cpu" and _sglang_installed() else "torch"
-    return build("engine", choice, config, dist_info)
+    return choice
 
 
 def _sglang_installed() -> bool:

@@ -94,30 +94,55 @@ def test_a_declaration_naming_a_missing_section_or_field_is_refused():
         consumption.checked_declaration({"rollout": ("lr",)}, "X.CONSUMES")
 
 
-def test_a_megatron_flag_on_the_data_parallel_backend_is_reported():
+def test_a_megatron_flag_on_the_data_parallel_backend_is_refused():
     config = _config("--recompute-granularity", "full", "--sequence-parallel", "--num-layers", "4")
     assert consumption.flags_without_effect(config, "torch") == [
         "--sequence-parallel",
         "--num-layers",
         "--recompute-granularity",
     ]
-    notes = consumption.run_notes(config, "torch")
-    assert (
-        "without effect on --train-backend fsdp (read by --train-backend megatron): --sequence-parallel "
-        "--recompute-granularity" in notes
+    assert consumption.refusal(config, "torch") == (
+        "--sequence-parallel --num-layers --recompute-granularity (read by --train-backend megatron): no effect "
+        "on --train-backend fsdp with the torch rollout engine, so refused; drop them, or run with the backend "
+        "or engine that reads them"
     )
-    assert notes[-1].startswith("1 Megatron model flag(s) are read by --train-backend megatron only")
+    assert consumption.run_notes(config, "torch") == []
 
 
-def test_an_option_the_data_parallel_backend_alone_acts_on_is_reported_on_megatron(tmp_path):
+def test_an_option_the_data_parallel_backend_alone_acts_on_is_refused_on_megatron(tmp_path):
     (tmp_path / "config.json").write_text('{"num_hidden_layers": 2, "num_attention_heads": 2}')
     config = parse_config(
         ["--hf-checkpoint", str(tmp_path), "--train-backend", "megatron", "--gradient-checkpointing"]
     )
     assert consumption.flags_without_effect(config, "torch") == ["--gradient-checkpointing"]
-    assert consumption.run_notes(config, "torch") == [
-        "without effect on --train-backend megatron (read by --train-backend fsdp/ddp): --gradient-checkpointing"
+    assert consumption.refusal(config, "torch").startswith(
+        "--gradient-checkpointing (read by --train-backend fsdp/ddp): no effect on --train-backend megatron"
+    )
+
+
+def test_a_pending_megatron_flag_is_accepted_on_megatron_only_and_named_at_start(tmp_path):
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 2, "num_attention_heads": 2}')
+    megatron = parse_config(
+        [
+            "--hf-checkpoint",
+            str(tmp_path),
+            "--train-backend",
+            "megatron",
+            "--moe-grouped-gemm",
+            "--balance-data",
+        ]
+    )
+    assert consumption.refusal(megatron, "sglang") is None
+    assert consumption.run_notes(megatron, "sglang") == [
+        "accepted without effect on --train-backend megatron (token-budget micro-batching is not implemented yet "
+        "(fixed --micro-batch-size)): --balance-data",
+        "accepted without effect on --train-backend megatron (a megatron-core option the backend does not pass "
+        "to megatron-core yet): --moe-grouped-gemm",
     ]
+    fsdp = consumption.refusal(_config("--moe-grouped-gemm", "--balance-data"), "sglang")
+    assert fsdp.startswith(
+        "--balance-data --moe-grouped-gemm (read by no component): no effect on --train-backend fsdp"
+    )
 
 
 def test_the_engine_that_reads_a_flag_decides_whether_it_has_effect():
@@ -129,12 +154,18 @@ def test_the_engine_that_reads_a_flag_decides_whether_it_has_effect():
     ]
 
 
-def test_a_flag_no_component_acts_on_is_named_with_the_run_it_was_given_to():
-    config = _config("--colocate", "--use-wandb", "--train-backend", "ddp")
-    assert consumption.run_notes(config, "torch") == [
-        "without effect on --train-backend ddp with the torch rollout engine (no backend or engine acts on "
-        "them yet): --colocate --use-wandb"
-    ]
+def test_colocate_and_offload_are_refused_with_why_no_component_acts_on_them():
+    config = _config("--colocate", "--offload-train", "--use-wandb", "--train-backend", "ddp")
+    assert consumption.refusal(config, "torch") == (
+        "--colocate (miles' SGLang engine always runs on the training GPUs and frees its memory while the "
+        "trainer steps, and the built-in engine runs inside the trainer's processes: there is no other placement "
+        "to choose); --offload-train (no backend moves its weights or optimizer state off the GPU between steps "
+        "yet); --use-wandb (read by no component): no effect on --train-backend ddp with the torch rollout "
+        "engine, so refused; drop them, or run with the backend or engine that reads them"
+    )
+    assert consumption.refusal(
+        _config("--colocate", "--train-backend", "megatron", "--num-layers", "2"), "sglang"
+    )
 
 
 def test_flags_set_to_their_default_are_not_reported():
