@@ -69,6 +69,7 @@ DEEPEP_ROLLOUT_ENGINE: Args = (
 # Megatron memory and kernel settings; the CPU profile removes them (and the recipes' own
 # GPU-only perf flags).
 PERF: Args = (
+    ("--colocate", True),
     ("--bf16", True),
     ("--recompute-granularity", "full"),
     ("--recompute-method", "uniform"),
@@ -136,8 +137,9 @@ TINY_OVERRIDES = groups(
         ("--hidden-dropout", None),
         ("--accumulate-allreduce-grads-in-fp32", None),
         ("--attention-softmax-in-fp32", None),
-        # GPU-only: a kernel fusion, and the chunking of pushes to a separate SGLang engine
-        # (the built-in engine takes the trainer's tensors in its own process)
+        # GPU-only: the SGLang engine's memory release and weight-push chunking (the built-in
+        # engine samples inside the trainer's processes), and a kernel fusion
+        ("--colocate", None),
         ("--no-bias-dropout-fusion", None),
         ("--update-weight-buffer-size", None),
         ("--micro-batch-size", 4),  # in perf, where the recipes set theirs, so it replaces it
@@ -224,12 +226,6 @@ COMMON_DEVIATIONS = (
         "--num-gpus-per-node",
         reason="the reference tells Ray the node's GPU count; miles starts one rank per GPU of the profile "
         "(--actor-num-gpus-per-node)",
-    ),
-    deviation(
-        "--colocate",
-        reason="miles' SGLang engine always runs on the training GPUs and frees its memory while the trainer "
-        "steps (what the reference's --colocate selects, with the --offload-rollout it implies); the flag would "
-        "change nothing, and python -m miles.train refuses a flag without effect",
     ),
     deviation(
         "--train-memory-margin-bytes",

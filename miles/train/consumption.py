@@ -199,16 +199,17 @@ PENDING: Mapping[str, str] = {
 
 
 # Why no component acts on a flag, where a reader would not guess it.
-_PLACEMENT = (
-    "miles' SGLang engine always runs on the training GPUs and frees its memory while the trainer steps, and the "
-    "built-in engine runs inside the trainer's processes: there is no other placement to choose"
+_IN_PROCESS = (
+    "the built-in engine samples inside the trainer's processes and holds no GPU memory of its own to place or "
+    "release"
 )
+_TRAIN_OFFLOAD = "no backend moves its weights or optimizer state off the GPU between steps yet"
 WHY_NOT: Mapping[str, str] = {
-    "--colocate": _PLACEMENT,
-    "--offload-rollout": _PLACEMENT,
-    "--rollout-num-gpus": _PLACEMENT,
-    "--offload": "no backend moves its weights or optimizer state off the GPU between steps yet",
-    "--offload-train": "no backend moves its weights or optimizer state off the GPU between steps yet",
+    "--colocate": _IN_PROCESS,
+    "--offload-rollout": _IN_PROCESS,
+    "--rollout-num-gpus": "the SGLang engine always runs on the training GPUs: there is no separate rollout placement",
+    "--offload": _TRAIN_OFFLOAD,
+    "--offload-train": _TRAIN_OFFLOAD,
 }
 
 
@@ -227,8 +228,10 @@ def refusal(config: RunConfig, engine_choice: str) -> str | None:
         if _pending(config, flag):
             continue
         readers = [c for c in others if c.consumes(flag)]
-        who = f"read by {_names(readers)}" if readers else WHY_NOT.get(flag.option, "read by no component")
-        by_reader.setdefault(who, []).append(flag.option)
+        reasons = [WHY_NOT[flag.option]] if flag.option in WHY_NOT else []
+        if readers:
+            reasons.append(f"read by {_names(readers)}")
+        by_reader.setdefault(", ".join(reasons) or "read by no component", []).append(flag.option)
     if not by_reader:
         return None
     listed = "; ".join(f"{' '.join(options)} ({who})" for who, options in by_reader.items())

@@ -66,7 +66,7 @@ class RolloutEngine(abc.ABC):
     # checkpoint files (one tensor per expert), as SGLang's loaders read them.
     weight_names = "model"
     # It holds its own memory on the training GPUs and gives it back while the trainer steps
-    # (release_memory / resume_memory).
+    # (release_memory / resume_memory); the SGLang engine does with --colocate/--offload-rollout.
     colocated = False
     # The same seed gives the same samples.
     seeded = True

@@ -59,7 +59,9 @@ def test_the_render_refuses_colocate_on_the_cpu_lane_in_one_line():
     message = str(caught.value)
     assert "\n" not in message
     assert message.startswith("qwen3_4b (shared form) cpu 1x2 tiny")
-    assert "on the cpu lane: --colocate (miles' SGLang engine always runs on the training GPUs" in message
+    assert (
+        "on the cpu lane: --colocate (the built-in engine samples inside the trainer's processes" in message
+    )
     assert (
         "no effect on --train-backend megatron with the torch rollout engine, so refused; drop them"
         in message

@@ -176,7 +176,7 @@ def test_flags_the_chosen_stack_ignores_are_refused_in_one_line_not_dropped():
     refused = refusal(config, "torch")
     assert "\n" not in refused
     assert "--balance-data (read by no component)" in refused
-    assert "--colocate (miles' SGLang engine always runs on the training GPUs" in refused
+    assert "--colocate (the built-in engine samples inside the trainer's processes" in refused
     assert "--num-layers --hidden-size (read by --train-backend megatron)" in refused
     assert (
         "--sglang-mem-fraction-static --sglang-enable-dp-attention (read by the sglang rollout engine)"
