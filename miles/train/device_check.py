@@ -253,11 +253,8 @@ def train_tiny_recipe(
 ) -> tuple[dict, float]:
     """A recipe's tiny profile with `args` on `ranks` ranks (rendered for `train_backend` when
     given, so no flag of another backend's layout is passed); its metric series and seconds."""
-    from dataclasses import replace
-
     from miles.ckpt.pipeline import prepare
     from miles.metrics.capture import RECORD_DIR_ENV, decode_value
-    from miles.parallel import ParallelLayout
     from miles.recipes import load
     from miles.recipes.launch import RunOptions, build_plan
 
@@ -266,12 +263,7 @@ def train_tiny_recipe(
         python=sys.executable, extra_args=(*args, "--tensor-model-parallel-size", "1", "--actor-num-gpus-per-node", str(ranks)),
     )  # fmt: skip
     form = load(recipe, platform="cpu")
-    if train_backend is not None:
-        profiles = tuple(
-            replace(p, train_backend=train_backend, parallel=ParallelLayout()) for p in form.profiles
-        )
-        form = replace(form, profiles=profiles)
-    plan = build_plan(form, options, "cpu", base_env={})
+    plan = build_plan(form.on_backend(train_backend) if train_backend else form, options, "cpu", base_env={})
     prepare(plan.checkpoint, progress=False)
     record = workdir / f"record-{run_id}"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),

@@ -88,3 +88,29 @@ def test_the_trainer_refuses_offload_at_start_in_one_line(tmp_path):
     assert len(lines) == 1, lines
     assert "--offload-train (no backend moves its weights or optimizer state off the GPU" in lines[0]
     assert "no effect on --train-backend fsdp with the torch rollout engine, so refused" in lines[0]
+
+
+def test_a_recipe_rendered_for_fsdp_leaves_out_its_megatron_options():
+    """What the GPU recipe tests run for the families Megatron cannot build: the script's
+    --train-backend fsdp renders the recipe for FSDP, and the trainer would accept every flag."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, str(root / "scripts/run_inkling.py"), "train", "--platform", "cuda",
+         "--train-backend", "fsdp", "--dry-run", "--json"],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    argv = json.loads(done.stdout)["command"]
+    argv = argv[argv.index("miles.train") + 1 :]
+    config = parse_config(argv)
+    assert config.job.train_backend == "fsdp"
+    assert consumption.refusal(config, "sglang") is None
+    assert "--sequence-parallel" not in argv and "--attention-dropout" not in argv
+    assert "--sglang-mem-fraction-static" in argv  # the engine's own options stay
+
+
+def test_an_unknown_backend_is_refused_naming_the_known_ones():
+    with pytest.raises(RecipeError, match=r"qwen3_4b: no train backend 'fdsp'; known: fsdp, ddp, megatron"):
+        shared("qwen3_4b").on_backend("fdsp")
