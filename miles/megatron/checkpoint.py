@@ -175,9 +175,10 @@ def save_release(sharded: dict, common: dict, out: Path) -> None:
     (out / "common.pt").write_bytes(buffer.getvalue())
     flat, _, _ = _replace_state_dict_keys_with_sharded_keys(tensors, keep_only_main_replica=True)
     state = mcore_to_pyt_state_dict(flat, is_loading=False)
-    dcp.save(
-        state, storage_writer=Writer(out, thread_count=1), planner=MCoreSavePlanner(flatten_state_dict=False)
-    )
+    # the tensors are on the CPU: written as they are, never staged through a GPU stream (torch
+    # stages them when a GPU is visible unless nothing is copied ahead)
+    writer = Writer(out, thread_count=1, per_thread_copy_ahead=0)
+    dcp.save(state, storage_writer=writer, planner=MCoreSavePlanner(flatten_state_dict=False))
     save_config(CheckpointingConfig("torch_dist", 1), out)
 
 

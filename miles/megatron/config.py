@@ -82,6 +82,9 @@ def transformer_config(
     import torch
     from megatron.core import transformer
 
+    from miles.megatron.compat import bind_missing_te_names
+
+    bind_missing_te_names()  # megatron-core's own message, not an ImportError, for a TE-only switch
     mapping = mapping_of(config)
     mapping.refuse_unmapped(config)
     dtype = dtype or checkpoint_dtype(config)
