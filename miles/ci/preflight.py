@@ -405,8 +405,17 @@ def preflight(
         min_free_gb if min_free_gb is not None else float(env.get(MIN_FREE_ENV, MIN_FREE_GB[need.backend]))
     )
     problems += check_disk(model_dir or Path(env.get(MODEL_DIR_ENV, ".")).resolve(), threshold)
+    if not machine_only and need.gpus:
+        problems += transformer_engine_problems(lane)
     leftover_problems, notes = check_leftovers(clean)
     return problems + leftover_problems, notes
+
+
+def transformer_engine_problems(lane: str) -> list[str]:
+    """Transformer Engine imports at the stack's version and megatron-core uses it (GPU lanes)."""
+    from miles.ci.te_preflight import check_transformer_engine
+
+    return check_transformer_engine(lane, ROOT)
 
 
 @dataclass(frozen=True)
