@@ -91,6 +91,10 @@ def transformer_config(
     fields = mapping.transformer_fields(config)
     fields.update((parallel or ParallelLayout()).transformer_config_kwargs())
     fields.update(overrides)
+    if isinstance(fields.get("attention_backend"), str):  # a flag's value: megatron-core's enum member
+        from megatron.core.transformer.enums import AttnBackend
+
+        fields["attention_backend"] = AttnBackend[fields["attention_backend"]]
     return getattr(transformer, mapping.config_class)(
         params_dtype=dtype,
         pipeline_dtype=dtype,  # what pipeline stages exchange

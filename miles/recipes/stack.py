@@ -6,8 +6,11 @@ sglang the platform's lane pins (requirements/<stack>.txt). The field names of e
 release are kept in `stacks/sglang-<version>-serverargs.txt`, written from the installed package's
 own class (`python tests/unit/sglang_probe.py --fields`), and tests/unit/test_recipe_stack.py
 checks the list against the installed sglang's ServerArgs. Every other flag must be one
-`python -m miles.train` parses (miles.train.args.build_parser). Neither import is heavy:
-the field list is a text file and the trainer's parser is standard-library argparse.
+`python -m miles.train` parses (miles.train.args.build_parser), and one the chosen training
+backend acts on: a Megatron recipe's flags against the backend's declaration of each
+(miles.megatron.options), so no recipe flag is accepted and ignored. None of these imports is
+heavy: the field list is a text file, the parser standard-library argparse, the declaration a
+table.
 """
 
 from __future__ import annotations
@@ -97,7 +100,33 @@ def stack_problems(argv: Sequence[str], platform: str) -> list[tuple[str, str]]:
     return out
 
 
-def command_problems(argv: Sequence[str], platform: str) -> list[tuple[str, str]]:
-    """Stack problems, and flags given more than once with different values."""
+@cache
+def stack_has_te(platform: str) -> bool:
+    """Whether the stack pinned for `platform` carries Transformer Engine (miles.image.te)."""
+    if platform == "cpu":
+        return False
+    from miles.image.config import load_images
+    from miles.image.te import stack_carries_te
+
+    try:
+        return stack_carries_te(load_images().stack_of_backend(platform).name)
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def backend_problems(argv: Sequence[str], platform: str, backend: str) -> list[tuple[str, str]]:
+    """Flags the chosen training backend would accept and not act on (or cannot act on with the
+    platform's stack), each with the reason: the Megatron backend's declaration of what it does
+    with every flag (miles.megatron.options)."""
+    if backend != "megatron":
+        return []
+    from miles.megatron.options import render_problems
+
+    return render_problems(argv, platform, stack_has_te(platform))
+
+
+def command_problems(argv: Sequence[str], platform: str, backend: str | None = None) -> list[tuple[str, str]]:
+    """Stack problems, flags given more than once with different values, and (with `backend`) the
+    flags that backend would ignore."""
     repeated = [(flag, twice(values)) for flag, values in duplicates(pairs(argv))]
-    return [*repeated, *stack_problems(argv, platform)]
+    return [*repeated, *stack_problems(argv, platform), *backend_problems(argv, platform, backend or "")]

@@ -382,6 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Flags the recipes emit for the GPU stack that the data-parallel backends and the built-in
 # engine do not act on; run_notes() names the ones a command sets, so none is silently dropped.
+# The Megatron backend acts on some of them and refuses the others (miles.megatron.options).
 GPU_STACK_ONLY = (
     "colocate offload offload_train offload_rollout balance_data use_dynamic_batch_size max_tokens_per_gpu "
     "partial_rollout over_sampling_batch_size dynamic_sampling_filter_path rollout_function_path "
@@ -391,14 +392,22 @@ GPU_STACK_ONLY = (
     "megatron_to_hf_mode ckpt_format num_epoch log_interval "
     "num_layers_per_virtual_pipeline_stage debug_train_only tool_key"
 ).split()
-# Of those, the ones the megatron backend does act on.
-MEGATRON_USES = ("num_layers_per_virtual_pipeline_stage",)
 SGLANG_ONLY = ("rollout_num_gpus_per_engine", "sglang_mem_fraction_static", "update_weight_buffer_size")
 MEGATRON_GROUP = "megatron model (megatron backend; fsdp/ddp read the HF config)"
 
 
+def changed_flags(args: argparse.Namespace) -> dict[str, object]:
+    """Option string -> value of every flag whose value is not its default."""
+    return {
+        a.option_strings[0]: getattr(args, a.dest)
+        for a in build_parser()._actions
+        if a.option_strings and getattr(args, a.dest, None) != a.default and a.default != argparse.SUPPRESS
+    }
+
+
 def run_notes(args: argparse.Namespace, engine: str) -> list[str]:
-    """Flags this command sets that the chosen backend and rollout engine ignore."""
+    """Flags this command sets that the chosen backend and rollout engine ignore (the Megatron
+    backend refuses those instead: miles.megatron.options)."""
     parser = build_parser()
     changed = {
         a.dest: a.option_strings[0]
@@ -406,10 +415,6 @@ def run_notes(args: argparse.Namespace, engine: str) -> list[str]:
         if a.option_strings and getattr(args, a.dest, None) != a.default and a.default != argparse.SUPPRESS
     }
     notes = []
-    if args.train_backend == "megatron":
-        ignored = [changed[d] for d in GPU_STACK_ONLY if d in changed and d not in MEGATRON_USES]
-        if ignored:
-            notes.append(f"without effect on --train-backend megatron: {' '.join(ignored)}")
     if args.train_backend != "megatron":
         megatron = [
             a.dest for g in parser._action_groups if g.title == MEGATRON_GROUP for a in g._group_actions

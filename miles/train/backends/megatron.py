@@ -1,13 +1,16 @@
 """`--train-backend megatron`: the policy as a megatron-core GPTModel, on GPUs or on CPU under gloo.
 
 The layout of the recipe (TP, SP, PP, VPP, CP, EP, ETP, DP) becomes megatron's process groups;
-the model is built from the HF config with the Transformer Engine layer spec and loaded
+the model is built from the HF config with the Transformer Engine layer spec (TE's own modules
+where TE loads on a GPU, the stand-in ones otherwise: `miles.megatron.spec`) and loaded
 from the torch_dist checkpoint `prepare-ckpt` writes (`--ref-load`); micro-batches go
 through megatron's `forward_backward_func` (so pipeline parallelism runs its real
 schedule) with the GRPO/GSPO loss of `miles.train.algorithm` computed on vocabulary-parallel
 logits; gradients are reduced by megatron's DDP and applied by its distributed optimizer
-(fp32 main parameters). Without a GPU, `compat.install()` first redirects megatron-core's
-CUDA assumptions to the CPU.
+(fp32 main parameters). Every Megatron and GPU-stack flag acts through one row of
+`miles.megatron.options` or is refused when the backend starts. On the CPU,
+`compat.install()` first redirects megatron-core's CUDA assumptions. The run's first line
+names the spec, attention, experts and optimizer actually built.
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ import torch.distributed as dist
 
 from miles.megatron import checkpoint as ckpt
 from miles.megatron import model as mg
+from miles.megatron import options
 from miles.megatron import training as mt
 from miles.megatron.export import WeightExporter
 from miles.megatron.loss import gather_context_parallel, micro_batches, vocab_parallel_logprobs
-from miles.train.args import loss_config, optim_config
+from miles.train.args import changed_flags, loss_config, optim_config
 from miles.train.backends import BackendUnavailable, StepResult, TrainBackend, batch_loss
 from miles.train.batch import TokenBatch
 
@@ -45,6 +49,7 @@ class MegatronBackend(TrainBackend):
 
             compat.install()
         self.device = dist_info.device
+        self.impl, why = _layer_spec(args, self.device)
         self.loss_cfg = loss_config(args)
         self.optim_cfg = optim_config(args)
         self.config = json.loads((Path(args.hf_checkpoint) / "config.json").read_text())
@@ -52,17 +57,25 @@ class MegatronBackend(TrainBackend):
         self.source = _weights_source(args)
         self.layout = args.layout  # parsed and checked with the flags (miles.train.args)
         mt.init_parallel_state(self.layout, args.seed)
-        self.tc = _transformer_config(args, self.config, self.layout, on_cpu=self.on_cpu)
+        self.tc = _transformer_config(args, self.config, self.layout, on_cpu=self.on_cpu, impl=self.impl)
         # The reference model gets a config of its own: the policy's gains DDP hooks below.
         ref_tc = copy.copy(self.tc)
         self.vocab = ckpt.embedding_rows(self.source) or int(self.config["vocab_size"])
+        check_built_model(args, self.tc, self.vocab, args.hf_checkpoint)
         chunks = self._load_chunks(self.tc)
         mg.freeze_padding_embedding(chunks, self.config.get("pad_token_id"))
         self.chunks = [c.to(self.device) for c in chunks]
-        self.model = mt.wrap_ddp(self.chunks, self.tc)
-        self.optimizer = mt.build_optimizer(self.model, self.optim_cfg, self.tc)
+        self.model = mt.wrap_ddp(self.chunks, self.tc, options.ddp_fields(args))
+        self.optimizer = mt.build_optimizer(
+            self.model, self.optim_cfg, self.tc, options.optimizer_fields(args)
+        )
+        self.params_stale = False  # overlapped parameter gathering leaves them stale after a step
         mt.connect_schedule(self.tc, self.model)
         if dist_info.is_main:
+            from miles.megatron.spec import built_spec_line
+
+            line = built_spec_line(self.chunks, self.optimizer, self.impl, why, self.tc.attention_backend)
+            print(f"miles.train: {line}", flush=True)
             print(f"miles.train: megatron {self.schedule()}", flush=True)
         self.ref_chunks = None
         self.ref_source = self.source
@@ -76,7 +89,7 @@ class MegatronBackend(TrainBackend):
         self.steps_done = 0
 
     def _load_chunks(self, tc) -> list:
-        chunks = mg.build_chunks(self.config, tc, self.vocab)
+        chunks = mg.build_chunks(self.config, tc, self.vocab, impl=self.impl)
         try:
             ckpt.load_weights(chunks, self.source)
         except ckpt.CheckpointMismatch as exc:
@@ -97,6 +110,8 @@ class MegatronBackend(TrainBackend):
     ) -> torch.Tensor:
         """All micro-batches of the batch in one pass of megatron's schedule (a pipeline stays full)."""
         chunks = self.ref_chunks if reference else self.chunks
+        if not reference:
+            self._gather_params()
         for chunk in chunks:
             chunk.eval()
         parts = [batch.rows(slice(s, s + micro_batch_size)) for s in range(0, batch.size, micro_batch_size)]
@@ -123,13 +138,16 @@ class MegatronBackend(TrainBackend):
         applied, grad_norm = self._guarded_step(loss)
         if applied:
             self.steps_done += 1
+            self.params_stale = self.model[0].ddp_config.overlap_param_gather
         return StepResult(grad_norm=float(grad_norm), lr=lr, terms=terms, skipped=not applied)
 
     def full_weights(self, names: str = "model") -> Iterator[tuple[str, torch.Tensor]]:
         fused = self.fused_experts and names == "model"
+        self._gather_params()
         yield from WeightExporter(self.chunks, self.config, fused_experts=fused)
 
     def save(self, directory: str, *, with_optimizer: bool) -> None:
+        self._gather_params()
         steps = self.steps_done if with_optimizer else None
         ckpt.save_training_state(self.chunks, self.optimizer, directory, steps_done=steps)
 
@@ -147,6 +165,13 @@ class MegatronBackend(TrainBackend):
         return f"{self.layout.describe()}: {mt.schedule_name()}, {chunks} model chunk{'s' if chunks > 1 else ''} per rank"
 
     # --- machinery ----------------------------------------------------------------------
+
+    def _gather_params(self) -> None:
+        """Before anything reads the weights outside a training forward: with overlapped parameter
+        gathering they are stale after a step (megatron gathers them in the next training forward)."""
+        if self.params_stale:
+            mt.gather_params(self.model)
+            self.params_stale = False
 
     def _run(self, parts: Sequence[TokenBatch], chunks, loss_fn, *, forward_only: bool) -> list[dict]:
         """The micro-batches through megatron's schedule; the last stage's loss outputs, on every rank."""
@@ -263,23 +288,46 @@ def check_model_flags(args, config: dict, path: str) -> None:
         )
 
 
-def _transformer_config(args, config: dict, layout, *, on_cpu: bool):
-    """The TransformerConfig of the run: the HF model's math, the layout, the recipe's MoE switches."""
+def _layer_spec(args, device: str) -> tuple[str, str]:
+    """The layer spec to build (and why), after every flag the backend would not act on with it
+    is refused in one line."""
+    from miles.megatron.spec import SpecRefused, choose_impl
+
+    try:
+        impl, why = choose_impl(args.transformer_impl, "cpu" if device == "cpu" else device)
+    except SpecRefused as exc:
+        raise MegatronSetupError(str(exc)) from exc
+    problems = options.start_problems(args, changed_flags(args), impl, device)
+    if problems:
+        spec = (
+            "Transformer Engine's layer spec"
+            if impl == "transformer_engine"
+            else f"the stand-in layer spec ({why})"
+        )
+        raise MegatronSetupError(
+            f"--train-backend megatron would not act on {len(problems)} flag(s) of this command with {spec} on "
+            f"{device}: {'; '.join(problems)}. Remove them, or run where what they need is"
+        )
+    return impl, why
+
+
+def check_built_model(args, tc, vocab: int, path: str) -> None:
+    """The model flags that name a TransformerConfig field agree with the model built from config.json."""
+    wrong = options.model_disagreements(args, tc, vocab)
+    if wrong:
+        raise MegatronSetupError(
+            f"{path}/config.json describes another model than the Megatron flags: {'; '.join(wrong)}. The model "
+            "is built from config.json; fix the recipe's model flags or point --hf-checkpoint at the right model"
+        )
+
+
+def _transformer_config(args, config: dict, layout, *, on_cpu: bool, impl: str = "local"):
+    """The TransformerConfig of the run: the HF model's math, the layout, and the fields the flags
+    set (miles.megatron.options.transformer_fields)."""
     from miles.megatron.config import transformer_config
     from miles.megatron.families import UnmappedModel
 
-    overrides = {}
-    if args.moe_router_dtype:
-        overrides["moe_router_dtype"] = args.moe_router_dtype
-    if args.moe_aux_loss_coeff:
-        overrides["moe_aux_loss_coeff"] = args.moe_aux_loss_coeff
-        overrides["moe_router_load_balancing_type"] = args.moe_router_load_balancing_type or "aux_loss"
-    if args.moe_token_dispatcher_type:
-        overrides["moe_token_dispatcher_type"] = args.moe_token_dispatcher_type
-    if args.recompute_granularity and not on_cpu:
-        overrides["recompute_granularity"] = args.recompute_granularity
-        overrides["recompute_method"] = args.recompute_method
-        overrides["recompute_num_layers"] = args.recompute_num_layers
+    overrides = options.transformer_fields(args, impl)
     if on_cpu:
         # gloo pairs point-to-point messages first-in first-out per pair of ranks. Batched p2p
         # posts a two-stage pipeline's activation and gradient to the same peer in an order the
@@ -291,3 +339,5 @@ def _transformer_config(args, config: dict, layout, *, on_cpu: bool):
         return transformer_config(config, layout, dtype=dtype, on_cpu=on_cpu, initialize=True, **overrides)
     except UnmappedModel as exc:
         raise MegatronSetupError(f"{args.hf_checkpoint}: {exc}") from exc
+    except ValueError as exc:  # megatron-core's own refusal of a combination of fields
+        raise MegatronSetupError(f"megatron-core refuses the flags' TransformerConfig: {exc}") from exc
