@@ -261,16 +261,22 @@ def load_training_state(chunks: Sequence, optimizer, directory: str, *, with_opt
 
 
 def _materialize_adam_state(optimizer) -> None:
-    """Give every parameter the AdamW state torch creates lazily at the first step (zeros, step 0).
+    """Give every parameter the Adam state its optimizer creates lazily at the first step, for a
+    fresh optimizer about to load a checkpoint (it needs the tensors to load into).
 
-    Without Apex or Transformer Engine, megatron's distributed optimizer describes its state
-    from torch's AdamW, which has none before a step; a fresh optimizer about to load a
-    checkpoint needs the tensors to load into.
+    torch's AdamW (megatron's optimizer without Apex or Transformer Engine) gets zeros and step
+    0; any other (TE's FusedAdam, which keeps its step in param_groups) gets what megatron-core's
+    own init_state_fn gives it (untested on GPU).
     """
     import torch
 
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = opt.optimizer
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            init = getattr(opt, "init_state_fn", None)
+            if init is not None:
+                init(inner, opt.config)
+            continue
         for group in inner.param_groups:
             for param in group["params"]:
                 state = inner.state[param]

@@ -202,26 +202,3 @@ def test_model_flags_are_checked_against_the_model_config_json_builds():
         "--normalization LayerNorm: config.json gives normalization='RMSNorm', the flag says 'LayerNorm'",
         "--multi-latent-attention: the model config.json describes has no multi_latent_attention (it would be True)",
     ]
-
-
-def test_spec_choice_follows_transformer_impl_and_megatron_cores_own_te_import():
-    from miles.megatron.spec import LOCAL, TE, SpecRefused, TEStatus, choose_impl
-
-    # TE cannot exist here: its status is passed in, as te_status() would report it on a GPU
-    absent, present = (
-        TEStatus(False, None, "transformer_engine is not installed"),
-        TEStatus(True, "2.20.2", ""),
-    )
-    assert choose_impl(None, "cuda:0", present) == (TE, "transformer-engine 2.20.2")
-    assert choose_impl(None, "cuda:0", absent) == (
-        LOCAL,
-        "no Transformer Engine: transformer_engine is not installed",
-    )
-    assert choose_impl("local", "cuda:0", present) == (LOCAL, "--transformer-impl local")
-    assert choose_impl(None, "cpu") == (LOCAL, "on the CPU")
-    with pytest.raises(
-        SpecRefused, match="Transformer Engine does not load here \\(transformer_engine is not installed\\)"
-    ):
-        choose_impl("transformer_engine", "cuda:0", absent)
-    with pytest.raises(SpecRefused, match="this run is on the CPU"):
-        choose_impl("transformer_engine", "cpu", present)
