@@ -10,11 +10,13 @@ rollout engine. A row says what the flag needs (Transformer Engine's layer spec,
 another flag) or why it is refused. Nothing reaches megatron-core except through these
 functions, and any flag of those groups without a row (or with a refusal) is refused: at
 render time for a recipe (`render_problems`, miles.recipes.stack) and when the backend starts
-(`start_problems`). Standard library only: the render reads it without torch.
+(`start_problems`). Standard library only: the render reads it without torch. The module is
+long because it is the one table; each function sits beside the rows it reads.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,13 +33,6 @@ class Option:
     needs: tuple[str, ...] = ()  # TE, GPU, or another flag; "a|b": either
     refused: str = ""  # why the backend refuses it whenever it is given
     fields: tuple[str, ...] = ()  # the megatron-core fields it sets: "TransformerConfig.x", ...
-
-    def describe(self) -> str:
-        return "; ".join(filter(None, (", ".join(self.fields), self.acts)))
-
-    @property
-    def dest(self) -> str:
-        return self.flag.lstrip("-").replace("-", "_")
 
 
 # --- the layer spec (miles.megatron.spec.choose_impl) -------------------------------------
@@ -355,6 +350,7 @@ OPTIONS: tuple[Option, ...] = (*SPEC, *TRANSFORMER, *DDP, *OPTIMIZER, *MODEL, *E
 BY_FLAG: Mapping[str, Option] = {o.flag: o for o in OPTIONS}
 
 
+@functools.cache
 def scope() -> dict[str, str]:
     """Every flag (option string -> dest) this table answers for: the trainer's Megatron group and
     its GPU-stack flags (miles.train.args)."""
@@ -430,11 +426,13 @@ def render_problems(argv: Sequence[str], platform: str, stack_has_te: bool) -> l
     accepted and do nothing, or cannot act on `platform` (whose pinned stack carries TE or not)."""
     known = scope()
     given = _given(argv)
+    gpu = platform != "cpu"
+    te = stack_has_te and gpu and given.get("--transformer-impl") != "local"
     out = []
     for flag, value in given.items():
         if flag not in known:
             continue
-        problem = _problem(flag, value, given, te=stack_has_te and platform != "cpu", gpu=platform != "cpu")
+        problem = _problem(flag, value, given, te=te, gpu=gpu)
         if problem:
             out.append((flag, f"without effect on --train-backend megatron: {problem}"))
     return out

@@ -168,6 +168,9 @@ def test_what_a_platform_cannot_run_is_refused_with_what_it_needs():
     assert "'flash' selects a kernel of Transformer Engine's attention" in problems["--attention-backend"]
     assert problems["--overlap-param-gather"].endswith("needs --overlap-grad-reduce")
     assert problems["--optimizer-cpu-offload"].endswith("needs a GPU")
+    # a GPU stack with TE, but the command asks for the stand-in spec
+    local = dict(options.render_problems(["--transformer-impl", "local", "--moe-grouped-gemm"], "cuda", True))
+    assert list(local) == ["--moe-grouped-gemm"]
 
 
 def test_the_backend_refuses_at_start_what_it_would_not_act_on():
