@@ -36,6 +36,7 @@ class TEStatus:
     ok: bool
     version: str | None
     reason: str  # why not, when not ok
+    broken: bool = False  # installed, and importing it raises what megatron-core does not catch
 
 
 def te_status() -> TEStatus:
@@ -49,7 +50,7 @@ def te_status() -> TEStatus:
         from megatron.core.extensions import transformer_engine as mte
     except Exception as exc:  # RuntimeError (cuDNN), AssertionError (versions), OSError (the .so)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return TEStatus(False, None, f"importing it failed: {type(exc).__name__}: {first}")
+        return TEStatus(False, None, f"importing it failed: {type(exc).__name__}: {first}", broken=True)
     if not mte.HAVE_TE:
         return TEStatus(False, None, "transformer_engine is not installed")
     try:
@@ -69,6 +70,13 @@ def choose_impl(requested: str | None, device: str, status: TEStatus | None = No
             f"--transformer-impl {requested}: the Megatron backend builds 'transformer_engine' or 'local' "
             "(megatron-core's TE spec or its stand-in with the same keys)"
         )
+    status = status or te_status()
+    if status.broken:  # megatron-core's other modules would fail to import with it, whatever the spec
+        raise SpecRefused(
+            f"Transformer Engine is installed but does not load here ({status.reason}), and megatron-core's "
+            "modules fail to import with it: run in the lane's image (docker/Dockerfile, docker/Dockerfile.rocm "
+            "build it), or uninstall transformer-engine to train with the stand-in spec"
+        )
     if requested == LOCAL:
         return LOCAL, "--transformer-impl local"
     if on_cpu:
@@ -78,7 +86,6 @@ def choose_impl(requested: str | None, device: str, status: TEStatus | None = No
                 "and this run is on the CPU; pass --transformer-impl local or leave the flag out"
             )
         return LOCAL, "on the CPU"
-    status = status or te_status()
     if status.ok:
         return TE, f"transformer-engine {status.version or '(version unknown)'}"
     if requested == TE:

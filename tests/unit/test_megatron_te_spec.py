@@ -42,6 +42,14 @@ def test_spec_choice_follows_transformer_impl_and_megatron_cores_own_te_import()
         choose_impl("transformer_engine", "cuda:0", absent)
     with pytest.raises(SpecRefused, match="this run is on the CPU"):
         choose_impl("transformer_engine", "cpu", present)
+    # installed but broken (TE raises FileNotFoundError when its torch extension is missing,
+    # transformer_engine/common/__init__.py _get_shared_object_file): megatron-core's own imports
+    # catch only ImportError, so no spec can be built
+    broken = TEStatus(
+        False, None, "importing it failed: FileNotFoundError: Could not find shared object", True
+    )
+    with pytest.raises(SpecRefused, match="installed but does not load here .*FileNotFoundError"):
+        choose_impl("local", "cuda:0", broken)
 
 
 def test_the_first_line_names_the_modules_built_and_a_conversion_builds_the_stand_in(monkeypatch):

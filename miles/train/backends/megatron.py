@@ -44,12 +44,13 @@ class MegatronBackend(TrainBackend):
     def __init__(self, args, dist_info):
         self.args = args
         self.on_cpu = dist_info.device == "cpu"
+        self.device = dist_info.device
+        # first: a Transformer Engine that is installed but broken fails megatron-core's imports
+        self.impl, why = _layer_spec(args, self.device)
         if self.on_cpu:
             from miles.megatron import compat
 
             compat.install()
-        self.device = dist_info.device
-        self.impl, why = _layer_spec(args, self.device)
         self.loss_cfg = loss_config(args)
         self.optim_cfg = optim_config(args)
         self.config = json.loads((Path(args.hf_checkpoint) / "config.json").read_text())
