@@ -295,7 +295,7 @@ def _layer_spec(args, device: str) -> tuple[str, str]:
     from miles.megatron.spec import SpecRefused, choose_impl
 
     try:
-        impl, why = choose_impl(args.transformer_impl, "cpu" if device == "cpu" else device)
+        impl, why = choose_impl(args.transformer_impl, device)
     except SpecRefused as exc:
         raise MegatronSetupError(str(exc)) from exc
     problems = options.start_problems(args, changed_flags(args), impl, device)
