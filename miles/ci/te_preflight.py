@@ -35,10 +35,8 @@ except BaseException as exc:
     out["import"] = type(exc).__name__ + (": " + text.splitlines()[0] if text else "")
 if out["import"] == "ok":
     try:
-        from megatron.core.extensions import transformer_engine as mte
-        from megatron.core import optimizer
-        out["megatron_te"] = bool(mte.HAVE_TE)
-        out["fused_adam"] = not optimizer.USING_PYTORCH_OPTIMIZER
+        from miles.megatron.spec import core_te_usage
+        out.update(core_te_usage())
     except BaseException as exc:
         out["megatron_te"] = type(exc).__name__
 print(json.dumps(out))
@@ -59,7 +57,12 @@ def check_transformer_engine(lane: str, root: Path, python: str = sys.executable
     image = "docker/Dockerfile" if source.source == "lock" else "docker/Dockerfile.rocm"
     try:
         done = subprocess.run(
-            [python, "-c", _PROBE], capture_output=True, text=True, timeout=IMPORT_TIMEOUT_S, check=False
+            [python, "-c", _PROBE],
+            capture_output=True,
+            text=True,
+            timeout=IMPORT_TIMEOUT_S,
+            check=False,
+            cwd=root,
         )
     except subprocess.TimeoutExpired:
         return [

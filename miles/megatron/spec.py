@@ -60,6 +60,15 @@ def te_status() -> TEStatus:
     return TEStatus(True, found, "")
 
 
+def core_te_usage() -> dict[str, bool]:
+    """What megatron-core does with the Transformer Engine installed here: builds its TE layer
+    spec (its own HAVE_TE), and steps with TE's FusedAdam rather than torch's AdamW."""
+    from megatron.core import optimizer
+    from megatron.core.extensions import transformer_engine as mte
+
+    return {"megatron_te": bool(mte.HAVE_TE), "fused_adam": not optimizer.USING_PYTORCH_OPTIMIZER}
+
+
 def choose_impl(requested: str | None, device: str, status: TEStatus | None = None) -> tuple[str, str]:
     """(spec, why) for `--transformer-impl requested` on `device` ("cpu", "cuda:0", ...), as
     Megatron-LM reads the flag (transformer_engine or local); unset: TE where it loads on a GPU.
