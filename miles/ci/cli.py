@@ -14,12 +14,16 @@ import json
 import sys
 from pathlib import Path
 
-from miles.ci.catalog import CatalogError, UnknownName, load_catalog
+from miles.ci.registry.catalog import CatalogError, UnknownName, load_catalog
 from miles.text import printable
 
 # Modules that add subcommands: each has `add_commands(subparsers)` and keeps its own heavy
 # imports inside the handlers, so that `list` stays a bare-Python command.
-COMMAND_MODULES: tuple[str, ...] = ("miles.metrics.cli", "miles.ci.run_cli", "miles.ci.preflight")
+COMMAND_MODULES: tuple[str, ...] = (
+    "miles.metrics.cli",
+    "miles.ci.commands.run",
+    "miles.ci.machine.preflight",
+)
 
 
 class UsageError(Exception):
@@ -103,7 +107,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _discover(root: Path):
-    from miles.ci.discover import discover
+    from miles.ci.registry.discover import discover
 
     return discover(root, catalog=load_catalog())
 
@@ -183,7 +187,7 @@ def _print_table(regs, refused=()) -> None:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    from miles.ci.audit import audit
+    from miles.ci.reports.audit import audit
 
     catalog = load_catalog()
     report = audit(catalog, _discover(args.root), root=args.root)

@@ -176,8 +176,8 @@ def cmd_history_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
-    from miles.ci.catalog import load_catalog
-    from miles.ci.policy import CiEvent, history_decision
+    from miles.ci.registry.catalog import load_catalog
+    from miles.ci.selection.policy import CiEvent, history_decision
     from miles.metrics.gating import GateRun, ci_identity, gate_attempt
 
     catalog = load_catalog()
@@ -221,7 +221,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
 
 def _read_test_file(root: Path, test: str, catalog):
-    from miles.ci.discover import parse_test_file
+    from miles.ci.registry.discover import parse_test_file
 
     path = Path(root) / test
     if not path.is_file():

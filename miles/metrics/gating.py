@@ -80,7 +80,7 @@ def gate_attempt(
     """Gate the records in `record_dir` against the history of (test, backend, suite).
 
     `write_baseline` says the attempt passed and its run may store history (the caller asked
-    miles.ci.policy.stores_history); the run is stored only then and when the cadence is one
+    miles.ci.selection.policy.stores_history); the run is stored only then and when the cadence is one
     that writes baselines (nightly, weekly), trusted or not, so a run that failed its gates is
     visible in the history but never moves a baseline.
     """

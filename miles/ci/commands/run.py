@@ -14,8 +14,8 @@ import os
 import sys
 from pathlib import Path
 
-from miles.ci.catalog import CADENCES
 from miles.ci.cli import UsageError, add_root_argument
+from miles.ci.registry.catalog import CADENCES
 
 MATRIX_SETUP_MINUTES = {"cpu": 10, "gpu": 30}  # install, preflight, checkpoint staging
 
@@ -87,7 +87,7 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _options(args: argparse.Namespace):
-    from miles.ci.plan import DEFAULT_GRACE, DEFAULT_TIMEOUT_FLOOR, RunOptions
+    from miles.ci.running.plan import DEFAULT_GRACE, DEFAULT_TIMEOUT_FLOOR, RunOptions
 
     return RunOptions(
         root=args.root,
@@ -109,15 +109,15 @@ def _options(args: argparse.Namespace):
 
 
 def _usage_errors():
-    from miles.ci.plan import PlanError
-    from miles.ci.policy import PolicyError
-    from miles.ci.select import ScopeError
+    from miles.ci.running.plan import PlanError
+    from miles.ci.selection.policy import PolicyError
+    from miles.ci.selection.select import ScopeError
 
     return (PlanError, PolicyError, ScopeError)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from miles.ci.runner import run
+    from miles.ci.running.runner import run
 
     try:
         return run(_options(args), plan_only=args.plan)
@@ -131,10 +131,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_matrix(args: argparse.Namespace) -> int:
-    from miles.ci.catalog import load_catalog
-    from miles.ci.discover import discover
-    from miles.ci.plan import DEFAULT_TIMEOUT_FLOOR, RunOptions, build_plan
-    from miles.ci.policy import write_github_outputs
+    from miles.ci.registry.catalog import load_catalog
+    from miles.ci.registry.discover import discover
+    from miles.ci.running.plan import DEFAULT_TIMEOUT_FLOOR, RunOptions, build_plan
+    from miles.ci.selection.policy import write_github_outputs
 
     catalog = load_catalog()
     options = RunOptions(
@@ -179,8 +179,8 @@ def cmd_matrix(args: argparse.Namespace) -> int:
 
 
 def cmd_policy(args: argparse.Namespace) -> int:
-    from miles.ci.catalog import load_catalog
-    from miles.ci.policy import PolicyError, labels_from_json, resolve_policy, write_github_outputs
+    from miles.ci.registry.catalog import load_catalog
+    from miles.ci.selection.policy import PolicyError, labels_from_json, resolve_policy, write_github_outputs
 
     ref = args.ref if args.ref is not None else os.environ.get("GITHUB_REF", "")
     workflow = args.workflow if args.workflow is not None else os.environ.get("GITHUB_WORKFLOW_REF", "")
@@ -218,10 +218,10 @@ def cmd_policy(args: argparse.Namespace) -> int:
 
 
 def cmd_affected(args: argparse.Namespace) -> int:
-    from miles.ci.affected import affected_suites
-    from miles.ci.catalog import load_catalog
-    from miles.ci.discover import discover
-    from miles.ci.policy import write_github_outputs
+    from miles.ci.registry.catalog import load_catalog
+    from miles.ci.registry.discover import discover
+    from miles.ci.selection.affected import affected_suites
+    from miles.ci.selection.policy import write_github_outputs
 
     catalog = load_catalog()
     try:
@@ -240,10 +240,10 @@ def cmd_affected(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from miles.ci.calibrate import DEFAULT_QUANTILE, apply_proposals, propose
-    from miles.ci.catalog import load_catalog
-    from miles.ci.discover import discover
-    from miles.ci.durations import durations_path
+    from miles.ci.registry.catalog import load_catalog
+    from miles.ci.registry.discover import discover
+    from miles.ci.reports.calibrate import DEFAULT_QUANTILE, apply_proposals, propose
+    from miles.ci.reports.durations import durations_path
 
     catalog = load_catalog()
     if args.suite:

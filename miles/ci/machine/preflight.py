@@ -2,7 +2,7 @@
 
 A lane needs its Python, the right vendor with enough visible GPUs for its suites, its pinned stack
 installed (every package its rollout engine imports, kernels built for this GPU, a driver that
-runs the stack: miles.ci.gpu_stack), `MILES_HARDWARE_PLATFORM` consistent with the torch build,
+runs the stack: miles.ci.machine.gpu_stack), `MILES_HARDWARE_PLATFORM` consistent with the torch build,
 free disk for checkpoints, and no processes left over from an earlier job. Each missing thing is one line;
 any problem exits 3, before a GPU job starts and fails an hour later for the same reason.
 
@@ -29,9 +29,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles.ci.catalog import Catalog, load_catalog
+from miles.ci.registry.catalog import Catalog, load_catalog
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 EXIT_PREFLIGHT = 3
 MIN_FREE_GB = {"cpu": 5.0, "cuda": 100.0, "rocm": 100.0}  # checkpoints of 4/5-layer slices, FP8 + torch_dist
 MIN_FREE_ENV = "MILES_PREFLIGHT_MIN_FREE_GB"
@@ -413,10 +413,10 @@ def preflight(
 
 def engine_stack_problems(need: Need, env: Mapping[str, str], *, machine_only: bool) -> list[str]:
     """The rollout engine's imports, the GPU architecture against the image's kernels, and the
-    driver against the stack (miles.ci.gpu_stack); GPU lanes only."""
+    driver against the stack (miles.ci.machine.gpu_stack); GPU lanes only."""
     if need.gpus == 0:
         return []
-    from miles.ci.gpu_stack import gpu_stack_problems
+    from miles.ci.machine.gpu_stack import gpu_stack_problems
 
     return gpu_stack_problems(need.lane, need.backend, env, machine_only=machine_only)
 

@@ -1,6 +1,6 @@
 """JUnit, Markdown and JSON: renderers of one RunRecord.
 
-`render_junit`, `render_markdown` (miles.ci.summary) and `render_json` each take the same
+`render_junit`, `render_markdown` (miles.ci.reports.summary) and `render_json` each take the same
 RunRecord and nothing else; `write_reports` writes all three atomically (temp file, rename)
 and appends the Markdown to `$GITHUB_STEP_SUMMARY` when it is set. The JUnit file is valid
 XML 1.0 whatever the tests printed: colour codes are dropped and characters XML cannot hold
@@ -16,7 +16,7 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from miles.ci.record import (
+from miles.ci.reports.record import (
     CANCELLED,
     ERROR,
     FAILED,
@@ -25,7 +25,7 @@ from miles.ci.record import (
     Attempt,
     RunRecord,
 )
-from miles.ci.summary import ANSI, escape_char, render_markdown, run_title
+from miles.ci.reports.summary import ANSI, escape_char, render_markdown, run_title
 from miles.files import Folder, read_regular
 from miles.metrics import gate
 
@@ -189,7 +189,7 @@ def claim_report_dir(report_dir: Path) -> tuple[Folder, Folder]:
     The previous run's attempts/ is deleted only when it is the very folder (device, inode)
     that run recorded making; attempts/ or a report file that no miles run made there is never
     deleted or overwritten: the run is refused (PlanError) before anything is written."""
-    from miles.ci.plan import PlanError
+    from miles.ci.running.plan import PlanError
 
     try:
         folder = Folder.open(report_dir, create=True)
