@@ -29,7 +29,7 @@ from typing import IO, TypeVar
 from miles.ci.registry.catalog import Catalog, Lane
 from miles.ci.registry.registration import GateDeclaration
 from miles.ci.reports.record import CANCELLED, FAILED, FLAKY, PASSED, SKIPPED, Attempt, RunRecord
-from miles.ci.reports.report import claim_report_dir, write_reports
+from miles.ci.reports.report import ReportDirError, claim_report_dir, write_reports
 from miles.ci.running.execute import POLL_S, CancelToken, TestRun, run_attempt
 from miles.ci.running.outcome import is_retryable
 from miles.ci.running.plan import (
@@ -185,13 +185,21 @@ def execute_plan(
     report folder is claimed here (PlanError when it holds what no run of miles made)."""
     out = out if out is not None else sys.stdout
     owned = folders is None
-    report_folder, attempts = claim_report_dir(plan.report_dir) if folders is None else folders
+    report_folder, attempts = _claim(plan.report_dir) if folders is None else folders
     try:
         return _execute(plan, catalog, cancel, out, checkpoint, attempts)
     finally:
         if owned:
             attempts.close()
             report_folder.close()
+
+
+def _claim(report_dir: Path) -> tuple[Folder, Folder]:
+    """claim_report_dir, with a folder it refuses read as a run that cannot be planned."""
+    try:
+        return claim_report_dir(report_dir)
+    except ReportDirError as exc:
+        raise PlanError(str(exc)) from None
 
 
 def _execute(plan, catalog, cancel, out, checkpoint, attempt_folders: Folder) -> RunRecord:
@@ -343,7 +351,7 @@ def run(options: RunOptions, *, plan_only: bool = False, out: IO[str] | None = N
         return 0
     from miles.ci.reports.durations import durations_path, record_durations
 
-    report_folder, attempts = claim_report_dir(plan.report_dir)
+    report_folder, attempts = _claim(plan.report_dir)
     cancel = CancelToken()
     with cancel_on_signals(cancel), report_folder, attempts:
         record = execute_plan(
