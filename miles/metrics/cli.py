@@ -15,8 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-def add_commands(sub: argparse._SubParsersAction) -> None:
-    history = sub.add_parser("history", help="metric history: show runs, untrust runs, plot a metric")
+def add_history(history: argparse.ArgumentParser) -> None:
     hsub = history.add_subparsers(dest="history_command", required=True, metavar="ACTION")
 
     p = hsub.add_parser("show", help="stored runs of a test with their values, bands and verdicts")
@@ -45,7 +44,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, default=100, help="newest runs to plot (default: 100)")
     p.set_defaults(handler=cmd_history_plot)
 
-    p = sub.add_parser("gate", help="gate a metric record directory by hand against the history")
+
+def add_gate(p: argparse.ArgumentParser) -> None:
     _store_arguments(p)
     p.add_argument("--record", type=Path, required=True, help="directory holding the run's *.jsonl records")
     p.add_argument("--test", required=True, help="the test file whose register_ci_gate(...) calls apply")

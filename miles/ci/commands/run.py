@@ -14,23 +14,24 @@ import os
 import sys
 from pathlib import Path
 
-from miles.ci.cli import UsageError, add_root_argument
+from miles.ci.commands.usage import UsageError, add_root_argument
 from miles.ci.registry.catalog import CADENCES
 
 MATRIX_SETUP_MINUTES = {"cpu": 10, "gpu": 30}  # install, preflight, checkpoint staging
 
 
-def add_commands(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("run", help="run a lane's (or a suite's) tests: shard, timeouts, retries, reports")
+def add_run(p: argparse.ArgumentParser) -> None:
     _add_run_arguments(p)
     p.add_argument("--plan", action="store_true", help="print the plan and exit 0 without running anything")
     p.set_defaults(handler=cmd_run)
 
-    p = sub.add_parser("plan", help="print what `run` would do (same options), without running")
+
+def add_plan(p: argparse.ArgumentParser) -> None:
     _add_run_arguments(p)
     p.set_defaults(handler=cmd_plan)
 
-    p = sub.add_parser("matrix", help="JSON shard matrix of a lane for GitHub's fromJSON")
+
+def add_matrix(p: argparse.ArgumentParser) -> None:
     add_root_argument(p)
     p.add_argument("--lane", required=True)
     p.add_argument("--suite", action="append", default=[], help="only this suite (repeatable)")
@@ -40,7 +41,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout-floor", type=float, default=None)
     p.set_defaults(handler=cmd_matrix)
 
-    p = sub.add_parser("policy", help="cadence and CI labels of a GitHub event (writes $GITHUB_OUTPUT)")
+
+def add_policy(p: argparse.ArgumentParser) -> None:
     p.add_argument("--event", required=True, help="github.event_name")
     p.add_argument("--labels-json", default="", help="toJSON(github.event.pull_request.labels)")
     p.add_argument("--cadence", choices=CADENCES, help="cadence chosen for workflow_dispatch")
@@ -49,13 +51,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=cmd_policy)
 
-    p = sub.add_parser("affected", help="suites a change may skip (from `git diff --name-status -z`)")
+
+def add_affected(p: argparse.ArgumentParser) -> None:
     add_root_argument(p)
     p.add_argument("--diff", required=True, type=Path, help="file holding `git diff --name-status -z` output")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=cmd_affected)
 
-    p = sub.add_parser("calibrate", help="propose est_time values from measured durations")
+
+def add_calibrate(p: argparse.ArgumentParser) -> None:
     add_root_argument(p)
     p.add_argument("--backend", choices=("cpu", "cuda", "rocm"))
     p.add_argument("--suite")
