@@ -14,10 +14,9 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from miles.ci.commands import machine, registry, run
+from miles.ci.commands import history, machine, registry, run
 from miles.ci.commands.usage import UsageError, check_root
 from miles.ci.registry.catalog import CatalogError, UnknownName
-from miles.metrics import cli as history
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,14 @@ def test_each_command_of_the_table_has_its_own_usage(name, capsys):
     assert capsys.readouterr().out.startswith(f"usage: python -m miles.ci {name} ")
 
 
+def test_every_command_is_added_by_a_module_of_miles_ci_commands():
+    # the CI drives the history and the gates: their commands live with the CI, so that
+    # miles.metrics never imports miles.ci back
+    assert {
+        c.name: c.add.__module__ for c in COMMANDS if not c.add.__module__.startswith("miles.ci.commands.")
+    } == {}
+
+
 def _imports_by_name(tree: ast.AST) -> list[int]:
     """Lines that import a module by its name: importlib.import_module(...), __import__(...)."""
     lines = []
