@@ -84,8 +84,8 @@ def refresh_image(c, variant, push=False, dry=False, image=None, no_alias=False)
 
     from invoke import Exit
 
-    from miles.ci.catalog import UnknownName
-    from miles.ci.policy import write_github_outputs
+    from miles.ci.registry.catalog import UnknownName
+    from miles.ci.selection.policy import write_github_outputs
     from miles.image.plan import pins_problems, plan_refresh, refresh
 
     root = Path(__file__).resolve().parent

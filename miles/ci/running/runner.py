@@ -1,7 +1,7 @@
 """`python -m miles.ci run`: plan a lane's suites into shards, run this invocation's shard
 test file by test file, retry infrastructure failures, gate, report.
 
-    options -> build_plan() -> RunPlan -> format_plan()        (--plan stops here; miles.ci.plan)
+    options -> build_plan() -> RunPlan -> format_plan()        (--plan stops here; miles.ci.running.plan)
                                        -> execute_plan() -> RunRecord -> reports, durations
 
 A SIGTERM or SIGINT to the runner stops the running
@@ -10,7 +10,7 @@ report, and exits 1, within the grace period whatever step it is in: the gate st
 duration store run on a helper thread the runner stops waiting for.
 
 The runner writes only inside the report folder's files and the attempts/ folder it makes
-afresh for each run (miles.ci.report.claim_report_dir), each file created exclusively.
+afresh for each run (miles.ci.reports.report.claim_report_dir), each file created exclusively.
 """
 
 from __future__ import annotations
@@ -26,10 +26,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, TypeVar
 
-from miles.ci.catalog import Catalog, Lane
-from miles.ci.execute import POLL_S, CancelToken, TestRun, run_attempt
-from miles.ci.outcome import is_retryable
-from miles.ci.plan import (
+from miles.ci.registry.catalog import Catalog, Lane
+from miles.ci.registry.registration import GateDeclaration
+from miles.ci.reports.record import CANCELLED, FAILED, FLAKY, PASSED, SKIPPED, Attempt, RunRecord
+from miles.ci.reports.report import ReportDirError, claim_report_dir, write_reports
+from miles.ci.running.execute import POLL_S, CancelToken, TestRun, run_attempt
+from miles.ci.running.outcome import is_retryable
+from miles.ci.running.plan import (
     PlanError,
     PlannedTest,
     RunOptions,
@@ -39,10 +42,7 @@ from miles.ci.plan import (
     format_plan,
     test_run,
 )
-from miles.ci.progress import Progress
-from miles.ci.record import CANCELLED, FAILED, FLAKY, PASSED, SKIPPED, Attempt, RunRecord
-from miles.ci.registration import GateDeclaration
-from miles.ci.report import claim_report_dir, write_reports
+from miles.ci.running.progress import Progress
 from miles.files import Folder
 
 T = TypeVar("T")
@@ -185,13 +185,21 @@ def execute_plan(
     report folder is claimed here (PlanError when it holds what no run of miles made)."""
     out = out if out is not None else sys.stdout
     owned = folders is None
-    report_folder, attempts = claim_report_dir(plan.report_dir) if folders is None else folders
+    report_folder, attempts = _claim(plan.report_dir) if folders is None else folders
     try:
         return _execute(plan, catalog, cancel, out, checkpoint, attempts)
     finally:
         if owned:
             attempts.close()
             report_folder.close()
+
+
+def _claim(report_dir: Path) -> tuple[Folder, Folder]:
+    """claim_report_dir, with a folder it refuses read as a run that cannot be planned."""
+    try:
+        return claim_report_dir(report_dir)
+    except ReportDirError as exc:
+        raise PlanError(str(exc)) from None
 
 
 def _execute(plan, catalog, cancel, out, checkpoint, attempt_folders: Folder) -> RunRecord:
@@ -326,9 +334,9 @@ def cancel_on_signals(cancel: CancelToken) -> Iterator[None]:
 def run(options: RunOptions, *, plan_only: bool = False, out: IO[str] | None = None) -> int:
     """Plan, print the plan, and (unless plan_only) run it; returns the exit code."""
     out = out if out is not None else sys.stdout
-    from miles.ci.catalog import load_catalog
-    from miles.ci.discover import discover
-    from miles.ci.durations import check_store_settings
+    from miles.ci.registry.catalog import load_catalog
+    from miles.ci.registry.discover import discover
+    from miles.ci.reports.durations import check_store_settings
     from miles.metrics.store import StoreError
 
     try:  # a store setting that would leak its password or pick a wrong store stops here
@@ -341,9 +349,9 @@ def run(options: RunOptions, *, plan_only: bool = False, out: IO[str] | None = N
     out.flush()
     if plan_only:
         return 0
-    from miles.ci.durations import durations_path, record_durations
+    from miles.ci.reports.durations import durations_path, record_durations
 
-    report_folder, attempts = claim_report_dir(plan.report_dir)
+    report_folder, attempts = _claim(plan.report_dir)
     cancel = CancelToken()
     with cancel_on_signals(cancel), report_folder, attempts:
         record = execute_plan(

@@ -1,4 +1,5 @@
-"""`python -m miles.ci history show|untrust|plot` and `python -m miles.ci gate`.
+"""`python -m miles.ci history show|untrust|plot` and `python -m miles.ci gate`: the metric
+history and its gates, driven from the CI's catalog, policy and discovery.
 
 Only argparse is imported at parser-build time; each handler imports what it uses, so the
 other commands of `python -m miles.ci` stay bare-Python.
@@ -14,9 +15,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from miles.ci.commands.usage import UsageError
 
-def add_commands(sub: argparse._SubParsersAction) -> None:
-    history = sub.add_parser("history", help="metric history: show runs, untrust runs, plot a metric")
+
+def add_history(history: argparse.ArgumentParser) -> None:
     hsub = history.add_subparsers(dest="history_command", required=True, metavar="ACTION")
 
     p = hsub.add_parser("show", help="stored runs of a test with their values, bands and verdicts")
@@ -45,7 +47,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, default=100, help="newest runs to plot (default: 100)")
     p.set_defaults(handler=cmd_history_plot)
 
-    p = sub.add_parser("gate", help="gate a metric record directory by hand against the history")
+
+def add_gate(p: argparse.ArgumentParser) -> None:
     _store_arguments(p)
     p.add_argument("--record", type=Path, required=True, help="directory holding the run's *.jsonl records")
     p.add_argument("--test", required=True, help="the test file whose register_ci_gate(...) calls apply")
@@ -67,12 +70,6 @@ def _coordinate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--test", required=True, help="test file, relative to the project root")
     p.add_argument("--backend", choices=("cpu", "cuda", "rocm"))
     p.add_argument("--suite")
-
-
-def _usage(message: str) -> Exception:
-    from miles.ci.cli import UsageError
-
-    return UsageError(message)
 
 
 def _store_errors_exit_1(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -100,7 +97,7 @@ def _store_url(args: argparse.Namespace) -> str:
     try:
         return check_store_url(resolve_url(args.store, root=args.root), name=name)
     except StoreError as exc:
-        raise _usage(str(exc)) from None
+        raise UsageError(str(exc)) from None
 
 
 def _open(args: argparse.Namespace):
@@ -116,7 +113,7 @@ def _check_limit(limit: int) -> None:
     # the stores would read -1 differently (SQLite: no limit; PostgreSQL: error), and neither
     # holds a number past 64 bits
     if not 1 <= limit <= MAX_LIMIT:
-        raise _usage(f"--limit {limit} must be at least 1 and at most {MAX_LIMIT}")
+        raise UsageError(f"--limit {limit} must be at least 1 and at most {MAX_LIMIT}")
 
 
 def _test_path(root: Path, test: str) -> str:
@@ -125,7 +122,7 @@ def _test_path(root: Path, test: str) -> str:
         try:
             path = path.resolve().relative_to(Path(root).resolve())
         except ValueError as exc:
-            raise _usage(f"--test {test}: not inside the project root {root}") from exc
+            raise UsageError(f"--test {test}: not inside the project root {root}") from exc
     return path.as_posix().removeprefix("./")
 
 
@@ -170,14 +167,14 @@ def cmd_history_plot(args: argparse.Namespace) -> int:
             store, test, args.metric, args.output, backend=args.backend, suite=args.suite, limit=args.limit
         )
     except LookupError as exc:
-        raise _usage(str(exc.args[0])) from exc
+        raise UsageError(str(exc.args[0])) from exc
     print(f"wrote {args.output} ({panels} panel(s))")
     return 0
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
-    from miles.ci.catalog import load_catalog
-    from miles.ci.policy import CiEvent, history_decision
+    from miles.ci.registry.catalog import load_catalog
+    from miles.ci.selection.policy import CiEvent, history_decision
     from miles.metrics.gating import GateRun, ci_identity, gate_attempt
 
     catalog = load_catalog()
@@ -185,14 +182,14 @@ def cmd_gate(args: argparse.Namespace) -> int:
     test = _test_path(args.root, args.test)
     test_file = _read_test_file(args.root, test, catalog)
     if not args.record.is_dir():
-        raise _usage(f"--record {args.record}: no such directory")
+        raise UsageError(f"--record {args.record}: no such directory")
     backend, suite = _pick_registration(test_file, args.backend, args.suite)
     lane = catalog.lane(catalog.suite(suite, backend).lane)
     cadence = args.cadence or lane.cadence
     if args.write:
         stores, why = history_decision(CiEvent.from_env(os.environ), cadence, catalog)
         if not stores:
-            raise _usage(f"--write: {why}")
+            raise UsageError(f"--write: {why}")
     pr, ci_run_id = ci_identity()
     run = GateRun(
         test, backend, suite, lane.name, cadence, lane.gate_mode == "enforce", args.commit, pr, ci_run_id
@@ -221,14 +218,14 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
 
 def _read_test_file(root: Path, test: str, catalog):
-    from miles.ci.discover import parse_test_file
+    from miles.ci.registry.discover import parse_test_file
 
     path = Path(root) / test
     if not path.is_file():
-        raise _usage(f"--test {test}: no such file under {root}")
+        raise UsageError(f"--test {test}: no such file under {root}")
     test_file, problems = parse_test_file(path, test, catalog)
     if problems:
-        raise _usage("; ".join(str(p) for p in problems))
+        raise UsageError("; ".join(str(p) for p in problems))
     return test_file
 
 
@@ -239,10 +236,10 @@ def _pick_registration(test_file, backend: str | None, suite: str | None) -> tup
         return regs[0].backend, regs[0].suite
     known = ", ".join(f"{r.backend}/{r.suite}" for r in test_file.registrations) or "none"
     if not regs:
-        raise _usage(
+        raise UsageError(
             f"{test_file.path} has no registration for {backend or '*'}/{suite or '*'}; registered: {known}"
         )
-    raise _usage(f"{test_file.path} is registered on {known}; choose one with --backend and --suite")
+    raise UsageError(f"{test_file.path} is registered on {known}; choose one with --backend and --suite")
 
 
 def _outcome_json(outcome, run) -> dict:

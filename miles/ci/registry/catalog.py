@@ -18,7 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 from types import MappingProxyType
 
-CATALOG_PATH = Path(__file__).with_name("catalog.toml")
+CATALOG_PATH = Path(__file__).resolve().parents[1] / "catalog.toml"  # miles/ci/catalog.toml
 CATALOG_SCHEMA = 1  # the `schema = N` this miles reads
 
 CADENCES = ("regular", "nightly", "weekly", "release")

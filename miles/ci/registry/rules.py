@@ -1,7 +1,7 @@
 """The rules a registration must follow, applied to the syntax tree of one test file.
 
 Each broken rule becomes a Problem naming file:line, the offending value, the rule and the
-fix. Discovery (miles.ci.discover) decides which part of a file to parse; this module reads it.
+fix. Discovery (miles.ci.registry.discover) decides which part of a file to parse; this module reads it.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import ast
 import math
 from collections.abc import Iterator
 
-from miles.ci.catalog import MAX_EST_TIME, Catalog, UnknownName
-from miles.ci.reasons import disabled_reason_problem
 from miles.ci.register import BACKEND_OF_MARKER, GATE_MARKER, MARKERS
-from miles.ci.registration import GateDeclaration, Problem, Registration, TestFile
+from miles.ci.registry.catalog import MAX_EST_TIME, Catalog, UnknownName
+from miles.ci.registry.reasons import disabled_reason_problem
+from miles.ci.registry.registration import GateDeclaration, Problem, Registration, TestFile
 from miles.metrics.spec import CONSTRAINT_KEYS as GATE_CONSTRAINT_KEYS
 from miles.metrics.spec import metric_key_problem
 

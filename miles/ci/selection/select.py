@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from miles.ci.catalog import CADENCES, Catalog, Lane, Suite, UnknownName
-from miles.ci.discover import Discovery
-from miles.ci.policy import LabelSet
-from miles.ci.record import Exclusion
-from miles.ci.registration import Registration
+from miles.ci.registry.catalog import CADENCES, Catalog, Lane, Suite, UnknownName
+from miles.ci.registry.discover import Discovery
+from miles.ci.registry.registration import Registration
+from miles.ci.reports.record import Exclusion
+from miles.ci.selection.policy import LabelSet
 
 
 class ScopeError(ValueError):

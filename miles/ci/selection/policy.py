@@ -32,7 +32,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from miles.ci.catalog import CADENCES, Catalog
+from miles.ci.registry.catalog import CADENCES, Catalog
 from miles.metrics.store import BASELINE_CADENCES
 
 LABEL_PREFIX = "run-ci-"

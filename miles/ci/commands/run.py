@@ -14,23 +14,24 @@ import os
 import sys
 from pathlib import Path
 
-from miles.ci.catalog import CADENCES
-from miles.ci.cli import UsageError, add_root_argument
+from miles.ci.commands.usage import UsageError, add_root_argument
+from miles.ci.registry.catalog import CADENCES
 
 MATRIX_SETUP_MINUTES = {"cpu": 10, "gpu": 30}  # install, preflight, checkpoint staging
 
 
-def add_commands(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("run", help="run a lane's (or a suite's) tests: shard, timeouts, retries, reports")
+def add_run(p: argparse.ArgumentParser) -> None:
     _add_run_arguments(p)
     p.add_argument("--plan", action="store_true", help="print the plan and exit 0 without running anything")
     p.set_defaults(handler=cmd_run)
 
-    p = sub.add_parser("plan", help="print what `run` would do (same options), without running")
+
+def add_plan(p: argparse.ArgumentParser) -> None:
     _add_run_arguments(p)
     p.set_defaults(handler=cmd_plan)
 
-    p = sub.add_parser("matrix", help="JSON shard matrix of a lane for GitHub's fromJSON")
+
+def add_matrix(p: argparse.ArgumentParser) -> None:
     add_root_argument(p)
     p.add_argument("--lane", required=True)
     p.add_argument("--suite", action="append", default=[], help="only this suite (repeatable)")
@@ -40,7 +41,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout-floor", type=float, default=None)
     p.set_defaults(handler=cmd_matrix)
 
-    p = sub.add_parser("policy", help="cadence and CI labels of a GitHub event (writes $GITHUB_OUTPUT)")
+
+def add_policy(p: argparse.ArgumentParser) -> None:
     p.add_argument("--event", required=True, help="github.event_name")
     p.add_argument("--labels-json", default="", help="toJSON(github.event.pull_request.labels)")
     p.add_argument("--cadence", choices=CADENCES, help="cadence chosen for workflow_dispatch")
@@ -49,13 +51,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=cmd_policy)
 
-    p = sub.add_parser("affected", help="suites a change may skip (from `git diff --name-status -z`)")
+
+def add_affected(p: argparse.ArgumentParser) -> None:
     add_root_argument(p)
     p.add_argument("--diff", required=True, type=Path, help="file holding `git diff --name-status -z` output")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=cmd_affected)
 
-    p = sub.add_parser("calibrate", help="propose est_time values from measured durations")
+
+def add_calibrate(p: argparse.ArgumentParser) -> None:
     add_root_argument(p)
     p.add_argument("--backend", choices=("cpu", "cuda", "rocm"))
     p.add_argument("--suite")
@@ -87,7 +91,7 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _options(args: argparse.Namespace):
-    from miles.ci.plan import DEFAULT_GRACE, DEFAULT_TIMEOUT_FLOOR, RunOptions
+    from miles.ci.running.plan import DEFAULT_GRACE, DEFAULT_TIMEOUT_FLOOR, RunOptions
 
     return RunOptions(
         root=args.root,
@@ -109,15 +113,15 @@ def _options(args: argparse.Namespace):
 
 
 def _usage_errors():
-    from miles.ci.plan import PlanError
-    from miles.ci.policy import PolicyError
-    from miles.ci.select import ScopeError
+    from miles.ci.running.plan import PlanError
+    from miles.ci.selection.policy import PolicyError
+    from miles.ci.selection.select import ScopeError
 
     return (PlanError, PolicyError, ScopeError)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from miles.ci.runner import run
+    from miles.ci.running.runner import run
 
     try:
         return run(_options(args), plan_only=args.plan)
@@ -131,10 +135,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_matrix(args: argparse.Namespace) -> int:
-    from miles.ci.catalog import load_catalog
-    from miles.ci.discover import discover
-    from miles.ci.plan import DEFAULT_TIMEOUT_FLOOR, RunOptions, build_plan
-    from miles.ci.policy import write_github_outputs
+    from miles.ci.registry.catalog import load_catalog
+    from miles.ci.registry.discover import discover
+    from miles.ci.running.plan import DEFAULT_TIMEOUT_FLOOR, RunOptions, build_plan
+    from miles.ci.selection.policy import write_github_outputs
 
     catalog = load_catalog()
     options = RunOptions(
@@ -179,8 +183,8 @@ def cmd_matrix(args: argparse.Namespace) -> int:
 
 
 def cmd_policy(args: argparse.Namespace) -> int:
-    from miles.ci.catalog import load_catalog
-    from miles.ci.policy import PolicyError, labels_from_json, resolve_policy, write_github_outputs
+    from miles.ci.registry.catalog import load_catalog
+    from miles.ci.selection.policy import PolicyError, labels_from_json, resolve_policy, write_github_outputs
 
     ref = args.ref if args.ref is not None else os.environ.get("GITHUB_REF", "")
     workflow = args.workflow if args.workflow is not None else os.environ.get("GITHUB_WORKFLOW_REF", "")
@@ -218,10 +222,10 @@ def cmd_policy(args: argparse.Namespace) -> int:
 
 
 def cmd_affected(args: argparse.Namespace) -> int:
-    from miles.ci.affected import affected_suites
-    from miles.ci.catalog import load_catalog
-    from miles.ci.discover import discover
-    from miles.ci.policy import write_github_outputs
+    from miles.ci.registry.catalog import load_catalog
+    from miles.ci.registry.discover import discover
+    from miles.ci.selection.affected import affected_suites
+    from miles.ci.selection.policy import write_github_outputs
 
     catalog = load_catalog()
     try:
@@ -240,10 +244,10 @@ def cmd_affected(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from miles.ci.calibrate import DEFAULT_QUANTILE, apply_proposals, propose
-    from miles.ci.catalog import load_catalog
-    from miles.ci.discover import discover
-    from miles.ci.durations import durations_path
+    from miles.ci.registry.catalog import load_catalog
+    from miles.ci.registry.discover import discover
+    from miles.ci.reports.calibrate import DEFAULT_QUANTILE, apply_proposals, propose
+    from miles.ci.reports.durations import durations_path
 
     catalog = load_catalog()
     if args.suite:

@@ -2,7 +2,7 @@
 whole invocation of the runner.
 
 Records flow one way: the executor produces attempts, the runner collects them into a run
-record, and the renderers (miles.ci.report), the duration store and calibration only read
+record, and the renderers (miles.ci.reports.report), the duration store and calibration only read
 them. JSON round-trips exactly, so a stored `run.json` is as good as the live record.
 """
 

@@ -18,11 +18,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from miles.ci.catalog import Catalog, load_catalog
-from miles.ci.discover_cache import DiscoveryCache
 from miles.ci.register import BACKEND_OF_MARKER, MARKERS
-from miles.ci.registration import GateDeclaration, Problem, Registration, TestFile
-from miles.ci.rules import disabled_reason_problem, read_test_file
+from miles.ci.registry.catalog import Catalog, load_catalog
+from miles.ci.registry.discover_cache import DiscoveryCache
+from miles.ci.registry.registration import GateDeclaration, Problem, Registration, TestFile
+from miles.ci.registry.rules import disabled_reason_problem, read_test_file
 
 __all__ = [
     "Discovery",
@@ -88,7 +88,7 @@ def discover(
     """Read every `test_*.py` under `root/tests_dir`; paths in records are relative to `root`.
 
     With `cache` (the default), results of unchanged files come from the signed JSON cache
-    `root/.miles/cache/discover.json` (miles.ci.discover_cache) instead of being parsed again.
+    `root/.miles/cache/discover.json` (miles.ci.registry.discover_cache) instead of being parsed again.
     """
     root = Path(root)
     catalog = catalog if catalog is not None else load_catalog()

@@ -15,14 +15,14 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from miles.ci.catalog import MAX_SHARDS, Catalog, Suite
-from miles.ci.discover import Discovery
-from miles.ci.execute import Settings, TestRun, format_command, pytest_command
-from miles.ci.policy import CiEvent, effective_cadence, history_decision, parse_labels
-from miles.ci.registration import GateDeclaration, Problem, Registration
-from miles.ci.report import REPORT_FILES
-from miles.ci.select import Scope, Selection, default_cadence, resolve_scope, select
-from miles.ci.shard import Job, Partition, balanced_partition, lower_bound, shards_for_budget
+from miles.ci.registry.catalog import MAX_SHARDS, Catalog, Suite
+from miles.ci.registry.discover import Discovery
+from miles.ci.registry.registration import GateDeclaration, Problem, Registration
+from miles.ci.reports.report import REPORT_FILES
+from miles.ci.running.execute import Settings, TestRun, format_command, pytest_command
+from miles.ci.selection.policy import CiEvent, effective_cadence, history_decision, parse_labels
+from miles.ci.selection.select import Scope, Selection, default_cadence, resolve_scope, select
+from miles.ci.selection.shard import Job, Partition, balanced_partition, lower_bound, shards_for_budget
 from miles.text import printable
 
 DEFAULT_TIMEOUT_FLOOR = 60.0  # seconds; short tests still get time to import torch

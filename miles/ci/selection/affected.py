@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from miles.ci.catalog import Catalog
-from miles.ci.discover import Discovery
+from miles.ci.registry.catalog import Catalog
+from miles.ci.registry.discover import Discovery
 
 DOC_SUFFIXES = (".md", ".rst")
 DOC_DIRS = ("docs/",)

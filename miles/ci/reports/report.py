@@ -1,6 +1,6 @@
 """JUnit, Markdown and JSON: renderers of one RunRecord.
 
-`render_junit`, `render_markdown` (miles.ci.summary) and `render_json` each take the same
+`render_junit`, `render_markdown` (miles.ci.reports.summary) and `render_json` each take the same
 RunRecord and nothing else; `write_reports` writes all three atomically (temp file, rename)
 and appends the Markdown to `$GITHUB_STEP_SUMMARY` when it is set. The JUnit file is valid
 XML 1.0 whatever the tests printed: colour codes are dropped and characters XML cannot hold
@@ -16,7 +16,7 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from miles.ci.record import (
+from miles.ci.reports.record import (
     CANCELLED,
     ERROR,
     FAILED,
@@ -25,7 +25,7 @@ from miles.ci.record import (
     Attempt,
     RunRecord,
 )
-from miles.ci.summary import ANSI, escape_char, render_markdown, run_title
+from miles.ci.reports.summary import ANSI, escape_char, render_markdown, run_title
 from miles.files import Folder, read_regular
 from miles.metrics import gate
 
@@ -182,19 +182,21 @@ ATTEMPTS = "attempts"
 OWNER_FILE = ".miles-reports.json"  # which attempts/ folder a run of miles made here
 
 
+class ReportDirError(ValueError):
+    """The report folder cannot be claimed for a new run (the runner refuses the run: exit 2)."""
+
+
 def claim_report_dir(report_dir: Path) -> tuple[Folder, Folder]:
     """Open the report folder for a new run and make its attempts/ folder afresh: (report
     folder, attempts folder), both held open by descriptor.
 
     The previous run's attempts/ is deleted only when it is the very folder (device, inode)
     that run recorded making; attempts/ or a report file that no miles run made there is never
-    deleted or overwritten: the run is refused (PlanError) before anything is written."""
-    from miles.ci.plan import PlanError
-
+    deleted or overwritten: ReportDirError before anything is written."""
     try:
         folder = Folder.open(report_dir, create=True)
     except OSError as exc:
-        raise PlanError(f"--report-dir {report_dir}: cannot create it ({exc.strerror})") from None
+        raise ReportDirError(f"--report-dir {report_dir}: cannot create it ({exc.strerror})") from None
     try:
         made = _recorded_attempts(folder)
         if made is not None:
@@ -203,7 +205,7 @@ def claim_report_dir(report_dir: Path) -> tuple[Folder, Folder]:
         # without a record nothing here is a run's; with one, its reports are (replaced later)
         foreign = present if made is None else [name for name in present if name == ATTEMPTS]
         if foreign:
-            raise PlanError(
+            raise ReportDirError(
                 f"--report-dir {report_dir} already holds {', '.join(foreign)}, which no miles run made "
                 "there; the runner never deletes or overwrites what it did not write: move them away "
                 "or choose another --report-dir"
@@ -213,7 +215,9 @@ def claim_report_dir(report_dir: Path) -> tuple[Folder, Folder]:
         folder.replace(OWNER_FILE, json.dumps({"attempts": list(identity)}).encode())
     except OSError as exc:
         folder.close()
-        raise PlanError(f"--report-dir {report_dir}: cannot prepare it ({exc.strerror or exc})") from None
+        raise ReportDirError(
+            f"--report-dir {report_dir}: cannot prepare it ({exc.strerror or exc})"
+        ) from None
     except BaseException:
         folder.close()
         raise

@@ -21,10 +21,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles.ci.discover import Discovery
-from miles.ci.durations import load_durations
 from miles.ci.register import BACKEND_OF_MARKER
-from miles.ci.registration import Registration
+from miles.ci.registry.discover import Discovery
+from miles.ci.registry.registration import Registration
+from miles.ci.reports.durations import load_durations
 from miles.files import read_regular, replace_file
 from miles.text import printable
 

@@ -20,7 +20,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles.ci.record import CANCELLED, ERROR, FAILED, PASSED, TIMEOUT, CaseResult
+from miles.ci.reports.record import CANCELLED, ERROR, FAILED, PASSED, TIMEOUT, CaseResult
 from miles.files import FileRefused, read_regular
 
 _KIND_AT_END = re.compile(r"^\S+:\d+: ([A-Za-z_][\w.]*)$")

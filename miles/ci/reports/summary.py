@@ -10,7 +10,7 @@ from __future__ import annotations
 import html
 import re
 
-from miles.ci.record import CANCELLED, ERROR, FAILED, FLAKY, PASSED, SKIPPED, TIMEOUT, RunRecord
+from miles.ci.reports.record import CANCELLED, ERROR, FAILED, FLAKY, PASSED, SKIPPED, TIMEOUT, RunRecord
 from miles.text import ANSI, CONTROL, escape_char, printable
 
 __all__ = [

@@ -24,7 +24,7 @@ import secrets
 import time
 from pathlib import Path
 
-from miles.ci.registration import GateDeclaration, Problem, Registration, TestFile
+from miles.ci.registry.registration import GateDeclaration, Problem, Registration, TestFile
 from miles.files import FileRefused, read_regular, replace_file
 
 CACHE_FILE = Path(".miles") / "cache" / "discover.json"
@@ -32,15 +32,15 @@ CACHE_FORMAT = 5  # bump when the shape of an entry changes
 KEY_ENV = "XDG_CACHE_HOME"
 MAX_CACHE_BYTES = 256 << 20
 _RACY_WINDOW_NS = 2_000_000_000
-_PACKAGE = Path(__file__).resolve().parents[1]
+_PACKAGE = Path(__file__).resolve().parents[2]
 # The code whose behaviour decides a file's records and problems.
 _CODE = (
-    "ci/discover.py",
-    "ci/rules.py",
-    "ci/reasons.py",
-    "ci/catalog.py",
-    "ci/registration.py",
-    "ci/discover_cache.py",
+    "ci/registry/discover.py",
+    "ci/registry/rules.py",
+    "ci/registry/reasons.py",
+    "ci/registry/catalog.py",
+    "ci/registry/registration.py",
+    "ci/registry/discover_cache.py",
     "ci/register.py",
     "metrics/spec.py",
     "text.py",

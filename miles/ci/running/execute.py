@@ -1,12 +1,12 @@
 """Run one test file once: its own `python -m pytest <file>` process in its own session and
 process group, its own JUnit file, a timeout, and nothing of it left alive afterwards.
 
-Every process the test starts is tracked (miles.ci.processes: a cgroup where one can be
+Every process the test starts is tracked (miles.ci.running.processes: a cgroup where one can be
 made, always a subreaper and a walk of /proc), so a `setsid` daemon or a server in a new
 session is found too. On timeout or cancellation they all get SIGTERM, a grace period, then
 SIGKILL; the same sweep runs after a normal exit, so a server a test forgot to stop cannot
 hold a port or a GPU for the next one. The attempt's record names every process stopped.
-What happened is read and classified by miles.ci.outcome.
+What happened is read and classified by miles.ci.running.outcome.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from miles.ci.outcome import classify_attempt, read_junit, signal_name
-from miles.ci.processes import Containment
-from miles.ci.record import CANCELLED, FAILED, Attempt
+from miles.ci.reports.record import CANCELLED, FAILED, Attempt
+from miles.ci.running.outcome import classify_attempt, read_junit, signal_name
+from miles.ci.running.processes import Containment
 from miles.files import Folder
 
 TAIL_LINES = 80

@@ -10,9 +10,9 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles.ci.catalog import Catalog
-from miles.ci.discover import Discovery, Registration
-from miles.ci.summary import cell, printable
+from miles.ci.registry.catalog import Catalog
+from miles.ci.registry.discover import Discovery, Registration
+from miles.ci.reports.summary import cell, printable
 from miles.metrics.store import BASELINE_CADENCES
 
 ERROR, WARNING, INFO = "error", "warning", "info"
@@ -185,7 +185,7 @@ def _coverage(discovery: Discovery) -> tuple[CoverageRow, ...]:
 
 def _baseline_findings(catalog: Catalog, discovery: Discovery) -> list[Finding]:
     """A gate compares a run with the history of its (test, backend, suite), and only the
-    scheduled runs of that suite store it (miles.ci.policy). Name every gate none of them feeds:
+    scheduled runs of that suite store it (miles.ci.selection.policy). Name every gate none of them feeds:
     it would stay INACTIVE for ever."""
     findings = []
     for test_file in discovery.files:

@@ -2,7 +2,7 @@
 
 A lane needs its Python, the right vendor with enough visible GPUs for its suites, its pinned stack
 installed (every package its rollout engine imports, kernels built for this GPU, a driver that
-runs the stack: miles.ci.gpu_stack), `MILES_HARDWARE_PLATFORM` consistent with the torch build,
+runs the stack: miles.ci.machine.gpu_stack), `MILES_HARDWARE_PLATFORM` consistent with the torch build,
 free disk for checkpoints, and no processes left over from an earlier job. Each missing thing is one line;
 any problem exits 3, before a GPU job starts and fails an hour later for the same reason.
 
@@ -16,7 +16,6 @@ through miles.platform when it is installed.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import re
@@ -29,9 +28,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles.ci.catalog import Catalog, load_catalog
+from miles.ci.registry.catalog import Catalog, load_catalog
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 EXIT_PREFLIGHT = 3
 MIN_FREE_GB = {"cpu": 5.0, "cuda": 100.0, "rocm": 100.0}  # checkpoints of 4/5-layer slices, FP8 + torch_dist
 MIN_FREE_ENV = "MILES_PREFLIGHT_MIN_FREE_GB"
@@ -413,10 +412,10 @@ def preflight(
 
 def engine_stack_problems(need: Need, env: Mapping[str, str], *, machine_only: bool) -> list[str]:
     """The rollout engine's imports, the GPU architecture against the image's kernels, and the
-    driver against the stack (miles.ci.gpu_stack); GPU lanes only."""
+    driver against the stack (miles.ci.machine.gpu_stack); GPU lanes only."""
     if need.gpus == 0:
         return []
-    from miles.ci.gpu_stack import gpu_stack_problems
+    from miles.ci.machine.gpu_stack import gpu_stack_problems
 
     return gpu_stack_problems(need.lane, need.backend, env, machine_only=machine_only)
 
@@ -444,42 +443,3 @@ def split_lane_args(posargs: Sequence[str]) -> LaneArgs:
     return LaneArgs(
         "--plan" in runner, "--system" in posargs, "--clean" in posargs, tuple(suites), tuple(runner)
     )
-
-
-def add_commands(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("preflight", help="check a lane's machine before any test runs (exit 3 on problems)")
-    p.add_argument("--lane", required=True)
-    p.add_argument("--suite", action="append", default=[], help="only this suite's needs (repeatable)")
-    p.add_argument(
-        "--machine-only", action="store_true", help="skip the pinned-versions check (before installing)"
-    )
-    p.add_argument("--clean", action="store_true", help="kill processes left from an earlier job")
-    p.add_argument("--model-dir", type=Path, help=f"where checkpoints go (default ${MODEL_DIR_ENV} or .)")
-    p.add_argument(
-        "--min-free-gb", type=float, help=f"free disk needed (default ${MIN_FREE_ENV} or per backend)"
-    )
-    p.set_defaults(handler=cmd_preflight)
-
-
-def cmd_preflight(args: argparse.Namespace) -> int:
-    problems, notes = preflight(
-        args.lane,
-        suites=args.suite,
-        machine_only=args.machine_only,
-        clean=args.clean,
-        model_dir=args.model_dir,
-        min_free_gb=args.min_free_gb,
-    )
-    for note in notes:
-        print(f"preflight: {note}")
-    for problem in problems:
-        print(f"preflight: {problem}", file=sys.stderr)
-    if problems:
-        print(
-            f"preflight: lane {args.lane} cannot run here ({len(problems)} problem(s)); no test was started",
-            file=sys.stderr,
-        )
-        return EXIT_PREFLIGHT
-    scope = "machine" if args.machine_only else "machine and stack"
-    print(f"preflight: lane {args.lane}: {scope} ok")
-    return 0

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import IO
 
-from miles.ci.execute import TestRun
-from miles.ci.plan import PlannedTest
-from miles.ci.record import Attempt
-from miles.ci.summary import printable
+from miles.ci.reports.record import Attempt
+from miles.ci.reports.summary import printable
+from miles.ci.running.execute import TestRun
+from miles.ci.running.plan import PlannedTest
 
 
 class Progress:

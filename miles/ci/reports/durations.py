@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 
-from miles.ci.record import FAILED, FLAKY, PASSED, TIMEOUT, Attempt
+from miles.ci.reports.record import FAILED, FLAKY, PASSED, TIMEOUT, Attempt
 
 PATH_ENV = "MILES_DURATIONS_PATH"
 KEEP_PER_KEY = 50  # newest rows read per (backend, suite, file)
