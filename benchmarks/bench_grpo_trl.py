@@ -24,6 +24,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 PROMPTS, GROUP, NEW_TOKENS, LR = 4, 8, 32, 1e-3
@@ -35,7 +36,7 @@ TRL_CONFIGS = {
 
 def miles_step_times(model_dir: Path, steps: int, warmup: int) -> list[float]:
     from miles.train import trainer
-    from miles.train.args import parse_args
+    from miles.train.args import parse_config
     from miles.train.distributed import shutdown
     from miles.train.runtime import build_run
 
@@ -46,11 +47,12 @@ def miles_step_times(model_dir: Path, steps: int, warmup: int) -> list[float]:
         "--micro-batch-size", str(PROMPTS * GROUP), "--rollout-max-response-len", str(NEW_TOKENS),
         "--eps-clip", "0.2", "--eps-clip-high", "0.28", "--lr", str(LR), "--seed", "0",
     ]  # fmt: skip
-    run = build_run(parse_args(argv))
+    run = build_run(parse_config(argv))
     times = []
     try:
         for rollout_id in range(steps + warmup):
-            run.start_rollout, run.args.num_rollout = rollout_id, rollout_id + 1
+            run.start_rollout = rollout_id
+            run.config = replace(run.config, rollout=replace(run.config.rollout, num_rollout=rollout_id + 1))
             start = time.perf_counter()
             trainer.train(run)
             times.append(time.perf_counter() - start)

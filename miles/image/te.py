@@ -7,7 +7,7 @@ version, named by its `version_arg`. ROCm: AMD's build from `source` at the rele
 `ref`, which the Dockerfile's `ref_arg` and `version_arg` must state. `te_problems` lists
 every disagreement (`invoke refresh-image` refuses to build on one; `--dry` prints them),
 `te_summary` is the line `refresh-image --dry` shows, and the lane's preflight imports TE
-against `expected_version` (miles.ci.te_preflight). Standard library only.
+against `expected_version` (miles.ci.machine.te_preflight). Standard library only.
 """
 
 from __future__ import annotations

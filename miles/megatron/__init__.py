@@ -13,3 +13,6 @@ TE: every place megatron-core is patched is there, under one `stale()` check (te
 every TE-only name megatron-core reads). Nothing outside this package imports megatron-core;
 importing the package itself imports nothing heavy.
 """
+
+# The module this package wraps, for callers that only ask whether it is installed.
+CORE_MODULE = "megatron.core"

@@ -1,22 +1,23 @@
-"""What the Megatron backend does with each Megatron and GPU-stack flag: one declaration per flag.
+"""How the Megatron backend acts on each Megatron and GPU-stack flag it consumes: one row per flag.
 
-Every flag of `python -m miles.train`'s Megatron group, and every GPU-stack flag, that the
-Megatron backend acts on has one `Option` row here, in the section of the function that wires
-it: the spec choice, a megatron-core TransformerConfig field (`transformer_fields`), a
-DistributedDataParallelConfig or OptimizerConfig field (`ddp_fields`, `optimizer_fields`), a
-check against the model built from config.json (`model_disagreements`; the shape flags of
-the family facts tables are checked by `check_model_flags`), the layout, the checkpoint or the
-rollout engine. A row says what the flag needs (Transformer Engine's layer spec, a GPU,
-another flag) or why it is refused. Nothing reaches megatron-core except through these
-functions, and any flag of those groups without a row (or with a refusal) is refused: at
-render time for a recipe (`render_problems`, miles.recipes.stack) and when the backend starts
-(`start_problems`). Standard library only: the render reads it without torch. The module is
-long because it is the one table; each function sits beside the rows it reads.
+Which flags the backend acts on is its consumption declaration (`MegatronBackend.CONSUMES`,
+read by miles.train.consumption, which names at start-up every flag a command sets that no
+component of its run consumes). This table says how: the spec choice, a megatron-core
+TransformerConfig field (`transformer_fields`), a DistributedDataParallelConfig or
+OptimizerConfig field (`ddp_fields`, `optimizer_fields`), a check against the model built from
+config.json (`model_disagreements`; the shape flags of the family facts tables are checked by
+`check_model_flags`), the layout or the checkpoint. A row also says what its flag needs
+(Transformer Engine's layer spec, a GPU, another flag), or why the backend refuses it whenever
+it is given (`refused`, for a flag it parses and does not consume). Those needs and refusals
+are checked at render time for a recipe (`render_problems`, miles.recipes.stack) and when the
+backend starts (`start_problems`). The wiring functions read the trainer's sections (the
+`megatron` and `model` sections of miles.train.config) by attribute. Standard library only:
+the render reads it without torch. The module is long because it is the one table; each
+function sits beside the rows it reads.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -118,46 +119,50 @@ TRANSFORMER = (
     ),
 )
 
-_FUSIONS = {  # flag dest -> TransformerConfig field it turns off
-    "no_rope_fusion": "apply_rope_fusion",
-    "no_bias_dropout_fusion": "bias_dropout_fusion",
-    "no_masked_softmax_fusion": "masked_softmax_fusion",
-    "no_bias_swiglu_fusion": "bias_activation_fusion",
-    "no_gradient_accumulation_fusion": "gradient_accumulation_fusion",
-}
 
-
-def transformer_fields(args, impl: str) -> dict[str, Any]:
-    """The TransformerConfig fields the flags set, for spec `impl` ("transformer_engine" or
-    "local"); the attention backend is an AttnBackend member's name (the caller converts it)."""
+def transformer_fields(megatron, impl: str) -> dict[str, Any]:
+    """The TransformerConfig fields the `megatron` section (miles.train.config.MegatronConfig)
+    sets, for spec `impl` ("transformer_engine" or "local"); the attention backend is an
+    AttnBackend member's name (the caller converts it)."""
     te = impl == "transformer_engine"
     out: dict[str, Any] = {}
-    if args.attention_backend:
-        out["attention_backend"] = args.attention_backend
-    if args.moe_grouped_gemm:
+    if megatron.attention_backend:
+        out["attention_backend"] = megatron.attention_backend
+    if megatron.moe_grouped_gemm:
         out["moe_grouped_gemm"] = True
-    if args.moe_permute_fusion:
+    if megatron.moe_permute_fusion:
         out["moe_permute_fusion"] = True
-    for name in ("moe_token_dispatcher_type", "moe_router_dtype", "moe_router_load_balancing_type"):
-        if getattr(args, name):
-            out[name] = getattr(args, name)
-    if args.moe_aux_loss_coeff is not None:
-        out["moe_aux_loss_coeff"] = args.moe_aux_loss_coeff
-        if args.moe_aux_loss_coeff:
+    if megatron.moe_token_dispatcher_type:
+        out["moe_token_dispatcher_type"] = megatron.moe_token_dispatcher_type
+    if megatron.moe_router_dtype:
+        out["moe_router_dtype"] = megatron.moe_router_dtype
+    if megatron.moe_router_load_balancing_type:
+        out["moe_router_load_balancing_type"] = megatron.moe_router_load_balancing_type
+    if megatron.moe_aux_loss_coeff is not None:
+        out["moe_aux_loss_coeff"] = megatron.moe_aux_loss_coeff
+        if megatron.moe_aux_loss_coeff:
             out.setdefault("moe_router_load_balancing_type", "aux_loss")
-    for name in ("moe_router_bias_update_rate", "moe_z_loss_coeff", "attention_dropout", "hidden_dropout"):
-        if getattr(args, name) is not None:
-            out[name] = getattr(args, name)
-    out["attention_softmax_in_fp32"] = bool(args.attention_softmax_in_fp32)
-    if args.recompute_granularity:
-        out["recompute_granularity"] = args.recompute_granularity
-        if args.recompute_method:
-            out["recompute_method"] = args.recompute_method
-            out["recompute_num_layers"] = args.recompute_num_layers or 1
-        if args.recompute_modules:
-            out["recompute_modules"] = list(args.recompute_modules)
-    for dest, field in _FUSIONS.items():
-        out[field] = te and not getattr(args, dest)
+    numbers = {
+        "moe_router_bias_update_rate": megatron.moe_router_bias_update_rate,
+        "moe_z_loss_coeff": megatron.moe_z_loss_coeff,
+        "attention_dropout": megatron.attention_dropout,
+        "hidden_dropout": megatron.hidden_dropout,
+    }
+    out.update({name: value for name, value in numbers.items() if value is not None})
+    out["attention_softmax_in_fp32"] = bool(megatron.attention_softmax_in_fp32)
+    if megatron.recompute_granularity:
+        out["recompute_granularity"] = megatron.recompute_granularity
+        if megatron.recompute_method:
+            out["recompute_method"] = megatron.recompute_method
+            out["recompute_num_layers"] = megatron.recompute_num_layers or 1
+        if megatron.recompute_modules:
+            out["recompute_modules"] = list(megatron.recompute_modules)
+    # each --no-<fusion> turns its TransformerConfig field off; the stand-in spec has none of them
+    out["apply_rope_fusion"] = te and not megatron.no_rope_fusion
+    out["bias_dropout_fusion"] = te and not megatron.no_bias_dropout_fusion
+    out["masked_softmax_fusion"] = te and not megatron.no_masked_softmax_fusion
+    out["bias_activation_fusion"] = te and not megatron.no_bias_swiglu_fusion
+    out["gradient_accumulation_fusion"] = te and not megatron.no_gradient_accumulation_fusion
     return out
 
 
@@ -174,21 +179,16 @@ DDP = (
         fields=(_DDP + "overlap_param_gather", _OPT + "overlap_param_gather"),
     ),
     Option("--accumulate-allreduce-grads-in-fp32", "", fields=(_DDP + "grad_reduce_in_fp32",)),
-    Option(
-        "--use-distributed-optimizer",
-        "which miles always uses",
-        fields=(_DDP + "use_distributed_optimizer", _OPT + "use_distributed_optimizer"),
-    ),
 )
 
 
-def ddp_fields(args) -> dict[str, Any]:
-    """The DistributedDataParallelConfig fields the flags set."""
+def ddp_fields(megatron) -> dict[str, Any]:
+    """The DistributedDataParallelConfig fields the `megatron` section sets (miles always uses
+    the distributed optimizer: miles.megatron.training sets that field itself)."""
     return {
-        "grad_reduce_in_fp32": bool(args.accumulate_allreduce_grads_in_fp32),
-        "overlap_grad_reduce": bool(args.overlap_grad_reduce),
-        "overlap_param_gather": bool(args.overlap_param_gather),
-        "use_distributed_optimizer": True,
+        "grad_reduce_in_fp32": bool(megatron.accumulate_allreduce_grads_in_fp32),
+        "overlap_grad_reduce": bool(megatron.overlap_grad_reduce),
+        "overlap_param_gather": bool(megatron.overlap_param_gather),
     }
 
 
@@ -218,17 +218,15 @@ OPTIMIZER = (
 )
 
 
-def optimizer_fields(args) -> dict[str, Any]:
-    """The OptimizerConfig fields the flags set (beyond the optimizer's own hyperparameters)."""
-    out: dict[str, Any] = {
-        "use_distributed_optimizer": True,
-        "overlap_param_gather": bool(args.overlap_param_gather),
-    }
-    if args.use_precision_aware_optimizer:
+def optimizer_fields(megatron) -> dict[str, Any]:
+    """The OptimizerConfig fields the `megatron` section sets (beyond the optimizer's own
+    hyperparameters)."""
+    out: dict[str, Any] = {"overlap_param_gather": bool(megatron.overlap_param_gather)}
+    if megatron.use_precision_aware_optimizer:
         out["use_precision_aware_optimizer"] = True
-    if args.optimizer_cpu_offload:
+    if megatron.optimizer_cpu_offload:
         out.update(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0)
-    if args.overlap_cpu_optimizer_d2h_h2d:
+    if megatron.overlap_cpu_optimizer_d2h_h2d:
         out["overlap_cpu_optimizer_d2h_h2d"] = True
     return out
 
@@ -290,18 +288,12 @@ MODEL = (
 )
 
 
-def family_flags() -> frozenset[str]:
-    """The shape flags every family's facts table checks against config.json (check_model_flags)."""
-    from miles.models import ANY_FAMILY
-
-    return frozenset(row.flag for row in ANY_FAMILY)
-
-
-def model_disagreements(args, tc, vocab: int) -> list[str]:
-    """'flag: why' for each given MODEL_CHECKS flag the built model contradicts."""
+def model_disagreements(model, tc, vocab: int) -> list[str]:
+    """'flag: why' for each MODEL_CHECKS flag the `model` section (miles.train.config.ModelConfig)
+    sets that the built model `tc` (with `vocab` embedding rows) contradicts."""
     out = []
     for flag, check in MODEL_CHECKS.items():
-        value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+        value = getattr(model, flag.lstrip("-").replace("-", "_"), None)
         if value in (None, False):
             continue
         problem = check(value, tc, vocab)
@@ -310,7 +302,7 @@ def model_disagreements(args, tc, vocab: int) -> list[str]:
     return out
 
 
-# --- layout, checkpoint, rollout engine, and what no part of the backend does --------------
+# --- the layout and the checkpoint ----------------------------------------------------------
 
 ELSEWHERE = (
     Option(
@@ -322,57 +314,16 @@ ELSEWHERE = (
         "raw: the weights come from the torch_dist checkpoint --ref-load names; bridge is refused when the "
         "backend starts (Megatron-Bridge is not part of miles)",
     ),
-    Option(
-        "--colocate",
-        "the placement miles' rollout engines always have: on the training GPUs, released during training",
-    ),
-    Option(
-        "--use-dynamic-batch-size",
-        "",
-        refused="miles.train forms micro-batches of --micro-batch-size samples; token-budget micro-batches are "
-        "not implemented",
-    ),
-    Option(
-        "--max-tokens-per-gpu",
-        "",
-        refused="it sizes token-budget micro-batches (--use-dynamic-batch-size), which miles.train does not form; "
-        "set --micro-batch-size",
-    ),
-    Option(
-        "--balance-data",
-        "",
-        refused="miles.train splits each minibatch over data-parallel ranks by sample, strided; balancing ranks "
-        "by token count is not implemented",
-    ),
 )
 
 OPTIONS: tuple[Option, ...] = (*SPEC, *TRANSFORMER, *DDP, *OPTIMIZER, *MODEL, *ELSEWHERE)
 BY_FLAG: Mapping[str, Option] = {o.flag: o for o in OPTIONS}
 
 
-@functools.cache
-def scope() -> dict[str, str]:
-    """Every flag (option string -> dest) this table answers for: the trainer's Megatron group and
-    its GPU-stack flags (miles.train.args)."""
-    from miles.train.args import GPU_STACK_ONLY, MEGATRON_GROUP, build_parser
-
-    parser = build_parser()
-    megatron = {a.dest for g in parser._action_groups if g.title == MEGATRON_GROUP for a in g._group_actions}
-    return {
-        a.option_strings[0]: a.dest
-        for a in parser._actions
-        if a.option_strings and (a.dest in megatron or a.dest in GPU_STACK_ONLY)
-    }
-
-
 def _problem(flag: str, value, given: Mapping[str, Any], te: bool | None, gpu: bool | None) -> str | None:
-    """Why `flag` (given with `value`, among `given`) has no effect or cannot act, if it cannot;
-    `te`/`gpu`: whether TE's spec / a GPU are there (None: not known yet)."""
-    option = BY_FLAG.get(flag)
-    if option is None:
-        if flag in family_flags():
-            return None
-        return "python -m miles.train parses it (a Megatron-LM flag) but no part of the Megatron backend acts on it"
+    """Why `flag` (given with `value`, among `given`) cannot act, if it cannot; `te`/`gpu`:
+    whether TE's spec / a GPU are there (None: not known yet)."""
+    option = BY_FLAG[flag]
     if option.refused:
         return option.refused
     for need in option.needs:
@@ -386,6 +337,8 @@ def _problem(flag: str, value, given: Mapping[str, Any], te: bool | None, gpu: b
         return "'local' is megatron-core's own attention: pass --transformer-impl local with it (as Megatron-LM asks)"
     if flag == "--transformer-impl" and value == "transformer_engine" and (te is False or gpu is False):
         return f"needs {_describe(TE)}"
+    if flag == "--recompute-method" and given.get("--recompute-granularity") == "selective":
+        return "selective recomputation takes no method (Megatron-LM refuses the pair)"
     return None
 
 
@@ -421,39 +374,35 @@ def _given(argv: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+def _problems(given: Mapping[str, Any], te: bool | None, gpu: bool | None) -> list[tuple[str, str]]:
+    """(flag, why) for each row's flag among `given` that is refused or whose needs are not met."""
+    out = []
+    for flag, value in given.items():
+        if flag in BY_FLAG:
+            problem = _problem(flag, value, given, te=te, gpu=gpu)
+            if problem:
+                out.append((flag, problem))
+    return out
+
+
 def render_problems(argv: Sequence[str], platform: str, stack_has_te: bool) -> list[tuple[str, str]]:
-    """(flag, why) for every flag of a Megatron command (`argv`, the trainer's flags) that would be
-    accepted and do nothing, or cannot act on `platform` (whose pinned stack carries TE or not)."""
-    known = scope()
+    """(flag, why) for every flag of a Megatron command (`argv`, the trainer's flags) that the
+    backend refuses, or that cannot act on `platform` (whose pinned stack carries TE or not)."""
     given = _given(argv)
     gpu = platform != "cpu"
     te = stack_has_te and gpu and given.get("--transformer-impl") != "local"
-    out = []
-    for flag, value in given.items():
-        if flag not in known:
-            continue
-        problem = _problem(flag, value, given, te=te, gpu=gpu)
-        if problem:
-            out.append((flag, f"without effect on --train-backend megatron: {problem}"))
-    return out
+    return [
+        (flag, f"--train-backend megatron cannot act on it: {why}")
+        for flag, why in _problems(given, te=te, gpu=gpu)
+    ]
 
 
-def start_problems(args, changed: Mapping[str, Any], impl: str, device: str) -> list[str]:
-    """'flag: why' for every flag the command sets (`changed`: option string -> value) that the
-    Megatron backend would not act on with spec `impl` on `device`."""
-    known = scope()
+def start_problems(given: Mapping[str, Any], impl: str, device: str) -> list[str]:
+    """'flag: why' for every flag the command sets (`given`: option string -> value, the flags
+    of the sections the backend takes that differ from their defaults) that the Megatron backend
+    refuses, or cannot act on with spec `impl` on `device`."""
     te, gpu = impl == "transformer_engine", device != "cpu"
-    out = []
-    for flag, value in changed.items():
-        if flag not in known:
-            continue
-        problem = _problem(flag, value, changed, te=te, gpu=gpu)
-        if flag == "--megatron-to-hf-mode" and value == "bridge":
-            problem = "Megatron-Bridge is not part of miles; convert the checkpoint to torch_dist (invoke prepare-ckpt)"
-        if problem:
-            out.append(f"{flag}{'' if value is True else f' {value}'}: {problem}")
-    if changed.get("--recompute-method") and changed.get("--recompute-granularity") == "selective":
-        out.append(
-            "--recompute-method: selective recomputation takes no method (Megatron-LM refuses the pair)"
-        )
-    return out
+    return [
+        f"{flag}{'' if given[flag] is True else f' {given[flag]}'}: {why}"
+        for flag, why in _problems(given, te=te, gpu=gpu)
+    ]

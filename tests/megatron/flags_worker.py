@@ -24,21 +24,21 @@ STEPS = 3
 def main() -> None:
     warnings.simplefilter("ignore")
     hf, torch_dist, cases = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-    from miles.train.args import parse_args, validate_world
+    from miles.train.args import parse_config, validate_world
     from miles.train.backends import make_backend
     from miles.train.distributed import init_distributed
 
     dist_info = init_distributed("gloo")
     results = []
     for extra in cases:
-        args = parse_args([
+        config = parse_config([
             "--hf-checkpoint", hf, "--ref-load", torch_dist, "--train-backend", "megatron",
             "--actor-num-gpus-per-node", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
             "--global-batch-size", "4", "--micro-batch-size", "2", "--lr", "1e-2", *extra,
         ])  # fmt: skip
-        validate_world(args, dist_info.world_size)
+        validate_world(config, dist_info.world_size)
         torch.manual_seed(0)
-        backend = make_backend(args, dist_info)
+        backend = make_backend(config, dist_info)
         batch = a_batch(backend.config["vocab_size"])
         calls: list[str] = []
         layer = backend.chunks[0].decoder.layers[0]

@@ -57,20 +57,20 @@ def main() -> None:
     hf, torch_dist, cases = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     from megatron.core import parallel_state
 
-    from miles.train.args import parse_args, validate_world
+    from miles.train.args import parse_config, validate_world
     from miles.train.backends import make_backend
     from miles.train.distributed import init_distributed
 
     dist_info = init_distributed("gloo")
     results = []
     for extra in cases:
-        args = parse_args([
+        config = parse_config([
             "--hf-checkpoint", hf, "--ref-load", torch_dist, "--train-backend", "megatron",
             "--actor-num-gpus-per-node", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
             "--global-batch-size", "4", "--micro-batch-size", "2", "--lr", "1e-3", *extra,
         ])  # fmt: skip
-        validate_world(args, dist_info.world_size)
-        backend = make_backend(args, dist_info)
+        validate_world(config, dist_info.world_size)
+        backend = make_backend(config, dist_info)
         batch = a_batch(backend.config["vocab_size"])
         outcome = {}
 
@@ -83,7 +83,7 @@ def main() -> None:
         schedules = entered_schedules(step)
         results.append({
             "flags": extra,
-            "vpp": args.layout.vpp,
+            "vpp": config.layout.vpp,
             "schedules": sorted(schedules),
             "chunks": len(backend.chunks),
             "megatron_vpp": parallel_state.get_virtual_pipeline_model_parallel_world_size(),

@@ -122,7 +122,7 @@ def test_refresh_image_dry_shows_where_transformer_engine_comes_from():
 
 
 def _preflight(lane: str, extra_path: Path | None = None) -> list[str]:
-    code = f"from pathlib import Path; from miles.ci.te_preflight import check_transformer_engine as c; print(repr(c({lane!r}, Path({str(ROOT)!r}))))"
+    code = f"from pathlib import Path; from miles.ci.machine.te_preflight import check_transformer_engine as c; print(repr(c({lane!r}, Path({str(ROOT)!r}))))"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(extra_path or ""), str(ROOT)]))}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

@@ -1,16 +1,19 @@
 """Training backends: what the trainer asks of the model that learns.
 
-`TrainBackend` is the interface; `make_backend(args, dist)` picks FSDP2 or DDP (data
-parallel over torch.distributed, any device) or Megatron (GPU only). The trainer never
-touches the wrapped model directly: logprobs, a training step over micro-batches, the full
-weights for the rollout engine, and checkpoint state all go through here.
+`TrainBackend` is the interface; `make_backend(config, dist)` picks FSDP2 or DDP (data
+parallel over torch.distributed, any device) or Megatron (megatron-core, on GPUs or on CPU
+under gloo) and gives it the configuration sections it declares in its `CONSUMES`
+(miles.train.consumption). The trainer never touches the wrapped model directly: logprobs, a
+training step over micro-batches, the full weights for the rollout engine, and checkpoint
+state all go through here.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from miles.train.algorithm import LossTerms
 from miles.train.batch import TokenBatch
@@ -31,6 +34,9 @@ class StepResult:
 
 
 class TrainBackend(abc.ABC):
+    # Where the frozen reference model's weights come from (None: no reference model).
+    ref_source: str | None = None
+
     @property
     def data_parallel(self) -> tuple[int, int, object]:
         """(rank, size, process group) of the data-parallel dimension: the ranks that train on
@@ -54,6 +60,17 @@ class TrainBackend(abc.ABC):
             logp = self.logprobs(part, reference=reference)
             out[start : start + micro_batch_size, : logp.shape[1]] = logp
         return out
+
+    @contextlib.contextmanager
+    def scoring_temperature(self, temperature: float) -> Iterator[None]:
+        """logprobs() at `temperature` instead of the rollout temperature, inside the block
+        (every backend scales its logits by self.loss_cfg.temperature)."""
+        saved = self.loss_cfg
+        self.loss_cfg = replace(saved, temperature=temperature)
+        try:
+            yield
+        finally:
+            self.loss_cfg = saved
 
     @abc.abstractmethod
     def train_step(self, micro_batches: Sequence[TokenBatch], normalizer: float) -> StepResult:
@@ -95,11 +112,8 @@ def batch_loss(logp, entropy, batch: TokenBatch, cfg) -> LossTerms:
     )
 
 
-def make_backend(args, dist_info) -> TrainBackend:
-    if args.train_backend == "megatron":
-        from miles.train.backends.megatron import MegatronBackend
+def make_backend(config, dist_info) -> TrainBackend:
+    """The --train-backend of `config` (a RunConfig), given the sections it consumes."""
+    from miles.train.consumption import build
 
-        return MegatronBackend(args, dist_info)
-    from miles.train.backends.torch_dp import TorchDPBackend
-
-    return TorchDPBackend(args, dist_info)
+    return build("backend", config.job.train_backend, config, dist_info)

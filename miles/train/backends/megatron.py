@@ -7,10 +7,11 @@ from the torch_dist checkpoint `prepare-ckpt` writes (`--ref-load`); micro-batch
 through megatron's `forward_backward_func` (so pipeline parallelism runs its real
 schedule) with the GRPO/GSPO loss of `miles.train.algorithm` computed on vocabulary-parallel
 logits; gradients are reduced by megatron's DDP and applied by its distributed optimizer
-(fp32 main parameters). Every Megatron and GPU-stack flag acts through one row of
-`miles.megatron.options` or is refused when the backend starts. On the CPU,
-`compat.install()` first redirects megatron-core's CUDA assumptions. The run's first line
-names the spec, attention, experts and optimizer actually built.
+(fp32 main parameters). What it acts on is its `CONSUMES` declaration; how, one row per flag
+of `miles.megatron.options`, whose refusals and needs (TE's spec, a GPU, another flag) are
+checked when the backend starts. On the CPU, `compat.install()` first redirects
+megatron-core's CUDA assumptions. The run's first line names the spec, attention, experts and
+optimizer actually built.
 """
 
 from __future__ import annotations
@@ -31,9 +32,20 @@ from miles.megatron import options
 from miles.megatron import training as mt
 from miles.megatron.export import WeightExporter
 from miles.megatron.loss import gather_context_parallel, micro_batches, vocab_parallel_logprobs
-from miles.train.args import changed_flags, loss_config, optim_config
+from miles.parallel import ParallelLayout
 from miles.train.backends import BackendUnavailable, StepResult, TrainBackend, batch_loss
 from miles.train.batch import TokenBatch
+from miles.train.config import (
+    AlgorithmConfig,
+    BatchConfig,
+    CheckpointConfig,
+    JobConfig,
+    MegatronConfig,
+    ModelConfig,
+    OptimizerConfig,
+    RolloutConfig,
+    optimizer_steps,
+)
 
 
 class MegatronSetupError(BackendUnavailable):
@@ -41,34 +53,83 @@ class MegatronSetupError(BackendUnavailable):
 
 
 class MegatronBackend(TrainBackend):
-    def __init__(self, args, dist_info):
-        self.args = args
+    # The section fields it acts on (miles.train.consumption). The model shape is built from
+    # config.json, and a model flag that describes another model is refused (check_model_flags,
+    # check_built_model); each megatron field below acts through its row of miles.megatron.options
+    # (the layer spec, a TransformerConfig, DDP or optimizer field), and so does the checkpoint's
+    # megatron_to_hf_mode (raw is how it loads; bridge is refused).
+    CONSUMES = {
+        "job": ("seed",),
+        "checkpoint": ("hf_checkpoint", "ref_load", "megatron_to_hf_mode"),
+        "rollout": ("num_rollout", "rollout_batch_size", "n_samples_per_prompt", "rollout_temperature"),
+        "batch": ("global_batch_size", "micro_batch_size"),
+        "algorithm": (
+            "advantage_estimator", "eps_clip", "eps_clip_high", "eps_clip_c", "use_kl_loss", "kl_loss_type",
+            "kl_loss_coef", "entropy_coef", "use_tis", "tis_clip", "tis_clip_low", "calculate_per_token_loss",
+        ),
+        "optimizer": (
+            "lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "weight_decay", "adam_beta1",
+            "adam_beta2", "adam_eps", "clip_grad", "bf16",
+        ),
+        "layout": "*",
+        "model": "*",
+        "megatron": (
+            "transformer_impl", "attention_backend", "attention_dropout", "hidden_dropout",
+            "attention_softmax_in_fp32", "moe_grouped_gemm", "moe_permute_fusion", "moe_token_dispatcher_type",
+            "moe_router_dtype", "moe_aux_loss_coeff", "moe_router_load_balancing_type",
+            "moe_router_bias_update_rate", "moe_z_loss_coeff", "recompute_granularity", "recompute_method",
+            "recompute_num_layers", "recompute_modules", "no_rope_fusion", "no_bias_dropout_fusion",
+            "no_masked_softmax_fusion", "no_bias_swiglu_fusion", "no_gradient_accumulation_fusion",
+            "overlap_grad_reduce", "overlap_param_gather", "accumulate_allreduce_grads_in_fp32",
+            "use_precision_aware_optimizer", "optimizer_cpu_offload", "overlap_cpu_optimizer_d2h_h2d",
+        ),
+    }  # fmt: skip
+
+    def __init__(
+        self,
+        *,
+        job: JobConfig,
+        checkpoint: CheckpointConfig,
+        rollout: RolloutConfig,
+        batch: BatchConfig,
+        algorithm: AlgorithmConfig,
+        optimizer: OptimizerConfig,
+        layout: ParallelLayout,
+        model: ModelConfig,
+        megatron: MegatronConfig,
+        dist_info,
+    ):
         self.on_cpu = dist_info.device == "cpu"
         self.device = dist_info.device
         # first: a Transformer Engine that is installed but broken fails megatron-core's imports
-        self.impl, why = _layer_spec(args, self.device)
+        self.impl, why = _layer_spec(megatron, checkpoint, model, self.device)
         if self.on_cpu:
             from miles.megatron import compat
 
             compat.install()
-        self.loss_cfg = loss_config(args)
-        self.optim_cfg = optim_config(args)
-        self.config = json.loads((Path(args.hf_checkpoint) / "config.json").read_text())
-        check_model_flags(args, self.config, args.hf_checkpoint)
-        self.source = _weights_source(args)
-        self.layout = args.layout  # parsed and checked with the flags (miles.train.args)
-        mt.init_parallel_state(self.layout, args.seed)
-        self.tc = _transformer_config(args, self.config, self.layout, on_cpu=self.on_cpu, impl=self.impl)
+        self.micro_batch_size = batch.micro_batch_size
+        self.loss_cfg = algorithm.loss_config(rollout.rollout_temperature)
+        self.optim_cfg = optimizer.optim_config()
+        hf = checkpoint.hf_checkpoint
+        self.config = json.loads((Path(hf) / "config.json").read_text())
+        check_model_flags(model, self.config, hf)
+        self.source = _weights_source(checkpoint)
+        self.layout = layout  # parsed and checked with the flags (miles.train.args)
+        mt.init_parallel_state(self.layout, job.seed)
+        dtype = torch.bfloat16 if optimizer.bf16 and not self.on_cpu else torch.float32
+        self.tc = _transformer_config(
+            megatron, self.config, self.layout, hf, dtype=dtype, on_cpu=self.on_cpu, impl=self.impl
+        )
         # The reference model gets a config of its own: the policy's gains DDP hooks below.
         ref_tc = copy.copy(self.tc)
         self.vocab = ckpt.embedding_rows(self.source) or int(self.config["vocab_size"])
-        check_built_model(args, self.tc, self.vocab, args.hf_checkpoint)
+        check_built_model(model, self.tc, self.vocab, hf)
         chunks = self._load_chunks(self.tc)
         mg.freeze_padding_embedding(chunks, self.config.get("pad_token_id"))
         self.chunks = [c.to(self.device) for c in chunks]
-        self.model = mt.wrap_ddp(self.chunks, self.tc, options.ddp_fields(args))
+        self.model = mt.wrap_ddp(self.chunks, self.tc, options.ddp_fields(megatron))
         self.optimizer = mt.build_optimizer(
-            self.model, self.optim_cfg, self.tc, options.optimizer_fields(args)
+            self.model, self.optim_cfg, self.tc, options.optimizer_fields(megatron)
         )
         self.params_stale = False  # overlapped parameter gathering leaves them stale after a step
         mt.connect_schedule(self.tc, self.model)
@@ -80,13 +141,12 @@ class MegatronBackend(TrainBackend):
             print(f"miles.train: megatron {self.schedule()}", flush=True)
         self.ref_chunks = None
         self.ref_source = self.source
-        if args.use_kl_loss:
+        if algorithm.use_kl_loss:
             self.ref_chunks = [
                 c.to(self.device).eval().requires_grad_(False) for c in self._load_chunks(ref_tc)
             ]
-        self.fused_experts = _hf_fuses_experts(args.hf_checkpoint)
-        steps_per_rollout = args.rollout_batch_size * args.n_samples_per_prompt // args.global_batch_size
-        self.total_steps = args.num_rollout * steps_per_rollout
+        self.fused_experts = _hf_fuses_experts(hf)
+        self.total_steps = optimizer_steps(rollout, batch)
         self.steps_done = 0
 
     def _load_chunks(self, tc) -> list:
@@ -176,7 +236,7 @@ class MegatronBackend(TrainBackend):
 
     def _run(self, parts: Sequence[TokenBatch], chunks, loss_fn, *, forward_only: bool) -> list[dict]:
         """The micro-batches through megatron's schedule; the last stage's loss outputs, on every rank."""
-        rows = max(self.args.micro_batch_size, max(p.size for p in parts))
+        rows = max(self.micro_batch_size, max(p.size for p in parts))
         cp = self.layout.cp
         # sequence parallelism splits each rank's tokens over TP; context parallelism the
         # sequence into 2·cp chunks
@@ -249,14 +309,21 @@ class MegatronBackend(TrainBackend):
         return mt.apply_step(self.optimizer, self.optim_cfg.clip_grad, grad_norm), grad_norm
 
 
-def _weights_source(args) -> str:
-    """The torch_dist checkpoint the policy (and reference) start from."""
-    if ckpt.is_torch_dist_dir(args.ref_load):
-        return args.ref_load
-    given = f"--ref-load {args.ref_load} is not a torch_dist checkpoint" if args.ref_load else "no --ref-load"
+def _weights_source(checkpoint: CheckpointConfig) -> str:
+    """The torch_dist checkpoint the policy (and reference) start from (--megatron-to-hf-mode raw:
+    the weights are the checkpoint's own; bridge would load them through Megatron-Bridge)."""
+    if checkpoint.megatron_to_hf_mode == "bridge":
+        raise MegatronSetupError(
+            "--megatron-to-hf-mode bridge: Megatron-Bridge is not part of miles; convert the checkpoint to "
+            "torch_dist (invoke prepare-ckpt) and leave the flag at raw"
+        )
+    ref_load = checkpoint.ref_load
+    if ckpt.is_torch_dist_dir(ref_load):
+        return ref_load
+    given = f"--ref-load {ref_load} is not a torch_dist checkpoint" if ref_load else "no --ref-load"
     raise BackendUnavailable(
         f"--train-backend megatron loads its starting weights from a Megatron torch_dist checkpoint; {given}. "
-        f"Convert {args.hf_checkpoint} with `invoke prepare-ckpt` (it writes <model>_torch_dist) and pass that "
+        f"Convert {checkpoint.hf_checkpoint} with `invoke prepare-ckpt` (it writes <model>_torch_dist) and pass that "
         "directory as --ref-load"
     )
 
@@ -271,7 +338,7 @@ def _hf_fuses_experts(path: str) -> bool:
     return any(name.endswith("mlp.experts.gate_up_proj") for name in names)
 
 
-def check_model_flags(args, config: dict, path: str) -> None:
+def check_model_flags(model: ModelConfig, config: dict, path: str) -> None:
     """Every Megatron model flag the command sets agrees with config.json (through its family's
     facts table, `miles.models`), or one error lists every one that does not: the model is built
     from config.json, so a flag that says otherwise describes another model."""
@@ -280,7 +347,7 @@ def check_model_flags(args, config: dict, path: str) -> None:
     from miles.parallel.layout import dest
 
     keys = models.keys_of(config)
-    given = {row.flag: getattr(args, dest(row.flag), None) for row in keys}
+    given = {row.flag: getattr(model, dest(row.flag), None) for row in keys}
     wrong = disagreements(keys, config, {f: v for f, v in given.items() if v not in (None, False)})
     if wrong:
         raise MegatronSetupError(
@@ -289,16 +356,19 @@ def check_model_flags(args, config: dict, path: str) -> None:
         )
 
 
-def _layer_spec(args, device: str) -> tuple[str, str]:
-    """The layer spec to build (and why), after every flag the backend would not act on with it
-    is refused in one line."""
+def _layer_spec(
+    megatron: MegatronConfig, checkpoint: CheckpointConfig, model: ModelConfig, device: str
+) -> tuple[str, str]:
+    """The layer spec to build (and why), after every flag the backend refuses, or cannot act on
+    with that spec on `device`, is refused in one line (miles.megatron.options)."""
     from miles.megatron.spec import SpecRefused, choose_impl
 
     try:
-        impl, why = choose_impl(args.transformer_impl, device)
+        impl, why = choose_impl(megatron.transformer_impl, device)
     except SpecRefused as exc:
         raise MegatronSetupError(str(exc)) from exc
-    problems = options.start_problems(args, changed_flags(args), impl, device)
+    given = {**megatron.non_default(), **checkpoint.non_default(), **model.non_default()}
+    problems = options.start_problems(given, impl, device)
     if problems:
         spec = (
             "Transformer Engine's layer spec"
@@ -306,15 +376,15 @@ def _layer_spec(args, device: str) -> tuple[str, str]:
             else f"the stand-in layer spec ({why})"
         )
         raise MegatronSetupError(
-            f"--train-backend megatron would not act on {len(problems)} flag(s) of this command with {spec} on "
+            f"--train-backend megatron cannot act on {len(problems)} flag(s) of this command with {spec} on "
             f"{device}: {'; '.join(problems)}. Remove them, or run where what they need is"
         )
     return impl, why
 
 
-def check_built_model(args, tc, vocab: int, path: str) -> None:
+def check_built_model(model: ModelConfig, tc, vocab: int, path: str) -> None:
     """The model flags that name a TransformerConfig field agree with the model built from config.json."""
-    wrong = options.model_disagreements(args, tc, vocab)
+    wrong = options.model_disagreements(model, tc, vocab)
     if wrong:
         raise MegatronSetupError(
             f"{path}/config.json describes another model than the Megatron flags: {'; '.join(wrong)}. The model "
@@ -322,23 +392,31 @@ def check_built_model(args, tc, vocab: int, path: str) -> None:
         )
 
 
-def _transformer_config(args, config: dict, layout, *, on_cpu: bool, impl: str = "local"):
-    """The TransformerConfig of the run: the HF model's math, the layout, and the fields the flags
-    set (miles.megatron.options.transformer_fields)."""
+def _transformer_config(
+    megatron: MegatronConfig,
+    config: dict,
+    layout: ParallelLayout,
+    path: str,
+    *,
+    dtype,
+    on_cpu: bool,
+    impl: str = "local",
+):
+    """The TransformerConfig of the run: the HF model's math, the layout, and the fields the
+    `megatron` section sets (miles.megatron.options.transformer_fields)."""
     from miles.megatron.config import transformer_config
     from miles.megatron.families import UnmappedModel
 
-    overrides = options.transformer_fields(args, impl)
+    overrides = options.transformer_fields(megatron, impl)
     if on_cpu:
         # gloo pairs point-to-point messages first-in first-out per pair of ranks. Batched p2p
         # posts a two-stage pipeline's activation and gradient to the same peer in an order the
         # peer does not mirror (the interleaved schedule swaps them); megatron's unbatched path
         # sends the two directions over two communicators.
         overrides["batch_p2p_comm"] = False
-    dtype = torch.bfloat16 if args.bf16 and not on_cpu else torch.float32
     try:
         return transformer_config(config, layout, dtype=dtype, on_cpu=on_cpu, initialize=True, **overrides)
     except UnmappedModel as exc:
-        raise MegatronSetupError(f"{args.hf_checkpoint}: {exc}") from exc
+        raise MegatronSetupError(f"{path}: {exc}") from exc
     except ValueError as exc:  # megatron-core's own refusal of a combination of fields
         raise MegatronSetupError(f"megatron-core refuses the flags' TransformerConfig: {exc}") from exc

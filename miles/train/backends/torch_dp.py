@@ -30,26 +30,65 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from miles.train import algorithm, guards
-from miles.train.args import loss_config, optim_config
 from miles.train.backends import StepResult, TrainBackend, batch_loss
 from miles.train.batch import TokenBatch
+from miles.train.config import (
+    AlgorithmConfig,
+    BatchConfig,
+    CheckpointConfig,
+    JobConfig,
+    OptimizerConfig,
+    RolloutConfig,
+    TorchDPConfig,
+    optimizer_steps,
+)
 from miles.train.model import is_hf_dir, load_causal_lm, train_dtype
 
 
 class TorchDPBackend(TrainBackend):
-    def __init__(self, args, dist_info):
-        self.mode = args.train_backend  # fsdp | ddp
+    # The section fields it acts on (miles.train.consumption); the layout's model-parallel
+    # degrees are refused by the flag parser, the Megatron sections are not read.
+    CONSUMES = {
+        "job": ("train_backend",),
+        "checkpoint": ("hf_checkpoint", "ref_load"),
+        "rollout": ("num_rollout", "rollout_batch_size", "n_samples_per_prompt", "rollout_temperature"),
+        "batch": ("global_batch_size",),
+        "algorithm": (
+            "advantage_estimator", "eps_clip", "eps_clip_high", "eps_clip_c", "use_kl_loss", "kl_loss_type",
+            "kl_loss_coef", "entropy_coef", "use_tis", "tis_clip", "tis_clip_low", "calculate_per_token_loss",
+        ),
+        "optimizer": (
+            "lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "weight_decay", "adam_beta1",
+            "adam_beta2", "adam_eps", "clip_grad", "bf16",
+        ),
+        "fsdp": "*",
+    }  # fmt: skip
+
+    def __init__(
+        self,
+        *,
+        job: JobConfig,
+        checkpoint: CheckpointConfig,
+        rollout: RolloutConfig,
+        batch: BatchConfig,
+        algorithm: AlgorithmConfig,
+        optimizer: OptimizerConfig,
+        fsdp: TorchDPConfig,
+        dist_info,
+    ):
+        self.mode = job.train_backend  # fsdp | ddp
         self.dist = dist_info
-        self.loss_cfg = loss_config(args)
-        self.optim_cfg = optim_config(args)
-        self.compute_dtype = train_dtype(args.bf16)
-        model = load_causal_lm(args.hf_checkpoint, dtype=torch.float32, device=dist_info.device)
-        if args.gradient_checkpointing:
+        self.loss_cfg = algorithm.loss_config(rollout.rollout_temperature)
+        self.optim_cfg = optimizer.optim_config()
+        self.compute_dtype = train_dtype(optimizer.bf16)
+        model = load_causal_lm(checkpoint.hf_checkpoint, dtype=torch.float32, device=dist_info.device)
+        if fsdp.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.model = self._wrap(model, trainable=True)
         self.ref_model = None
-        if args.use_kl_loss:
-            ref_path = args.ref_load if args.ref_load and is_hf_dir(args.ref_load) else args.hf_checkpoint
+        if algorithm.use_kl_loss:
+            ref_load = checkpoint.ref_load
+            ref_path = ref_load if ref_load and is_hf_dir(ref_load) else checkpoint.hf_checkpoint
             self.ref_source = ref_path
             ref = load_causal_lm(ref_path, dtype=self.compute_dtype, device=dist_info.device)
             ref.requires_grad_(False)
@@ -61,8 +100,7 @@ class TorchDPBackend(TrainBackend):
             eps=self.optim_cfg.eps,
             weight_decay=self.optim_cfg.weight_decay,
         )
-        steps_per_rollout = args.rollout_batch_size * args.n_samples_per_prompt // args.global_batch_size
-        total_steps = args.num_rollout * steps_per_rollout
+        total_steps = optimizer_steps(rollout, batch)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, self.optim_cfg, total_steps)
         )
