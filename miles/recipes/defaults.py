@@ -35,6 +35,7 @@ ROLLOUT: Args = (
     ("--rollout-max-response-len", 8192),
     ("--rollout-temperature", 1.0),
     ("--global-batch-size", 256),
+    ("--balance-data", True),
 )
 
 GRPO: Args = (
@@ -73,7 +74,8 @@ PERF: Args = (
     ("--recompute-granularity", "full"),
     ("--recompute-method", "uniform"),
     ("--recompute-num-layers", 1),
-    ("--micro-batch-size", 1),
+    ("--use-dynamic-batch-size", True),
+    ("--max-tokens-per-gpu", 9216),
     ("--attention-dropout", 0.0),
     ("--hidden-dropout", 0.0),
     ("--accumulate-allreduce-grads-in-fp32", True),
@@ -109,6 +111,7 @@ TINY_OVERRIDES = groups(
         ("--rm-type", "synthetic"),
         ("--apply-chat-template", None),
         ("--rollout-shuffle", None),
+        ("--balance-data", None),
         ("--num-rollout", 3),
         ("--rollout-batch-size", 4),
         ("--n-samples-per-prompt", 4),
@@ -128,11 +131,13 @@ TINY_OVERRIDES = groups(
         ("--recompute-granularity", None),
         ("--recompute-method", None),
         ("--recompute-num-layers", None),
+        ("--use-dynamic-batch-size", None),
+        ("--max-tokens-per-gpu", None),
         ("--attention-dropout", None),
         ("--hidden-dropout", None),
         ("--accumulate-allreduce-grads-in-fp32", None),
         ("--attention-softmax-in-fp32", None),
-        ("--micro-batch-size", 4),  # in perf, where the GPU profiles set theirs, so it replaces it
+        ("--micro-batch-size", 4),  # in perf, where the recipes set theirs, so it replaces it
         ("--distributed-backend", "gloo"),
         ("--num-threads", 1),
     ),
@@ -226,16 +231,6 @@ COMMON_DEVIATIONS = (
     deviation(
         "--train-backend",
         reason="miles.train chooses its backend by flag; the reference's train.py is Megatron only",
-    ),
-    deviation(
-        "--use-dynamic-batch-size",
-        "--max-tokens-per-gpu",
-        "--balance-data",
-        "--micro-batch-size",
-        reason="miles.train forms micro-batches of --micro-batch-size samples and splits each minibatch over the "
-        "data-parallel ranks by sample: token-budget micro-batches and token-balanced ranks are not implemented, so "
-        "the Megatron backend would accept these flags and do nothing, which the render refuses "
-        "(miles.megatron.options); the GPU profiles train one sample per micro-batch instead",
     ),
     deviation(
         "--seed", reason="Megatron-LM's default seed (1234), stated so every form draws the same batches"

@@ -74,7 +74,9 @@ RECIPE = Recipe(
             ("--sglang-ep-size", "{rollout_gpus_per_engine}"),
         ),
         perf=(
+            ("--use-dynamic-batch-size", None),
             ("--micro-batch-size", 1),
+            ("--max-tokens-per-gpu", 2048),
             ("--update-weight-buffer-size", 1024**3),
             ("--transformer-impl", "transformer_engine"),
         ),

@@ -49,6 +49,7 @@ RECIPE = Recipe(
             ("--rollout-batch-size", 8),
             ("--rollout-max-response-len", 100),  # the reference's single-node (debug_minimal) length
             ("--global-batch-size", 64),
+            ("--balance-data", None),
         ),
         grpo=(
             ("--use-kl-loss", None),
@@ -74,6 +75,7 @@ RECIPE = Recipe(
             ("--sglang-watchdog-timeout", 3600),
         ),
         perf=(
+            ("--max-tokens-per-gpu", 2048),
             ("--attention-backend", "flash"),
             ("--update-weight-buffer-size", 2 * 1024**3),
         ),

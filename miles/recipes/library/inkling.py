@@ -56,6 +56,8 @@ RECIPE = Recipe(
             ("--sglang-disable-custom-all-reduce", True),
         ),
         perf=(
+            ("--use-dynamic-batch-size", None),
+            ("--max-tokens-per-gpu", None),
             ("--micro-batch-size", 1),
             ("--transformer-impl", "transformer_engine"),
             ("--no-bias-dropout-fusion", True),

@@ -19,10 +19,11 @@ CPU_EP2 = ParallelLayout(ep=2, etp=1)
 
 ROCM = Overlay(
     platform="rocm",
-    reason="MI350 runners: the AMD reference recipe (bf16 rollout on 2-GPU engines)",
+    reason="MI350 runners: the AMD reference recipe (bf16 rollout on 2-GPU engines, 16k tokens per GPU)",
     fp8_rollout=False,
     args=groups(
         rollout_engine=(("--sglang-cuda-graph-max-bs-decode", None), ("--sglang-max-running-requests", 512)),
+        perf=(("--max-tokens-per-gpu", 16384),),
     ),
     profiles=(
         gpu_profile(
@@ -54,7 +55,7 @@ RECIPE = Recipe(
             ("--use-precision-aware-optimizer", True),
         ),
         rollout_engine=(("--sglang-cuda-graph-max-bs-decode", 512),),
-        perf=(("--attention-backend", "flash"),),
+        perf=(("--max-tokens-per-gpu", 32768), ("--attention-backend", "flash")),
     ),
     env=d.ENV,
     profiles=(
