@@ -135,6 +135,15 @@ class Section:
                 values[f.name] = tuple(value) if isinstance(value, list) else value
         return cls(**values)
 
+    def non_default(self) -> dict[str, Any]:
+        """Option string -> value of each of the section's flags whose value is not its default:
+        the section's share of the flags a command set (RunConfig.flags_set), and any value the
+        validation filled in from another flag (--eps-clip-high from --eps-clip)."""
+        defaults = {f.name: f.default for f in fields(self)}  # type: ignore[arg-type]
+        return {
+            f.option: getattr(self, f.dest) for f in self.flags() if getattr(self, f.dest) != defaults[f.dest]
+        }
+
 
 # --- the sections, in the order --help shows them -----------------------------------------
 

@@ -155,7 +155,7 @@ def test_the_flags_no_component_acts_on_yet_are_these():
         "--balance-data", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "--colocate", "--offload",
         "--offload-train", "--offload-rollout", "--rollout-num-gpus", "--partial-rollout",
         "--over-sampling-batch-size", "--dynamic-sampling-filter-path", "--rollout-function-path", "--num-epoch",
-        "--tool-key", "--fp16", "--ckpt-format", "--megatron-to-hf-mode", "--keep-old-actor", "--finetune",
+        "--tool-key", "--fp16", "--ckpt-format", "--keep-old-actor", "--finetune",
         "--debug-train-only", "--log-interval", "--log-passrate", "--use-wandb", "--wandb-project",
         "--wandb-group", "--wandb-key", "--wandb-host", "--wandb-mode", "--wandb-team",
         "--disable-wandb-random-suffix", "--use-tensorboard",

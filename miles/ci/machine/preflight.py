@@ -406,6 +406,8 @@ def preflight(
         min_free_gb if min_free_gb is not None else float(env.get(MIN_FREE_ENV, MIN_FREE_GB[need.backend]))
     )
     problems += check_disk(model_dir or Path(env.get(MODEL_DIR_ENV, ".")).resolve(), threshold)
+    if not machine_only and need.gpus:
+        problems += transformer_engine_problems(lane)
     leftover_problems, notes = check_leftovers(clean)
     return problems + leftover_problems, notes
 
@@ -418,6 +420,13 @@ def engine_stack_problems(need: Need, env: Mapping[str, str], *, machine_only: b
     from miles.ci.machine.gpu_stack import gpu_stack_problems
 
     return gpu_stack_problems(need.lane, need.backend, env, machine_only=machine_only)
+
+
+def transformer_engine_problems(lane: str) -> list[str]:
+    """Transformer Engine imports at the stack's version and megatron-core uses it (GPU lanes)."""
+    from miles.ci.machine.te_preflight import check_transformer_engine
+
+    return check_transformer_engine(lane, ROOT)
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,17 @@
 """`--train-backend megatron`: the policy as a megatron-core GPTModel, on GPUs or on CPU under gloo.
 
 The layout of the recipe (TP, SP, PP, VPP, CP, EP, ETP, DP) becomes megatron's process groups;
-the model is built from the HF config with the Transformer Engine layer spec and loaded
+the model is built from the HF config with the Transformer Engine layer spec (TE's own modules
+where TE loads on a GPU, the stand-in ones otherwise: `miles.megatron.spec`) and loaded
 from the torch_dist checkpoint `prepare-ckpt` writes (`--ref-load`); micro-batches go
 through megatron's `forward_backward_func` (so pipeline parallelism runs its real
 schedule) with the GRPO/GSPO loss of `miles.train.algorithm` computed on vocabulary-parallel
 logits; gradients are reduced by megatron's DDP and applied by its distributed optimizer
-(fp32 main parameters). Without a GPU, `compat.install()` first redirects megatron-core's
-CUDA assumptions to the CPU.
+(fp32 main parameters). What it acts on is its `CONSUMES` declaration; how, one row per flag
+of `miles.megatron.options`, whose refusals and needs (TE's spec, a GPU, another flag) are
+checked when the backend starts. On the CPU, `compat.install()` first redirects
+megatron-core's CUDA assumptions. The run's first line names the spec, attention, experts and
+optimizer actually built.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch.distributed as dist
 
 from miles.megatron import checkpoint as ckpt
 from miles.megatron import model as mg
+from miles.megatron import options
 from miles.megatron import training as mt
 from miles.megatron.export import WeightExporter
 from miles.megatron.loss import gather_context_parallel, micro_batches, vocab_parallel_logprobs
@@ -49,11 +54,13 @@ class MegatronSetupError(BackendUnavailable):
 
 class MegatronBackend(TrainBackend):
     # The section fields it acts on (miles.train.consumption). The model shape is built from
-    # config.json, and a model flag that describes another model is refused (check_model_flags);
-    # of Megatron's training options, those passed into the TransformerConfig below.
+    # config.json, and a model flag that describes another model is refused (check_model_flags,
+    # check_built_model); each megatron field below acts through its row of miles.megatron.options
+    # (the layer spec, a TransformerConfig, DDP or optimizer field), and so does the checkpoint's
+    # megatron_to_hf_mode (raw is how it loads; bridge is refused).
     CONSUMES = {
         "job": ("seed",),
-        "checkpoint": ("hf_checkpoint", "ref_load"),
+        "checkpoint": ("hf_checkpoint", "ref_load", "megatron_to_hf_mode"),
         "rollout": ("num_rollout", "rollout_batch_size", "n_samples_per_prompt", "rollout_temperature"),
         "batch": ("global_batch_size", "micro_batch_size"),
         "algorithm": (
@@ -67,8 +74,14 @@ class MegatronBackend(TrainBackend):
         "layout": "*",
         "model": "*",
         "megatron": (
-            "moe_router_dtype", "moe_aux_loss_coeff", "moe_router_load_balancing_type", "moe_token_dispatcher_type",
-            "recompute_granularity", "recompute_method", "recompute_num_layers",
+            "transformer_impl", "attention_backend", "attention_dropout", "hidden_dropout",
+            "attention_softmax_in_fp32", "moe_grouped_gemm", "moe_permute_fusion", "moe_token_dispatcher_type",
+            "moe_router_dtype", "moe_aux_loss_coeff", "moe_router_load_balancing_type",
+            "moe_router_bias_update_rate", "moe_z_loss_coeff", "recompute_granularity", "recompute_method",
+            "recompute_num_layers", "recompute_modules", "no_rope_fusion", "no_bias_dropout_fusion",
+            "no_masked_softmax_fusion", "no_bias_swiglu_fusion", "no_gradient_accumulation_fusion",
+            "overlap_grad_reduce", "overlap_param_gather", "accumulate_allreduce_grads_in_fp32",
+            "use_precision_aware_optimizer", "optimizer_cpu_offload", "overlap_cpu_optimizer_d2h_h2d",
         ),
     }  # fmt: skip
 
@@ -87,11 +100,13 @@ class MegatronBackend(TrainBackend):
         dist_info,
     ):
         self.on_cpu = dist_info.device == "cpu"
+        self.device = dist_info.device
+        # first: a Transformer Engine that is installed but broken fails megatron-core's imports
+        self.impl, why = _layer_spec(megatron, checkpoint, model, self.device)
         if self.on_cpu:
             from miles.megatron import compat
 
             compat.install()
-        self.device = dist_info.device
         self.micro_batch_size = batch.micro_batch_size
         self.loss_cfg = algorithm.loss_config(rollout.rollout_temperature)
         self.optim_cfg = optimizer.optim_config()
@@ -102,17 +117,27 @@ class MegatronBackend(TrainBackend):
         self.layout = layout  # parsed and checked with the flags (miles.train.args)
         mt.init_parallel_state(self.layout, job.seed)
         dtype = torch.bfloat16 if optimizer.bf16 and not self.on_cpu else torch.float32
-        self.tc = _transformer_config(megatron, self.config, self.layout, hf, dtype=dtype, on_cpu=self.on_cpu)
+        self.tc = _transformer_config(
+            megatron, self.config, self.layout, hf, dtype=dtype, on_cpu=self.on_cpu, impl=self.impl
+        )
         # The reference model gets a config of its own: the policy's gains DDP hooks below.
         ref_tc = copy.copy(self.tc)
         self.vocab = ckpt.embedding_rows(self.source) or int(self.config["vocab_size"])
+        check_built_model(model, self.tc, self.vocab, hf)
         chunks = self._load_chunks(self.tc)
         mg.freeze_padding_embedding(chunks, self.config.get("pad_token_id"))
         self.chunks = [c.to(self.device) for c in chunks]
-        self.model = mt.wrap_ddp(self.chunks, self.tc)
-        self.optimizer = mt.build_optimizer(self.model, self.optim_cfg, self.tc)
+        self.model = mt.wrap_ddp(self.chunks, self.tc, options.ddp_fields(megatron))
+        self.optimizer = mt.build_optimizer(
+            self.model, self.optim_cfg, self.tc, options.optimizer_fields(megatron)
+        )
+        self.params_stale = False  # overlapped parameter gathering leaves them stale after a step
         mt.connect_schedule(self.tc, self.model)
         if dist_info.is_main:
+            from miles.megatron.spec import built_spec_line
+
+            line = built_spec_line(self.chunks, self.optimizer, self.impl, why, self.tc.attention_backend)
+            print(f"miles.train: {line}", flush=True)
             print(f"miles.train: megatron {self.schedule()}", flush=True)
         self.ref_chunks = None
         self.ref_source = self.source
@@ -125,7 +150,7 @@ class MegatronBackend(TrainBackend):
         self.steps_done = 0
 
     def _load_chunks(self, tc) -> list:
-        chunks = mg.build_chunks(self.config, tc, self.vocab)
+        chunks = mg.build_chunks(self.config, tc, self.vocab, impl=self.impl)
         try:
             ckpt.load_weights(chunks, self.source)
         except ckpt.CheckpointMismatch as exc:
@@ -146,6 +171,8 @@ class MegatronBackend(TrainBackend):
     ) -> torch.Tensor:
         """All micro-batches of the batch in one pass of megatron's schedule (a pipeline stays full)."""
         chunks = self.ref_chunks if reference else self.chunks
+        if not reference:
+            self._gather_params()
         for chunk in chunks:
             chunk.eval()
         parts = [batch.rows(slice(s, s + micro_batch_size)) for s in range(0, batch.size, micro_batch_size)]
@@ -172,13 +199,16 @@ class MegatronBackend(TrainBackend):
         applied, grad_norm = self._guarded_step(loss)
         if applied:
             self.steps_done += 1
+            self.params_stale = self.model[0].ddp_config.overlap_param_gather
         return StepResult(grad_norm=float(grad_norm), lr=lr, terms=terms, skipped=not applied)
 
     def full_weights(self, names: str = "model") -> Iterator[tuple[str, torch.Tensor]]:
         fused = self.fused_experts and names == "model"
+        self._gather_params()
         yield from WeightExporter(self.chunks, self.config, fused_experts=fused)
 
     def save(self, directory: str, *, with_optimizer: bool) -> None:
+        self._gather_params()
         steps = self.steps_done if with_optimizer else None
         ckpt.save_training_state(self.chunks, self.optimizer, directory, steps_done=steps)
 
@@ -196,6 +226,13 @@ class MegatronBackend(TrainBackend):
         return f"{self.layout.describe()}: {mt.schedule_name()}, {chunks} model chunk{'s' if chunks > 1 else ''} per rank"
 
     # --- machinery ----------------------------------------------------------------------
+
+    def _gather_params(self) -> None:
+        """Before anything reads the weights outside a training forward: with overlapped parameter
+        gathering they are stale after a step (megatron gathers them in the next training forward)."""
+        if self.params_stale:
+            mt.gather_params(self.model)
+            self.params_stale = False
 
     def _run(self, parts: Sequence[TokenBatch], chunks, loss_fn, *, forward_only: bool) -> list[dict]:
         """The micro-batches through megatron's schedule; the last stage's loss outputs, on every rank."""
@@ -273,7 +310,13 @@ class MegatronBackend(TrainBackend):
 
 
 def _weights_source(checkpoint: CheckpointConfig) -> str:
-    """The torch_dist checkpoint the policy (and reference) start from."""
+    """The torch_dist checkpoint the policy (and reference) start from (--megatron-to-hf-mode raw:
+    the weights are the checkpoint's own; bridge would load them through Megatron-Bridge)."""
+    if checkpoint.megatron_to_hf_mode == "bridge":
+        raise MegatronSetupError(
+            "--megatron-to-hf-mode bridge: Megatron-Bridge is not part of miles; convert the checkpoint to "
+            "torch_dist (invoke prepare-ckpt) and leave the flag at raw"
+        )
     ref_load = checkpoint.ref_load
     if ckpt.is_torch_dist_dir(ref_load):
         return ref_load
@@ -313,25 +356,58 @@ def check_model_flags(model: ModelConfig, config: dict, path: str) -> None:
         )
 
 
+def _layer_spec(
+    megatron: MegatronConfig, checkpoint: CheckpointConfig, model: ModelConfig, device: str
+) -> tuple[str, str]:
+    """The layer spec to build (and why), after every flag the backend refuses, or cannot act on
+    with that spec on `device`, is refused in one line (miles.megatron.options)."""
+    from miles.megatron.spec import SpecRefused, choose_impl
+
+    try:
+        impl, why = choose_impl(megatron.transformer_impl, device)
+    except SpecRefused as exc:
+        raise MegatronSetupError(str(exc)) from exc
+    given = {**megatron.non_default(), **checkpoint.non_default(), **model.non_default()}
+    problems = options.start_problems(given, impl, device)
+    if problems:
+        spec = (
+            "Transformer Engine's layer spec"
+            if impl == "transformer_engine"
+            else f"the stand-in layer spec ({why})"
+        )
+        raise MegatronSetupError(
+            f"--train-backend megatron cannot act on {len(problems)} flag(s) of this command with {spec} on "
+            f"{device}: {'; '.join(problems)}. Remove them, or run where what they need is"
+        )
+    return impl, why
+
+
+def check_built_model(model: ModelConfig, tc, vocab: int, path: str) -> None:
+    """The model flags that name a TransformerConfig field agree with the model built from config.json."""
+    wrong = options.model_disagreements(model, tc, vocab)
+    if wrong:
+        raise MegatronSetupError(
+            f"{path}/config.json describes another model than the Megatron flags: {'; '.join(wrong)}. The model "
+            "is built from config.json; fix the recipe's model flags or point --hf-checkpoint at the right model"
+        )
+
+
 def _transformer_config(
-    megatron: MegatronConfig, config: dict, layout: ParallelLayout, path: str, *, dtype, on_cpu: bool
+    megatron: MegatronConfig,
+    config: dict,
+    layout: ParallelLayout,
+    path: str,
+    *,
+    dtype,
+    on_cpu: bool,
+    impl: str = "local",
 ):
-    """The TransformerConfig of the run: the HF model's math, the layout, the recipe's MoE switches."""
+    """The TransformerConfig of the run: the HF model's math, the layout, and the fields the
+    `megatron` section sets (miles.megatron.options.transformer_fields)."""
     from miles.megatron.config import transformer_config
     from miles.megatron.families import UnmappedModel
 
-    overrides = {}
-    if megatron.moe_router_dtype:
-        overrides["moe_router_dtype"] = megatron.moe_router_dtype
-    if megatron.moe_aux_loss_coeff:
-        overrides["moe_aux_loss_coeff"] = megatron.moe_aux_loss_coeff
-        overrides["moe_router_load_balancing_type"] = megatron.moe_router_load_balancing_type or "aux_loss"
-    if megatron.moe_token_dispatcher_type:
-        overrides["moe_token_dispatcher_type"] = megatron.moe_token_dispatcher_type
-    if megatron.recompute_granularity and not on_cpu:
-        overrides["recompute_granularity"] = megatron.recompute_granularity
-        overrides["recompute_method"] = megatron.recompute_method
-        overrides["recompute_num_layers"] = megatron.recompute_num_layers
+    overrides = options.transformer_fields(megatron, impl)
     if on_cpu:
         # gloo pairs point-to-point messages first-in first-out per pair of ranks. Batched p2p
         # posts a two-stage pipeline's activation and gradient to the same peer in an order the
@@ -342,3 +418,5 @@ def _transformer_config(
         return transformer_config(config, layout, dtype=dtype, on_cpu=on_cpu, initialize=True, **overrides)
     except UnmappedModel as exc:
         raise MegatronSetupError(f"{path}: {exc}") from exc
+    except ValueError as exc:  # megatron-core's own refusal of a combination of fields
+        raise MegatronSetupError(f"megatron-core refuses the flags' TransformerConfig: {exc}") from exc
