@@ -191,6 +191,7 @@ def learn(run: Run, rollout_id: int, samples: Sequence[Sample]) -> dict[str, flo
             checked_first_step(run, rollout_id, step, mismatch)
     metrics = report.train_metrics(steps, cfg.algorithm.use_tis)
     metrics["train/skipped_steps"] = float(sum(step["skipped"] for step in steps))
+    metrics["perf/micro_batches_per_step"] = sum(map(len, plan)) / len(plan)
     return metrics | mismatch | {"perf/train_time": time.perf_counter() - started}
 
 
