@@ -170,20 +170,18 @@ def learn(run: Run, rollout_id: int, samples: Sequence[Sample]) -> dict[str, flo
         run.engine.release_memory()  # it gives the GPU to the trainer until the sync
     local, plan = share_of_rank(run, samples)
     reuse = run.backend.forward_is_deterministic
+    own_old = reuse and not cfg.algorithm.use_rollout_logprobs  # else the engine's are the old ones
     local, trainer_logp = with_old_logprobs(run, local, plan, skip_first=reuse and not checked.ci_test)
     steps, mismatch = [], {}
     for m, micro in enumerate(plan):
         batches = [local.rows(rows) for rows in micro]
-        if m == 0 and reuse and not cfg.algorithm.use_rollout_logprobs:
+        if m == 0 and own_old:
             batches = [mb.with_(old_logp=None) for mb in batches]  # the forward's own (batch_loss)
         step, logprobs = optimizer_step(run, batches)
-        if m == 0 and reuse:
-            if checked.ci_test:
-                step |= first_step_against_scoring(
-                    run, batches, logprobs, [trainer_logp[rows] for rows in micro]
-                )
-            else:
-                trainer_logp = with_rows(trainer_logp, micro, logprobs)
+        if m == 0 and reuse and not checked.ci_test:
+            trainer_logp = with_rows(trainer_logp, micro, logprobs)
+        elif m == 0 and own_old:
+            step |= first_step_against_scoring(run, batches, logprobs, [trainer_logp[rows] for rows in micro])
         steps.append(step)
         run.skipped_streak.record(rollout_id, step["skipped"], step["loss"], step["grad_norm"], step["lr"])
         if m == 0:
@@ -314,7 +312,7 @@ def batched_logprobs(
     call per minibatch, with the micro-batches its training step gets, in the same shapes."""
     out = torch.zeros_like(local.loss_mask)
     for micro in plan:
-        out = with_rows(
+        _write_rows(
             out, micro, run.backend.batch_logprobs([local.rows(r) for r in micro], reference=reference)
         )
     return out
@@ -323,11 +321,15 @@ def batched_logprobs(
 def with_rows(
     out: torch.Tensor, micro: Sequence[Sequence[int]], values: Sequence[torch.Tensor]
 ) -> torch.Tensor:
-    """`out` [B, T-1] with each micro-batch's values [rows, width-1] written into its rows."""
+    """A copy of `out` [B, T-1] with each micro-batch's values [rows, width-1] in its rows."""
     out = out.clone()
+    _write_rows(out, micro, values)
+    return out
+
+
+def _write_rows(out: torch.Tensor, micro: Sequence[Sequence[int]], values: Sequence[torch.Tensor]) -> None:
     for rows, value in zip(micro, values, strict=True):
         out[torch.as_tensor(list(rows), dtype=torch.long), : value.shape[1]] = value.to(out.dtype)
-    return out
 
 
 def sync_weights(run: Run, rollout_id: int) -> dict[str, float]:
