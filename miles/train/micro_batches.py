@@ -10,8 +10,9 @@ rank), without a collective.
 Dealing: rank r of D takes samples r, r+D, r+2D, ... of the minibatch (a group's samples
 spread over the ranks). With `balance` (--balance-data) each rank still takes gbs/D samples,
 chosen so that the ranks' token totals are close: longest first, each to the rank with the
-fewest tokens that has room left (the seed framework balances the ranks' token totals the
-same way, at equal sample counts: radixark/miles@31f1ca96 miles/ray/rollout/train_data_conversion.py).
+fewest tokens that has room left (the seed framework also balances the ranks' token totals
+at equal sample counts, by Karmarkar-Karp: radixark/miles@31f1ca961a94cb860cec3b2dea34ec332bfa8f76
+miles/ray/rollout/train_data_conversion.py, split_train_data_by_dp_raw).
 
 Cutting: --micro-batch-size rows at a time in order, or, with `dynamic`
 (--use-dynamic-batch-size), as few micro-batches as fit a token budget. A micro-batch is padded
