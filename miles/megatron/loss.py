@@ -160,7 +160,7 @@ def unfused_vocab_parallel_logprobs(
 class MicroBatch:
     """One micro-batch as megatron's schedule feeds it: fixed [rows, seq] tensors and the loss inputs."""
 
-    tokens: torch.Tensor  # [rows, S], right-padded to the step's common shape
+    tokens: torch.Tensor  # [rows, S], right-padded to its own widest row (a multiple the layout splits)
     position_ids: torch.Tensor  # [rows, S]
     width: int  # real columns of the source TokenBatch (targets are width - 1 wide)
     batch: object  # the miles.train.batch.TokenBatch rows, for the loss
@@ -199,23 +199,23 @@ def gather_context_parallel(x: torch.Tensor, cp: int) -> torch.Tensor:
 
 
 def micro_batches(
-    parts, rows: int, seq_multiple: int, device: str, cp: int = 1, cp_rank: int = 0
-) -> tuple[list[MicroBatch], int]:
-    """Pad every micro-batch to `rows` rows and one common length that sequence parallelism can
-    split: a pipeline exchanges fixed-shape activations. Padding rows and columns are never
-    read back (the loss takes each part's own rows and width)."""
+    parts, seq_multiple: int, device: str, cp: int = 1, cp_rank: int = 0, shape: tuple[int, int] | None = None
+) -> list[MicroBatch]:
+    """Each micro-batch padded to its own widest row, rounded up to a length sequence and context
+    parallelism can split (an empty one, which only fills a schedule, to one row), or every one
+    to `shape` (rows, length) where a pipeline needs one shape. Padding rows and columns are
+    never read back (the loss takes each part's own rows and width)."""
     from miles.megatron.attention import context_parallel_positions
 
-    width = max(int(p.input_ids.shape[1]) for p in parts)
-    seq = -(-width // seq_multiple) * seq_multiple
-    positions = context_parallel_positions(seq, cp, cp_rank) if cp > 1 else torch.arange(seq)
     out = []
     for part in parts:
         n, cols = part.input_ids.shape
+        rows, seq = shape or (max(n, 1), max(1, -(-int(cols) // seq_multiple)) * seq_multiple)
+        positions = context_parallel_positions(seq, cp, cp_rank) if cp > 1 else torch.arange(seq)
         tokens = torch.zeros((rows, seq), dtype=torch.long)
         tokens[:n, :cols] = part.input_ids
-        row_positions = torch.arange(seq).unsqueeze(0).expand(rows, -1).contiguous()
+        row_positions = torch.arange(seq).unsqueeze(0).expand(tokens.shape[0], -1).contiguous()
         out.append(
             MicroBatch(tokens.to(device), row_positions.to(device), int(cols), part, positions.to(device))
         )
-    return out, seq
+    return out

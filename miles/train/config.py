@@ -243,10 +243,20 @@ class BatchConfig(Section):
     title: ClassVar[str] = "training batches"
 
     global_batch_size: int | None = flag(type=_positive_int, help="samples per optimizer step (all ranks)")
-    micro_batch_size: int = flag(type=_positive_int, default=8, help="samples per forward per rank")
-    balance_data: bool = _switch()
-    use_dynamic_batch_size: bool = _switch()
-    max_tokens_per_gpu: int | None = flag(type=_positive_int)
+    micro_batch_size: int = flag(
+        type=_positive_int, default=8, help="samples per forward per rank (unless dynamic batch size)"
+    )
+    balance_data: bool = flag(
+        action="store_true", help="deal a step's samples to data-parallel ranks by token count"
+    )
+    use_dynamic_batch_size: bool = flag(
+        action="store_true", help="fill each forward up to --max-tokens-per-gpu"
+    )
+    max_tokens_per_gpu: int | None = flag(
+        type=_positive_int,
+        help="padded tokens (rows x widest row) per forward per GPU and context-parallel rank; a longer sample "
+        "runs alone; without dynamic batch size, a ceiling on the micro-batch size",
+    )
 
 
 @dataclass(frozen=True)

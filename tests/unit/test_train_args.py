@@ -170,13 +170,13 @@ def test_flags_the_chosen_stack_ignores_are_named_not_dropped():
     from miles.train.consumption import run_notes
 
     config = parse_config(
-        "--hf-checkpoint m --colocate --balance-data --num-layers 4 --hidden-size 64 "
+        "--hf-checkpoint m --colocate --use-wandb --num-layers 4 --hidden-size 64 "
         "--sglang-mem-fraction-static 0.7 --sglang-enable-dp-attention".split()
     )
     notes = run_notes(config, "torch")
     assert (
         "without effect on --train-backend fsdp with the torch rollout engine (no backend or engine acts on "
-        "them yet): --balance-data --colocate" in notes
+        "them yet): --colocate --use-wandb" in notes
     )
     assert (
         "2 Megatron model flag(s) are read by --train-backend megatron only (--train-backend fsdp takes the "

@@ -152,8 +152,7 @@ def test_the_flags_no_component_acts_on_yet_are_these():
     unread = {f.option for f in FLAGS if not any(c.consumes(f) for c in everyone)}
     refused = {"--rm-url", "--kl-coef", "--optimizer"}  # refused unless left at their default
     planned = {
-        "--balance-data", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "--colocate", "--offload",
-        "--offload-train", "--offload-rollout", "--rollout-num-gpus", "--partial-rollout",
+        "--colocate", "--offload", "--offload-train", "--offload-rollout", "--rollout-num-gpus", "--partial-rollout",
         "--over-sampling-batch-size", "--dynamic-sampling-filter-path", "--rollout-function-path", "--num-epoch",
         "--tool-key", "--fp16", "--ckpt-format", "--keep-old-actor", "--finetune",
         "--debug-train-only", "--log-interval", "--log-passrate", "--use-wandb", "--wandb-project",

@@ -33,6 +33,7 @@ from miles.megatron import training as mt
 from miles.megatron.export import WeightExporter
 from miles.megatron.loss import gather_context_parallel, micro_batches, vocab_parallel_logprobs
 from miles.parallel import ParallelLayout
+from miles.train import micro_batches as split
 from miles.train.backends import BackendUnavailable, StepResult, TrainBackend, batch_loss
 from miles.train.batch import TokenBatch
 from miles.train.config import (
@@ -62,7 +63,9 @@ class MegatronBackend(TrainBackend):
         "job": ("seed",),
         "checkpoint": ("hf_checkpoint", "ref_load", "megatron_to_hf_mode"),
         "rollout": ("num_rollout", "rollout_batch_size", "n_samples_per_prompt", "rollout_temperature"),
-        "batch": ("global_batch_size", "micro_batch_size"),
+        "batch": (
+            "global_batch_size", "micro_batch_size", "use_dynamic_batch_size", "max_tokens_per_gpu", "balance_data",
+        ),
         "algorithm": (
             "advantage_estimator", "eps_clip", "eps_clip_high", "eps_clip_c", "use_kl_loss", "kl_loss_type",
             "kl_loss_coef", "entropy_coef", "use_tis", "tis_clip", "tis_clip_low", "calculate_per_token_loss",
@@ -107,7 +110,7 @@ class MegatronBackend(TrainBackend):
             from miles.megatron import compat
 
             compat.install()
-        self.micro_batch_size = batch.micro_batch_size
+        self.batching = batch
         self.loss_cfg = algorithm.loss_config(rollout.rollout_temperature)
         self.optim_cfg = optimizer.optim_config()
         hf = checkpoint.hf_checkpoint
@@ -120,6 +123,8 @@ class MegatronBackend(TrainBackend):
         self.tc = _transformer_config(
             megatron, self.config, self.layout, hf, dtype=dtype, on_cpu=self.on_cpu, impl=self.impl
         )
+        _shape_each_micro_batch(self.tc, self.layout)
+        self.forward_is_deterministic = not _noisy_in_training(self.tc)
         # The reference model gets a config of its own: the policy's gains DDP hooks below.
         ref_tc = copy.copy(self.tc)
         self.vocab = ckpt.embedding_rows(self.source) or int(self.config["vocab_size"])
@@ -163,26 +168,34 @@ class MegatronBackend(TrainBackend):
     def data_parallel(self) -> tuple[int, int, object]:
         return mt.data_parallel()
 
-    def logprobs(self, batch: TokenBatch, *, reference: bool = False) -> torch.Tensor:
-        return self.batch_logprobs(batch, batch.size, reference=reference)
+    @property
+    def geometry(self) -> split.Geometry:
+        cp = self.layout.cp
+        # sequence parallelism splits each rank's tokens over TP; context parallelism the
+        # sequence into 2·cp chunks
+        seq_multiple = (self.layout.tp if self.tc.sequence_parallel else 1) * (2 * cp if cp > 1 else 1)
+        return split.Geometry(seq_multiple=seq_multiple, context_parallel=cp, shared_shape=self._shared_shape)
 
-    def batch_logprobs(
-        self, batch: TokenBatch, micro_batch_size: int, *, reference: bool = False
-    ) -> torch.Tensor:
-        """All micro-batches of the batch in one pass of megatron's schedule (a pipeline stays full)."""
+    @property
+    def _shared_shape(self) -> bool:
+        """A two-stage interleaved pipeline pads a step's micro-batches to one shape: megatron-core's
+        shape exchange (p2p_communication.py, _communicate_shapes) posts both directions' shapes
+        to the one peer in an order that peer does not mirror, so the shapes cannot vary there."""
+        return self.layout.interleaved and self.layout.pp == 2
+
+    def logprobs(self, batch: TokenBatch, *, reference: bool = False) -> torch.Tensor:
+        return self.batch_logprobs([batch], reference=reference)[0]
+
+    def batch_logprobs(self, micro: Sequence[TokenBatch], *, reference: bool = False) -> list[torch.Tensor]:
+        """All the micro-batches in one pass of megatron's schedule (a pipeline stays full)."""
         chunks = self.ref_chunks if reference else self.chunks
         if not reference:
             self._gather_params()
         for chunk in chunks:
             chunk.eval()
-        parts = [batch.rows(slice(s, s + micro_batch_size)) for s in range(0, batch.size, micro_batch_size)]
         with torch.no_grad():
-            results = self._run(parts, chunks, self._logprob_loss, forward_only=True)
-        out = torch.zeros_like(batch.loss_mask)
-        for start, result in zip(range(0, batch.size, micro_batch_size), results, strict=False):
-            logp = result["logp"]
-            out[start : start + logp.shape[0], : logp.shape[1]] = logp
-        return out
+            results = self._run(micro, chunks, self._logprob_loss, forward_only=True)
+        return [result["logp"] for result in results[: len(micro)]]
 
     def train_step(self, micro: Sequence[TokenBatch], normalizer: float) -> StepResult:
         for chunk in self.model:
@@ -200,7 +213,10 @@ class MegatronBackend(TrainBackend):
         if applied:
             self.steps_done += 1
             self.params_stale = self.model[0].ddp_config.overlap_param_gather
-        return StepResult(grad_norm=float(grad_norm), lr=lr, terms=terms, skipped=not applied)
+        logprobs = tuple(r["logp"] for r in results[: len(micro)])
+        return StepResult(
+            grad_norm=float(grad_norm), lr=lr, terms=terms, skipped=not applied, logprobs=logprobs
+        )
 
     def full_weights(self, names: str = "model") -> Iterator[tuple[str, torch.Tensor]]:
         fused = self.fused_experts and names == "model"
@@ -235,19 +251,26 @@ class MegatronBackend(TrainBackend):
             self.params_stale = False
 
     def _run(self, parts: Sequence[TokenBatch], chunks, loss_fn, *, forward_only: bool) -> list[dict]:
-        """The micro-batches through megatron's schedule; the last stage's loss outputs, on every rank."""
-        rows = max(self.micro_batch_size, max(p.size for p in parts))
+        """The micro-batches through megatron's schedule, each in its own shape (pipeline stages
+        tell each other the shapes: variable_seq_lengths); the last stage's loss outputs, on every rank."""
         cp = self.layout.cp
-        # sequence parallelism splits each rank's tokens over TP; context parallelism the
-        # sequence into 2·cp chunks
-        seq_multiple = (self.layout.tp if self.tc.sequence_parallel else 1) * (2 * cp if cp > 1 else 1)
         # The interleaved (VPP) schedule takes micro-batches in multiples of the pipeline size;
         # extra ones are all padding and add nothing to any loss or result.
         parts = list(parts)
         if self.layout.interleaved:
             pp = self.layout.pp
             parts += [parts[-1].rows(slice(0, 0))] * (-len(parts) % pp)
-        micro, seq = micro_batches(parts, rows, seq_multiple, self.device, cp, mt.context_parallel_rank())
+        geometry = self.geometry
+        shape = None
+        if geometry.shared_shape:
+            shape = (
+                max(p.size for p in parts),
+                geometry.padded_width(max(p.input_ids.shape[1] for p in parts)),
+            )
+        micro = micro_batches(
+            parts, geometry.seq_multiple, self.device, cp, mt.context_parallel_rank(), shape
+        )
+        seq, rows = max(mb.tokens.shape[1] for mb in micro), max(mb.tokens.shape[0] for mb in micro)
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
@@ -289,7 +312,8 @@ class MegatronBackend(TrainBackend):
         # parallel ones); the trainer's normaliser (samples or tokens of this rank's minibatch)
         # is what it must be divided by.
         loss = terms.loss * count / normalizer
-        return loss, {"terms": replace(terms, loss=terms.loss.detach().cpu())}
+        logp = logp.detach().float().cpu() * mb.batch.loss_mask
+        return loss, {"terms": replace(terms, loss=terms.loss.detach().cpu()), "logp": logp}
 
     def _set_lr(self) -> float:
         from miles.train.backends.torch_dp import lr_factor
@@ -307,6 +331,28 @@ class MegatronBackend(TrainBackend):
         if found_inf or not all_finite_on_every_rank(loss, grad_norm):
             return False, grad_norm
         return mt.apply_step(self.optimizer, self.optim_cfg.clip_grad, grad_norm), grad_norm
+
+
+def _shape_each_micro_batch(tc, layout: ParallelLayout) -> None:
+    """Let each micro-batch keep its own shape (miles.train.micro_batches pads it to its own
+    widest row): pipeline stages then send each other every activation's shape first
+    (megatron-core's variable_seq_lengths). The all-gather token dispatcher cannot take that
+    across expert-parallel ranks, whose micro-batches hold different rows."""
+    tc.variable_seq_lengths = layout.pp > 1 and not (layout.interleaved and layout.pp == 2)
+    if tc.num_moe_experts and layout.ep > 1 and tc.moe_token_dispatcher_type == "allgather":
+        raise MegatronSetupError(
+            f"--moe-token-dispatcher-type allgather gathers the tokens of the {layout.ep} expert-parallel ranks "
+            "into one tensor, so their micro-batches would need one shape, but each rank pads its micro-batches "
+            "to their own widest rows; use --moe-token-dispatcher-type alltoall"
+        )
+
+
+def _noisy_in_training(tc) -> bool:
+    """Whether megatron's training forward draws random numbers (dropout, router input jitter,
+    Sinkhorn routing), so it differs from the no-grad forward of the same rows."""
+    balancing = tc.moe_router_load_balancing_type
+    sinkhorn = "sinkhorn" in (balancing if isinstance(balancing, str) else " ".join(balancing or ()))
+    return bool(tc.hidden_dropout or tc.attention_dropout or tc.moe_input_jitter_eps or sinkhorn)
 
 
 def _weights_source(checkpoint: CheckpointConfig) -> str:
