@@ -133,8 +133,15 @@ def test_prepare_ckpt_without_its_extras_names_the_package_and_the_extra(bare_py
     _one_error_line(done, 1, "needs the Python package 'huggingface_hub'", "miles[checkpoints]")
 
 
-def test_lock_without_uv_says_so(bare_python):
-    _one_error_line(_invoke("lock", "--stack", "cpu", python=bare_python), 1, "uv is not installed")
+def test_lock_without_uv_says_so(bare_python, tmp_path):
+    # A PATH with no uv on it: where the machine has one, the task would really lock (and
+    # rewrite requirements/cpu.txt in this checkout).
+    lock = ROOT / "requirements" / "cpu.txt"
+    before = lock.read_bytes()
+    (tmp_path / "bin").mkdir()
+    done = _invoke("lock", "--stack", "cpu", python=bare_python, path=str(tmp_path / "bin"))
+    _one_error_line(done, 1, "uv is not installed")
+    assert lock.read_bytes() == before
 
 
 def test_the_extras_come_from_pyproject():
