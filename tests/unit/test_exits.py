@@ -63,6 +63,25 @@ def test_list_json_into_head_ends_quietly(make_tree):
     assert proc.stderr.read() == b""
 
 
+def test_a_recipe_dry_run_into_a_closed_pipe_ends_quietly():
+    # The reader is gone before the script prints anything (`… --dry-run | head -0`).
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "scripts/run_qwen3_4b.py", "train", "--dry-run"],
+            cwd=ROOT,
+            stdout=write,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+    finally:
+        os.close(write)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_BROKEN_PIPE, err
+    assert err == b""
+
+
 @pytest.mark.parametrize(
     ("argv", "env"),
     [
