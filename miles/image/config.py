@@ -16,7 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 from types import MappingProxyType
 
-from miles.ci.catalog import Catalog, UnknownName, load_catalog, unknown_name_message
+from miles.ci.registry.catalog import Catalog, UnknownName, load_catalog, unknown_name_message
 
 IMAGES_PATH = Path(__file__).with_name("images.toml")
 REQUIREMENTS_DIR = "requirements"

@@ -235,6 +235,7 @@ def refresh(root: Path, plan: RefreshPlan, run: Runner = subprocess_runner) -> R
     if problems:
         lines = "\n".join(f"  {p}" for p in problems)
         raise ImageError(f"{plan.variant.dockerfile} disagrees with its lock; fix one of them:\n{lines}")
+    te_refusal(root, plan.variant)
     existing = existing_image(plan, run)
     if existing:
         return RefreshResult(existing, False, f"up to date: {existing} carries inputs {plan.inputs.short}")
@@ -246,6 +247,16 @@ def refresh(root: Path, plan: RefreshPlan, run: Runner = subprocess_runner) -> R
         )
     where = "pushed" if plan.push else "loaded locally"
     return RefreshResult(plan.tag, True, f"built {plan.tag} ({where})")
+
+
+def te_refusal(root: Path, variant: Variant) -> None:
+    """Refuse to build an image whose Transformer Engine parts disagree (miles.image.te)."""
+    from miles.image.te import te_problems
+
+    problems = te_problems(root, variant)
+    if problems:
+        lines = "\n".join(f"  {p}" for p in problems)
+        raise ImageError(f"{variant.dockerfile}: Transformer Engine is not stated consistently:\n{lines}")
 
 
 # A script the image's own interpreter runs: every installed distribution and its version.

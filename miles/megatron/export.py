@@ -11,7 +11,8 @@ tensor-parallel weight (`linear_fc1` shards are [gate_r; up_r], so gate and up a
 apart), gather the experts across the expert-parallel group, and broadcast the full tensors
 to the other pipeline stages; then every rank turns megatron's fused tensors back into the
 HF ones (`linear_qkv` split per query group, `linear_fc1` into gate and up, local expert
-indices into global ones). Only one layer's tensors are held at a time.
+indices into global ones). Only one layer's tensors are held at a time. TE's grouped-GEMM
+experts are read under SequentialMLP's names (`expert_name`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,17 @@ from miles.megatron.hf_names import layer_layout
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
+# TE's grouped-GEMM experts (TEGroupedMLP, --moe-grouped-gemm) keep local expert i's weight as
+# `weight{i}` of one grouped linear (megatron/core/transformer/moe/experts.py,
+# TEGroupedMLP.sharded_state_dict: f"{name}.weight{i}").
+_GROUPED = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
+
+
+def expert_name(name: str) -> str:
+    """A layer-relative parameter name in SequentialMLP's spelling, `mlp.experts.local_experts.{i}.
+    linear_fc1.weight`, whichever expert module holds it (other names unchanged)."""
+    m = _GROUPED.match(name)
+    return f"mlp.experts.local_experts.{m.group(3)}.{m.group(1)}.{m.group(2)}" if m else name
 
 
 def _stage_tensors(chunks: Sequence) -> dict[str, torch.Tensor]:
@@ -40,7 +52,7 @@ def _stage_tensors(chunks: Sequence) -> dict[str, torch.Tensor]:
             m = _LAYER.match(name)
             if m:
                 layer = layers[int(m.group(1))]
-                name = f"decoder.layers.{layer.layer_number - 1}.{m.group(2)}"
+                name = f"decoder.layers.{layer.layer_number - 1}.{expert_name(m.group(2))}"
             out[name] = tensor
     return out
 

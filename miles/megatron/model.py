@@ -21,9 +21,11 @@ def build_model(
     *,
     transformer=None,
     vp_stage: int | None = None,
+    impl: str = "local",
 ):
     """An uninitialised GPTModel of this rank's pipeline stage (and virtual stage), shaped like
-    the HF config, with the Transformer Engine layer spec's module tree and keys."""
+    the HF config, with the Transformer Engine layer spec's module tree and keys: TE's own
+    modules with `impl` "transformer_engine", the stand-in ones by default (miles.megatron.spec)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -45,7 +47,7 @@ def build_model(
     )
     model = GPTModel(
         config=tc,
-        transformer_layer_spec=decoder_block_spec(tc, vp_stage=vp_stage),
+        transformer_layer_spec=decoder_block_spec(tc, impl=impl, vp_stage=vp_stage),
         vocab_size=vocab_size or config["vocab_size"],
         max_sequence_length=config.get("max_position_embeddings", 4096),
         pre_process=first,
@@ -59,12 +61,12 @@ def build_model(
     return model.to(tc.params_dtype)
 
 
-def build_chunks(config: Mapping[str, Any], tc, vocab_size: int) -> list:
+def build_chunks(config: Mapping[str, Any], tc, vocab_size: int, impl: str = "local") -> list:
     """This rank's model: one GPTModel per virtual pipeline stage (one without VPP)."""
     if not tc.virtual_pipeline_model_parallel_size:
-        return [build_model(config, vocab_size, transformer=tc)]
+        return [build_model(config, vocab_size, transformer=tc, impl=impl)]
     return [
-        build_model(config, vocab_size, transformer=tc, vp_stage=stage)
+        build_model(config, vocab_size, transformer=tc, vp_stage=stage, impl=impl)
         for stage in range(tc.virtual_pipeline_model_parallel_size)
     ]
 

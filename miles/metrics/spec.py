@@ -1,6 +1,6 @@
 """What a `register_ci_gate(...)` declaration means once defaults are filled in.
 
-Discovery reads the literal arguments (miles.ci.discover.GateDeclaration); this module
+The CI's discovery reads the literal arguments (its GateDeclaration); this module
 turns one into a `GateSpec`: the band each side of the baseline (the declared constraint
 merged over the metric's defaults), which steps are checked, and the coordinates under
 which values are stored. A coordinate is (metric, steps key, constraint key, step); the
@@ -62,7 +62,7 @@ GENERIC_BAND = Band(rel_up=0.5, abs_floor_up=1e-3, rel_down=0.5, abs_floor_down=
 
 
 class Declaration(Protocol):
-    """What a gate declaration carries (miles.ci.discover.GateDeclaration has these)."""
+    """What a gate declaration carries (the CI registry's GateDeclaration has these)."""
 
     file: str
     line: int

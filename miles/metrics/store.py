@@ -151,7 +151,7 @@ class HistoryStore(ABC):
 
 def writes_baseline(cadence: str) -> bool:
     """Whether runs of this cadence extend baselines. Whether a given run may store history at
-    all (only runs of the main line, never a PR) is miles.ci.policy.stores_history's call."""
+    all (only runs of the main line, never a PR) is the CI policy's call (`stores_history`)."""
     return cadence in BASELINE_CADENCES
 
 

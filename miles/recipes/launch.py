@@ -174,7 +174,7 @@ def check_command(recipe: Recipe, profile: ParallelProfile, platform: str, argv:
     from miles.train.consumption import refusal
 
     where = f"{recipe.name} ({recipe.variant} form) {profile.describe()}"
-    problems = command_problems(argv, platform)
+    problems = command_problems(argv, platform, recipe.backend_of(profile))
     if problems:
         listed = "; ".join(f"{flag}: {problem}" for flag, problem in problems)
         raise RecipeError(f"{where}: {listed}. Fix the recipe in {recipe.defined_in}")

@@ -128,6 +128,16 @@ def validate(args: argparse.Namespace) -> None:
             f"({args.n_samples_per_prompt}) = {samples} samples per rollout must be a multiple of "
             f"--global-batch-size ({args.global_batch_size}); e.g. --global-batch-size {samples}"
         )
+    if args.use_dynamic_batch_size and args.max_tokens_per_gpu is None:
+        raise ArgsError(
+            "--use-dynamic-batch-size fills each micro-batch up to a token budget, but no --max-tokens-per-gpu "
+            "was given; e.g. --max-tokens-per-gpu 8192"
+        )
+    if args.use_dynamic_batch_size and "--micro-batch-size" in args.flags_set:
+        raise ArgsError(
+            f"--micro-batch-size {args.micro_batch_size} has no effect with --use-dynamic-batch-size (micro-batches "
+            "hold as many samples as --max-tokens-per-gpu allows); drop one of them"
+        )
     if args.n_samples_per_prompt < 2:
         raise ArgsError(
             f"--advantage-estimator {args.advantage_estimator} normalises rewards within a group, so "

@@ -135,6 +135,15 @@ class Section:
                 values[f.name] = tuple(value) if isinstance(value, list) else value
         return cls(**values)
 
+    def non_default(self) -> dict[str, Any]:
+        """Option string -> value of each of the section's flags whose value is not its default:
+        the section's share of the flags a command set (RunConfig.flags_set), and any value the
+        validation filled in from another flag (--eps-clip-high from --eps-clip)."""
+        defaults = {f.name: f.default for f in fields(self)}  # type: ignore[arg-type]
+        return {
+            f.option: getattr(self, f.dest) for f in self.flags() if getattr(self, f.dest) != defaults[f.dest]
+        }
+
 
 # --- the sections, in the order --help shows them -----------------------------------------
 
@@ -234,10 +243,20 @@ class BatchConfig(Section):
     title: ClassVar[str] = "training batches"
 
     global_batch_size: int | None = flag(type=_positive_int, help="samples per optimizer step (all ranks)")
-    micro_batch_size: int = flag(type=_positive_int, default=8, help="samples per forward per rank")
-    balance_data: bool = _switch()
-    use_dynamic_batch_size: bool = _switch()
-    max_tokens_per_gpu: int | None = flag(type=_positive_int)
+    micro_batch_size: int = flag(
+        type=_positive_int, default=8, help="samples per forward per rank (unless dynamic batch size)"
+    )
+    balance_data: bool = flag(
+        action="store_true", help="deal a step's samples to data-parallel ranks by token count"
+    )
+    use_dynamic_batch_size: bool = flag(
+        action="store_true", help="fill each forward up to --max-tokens-per-gpu"
+    )
+    max_tokens_per_gpu: int | None = flag(
+        type=_positive_int,
+        help="padded tokens (rows x widest row) per forward per GPU and context-parallel rank; a longer sample "
+        "runs alone; without dynamic batch size, a ceiling on the micro-batch size",
+    )
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,7 @@ declarations, with no list of its own. The declarations are read from the source
 trees, so a recipe can ask without importing torch.
 
 Such a flag is refused in one line (`refusal`): when a recipe's command is built
-(miles.recipes.launch) and when `python -m miles.train` starts (miles.train.runtime). The only
-exception is PENDING: options the shipped GPU recipes pass to --train-backend megatron that it
-does not act on yet, accepted there alone with a start-up note (`run_notes`).
+(miles.recipes.launch) and when `python -m miles.train` starts (miles.train.runtime).
 """
 
 from __future__ import annotations
@@ -175,29 +173,6 @@ def flags_without_effect(config: RunConfig, engine_choice: str) -> list[str]:
     return [f.option for f in unconsumed(config, chosen(config, engine_choice))]
 
 
-# The flags the shipped GPU recipes pass to --train-backend megatron that it does not act on
-# yet, with what is missing. There alone they are accepted, and named at start-up; anywhere
-# else, and any other flag without effect, is refused (tests/unit/test_train_consumption.py
-# keeps this table to what the recipes pass and the backend still ignores).
-PENDING_BACKEND = "megatron"
-_MEGATRON_CORE = "a megatron-core option the backend does not pass to megatron-core yet"
-_TOKEN_BUDGET = "token-budget micro-batching is not implemented yet (fixed --micro-batch-size)"
-PENDING: Mapping[str, str] = {
-    **dict.fromkeys(
-        (
-            "--accumulate-allreduce-grads-in-fp32", "--attention-backend", "--attention-dropout",
-            "--attention-softmax-in-fp32", "--hidden-dropout", "--moe-grouped-gemm", "--moe-permute-fusion",
-            "--moe-router-bias-update-rate", "--no-bias-dropout-fusion", "--no-masked-softmax-fusion",
-            "--no-rope-fusion", "--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d", "--transformer-impl",
-            "--use-distributed-optimizer", "--use-precision-aware-optimizer",
-        ),
-        _MEGATRON_CORE,
-    ),
-    **dict.fromkeys(("--use-dynamic-batch-size", "--max-tokens-per-gpu", "--balance-data"), _TOKEN_BUDGET),
-    "--megatron-to-hf-mode": "the backend exports its weights through its own converter whatever the mode",
-}  # fmt: skip
-
-
 # Why no component acts on a flag, where a reader would not guess it.
 _IN_PROCESS = (
     "the built-in engine samples inside the trainer's processes and holds no GPU memory of its own to place or "
@@ -213,20 +188,14 @@ WHY_NOT: Mapping[str, str] = {
 }
 
 
-def _pending(config: RunConfig, flag: Flag) -> bool:
-    return config.job.train_backend == PENDING_BACKEND and flag.option in PENDING
-
-
 def refusal(config: RunConfig, engine_choice: str) -> str | None:
-    """One line naming every flag the command sets that its run would not act on (pending ones
-    aside), who would act on each and the fix; None when every flag acts."""
+    """One line naming every flag the command sets that its run would not act on, who would act
+    on each and the fix; None when every flag acts."""
     run = f"--train-backend {config.job.train_backend} with the {engine_choice} rollout engine"
     others = [backend(c) for c in BACKENDS if c != config.job.train_backend]
     others += [engine(c) for c in ENGINES if c != engine_choice]
     by_reader: dict[str, list[str]] = {}
     for flag in unconsumed(config, chosen(config, engine_choice)):
-        if _pending(config, flag):
-            continue
         readers = [c for c in others if c.consumes(flag)]
         reasons = [WHY_NOT[flag.option]] if flag.option in WHY_NOT else []
         if readers:
@@ -239,18 +208,6 @@ def refusal(config: RunConfig, engine_choice: str) -> str | None:
         f"{listed}: no effect on {run}, so refused; drop them, or run with the backend or engine that "
         "reads them"
     )
-
-
-def run_notes(config: RunConfig, engine_choice: str) -> list[str]:
-    """The start-up notes naming the pending flags (PENDING) this command sets, with what is missing."""
-    by_reason: dict[str, list[str]] = {}
-    for flag in unconsumed(config, chosen(config, engine_choice)):
-        if _pending(config, flag):
-            by_reason.setdefault(PENDING[flag.option], []).append(flag.option)
-    return [
-        f"accepted without effect on --train-backend {PENDING_BACKEND} ({why}): {' '.join(options)}"
-        for why, options in by_reason.items()
-    ]
 
 
 def _names(components: Sequence[Consumer]) -> str:

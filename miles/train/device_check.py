@@ -337,6 +337,15 @@ def step_grpo(cpu: bool, workdir: Path) -> str:
     return summary
 
 
+def _placed(cpu: bool):
+    """megatron-core's CPU redirects around CPU work; a GPU run uses megatron-core as it is."""
+    import contextlib
+
+    from miles.megatron.compat import cpu_placed
+
+    return cpu_placed() if cpu else contextlib.nullcontext()
+
+
 def step_megatron_parity(cpu: bool, workdir: Path) -> str:
     """HF logits against the megatron GPTModel loaded from the torch_dist conversion, fp32."""
     import torch
@@ -357,7 +366,7 @@ def step_megatron_parity(cpu: bool, workdir: Path) -> str:
             dist.mkdir(parents=True)
             convert_to_torch_dist(hf, dist, family)
         config = json.loads((hf / "config.json").read_text())
-        with single_process_group(), torch.random.fork_rng(devices=[]):
+        with single_process_group(), torch.random.fork_rng(devices=[]), _placed(cpu):
             model = load_model(config, dist / RELEASE, dtype=torch.float32, on_cpu=cpu)
             gaps[family] = hf_logit_gap(hf, model.to(device), config, device)
     report = ", ".join(f"{f} {g:.1e}" for f, g in gaps.items())

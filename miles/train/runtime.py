@@ -13,7 +13,7 @@ from miles.train import checkpoint, data, guards
 from miles.train.args import ArgsError, validate_world, world_note
 from miles.train.backends import TrainBackend, make_backend
 from miles.train.config import RunConfig, SamplingConfig
-from miles.train.consumption import build, refusal, run_notes
+from miles.train.consumption import build, refusal
 from miles.train.distributed import DistInfo, init_distributed, seed_everything
 from miles.train.inputs import verify_checkpoints
 from miles.train.rewards import RewardFn, load_reward, score
@@ -112,7 +112,7 @@ def build_run(config: RunConfig) -> Run:
         f"{' (colocated)' if engine.colocated else ''} | data {d.prompt_data} ({len(prompts)} prompts) | "
         f"reward {reward}{kl if algorithm.use_kl_loss else ''} | rollouts {run.start_rollout}..{config.rollout.num_rollout}"
     )
-    notes = run_notes(config, engine.name)
+    notes = []
     world = world_note(config, dist_info.world_size)
     if world:
         notes.append(world)

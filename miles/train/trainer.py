@@ -59,7 +59,7 @@ CONSUMES = {
         "rollout_max_prompt_len", "rollout_temperature", "rollout_top_p", "rollout_top_k",
         "rollout_stop_token_ids", "rollout_seed", "update_weights_interval",
     ),
-    "batch": ("global_batch_size", "micro_batch_size"),
+    "batch": ("global_batch_size",),
     "reward": ("rm_type", "custom_rm_path", "reward_key"),
     "algorithm": (
         "disable_grpo_std_normalization", "use_kl_loss", "use_tis", "calculate_per_token_loss",
@@ -167,47 +167,77 @@ def with_advantages(run: Run, samples: Sequence[Sample]) -> list[Sample]:
 
 def learn(run: Run, rollout_id: int, samples: Sequence[Sample]) -> dict[str, float]:
     """Step 4: old (and reference) logprobs of this rank's share, then one optimizer step per
-    minibatch of --global-batch-size samples (split over ranks and micro-batches)."""
+    minibatch of --global-batch-size samples (split over ranks and micro-batches).
+
+    The first minibatch is trained on the very weights its old logprobs would be computed with
+    (no step comes between), so where the backend's training forward is deterministic, that
+    forward's own detached logprobs are the old ones (the ratio is exactly 1) and it gets no
+    separate old-logprob forward. The trainer/rollout mismatch then comes from the same
+    forward; --ci-test still runs the separate forward and checks the two against each other."""
     cfg, checked = run.config, run.config.checks
     started = time.perf_counter()
     if run.engine.colocated:
         run.engine.release_memory()  # it gives the GPU to the trainer until the sync
-    gbs = cfg.batch.global_batch_size
-    per_rank = gbs // run.backend.data_parallel[1]
-    local, mismatch = with_old_logprobs(run, share_of_rank(run, samples))
-    if checked.ci_test and not cfg.algorithm.use_rollout_logprobs:
-        checks.check_logprob_agreement(
-            rollout_id, mismatch["train/train_rollout_logprob_abs_diff"], checked.ci_logprob_abs_diff_tol
-        )
-    steps = []
-    for m in range(len(samples) // gbs):
-        steps.append(optimizer_step(run, local.rows(slice(m * per_rank, (m + 1) * per_rank))))
-        step = steps[-1]
+    local, plan = share_of_rank(run, samples)
+    reuse = run.backend.forward_is_deterministic
+    own_old = reuse and not cfg.algorithm.use_rollout_logprobs  # else the engine's are the old ones
+    local, trainer_logp = with_old_logprobs(run, local, plan, skip_first=reuse and not checked.ci_test)
+    steps, mismatch = [], {}
+    for m, micro in enumerate(plan):
+        batches = [local.rows(rows) for rows in micro]
+        if m == 0 and own_old:
+            batches = [mb.with_(old_logp=None) for mb in batches]  # the forward's own (batch_loss)
+        step, logprobs = optimizer_step(run, batches)
+        if m == 0 and reuse and not checked.ci_test:
+            trainer_logp = with_rows(trainer_logp, micro, logprobs)
+        elif m == 0 and own_old:
+            step |= first_step_against_scoring(run, batches, logprobs, [trainer_logp[rows] for rows in micro])
+        steps.append(step)
         run.skipped_streak.record(rollout_id, step["skipped"], step["loss"], step["grad_norm"], step["lr"])
-        if m == 0 and checked.ci_test and not checked.ci_disable_kl_checker:
-            kl, clipfrac, tokens = steps[0]["ppo_kl"], steps[0]["pg_clipfrac"], steps[0]["tokens"]
-            checks.check_first_step(rollout_id, kl / tokens, clipfrac / tokens, checked.ci_step0_kl_tol)
+        if m == 0:
+            mismatch = rollout_mismatch(run, local, trainer_logp)
+            checked_first_step(run, rollout_id, step, mismatch)
     metrics = report.train_metrics(steps, cfg.algorithm.use_tis)
     metrics["train/skipped_steps"] = float(sum(step["skipped"] for step in steps))
+    metrics["perf/micro_batches_per_step"] = sum(map(len, plan)) / len(plan)
     return metrics | mismatch | {"perf/train_time": time.perf_counter() - started}
 
 
-def share_of_rank(run: Run, samples: Sequence[Sample]) -> TokenBatch:
-    """This data-parallel rank's rows of every minibatch, minibatch after minibatch (strided, so
-    groups spread); model-parallel peers get the same rows."""
+def share_of_rank(run: Run, samples: Sequence[Sample]) -> tuple[TokenBatch, list[list[list[int]]]]:
+    """This data-parallel rank's rows of every minibatch, minibatch after minibatch, and each
+    minibatch's micro-batches (lists of rows of the returned batch) as the backend cuts them;
+    model-parallel peers get the same rows and micro-batches."""
     gbs = run.config.batch.global_batch_size
-    rank, size, _ = run.backend.data_parallel
-    mine = [m * gbs + i for m in range(len(samples) // gbs) for i in range(rank, gbs, size)]
-    return collate([samples[i] for i in mine], run.tokenizer.pad_token_id or 0)
+    mine: list[int] = []
+    plan = []
+    for m in range(len(samples) // gbs):
+        lengths = [
+            len(s.generation.prompt_ids) + len(s.generation.response_ids)
+            for s in samples[m * gbs : (m + 1) * gbs]
+        ]
+        rows, micro = run.backend.split_minibatch(lengths)
+        plan.append([[len(mine) + i for i in part] for part in micro])
+        mine += [m * gbs + i for i in rows]
+    return collate([samples[i] for i in mine], run.tokenizer.pad_token_id or 0), plan
 
 
-def with_old_logprobs(run: Run, local: TokenBatch) -> tuple[TokenBatch, dict[str, float]]:
-    """The batch with old (and reference) logprobs, and how far the rollout engine's are from
-    the trainer's: mean |diff| and KL(rollout || trainer), over every data-parallel rank's tokens."""
+def with_old_logprobs(
+    run: Run, local: TokenBatch, plan: Sequence[Sequence[Sequence[int]]], *, skip_first: bool = False
+) -> tuple[TokenBatch, torch.Tensor]:
+    """The batch with old (and reference) logprobs, and the trainer's own logprobs of it: each
+    minibatch's micro-batches of `plan` scored together, exactly as its training step gets them.
+    With `skip_first` the first minibatch is not scored (zeros): its training forward gives them
+    (see `learn`)."""
     algorithm = run.config.algorithm
-    trainer_logp = batched_logprobs(run, local, reference=False)
-    ref_logp = batched_logprobs(run, local, reference=True) if algorithm.use_kl_loss else None
+    trainer_logp = batched_logprobs(run, local, plan[1:] if skip_first else plan, reference=False)
+    ref_logp = batched_logprobs(run, local, plan, reference=True) if algorithm.use_kl_loss else None
     old_logp = local.rollout_logp if algorithm.use_rollout_logprobs else trainer_logp
+    return local.with_(old_logp=old_logp, ref_logp=ref_logp), trainer_logp
+
+
+def rollout_mismatch(run: Run, local: TokenBatch, trainer_logp: torch.Tensor) -> dict[str, float]:
+    """How far the rollout engine's logprobs are from the trainer's (before any step of the
+    rollout): mean |diff| and KL(rollout || trainer), over every data-parallel rank's tokens."""
     mask = local.loss_mask
     diff_sum, kl_sum, tokens = all_reduce_sum(
         [
@@ -217,23 +247,63 @@ def with_old_logprobs(run: Run, local: TokenBatch) -> tuple[TokenBatch, dict[str
         ],
         group=run.backend.data_parallel[2],
     )
-    mismatch = {
+    return {
         "train/train_rollout_logprob_abs_diff": diff_sum / tokens,
         "train/train_rollout_kl": kl_sum / tokens,
     }
-    return local.with_(old_logp=old_logp, ref_logp=ref_logp), mismatch
 
 
-def optimizer_step(run: Run, minibatch: TokenBatch) -> dict[str, float]:
-    """One AdamW step on this rank's part of a minibatch; loss terms summed over the data-parallel ranks."""
-    mbs = run.config.batch.micro_batch_size
+def checked_first_step(run: Run, rollout_id: int, step: dict[str, float], mismatch: dict[str, float]) -> None:
+    """--ci-test's checks of a rollout's first step: the trainer's logprobs agree with the rollout
+    engine's, and the policy ratio was 1 (the old logprobs came from the weights being trained)."""
+    cfg, checked = run.config, run.config.checks
+    if not checked.ci_test:
+        return
+    if not cfg.algorithm.use_rollout_logprobs:
+        checks.check_logprob_agreement(
+            rollout_id, mismatch["train/train_rollout_logprob_abs_diff"], checked.ci_logprob_abs_diff_tol
+        )
+    if not checked.ci_disable_kl_checker:
+        kl, clipfrac, tokens = step["ppo_kl"], step["pg_clipfrac"], step["tokens"]
+        checks.check_first_step(rollout_id, kl / tokens, clipfrac / tokens, checked.ci_step0_kl_tol)
+
+
+def first_step_against_scoring(
+    run: Run, batches: Sequence[TokenBatch], trained: Sequence[torch.Tensor], scored: Sequence[torch.Tensor]
+) -> dict[str, float]:
+    """ppo_kl and pg_clipfrac of the first step as the separate old-logprob forward (`scored`)
+    sees the training forward's logprobs (`trained`), summed over the data-parallel ranks: what
+    the step reports when its old logprobs come from a forward of their own."""
+    from miles.train.algorithm import policy_loss
+
+    cfg = run.config
+    # the two statistics read no reference or rollout logprobs
+    loss_cfg = replace(
+        cfg.algorithm.loss_config(cfg.rollout.rollout_temperature), use_kl_loss=False, use_tis=False
+    )
+    kl = clipfrac = 0.0
+    for mb, logp, old in zip(batches, trained, scored, strict=True):
+        width = logp.shape[1]
+        terms = policy_loss(
+            logp, torch.zeros_like(logp), old[:, :width], mb.advantages, mb.loss_mask[:, :width], loss_cfg
+        )
+        kl, clipfrac = kl + terms.ppo_kl, clipfrac + terms.pg_clipfrac
+    kl, clipfrac = all_reduce_sum([kl, clipfrac], run.backend.data_parallel[2])
+    return {"ppo_kl": kl, "pg_clipfrac": clipfrac}
+
+
+def optimizer_step(
+    run: Run, micro: Sequence[TokenBatch]
+) -> tuple[dict[str, float], tuple[torch.Tensor, ...]]:
+    """One AdamW step on this rank's micro-batches of a minibatch; loss terms summed over the
+    data-parallel ranks. Also each micro-batch's logprobs from the training forward."""
     _, replicas, group = run.backend.data_parallel
-    size = minibatch.size
-    micro = [minibatch.rows(slice(i, i + mbs)) for i in range(0, size, mbs)]
+    size = sum(mb.size for mb in micro)
     # Each rank's loss is divided so that the data-parallel gradient average is the mean over
     # the global minibatch: per sample by default, per token with --calculate-per-token-loss.
     if run.config.algorithm.calculate_per_token_loss:
-        normalizer = all_reduce_sum([float(minibatch.loss_mask.sum())], group)[0] / replicas
+        tokens = sum(float(mb.loss_mask.sum()) for mb in micro)
+        normalizer = all_reduce_sum([tokens], group)[0] / replicas
     else:
         normalizer = size
     result = run.backend.train_step(micro, normalizer)
@@ -241,12 +311,35 @@ def optimizer_step(run: Run, minibatch: TokenBatch) -> dict[str, float]:
     loss = sum(float(t.loss.detach()) for t in result.terms) / normalizer
     reduced = dict(zip([*LOSS_SUMS, "loss"], all_reduce_sum([*local, loss], group), strict=True))
     reduced["loss"] /= replicas
-    return reduced | {"grad_norm": result.grad_norm, "lr": result.lr, "skipped": result.skipped}
+    step = reduced | {"grad_norm": result.grad_norm, "lr": result.lr, "skipped": result.skipped}
+    return step, result.logprobs
 
 
-def batched_logprobs(run: Run, batch: TokenBatch, *, reference: bool) -> torch.Tensor:
-    """Logprobs of a whole local batch, computed --micro-batch-size rows at a time."""
-    return run.backend.batch_logprobs(batch, run.config.batch.micro_batch_size, reference=reference)
+def batched_logprobs(
+    run: Run, local: TokenBatch, plan: Sequence[Sequence[Sequence[int]]], *, reference: bool
+) -> torch.Tensor:
+    """Logprobs [B, T-1] of the local batch's rows in `plan`'s minibatches (zeros elsewhere): one
+    call per minibatch, with the micro-batches its training step gets, in the same shapes."""
+    out = torch.zeros_like(local.loss_mask)
+    for micro in plan:
+        _write_rows(
+            out, micro, run.backend.batch_logprobs([local.rows(r) for r in micro], reference=reference)
+        )
+    return out
+
+
+def with_rows(
+    out: torch.Tensor, micro: Sequence[Sequence[int]], values: Sequence[torch.Tensor]
+) -> torch.Tensor:
+    """A copy of `out` [B, T-1] with each micro-batch's values [rows, width-1] in its rows."""
+    out = out.clone()
+    _write_rows(out, micro, values)
+    return out
+
+
+def _write_rows(out: torch.Tensor, micro: Sequence[Sequence[int]], values: Sequence[torch.Tensor]) -> None:
+    for rows, value in zip(micro, values, strict=True):
+        out[torch.as_tensor(list(rows), dtype=torch.long), : value.shape[1]] = value.to(out.dtype)
 
 
 def sync_weights(run: Run, rollout_id: int) -> dict[str, float]:

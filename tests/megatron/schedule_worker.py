@@ -75,8 +75,10 @@ def main() -> None:
         outcome = {}
 
         def step(backend=backend, batch=batch, outcome=outcome):
-            old = backend.batch_logprobs(batch, 2)
-            micro = [batch.with_(old_logp=old).rows(slice(s, s + 2)) for s in (0, 2)]
+            micro = [batch.rows(slice(s, s + 2)) for s in (0, 2)]
+            micro = [
+                mb.with_(old_logp=old) for mb, old in zip(micro, backend.batch_logprobs(micro), strict=True)
+            ]
             result = backend.train_step(micro, normalizer=4.0)
             outcome.update(grad_norm=result.grad_norm, applied=not result.skipped)
 

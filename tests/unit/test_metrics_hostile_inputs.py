@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from miles.ci.catalog import load_catalog
 from miles.ci.cli import main
-from miles.ci.discover import parse_test_file
+from miles.ci.registry.catalog import load_catalog
+from miles.ci.registry.discover import parse_test_file
 from miles.metrics.capture import MetricRecorder
 from miles.metrics.records import RecordError, merge_records
 from miles.metrics.spec import Coordinate

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from miles.ci.gpu_stack import check_driver, check_engine_modules, check_gpu_arch, kernel_archs, probe
+from miles.ci.machine.gpu_stack import check_driver, check_engine_modules, check_gpu_arch, kernel_archs, probe
 from miles.image.config import load_images
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -2,9 +2,7 @@
 
 Each profile's rendered trainer command is parsed by the trainer's own parser and checked
 against what its backend and engine declare they consume (miles.train.consumption), as
-`python -m miles.train` checks it at start. The only flags let through are the table of
-Megatron options still pending (consumption.PENDING), and that table is exactly what the
-shipped recipes pass to --train-backend megatron and the backend still ignores.
+`python -m miles.train` checks it at start: every flag of every shipped profile acts.
 """
 
 from __future__ import annotations
@@ -36,20 +34,14 @@ def _with_flag(name: str, group: str, flag: str, value):
     return replace(recipe, args=args)
 
 
-def test_every_shipped_profile_renders_and_the_pending_table_is_what_they_pass():
-    pending = set()
+def test_every_flag_of_every_shipped_profile_acts():
+    unused = {}
     for form, profile in PLANS:
         config = parse_config(list(_plan(form, profile).train_args))
-        unused = consumption.flags_without_effect(config, profile.rollout_engine)
-        if unused:
-            assert config.job.train_backend == consumption.PENDING_BACKEND, (
-                form.name,
-                profile.describe(),
-                unused,
-            )
-            assert profile.platform != "cpu", (form.name, profile.describe(), unused)
-        pending |= set(unused)
-    assert pending == set(consumption.PENDING)  # an entry the recipes no longer need is removed
+        without = consumption.flags_without_effect(config, profile.rollout_engine)
+        if without:
+            unused[f"{form.name} ({form.variant}) {profile.describe()}"] = without
+    assert not unused
 
 
 def test_the_render_refuses_colocate_on_the_cpu_lane_in_one_line():

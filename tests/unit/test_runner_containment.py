@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from miles.ci.execute import CancelToken, Settings, TestRun, run_attempt
-from miles.ci.processes import Containment
+from miles.ci.running.execute import CancelToken, Settings, TestRun, run_attempt
+from miles.ci.running.processes import Containment
 
 # Forks as fast as it can; each parent exits at once. It holds a shared lock on argv[2]
 # (inherited by every generation), says so in argv[3], and stops by itself when argv[4]

@@ -117,7 +117,7 @@ def pytest_unconfigure(config):
 def test_the_tail_of_one_huge_line_stays_bounded(tmp_path):
     """Output is read in chunks, never as lines: one 200 MB line passes through in pieces of at
     most PUMP_CHUNK bytes and the tail never holds more than twice TAIL_BYTES."""
-    from miles.ci.execute import PUMP_CHUNK, TAIL_BYTES, Tail, _pump
+    from miles.ci.running.execute import PUMP_CHUNK, TAIL_BYTES, Tail, _pump
 
     size = 200 << 20
     writer = subprocess.Popen(

@@ -170,12 +170,12 @@ def test_flags_the_chosen_stack_ignores_are_refused_in_one_line_not_dropped():
     from miles.train.consumption import refusal
 
     config = parse_config(
-        "--hf-checkpoint m --colocate --balance-data --num-layers 4 --hidden-size 64 "
+        "--hf-checkpoint m --colocate --use-wandb --num-layers 4 --hidden-size 64 "
         "--sglang-mem-fraction-static 0.7 --sglang-enable-dp-attention".split()
     )
     refused = refusal(config, "torch")
     assert "\n" not in refused
-    assert "--balance-data (read by no component)" in refused
+    assert "--use-wandb (read by no component)" in refused
     assert "--colocate (the built-in engine samples inside the trainer's processes" in refused
     assert "--num-layers --hidden-size (read by --train-backend megatron)" in refused
     assert (

@@ -9,7 +9,16 @@ import pytest
 
 from miles.parallel import ParallelLayout
 from miles.train.args import build_parser, parse_config
-from miles.train.config import FLAG, FLAGS, SECTION_NAMES, SECTIONS, ModelConfig, RunConfig
+from miles.train.config import (
+    FLAG,
+    FLAGS,
+    SECTION_NAMES,
+    SECTIONS,
+    ModelConfig,
+    ParallelFlags,
+    RunConfig,
+    flag_of,
+)
 
 # A recipe-shaped command touching most sections.
 COMMAND = """
@@ -80,6 +89,18 @@ def test_the_flags_a_command_sets_are_recorded_before_defaults_are_filled_in():
     config = parse_config(["--hf-checkpoint", "m", "--eps-clip", "0.3", "--sglang-dp-size", "2"])
     assert config.flags_set == ("--hf-checkpoint", "--eps-clip", "--sglang-dp-size")
     assert config.algorithm.eps_clip_high == 0.3  # filled from --eps-clip, not set by the command
+
+
+def test_a_sections_values_off_their_default_are_the_flags_set_and_what_validation_filled_in():
+    config = parse_config(COMMAND)
+    sections = [
+        name for name in SECTION_NAMES if name != ParallelFlags.name
+    ]  # RunConfig.layout is the layout
+    found = {option for name in sections for option in config.section(name).non_default()}
+    layout = {f.option for f in ParallelFlags.flags()}
+    passed = {o for o in config.flags_set if o not in layout and flag_of(o) is not None}
+    assert found == passed | {"--rollout-seed"}  # filled in from --seed
+    assert config.megatron.non_default() == {"--recompute-granularity": "full"}
 
 
 def test_the_small_configs_derive_from_the_sections():

@@ -106,7 +106,6 @@ def test_a_megatron_flag_on_the_data_parallel_backend_is_refused():
         "on --train-backend fsdp with the torch rollout engine, so refused; drop them, or run with the backend "
         "or engine that reads them"
     )
-    assert consumption.run_notes(config, "torch") == []
 
 
 def test_an_option_the_data_parallel_backend_alone_acts_on_is_refused_on_megatron(tmp_path):
@@ -120,29 +119,17 @@ def test_an_option_the_data_parallel_backend_alone_acts_on_is_refused_on_megatro
     )
 
 
-def test_a_pending_megatron_flag_is_accepted_on_megatron_only_and_named_at_start(tmp_path):
+def test_a_megatron_option_is_acted_on_by_megatron_and_refused_elsewhere(tmp_path):
     (tmp_path / "config.json").write_text('{"num_hidden_layers": 2, "num_attention_heads": 2}')
-    megatron = parse_config(
-        [
-            "--hf-checkpoint",
-            str(tmp_path),
-            "--train-backend",
-            "megatron",
-            "--moe-grouped-gemm",
-            "--balance-data",
-        ]
-    )
+    flags = ["--moe-grouped-gemm", "--balance-data", "--use-distributed-optimizer"]
+    megatron = parse_config(["--hf-checkpoint", str(tmp_path), "--train-backend", "megatron", *flags])
+    assert consumption.flags_without_effect(megatron, "sglang") == []
     assert consumption.refusal(megatron, "sglang") is None
-    assert consumption.run_notes(megatron, "sglang") == [
-        "accepted without effect on --train-backend megatron (token-budget micro-batching is not implemented yet "
-        "(fixed --micro-batch-size)): --balance-data",
-        "accepted without effect on --train-backend megatron (a megatron-core option the backend does not pass "
-        "to megatron-core yet): --moe-grouped-gemm",
-    ]
-    fsdp = consumption.refusal(_config("--moe-grouped-gemm", "--balance-data"), "sglang")
+    fsdp = consumption.refusal(_config(*flags), "sglang")
     assert fsdp.startswith(
-        "--balance-data --moe-grouped-gemm (read by no component): no effect on --train-backend fsdp"
-    )
+        "--moe-grouped-gemm --use-distributed-optimizer (read by --train-backend megatron): no effect on "
+        "--train-backend fsdp"
+    ), fsdp
 
 
 def test_the_engine_that_reads_a_flag_decides_whether_it_has_effect():
@@ -186,10 +173,9 @@ def test_the_flags_no_component_acts_on_yet_are_these():
     unread = {f.option for f in FLAGS if not any(c.consumes(f) for c in everyone)}
     refused = {"--rm-url", "--kl-coef", "--optimizer"}  # refused unless left at their default
     planned = {
-        "--balance-data", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "--offload",
-        "--offload-train", "--rollout-num-gpus", "--partial-rollout",
+        "--offload", "--offload-train", "--rollout-num-gpus", "--partial-rollout",
         "--over-sampling-batch-size", "--dynamic-sampling-filter-path", "--rollout-function-path", "--num-epoch",
-        "--tool-key", "--fp16", "--ckpt-format", "--megatron-to-hf-mode", "--keep-old-actor", "--finetune",
+        "--tool-key", "--fp16", "--ckpt-format", "--keep-old-actor", "--finetune",
         "--debug-train-only", "--log-interval", "--log-passrate", "--use-wandb", "--wandb-project",
         "--wandb-group", "--wandb-key", "--wandb-host", "--wandb-mode", "--wandb-team",
         "--disable-wandb-random-suffix", "--use-tensorboard",

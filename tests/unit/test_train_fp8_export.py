@@ -10,6 +10,7 @@ must hold nothing the export leaves out.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -94,9 +95,9 @@ def _with_quantization(path: Path, tmp_path: Path, **changes) -> Path:
     config["quantization_config"] = {**config["quantization_config"], **changes}
     out = tmp_path / "ckpt"
     out.mkdir()
-    for item in path.iterdir():
-        (out / item.name).symlink_to(item)
-    (out / "config.json").unlink()
+    for item in path.iterdir():  # copies: a checkpoint's files may not link out of its folder
+        if item.is_file() and item.name != "config.json":
+            shutil.copyfile(item, out / item.name)
     (out / "config.json").write_text(json.dumps(config))
     return out
 

@@ -47,7 +47,9 @@ class TorchDPBackend(TrainBackend):
         "job": ("train_backend",),
         "checkpoint": ("hf_checkpoint", "ref_load"),
         "rollout": ("num_rollout", "rollout_batch_size", "n_samples_per_prompt", "rollout_temperature"),
-        "batch": ("global_batch_size",),
+        "batch": (
+            "global_batch_size", "micro_batch_size", "use_dynamic_batch_size", "max_tokens_per_gpu", "balance_data",
+        ),
         "algorithm": (
             "advantage_estimator", "eps_clip", "eps_clip_high", "eps_clip_c", "use_kl_loss", "kl_loss_type",
             "kl_loss_coef", "entropy_coef", "use_tis", "tis_clip", "tis_clip_low", "calculate_per_token_loss",
@@ -73,6 +75,7 @@ class TorchDPBackend(TrainBackend):
     ):
         self.mode = job.train_backend  # fsdp | ddp
         self.dist = dist_info
+        self.batching = batch
         self.loss_cfg = algorithm.loss_config(rollout.rollout_temperature)
         self.optim_cfg = optimizer.optim_config()
         self.compute_dtype = train_dtype(optimizer.bf16)
@@ -80,6 +83,7 @@ class TorchDPBackend(TrainBackend):
         self.model = self._load(
             checkpoint.hf_checkpoint, torch.float32, trainable=True, checkpointing=fsdp.gradient_checkpointing
         )
+        self.forward_is_deterministic = not _noisy_in_training(self._inner)
         self.ref_model = None
         if algorithm.use_kl_loss:
             ref_load = checkpoint.ref_load
@@ -204,13 +208,14 @@ class TorchDPBackend(TrainBackend):
     def train_step(self, micro_batches: Sequence[TokenBatch], normalizer: float) -> StepResult:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        terms = []
+        terms, logps = [], []
         for i, mb in enumerate(micro_batches):
             with self._grad_sync(last=i == len(micro_batches) - 1):
                 logp, entropy = self._forward(self.model, mb, with_entropy=True)
                 t = batch_loss(logp, entropy, mb, self.loss_cfg)
                 (t.loss / normalizer).backward()
             terms.append(t)
+            logps.append(logp.detach())
         max_norm = self.optim_cfg.clip_grad if self.optim_cfg.clip_grad > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if hasattr(grad_norm, "full_tensor"):
@@ -218,7 +223,12 @@ class TorchDPBackend(TrainBackend):
         lr = self.optimizer.param_groups[0]["lr"]
         loss = sum(float(t.loss.detach()) for t in terms)
         skipped = guards.step_if_finite(self.optimizer, self.scheduler, loss=loss, grad_norm=float(grad_norm))
-        return StepResult(grad_norm=float(grad_norm), lr=lr, terms=tuple(terms), skipped=skipped)
+        logprobs = tuple(
+            logp.float().cpu() * mb.loss_mask for logp, mb in zip(logps, micro_batches, strict=True)
+        )
+        return StepResult(
+            grad_norm=float(grad_norm), lr=lr, terms=tuple(terms), skipped=skipped, logprobs=logprobs
+        )
 
     def _grad_sync(self, *, last: bool):
         """Reduce gradients across ranks only on the last micro-batch of a step."""
@@ -307,6 +317,18 @@ class TorchDPBackend(TrainBackend):
         factor = self.scheduler.lr_lambdas[0](steps_done)
         for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
             group["lr"] = base * factor
+
+
+def _noisy_in_training(model) -> bool:
+    """Whether the model's training forward draws random numbers (dropout, router jitter), so it
+    differs from a no-grad forward of the same rows."""
+    config = model.config.to_dict()
+    rates = [
+        v for k, v in config.items()
+        if ("dropout" in k or "pdrop" in k or "jitter" in k) and isinstance(v, float | int) and not isinstance(v, bool)
+    ]  # fmt: skip
+    dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
+    return dropout or any(r > 0 for r in rates)
 
 
 def checkpoint_names(model, state: dict) -> dict:
