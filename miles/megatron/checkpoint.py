@@ -231,37 +231,14 @@ def save_training_state(chunks: Sequence, optimizer, directory: str, *, steps_do
     this process, even when it is killed mid-save (miles.children)."""
     from megatron.core import dist_checkpointing
 
-    _writers_die_with_this_process()
+    from miles.megatron.compat import writers_die_with_this_process
+
+    writers_die_with_this_process()
     state = model_state_template(chunks)
     if steps_done is not None:
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False, metadata=OPTIMIZER_FORMAT)
         state["schedule"] = {"steps_done": steps_done}  # plain values: kept once, in common.pt
     dist_checkpointing.save(state, directory)
-
-
-_writer_manager: list = []  # the manager serving megatron-core's writer queue, kept for the process's life
-
-
-def _writers_die_with_this_process() -> None:
-    """megatron-core's writer forks its processes (covered by miles.children.arm) and reports
-    through a queue served by a manager it spawns on first use (filesystem_async's module-level
-    `_results_queue`, created by `_get_write_results_queue` only when unset, megatron-core
-    0.16.1); a spawned server runs no fork hook, so the queue is made here, by a manager started
-    with miles.children.die_with_parent as its initializer."""
-    import multiprocessing
-    from multiprocessing.managers import SyncManager
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    from miles import children
-
-    children.arm()
-    if filesystem_async._results_queue is not None:
-        return
-    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-    manager.start(initializer=children.die_with_parent)
-    _writer_manager.append(manager)
-    filesystem_async._results_queue = manager.Queue()
 
 
 def load_training_state(chunks: Sequence, optimizer, directory: str, *, with_optimizer: bool) -> int | None:
