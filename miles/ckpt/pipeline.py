@@ -32,7 +32,6 @@ from miles.ckpt.manifest import (
     atomic_dir,
     clean_stale,
     fingerprint,
-    finished,
     json_safe,
     plan_lock,
     read_manifest,
@@ -42,6 +41,7 @@ from miles.ckpt.plan import STEPS, CheckpointPlan
 from miles.ckpt.progress import Progress, say
 from miles.ckpt.shards import MAX_JSON_BYTES, read_json_file
 from miles.ckpt.tiny import DEFAULT_SHARD_BYTES, TINY_STEP, make_tiny_checkpoint, tiny_params
+from miles.ckpt.verify import file_problems
 from miles.files import read_regular, replace_file
 
 STATE_DIR = ".miles-ckpt"
@@ -224,18 +224,52 @@ class _Run:
             say(f"[ckpt] {name}: {result.status} {result.detail}".rstrip())
         return result
 
-    def _produce(self, step: str, out: Path, inputs: str, params: dict, make: Callable[[Path], dict | None]):
-        """Skip when `out` already holds this step's result for these inputs, else build it atomically."""
-        if finished(out, step, inputs, params):
-            return StepResult(step, "skipped", "up to date", str(out))
+    def _produce(
+        self,
+        step: str,
+        out: Path,
+        inputs: str,
+        params: dict,
+        make: Callable[[Path], dict | None],
+        check: Callable[[Path], list[str]] | None = None,
+    ):
+        """Skip when `out` already holds this step's result for these inputs and its files are
+        still the ones written (and pass `check`), else build it atomically."""
+        damaged = self._damaged(out, step, inputs, params, check)
+        if damaged is None:
+            return StepResult(step, "skipped", "up to date, files verified", str(out))
         if self.dry:
-            reason = "missing" if read_manifest(out) is None else "inputs or parameters changed"
+            reason = damaged or ("missing" if read_manifest(out) is None else "inputs or parameters changed")
             return StepResult(step, "would run", reason, str(out))
-        say(f"[ckpt] {step}: writing {out}", self.show)
+        say(f"[ckpt] {step}: writing {out}" + (f" ({damaged})" if damaged else ""), self.show)
         with atomic_dir(out) as tmp:
             records = make(tmp)
             write_manifest(tmp, step, inputs, params, records)
-        return StepResult(step, "ran", "", str(out))
+        return StepResult(step, "ran", f"redone: {damaged}" if damaged else "", str(out))
+
+    def _damaged(
+        self,
+        out: Path,
+        step: str,
+        inputs: str,
+        params: dict,
+        check: Callable[[Path], list[str]] | None = None,
+    ) -> str | None:
+        """None when `out` is this step's finished output with every file as its manifest records
+        (and `check` finds nothing); "" when it is not finished; else what is wrong with it."""
+        manifest = read_manifest(out)
+        if manifest is None or (manifest.step, manifest.inputs, manifest.params) != (
+            step,
+            inputs,
+            json_safe(params),
+        ):
+            return ""
+        problems = file_problems(out, manifest) + (check(out) if check else [])
+        return (
+            f"{problems[0]}{f' (and {len(problems) - 1} more)' if len(problems) > 1 else ''}"
+            if problems
+            else None
+        )
 
     def _need(self, path: Path, step: str) -> str:
         if not (path / "config.json").is_file():
@@ -252,14 +286,21 @@ class _Run:
         if self.source.kind == "tiny":
             layers = self.layers or DEFAULT_TINY_LAYERS
             params = tiny_params(self.source.value, layers, 0, "bfloat16", DEFAULT_SHARD_BYTES, {})
-            if finished(self.hf, TINY_STEP, self.plan.source, params):
-                return StepResult("fetch", "skipped", "tiny checkpoint up to date", str(self.hf))
+            damaged = self._damaged(self.hf, TINY_STEP, self.plan.source, params)
+            if damaged is None:
+                return StepResult(
+                    "fetch", "skipped", "tiny checkpoint up to date, files verified", str(self.hf)
+                )
             if self.dry:
                 return StepResult(
-                    "fetch", "would run", f"build a tiny {self.source.value} ({layers} layers)", str(self.hf)
+                    "fetch",
+                    "would run",
+                    damaged or f"build a tiny {self.source.value} ({layers} layers)",
+                    str(self.hf),
                 )
             make_tiny_checkpoint(self.source.value, layers, self.hf, progress=self.show)
-            return StepResult("fetch", "ran", f"built tiny {self.source.value}", str(self.hf))
+            redone = f" (redone: {damaged})" if damaged else ""
+            return StepResult("fetch", "ran", f"built tiny {self.source.value}{redone}", str(self.hf))
         src = self.source_dir()
         if src is None:
             return StepResult("fetch", "would run", f"download {self.source.value}", None)
@@ -361,8 +402,18 @@ class _Run:
             self._with_progress("torch_dist", convert_to_torch_dist, self.hf, tmp, self.plan.family)
             return None
 
+        def same_model(out: Path) -> list[str]:
+            from miles.ckpt.torch_dist import shape_problems
+
+            return shape_problems(out, self.hf)
+
         return self._produce(
-            "torch_dist", self.torch_dist, self._need(self.hf, "torch_dist"), {"vocab_multiple": 1}, make
+            "torch_dist",
+            self.torch_dist,
+            self._need(self.hf, "torch_dist"),
+            {"vocab_multiple": 1},
+            make,
+            check=same_model,
         )
 
     def _stage(self) -> StepResult:

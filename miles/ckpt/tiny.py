@@ -18,7 +18,7 @@ from typing import Any
 from miles.ckpt.errors import CheckpointError
 from miles.ckpt.families import LAYER_LIST_KEYS, LAYER_RE, mtp_layers
 from miles.ckpt.families import family as get_family
-from miles.ckpt.manifest import atomic_dir, finished, write_manifest
+from miles.ckpt.manifest import atomic_dir, finished, read_manifest, write_manifest
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)  # ids 0, 1, 2
@@ -70,7 +70,7 @@ def make_tiny_checkpoint(
         raise CheckpointError(f"make_tiny_checkpoint: layers must be >= 1, got {layers}")
     out = Path(out_dir)
     params = tiny_params(family, layers, seed, dtype, shard_bytes, dims)
-    if finished(out, TINY_STEP, f"tiny:{family}", params):
+    if finished(out, TINY_STEP, f"tiny:{family}", params) and not _damaged(out):
         return out
     with atomic_dir(out) as tmp, _transformers_progress(progress):
         _save_model(spec, layers, seed, dtype, shard_bytes, dims, tmp)
@@ -79,6 +79,14 @@ def make_tiny_checkpoint(
         ).save_pretrained(tmp)
         write_manifest(tmp, TINY_STEP, f"tiny:{family}", params)
     return out
+
+
+def _damaged(out: Path) -> bool:
+    """A finished checkpoint whose files are no longer the ones written (it is built again)."""
+    from miles.ckpt.verify import file_problems
+
+    manifest = read_manifest(out)
+    return manifest is None or bool(file_problems(out, manifest))
 
 
 @contextmanager

@@ -272,3 +272,63 @@ def _verify(release: Path, config, reader: CheckpointReader, gpt: bool, vocab: i
             )
     if gpt and _weight_bytes(reader) <= LOGIT_CHECK_BYTES:
         _verify_logits(release, config, reader.files.root, vocab)
+
+
+def read_common(release: Path) -> dict:
+    """A torch_dist release's common.pt (its non-tensor state), read without running any pickled code:
+    the only class it may name is argparse's Namespace (Megatron-LM's `args`)."""
+    import argparse
+
+    import torch
+
+    # registered for good, as megatron-core does when imported (torch's safe_globals context
+    # manager drops the registrations made before it on exit, megatron-core's among them)
+    torch.serialization.add_safe_globals([argparse.Namespace])
+    common = torch.load(release / "common.pt", map_location="cpu", weights_only=True)
+    if not isinstance(common, dict):
+        raise CheckpointError(f"{release / 'common.pt'}: not a dict of checkpoint state")
+    return common
+
+
+def shape_problems(torch_dist_dir: Path, hf_dir: Path) -> list[str]:
+    """[] when the model recorded in torch_dist_dir's common.pt is the one hf_dir/config.json
+    describes (model type and, for Megatron's layout, every shape argument Megatron-LM reads),
+    else one line naming both files and each difference."""
+    import pickle
+
+    from miles.megatron.checkpoint import torch_dist_release
+
+    release = torch_dist_release(torch_dist_dir)
+    path = release / "common.pt"
+    try:
+        common = read_common(release)
+    except FileNotFoundError:
+        return [f"{path} is missing"]
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, CheckpointError) as exc:
+        return [
+            f"{path} cannot be read ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        ]
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    recorded = common.get("miles", {}) if isinstance(common.get("miles"), dict) else {}
+    differences = []
+    if recorded.get("model_type") not in (None, config.get("model_type")):
+        differences.append(f"model_type {recorded['model_type']} (config.json: {config.get('model_type')})")
+    args = common.get("args")
+    if args is not None and not differences:
+        multiple = int(getattr(args, "make_vocab_size_divisible_by", 1) or 1)
+        expected = vars(megatron_lm_args(config, _padded_vocab(config, multiple), multiple))
+        for key in (*(f.lstrip("-").replace("-", "_") for f in _SHAPE_FLAGS), "padded_vocab_size"):
+            want, got = expected.get(key), getattr(args, key, None)
+            if want is not None and got != want:
+                differences.append(f"{key} {got} (config.json: {want})")
+    if not differences:
+        return []
+    return [f"{path} records another model than {Path(hf_dir) / 'config.json'}: {', '.join(differences)}"]
+
+
+# The arguments of common.pt that fix the model's shape (megatron_lm_args writes them all).
+_SHAPE_FLAGS = (
+    "--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--num-query-groups",
+    "--kv-channels", "--num-experts", "--moe-ffn-hidden-size", "--moe-router-topk",
+    "--untie-embeddings-and-output-weights",
+)  # fmt: skip

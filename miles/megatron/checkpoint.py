@@ -227,9 +227,13 @@ def megatron_lm_args(config: Mapping[str, Any], vocab: int, vocab_multiple: int 
 
 def save_training_state(chunks: Sequence, optimizer, directory: str, *, steps_done: int | None) -> None:
     """Model chunks (and, with `steps_done`, the distributed optimizer and the schedule step) into
-    `directory`, every rank its shards."""
+    `directory`, every rank its shards. The writer processes megatron-core starts for it end with
+    this process, even when it is killed mid-save (miles.children)."""
     from megatron.core import dist_checkpointing
 
+    from miles.megatron.compat import writers_die_with_this_process
+
+    writers_die_with_this_process()
     state = model_state_template(chunks)
     if steps_done is not None:
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False, metadata=OPTIMIZER_FORMAT)

@@ -19,9 +19,10 @@ test_megatron_te_only_names.py requires each to be guarded, bound here, or unrea
 The other changes are `PATCHES`, each applied by one function here: the Transformer Engine
 names of the layer-spec module bound to stand-ins while a spec is built without TE
 (`te_stand_ins`), the MoE dispatcher's CUDA stream when the rank-grid proof builds a MoE
-layer on CPU (`without_dispatcher_stream`), and the process groups megatron-core's
-`destroy_model_parallel` leaves behind (`forget_destroyed_groups`). Nothing outside this
-module writes into megatron-core (the module is long for that reason: the entries and the
+layer on CPU (`without_dispatcher_stream`), the process groups megatron-core's
+`destroy_model_parallel` leaves behind (`forget_destroyed_groups`), and the checkpoint
+writer's result queue, served by a manager that dies with the trainer
+(`writers_die_with_this_process`). Nothing outside this module writes into megatron-core (the module is long for that reason: the entries and the
 functions that apply them stay together), and `stale()` checks every entry against the
 installed release, which must be the one they were written for (`KNOWN_RELEASE`).
 """
@@ -257,6 +258,12 @@ PATCHES: tuple[Patch, ...] = (
         "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.fork",
         "_set_cuda_rng_state(",
         "on_cpu() swaps the module's _get_cuda_rng_state and _set_cuda_rng_state for the CPU generator's",
+    ),
+    Patch(
+        "megatron.core.dist_checkpointing.strategies.filesystem_async:_get_write_results_queue",
+        "if _results_queue is None:",
+        "writers_die_with_this_process() sets the module's _results_queue, served by a manager that dies "
+        "with the trainer, before megatron-core spawns one that would outlive it",
     ),
 )
 
@@ -534,6 +541,31 @@ def forget_destroyed_groups() -> None:
     for name, value in list(vars(parallel_state).items()):
         if name.startswith("_") and isinstance(value, dist.ProcessGroup):
             setattr(parallel_state, name, None)
+
+
+_writer_manager: list = []  # the manager serving megatron-core's writer queue, kept for the process's life
+
+
+def writers_die_with_this_process() -> None:
+    """No checkpoint writer outlives this process. megatron-core's writer forks its processes
+    (covered by miles.children.arm) and reports through a queue served by a manager it spawns on
+    first use (filesystem_async's module-level `_results_queue`, made by
+    `_get_write_results_queue` only when unset); a spawned server runs no fork hook, so the queue
+    is made here, by a manager started with miles.children.die_with_parent as its initializer."""
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from miles import children
+
+    children.arm()
+    if filesystem_async._results_queue is not None:
+        return
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=children.die_with_parent)
+    _writer_manager.append(manager)
+    filesystem_async._results_queue = manager.Queue()
 
 
 def _source_of(target: str) -> str:

@@ -1,8 +1,8 @@
 """How the Megatron backend acts on each Megatron and GPU-stack flag it consumes: one row per flag.
 
 Which flags the backend acts on is its consumption declaration (`MegatronBackend.CONSUMES`,
-read by miles.train.consumption, which names at start-up every flag a command sets that no
-component of its run consumes). This table says how: the spec choice, a megatron-core
+read by miles.train.consumption, which refuses every flag a command sets that no component of
+its run consumes). This table says how: the spec choice, a megatron-core
 TransformerConfig field (`transformer_fields`), a DistributedDataParallelConfig or
 OptimizerConfig field (`ddp_fields`, `optimizer_fields`), a check against the model built from
 config.json (`model_disagreements`; the shape flags of the family facts tables are checked by
@@ -179,17 +179,30 @@ DDP = (
         fields=(_DDP + "overlap_param_gather", _OPT + "overlap_param_gather"),
     ),
     Option("--accumulate-allreduce-grads-in-fp32", "", fields=(_DDP + "grad_reduce_in_fp32",)),
+    Option(
+        "--use-distributed-optimizer",
+        "always on: fp32 main parameters and Adam states sharded over data parallel (the backend builds no "
+        "other optimizer, so the flag asks for what it does anyway)",
+        fields=(_DDP + "use_distributed_optimizer", _OPT + "use_distributed_optimizer"),
+    ),
 )
 
 
 def ddp_fields(megatron) -> dict[str, Any]:
-    """The DistributedDataParallelConfig fields the `megatron` section sets (miles always uses
-    the distributed optimizer: miles.megatron.training sets that field itself)."""
+    """The DistributedDataParallelConfig fields the `megatron` section sets."""
     return {
+        "use_distributed_optimizer": distributed_optimizer(megatron),
         "grad_reduce_in_fp32": bool(megatron.accumulate_allreduce_grads_in_fp32),
         "overlap_grad_reduce": bool(megatron.overlap_grad_reduce),
         "overlap_param_gather": bool(megatron.overlap_param_gather),
     }
+
+
+def distributed_optimizer(megatron) -> bool:
+    """Always True. --use-distributed-optimizer asks for megatron-core's distributed optimizer,
+    and leaving the flag out builds it all the same: the backend has no replicated optimizer
+    (its checkpoints and the data-parallel resharding on resume are the distributed one's)."""
+    return bool(megatron.use_distributed_optimizer) or True
 
 
 # --- OptimizerConfig -------------------------------------------------------------------------
@@ -221,7 +234,10 @@ OPTIMIZER = (
 def optimizer_fields(megatron) -> dict[str, Any]:
     """The OptimizerConfig fields the `megatron` section sets (beyond the optimizer's own
     hyperparameters)."""
-    out: dict[str, Any] = {"overlap_param_gather": bool(megatron.overlap_param_gather)}
+    out: dict[str, Any] = {
+        "overlap_param_gather": bool(megatron.overlap_param_gather),
+        "use_distributed_optimizer": distributed_optimizer(megatron),
+    }
     if megatron.use_precision_aware_optimizer:
         out["use_precision_aware_optimizer"] = True
     if megatron.optimizer_cpu_offload:

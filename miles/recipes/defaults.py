@@ -137,6 +137,11 @@ TINY_OVERRIDES = groups(
         ("--hidden-dropout", None),
         ("--accumulate-allreduce-grads-in-fp32", None),
         ("--attention-softmax-in-fp32", None),
+        # GPU-only: the SGLang engine's memory release and weight-push chunking (the built-in
+        # engine samples inside the trainer's processes), and a kernel fusion
+        ("--colocate", None),
+        ("--no-bias-dropout-fusion", None),
+        ("--update-weight-buffer-size", None),
         ("--micro-batch-size", 4),  # in perf, where the recipes set theirs, so it replaces it
         ("--distributed-backend", "gloo"),
         ("--num-threads", 1),

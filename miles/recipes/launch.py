@@ -167,14 +167,21 @@ def build_plan(
 
 def check_command(recipe: Recipe, profile: ParallelProfile, platform: str, argv: tuple[str, ...]) -> None:
     """The recipe's own flags (extra_args excluded: they are the caller's) against the stack
-    pinned for `platform`; one RecipeError lists every problem."""
+    pinned for `platform`, then against what the run's backend and engine act on (a flag without
+    effect is refused, as the trainer would at start); one RecipeError lists every problem."""
     from miles.recipes.stack import command_problems
+    from miles.train.args import parse_config
+    from miles.train.consumption import refusal
 
+    where = f"{recipe.name} ({recipe.variant} form) {profile.describe()}"
     problems = command_problems(argv, platform, recipe.backend_of(profile))
     if problems:
-        where = f"{recipe.name} ({recipe.variant} form) {profile.describe()}"
         listed = "; ".join(f"{flag}: {problem}" for flag, problem in problems)
         raise RecipeError(f"{where}: {listed}. Fix the recipe in {recipe.defined_in}")
+    # what python -m miles.train would refuse at start, said when the command is built
+    refused = refusal(parse_config(list(argv)), profile.rollout_engine)
+    if refused:
+        raise RecipeError(f"{where} on the {platform} lane: {refused}. Fix the recipe in {recipe.defined_in}")
 
 
 def _platform(recipe: Recipe, model: str | None) -> str:

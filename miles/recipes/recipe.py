@@ -62,6 +62,9 @@ class ParallelProfile:
     suite: str | None = None  # the CI suite that runs it (checked against the catalog)
     source: str = ""  # where the layout comes from
     train_backend: str | None = None  # None: the recipe's on GPUs, fsdp on the CPU
+    # Render only the flags the run's trainer, backend and engine act on: a recipe re-rendered
+    # for another backend (Recipe.on_backend) leaves out what only its own backend reads.
+    only_read: bool = False
 
     @property
     def world_size(self) -> int:
@@ -173,6 +176,26 @@ class Recipe:
             raise RecipeError(f"{self.name} declares no {platform} overlay; add one in {self.defined_in}")
         return apply_overlay(self, overlay)
 
+    def on_backend(self, train_backend: str) -> Recipe:
+        """This recipe with every profile trained by `train_backend`. Off Megatron, at the
+        data-parallel layout, and rendering only the flags that backend, the trainer and the
+        engine act on: the Megatron options the recipe sets for its own backend are left out,
+        not passed to be refused."""
+        from miles.train.consumption import BACKENDS
+
+        if train_backend not in BACKENDS:
+            raise RecipeError(
+                f"{self.name}: no train backend {train_backend!r}; known: {', '.join(BACKENDS)}"
+            )
+        if train_backend == "megatron":
+            profiles = tuple(replace(p, train_backend=train_backend) for p in self.profiles)
+        else:
+            profiles = tuple(
+                replace(p, train_backend=train_backend, parallel=ParallelLayout(), only_read=True)
+                for p in self.profiles
+            )
+        return replace(self, profiles=profiles)
+
     def default_model(self, platform: str) -> str:
         return TINY if platform == "cpu" else self.models[0]
 
@@ -271,6 +294,10 @@ class Recipe:
                 args = drop(args, "--sglang-")
                 if group == "rollout_engine":
                     args = (("--rollout-engine", profile.rollout_engine), *args)
+            if profile.only_read:
+                args = tuple(
+                    (flag, value) for flag, value in args if _read(flag, backend, profile.rollout_engine)
+                )
             out.append((group, fill(args, fields, f"{self.defined_in}: group {group}")))
         return tuple(out)
 
@@ -304,6 +331,16 @@ class Recipe:
             if found is not None:
                 return found
         return None
+
+
+def _read(option: str, backend: str, engine: str) -> bool:
+    """Whether the trainer, `backend` or `engine` acts on `option` (miles.train.consumption)."""
+    from miles.train import consumption
+    from miles.train.config import Flag, SGLangConfig, flag_of
+
+    flag = flag_of(option) or Flag(option, "server_args", SGLangConfig.name, {})
+    components = (consumption.trainer(), consumption.backend(backend), consumption.engine(engine))
+    return any(c.consumes(flag) for c in components)
 
 
 def _placement(profile: ParallelProfile, backend: str) -> Args:

@@ -60,6 +60,13 @@ FIELDS = (
     Field("source", str, None, "checkpoint source instead of the model's repo (repo id or local path)"),
     Field("stage_dir", str, None, "node-local directory to stage the checkpoint to"),
     Field("num_rollout", int, None, "training rollouts (default: the recipe's)"),
+    Field(
+        "train_backend",
+        str,
+        None,
+        "train with this backend instead of the recipe's (fsdp, ddp, megatron); off Megatron the command "
+        "leaves out the recipe's Megatron options",
+    ),  # fmt: skip
     Field("extra_args", str, "", "trainer flags appended last (they win)"),
     Field("extra_env_vars", str, "", "job environment merged last: JSON object or K=V ..."),
     Field("dry_run", bool, False, "print the plan and stop"),
@@ -204,6 +211,8 @@ def _main(name: str, fixed: str | None, command: str, cli: dict, env: Mapping[st
     value = {k: v for k, (v, _) in values.items()}
     platform = fixed or value["platform"] or _detected(env)
     recipe = load(name, platform=platform, env=env)
+    if value["train_backend"]:
+        recipe = recipe.on_backend(value["train_backend"])
     if value["run_id"] is None:
         values["run_id"] = (default_run_id(), "default")
         value["run_id"] = values["run_id"][0]

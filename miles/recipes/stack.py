@@ -117,8 +117,8 @@ def stack_has_te(platform: str) -> bool:
 def backend_problems(argv: Sequence[str], platform: str, backend: str) -> list[tuple[str, str]]:
     """Flags the chosen training backend refuses, or cannot act on with the platform's stack,
     each with the reason: the Megatron backend's declaration of what each flag needs
-    (miles.megatron.options). A flag no component of the run consumes is named by the run's
-    start-up note (miles.train.consumption)."""
+    (miles.megatron.options). A flag no component of the run consumes is refused by
+    miles.recipes.launch.check_command (miles.train.consumption)."""
     if backend != "megatron":
         return []
     from miles.megatron.options import render_problems

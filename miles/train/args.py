@@ -24,11 +24,25 @@ from miles.train.config import FLAGS, SECTIONS, SGLANG_PREFIX, RunConfig, flags_
 class ArgsError(ValueError):
     """A flag value breaks a rule; the message names the flag(s), the rule and a fix."""
 
+    same_on_every_rank = True  # every rank parses the same command
+
+
+def launched_rank() -> int:
+    """This process's rank as the launcher set it (0 when run directly), before any process group."""
+    import os
+
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
-        # The full usage of ~235 flags would bury the one line that matters.
-        self.exit(2, f"{self.prog}: error: {message}\n(python -m miles.train --help lists every flag)\n")
+        # The full usage of ~235 flags would bury the one line that matters, and every rank parses
+        # the same command, so only the first says it.
+        text = f"{self.prog}: error: {message}\n(python -m miles.train --help lists every flag)\n"
+        self.exit(2, text if launched_rank() == 0 else None)
 
 
 def build_parser() -> argparse.ArgumentParser:

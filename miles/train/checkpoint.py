@@ -29,6 +29,8 @@ STATE_FILE = "trainer_state.json"
 class CheckpointError(RuntimeError):
     """A checkpoint directory is missing, incomplete or from a different run setup."""
 
+    same_on_every_rank = True  # every rank reads the same --load directory
+
 
 @dataclass(frozen=True)
 class TrainerState:
@@ -144,6 +146,19 @@ def read_state(root: str | Path, step: int | None = None) -> TrainerState | None
             f"{path}: no such checkpoint (the rollouts done must name a complete iter_ dir)"
         )
     return TrainerState(**json.loads(path.read_text()))
+
+
+def check_files(root: str | Path, rollouts_done: int) -> None:
+    """Every tensor file the checkpoint's index lists is there and long enough, before any rank loads it."""
+    from miles.ckpt.verify import dcp_problems
+
+    path = iteration_dir(root, rollouts_done)
+    problems = dcp_problems(path)
+    if problems:
+        raise CheckpointError(
+            f"--load {root}: {problems[0]}; resume from another iteration (--ckpt-step N names iter_N), "
+            "or start a new run with --save elsewhere"
+        )
 
 
 def check_compatible(state: TrainerState, config: RunConfig) -> None:

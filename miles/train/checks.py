@@ -12,6 +12,11 @@
    logprobs (sglang 0.5.23 sampling_batch_info.py: is_all_greedy = top_k <= 1 for every
    request; sampler.py, Sampler.forward: log_softmax(logits) without the temperature there).
 4. With --ci-metric-checker-key, the metric's last value reaches --ci-metric-checker-threshold.
+5. Before the first rollout of a fresh run, what the rollout engine holds is the HF checkpoint the
+   run names (--hf-checkpoint), tensor by tensor in the files' dtype, not only the trainer's
+   copy: trainer and engine both loaded from --ref-load, a damaged or foreign one would pass
+   check 3. An engine that hands out its tensors is compared itself; otherwise the tensors it
+   is given (FP8 checkpoints: quantized as the engine receives them).
 A failed check raises `CheckFailed` naming the rollout, the metric, the value and the bound.
 """
 
@@ -146,4 +151,65 @@ def check_probe_logprobs(rollout_id: int, gap: float, tol: float) -> None:
             f"rollout {rollout_id}: after the weight update the rollout engine's logprobs of {PROBE_PROMPTS} fixed "
             f"prompts differ from the trainer's by {gap:.3g} on average (> {tol:g}): the engine did not load "
             "the trainer's weights"
+        )
+
+
+class NotTheCheckpoint(CheckFailed):
+    """The weights the run starts from are not the HF checkpoint it names (every rank raises it)."""
+
+    same_on_every_rank = True
+
+
+class CheckpointComparison:
+    """Compares (checkpoint-named) tensors with the same-named tensors of an HF checkpoint's
+    files, one at a time, in the file's dtype; names the file holds no tensor for are skipped."""
+
+    def __init__(self, hf_dir, skip_list: Sequence[str] = ()):
+        from miles.ckpt.shards import CheckpointReader
+        from miles.train.fp8_export import fp8_export_for
+
+        self.hf_dir = hf_dir
+        self.reader = CheckpointReader(hf_dir)
+        self.fp8 = fp8_export_for(hf_dir)
+        self.skip_list = skip_list
+        self.compared = 0
+        self.differing: list[str] = []
+
+    def add(self, name: str, tensor) -> None:
+        pairs = self.fp8([(name, tensor)]) if self.fp8 is not None else [(name, tensor)]
+        for key, value in pairs:
+            if skipped(key, self.skip_list) or key not in self.reader.files.weight_map:
+                continue
+            self._compare(key, value)
+
+    def _compare(self, name: str, tensor) -> None:
+        import torch
+
+        want = self.reader.read(name)
+        got = tensor.detach().to("cpu")
+        self.compared += 1
+        if tuple(got.shape) != tuple(want.shape):
+            self.differing.append(f"{name} (shape {list(got.shape)}, the file's {list(want.shape)})")
+        elif not torch.equal(got.to(want.dtype), want):
+            diff = (got.float() - want.float()).abs().max().item()
+            self.differing.append(f"{name} (max abs diff {diff:.3g})")
+
+    def teed(self, named_tensors: Iterable[tuple[str, object]]):
+        """The same stream, each tensor compared as it passes."""
+        for name, tensor in named_tensors:
+            self.add(name, tensor)
+            yield name, tensor
+
+    def verdict(self, what: str) -> str | None:
+        """None when every compared tensor matched (and some were); else one line saying which did not."""
+        self.reader.close()
+        if not self.compared:
+            return f"{what}: no tensor of {self.hf_dir} could be compared (no common names); nothing was verified"
+        if not self.differing:
+            return None
+        return (
+            f"{what} are not the HF checkpoint the run names (--hf-checkpoint {self.hf_dir}) in "
+            f"{len(self.differing)} of {self.compared} tensor(s): {', '.join(self.differing[:5])}; the "
+            "trainer's starting weights (--ref-load on the Megatron backend) are damaged or another model's: "
+            "convert --hf-checkpoint again with `invoke prepare-ckpt` and load that"
         )

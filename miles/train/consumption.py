@@ -8,6 +8,9 @@ class attribute; each constructor takes exactly the sections it names). A flag h
 in a run when it is set and no chosen component consumes its field: that follows from the
 declarations, with no list of its own. The declarations are read from the source files' syntax
 trees, so a recipe can ask without importing torch.
+
+Such a flag is refused in one line (`refusal`): when a recipe's command is built
+(miles.recipes.launch) and when `python -m miles.train` starts (miles.train.runtime).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from miles.train.config import FLAGS, SECTION_NAMES, Flag, ModelConfig, RunConfig, SGLangConfig, flag_of
+from miles.train.config import FLAGS, SECTION_NAMES, Flag, RunConfig, SGLangConfig, flag_of
 
 ALL = "*"
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # miles/
@@ -170,41 +173,41 @@ def flags_without_effect(config: RunConfig, engine_choice: str) -> list[str]:
     return [f.option for f in unconsumed(config, chosen(config, engine_choice))]
 
 
-def run_notes(config: RunConfig, engine_choice: str) -> list[str]:
-    """The start-up notes naming the flags this command sets that its run does not act on,
-    each group with who would act on them."""
-    train_backend = config.job.train_backend
-    unused = unconsumed(config, chosen(config, engine_choice))
-    other_backends = [backend(c) for c in BACKENDS if c != train_backend]
-    other_engines = [engine(c) for c in ENGINES if c != engine_choice]
-    groups: dict[str, list[str]] = {}
-    model: list[Flag] = []
-    for flag in unused:
-        readers = [c for c in (*other_engines, *other_backends) if c.consumes(flag)]
-        if flag.section == ModelConfig.name and readers:
-            model.append(flag)  # recipes pass the whole shape; counted, not listed
-            continue
+# Why no component acts on a flag, where a reader would not guess it.
+_IN_PROCESS = (
+    "the built-in engine samples inside the trainer's processes and holds no GPU memory of its own to place or "
+    "release"
+)
+_TRAIN_OFFLOAD = "no backend moves its weights or optimizer state off the GPU between steps yet"
+WHY_NOT: Mapping[str, str] = {
+    "--colocate": _IN_PROCESS,
+    "--offload-rollout": _IN_PROCESS,
+    "--rollout-num-gpus": "the SGLang engine always runs on the training GPUs: there is no separate rollout placement",
+    "--offload": _TRAIN_OFFLOAD,
+    "--offload-train": _TRAIN_OFFLOAD,
+}
+
+
+def refusal(config: RunConfig, engine_choice: str) -> str | None:
+    """One line naming every flag the command sets that its run would not act on, who would act
+    on each and the fix; None when every flag acts."""
+    run = f"--train-backend {config.job.train_backend} with the {engine_choice} rollout engine"
+    others = [backend(c) for c in BACKENDS if c != config.job.train_backend]
+    others += [engine(c) for c in ENGINES if c != engine_choice]
+    by_reader: dict[str, list[str]] = {}
+    for flag in unconsumed(config, chosen(config, engine_choice)):
+        readers = [c for c in others if c.consumes(flag)]
+        reasons = [WHY_NOT[flag.option]] if flag.option in WHY_NOT else []
         if readers:
-            on = (
-                f"the {engine_choice} rollout engine"
-                if readers[0].kind == "engine"
-                else f"--train-backend {train_backend}"
-            )
-            key = f"without effect on {on} (read by {_names(readers)})"
-        else:
-            key = (
-                f"without effect on --train-backend {train_backend} with the {engine_choice} rollout engine "
-                "(no backend or engine acts on them yet)"
-            )
-        groups.setdefault(key, []).append(flag.option)
-    notes = [f"{key}: {' '.join(options)}" for key, options in groups.items()]
-    if model:
-        readers = _names([c for c in other_backends if c.consumes(model[0])])
-        notes.append(
-            f"{len(model)} Megatron model flag(s) are read by {readers} only "
-            f"(--train-backend {train_backend} takes the shape from the HF config)"
-        )
-    return notes
+            reasons.append(f"read by {_names(readers)}")
+        by_reader.setdefault(", ".join(reasons) or "read by no component", []).append(flag.option)
+    if not by_reader:
+        return None
+    listed = "; ".join(f"{' '.join(options)} ({who})" for who, options in by_reader.items())
+    return (
+        f"{listed}: no effect on {run}, so refused; drop them, or run with the backend or engine that "
+        "reads them"
+    )
 
 
 def _names(components: Sequence[Consumer]) -> str:

@@ -243,9 +243,16 @@ TRAIN_TIMEOUT_S = 600  # for a hung run, not a slow one: the CPU check's runs en
 
 
 def train_tiny_recipe(
-    workdir: Path, run_id: str, args: tuple[str, ...], *, recipe: str = "qwen3_4b", ranks: int = 1
+    workdir: Path,
+    run_id: str,
+    args: tuple[str, ...],
+    *,
+    recipe: str = "qwen3_4b",
+    ranks: int = 1,
+    train_backend: str | None = None,
 ) -> tuple[dict, float]:
-    """A recipe's tiny profile with `args` on `ranks` ranks; its metric series and seconds."""
+    """A recipe's tiny profile with `args` on `ranks` ranks (rendered for `train_backend` when
+    given, so no flag of another backend's layout is passed); its metric series and seconds."""
     from miles.ckpt.pipeline import prepare
     from miles.metrics.capture import RECORD_DIR_ENV, decode_value
     from miles.recipes import load
@@ -255,7 +262,8 @@ def train_tiny_recipe(
         model="tiny", model_dir=str(workdir / "models"), output_dir=str(workdir / "runs"), run_id=run_id,
         python=sys.executable, extra_args=(*args, "--tensor-model-parallel-size", "1", "--actor-num-gpus-per-node", str(ranks)),
     )  # fmt: skip
-    plan = build_plan(load(recipe, platform="cpu"), options, "cpu", base_env={})
+    form = load(recipe, platform="cpu")
+    plan = build_plan(form.on_backend(train_backend) if train_backend else form, options, "cpu", base_env={})
     prepare(plan.checkpoint, progress=False)
     record = workdir / f"record-{run_id}"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
@@ -290,12 +298,31 @@ def train_tiny_recipe(
 
 def step_grpo(cpu: bool, workdir: Path) -> str:
     rollouts = 2 if cpu else 16
-    series, elapsed = train_tiny_recipe(workdir, "grpo", (
-        "--num-rollout", str(rollouts), "--n-samples-per-prompt", "8", "--rollout-max-response-len", "6",
-        "--micro-batch-size", "8", "--lr", "5e-3", "--weight-decay", "0", "--save-interval", str(rollouts),
-        "--rollout-engine", "torch", "--distributed-backend", "gloo" if cpu else "nccl",
-        "--train-backend", "fsdp",  # the recipe's tiny profile is Megatron; this step is the FSDP backend's
-    ))  # fmt: skip
+    series, elapsed = train_tiny_recipe(
+        workdir,
+        "grpo",
+        (
+            "--num-rollout",
+            str(rollouts),
+            "--n-samples-per-prompt",
+            "8",
+            "--rollout-max-response-len",
+            "6",
+            "--micro-batch-size",
+            "8",
+            "--lr",
+            "5e-3",
+            "--weight-decay",
+            "0",
+            "--save-interval",
+            str(rollouts),
+            "--rollout-engine",
+            "torch",
+            "--distributed-backend",
+            "gloo" if cpu else "nccl",
+        ),
+        train_backend="fsdp",
+    )  # fmt: skip  (the recipe's tiny profile is Megatron; this step is the FSDP backend's)
     reward = series["rollout/raw_reward"]
     gap = max(series["train/train_rollout_logprob_abs_diff"].values())
     first, last = (

@@ -188,10 +188,11 @@ def step_sglang_grpo(cpu: bool, workdir: Path) -> str:
         "--num-rollout", str(rollouts), "--rollout-engine", "sglang", "--train-backend", "megatron", "--bf16",
         "--ci-logprob-abs-diff-tol", str(BF16_TOL), "--sglang-mem-fraction-static", "0.3",
         "--rollout-max-response-len", "8", "--save-interval", str(rollouts), "--distributed-backend", "nccl",
+        "--colocate",  # as the GPU recipes run it: the engine frees its memory while the trainer steps
     ))  # fmt: skip
     gap = max(series["train/train_rollout_logprob_abs_diff"].values())
     return (
-        f"qwen3_4b tiny profile, --rollout-engine sglang --train-backend megatron --bf16 --ci-test, {rollouts} "
+        f"qwen3_4b tiny profile, --rollout-engine sglang --train-backend megatron --bf16 --colocate --ci-test, {rollouts} "
         f"rollouts in {elapsed:.0f}s: max train/train_rollout_logprob_abs_diff {gap:.2g}"
     )
 

@@ -81,6 +81,15 @@ def sampling_seed(seed: int, rollout_id: int, rank: int) -> int:
     return (seed * 1_000_003 + rollout_id * 7_919 + rank) % (2**63 - 1)
 
 
+def current_rank() -> int:
+    """This process's rank: the process group's, or the launcher's before there is one."""
+    if dist.is_initialized():
+        return dist.get_rank()
+    from miles.train.args import launched_rank
+
+    return launched_rank()
+
+
 def all_gather_objects(obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)

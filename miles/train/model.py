@@ -11,6 +11,8 @@ import torch
 class ModelLoadError(RuntimeError):
     """A checkpoint directory cannot be loaded as a causal LM; names the directory and the fix."""
 
+    same_on_every_rank = True  # every rank loads the same directory
+
 
 def train_dtype(bf16: bool) -> torch.dtype:
     """The compute dtype of `--bf16` (master weights stay float32), the same on every device."""
@@ -56,6 +58,21 @@ def load_causal_lm(path: str | Path, *, dtype: torch.dtype, device: str = "cpu")
     return model.to(device)
 
 
+def empty_causal_lm(path: str | Path, *, dtype: torch.dtype):
+    """The model of `path` on the meta device (no memory, no weights), with the attention
+    implementation load_causal_lm would choose."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(require_hf_dir(path))
+    with torch.device("meta"):
+        try:
+            return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        except ValueError as exc:
+            if "attention implementation" not in str(exc):
+                raise
+            return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
+
+
 def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
@@ -76,20 +93,35 @@ def eos_token_ids(model, tokenizer) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
-CAUSALITY_TOL = 1e-3
+CAUSALITY_TOL = 1e-3  # float32: a causal forward's logits move by ~1e-6 when tokens are appended
+CAUSALITY_ULPS = 4  # lower precisions: rounding alone moves them by about one unit in the last place
 
 
 def causality_leak(model, *, length: int = 40, prefix: int = 24, seed: int = 0) -> float:
-    """How much the logits of the first `prefix` positions change when tokens are appended.
+    """How much the logits of the first `prefix` positions change when tokens are appended."""
+    return causality_probe(model, length=length, prefix=prefix, seed=seed)[0]
 
-    A causal LM gives float noise (~1e-6). transformers 5.x's glm_moe_dsa does not once a
+
+def causality_probe(model, *, length: int = 40, prefix: int = 24, seed: int = 0) -> tuple[float, float]:
+    """(leak, tolerance): how much the logits of the first `prefix` positions change when tokens
+    are appended, and how much float noise alone may move them in the model's dtype.
+
+    A causal LM gives float noise: ~1e-6 in float32, a unit in the last place of the logits in
+    bfloat16 (measured: 0.0049 on a tiny Qwen3 whose logits reach 1.56). The tolerance is
+    CAUSALITY_TOL, or CAUSALITY_ULPS units in the last place of the largest logit in the
+    model's dtype when that is more. transformers 5.x's glm_moe_dsa is not causal once a
     sequence is longer than its sparse-attention top-k: its full forward lets later tokens
-    change earlier positions, so no rollout engine can reproduce the trainer's logprobs.
+    change earlier positions (0.06 on the tiny one, float32 and bfloat16 alike), so no rollout
+    engine can reproduce the trainer's logprobs.
     """
     device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
     vocab = min(int(model.config.vocab_size), 250)
     ids = torch.randint(3, vocab, (1, length), generator=torch.Generator().manual_seed(seed)).to(device)
     with torch.no_grad():
         full = model(input_ids=ids).logits[0, :prefix].float()
         cut = model(input_ids=ids[:, :prefix]).logits[0].float()
-    return (full - cut).abs().max().item()
+    tolerance = CAUSALITY_TOL
+    if dtype.is_floating_point and torch.finfo(dtype).bits < 32:
+        tolerance = max(tolerance, CAUSALITY_ULPS * torch.finfo(dtype).eps * full.abs().max().item())
+    return (full - cut).abs().max().item(), tolerance

@@ -66,10 +66,16 @@ class RolloutEngine(abc.ABC):
     # checkpoint files (one tensor per expert), as SGLang's loaders read them.
     weight_names = "model"
     # It holds its own memory on the training GPUs and gives it back while the trainer steps
-    # (release_memory / resume_memory).
+    # (release_memory / resume_memory); the SGLang engine does with --colocate/--offload-rollout.
     colocated = False
     # The same seed gives the same samples.
     seeded = True
+
+    @property
+    def weight_dtype(self):
+        """The dtype the engine holds its floating-point weights in: the trainer casts each tensor
+        to it before the push (None: pushed as the trainer holds them)."""
+        return None
 
     @property
     def local_model(self):
@@ -133,6 +139,10 @@ class TorchRolloutEngine(RolloutEngine):
     @property
     def local_model(self):
         return self.model
+
+    @property
+    def weight_dtype(self):
+        return next(self.model.parameters()).dtype
 
     def generate(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, seed: int

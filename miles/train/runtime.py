@@ -10,11 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from miles.train import checkpoint, data, guards
-from miles.train.args import validate_world, world_note
+from miles.train.args import ArgsError, validate_world, world_note
 from miles.train.backends import TrainBackend, make_backend
 from miles.train.config import RunConfig, SamplingConfig
-from miles.train.consumption import build, run_notes
+from miles.train.consumption import build, refusal
 from miles.train.distributed import DistInfo, init_distributed, seed_everything
+from miles.train.inputs import verify_checkpoints
 from miles.train.rewards import RewardFn, load_reward, score
 from miles.train.rollout import Generation, RolloutEngine
 
@@ -79,6 +80,10 @@ def build_run(config: RunConfig) -> Run:
         torch.set_num_threads(job.num_threads)
     dist_info = init_distributed(job.distributed_backend)
     validate_world(config, dist_info.world_size)
+    refused = refusal(config, engine_choice(config, dist_info))
+    if refused:  # before anything loads: a flag the run would not act on
+        raise ArgsError(f"python -m miles.train: {refused}")
+    verify_checkpoints(config, dist_info)  # before any model loads from them
     if ckpt.load:  # before any model loads: a mistyped --load fails in a second
         checkpoint.check_load_dir(ckpt.load, ckpt.save)
     seed_everything(job.seed)
@@ -98,7 +103,7 @@ def build_run(config: RunConfig) -> Run:
     if model is not None:
         warn_if_not_causal(run)
     run.start_rollout = resume(run)
-    engine.update_weights(backend.full_weights(names=engine.weight_names))
+    push_initial_weights(run)
     algorithm = config.algorithm
     kl = f", KL {algorithm.kl_loss_type} x {algorithm.kl_loss_coef} vs {backend.ref_source or '-'}"
     run.log(
@@ -107,7 +112,7 @@ def build_run(config: RunConfig) -> Run:
         f"{' (colocated)' if engine.colocated else ''} | data {d.prompt_data} ({len(prompts)} prompts) | "
         f"reward {reward}{kl if algorithm.use_kl_loss else ''} | rollouts {run.start_rollout}..{config.rollout.num_rollout}"
     )
-    notes = run_notes(config, engine.name)
+    notes = []
     world = world_note(config, dist_info.world_size)
     if world:
         notes.append(world)
@@ -121,16 +126,52 @@ def build_run(config: RunConfig) -> Run:
     return run
 
 
+def push_initial_weights(run: Run) -> None:
+    """The engine gets the trainer's weights; with --ci-test on a fresh run, they are checked
+    against --hf-checkpoint's files as the engine holds them (miles.train.checks, check 5)."""
+    from miles.train import checks
+    from miles.train.distributed import all_gather_objects
+
+    engine, cfg = run.engine, run.config
+    stream = run.backend.full_weights(names=engine.weight_names, dtype=engine.weight_dtype)
+    against = cfg.checks.ci_test and run.start_rollout == 0
+    comparison = None
+    if against and run.dist.is_main:
+        comparison = checks.CheckpointComparison(
+            cfg.checkpoint.hf_checkpoint, cfg.checks.check_weight_update_skip_list
+        )
+        if not engine.exact_weights:  # it cannot hand its tensors back: compare what it is given
+            stream = comparison.teed(stream)
+    engine.update_weights(stream)
+    if not against:
+        return
+    verdict = None
+    if comparison is not None:
+        if engine.exact_weights:
+            from miles.train.backends.torch_dp import checkpoint_names
+
+            held = checkpoint_names(engine.local_model, dict(engine.named_weights()))
+            for name, tensor in held.items():
+                comparison.add(name, tensor)
+            verdict = comparison.verdict(f"the {engine.name} rollout engine's weights")
+        else:
+            verdict = comparison.verdict(f"the weights given to the {engine.name} rollout engine")
+    found = [v for v in all_gather_objects(verdict) if v]
+    if found:
+        raise checks.NotTheCheckpoint(found[0])
+
+
 def warn_if_not_causal(run: Run) -> None:
     """Say up front when the model's forward is not causal: the logprob check would otherwise
     blame the weight sync for a gap no engine can close."""
-    from miles.train.model import CAUSALITY_TOL, causality_leak
+    from miles.train.model import causality_probe
 
-    leak = causality_leak(run.engine.model)
-    if leak > CAUSALITY_TOL:
+    leak, tolerance = causality_probe(run.engine.model)  # the tolerance follows the engine's dtype
+    if leak > tolerance:
         run.log(
             f"miles.train: warning: {run.engine.model.config.model_type}'s forward is not causal here: logits "
-            f"of earlier positions change by up to {leak:.2g} when tokens are appended (24 -> 40 tokens), so "
+            f"of earlier positions change by up to {leak:.2g} when tokens are appended (24 -> 40 tokens; float "
+            f"noise in its dtype stays under {tolerance:.2g}), so "
             "rollout and trainer logprobs differ on long sequences; keep prompt + response short (a tiny "
             "glm_moe_dsa: within its index_topk) or raise --ci-logprob-abs-diff-tol"
         )
@@ -139,10 +180,15 @@ def warn_if_not_causal(run: Run) -> None:
 def make_engine(config: RunConfig, dist_info: DistInfo) -> RolloutEngine:
     """The --rollout-engine (auto: sglang on a GPU machine that has it, else the built-in one),
     given the sections it consumes."""
+    return build("engine", engine_choice(config, dist_info), config, dist_info)
+
+
+def engine_choice(config: RunConfig, dist_info: DistInfo) -> str:
+    """What --rollout-engine resolves to on this machine (auto: sglang on a GPU that has it)."""
     choice = config.job.rollout_engine
     if choice == "auto":
         choice = "sglang" if dist_info.device != "cpu" and _sglang_installed() else "torch"
-    return build("engine", choice, config, dist_info)
+    return choice
 
 
 def _sglang_installed() -> bool:
@@ -161,6 +207,7 @@ def resume(run: Run) -> int:
         run.log(f"miles.train: no checkpoint in --load {ckpt.load}; starting from --hf-checkpoint")
         return 0
     checkpoint.check_compatible(state, run.config)
+    checkpoint.check_files(ckpt.load, state.rollouts_done)
     with_optimizer = state.with_optimizer and not ckpt.no_load_optim
     run.backend.load(
         str(checkpoint.iteration_dir(ckpt.load, state.rollouts_done)), with_optimizer=with_optimizer

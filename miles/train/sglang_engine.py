@@ -7,8 +7,9 @@ group), engines never overlap, and the first rank of a group starts the engine a
 it; the others hand it their prompts and weights over the group's gloo group
 (miles.train.sglang_weights), so they wait without an NCCL watchdog.
 
-Memory: while the trainer steps, the engine releases its weights, KV cache and CUDA graphs
-(SGLang's memory saver, torch-memory-saver). A weight push empties the trainer's allocator
+Memory: with --colocate (or --offload-rollout), while the trainer steps, the engine releases
+its weights, KV cache and CUDA graphs (SGLang's memory saver, torch-memory-saver); without, it
+keeps them. A weight push empties the trainer's allocator
 cache, resumes the engine's weights only, pushes (see sglang_weights), empties the cache of
 what the push left behind, and only then resumes the KV cache and CUDA graphs, as the seed
 framework does (radixark/miles train.py at 31f1ca961a94cb860cec3b2dea34ec332bfa8f76:
@@ -34,7 +35,7 @@ import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from miles.train.config import CheckpointConfig, RolloutConfig, SamplingConfig, SGLangConfig
+from miles.train.config import CheckpointConfig, JobConfig, RolloutConfig, SamplingConfig, SGLangConfig
 from miles.train.rollout import Generation, RolloutEngine, RolloutEngineError
 from miles.train.sglang_server import (
     CHILD_FAILED,
@@ -95,9 +96,12 @@ class SGLangRolloutEngine(RolloutEngine):
     name = "sglang"
     exact_weights = False  # SGLang's Qwen3 has no get_weights_by_name: the weight check uses logprobs
     weight_names = "checkpoint"  # its models' load_weights read checkpoint names
-    colocated = True  # it shares the training GPUs and releases its memory while the trainer steps
-    # The model it serves, its server's seed, and every SGLang option.
-    CONSUMES = {"sglang": "*", "checkpoint": ("hf_checkpoint",), "rollout": ("rollout_seed",)}
+    # The model it serves, its server's seed, every SGLang option, and whether it gives its
+    # memory back while the trainer steps (see __init__).
+    CONSUMES = {
+        "sglang": "*", "checkpoint": ("hf_checkpoint",), "rollout": ("rollout_seed",),
+        "job": ("colocate", "offload_rollout"),
+    }  # fmt: skip
 
     def __init__(
         self,
@@ -105,6 +109,7 @@ class SGLangRolloutEngine(RolloutEngine):
         sglang: SGLangConfig,
         checkpoint: CheckpointConfig,
         rollout: RolloutConfig,
+        job: JobConfig,
         dist_info,
         engine_cls=None,
         server_args_cls=None,
@@ -134,7 +139,15 @@ class SGLangRolloutEngine(RolloutEngine):
             self.fp8 = fp8_export_for(checkpoint.hf_checkpoint)
         except Fp8ExportError as exc:
             raise SGLangUnavailable(f"--hf-checkpoint: {exc}") from None
+        # FP8 checkpoints: miles quantizes the trainer's tensors as they are (miles.train.fp8_export)
+        self._weight_dtype = (
+            None if self.fp8 is not None else served_dtype(checkpoint.hf_checkpoint, self.kwargs)
+        )
         self.released: set[str] = set()
+        # It always runs on the training GPUs (miles has no separate rollout placement). With
+        # --colocate, which turns --offload-rollout on as upstream's does, or --offload-rollout,
+        # it frees its weights and KV cache while the trainer steps; without, it keeps them.
+        self.colocated = job.colocate or job.offload_rollout
         self.group = engine_groups(dist_info.world_size, gpus, self.rank)
         self.engine = self._start(engine_cls) if self.slot.leader else None
 
@@ -148,6 +161,10 @@ class SGLangRolloutEngine(RolloutEngine):
             ) from None
         _watch_children(engine)
         return engine
+
+    @property
+    def weight_dtype(self):
+        return self._weight_dtype
 
     # --- generation ---
 
@@ -292,6 +309,34 @@ class SGLangRolloutEngine(RolloutEngine):
         if self.engine is not None:
             engine, self.engine = self.engine, None
             engine.shutdown()
+
+
+def served_dtype(model_path: str, kwargs: Mapping[str, Any]):
+    """The dtype SGLang serves `model_path` in with these server arguments, as sglang 0.5.23
+    decides it (srt/configs/model_config.py, _get_and_verify_dtype): `dtype` "auto" takes
+    config.json's (`dtype`, else `torch_dtype`; float32 when absent), except that a float32
+    model is served in float16 (bfloat16 for Gemma); any other value names the dtype."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    names = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16,
+             "float": torch.float32, "float32": torch.float32}  # fmt: skip
+    dtype = str(kwargs.get("dtype", "auto")).lower()
+    if dtype != "auto":
+        if dtype not in names:
+            raise SGLangUnavailable(
+                f"--sglang-dtype {dtype}: SGLang knows auto, {', '.join(names)}; pass one of them"
+            )
+        return names[dtype]
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    config_dtype = names.get(
+        str(config.get("dtype") or config.get("torch_dtype") or "float32"), torch.float32
+    )
+    if config_dtype == torch.float32:
+        return torch.bfloat16 if str(config.get("model_type", "")).startswith("gemma") else torch.float16
+    return config_dtype
 
 
 def _import_sglang(engine_cls, server_args_cls):

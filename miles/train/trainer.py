@@ -23,13 +23,22 @@ from dataclasses import replace
 
 import torch
 
+from miles import children
 from miles.train import checkpoint, checks, evaluation, guards, report
 from miles.train.algorithm import LOSS_SUMS, group_advantages
 from miles.train.args import ArgsError, parse_config
 from miles.train.backends import BackendUnavailable
 from miles.train.batch import Sample, TokenBatch, collate, load_samples, save_samples
 from miles.train.data import SYNTHETIC_PREFIX, DataError, batch_for_rollout
-from miles.train.distributed import all_gather_objects, all_reduce_sum, barrier, sampling_seed, shutdown
+from miles.train.distributed import (
+    all_gather_objects,
+    all_reduce_sum,
+    barrier,
+    current_rank,
+    sampling_seed,
+    shutdown,
+)
+from miles.train.inputs import CheckpointRefused
 from miles.train.model import ModelLoadError
 from miles.train.rewards import RewardError
 from miles.train.rollout import RolloutEngineError
@@ -73,6 +82,7 @@ FOR_PEOPLE = (
     ArgsError,
     BackendUnavailable,
     checkpoint.CheckpointError,
+    CheckpointRefused,
     checks.CheckFailed,
     DataError,
     guards.NonFiniteTraining,
@@ -338,7 +348,7 @@ def sync_weights(run: Run, rollout_id: int) -> dict[str, float]:
         return {}
     started = time.perf_counter()
     check = run.config.checks.ci_test or run.config.checks.check_weight_update_equal
-    stream = run.backend.full_weights(names=run.engine.weight_names)
+    stream = run.backend.full_weights(names=run.engine.weight_names, dtype=run.engine.weight_dtype)
     # Only a bit-exact check needs every tensor at once; otherwise they stream to the engine.
     weights = dict(stream) if check and run.engine.exact_weights else None
     run.engine.update_weights(weights.items() if weights is not None else stream)
@@ -389,12 +399,15 @@ def maybe_save(run: Run, rollout_id: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    children.arm()  # what the run forks (checkpoint writers) dies with it, even on SIGKILL
     config = parse_config(argv)
     try:
         run = build_run(config)
         train(run)
     except FOR_PEOPLE as exc:
-        print(f"miles.train: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        # An error every rank raises alike is said once, by rank 0.
+        if not getattr(exc, "same_on_every_rank", False) or current_rank() == 0:
+            print(f"miles.train: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
         shutdown()

@@ -143,6 +143,33 @@ def test_a_changed_source_redoes_every_step_downstream(tmp_path, tiny_copy):
     assert json.loads((Path(plan.fp8_dir) / "config.json").read_text())["rms_norm_eps"] == 1e-5
 
 
+def test_a_rerun_redoes_a_step_whose_files_were_overwritten_in_place(tmp_path, tree_digest):
+    """The manifest's digests are checked, not only the sizes: an output overwritten in place
+    (same size) is no longer "up to date"; the rerun rewrites it and the bytes come back."""
+    plan = _plan(tmp_path, "qwen3", layers=2, steps=("fetch", "validate", "torch_dist"))
+    prepare(plan, progress=False)
+    dist = Path(plan.torch_dist_dir)
+    good = tree_digest(dist)
+    data = dist / "release" / "__0_0.distcp"
+    size = data.stat().st_size
+    with open(data, "r+b") as f:
+        f.seek(size // 2)
+        f.write(b"\x41" * 64)
+    result = {s.step: s for s in prepare(plan, progress=False).steps}
+    assert result["fetch"].status == "skipped" and result["torch_dist"].status == "ran"
+    assert result["torch_dist"].detail == (
+        f"redone: {data} is not the file that was written: its sha256 differs from the recorded one (changed in place)"
+    )
+    assert tree_digest(dist) == good
+    weights = next(Path(plan.hf_dir).glob("*.safetensors"))
+    weights.write_bytes(
+        weights.read_bytes()[:-8]
+    )  # the fetched model truncated: rebuilt, the rest up to date
+    result = {s.step: s for s in prepare(plan, progress=False).steps}
+    assert result["fetch"].status == "ran" and "truncated" in result["fetch"].detail
+    assert result["torch_dist"].status == "skipped"
+
+
 def test_stage_copies_only_files_that_changed(tmp_path, tiny_copy):
     source = tiny_copy("qwen3")
     plan = _plan(tmp_path, "qwen3", source=str(source), steps=("fetch", "validate", "fp8", "stage"))

@@ -16,8 +16,11 @@ from pathlib import Path
 from miles.metrics.capture import RECORD_DIR_ENV, decode_value
 
 
-def tiny_plan(recipe_name: str, workdir: Path, *extra_args: str, run_id: str = "run"):
-    """The recipe's CPU `tiny` launch plan, its tiny checkpoint prepared under workdir/models."""
+def tiny_plan(
+    recipe_name: str, workdir: Path, *extra_args: str, run_id: str = "run", train_backend: str | None = None
+):
+    """The recipe's CPU `tiny` launch plan (rendered for `train_backend` when given), its tiny
+    checkpoint prepared under workdir/models."""
     from miles.ckpt.pipeline import prepare
     from miles.recipes import load
     from miles.recipes.launch import RunOptions, build_plan
@@ -30,7 +33,8 @@ def tiny_plan(recipe_name: str, workdir: Path, *extra_args: str, run_id: str = "
         python=sys.executable,
         extra_args=tuple(extra_args),
     )
-    plan = build_plan(load(recipe_name, platform="cpu"), options, "cpu", base_env={})
+    form = load(recipe_name, platform="cpu")
+    plan = build_plan(form.on_backend(train_backend) if train_backend else form, options, "cpu", base_env={})
     prepare(plan.checkpoint, progress=False)
     return plan
 

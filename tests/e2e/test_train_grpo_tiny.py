@@ -39,22 +39,26 @@ _spec.loader.exec_module(runs)
 NUM_ROLLOUT = 16
 SAVE_AT = 12
 # The recipe's tiny profile trains with Megatron (tests/e2e/test_train_megatron_tiny.py); this
-# file keeps the same command on the FSDP backend.
+# file renders the same recipe for the FSDP backend (Recipe.on_backend).
 LEARNING_ARGS = (
     "--num-rollout", str(NUM_ROLLOUT), "--save-interval", str(SAVE_AT), "--n-samples-per-prompt", "8",
     "--rollout-max-response-len", "6", "--micro-batch-size", "8", "--lr", "5e-3", "--weight-decay", "0",
-    "--train-backend", "fsdp", "--tensor-model-parallel-size", "1",
 )  # fmt: skip
 ON_GPU = os.environ.get("MILES_CI_BACKEND", "cpu") != "cpu"
 if ON_GPU:
     LEARNING_ARGS += ("--distributed-backend", "nccl")
 
 
+def fsdp_plan(workdir, *extra: str, **options):
+    """The qwen3_4b tiny recipe rendered for FSDP, with LEARNING_ARGS and `extra`."""
+    return runs.tiny_plan("qwen3_4b", workdir, *LEARNING_ARGS, *extra, train_backend="fsdp", **options)
+
+
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("qwen3")
     record = Path(os.environ.get(RECORD_DIR_ENV) or workdir / "record")
-    plan = runs.tiny_plan("qwen3_4b", workdir, *LEARNING_ARGS)
+    plan = fsdp_plan(workdir)
     assert "--ci-test" in plan.train_args
     assert runs.launch(plan, record) == 0
     return workdir, plan, record
@@ -92,7 +96,7 @@ def test_checkpoints_are_written_at_the_interval_and_the_end(full_run):
 def test_resumed_run_continues_the_same_curve(full_run):
     workdir, _, record = full_run
     # The same recipe command (its --load is its --save), resumed from the mid-run checkpoint.
-    plan = runs.tiny_plan("qwen3_4b", workdir, *LEARNING_ARGS, "--ckpt-step", str(SAVE_AT))
+    plan = fsdp_plan(workdir, "--ckpt-step", str(SAVE_AT))
     assert runs.launch(plan, workdir / "record-resumed") == 0
     for key in ("rollout/raw_reward", "train/grad_norm", "train/ppo_kl", "train/loss"):
         resumed = runs.series(workdir / "record-resumed", key)
@@ -107,10 +111,8 @@ def test_ci_check_catches_a_rollout_engine_left_with_stale_weights(full_run, cap
 
     monkeypatch.delenv(RECORD_DIR_ENV, raising=False)  # this short run is not the gated one
     workdir, _, _ = full_run
-    plan = runs.tiny_plan(
-        "qwen3_4b",
+    plan = fsdp_plan(
         workdir,
-        *LEARNING_ARGS,
         "--num-rollout",
         "2",
         "--update-weights-interval",
@@ -136,8 +138,8 @@ def test_evaluation_scores_held_out_prompts_and_the_metric_checker_reads_them(
         "".join(json.dumps({"prompt": f"code {i:04d}:", "label": "7777"}) + "\n" for i in range(5))
     )
     monkeypatch.setenv(RECORD_DIR_ENV, str(tmp_path / "record"))
-    plan = runs.tiny_plan(
-        "qwen3_4b", workdir, *LEARNING_ARGS, "--num-rollout", "4", "--eval-prompt-data", "held_out", str(eval_file),
+    plan = fsdp_plan(
+        workdir, "--num-rollout", "4", "--eval-prompt-data", "held_out", str(eval_file),
         "--eval-interval", "2", "--eval-temperature", "0", "--n-samples-per-eval-prompt", "2",
         "--ci-metric-checker-key", "eval/held_out", "--ci-metric-checker-threshold", "1.5", run_id="eval",
     )  # fmt: skip

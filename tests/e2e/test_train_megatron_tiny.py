@@ -47,9 +47,16 @@ def learning_args(setup: dict, *extra: str) -> tuple[str, ...]:
 
 
 def train(
-    workdir: Path, setup: dict, *extra: str, run_id: str = "run", record_name: str = "record"
+    workdir: Path,
+    setup: dict,
+    *extra: str,
+    run_id: str = "run",
+    record_name: str = "record",
+    train_backend: str | None = None,
 ) -> tuple[object, Path]:
-    plan = runs.tiny_plan(setup["recipe"], workdir, *learning_args(setup, *extra), run_id=run_id)
+    plan = runs.tiny_plan(
+        setup["recipe"], workdir, *learning_args(setup, *extra), run_id=run_id, train_backend=train_backend
+    )
     record = workdir / record_name
     assert runs.launch(plan, record) == 0, f"{setup['recipe']} {run_id} failed (its output is above)"
     return plan, record
@@ -111,7 +118,7 @@ def test_megatron_ep2_moe_learns_a_task_that_needs_the_prompt(tmp_path):
 
 
 def test_fsdp_learns_the_same_task_from_the_same_recipe(tmp_path):
-    _, record = train(tmp_path, DENSE, "--train-backend", "fsdp", "--tensor-model-parallel-size", "1")
+    _, record = train(tmp_path, DENSE, train_backend="fsdp")
     assert_learns_the_prompt(record, DENSE["rollouts"])
 
 

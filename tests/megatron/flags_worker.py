@@ -49,7 +49,9 @@ def main() -> None:
         first = None
         for _ in range(STEPS):
             micro = [batch.rows(slice(s, s + 2)) for s in (0, 2)]
-            micro = [mb.with_(old_logp=old) for mb, old in zip(micro, backend.batch_logprobs(micro), strict=True)]
+            micro = [
+                mb.with_(old_logp=old) for mb, old in zip(micro, backend.batch_logprobs(micro), strict=True)
+            ]
             calls.clear()
             result = backend.train_step(micro, normalizer=4.0)
             first = first or {"loss": sum(float(t.loss) for t in result.terms), "grad_norm": result.grad_norm}

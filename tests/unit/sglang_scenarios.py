@@ -69,6 +69,7 @@ def adapter(checkpoint: Path, *flags: str, rank: int = 0, world: int = 1):
         sglang=config.sglang,
         checkpoint=config.checkpoint,
         rollout=config.rollout,
+        job=config.job,
         dist_info=info,
         engine_cls=LocalEngine,
         server_args_cls=ServerArgs,
@@ -146,7 +147,7 @@ def scenario_session(workdir: Path) -> dict:
     from miles.train.sglang_weights import FLATTENED, serialize_bucket
 
     ckpt = tiny(workdir)
-    engine = adapter(ckpt, "--update-weight-buffer-size", "60000")
+    engine = adapter(ckpt, "--update-weight-buffer-size", "60000", "--colocate")
     new = {name: t * 0.5 for name, t in tensors(ckpt).items()}
     payload, _keep = serialize_bucket(list(new.items())[:1])
     outside = engine.engine.update_weights_from_tensor(
@@ -162,6 +163,7 @@ def scenario_session(workdir: Path) -> dict:
     params = model.params()
     return {
         "outside_session": list(outside),
+        "colocated": engine.colocated,
         "log": [list(e) for e in LocalEngine.log],
         "all_pushed": all(bits_equal(params[n], t) for n, t in new.items()),
         "loaded": len(model.loaded),
@@ -204,8 +206,8 @@ def scenario_oversized(workdir: Path) -> dict:
     try:
         engine.generate([[5] * context], sampling(), seed=0)
     except RolloutEngineError as exc:
-        return {"error": str(exc)}
-    return {"error": None}
+        return {"error": str(exc), "colocated": engine.colocated}
+    return {"error": None, "colocated": engine.colocated}
 
 
 def scenario_probe_sampling(workdir: Path) -> dict:

@@ -30,9 +30,6 @@ from miles.train.config import flag_of
 MEGATRON = consumption.backend("megatron")
 # the sections only the Megatron backend reads: a flag of them it does not consume is its own to answer for
 BACKEND_SECTIONS = ("megatron", "model", "layout")
-# asks for what the backend always builds (megatron-core's distributed optimizer), so it has no
-# effect, and the start-up note says so; the reference's Inkling recipe passes it
-ALWAYS_SO = {"--use-distributed-optimizer"}
 
 
 def _gpu_commands():
@@ -80,9 +77,9 @@ def test_every_gpu_profile_renders_and_both_platforms_are_covered():
 def test_every_megatron_flag_a_gpu_profile_passes_acts(where, platform, argv):
     config = parse_config(list(argv))
     unused = consumption.flags_without_effect(config, "sglang")
-    own = [f for f in unused if flag_of(f).section in BACKEND_SECTIONS and f not in ALWAYS_SO]
+    own = [f for f in unused if flag_of(f).section in BACKEND_SECTIONS]
     assert own == [], f"{where}: passed to the Megatron backend, which does not consume them: {own}"
-    # what is left, no component of miles acts on yet (named in the run's start-up note)
+    # what is left, no component of miles acts on (the render refuses it)
     assert [f for f in unused if not _no_component_acts_on(f)] == [], where
     assert options.render_problems(argv, platform, stack_has_te=True) == []
     # each row's wiring puts the flag's value into the megatron-core field it names
@@ -144,21 +141,19 @@ def test_the_values_reach_megatron_cores_own_configs():
     ddp = DistributedDataParallelConfig(**options.ddp_fields(megatron))
     assert (ddp.overlap_grad_reduce, ddp.overlap_param_gather, ddp.grad_reduce_in_fp32) == (True, True, True)
     config = OptimizerConfig(lr=1e-6, **options.optimizer_fields(megatron))
-    assert config.overlap_param_gather
+    assert config.overlap_param_gather and config.use_distributed_optimizer and ddp.use_distributed_optimizer
     offload = _config(
         "--optimizer-cpu-offload", "--use-precision-aware-optimizer", "--overlap-cpu-optimizer-d2h-h2d"
     ).megatron
     assert options.optimizer_fields(offload) == {
-        "overlap_param_gather": False, "use_precision_aware_optimizer": True, "optimizer_cpu_offload": True,
-        "optimizer_offload_fraction": 1.0, "overlap_cpu_optimizer_d2h_h2d": True,
+        "overlap_param_gather": False, "use_distributed_optimizer": True, "use_precision_aware_optimizer": True,
+        "optimizer_cpu_offload": True, "optimizer_offload_fraction": 1.0, "overlap_cpu_optimizer_d2h_h2d": True,
     }  # fmt: skip
     # Without TE, megatron-core 0.16.1 cannot even check a precision-aware optimizer: its
     # OptimizerConfig.__post_init__ compares TE's version (is_te_min_version("2.1.0")) before
     # anything else, offloaded or not. Hence the row's need of TE.
     with pytest.raises(TypeError):  # the distributed optimizer, as miles.megatron.training always builds
-        OptimizerConfig(
-            lr=1e-6, bf16=True, use_distributed_optimizer=True, **options.optimizer_fields(offload)
-        )
+        OptimizerConfig(lr=1e-6, bf16=True, **options.optimizer_fields(offload))
 
 
 def test_the_stand_in_spec_runs_unfused_and_the_te_spec_takes_megatron_lms_fusion_defaults():
@@ -181,16 +176,13 @@ def test_a_refused_flag_is_refused_at_render_with_its_reason():
     )
 
 
-def test_a_megatron_option_the_backend_does_not_consume_is_named_at_start_up():
+def test_a_megatron_option_the_backend_does_not_consume_is_refused_at_start_up():
     config = _config("--moe-layer-recompute", "1", "--use-distributed-optimizer")
-    assert consumption.flags_without_effect(config, "sglang") == [
-        "--moe-layer-recompute",
-        "--use-distributed-optimizer",
-    ]
-    assert consumption.run_notes(config, "sglang") == [
-        "without effect on --train-backend megatron with the sglang rollout engine (no backend or engine acts on "
-        "them yet): --moe-layer-recompute --use-distributed-optimizer"
-    ]
+    assert consumption.flags_without_effect(config, "sglang") == ["--moe-layer-recompute"]
+    assert consumption.refusal(config, "sglang") == (
+        "--moe-layer-recompute (read by no component): no effect on --train-backend megatron with the sglang "
+        "rollout engine, so refused; drop them, or run with the backend or engine that reads them"
+    )
 
 
 def test_what_a_platform_cannot_run_is_refused_with_what_it_needs():

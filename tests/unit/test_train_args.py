@@ -166,24 +166,21 @@ def test_parsing_flags_imports_no_heavy_package():
     assert out.strip() == "[]"
 
 
-def test_flags_the_chosen_stack_ignores_are_named_not_dropped():
-    from miles.train.consumption import run_notes
+def test_flags_the_chosen_stack_ignores_are_refused_in_one_line_not_dropped():
+    from miles.train.consumption import refusal
 
     config = parse_config(
         "--hf-checkpoint m --colocate --use-wandb --num-layers 4 --hidden-size 64 "
         "--sglang-mem-fraction-static 0.7 --sglang-enable-dp-attention".split()
     )
-    notes = run_notes(config, "torch")
+    refused = refusal(config, "torch")
+    assert "\n" not in refused
+    assert "--use-wandb (read by no component)" in refused
+    assert "--colocate (the built-in engine samples inside the trainer's processes" in refused
+    assert "--num-layers --hidden-size (read by --train-backend megatron)" in refused
     assert (
-        "without effect on --train-backend fsdp with the torch rollout engine (no backend or engine acts on "
-        "them yet): --colocate --use-wandb" in notes
+        "--sglang-mem-fraction-static --sglang-enable-dp-attention (read by the sglang rollout engine)"
+        in refused
     )
-    assert (
-        "2 Megatron model flag(s) are read by --train-backend megatron only (--train-backend fsdp takes the "
-        "shape from the HF config)" in notes
-    )
-    assert (
-        "without effect on the torch rollout engine (read by the sglang rollout engine): "
-        "--sglang-mem-fraction-static --sglang-enable-dp-attention" in notes
-    )
-    assert run_notes(parse_config(["--hf-checkpoint", "m"]), "torch") == []
+    assert "no effect on --train-backend fsdp with the torch rollout engine, so refused; drop them" in refused
+    assert refusal(parse_config(["--hf-checkpoint", "m"]), "torch") is None

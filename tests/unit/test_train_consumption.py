@@ -94,30 +94,42 @@ def test_a_declaration_naming_a_missing_section_or_field_is_refused():
         consumption.checked_declaration({"rollout": ("lr",)}, "X.CONSUMES")
 
 
-def test_a_megatron_flag_on_the_data_parallel_backend_is_reported():
+def test_a_megatron_flag_on_the_data_parallel_backend_is_refused():
     config = _config("--recompute-granularity", "full", "--sequence-parallel", "--num-layers", "4")
     assert consumption.flags_without_effect(config, "torch") == [
         "--sequence-parallel",
         "--num-layers",
         "--recompute-granularity",
     ]
-    notes = consumption.run_notes(config, "torch")
-    assert (
-        "without effect on --train-backend fsdp (read by --train-backend megatron): --sequence-parallel "
-        "--recompute-granularity" in notes
+    assert consumption.refusal(config, "torch") == (
+        "--sequence-parallel --num-layers --recompute-granularity (read by --train-backend megatron): no effect "
+        "on --train-backend fsdp with the torch rollout engine, so refused; drop them, or run with the backend "
+        "or engine that reads them"
     )
-    assert notes[-1].startswith("1 Megatron model flag(s) are read by --train-backend megatron only")
 
 
-def test_an_option_the_data_parallel_backend_alone_acts_on_is_reported_on_megatron(tmp_path):
+def test_an_option_the_data_parallel_backend_alone_acts_on_is_refused_on_megatron(tmp_path):
     (tmp_path / "config.json").write_text('{"num_hidden_layers": 2, "num_attention_heads": 2}')
     config = parse_config(
         ["--hf-checkpoint", str(tmp_path), "--train-backend", "megatron", "--gradient-checkpointing"]
     )
     assert consumption.flags_without_effect(config, "torch") == ["--gradient-checkpointing"]
-    assert consumption.run_notes(config, "torch") == [
-        "without effect on --train-backend megatron (read by --train-backend fsdp/ddp): --gradient-checkpointing"
-    ]
+    assert consumption.refusal(config, "torch").startswith(
+        "--gradient-checkpointing (read by --train-backend fsdp/ddp): no effect on --train-backend megatron"
+    )
+
+
+def test_a_megatron_option_is_acted_on_by_megatron_and_refused_elsewhere(tmp_path):
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 2, "num_attention_heads": 2}')
+    flags = ["--moe-grouped-gemm", "--balance-data", "--use-distributed-optimizer"]
+    megatron = parse_config(["--hf-checkpoint", str(tmp_path), "--train-backend", "megatron", *flags])
+    assert consumption.flags_without_effect(megatron, "sglang") == []
+    assert consumption.refusal(megatron, "sglang") is None
+    fsdp = consumption.refusal(_config(*flags), "sglang")
+    assert fsdp.startswith(
+        "--moe-grouped-gemm --use-distributed-optimizer (read by --train-backend megatron): no effect on "
+        "--train-backend fsdp"
+    ), fsdp
 
 
 def test_the_engine_that_reads_a_flag_decides_whether_it_has_effect():
@@ -129,12 +141,21 @@ def test_the_engine_that_reads_a_flag_decides_whether_it_has_effect():
     ]
 
 
-def test_a_flag_no_component_acts_on_is_named_with_the_run_it_was_given_to():
-    config = _config("--colocate", "--use-wandb", "--train-backend", "ddp")
-    assert consumption.run_notes(config, "torch") == [
-        "without effect on --train-backend ddp with the torch rollout engine (no backend or engine acts on "
-        "them yet): --colocate --use-wandb"
-    ]
+def test_colocate_and_offload_are_refused_on_the_built_in_engine_with_why():
+    config = _config("--colocate", "--offload-train", "--use-wandb", "--train-backend", "ddp")
+    assert consumption.refusal(config, "torch") == (
+        "--colocate (the built-in engine samples inside the trainer's processes and holds no GPU memory of its "
+        "own to place or release, read by the sglang rollout engine); --offload-train (no backend moves its "
+        "weights or optimizer state off the GPU between steps yet); --use-wandb (read by no component): no "
+        "effect on --train-backend ddp with the torch rollout engine, so refused; drop them, or run with the "
+        "backend or engine that reads them"
+    )
+
+
+def test_the_sglang_engine_acts_on_colocate_and_offload_rollout():
+    """It frees its memory while the trainer steps with either (untested on GPU here)."""
+    assert consumption.refusal(_config("--colocate", "--offload-rollout"), "sglang") is None
+    assert consumption.refusal(_config("--offload-train"), "sglang").startswith("--offload-train (no backend")
 
 
 def test_flags_set_to_their_default_are_not_reported():
@@ -152,7 +173,7 @@ def test_the_flags_no_component_acts_on_yet_are_these():
     unread = {f.option for f in FLAGS if not any(c.consumes(f) for c in everyone)}
     refused = {"--rm-url", "--kl-coef", "--optimizer"}  # refused unless left at their default
     planned = {
-        "--colocate", "--offload", "--offload-train", "--offload-rollout", "--rollout-num-gpus", "--partial-rollout",
+        "--offload", "--offload-train", "--rollout-num-gpus", "--partial-rollout",
         "--over-sampling-batch-size", "--dynamic-sampling-filter-path", "--rollout-function-path", "--num-epoch",
         "--tool-key", "--fp16", "--ckpt-format", "--keep-old-actor", "--finetune",
         "--debug-train-only", "--log-interval", "--log-passrate", "--use-wandb", "--wandb-project",
@@ -167,11 +188,11 @@ def test_the_flags_no_component_acts_on_yet_are_these():
 def test_asking_which_flags_have_no_effect_imports_no_heavy_package():
     code = (
         "import sys; from miles.train.args import parse_config; from miles.train.consumption import "
-        "flags_without_effect; print(flags_without_effect(parse_config(['--hf-checkpoint', 'm', '--colocate']), "
+        "flags_without_effect; print(flags_without_effect(parse_config(['--hf-checkpoint', 'm', '--offload']), "
         "'sglang')); print(sorted(m for m in ('torch', 'transformers', 'megatron', 'sglang') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split("\n")[:2] == ["['--colocate']", "[]"]
+    assert out.split("\n")[:2] == ["['--offload']", "[]"]
 
 
 # --- no module reads argparse's internals or tells components apart by class name ----------

@@ -152,3 +152,32 @@ def test_causality_probe_passes_a_causal_lm_and_flags_a_model_that_sees_ahead(mo
             return SimpleNamespace(logits=h + h.mean(dim=1, keepdim=True))
 
     assert causality_leak(SeesAhead()) > CAUSALITY_TOL
+
+
+def test_a_bf16_forward_is_judged_causal_within_its_own_rounding_noise(model):
+    """bf16 rounding moves a causal model's logits by about a unit in the last place, far above
+    float32's tolerance; a model that sees ahead still leaks more than that."""
+    import copy
+    from types import SimpleNamespace
+
+    from miles.train.model import CAUSALITY_TOL, causality_probe
+
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    leak, tolerance = causality_probe(bf16)
+    assert leak <= tolerance
+    assert tolerance > CAUSALITY_TOL  # four bf16 units in the last place of the largest logit
+    assert causality_probe(model)[1] == CAUSALITY_TOL  # float32 keeps its own
+
+    class SeesAhead(torch.nn.Module):
+        config = SimpleNamespace(vocab_size=VOCAB)
+
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(VOCAB, VOCAB, dtype=torch.bfloat16)
+
+        def forward(self, input_ids):
+            h = self.embed(input_ids)
+            return SimpleNamespace(logits=h + h.mean(dim=1, keepdim=True))
+
+    leak, tolerance = causality_probe(SeesAhead())
+    assert leak > tolerance

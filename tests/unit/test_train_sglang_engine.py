@@ -175,6 +175,13 @@ def requests(log: list) -> list[str]:
     return [e[0] for e in log if e[0].endswith("ReqInput")]
 
 
+def test_colocate_makes_the_engine_release_its_memory_while_the_trainer_steps(found):
+    """The trainer releases a colocated engine's memory before its step (miles.train.trainer.learn);
+    without --colocate or --offload-rollout the engine keeps it."""
+    assert found["session"]["colocated"] is True  # built with --colocate
+    assert found["oversized"]["colocated"] is False  # built without
+
+
 def test_sglang_refuses_a_weight_update_outside_a_session(found):
     # sglang's SchedulerWeightUpdaterManager.update_weights_from_tensor, through the real Engine
     assert found["session"]["outside_session"] == [
@@ -287,7 +294,11 @@ def test_on_cpu_the_engine_names_the_alternative():
     cpu = DistInfo(rank=0, world_size=1, local_rank=0, device="cpu", backend="gloo")
     with pytest.raises(SGLangUnavailable, match="use --rollout-engine torch"):
         SGLangRolloutEngine(
-            sglang=config.sglang, checkpoint=config.checkpoint, rollout=config.rollout, dist_info=cpu
+            sglang=config.sglang,
+            checkpoint=config.checkpoint,
+            rollout=config.rollout,
+            job=config.job,
+            dist_info=cpu,
         )
 
 

@@ -24,6 +24,8 @@ from miles.train.config import BatchConfig
 class BackendUnavailable(RuntimeError):
     """The chosen backend cannot run on this machine; the message says what it needs."""
 
+    same_on_every_rank = True  # every rank builds the same backend from the same flags
+
 
 @dataclass(frozen=True)
 class StepResult:
@@ -106,10 +108,11 @@ class TrainBackend(abc.ABC):
         grad norm on any rank leaves weights, optimizer and schedule as they were."""
 
     @abc.abstractmethod
-    def full_weights(self, names: str = "model") -> Iterator[tuple[str, object]]:
+    def full_weights(self, names: str = "model", dtype=None) -> Iterator[tuple[str, object]]:
         """Unsharded weights by Hugging Face name, on every rank (for the rollout engine): the
         names of the transformers class's state dict ("model") or of the checkpoint files
-        ("checkpoint"; they differ where transformers fuses a layer's experts)."""
+        ("checkpoint"; they differ where transformers fuses a layer's experts); floating-point
+        tensors in `dtype` (the engine's) when given, cast one at a time."""
 
     @abc.abstractmethod
     def save(self, directory: str, *, with_optimizer: bool) -> None:

@@ -85,6 +85,7 @@ class MegatronBackend(TrainBackend):
             "no_masked_softmax_fusion", "no_bias_swiglu_fusion", "no_gradient_accumulation_fusion",
             "overlap_grad_reduce", "overlap_param_gather", "accumulate_allreduce_grads_in_fp32",
             "use_precision_aware_optimizer", "optimizer_cpu_offload", "overlap_cpu_optimizer_d2h_h2d",
+            "use_distributed_optimizer",
         ),
     }  # fmt: skip
 
@@ -218,10 +219,11 @@ class MegatronBackend(TrainBackend):
             grad_norm=float(grad_norm), lr=lr, terms=terms, skipped=not applied, logprobs=logprobs
         )
 
-    def full_weights(self, names: str = "model") -> Iterator[tuple[str, torch.Tensor]]:
+    def full_weights(self, names: str = "model", dtype=None) -> Iterator[tuple[str, torch.Tensor]]:
         fused = self.fused_experts and names == "model"
         self._gather_params()
-        yield from WeightExporter(self.chunks, self.config, fused_experts=fused)
+        for name, tensor in WeightExporter(self.chunks, self.config, fused_experts=fused):
+            yield name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
 
     def save(self, directory: str, *, with_optimizer: bool) -> None:
         self._gather_params()

@@ -22,12 +22,7 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from miles.train import algorithm, guards
 from miles.train.backends import StepResult, TrainBackend, batch_loss
@@ -42,7 +37,7 @@ from miles.train.config import (
     TorchDPConfig,
     optimizer_steps,
 )
-from miles.train.model import is_hf_dir, load_causal_lm, train_dtype
+from miles.train.model import ModelLoadError, empty_causal_lm, is_hf_dir, load_causal_lm, train_dtype
 
 
 class TorchDPBackend(TrainBackend):
@@ -84,19 +79,17 @@ class TorchDPBackend(TrainBackend):
         self.loss_cfg = algorithm.loss_config(rollout.rollout_temperature)
         self.optim_cfg = optimizer.optim_config()
         self.compute_dtype = train_dtype(optimizer.bf16)
-        model = load_causal_lm(checkpoint.hf_checkpoint, dtype=torch.float32, device=dist_info.device)
-        self.forward_is_deterministic = not _noisy_in_training(model)
-        if fsdp.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
-        self.model = self._wrap(model, trainable=True)
+        self._groups: dict[str, frozenset[str]] | None = None
+        self.model = self._load(
+            checkpoint.hf_checkpoint, torch.float32, trainable=True, checkpointing=fsdp.gradient_checkpointing
+        )
+        self.forward_is_deterministic = not _noisy_in_training(self._inner)
         self.ref_model = None
         if algorithm.use_kl_loss:
             ref_load = checkpoint.ref_load
             ref_path = ref_load if ref_load and is_hf_dir(ref_load) else checkpoint.hf_checkpoint
             self.ref_source = ref_path
-            ref = load_causal_lm(ref_path, dtype=self.compute_dtype, device=dist_info.device)
-            ref.requires_grad_(False)
-            self.ref_model = self._wrap(ref.eval(), trainable=False)
+            self.ref_model = self._load(ref_path, self.compute_dtype, trainable=False)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=self.optim_cfg.lr,
@@ -109,19 +102,65 @@ class TorchDPBackend(TrainBackend):
             self.optimizer, lambda step: lr_factor(step, self.optim_cfg, total_steps)
         )
 
+    def _load(self, path: str, dtype, *, trainable: bool, checkpointing: bool = False):
+        """The model of `path` in `dtype`, wrapped. Sharded, no rank holds it whole on its device:
+        every rank builds it empty and shards it, rank 0 reads the checkpoint into host memory,
+        and each tensor is broadcast in turn, every rank keeping its own shard of it."""
+        if not self._sharded:
+            model = load_causal_lm(path, dtype=dtype, device=self.dist.device)
+            if checkpointing:
+                model.gradient_checkpointing_enable()
+            return self._wrap(model if trainable else model.requires_grad_(False).eval(), trainable=trainable)
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        source, failed = None, [None]
+        if self.dist.rank == 0:
+            try:
+                source = load_causal_lm(path, dtype=dtype, device="cpu")
+            except ModelLoadError as exc:
+                failed = [str(exc)]
+        # the other ranks would wait for rank 0's tensors forever: every rank raises its error
+        dist.broadcast_object_list(failed, src=0)
+        if failed[0] is not None:
+            raise ModelLoadError(failed[0])
+        model = empty_causal_lm(path, dtype=dtype)
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        if not trainable:
+            model.requires_grad_(False).eval()
+        self._shard(model)
+        model.to_empty(device=self.dist.device)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, source.state_dict() if source is not None else {}, options=options)
+        # buffers the state dict leaves out (rotary frequencies) were built on the meta device
+        held = dict(source.named_buffers()) if source is not None else {}
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                if source is not None:
+                    buffer.copy_(held[name])
+                dist.broadcast(buffer, src=0)
+        # the renamings transformers applied while loading, which checkpoint_names reverts
+        # (a model built from its config alone gets the defaults, without the legacy ones)
+        conversions = [getattr(source, "_weight_conversions", None)]
+        dist.broadcast_object_list(conversions, src=0)
+        if conversions[0] is not None:
+            model._weight_conversions = conversions[0]
+        return model
+
+    def _shard(self, model) -> None:
+        """FSDP2 over every decoder layer, then the rest of the model as the root unit."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        layer_classes = set(getattr(model, "_no_split_modules", None) or ())
+        for module in model.modules():
+            if type(module).__name__ in layer_classes:
+                fully_shard(module, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+
     def _wrap(self, model, *, trainable: bool):
         if self.dist.world_size == 1:
             return model  # one rank: nothing to shard or all-reduce, and no wrapper overhead
-        if self.mode == "fsdp":
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-            mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
-            layer_classes = set(getattr(model, "_no_split_modules", None) or ())
-            for module in model.modules():
-                if type(module).__name__ in layer_classes:
-                    fully_shard(module, mp_policy=mp)
-            fully_shard(model, mp_policy=mp)
-            return model
         if trainable:
             from torch.nn.parallel import DistributedDataParallel
 
@@ -200,14 +239,53 @@ class TorchDPBackend(TrainBackend):
             return contextlib.nullcontext()
         return contextlib.nullcontext() if last else self.model.no_sync()
 
-    def full_weights(self, names: str = "model") -> Iterator[tuple[str, torch.Tensor]]:
-        if self._sharded:
-            state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
-        else:
-            state = self._inner.state_dict()
-        if names == "checkpoint":
-            state = checkpoint_names(self._inner, state)
-        yield from state.items()
+    def full_weights(self, names: str = "model", dtype=None) -> Iterator[tuple[str, torch.Tensor]]:
+        """One tensor at a time: sharded, each is gathered (all ranks take part), cast to `dtype`
+        and handed out before the next is gathered, so no rank holds the whole model at once.
+        Checkpoint names are given tensor by tensor too, except where transformers split one
+        checkpoint tensor into several model tensors (hrm_text's gate_up_proj): those are held
+        until the last of their group is gathered, then reverted together."""
+        groups = self._revert_groups() if names == "checkpoint" else {}
+        pending: dict[frozenset[str], dict[str, torch.Tensor]] = {}
+        for name, tensor in self._inner.state_dict().items():
+            if hasattr(tensor, "full_tensor"):
+                tensor = tensor.full_tensor()
+            tensor = tensor.detach()
+            if dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(dtype)
+            if names != "checkpoint":
+                yield name, tensor
+            elif name not in groups:
+                yield from checkpoint_names(self._inner, {name: tensor}).items()
+            else:
+                held = pending.setdefault(groups[name], {})
+                held[name] = tensor
+                if len(held) == len(groups[name]):
+                    yield from checkpoint_names(self._inner, pending.pop(groups[name])).items()
+
+    def _revert_groups(self) -> dict[str, frozenset[str]]:
+        """The model tensors whose checkpoint tensor only they together give back, each mapped to
+        its group (worked out once, on meta tensors): a tensor is reverted alone where that yields
+        the names and shapes reverting the whole state dict gives it, and no other tensor does."""
+        if self._groups is None:
+            meta = {
+                name: torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
+                for name, t in self._inner.state_dict().items()
+            }
+            whole = {n: tuple(t.shape) for n, t in checkpoint_names(self._inner, dict(meta)).items()}
+            alone = {
+                name: {n: tuple(t.shape) for n, t in checkpoint_names(self._inner, {name: t}).items()}
+                for name, t in meta.items()
+            }
+            makers: dict[str, set[str]] = {}
+            for name, made in alone.items():
+                for n in made:
+                    makers.setdefault(n, set()).add(name)
+            self._groups = {}
+            for name, made in alone.items():
+                if any(whole.get(n) != shape or len(makers[n]) > 1 for n, shape in made.items()):
+                    self._groups[name] = frozenset(m for n in made for m in makers[n])
+        return self._groups
 
     def save(self, directory: str, *, with_optimizer: bool) -> None:
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
