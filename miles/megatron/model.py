@@ -23,12 +23,15 @@ def build_model(
     vp_stage: int | None = None,
 ):
     """An uninitialised GPTModel of this rank's pipeline stage (and virtual stage), shaped like
-    the HF config, with the Transformer Engine layer spec's module tree and keys."""
+    the HF config, with the Transformer Engine layer spec's module tree and keys (and what the
+    family's mapping adds: its own attention, carried MTP layers)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    from miles.megatron.families import mapping_of
     from miles.megatron.spec import decoder_block_spec
 
+    mapping = mapping_of(config)
     tc = transformer if transformer is not None else transformer_config(config)
     rope = rope_parameters(config)
     interpolation = float(rope["factor"]) if rope.get("rope_type") == "linear" else None
@@ -43,9 +46,13 @@ def build_model(
         if pp_initialized
         else True
     )
+    if mapping.block_spec is not None:
+        spec = mapping.block_spec(tc, config, vp_stage)
+    else:
+        spec = decoder_block_spec(tc, vp_stage=vp_stage)
     model = GPTModel(
         config=tc,
-        transformer_layer_spec=decoder_block_spec(tc, vp_stage=vp_stage),
+        transformer_layer_spec=spec,
         vocab_size=vocab_size or config["vocab_size"],
         max_sequence_length=config.get("max_position_embeddings", 4096),
         pre_process=first,
@@ -56,6 +63,8 @@ def build_model(
         share_embeddings_and_output_weights=bool(config.get("tie_word_embeddings")),
         vp_stage=vp_stage,
     )
+    if mapping.finish_model is not None:
+        mapping.finish_model(model, tc, config, vp_stage)
     return model.to(tc.params_dtype)
 
 

@@ -248,9 +248,10 @@ def test_tiny_plan_builds_the_family_locally_and_skips_conversions():
     assert (plan.source, plan.model_name, plan.num_layers) == (
         "tiny:glm_moe_dsa",
         "GLM-5.2-744B-A40B-tiny",
-        2,
+        4,  # the family's tiny depth: layers 0-2 run the DSA indexer, layer 3 reuses its top-k
     )
     assert plan.steps == ("fetch", "validate")
+    assert shared("qwen3_4b").checkpoint_plan("tiny").num_layers == 2
 
 
 def test_fp8_recipe_slice_plan_trims_converts_and_builds_torch_dist():
@@ -284,18 +285,29 @@ def test_fp8_recipe_rolls_out_from_the_fp8_checkpoint_and_references_torch_dist(
     assert args[args.index("--ref-load") + 1] == "/m/Qwen3-30B-A3B-4layer_torch_dist"
 
 
-def test_a_family_without_a_megatron_layout_is_referenced_by_its_hf_dir_through_the_bridge():
-    # DeepSeek-V4's torch_dist would hold HF names, which Megatron-LM cannot load as --ref-load
+def test_a_recipe_whose_family_megatron_cannot_build_trains_its_declared_fallback():
+    # DeepSeek-V4's torch_dist would hold HF names, which no Megatron job loads: FSDP reads the HF dir
     from miles.recipes.launch import RunOptions, build_plan
 
-    plan = build_plan(
-        shared("deepseek_v4"), RunOptions(model="DeepSeek-V4-Flash-4layer", model_dir="/m"), base_env={}
-    )
+    recipe = shared("deepseek_v4")
+    plan = build_plan(recipe, RunOptions(model="DeepSeek-V4-Flash-4layer", model_dir="/m"), base_env={})
     args = plan.train_args
-    assert "torch_dist" not in plan.checkpoint.steps
+    assert recipe.fallback is not None and "torch_dist" not in plan.checkpoint.steps
+    assert args[args.index("--train-backend") + 1] == "fsdp"
     assert args[args.index("--hf-checkpoint") + 1] == "/m/DeepSeek-V4-Flash-4layer_fp8"
     assert args[args.index("--ref-load") + 1] == "/m/DeepSeek-V4-Flash-4layer"
-    assert args[args.index("--megatron-to-hf-mode") + 1] == "bridge"
+    assert not [
+        a for a in args if a.startswith(("--megatron-to-hf-mode", "--tensor-model-parallel", "--num-layers"))
+    ]
+
+
+def test_a_megatron_recipe_of_an_unbuilt_family_must_declare_its_fallback():
+    inkling = shared("inkling")
+    with pytest.raises(RecipeError, match="declare the recipe's Fallback"):
+        replace(inkling, fallback=None)
+    glm = shared("glm5_2_744b_a40b")
+    with pytest.raises(RecipeError, match="builds glm_moe_dsa now; remove the fallback"):
+        replace(glm, fallback=inkling.fallback)
 
 
 def test_tiny_profile_of_a_family_megatron_cannot_build_is_data_parallel_fsdp():

@@ -29,22 +29,13 @@ ROLLOUTS = 3
 
 
 BF16_LOGPROB_TOL = "0.05"
-# The families miles' Megatron backend cannot build (megatron-core 0.16.1 has no layer spec for
-# their attention; see `python -m miles.recipes facts <name>`) train with FSDP over their HF
-# model in these tests, on the recipe's own checkpoint, data and GPUs.
-FSDP_INSTEAD = (
-    "--train-backend fsdp --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 "
-    "--context-parallel-size 1 --expert-model-parallel-size 1 --expert-tensor-parallel-size 1"
-)
 
 
 def run_recipe(name: str, workdir: Path) -> Path:
-    """Prepare and train `name` on this machine's GPUs; returns the run's checkpoint directory."""
-    from miles.recipes.recipe import megatron_layout
-
+    """Prepare and train `name` on this machine's GPUs, by the command the recipe renders (its
+    backend and layout, or its declared fallback); returns the run's checkpoint directory."""
     platform = str(resolve().platform)
     recipe = load(name)
-    extra = "" if megatron_layout(recipe.model.family) else FSDP_INSTEAD
     assert recipe.variant == ("rocm" if platform == "rocm" else "shared"), (platform, recipe.variant)
     runs = workdir / "runs"
     argv = [
@@ -60,7 +51,7 @@ def run_recipe(name: str, workdir: Path) -> Path:
         "--num-rollout",
         str(ROLLOUTS),
         "--extra-args",
-        f"--prompt-data synthetic:fixed --rm-type synthetic --ci-test --ci-logprob-abs-diff-tol {BF16_LOGPROB_TOL} {extra}",
+        f"--prompt-data synthetic:fixed --rm-type synthetic --ci-test --ci-logprob-abs-diff-tol {BF16_LOGPROB_TOL}",
     ]
     proc = subprocess.run(argv, cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, check=False)
     tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
