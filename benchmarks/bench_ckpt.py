@@ -196,7 +196,9 @@ def main() -> int:
     threads = results["safetensors-mt"][0].get("threads")
     print(f"\nmedian of {args.rounds} rounds; each ratio is the baseline's time / the step's time "
           f"(cp: coreutils cp + sync; safetensors-mt: {threads} threads, one per shard)")  # fmt: skip
-    print(f"{'step':<20} {'MB/s':>7}  {'vs cp':>6}  {'vs st-mt':>8}  {'cpu s':>6}  peak RSS (process / step alone)")
+    print(
+        f"{'step':<20} {'MB/s':>7}  {'vs cp':>6}  {'vs st-mt':>8}  {'cpu s':>6}  peak RSS (process / step alone)"
+    )
     for step in STEPS:
         wall = median[step]
         cpu = statistics.median(m["cpu"] for m in results[step])
