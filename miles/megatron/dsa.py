@@ -229,6 +229,17 @@ def with_latent_eps(linear: type) -> type:
     return LatentNormLinear
 
 
+def keep_router_weights_fp32(model) -> None:
+    """MoE gate weights in float32 whatever the model's dtype (the router computes its logits in
+    float32 either way: `moe_router_dtype`); megatron's DDP and optimizer keep float32 parameters
+    of a bf16 model as they are."""
+    from megatron.core.transformer.moe.router import Router
+
+    for module in model.modules():
+        if isinstance(module, Router) and module.weight.dtype != torch.float32:
+            module.weight.data = module.weight.data.float()
+
+
 def layer_provider():
     """The modules of the Transformer Engine layer spec: TE's own, or (without TE) the TE-shaped
     local ones of `miles.megatron.spec` (ready once `decoder_block_spec` has run)."""

@@ -63,9 +63,10 @@ def build_model(
         share_embeddings_and_output_weights=bool(config.get("tie_word_embeddings")),
         vp_stage=vp_stage,
     )
+    model = model.to(tc.params_dtype)
     if mapping.finish_model is not None:
         mapping.finish_model(model, tc, config, vp_stage)
-    return model.to(tc.params_dtype)
+    return model
 
 
 def build_chunks(config: Mapping[str, Any], tc, vocab_size: int) -> list:
@@ -127,11 +128,13 @@ def hf_logit_gap(hf_dir, model, config: Mapping[str, Any], device: str = "cpu") 
     from transformers.utils import logging as hf_logging
 
     tokens = probe_tokens(config).to(device)
-    shown = hf_logging.is_progress_bar_enabled()
+    shown, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
     hf_logging.disable_progress_bar()  # a check inside prepare-ckpt, whose output is one line per step
+    hf_logging.set_verbosity_error()  # nor its load report (checkpoint tensors the class has no use for: MTP)
     try:
         hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device)
     finally:
+        hf_logging.set_verbosity(verbosity)
         if shown:
             hf_logging.enable_progress_bar()
     with torch.no_grad():

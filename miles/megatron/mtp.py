@@ -35,4 +35,4 @@ def carry_mtp(model, tc, layer_spec, count: int, provider, vp_stage: int | None 
         vp_stage=vp_stage,
     )
     block.requires_grad_(False)
-    model.add_module("mtp", block)
+    model.add_module("mtp", block.to(tc.params_dtype))

@@ -41,8 +41,9 @@ class GPTMapping:
     # The family's own decoder block spec, (TransformerConfig, config, vp_stage) -> the spec
     # (None: megatron-core's Transformer Engine GPT spec, miles.megatron.spec)
     block_spec: Callable[..., Any] | None = None
-    # What it adds to a built model chunk (carried MTP layers, frozen parameters) and refuses
-    # (a chunk that cannot run alone): (model, TransformerConfig, config, vp_stage) -> None
+    # What it adds to a built model chunk, already in the parameter dtype (carried MTP layers,
+    # frozen or float32 parameters) and refuses (a chunk that cannot run alone):
+    # (model, TransformerConfig, config, vp_stage) -> None
     finish_model: Callable[..., None] | None = None
     # The weights outside the decoder layers it adds (MTP layers): (config) -> Weights
     extra_weights: Callable[[Mapping[str, Any]], Weights] | None = None

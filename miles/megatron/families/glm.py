@@ -238,7 +238,9 @@ def block_spec(tc, config: Mapping[str, Any], vp_stage: int | None = None):
 
 
 def finish_model(model, tc, config: Mapping[str, Any], vp_stage: int | None = None) -> None:
-    """Refuse a chunk that starts on a shared layer; on the last stage, carry the MTP layers."""
+    """Refuse a chunk that starts on a shared layer; on the last stage, carry the MTP layers; keep
+    the routers' gate weights in float32, as transformers keeps GlmMoeDsa's `mlp.gate.weight`
+    (its checkpoints store them so: a bf16 model would round them)."""
     from miles.megatron import dsa
 
     kinds = layer_kinds(config)
@@ -263,6 +265,7 @@ def finish_model(model, tc, config: Mapping[str, Any], vp_stage: int | None = No
             dsa.layer_provider(),
             vp_stage,
         )
+    dsa.keep_router_weights_fp32(model)
 
 
 MAPPINGS = (

@@ -127,7 +127,8 @@ class MegatronBackend(TrainBackend):
 
     def full_weights(self, names: str = "model") -> Iterator[tuple[str, torch.Tensor]]:
         fused = self.fused_experts and names == "model"
-        yield from WeightExporter(self.chunks, self.config, fused_experts=fused)
+        # carried MTP layers go to an engine that loads checkpoint names (SGLang drafts with them)
+        yield from WeightExporter(self.chunks, self.config, fused_experts=fused, extras=names == "checkpoint")
 
     def save(self, directory: str, *, with_optimizer: bool) -> None:
         steps = self.steps_done if with_optimizer else None
