@@ -255,6 +255,22 @@ def layer_provider():
     return spec.TEShapedSpecProvider()
 
 
+def down_projection(provider) -> type:
+    """MLA's down projections, whole on every tensor-parallel rank as the Transformer Engine spec
+    builds them (TELinear, parallel_mode "duplicated"), or without TE megatron-core's own linear
+    that does the same (post_training.modelopt.layers.Linear: both mark the weight for the
+    gradient all-reduce sequence parallelism needs, and MLA accepts both). A column-parallel one
+    would compute the same forward, but MLA then gathers the rope key from the tensor-parallel
+    split and its backward keeps one rank's heads' share of that key's gradient."""
+    from miles.megatron import spec
+
+    if spec.has_transformer_engine():
+        return provider.linear()
+    from megatron.core.post_training.modelopt.layers import Linear
+
+    return Linear
+
+
 def attention_spec(provider, kinds: tuple[str, ...], holder: dict) -> ModuleSpec:
     """The self-attention spec of every layer: MLA with fused latent norms (the Transformer
     Engine spec's modules, from `provider`) and DSA sparse core attention."""
@@ -262,9 +278,9 @@ def attention_spec(provider, kinds: tuple[str, ...], holder: dict) -> ModuleSpec
         module=LatentMLA,
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=MLASelfAttentionSubmodules(
-            linear_q_down_proj=provider.linear(),
+            linear_q_down_proj=down_projection(provider),
             linear_q_up_proj=with_latent_eps(provider.column_parallel_layer_norm_linear()),
-            linear_kv_down_proj=provider.linear(),
+            linear_kv_down_proj=down_projection(provider),
             linear_kv_up_proj=with_latent_eps(provider.column_parallel_layer_norm_linear()),
             core_attention=ModuleSpec(module=SparseAttention, params={"kinds": kinds, "holder": holder}),
             linear_proj=provider.row_parallel_linear(),

@@ -76,7 +76,12 @@ class MegatronBackend(TrainBackend):
         self.steps_done = 0
 
     def _load_chunks(self, tc) -> list:
-        chunks = mg.build_chunks(self.config, tc, self.vocab)
+        from miles.megatron.families import UnmappedModel
+
+        try:
+            chunks = mg.build_chunks(self.config, tc, self.vocab)
+        except UnmappedModel as exc:  # a model chunk the layout cannot build (the message says why)
+            raise MegatronSetupError(f"{self.args.hf_checkpoint}: {exc}") from exc
         try:
             ckpt.load_weights(chunks, self.source)
         except ckpt.CheckpointMismatch as exc:
@@ -248,15 +253,18 @@ def _hf_fuses_experts(path: str) -> bool:
 
 def check_model_flags(args, config: dict, path: str) -> None:
     """Every Megatron model flag the command sets agrees with config.json (through its family's
-    facts table, `miles.models`), or one error lists every one that does not: the model is built
-    from config.json, so a flag that says otherwise describes another model."""
+    facts table, `miles.models`, and the flags its architecture fixes), or one error lists every
+    one that does not: the model is built from config.json, so a flag that says otherwise
+    describes another model."""
     from miles import models
-    from miles.models.facts import disagreements
+    from miles.models.facts import disagreements, text_config
     from miles.parallel.layout import dest
 
     keys = models.keys_of(config)
-    given = {row.flag: getattr(args, dest(row.flag), None) for row in keys}
-    wrong = disagreements(keys, config, {f: v for f, v in given.items() if v not in (None, False)})
+    family = models.family_of(text_config(config))
+    fixed = family.fixed if family else ()
+    given = {row.flag: getattr(args, dest(row.flag), None) for row in (*keys, *fixed)}
+    wrong = disagreements(keys, config, {f: v for f, v in given.items() if v not in (None, False)}, fixed)
     if wrong:
         raise MegatronSetupError(
             f"{path}/config.json describes another model than the Megatron flags: {'; '.join(wrong)}. The model "
