@@ -1,9 +1,10 @@
 """The Megatron backend trains the recipes' tiny profiles on CPU, and learns a task that needs the prompt.
 
-Qwen3-4B's tiny profile trains with megatron-core at TP=2 with sequence parallelism, and
-Qwen3-30B-A3B's at EP=2 (ETP=1), each on two gloo ranks, by the recipe's own command (its
---ci-test checks on: first-step KL, trainer/rollout logprob agreement within 1e-3, weights
-after every sync). The task is `synthetic:echo`: the prompt ends with one of four digits and
+Qwen3-4B's tiny profile trains with megatron-core at TP=2 with sequence parallelism,
+Qwen3-30B-A3B's at EP=2 (ETP=1) and GLM-5.2's at TP=2 with sequence parallelism and EP=2 (its
+MLA, DSA indexer with a shared layer, sigmoid-routed experts and shared expert split over both),
+each on two gloo ranks, by the recipe's own command (its --ci-test checks on: first-step KL,
+trainer/rollout logprob agreement within 1e-3, weights after every sync). The task is `synthetic:echo`: the prompt ends with one of four digits and
 the answer is that digit, so a policy that ignores its input is exactly right on a quarter
 of the prompts at best. The learning assertions are about `rollout/exact_match`, not the
 graded reward (whose near-miss credit is only shaping): it must start near zero and end
@@ -11,7 +12,8 @@ well above that quarter. The FSDP backend learns the same task from the same com
 
 A run resumed from its mid-run checkpoint reproduces the original's metrics to 1e-5, and
 TP=2 with SP, CP=2, PP=2 and PP=2 with two virtual stages each reproduce the FSDP backend's
-gradient norms on the same samples (the pipeline layouts through megatron's real schedules).
+gradient norms on the same samples (the pipeline layouts through megatron's real schedules);
+for GLM-5.2, TP=2 with SP and EP=2, and PP=2.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import pytest
 
 from miles.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=330, suite="stage-b-cpu")
+register_cpu_ci(est_time=480, suite="stage-b-cpu")
 
 _spec = importlib.util.spec_from_file_location("recipe_runs", Path(__file__).with_name("recipe_runs.py"))
 runs = importlib.util.module_from_spec(_spec)
@@ -39,11 +41,25 @@ ECHO = (
 )  # fmt: skip
 DENSE = {"recipe": "qwen3_4b", "rollouts": 40, "lr": "3e-3"}
 MOE = {"recipe": "qwen3_30b_a3b", "rollouts": 48, "lr": "2e-3"}
+# 16 prompts of 8 samples a rollout: the tiny GLM settles on a deterministic answer per digit
+# within ~30 rollouts (its groups then have no spread to learn from), so each step sees every digit
+GLM = {
+    "recipe": "glm5_2_744b_a40b", "rollouts": 32, "lr": "4e-3",
+    "extra": ("--rollout-batch-size", "16", "--n-samples-per-prompt", "8"), "at_least": 0.4,
+}  # fmt: skip
 CHANCE = 0.25  # the exact-match rate of the best policy that ignores its prompt
 
 
 def learning_args(setup: dict, *extra: str) -> tuple[str, ...]:
-    return (*ECHO, "--num-rollout", str(setup["rollouts"]), "--lr", setup["lr"], *extra)
+    return (
+        *ECHO,
+        "--num-rollout",
+        str(setup["rollouts"]),
+        "--lr",
+        setup["lr"],
+        *setup.get("extra", ()),
+        *extra,
+    )
 
 
 def train(
@@ -55,7 +71,10 @@ def train(
     return plan, record
 
 
-def assert_learns_the_prompt(record: Path, rollouts: int) -> None:
+def assert_learns_the_prompt(record: Path, rollouts: int, at_least: float = 2 * CHANCE) -> None:
+    """Exact match near zero over the first 4 rollouts and `at_least` over the last 8: well above
+    what a policy that ignores the prompt reaches (0.25; over 8 rollouts of 64 or 128 prompts its
+    rate has a standard deviation of 0.04-0.05)."""
     exact = runs.series(record, "rollout/exact_match")
     assert sorted(exact) == list(range(rollouts))
     first = sum(exact[s] for s in range(4)) / 4
@@ -63,8 +82,8 @@ def assert_learns_the_prompt(record: Path, rollouts: int) -> None:
     assert first <= 0.05, (
         f"exact match {first:.3f} over the first 4 rollouts: the task is not new to the model"
     )
-    assert last >= 2 * CHANCE, (
-        f"exact match {last:.3f} over the last 8 rollouts, below {2 * CHANCE} (a policy that ignores the "
+    assert last >= at_least, (
+        f"exact match {last:.3f} over the last 8 rollouts, below {at_least} (a policy that ignores the "
         f"prompt reaches {CHANCE}); from {first:.3f} over the first 4"
     )
 
@@ -108,6 +127,20 @@ def test_megatron_ep2_moe_learns_a_task_that_needs_the_prompt(tmp_path):
     plan, record = train(tmp_path, MOE)
     assert "--expert-model-parallel-size 2" in " ".join(plan.train_args)
     assert_learns_the_prompt(record, MOE["rollouts"])
+
+
+def test_megatron_glm_tp2_ep2_learns_a_task_that_needs_the_prompt(tmp_path):
+    plan, record = train(tmp_path, GLM)
+    args = " ".join(plan.train_args)
+    assert "--train-backend megatron" in args and "--tensor-model-parallel-size 2" in args
+    assert "--expert-model-parallel-size 2" in args and "--sequence-parallel" in args
+    assert_learns_the_prompt(record, GLM["rollouts"], GLM["at_least"])
+    diffs = runs.series(record, "train/train_rollout_logprob_abs_diff")
+    assert max(diffs.values()) <= 1e-5, (
+        diffs
+    )  # fp32: megatron's and transformers' forwards of the same weights
+    marker = runs.checkpoint_dir(plan) / "latest_checkpointed_iteration.txt"
+    assert marker.read_text().strip() == str(GLM["rollouts"])  # the recipe's tiny profile saves every 3
 
 
 def test_fsdp_learns_the_same_task_from_the_same_recipe(tmp_path):
