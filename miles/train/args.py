@@ -329,6 +329,11 @@ def _add_ci(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ci-step0-kl-tol", type=_non_negative_float, default=1e-6)
     g.add_argument("--ci-metric-checker-key")
     g.add_argument("--ci-metric-checker-threshold", type=float)
+    g.add_argument(
+        "--dry-start",
+        action="store_true",
+        help="check the flags and the starting checkpoint: build the model at the layout, load its weights, stop",
+    )
     g.add_argument("--debug-rollout-only", action="store_true")
     g.add_argument("--debug-train-only", action="store_true")
     g.add_argument("--save-debug-rollout-data")

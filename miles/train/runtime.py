@@ -1,7 +1,9 @@
 """Everything a training run holds, built once from the flags: the machinery around the loop.
 
 `build_run(args)` joins the process group, loads tokenizer, prompts, reward rule, training
-backend and rollout engine, and restores `--load`'s checkpoint when there is one.
+backend and rollout engine, and restores `--load`'s checkpoint when there is one. `dry_start(args)`
+(--dry-start) stops after the training backend: the flags checked against the world and the
+model, the model built at the layout and its starting weights loaded.
 """
 
 from __future__ import annotations
@@ -113,6 +115,30 @@ def build_run(args: argparse.Namespace) -> Run:
     for note in notes:
         run.log(f"miles.train: note: {note}")
     return run
+
+
+def dry_start(args: argparse.Namespace) -> None:
+    """The checks a start makes before any rollout, and nothing after them: the flags against the
+    world size, the load directory, the training backend's model built at the layout (the Megatron
+    backend: every rank's model chunks, its model flags against config.json) with its starting
+    weights loaded (--ref-load's torch_dist)."""
+    import torch
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    dist_info = init_distributed(args.distributed_backend)
+    validate_world(args, dist_info.world_size)
+    if args.load:
+        checkpoint.check_load_dir(args.load, args.save)
+    seed_everything(args.seed)
+    backend = make_backend(args, dist_info)
+    source = getattr(backend, "source", args.hf_checkpoint)
+    if dist_info.is_main:
+        print(
+            f"miles.train: dry start: the {args.train_backend} model of {args.hf_checkpoint} is built on "
+            f"{dist_info.world_size} rank(s) ({dist_info.device}) and holds {source}; no rollout",
+            flush=True,
+        )
 
 
 def warn_if_not_causal(run: Run) -> None:

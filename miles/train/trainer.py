@@ -33,7 +33,7 @@ from miles.train.distributed import all_gather_objects, all_reduce_sum, barrier,
 from miles.train.model import ModelLoadError
 from miles.train.rewards import RewardError
 from miles.train.rollout import RolloutEngineError
-from miles.train.runtime import Run, build_run
+from miles.train.runtime import Run, build_run, dry_start
 from miles.train.sglang_engine import SGLangUnavailable
 
 # Errors whose message names the file or flag, the rule and the fix: one line and exit 1.
@@ -256,6 +256,9 @@ def maybe_save(run: Run, rollout_id: int) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        if args.dry_start:
+            dry_start(args)
+            return 0
         run = build_run(args)
         train(run)
     except FOR_PEOPLE as exc:

@@ -13,6 +13,9 @@ bugs (the indexer fed the q latent before its norm gives the same top-k when the
 identity, 0.3 apart once it is not), so every norm, the indexer's k_norm bias and the expert
 bias are perturbed first. The comparison runs on identical sequences: `relu(q·k)` ties at zero
 make transformers' own top-k depend on the padded length.
+
+The recipe's GPU form (Megatron at TP 4 with sequence parallelism and EP 4, the torch_dist as
+--ref-load) passes miles.train's argument and checkpoint checks on two CPU ranks (--dry-start).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 
 from miles.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=40, suite="stage-b-cpu")
+register_cpu_ci(est_time=60, suite="stage-b-cpu")
 
 TOL = 1e-5
 LAYERS = 4
@@ -119,3 +122,49 @@ def test_every_checkpoint_tensor_has_one_place_and_shared_layers_have_no_indexer
     assert not [n for n in megatron if n.startswith("decoder.layers.3.") and ".indexer." in n]
     assert "mtp.layers.0.transformer_layer.mlp.router.expert_bias" in megatron
     assert "mtp.layers.0.final_layernorm.weight" in megatron  # the MTP layer's shared_head.norm
+
+
+def test_the_recipes_gpu_form_dry_starts_on_two_cpu_ranks(tmp_path):
+    """The command the recipe renders for 4 H200s (Megatron, TP 4 with sequence parallelism, EP 4,
+    the torch_dist as --ref-load) passes miles.train's argument and checkpoint checks: at the same
+    layout scaled to 2 ranks (TP 2, EP 2) and the model flags at a 5-layer tiny GLM's sizes, every
+    rank builds its model chunk and loads the converted checkpoint, then stops (--dry-start)."""
+    import os
+    import subprocess
+    import sys
+
+    from miles.ckpt.tiny import make_tiny_checkpoint
+    from miles.ckpt.torch_dist import convert_to_torch_dist
+    from miles.models import family
+    from miles.models.facts import flag_values
+    from miles.recipes import shared
+    from miles.recipes.launch import RunOptions, build_plan
+
+    recipe = shared("glm5_2_744b_a40b")
+    profile = recipe.profile(None, "cuda", 1, 4)
+    options = RunOptions(
+        model=profile.model, model_dir=str(tmp_path / "models"), output_dir=str(tmp_path / "runs")
+    )
+    argv = list(build_plan(recipe, options, "cuda", base_env={}).train_args)
+    assert argv[argv.index("--train-backend") + 1] == "megatron"
+    hf, ref = (Path(argv[argv.index(flag) + 1]) for flag in ("--hf-checkpoint", "--ref-load"))
+    assert ref.name == "GLM-5.2-744B-A40B-5layer_torch_dist"
+    make_tiny_checkpoint("glm_moe_dsa", 5, hf)  # under the name the plan gives the prepared checkpoint
+    ref.mkdir()
+    convert_to_torch_dist(hf, ref, "glm_moe_dsa")
+    config = json.loads((hf / "config.json").read_text())
+    scaled = {
+        **flag_values(family("glm_moe_dsa").keys, config),
+        "--tensor-model-parallel-size": 2, "--expert-model-parallel-size": 2, "--actor-num-gpus-per-node": 2,
+    }  # fmt: skip
+    for flag, value in scaled.items():
+        if flag in argv and not isinstance(value, bool):
+            argv[argv.index(flag) + 1] = str(value)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "miles.train", *argv, "--dry-start"]  # fmt: skip
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "tp2·pp1·cp1·ep2·etp1+sp" in out and f"holds {ref}; no rollout" in out, out[-3000:]
