@@ -45,13 +45,13 @@ FAMILY = Family(
     tiny_model_type="glm_moe_dsa",
     # GLM-5.2's switches at tiny sizes: cross-layer top-k sharing (full at layers 0, 1, 2, 6, ...:
     # four layers hold a shared one), rope theta 8e6, the indexer's interleaved rope as SGLang
-    # reads it, a value head unlike the rope head; index_topk 64 keeps the CPU lane's short
-    # sequences dense (sparse selection is exercised by the parity tests).
+    # reads it; index_topk 64 keeps the CPU lane's short sequences dense (sparse selection is
+    # exercised by the parity tests). Every projection keeps a multiple of FP8's 128-row blocks.
     tiny_dims={
         "vocab_size": 512, "hidden_size": 128, "num_attention_heads": 4, "max_position_embeddings": 4096,
         "intermediate_size": 384, "moe_intermediate_size": 64, "num_key_value_heads": 4, "n_routed_experts": 8,
         "num_experts_per_tok": 2, "kv_lora_rank": 32, "q_lora_rank": 64, "qk_rope_head_dim": 16,
-        "qk_nope_head_dim": 48, "v_head_dim": 32, "index_topk": 64, "index_head_dim": 32, "index_n_heads": 2,
+        "qk_nope_head_dim": 48, "v_head_dim": 16, "index_topk": 64, "index_head_dim": 32, "index_n_heads": 2,
         "first_k_dense_replace": 1, "num_nextn_predict_layers": 1, "index_topk_freq": 4,
         "index_skip_topk_offset": 3, "rope_theta": 8_000_000, "indexer_rope_interleave": True,
     },
