@@ -41,11 +41,12 @@ ECHO = (
 )  # fmt: skip
 DENSE = {"recipe": "qwen3_4b", "rollouts": 40, "lr": "3e-3"}
 MOE = {"recipe": "qwen3_30b_a3b", "rollouts": 48, "lr": "2e-3"}
-# 16 prompts of 8 samples a rollout: the tiny GLM settles on a deterministic answer per digit
-# within ~30 rollouts (its groups then have no spread to learn from), so each step sees every digit
+# The tiny GLM's policy turns deterministic (all of a group's samples alike: nothing left to learn
+# from) within ~15 rollouts at the others' settings, mostly on one answer for every prompt; an
+# entropy bonus keeps it sampling, and 16 prompts of 8 samples a rollout show it every digit.
 GLM = {
-    "recipe": "glm5_2_744b_a40b", "rollouts": 32, "lr": "4e-3",
-    "extra": ("--rollout-batch-size", "16", "--n-samples-per-prompt", "8"), "at_least": 0.4,
+    "recipe": "glm5_2_744b_a40b", "rollouts": 40, "lr": "6e-3",
+    "extra": ("--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--entropy-coef", "0.2"),
 }  # fmt: skip
 CHANCE = 0.25  # the exact-match rate of the best policy that ignores its prompt
 
@@ -71,10 +72,7 @@ def train(
     return plan, record
 
 
-def assert_learns_the_prompt(record: Path, rollouts: int, at_least: float = 2 * CHANCE) -> None:
-    """Exact match near zero over the first 4 rollouts and `at_least` over the last 8: well above
-    what a policy that ignores the prompt reaches (0.25; over 8 rollouts of 64 or 128 prompts its
-    rate has a standard deviation of 0.04-0.05)."""
+def assert_learns_the_prompt(record: Path, rollouts: int) -> None:
     exact = runs.series(record, "rollout/exact_match")
     assert sorted(exact) == list(range(rollouts))
     first = sum(exact[s] for s in range(4)) / 4
@@ -82,8 +80,8 @@ def assert_learns_the_prompt(record: Path, rollouts: int, at_least: float = 2 * 
     assert first <= 0.05, (
         f"exact match {first:.3f} over the first 4 rollouts: the task is not new to the model"
     )
-    assert last >= at_least, (
-        f"exact match {last:.3f} over the last 8 rollouts, below {at_least} (a policy that ignores the "
+    assert last >= 2 * CHANCE, (
+        f"exact match {last:.3f} over the last 8 rollouts, below {2 * CHANCE} (a policy that ignores the "
         f"prompt reaches {CHANCE}); from {first:.3f} over the first 4"
     )
 
@@ -134,7 +132,7 @@ def test_megatron_glm_tp2_ep2_learns_a_task_that_needs_the_prompt(tmp_path):
     args = " ".join(plan.train_args)
     assert "--train-backend megatron" in args and "--tensor-model-parallel-size 2" in args
     assert "--expert-model-parallel-size 2" in args and "--sequence-parallel" in args
-    assert_learns_the_prompt(record, GLM["rollouts"], GLM["at_least"])
+    assert_learns_the_prompt(record, GLM["rollouts"])
     diffs = runs.series(record, "train/train_rollout_logprob_abs_diff")
     assert max(diffs.values()) <= 1e-5, (
         diffs
