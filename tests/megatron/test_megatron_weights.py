@@ -21,7 +21,7 @@ import pytest
 
 from miles.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=60, suite="stage-b-cpu")
+register_cpu_ci(est_time=100, suite="stage-b-cpu")
 
 WORKER = Path(__file__).with_name("weights_worker.py")
 

@@ -37,6 +37,7 @@ REFUSED = {
         "transformers scores a group by its top-2 experts",
     ),
     "dense last layer with MTP": ({"first_k_dense_replace": 4}, "num_nextn_predict_layers with a dense last layer"),
+    "shared first layer": ({"index_topk_pattern": "SFFS"}, "layer 0 is shared"),
 }  # fmt: skip
 
 

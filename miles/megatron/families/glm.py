@@ -88,6 +88,10 @@ def refuse_unmapped(config: Mapping[str, Any]) -> None:
             "transformers scores a group by its top-2 experts, megatron-core by its top "
             "num_experts_per_tok // topk_group; they agree only when that is 2"
         )
+    if layer_kinds(config)[0] != "full":
+        refuse(
+            "indexer_types/index_topk_pattern: layer 0 is shared, but no layer below it has a top-k to share"
+        )
     if mtp_layers(config) and not moe_layers(config)[int(config["num_hidden_layers"]) - 1]:
         refuse("num_nextn_predict_layers with a dense last layer: the MTP layer is built like the last layer")
 
