@@ -82,13 +82,19 @@ def refresh_image(c, variant, push=False, dry=False, image=None, no_alias=False)
     import os
     from pathlib import Path
 
-    from miles.ci.policy import write_github_outputs
+    from invoke import Exit
+
+    from miles.ci.registry.catalog import UnknownName
+    from miles.ci.selection.policy import write_github_outputs
     from miles.image.plan import pins_problems, plan_refresh, refresh
 
     root = Path(__file__).resolve().parent
-    plan = plan_refresh(
-        root, variant, push=push, image=image or os.environ.get("MILES_IMAGE"), move_alias=not no_alias
-    )
+    try:
+        plan = plan_refresh(
+            root, variant, push=push, image=image or os.environ.get("MILES_IMAGE"), move_alias=not no_alias
+        )
+    except UnknownName as exc:  # a mistyped --variant: one line, exit 2
+        raise Exit(f"error: --variant: {exc}", code=2) from None
     print(plan.render())
     if dry:
         problems = pins_problems(root, plan.variant)
@@ -96,10 +102,20 @@ def refresh_image(c, variant, push=False, dry=False, image=None, no_alias=False)
             "pins        "
             + ("; ".join(map(str, problems)) if problems else "Dockerfile agrees with the lock")
         )
+        print_transformer_engine(root, plan.variant)
         return
     result = refresh(root, plan)
     print(result.message)
     write_github_outputs({"tag": result.tag})  # the workflow's test jobs run in exactly this tag
+
+
+def print_transformer_engine(root, variant) -> None:
+    """refresh-image --dry: the variant's Transformer Engine and whether its statements agree."""
+    from miles.image.te import te_problems, te_summary
+
+    print("te          " + te_summary(root, variant))
+    problems = te_problems(root, variant)
+    print("te pins     " + ("; ".join(problems) if problems else "lock, Dockerfile and images.toml agree"))
 
 
 @task(

@@ -29,8 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from miles.ci import discover as discover_module  # noqa: E402
-from miles.ci.catalog import load_catalog  # noqa: E402
+from miles.ci.registry import discover as discover_module  # noqa: E402
+from miles.ci.registry.catalog import load_catalog  # noqa: E402
 
 TEMPLATE = '''"""End-to-end case {i}: trains a tiny model and checks the rollout metrics."""
 

@@ -45,7 +45,7 @@ def prompts_for(count: int, lengths: tuple[int, int], seed: int = 0) -> list[lis
 
 
 def run_engine(model, prompts, new_tokens: int, stop: tuple[int, ...]) -> int:
-    from miles.train.args import SamplingConfig
+    from miles.train.config import SamplingConfig
     from miles.train.rollout import TorchRolloutEngine
 
     sampling = SamplingConfig(

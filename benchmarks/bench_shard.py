@@ -3,13 +3,13 @@
     python benchmarks/bench_shard.py [--seeds 5] [--files 12] [--skip-overhead] [--large 10000]
 
 1. Balance: makespan / lower bound (max(total/N, longest test)) of plain LPT and of
-   miles.ci.shard.balanced_partition on synthetic suites with heavy-tailed est_times
+   miles.ci.selection.shard.balanced_partition on synthetic suites with heavy-tailed est_times
    (Pareto, 10-300 tests, 2-8 shards), on "planted" suites where a perfect partition exists
    by construction (so 1.000 is reachable), and on this repository's own suites.
    "optimal" means the exact search proved no partition is shorter.
 2. Scale: a synthetic suite of 10,000 tests with float est_times on 64 shards, partitioned by
    LPT and by balanced_partition side by side, then planned whole (selection, shards,
-   timeouts, the printed plan) by miles.ci.plan; the times are printed (target: under 1 s).
+   timeouts, the printed plan) by miles.ci.running.plan; the times are printed (target: under 1 s).
 3. Overhead: the same pytest command per test file, run directly (subprocess, output
    captured) and through the runner's executor (own session, output tee, JUnit parse,
    group sweep), interleaved so machine load hits both alike; plus a whole runner pass
@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from miles.ci.shard import Job, balanced_partition, lpt_partition  # noqa: E402
+from miles.ci.selection.shard import Job, balanced_partition, lpt_partition  # noqa: E402
 
 SIZES = (10, 30, 100, 300)
 SHARDS = (2, 3, 4, 6, 8)
@@ -92,9 +92,9 @@ def balance_table(title: str, make, seeds: int) -> list[tuple[float, float, bool
 
 
 def repository_suites() -> None:
-    from miles.ci.catalog import load_catalog
-    from miles.ci.discover import discover
-    from miles.ci.plan import shard_count
+    from miles.ci.registry.catalog import load_catalog
+    from miles.ci.registry.discover import discover
+    from miles.ci.running.plan import shard_count
 
     catalog = load_catalog()
     discovery = discover(ROOT, catalog=catalog)
@@ -115,9 +115,9 @@ def repository_suites() -> None:
 
 
 def large_suite(tests: int, shards: int = 64) -> None:
-    from miles.ci.catalog import load_catalog
-    from miles.ci.discover import Discovery, Registration, TestFile
-    from miles.ci.plan import RunOptions, build_plan, format_plan
+    from miles.ci.registry.catalog import load_catalog
+    from miles.ci.registry.discover import Discovery, Registration, TestFile
+    from miles.ci.running.plan import RunOptions, build_plan, format_plan
 
     rng = random.Random(tests)
     # float est_times (as `calibrate` writes them), heavy-tailed: 5 s to an hour
@@ -154,13 +154,13 @@ def large_suite(tests: int, shards: int = 64) -> None:
 
 
 def overhead(files: int) -> None:
-    from miles.ci.catalog import load_catalog
-    from miles.ci.discover import discover
-    from miles.ci.durations import record_durations
-    from miles.ci.execute import CancelToken, Settings, TestRun, pytest_command, run_attempt
-    from miles.ci.plan import RunOptions, build_plan
-    from miles.ci.report import write_reports
-    from miles.ci.runner import execute_plan
+    from miles.ci.registry.catalog import load_catalog
+    from miles.ci.registry.discover import discover
+    from miles.ci.reports.durations import record_durations
+    from miles.ci.reports.report import write_reports
+    from miles.ci.running.execute import CancelToken, Settings, TestRun, pytest_command, run_attempt
+    from miles.ci.running.plan import RunOptions, build_plan
+    from miles.ci.running.runner import execute_plan
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

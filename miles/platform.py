@@ -193,15 +193,31 @@ RAY_NOSET_VARS = (
     "RAY_EXPERIMENTAL_NOSET_ROCR_VISIBLE_DEVICES",
     "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES",
 )
+# ROCm runtime settings a colocated rollout engine needs; the job's own values win. The seed
+# framework's ROCm image sets the same (radixark/miles docker/Dockerfile.rocm at
+# 31f1ca961a94cb860cec3b2dea34ec332bfa8f76), and so does docker/Dockerfile.rocm (a test keeps
+# them equal).
+ROCM_RUNTIME_ENV = {
+    # ROCm 7.2's dma-buf IPC leaks the memory a process exports, which every weight push to
+    # the engine does; legacy IPC releases it (sglang docker/rocm.Dockerfile, ROCM-21485)
+    "HSA_ENABLE_IPC_MODE_LEGACY": "1",
+    # keep the scratch memory kernels were given instead of reclaiming it after each launch
+    "HSA_NO_SCRATCH_RECLAIM": "1",
+    # kernel arguments in device memory, as SGLang's ROCm kernels expect
+    "HIP_FORCE_DEV_KERNARG": "1",
+    # enough RCCL channels for MI300/MI350 collective bandwidth
+    "NCCL_MIN_NCHANNELS": "112",
+}
 
 
 def job_env(platform: Platform | str, env: Mapping[str, str] = os.environ) -> dict[str, str]:
     """`env` plus what a training job needs on `platform`; the input is not modified.
 
     On ROCm: HIP_VISIBLE_DEVICES is mirrored to CUDA_VISIBLE_DEVICES (libraries that only
-    read the CUDA name see the same devices), Ray is told not to reset them, and NVLS (an
-    NVIDIA-only NCCL feature RCCL rejects) is switched off. CUDA and CPU get nothing extra,
-    so the shared NVIDIA path carries no ROCm settings.
+    read the CUDA name see the same devices), Ray is told not to reset them, NVLS (an
+    NVIDIA-only NCCL feature RCCL rejects) is switched off, and ROCM_RUNTIME_ENV is added
+    where the job does not set it. CUDA and CPU get nothing extra, so the shared NVIDIA path
+    carries no ROCm settings.
     """
     platform = parse_platform(str(platform), origin="platform")
     out = dict(env)
@@ -219,6 +235,8 @@ def job_env(platform: Platform | str, env: Mapping[str, str] = os.environ) -> di
     for name in RAY_NOSET_VARS:
         out[name] = "1"
     out["NCCL_NVLS_ENABLE"] = "0"
+    for name, value in ROCM_RUNTIME_ENV.items():
+        out.setdefault(name, value)
     return out
 
 

@@ -1,28 +1,47 @@
-"""`python -m miles.ci <command>`: list, audit, manifest, and the commands other parts add.
+"""`python -m miles.ci <command>`: every command of the CI, registered in one table.
 
 Exit codes: 0 fine, 1 the command found problems (or a package it needs is missing), 2 bad
 usage (unknown suite, lane, label), 3 the machine cannot run a lane (preflight); 141 when the
-reader closed the output early (`list --json | head`), quietly. Heavy packages are never
-imported here; commands import what they need when they run.
+reader closed the output early (`list --json | head`), quietly. The command modules import
+only the standard library and the catalog; each handler imports the rest of what it uses
+when it runs, so building the parser (and `list`) never loads a heavy package.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import json
 import sys
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from miles.ci.catalog import CatalogError, UnknownName, load_catalog
-
-# Modules that add subcommands: each has `add_commands(subparsers)` and keeps its own heavy
-# imports inside the handlers, so that `list` stays a bare-Python command.
-COMMAND_MODULES: tuple[str, ...] = ("miles.metrics.cli", "miles.ci.run_cli", "miles.ci.preflight")
+from miles.ci.commands import history, machine, registry, run
+from miles.ci.commands.usage import UsageError, check_root
+from miles.ci.registry.catalog import CatalogError, UnknownName
 
 
-class UsageError(Exception):
-    """Bad input from the command line; printed as one line, exit 2."""
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    add: Callable[[argparse.ArgumentParser], None]  # adds the command's arguments and its handler
+
+
+COMMANDS: tuple[Command, ...] = (
+    Command("list", "list registrations (what runs where)", registry.add_list),
+    Command("audit", "maintainer report: disabled tests, coverage gaps, unused suites", registry.add_audit),
+    Command("manifest", "suites and their tests, for jobs outside this repository", registry.add_manifest),
+    Command("run", "run a lane's (or a suite's) tests: shard, timeouts, retries, reports", run.add_run),
+    Command("plan", "print what `run` would do (same options), without running", run.add_plan),
+    Command("matrix", "JSON shard matrix of a lane for GitHub's fromJSON", run.add_matrix),
+    Command("policy", "cadence and CI labels of a GitHub event (writes $GITHUB_OUTPUT)", run.add_policy),
+    Command("affected", "suites a change may skip (from `git diff --name-status -z`)", run.add_affected),
+    Command("calibrate", "propose est_time values from measured durations", run.add_calibrate),
+    Command("history", "metric history: show runs, untrust runs, plot a metric", history.add_history),
+    Command("gate", "gate a metric record directory by hand against the history", history.add_gate),
+    Command(
+        "preflight", "check a lane's machine before any test runs (exit 3 on problems)", machine.add_preflight
+    ),
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except BrokenPipeError:  # the reader went away (`list --json | head`): stop quietly
         return quiet_broken_pipe()
+    except KeyboardInterrupt:  # `run` handles its own signals; every other command just stops
+        print(f"interrupted: {args.command} stopped", file=sys.stderr)
+        return 130
     except ModuleNotFoundError as exc:  # a command's optional package (matplotlib, psycopg)
         line = missing_package(exc, f"python -m miles.ci {' '.join((argv or sys.argv[1:])[:1])}")
         if line is None:
@@ -53,168 +75,6 @@ def main(argv: list[str] | None = None) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m miles.ci", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    add_commands(sub)
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).add_commands(sub)
+    for command in COMMANDS:
+        command.add(sub.add_parser(command.name, help=command.help))
     return parser
-
-
-def add_root_argument(parser: argparse.ArgumentParser) -> None:
-    """--root of a command that discovers tests: it must hold a tests/ directory."""
-    parser.add_argument("--root", type=Path, default=Path("."), help="project root (default: .)")
-    parser.set_defaults(needs_tests=True)
-
-
-def check_root(root: Path, *, needs_tests: bool) -> None:
-    """UsageError unless `root` is a directory (holding tests/ when `needs_tests`): a
-    mistyped --root must not read as an empty project that passes."""
-    if not root.exists():
-        raise UsageError(f"--root {root} does not exist")
-    if not root.is_dir():
-        raise UsageError(f"--root {root} is not a directory")
-    if needs_tests and not (root / "tests").is_dir():
-        raise UsageError(f"--root {root} has no tests/ directory; point --root at the project root")
-
-
-def add_commands(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("list", help="list registrations (what runs where)")
-    add_root_argument(p)
-    p.add_argument("--backend", choices=("cpu", "cuda", "rocm"))
-    p.add_argument("--suite")
-    p.add_argument("--lane")
-    p.add_argument("--label")
-    p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(handler=cmd_list)
-
-    p = sub.add_parser("audit", help="maintainer report: disabled tests, coverage gaps, unused suites")
-    add_root_argument(p)
-    p.add_argument("--strict", action="store_true", help="exit 1 on error-class findings")
-    p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(handler=cmd_audit)
-
-    p = sub.add_parser("manifest", help="suites and their tests, for jobs outside this repository")
-    add_root_argument(p)
-    p.add_argument("--json", action="store_true", required=True, help="print JSON (the only format)")
-    p.set_defaults(handler=cmd_manifest)
-
-
-def _discover(root: Path):
-    from miles.ci.discover import discover
-
-    return discover(root, catalog=load_catalog())
-
-
-def cmd_list(args: argparse.Namespace) -> int:
-    catalog = load_catalog()
-    suites = None
-    if args.suite:
-        suites = {catalog.suite(args.suite, args.backend).name}
-    if args.lane:
-        lane_suites = {s.name for s in catalog.suites_of_lane(catalog.lane(args.lane).name)}
-        suites = lane_suites if suites is None else suites & lane_suites
-    if args.label:
-        catalog.check_label(args.label)
-    discovery = _discover(args.root)
-    regs = [
-        r
-        for r in discovery.registrations
-        if (args.backend is None or r.backend == args.backend)
-        and (suites is None or r.suite in suites)
-        and (args.label is None or args.label in r.labels)
-    ]
-    refused = _refusals(discovery.problems, args.backend, suites)
-    if args.json:
-        payload = {
-            "registrations": [{**r.to_json(), "status": _status(r)} for r in regs] + refused,
-            "problems": [str(p) for p in discovery.problems],
-        }
-        print(json.dumps(payload, indent=2))
-    else:
-        _print_table(regs, refused)
-    for problem in discovery.problems:
-        print(problem, file=sys.stderr)
-    return 1 if discovery.problems else 0
-
-
-def _status(r) -> str:
-    return "disabled" if r.disabled else "enabled"
-
-
-def _refusals(problems, backend: str | None, suites: set[str] | None) -> list[dict]:
-    """Registrations a rule refused, one entry per call, so they stay visible."""
-    seen: dict[tuple[str, int], dict] = {}
-    for p in problems:
-        if not p.refused or (backend is not None and backend not in p.backends):
-            continue
-        if suites is not None and p.suite not in suites:
-            continue
-        entry = seen.setdefault((p.file, p.line), p.refusal_json())
-        if p.message not in entry["rule"]:
-            entry["rule"] += "; " + p.message
-    return list(seen.values())
-
-
-def _print_table(regs, refused=()) -> None:
-    rows = [("BACKEND", "SUITE", "EST(s)", "FILE", "LABELS", "STATUS")]
-    for r in sorted(regs, key=lambda r: (r.backend, r.suite, r.file)):
-        status = "disabled: " + r.disabled if r.disabled else ("nightly" if r.nightly else "enabled")
-        where = r.file if r.implicit else f"{r.file}:{r.line}"
-        rows.append((r.backend, r.suite, f"{r.est_time:g}", where, ",".join(r.labels) or "-", status))
-    for x in refused:
-        rows.append(
-            (
-                x["backend"] or "-",
-                x["suite"] or "-",
-                "-",
-                f"{x['file']}:{x['line']}",
-                "-",
-                f"refused: {x['rule']}",
-            )
-        )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
-    for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths, strict=True)) + "  " + row[-1])
-    print(f"{len(rows) - 1} registration(s)")
-
-
-def cmd_audit(args: argparse.Namespace) -> int:
-    from miles.ci.audit import audit
-
-    catalog = load_catalog()
-    report = audit(catalog, _discover(args.root), root=args.root)
-    if args.json:
-        print(json.dumps(report.to_json(), indent=2))
-    else:
-        print(report.to_markdown(), end="")
-    for finding in report.errors:
-        print(f"error: {finding.message}", file=sys.stderr)
-    return 1 if args.strict and report.errors else 0
-
-
-def cmd_manifest(args: argparse.Namespace) -> int:
-    catalog = load_catalog()
-    discovery = _discover(args.root)
-    suites = {}
-    for suite in catalog.suites.values():
-        regs = [r for r in discovery.registrations if r.suite == suite.name]
-        suites[suite.name] = {
-            "backend": suite.backend,
-            "gpus": suite.gpus,
-            "lane": suite.lane,
-            "cadence": suite.cadence,
-            "runner_labels": list(suite.runner_labels),
-            "consumers": [str(c) for c in suite.consumers],
-            "enabled": [
-                {"file": r.file, "est_time": r.est_time, "labels": list(r.labels), "nightly": r.nightly}
-                for r in regs
-                if r.enabled
-            ],
-            "disabled": [{"file": r.file, "reason": r.disabled} for r in regs if not r.enabled],
-            "refused": _refusals(discovery.problems, suite.backend, {suite.name}),
-        }
-    placed = {(x["file"], x["line"]) for s in suites.values() for x in s["refused"]}
-    elsewhere = [x for x in _refusals(discovery.problems, None, None) if (x["file"], x["line"]) not in placed]
-    print(json.dumps({"schema": 1, "suites": suites, "refused": elsewhere}, indent=2))
-    for problem in discovery.problems:
-        print(problem, file=sys.stderr)
-    return 1 if discovery.problems else 0

@@ -1,6 +1,6 @@
 """pytest plugin: collect each test file only where it is registered to run.
 
-Registrations are read from the collected file's syntax tree (miles.ci.discover). A
+Registrations are read from the collected file's syntax tree (miles.ci.registry.discover). A
 file with no registration for this machine's backend is collected as one skip whose reason
 names the hardware it needs, without importing it (its imports may need a GPU stack); a
 file whose registration breaks a rule is a collection error carrying discovery's message.
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from miles.ci.catalog import load_catalog
-from miles.ci.discover import Registration, parse_test_file
+from miles.ci.registry.catalog import load_catalog
+from miles.ci.registry.discover import Registration, parse_test_file
 
 BACKEND_ENV = "MILES_CI_BACKEND"
 

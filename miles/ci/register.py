@@ -1,6 +1,6 @@
 """Markers a test file calls at top level to say where it runs.
 
-They do nothing when the test runs: `miles.ci.discover` reads them from the file's syntax
+They do nothing when the test runs: `miles.ci.registry.discover` reads them from the file's syntax
 tree without importing it. Write them as top-level calls with literal arguments:
 
     from miles.ci.register import register_cuda_ci, register_rocm_ci

@@ -43,7 +43,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(line, file=sys.stderr)
         return 1
-    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+    except KeyboardInterrupt:
+        # every step writes into a temp sibling renamed into place last, so nothing is half-done
+        print(
+            f"interrupted: {args.command} stopped; nothing unfinished was marked done, rerun to resume",
+            file=sys.stderr,
+        )
+        return 130
+    except (SystemExit, GeneratorExit):
         raise
     except BaseException as exc:
         cause = os_error_in(exc)

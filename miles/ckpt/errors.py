@@ -28,8 +28,9 @@ _FIXES = {
     errno.EACCES: "give this user write access (or use another directory) and rerun",
     errno.EPERM: "give this user write access (or use another directory) and rerun",
 }
-# A Rust std::io::Error as safetensors reports it: "... Os { code: 28, kind: StorageFull, ... }"
-_RUST_IO = re.compile(r"Os \{ code: (\d+),")
+# A Rust std::io::Error as safetensors reports it: its Debug form "... Os { code: 28, kind:
+# StorageFull, ... }" or its Display form "I/O error: No space left on device (os error 28)"
+_RUST_IO = re.compile(r"Os \{ code: (\d+),|\(os error (\d+)\)")
 
 
 def os_error_in(exc: BaseException | None) -> OSError | None:
@@ -49,7 +50,7 @@ def os_error_in(exc: BaseException | None) -> OSError | None:
             queue.extend(v for v in failures.values() if isinstance(v, BaseException))
         m = _RUST_IO.search(str(e))
         if m:
-            code = int(m.group(1))
+            code = int(m.group(1) or m.group(2))
             return OSError(code, os.strerror(code))
         queue.extend([e.__cause__, e.__context__])
     return None

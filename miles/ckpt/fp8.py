@@ -53,11 +53,13 @@ from miles.ckpt.shards import (
     copy_side_files,
     pread_into,
     read_header,
+    read_json_file,
     read_weight_map,
     tensor_bytes,
     torch_dtype,
 )
 from miles.ckpt.shards import write_index as _write_index
+from miles.files import replace_file
 
 __all__ = [
     "BLOCK", "E4M3_MAX", "SCALE_SUFFIX", "convert_from_fp8", "convert_to_fp8", "dequantize_blockwise", "dequantize_tensor",
@@ -339,12 +341,13 @@ def _convert(
                 records[shard] = FileRecord(*future.result())
     finally:
         torch.set_num_threads(threads)
-    config = json.loads((src / "config.json").read_text())
+    config = read_json_file(src / "config.json")
     if text_config(config).get("tie_word_embeddings") or config.get("tie_word_embeddings"):
         kept.append(TIED_HEAD + ".weight")  # not in the files, but every loader builds it as a linear
     not_converted = modules_to_not_convert(kept, quantized)
-    (dst / "config.json").write_text(
-        json.dumps(plan.config(config, not_converted), indent=2, sort_keys=True) + "\n"
+    replace_file(
+        dst / "config.json",
+        (json.dumps(plan.config(config, not_converted), indent=2, sort_keys=True) + "\n").encode(),
     )
     if files.indexed:
         _write_index(dst, weight_map, total)

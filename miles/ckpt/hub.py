@@ -10,7 +10,6 @@ downloaded.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -22,7 +21,14 @@ from miles.ckpt.families import num_layers
 from miles.ckpt.manifest import FileRecord
 from miles.ckpt.plan import TINY_SOURCE_PREFIX
 from miles.ckpt.progress import Progress
-from miles.ckpt.shards import INDEX_NAME, SINGLE_SHARD, sha256_file
+from miles.ckpt.shards import (
+    INDEX_NAME,
+    SINGLE_SHARD,
+    checkpoint_file,
+    read_json_file,
+    read_weight_map,
+    sha256_file,
+)
 
 META_PATTERNS = ["*.json", "*.txt", "*.jinja", "*.model", "*.tiktoken"]
 _REPO_RE = re.compile(r"^[\w.-]+/[\w.-]+(@[\w./-]+)?$")
@@ -111,11 +117,10 @@ def resolve_hub(
 def _weight_files(root: Path, keep_layers: int | None) -> list[str]:
     from miles.ckpt.trim import trimmed_name
 
-    index = root / INDEX_NAME
-    if not index.is_file():
+    if not (root / INDEX_NAME).is_file():
         return [SINGLE_SHARD]
-    weight_map = json.loads(index.read_text())["weight_map"]
-    total = num_layers(json.loads((root / "config.json").read_text()))
+    weight_map = read_weight_map(root).weight_map  # every shard name checked to stay inside root
+    total = num_layers(read_json_file(root / "config.json"))
     if keep_layers is None or total is None or keep_layers >= total:
         return sorted(set(weight_map.values()))
     return sorted(
@@ -134,6 +139,8 @@ def materialize(src: Path, dst: Path, *, progress: Progress | None = None) -> di
     hash is known without reading them; other files are hashed once here.
     """
     files = sorted(p for p in Path(src).rglob("*") if p.is_file() and not _hidden(p.relative_to(src)))
+    for path in files:  # a link out of the source would copy (or hard-link) an outside file in
+        checkpoint_file(src, path.relative_to(src).as_posix())
     if progress is not None:
         progress.total_bytes = sum(p.stat().st_size for p in files)
     records = {}

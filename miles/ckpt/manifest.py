@@ -25,10 +25,12 @@ from typing import Any
 
 from miles.ckpt.errors import CheckpointError, remember_free_space
 from miles.ckpt.shards import sha256_file
+from miles.files import check_relative, read_regular, replace_file
 
 MANIFEST_NAME = ".miles-ckpt.json"
 MANIFEST_FORMAT = 1
 SMALL_FILE_BYTES = 1 << 20  # inputs up to this size are fingerprinted by content
+MAX_MANIFEST_BYTES = 256 << 20  # a few hundred bytes per file it lists
 
 
 @dataclass(frozen=True)
@@ -55,14 +57,17 @@ class Manifest:
         if data.get("format") != MANIFEST_FORMAT:
             raise ValueError(f"manifest format {data.get('format')!r}")
         files = {k: FileRecord(int(v["size"]), str(v["sha256"])) for k, v in data["files"].items()}
+        for rel in files:  # a manifest names files of its own folder, nothing outside it
+            check_relative(rel, what="manifest entry")
         return cls(str(data["step"]), str(data["inputs"]), dict(data["params"]), files)
 
 
 def read_manifest(directory: Path) -> Manifest | None:
     """The directory's manifest, or None when it has none (or one this version cannot read)."""
     try:
-        return Manifest.from_json((Path(directory) / MANIFEST_NAME).read_text())
-    except (OSError, ValueError, KeyError, TypeError):
+        raw = read_regular(Path(directory) / MANIFEST_NAME, MAX_MANIFEST_BYTES)
+        return Manifest.from_json(raw.decode())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None
 
 
@@ -132,11 +137,7 @@ def write_manifest(
         if rel not in records:
             records[rel] = FileRecord(path.stat().st_size, sha256_file(path))
     manifest = Manifest(step, inputs, json_safe(params), records)
-    target = directory / MANIFEST_NAME
-    with open(target, "w") as f:
-        f.write(manifest.to_json())
-        f.flush()
-        os.fsync(f.fileno())
+    replace_file(directory / MANIFEST_NAME, manifest.to_json().encode(), fsync=True)
     return manifest
 
 

@@ -12,8 +12,6 @@ Directories (DESIGN.md): <model_dir>/<model_name> (HF), <model_name>_fp8,
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -42,7 +40,9 @@ from miles.ckpt.manifest import (
 )
 from miles.ckpt.plan import STEPS, CheckpointPlan
 from miles.ckpt.progress import Progress, say
+from miles.ckpt.shards import MAX_JSON_BYTES, read_json_file
 from miles.ckpt.tiny import DEFAULT_SHARD_BYTES, TINY_STEP, make_tiny_checkpoint, tiny_params
+from miles.files import read_regular, replace_file
 
 STATE_DIR = ".miles-ckpt"
 DEFAULT_TINY_LAYERS = 4
@@ -182,7 +182,7 @@ class _Run:
             or not (src / "config.json").is_file()
         ):
             return False
-        total = num_layers(json.loads((src / "config.json").read_text()))
+        total = num_layers(read_json_file(src / "config.json"))
         return total is not None and total > self.layers
 
     def writes(self, step: str) -> Path:
@@ -258,7 +258,7 @@ class _Run:
                 return StepResult(
                     "fetch", "would run", f"build a tiny {self.source.value} ({layers} layers)", str(self.hf)
                 )
-            make_tiny_checkpoint(self.source.value, layers, self.hf)
+            make_tiny_checkpoint(self.source.value, layers, self.hf, progress=self.show)
             return StepResult("fetch", "ran", f"built tiny {self.source.value}", str(self.hf))
         src = self.source_dir()
         if src is None:
@@ -390,17 +390,11 @@ class _Run:
 
 def _read_record(path: Path) -> Manifest | None:
     try:
-        return Manifest.from_json(path.read_text())
+        return Manifest.from_json(read_regular(path, MAX_JSON_BYTES).decode())
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
 def _write_record(path: Path, record: Manifest) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    try:
-        tmp.write_text(record.to_json())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    replace_file(path, record.to_json().encode())

@@ -14,12 +14,14 @@ import json
 import os
 import queue
 import shutil
+import stat
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from miles.ckpt.errors import CheckpointError
+from miles.files import FileRefused, create_new, read_regular, replace_file, resolve_inside
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_SHARD = "model.safetensors"
@@ -69,28 +71,38 @@ class ShardHeader:
 
 
 def read_header(path: Path | str) -> ShardHeader:
-    """Parse and check a shard's header against its own size; never reads tensor data."""
+    """Parse and check a shard's header against its own size; never reads tensor data.
+
+    Every field is checked for type and size before any arithmetic on it (the rules of
+    safetensors' own reader, huggingface/safetensors safetensors/src/tensor.rs
+    `Metadata::validate`, plus what torch can hold), so a crafted header is one line, fast."""
     path = Path(path)
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            prefix = f.read(8)
-            n = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
-            if n < 0 or n > MAX_HEADER_BYTES or 8 + n > size:
-                raise CheckpointError(
-                    f"{path}: header length field says {n} bytes but the file has {size}; "
-                    "the shard is truncated or not safetensors; fetch it again"
-                )
-            raw = f.read(n)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read ({exc.strerror})") from exc
     try:
-        header = json.loads(raw)
-    except ValueError as exc:
-        raise CheckpointError(f"{path}: header is not valid JSON ({exc}); fetch the shard again") from exc
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(
+                f"{path}: not a regular file (a FIFO, device or folder); a shard must be one"
+            )
+        size = info.st_size
+        prefix = os.pread(fd, 8, 0)
+        n = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        if n < 2 or n > MAX_HEADER_BYTES or 8 + n > size:
+            raise CheckpointError(
+                f"{path}: header length field says {n} bytes but the file has {size}; "
+                "the shard is truncated or not safetensors; fetch it again"
+            )
+        raw = bytearray(n)
+        pread_into(fd, memoryview(raw), 8, path)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc.strerror})") from exc
+    finally:
+        os.close(fd)
+    header = _parse_header_json(path, bytes(raw))
+    metadata = _metadata(path, header.pop("__metadata__", None))
     infos = sorted((_tensor_info(path, name, entry) for name, entry in header.items()), key=lambda t: t.begin)
     expected = 0
     for info in infos:
@@ -108,28 +120,85 @@ def read_header(path: Path | str) -> ShardHeader:
             f"{path}: file is {size} bytes but its header ends the data at {data_start + expected}; "
             f"the shard is {state}; fetch it again"
         )
-    return ShardHeader(path, data_start, size, {t.name: t for t in infos}, dict(metadata))
+    return ShardHeader(path, data_start, size, {t.name: t for t in infos}, metadata)
+
+
+MAX_RANK = 64  # no model tensor comes near it; a header claiming more is crafted or corrupt
+MAX_NUMEL_BYTES = 2**63  # torch sizes, strides and storage offsets are int64
+
+
+def _parse_header_json(path: Path, raw: bytes) -> dict:
+    if not raw.lstrip(b" ").startswith(b"{"):
+        raise CheckpointError(f"{path}: header is not a JSON object; the shard is not safetensors")
+    try:
+        header = json.loads(raw)
+    except RecursionError:
+        raise CheckpointError(
+            f"{path}: header is nested too deeply to be a safetensors header; the shard is corrupt"
+        ) from None
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: header is not valid JSON ({exc}); fetch the shard again") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header is not a JSON object")
+    return header
+
+
+def _metadata(path: Path, metadata: object) -> dict[str, str]:
+    """`__metadata__`: absent, null or a map of strings to strings (safetensors' own type)."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        shown = type(metadata).__name__ if not isinstance(metadata, dict) else "a map with non-string values"
+        raise CheckpointError(
+            f"{path}: __metadata__ is {shown}; safetensors allows only a map of strings to strings"
+        )
+    return dict(metadata)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**64
 
 
 def _tensor_info(path: Path, name: str, entry: object) -> TensorInfo:
+    shown = name if name.isprintable() and len(name) <= 200 else repr(name[:200])
+    where = f"{path}: tensor {shown}"
     if not isinstance(entry, dict):
-        raise CheckpointError(f"{path}: tensor {name}: header entry is not an object")
+        raise CheckpointError(f"{where}: header entry is not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in DTYPE_SIZES:
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+        shown = repr(dtype) if isinstance(dtype, str | int | float | None) else type(dtype).__name__
+        raise CheckpointError(f"{where}: unknown dtype {shown[:40]}; known: {', '.join(DTYPE_SIZES)}")
+    if not isinstance(shape, list) or len(shape) > MAX_RANK:
+        rank = f"{len(shape)} dimensions" if isinstance(shape, list) else type(shape).__name__
+        raise CheckpointError(f"{where}: shape is {rank}; a shape is a list of at most {MAX_RANK} sizes")
+    if not all(_is_count(d) for d in shape):
+        raise CheckpointError(f"{where}: shape {_short(shape)} must hold whole numbers from 0 to 2**64-1")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
         raise CheckpointError(
-            f"{path}: tensor {name}: unknown dtype {dtype!r}; known: {', '.join(DTYPE_SIZES)}"
+            f"{where}: data_offsets {_short(offsets)} must be two whole numbers [begin, end]"
         )
-    ok_shape = isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
-    ok_offsets = isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
-    if not ok_shape or not ok_offsets or not 0 <= offsets[0] <= offsets[1]:
-        raise CheckpointError(f"{path}: tensor {name}: malformed shape {shape!r} or data_offsets {offsets!r}")
+    if offsets[0] > offsets[1]:
+        raise CheckpointError(f"{where}: data_offsets {offsets} end before they begin; the shard is corrupt")
+    span = DTYPE_SIZES[dtype]
+    for d in shape:  # checked as it grows: a huge product never gets computed
+        span *= max(d, 1)
+        if span >= MAX_NUMEL_BYTES:
+            raise CheckpointError(
+                f"{where}: shape {_short(shape)} of {dtype} overflows a 64-bit size (torch cannot hold it); "
+                "the header is corrupt"
+            )
     info = TensorInfo(name, dtype, tuple(shape), offsets[0], offsets[1])
     if info.numel * DTYPE_SIZES[dtype] != info.nbytes:
         raise CheckpointError(
-            f"{path}: tensor {name}: shape {list(shape)} of {dtype} needs {info.numel * DTYPE_SIZES[dtype]} "
+            f"{where}: shape {list(shape)} of {dtype} needs {info.numel * DTYPE_SIZES[dtype]} "
             f"bytes but data_offsets span {info.nbytes}; header and offsets disagree"
         )
     return info
+
+
+def _short(value: object) -> str:
+    text = repr(value) if isinstance(value, list | int | float | str | None) else type(value).__name__
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
 
 
 @dataclass(frozen=True)
@@ -145,21 +214,65 @@ class WeightFiles:
         return tuple(sorted(set(self.weight_map.values())))
 
 
+MAX_INDEX_BYTES = 256 << 20  # an index lists tensor names; the largest hub models' are a few MB
+MAX_JSON_BYTES = 64 << 20  # config.json and the other small JSON files of a checkpoint
+
+
+def link_scope(root: Path | str) -> Path:
+    """Where the files of checkpoint `root` may point through symlinks: the folder itself, or
+    for a Hugging Face cache snapshot (<repo>/snapshots/<revision>) the repository folder,
+    whose blobs/ its links name."""
+    root = Path(root)
+    if root.parent.name == "snapshots" and (root.parent.parent / "blobs").is_dir():
+        return root.parent.parent
+    return root
+
+
+def checkpoint_file(root: Path | str, entry: object, *, named_by: Path | str | None = None) -> Path:
+    """The file `entry` (a name read from the checkpoint's own files) inside `root`; a
+    CheckpointError naming `named_by` when it is absolute, climbs out with '..', or is a
+    symlink leaving the checkpoint (miles.files.resolve_inside)."""
+    try:
+        return resolve_inside(root, entry, what="file", links_within=link_scope(root))
+    except FileRefused as exc:
+        source = f"{named_by}: " if named_by else f"{root}: "
+        raise CheckpointError(f"{source}{exc}; the checkpoint is corrupt or crafted") from None
+
+
+def read_json_file(path: Path | str, limit: int = MAX_JSON_BYTES):
+    """A checkpoint's JSON file (config.json, the index), read only if it is a regular file
+    of at most `limit` bytes: a FIFO or /dev/zero under that name is refused, not read."""
+    try:
+        raw = read_regular(path, limit)
+    except FileRefused as exc:
+        raise CheckpointError(f"{exc}; replace it with the checkpoint's own file") from None
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise CheckpointError(f"{path}: nested too deeply to be a checkpoint's JSON file") from None
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+
+
 def read_weight_map(root: Path | str) -> WeightFiles:
-    """The index's weight map, or the single shard's tensor list when there is no index."""
+    """The index's weight map, or the single shard's tensor list when there is no index.
+
+    Every shard name the index gives must name a file inside `root` (checkpoint_file)."""
     root = Path(root)
     index = root / INDEX_NAME
-    if index.is_file():
-        try:
-            data = json.loads(index.read_text())
-            weight_map = data["weight_map"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{index}: not a safetensors index with a weight_map ({exc})") from exc
+    if os.path.lexists(index):  # a FIFO or device there is refused by name, never taken as absent
+        data = read_json_file(checkpoint_file(root, INDEX_NAME), MAX_INDEX_BYTES)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names")
+            raise CheckpointError(
+                f"{index}: not a safetensors index: its weight_map must map tensor names to shard file names"
+            )
+        for shard in sorted(set(weight_map.values())):
+            checkpoint_file(root, shard, named_by=index)
         return WeightFiles(root, dict(weight_map), True)
     single = root / SINGLE_SHARD
     if single.is_file():
+        checkpoint_file(root, SINGLE_SHARD)
         return WeightFiles(root, {name: SINGLE_SHARD for name in read_header(single).tensors}, False)
     raise CheckpointError(
         f"{root}: no {INDEX_NAME} and no {SINGLE_SHARD}; this is not a safetensors checkpoint"
@@ -169,7 +282,7 @@ def read_weight_map(root: Path | str) -> WeightFiles:
 def write_index(root: Path, weight_map: Mapping[str, str], total_size: int) -> None:
     """Write the index; total_size is the sum of the tensors' bytes, as transformers writes it."""
     data = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-    (root / INDEX_NAME).write_text(json.dumps(data, indent=2) + "\n")
+    replace_file(Path(root) / INDEX_NAME, (json.dumps(data, indent=2) + "\n").encode())
 
 
 def torch_dtype(name: str):
@@ -266,7 +379,10 @@ class ShardWriter:
         raw = json.dumps(entries, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
         self._hash = _Hasher()
-        self._file = open(self.path, "wb")
+        # A new file renamed into place at close: never written through a link or a hard
+        # link someone left under the final name (a fetched shard shares its inode with the source)
+        self._tmp = self.path.with_name(f".{self.path.name}.writing")
+        self._file = create_new(self._tmp)
         self._size = 0
         self._next = 0
         self._filled = 0
@@ -323,6 +439,7 @@ class ShardWriter:
         except OSError as exc:
             raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
         self._file.close()
+        os.replace(self._tmp, self.path)
         return self._size, self._hash.hexdigest()
 
     def abort(self) -> None:
@@ -330,7 +447,8 @@ class ShardWriter:
         try:
             self._file.close()
         except OSError:
-            pass  # the flush of a failed write fails again; the file is deleted with its temp dir
+            pass  # the flush of a failed write fails again
+        self._tmp.unlink(missing_ok=True)
 
 
 def sha256_file(path: Path) -> str:
@@ -342,7 +460,8 @@ def sha256_file(path: Path) -> str:
 
 
 def copy_side_files(src: Path, dst: Path, skip: tuple[str, ...] = ("config.json",)) -> None:
-    """Copy tokenizer, generation config and other small files; never weights, the index or hidden files."""
+    """Copy tokenizer, generation config and other small files; never weights, the index or
+    hidden files. Each is read only from inside `src` and written as a new file in `dst`."""
     for path in sorted(Path(src).iterdir()):
         name = path.name
         if (
@@ -351,10 +470,18 @@ def copy_side_files(src: Path, dst: Path, skip: tuple[str, ...] = ("config.json"
             or name == INDEX_NAME
             or name.endswith(WEIGHT_SUFFIXES)
             or name.startswith(".")
-            or (Path(dst) / name).exists()
+            or os.path.lexists(Path(dst) / name)
         ):
             continue
-        shutil.copyfile(path, Path(dst) / name)
+        checkpoint_file(src, name)
+        tmp = Path(dst) / f".{name}.writing"
+        try:
+            with open(path, "rb") as fin, create_new(tmp) as fout:
+                shutil.copyfileobj(fin, fout, _COPY_CHUNK)
+            os.replace(tmp, Path(dst) / name)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
 
 class CheckpointReader:

@@ -17,6 +17,7 @@ from miles.ckpt.errors import CheckpointError
 from miles.ckpt.manifest import MANIFEST_NAME, clean_stale, partial_path, read_manifest
 from miles.ckpt.progress import Progress
 from miles.ckpt.shards import sha256_file
+from miles.files import FileRefused, create_new, replace_file, resolve_inside
 
 
 def stage_dir(src: Path, dst: Path, *, progress: Progress | None = None) -> int:
@@ -39,27 +40,30 @@ def stage_dir(src: Path, dst: Path, *, progress: Progress | None = None) -> int:
         progress.total_tensors = 0
     copied = 0
     for rel, record in sorted(manifest.files.items()):
-        target = work / rel
+        target = _inside(work, rel)
         if _same(target, record.size, record.sha256, known.get(rel)):
             if progress is not None:
                 progress.advance(record.size)
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
+        _inside(work, rel)  # the folders just made (or found) stay inside the copy
         tmp = target.with_name(target.name + ".copying")
-        shutil.copyfile(src / rel, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        tmp.unlink(missing_ok=True)  # a killed run's; the copy is always a new file
+        with open(_inside(src, rel), "rb") as fin, create_new(tmp) as fout:
+            shutil.copyfileobj(fin, fout, 16 << 20)
+            fout.flush()
+            os.fsync(fout.fileno())
         os.replace(tmp, target)
         copied += record.size
         if progress is not None:
             progress.advance(record.size)
     for path in sorted(work.rglob("*"), reverse=True):
         rel = path.relative_to(work).as_posix()
-        if path.is_file() and rel not in manifest.files:
-            path.unlink()
-        elif path.is_dir() and not any(path.iterdir()):
+        if (path.is_symlink() or path.is_file()) and rel not in manifest.files:
+            path.unlink()  # a link itself, never what it points to
+        elif path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
             path.rmdir()
-    (work / MANIFEST_NAME).write_text(manifest.to_json())
+    replace_file(work / MANIFEST_NAME, manifest.to_json().encode())
     work.rename(dst)
     return copied
 
@@ -82,6 +86,13 @@ def _workspace(dst: Path) -> Path:
         work.mkdir(exist_ok=True)
     clean_stale(dst, keep=work)
     return work
+
+
+def _inside(folder: Path, rel: str) -> Path:
+    try:
+        return resolve_inside(folder, rel, what="manifest entry")
+    except FileRefused as exc:
+        raise CheckpointError(f"{folder}: {exc}") from None
 
 
 def _same(target: Path, size: int, sha256: str, known: str | None) -> bool:

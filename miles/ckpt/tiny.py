@@ -10,7 +10,8 @@ template. Same arguments, same bytes: the CPU lane's runs are reproducible.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,7 @@ def make_tiny_checkpoint(
     seed: int = 0,
     dtype: str = "bfloat16",
     shard_bytes: int = DEFAULT_SHARD_BYTES,
+    progress: bool = True,
     **dims: Any,
 ) -> Path:
     """Build (or find already built) a random `layers`-deep checkpoint of `family` in `out_dir`.
@@ -61,6 +63,7 @@ def make_tiny_checkpoint(
     `dims` override any key of the family's tiny config (hidden_size=2048, vocab_size=32768,
     tie_word_embeddings=0, num_nextn_predict_layers=0, ...), which is how the benchmarks make
     multi-GB checkpoints with the same code; 0/1 stand for false/true where the config wants a bool.
+    progress=False silences transformers' own progress bars while the shards are written.
     """
     spec = get_family(family)
     if layers < 1:
@@ -69,13 +72,29 @@ def make_tiny_checkpoint(
     params = tiny_params(family, layers, seed, dtype, shard_bytes, dims)
     if finished(out, TINY_STEP, f"tiny:{family}", params):
         return out
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out) as tmp, _transformers_progress(progress):
         _save_model(spec, layers, seed, dtype, shard_bytes, dims, tmp)
         build_tokenizer(
             int(dims.get("max_position_embeddings", spec.tiny_dims["max_position_embeddings"]))
         ).save_pretrained(tmp)
         write_manifest(tmp, TINY_STEP, f"tiny:{family}", params)
     return out
+
+
+@contextmanager
+def _transformers_progress(enabled: bool) -> Iterator[None]:
+    if enabled:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 def _save_model(spec, layers: int, seed: int, dtype: str, shard_bytes: int, dims, out: Path) -> None:

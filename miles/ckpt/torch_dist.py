@@ -61,11 +61,7 @@ def convert_to_torch_dist(
     src, dst = Path(src), Path(dst)
     config = json.loads((src / "config.json").read_text())
     gpt = writes_megatron_keys(family_name)
-    with _quiet(), _mapped(config), single_process_group(), CheckpointReader(src) as reader:
-        if gpt:
-            from miles.megatron.compat import install_without_gpu
-
-            install_without_gpu()  # megatron-core's MoE layers and forward assume CUDA otherwise
+    with _quiet(), _mapped(config), single_process_group(), CheckpointReader(src) as reader, _on_cpu(gpt):
         if progress is not None:
             progress.total_bytes = sum(reader.info(n)[1].nbytes for n in reader.files.weight_map)
             progress.total_tensors = len(reader.files.weight_map)
@@ -104,6 +100,19 @@ def _mapped(config: Mapping[str, Any]) -> Iterator[None]:
         yield
     except (UnmappedModel, CheckpointMismatch) as exc:
         raise CheckpointError(f"torch_dist: {exc}") from exc
+
+
+@contextmanager
+def _on_cpu(gpt: bool) -> Iterator[None]:
+    """The conversion's megatron-core work (build, fill, save, load back, logit check) runs on the
+    CPU on every machine: megatron-core otherwise places parts of it on a visible GPU."""
+    if not gpt:
+        yield
+        return
+    from miles.megatron.compat import cpu_placed
+
+    with cpu_placed():
+        yield
 
 
 @contextmanager

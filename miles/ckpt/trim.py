@@ -20,7 +20,15 @@ from miles.ckpt.errors import CheckpointError
 from miles.ckpt.families import LAYER_LIST_KEYS, LAYER_RE, num_layers
 from miles.ckpt.manifest import FileRecord
 from miles.ckpt.progress import Progress
-from miles.ckpt.shards import ShardWriter, copy_side_files, read_header, read_weight_map, write_index
+from miles.ckpt.shards import (
+    ShardWriter,
+    copy_side_files,
+    read_header,
+    read_json_file,
+    read_weight_map,
+    write_index,
+)
+from miles.files import replace_file
 
 
 def trimmed_name(name: str, keep: int, total: int) -> str | None:
@@ -55,7 +63,7 @@ def trim_checkpoint(
 ) -> dict[str, FileRecord]:
     """Write the `keep`-layer slice of `src` into the (empty) directory `dst`; return its shard records."""
     src, dst = Path(src), Path(dst)
-    config = json.loads((src / "config.json").read_text())
+    config = read_json_file(src / "config.json")
     total = num_layers(config)
     if total is None or keep > total:
         raise CheckpointError(f"{src}/config.json: has {total} layers; cannot cut a {keep}-layer slice")
@@ -98,7 +106,9 @@ def trim_checkpoint(
         finally:
             os.close(fd)
         records[rename[shard]] = FileRecord(size, digest)
-    (dst / "config.json").write_text(json.dumps(trim_config(config, keep), indent=2, sort_keys=True) + "\n")
+    replace_file(
+        dst / "config.json", (json.dumps(trim_config(config, keep), indent=2, sort_keys=True) + "\n").encode()
+    )
     if files.indexed:
         write_index(dst, weight_map, total_size)
     copy_side_files(src, dst)

@@ -16,7 +16,6 @@ Rules, each reported with the file, the tensor and a fix:
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -32,8 +31,10 @@ from miles.ckpt.shards import (
     DTYPE_OF_TORCH_NAME,
     FLOAT_DTYPES,
     ShardHeader,
+    checkpoint_file,
     pread_into,
     read_header,
+    read_json_file,
     read_weight_map,
     torch_dtype,
 )
@@ -117,10 +118,18 @@ def _check_config(root, family_name, expect_layers, min_layers, allow_auto_map, 
     spec = family(family_name)
     path = root / "config.json"
     try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+        config = read_json_file(checkpoint_file(root, "config.json"))
+    except OSError as exc:
         findings.append(
             Finding(str(path), "config", f"cannot read config.json ({exc}); is {root} a checkpoint?")
+        )
+        return None
+    except CheckpointError as exc:
+        findings.append(Finding(str(path), "config", f"{exc}; is {root} a checkpoint?"))
+        return None
+    if not isinstance(config, dict):
+        findings.append(
+            Finding(str(path), "config", "is not a JSON object; is this a checkpoint's config.json?")
         )
         return None
     model_type = config.get("model_type")
@@ -189,7 +198,7 @@ def _check_files(root: Path, out: list[Finding], keep) -> dict[str, ShardHeader]
     needed = {shard for name, shard in files.weight_map.items() if keep(name)}
     for shard in sorted(needed):
         path = root / shard
-        if not path.is_file():
+        if not os.path.exists(path):
             named = sum(1 for v in files.weight_map.values() if v == shard)
             findings.append(
                 Finding(

@@ -16,7 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 from types import MappingProxyType
 
-from miles.ci.catalog import Catalog, UnknownName, load_catalog, unknown_name_message
+from miles.ci.registry.catalog import Catalog, UnknownName, load_catalog, unknown_name_message
 
 IMAGES_PATH = Path(__file__).with_name("images.toml")
 REQUIREMENTS_DIR = "requirements"
@@ -32,6 +32,17 @@ def normalize(name: str) -> str:
 
 
 @dataclass(frozen=True)
+class SourceBuild:
+    """A package the stack's image builds from source (no wheel of it exists for the stack's
+    platform on the index the lock resolves on), pinned by a Dockerfile ARG."""
+
+    dist: str  # normalized distribution name, as installed
+    module: str  # what the engine imports
+    pin: str  # the Dockerfile ARG that pins its source (a commit or a release)
+    repo: str  # where the source comes from
+
+
+@dataclass(frozen=True)
 class Stack:
     name: str
     backend: str
@@ -42,6 +53,8 @@ class Stack:
     retag: tuple[str, ...] = ()
     rename: tuple[tuple[str, str], ...] = ()
     exclude: tuple[str, ...] = ()
+    source_builds: tuple[SourceBuild, ...] = ()
+    engine_modules: tuple[str, ...] = ()  # what the lanes' rollout engine imports (preflight imports each)
 
     @property
     def lock_path(self) -> str:
@@ -129,6 +142,11 @@ def load_images(path: Path | str | None = None) -> ImageConfig:
             retag=tuple(normalize(n) for n in entry.get("retag", ())),
             rename=tuple((normalize(k), v) for k, v in entry.get("rename", {}).items()),
             exclude=tuple(entry.get("exclude", ())),
+            source_builds=tuple(
+                SourceBuild(normalize(b["dist"]), b["module"], b["pin"], b.get("repo", ""))
+                for b in entry.get("source_builds", ())
+            ),
+            engine_modules=tuple(entry.get("engine_modules", ())),
         )
         if stacks[name].retag and not stacks[name].torch_build:
             problems.append(f"[stacks.{name}]: `retag` needs `torch_build`")

@@ -21,6 +21,7 @@ _INLINE_PIN = re.compile(
 )
 # ARG <PACKAGE>_VERSION=<version>: a Dockerfile that names a version states a pin
 _ARG_VERSION = re.compile(r"^\s*ARG\s+(?P<arg>[A-Z0-9_]+)_VERSION\s*=\s*(?P<version>\S+)\s*$")
+_ARG = re.compile(r"^\s*ARG\s+(?P<name>[A-Za-z0-9_]+)(?:\s*=\s*(?P<value>\S*))?\s*$")
 
 
 class LockError(ValueError):
@@ -181,3 +182,15 @@ def check_dockerfile(dockerfile: Path | str, lock: Lock, *, root: Path | None = 
                 )
             )
     return out
+
+
+def dockerfile_args(path: Path | str, *, root: Path | None = None) -> dict[str, tuple[str, str]]:
+    """Every `ARG NAME=default` of a Dockerfile: name -> (default, file:line); the last one wins."""
+    path = Path(path)
+    shown = path.relative_to(root).as_posix() if root else path.as_posix()
+    found = {}
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        match = _ARG.match(line)
+        if match and match["value"]:
+            found[match["name"]] = (match["value"], f"{shown}:{number}")
+    return found

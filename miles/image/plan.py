@@ -29,7 +29,15 @@ from miles.image.inputs import (
     input_hash,
     parse_tag,
 )
-from miles.image.pins import Lock, Mismatch, check_dockerfile, diff_installed, extra_installed, parse_lock
+from miles.image.pins import (
+    Lock,
+    Mismatch,
+    check_dockerfile,
+    diff_installed,
+    dockerfile_args,
+    extra_installed,
+    parse_lock,
+)
 
 CONTEXT_DIR = ".miles/image-context"
 
@@ -52,6 +60,7 @@ class RefreshPlan:
     lookups: tuple[str, ...]  # references whose labels may show the image already exists
     build: tuple[str, ...]  # the docker buildx command
     push: bool
+    source_builds: tuple[str, ...] = ()  # what the image builds from source, one line each
 
     def render(self) -> str:
         lines = [
@@ -62,6 +71,7 @@ class RefreshPlan:
         ]
         lines += [f"  {digest[:12]}  {path}" for path, digest in self.inputs.entries]
         lines.append(f"context     {self.context} (exactly the inputs above)")
+        lines += [f"builds      {line}" for line in self.source_builds]
         lines += [f"skip if     {LABEL_HASH}={self.inputs.short}… on {ref}" for ref in self.lookups]
         lines.append("build       " + shlex.join(self.build))
         return "\n".join(lines)
@@ -111,14 +121,55 @@ def plan_refresh(
         command += ["--load"]
     command.append(context)
     tags = (tag, alias) if move_alias else (tag,)
-    return RefreshPlan(variant, tag, alias, inputs, context, tags, tuple(command), push)
+    builds = source_build_lines(root, variant, config)
+    return RefreshPlan(variant, tag, alias, inputs, context, tags, tuple(command), push, builds)
 
 
-def pins_problems(root: Path, variant: Variant, config: ImageConfig | None = None) -> list[Mismatch]:
-    """Where the variant's Dockerfile states a version its lock does not pin."""
+def source_build_lines(root: Path, variant: Variant, config: ImageConfig) -> tuple[str, ...]:
+    """'<dist> (import <module>) from <repo> @ <pin value>, for GPU_ARCHS=<archs>' per source build."""
+    args = {name: value for name, (value, _) in dockerfile_args(root / variant.dockerfile).items()}
+    args.update(dict(variant.build_args))  # the variant's build args override the defaults
+    archs = args.get("GPU_ARCHS")
+    return tuple(
+        f"{b.dist} (import {b.module}) from {b.repo} @ {args.get(b.pin, '<no ARG ' + b.pin + '>')}"
+        + (f", for GPU_ARCHS={archs}" if archs else "")
+        for b in config.stack(variant.stack).source_builds
+    )
+
+
+@dataclass(frozen=True)
+class SourceBuildProblem:
+    """A source build images.toml declares that the Dockerfile does not pin."""
+
+    dist: str
+    pin: str
+    dockerfile: str
+
+    def __str__(self) -> str:
+        return (
+            f"{self.dist}: {self.dockerfile} has no `ARG {self.pin}=<release or commit>`, and images.toml "
+            f"(source_builds) says it pins the source {self.dist} is built from; add the ARG"
+        )
+
+
+def pins_problems(
+    root: Path, variant: Variant, config: ImageConfig | None = None
+) -> list[Mismatch | SourceBuildProblem]:
+    """Where the variant's Dockerfile states a version its lock does not pin, or leaves a source
+    build unpinned."""
     config = config or load_images()
-    lock = parse_lock(root / config.stack(variant.stack).lock_path, root=root)
-    return check_dockerfile(root / variant.dockerfile, lock, root=root)
+    stack = config.stack(variant.stack)
+    lock = parse_lock(root / stack.lock_path, root=root)
+    problems: list[Mismatch | SourceBuildProblem] = list(
+        check_dockerfile(root / variant.dockerfile, lock, root=root)
+    )
+    args = dockerfile_args(root / variant.dockerfile, root=root)
+    problems += [
+        SourceBuildProblem(b.dist, b.pin, variant.dockerfile)
+        for b in stack.source_builds
+        if b.pin not in args
+    ]
+    return problems
 
 
 def subprocess_runner(command: Sequence[str]) -> tuple[int, str]:
@@ -184,6 +235,7 @@ def refresh(root: Path, plan: RefreshPlan, run: Runner = subprocess_runner) -> R
     if problems:
         lines = "\n".join(f"  {p}" for p in problems)
         raise ImageError(f"{plan.variant.dockerfile} disagrees with its lock; fix one of them:\n{lines}")
+    te_refusal(root, plan.variant)
     existing = existing_image(plan, run)
     if existing:
         return RefreshResult(existing, False, f"up to date: {existing} carries inputs {plan.inputs.short}")
@@ -195,6 +247,16 @@ def refresh(root: Path, plan: RefreshPlan, run: Runner = subprocess_runner) -> R
         )
     where = "pushed" if plan.push else "loaded locally"
     return RefreshResult(plan.tag, True, f"built {plan.tag} ({where})")
+
+
+def te_refusal(root: Path, variant: Variant) -> None:
+    """Refuse to build an image whose Transformer Engine parts disagree (miles.image.te)."""
+    from miles.image.te import te_problems
+
+    problems = te_problems(root, variant)
+    if problems:
+        lines = "\n".join(f"  {p}" for p in problems)
+        raise ImageError(f"{variant.dockerfile}: Transformer Engine is not stated consistently:\n{lines}")
 
 
 # A script the image's own interpreter runs: every installed distribution and its version.
@@ -210,17 +272,23 @@ class ImageCheck:
     lock: Lock
     mismatches: tuple[Mismatch, ...]
     extras: tuple[str, ...]  # installed, not in the lock (source builds such as ROCm kernels)
+    missing_builds: tuple[str, ...] = ()  # source builds the stack declares that are not installed
 
     @property
     def ok(self) -> bool:
-        return not self.mismatches
+        return not self.mismatches and not self.missing_builds
 
     def render(self) -> str:
         head = f"{self.tag} against {self.lock.path}: "
+        problems = len(self.mismatches) + len(self.missing_builds)
         if self.ok:
             out = [head + f"all {len(self.lock.pins)} pins installed"]
         else:
-            out = [head + f"{len(self.mismatches)} difference(s)"] + [f"  {m}" for m in self.mismatches]
+            out = [head + f"{problems} difference(s)"] + [f"  {m}" for m in self.mismatches]
+            out += [
+                f"  {name}: missing; the image builds it from source (images.toml source_builds)"
+                for name in self.missing_builds
+            ]
         if self.extras:
             out.append(f"  not in the lock (built in the image): {', '.join(self.extras)}")
         return "\n".join(out)
@@ -237,6 +305,11 @@ def check_image(
     if code != 0:
         raise ImageError(f"could not list packages in {tag} (docker run exited {code}); is the tag pulled?")
     installed = {normalize(k): v for k, v in json.loads(out).items()}
+    builds = config.stack(variant_obj.stack).source_builds
     return ImageCheck(
-        tag, lock, tuple(diff_installed(lock, installed)), tuple(extra_installed(lock, installed))
+        tag,
+        lock,
+        tuple(diff_installed(lock, installed)),
+        tuple(extra_installed(lock, installed)),
+        tuple(b.dist for b in builds if b.dist not in installed),
     )

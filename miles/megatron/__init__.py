@@ -7,7 +7,12 @@ hf_names.py and export.py say where every megatron weight comes from in the HF c
 and hand the weights back under HF names, checkpoint.py reads and writes torch_dist,
 training.py holds the parallel state, DDP, optimizer and schedules the training backend
 drives, loss.py the vocabulary-parallel logprobs, proof.py and ranks.py run megatron-core's
-rank grids under gloo, and compat.py lets megatron-core run without a GPU: every place
-megatron-core is patched is there, under one `stale()` check. Nothing outside this package
-imports megatron-core; importing the package itself imports nothing heavy.
+rank grids under gloo, options.py says what the backend does with every Megatron flag, and
+compat.py runs megatron-core's CPU-placed work on the CPU and binds its TE-only names without
+TE: every place megatron-core is patched is there, under one `stale()` check (te_names.py finds
+every TE-only name megatron-core reads). Nothing outside this package imports megatron-core;
+importing the package itself imports nothing heavy.
 """
+
+# The module this package wraps, for callers that only ask whether it is installed.
+CORE_MODULE = "megatron.core"

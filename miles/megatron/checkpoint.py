@@ -175,9 +175,10 @@ def save_release(sharded: dict, common: dict, out: Path) -> None:
     (out / "common.pt").write_bytes(buffer.getvalue())
     flat, _, _ = _replace_state_dict_keys_with_sharded_keys(tensors, keep_only_main_replica=True)
     state = mcore_to_pyt_state_dict(flat, is_loading=False)
-    dcp.save(
-        state, storage_writer=Writer(out, thread_count=1), planner=MCoreSavePlanner(flatten_state_dict=False)
-    )
+    # the tensors are on the CPU: written as they are, never staged through a GPU stream (torch
+    # stages them when a GPU is visible unless nothing is copied ahead)
+    writer = Writer(out, thread_count=1, per_thread_copy_ahead=0)
+    dcp.save(state, storage_writer=writer, planner=MCoreSavePlanner(flatten_state_dict=False))
     save_config(CheckpointingConfig("torch_dist", 1), out)
 
 
@@ -267,16 +268,22 @@ def load_training_state(chunks: Sequence, optimizer, directory: str, *, with_opt
 
 
 def _materialize_adam_state(optimizer) -> None:
-    """Give every parameter the AdamW state torch creates lazily at the first step (zeros, step 0).
+    """Give every parameter the Adam state its optimizer creates lazily at the first step, for a
+    fresh optimizer about to load a checkpoint (it needs the tensors to load into).
 
-    Without Apex or Transformer Engine, megatron's distributed optimizer describes its state
-    from torch's AdamW, which has none before a step; a fresh optimizer about to load a
-    checkpoint needs the tensors to load into.
+    torch's AdamW (megatron's optimizer without Apex or Transformer Engine) gets zeros and step
+    0; any other (TE's FusedAdam, which keeps its step in param_groups) gets what megatron-core's
+    own init_state_fn gives it (untested on GPU).
     """
     import torch
 
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = opt.optimizer
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            init = getattr(opt, "init_state_fn", None)
+            if init is not None:
+                init(inner, opt.config)
+            continue
         for group in inner.param_groups:
             for param in group["params"]:
                 state = inner.state[param]

@@ -6,8 +6,15 @@ except for a handful of places that allocate on `torch.cuda.current_device()` or
 Engine symbol that is undefined without it. Each such place is one `Redirect` below: the
 megatron-core function, the text in its source that is the assumption (so an upgrade that
 changes the function is detected, see `stale()`), and why it matters. `install()` wraps
-exactly those functions so that their bodies run inside `on_cpu()`; everything else in the
-process is untouched. It is only ever installed when no GPU is present.
+exactly those functions so that their bodies run inside `on_cpu()` when the work is placed on
+the CPU: for the whole process (`install()`, the CPU training backend), or for the work inside
+`cpu_placed()` (the checkpoint conversion and its logit check, on any machine, a GPU one
+included). Outside that, and everywhere else in the process, megatron-core runs as it is.
+
+`MISSING_SYMBOLS` are names megatron-core binds only when Transformer Engine imports and reads
+elsewhere as "None means absent"; `bind_missing_te_names()` binds them to None on every device
+(miles.megatron.te_names finds every read of a TE-only name and tests/unit/
+test_megatron_te_only_names.py requires each to be guarded, bound here, or unreachable).
 
 The other changes are `PATCHES`, each applied by one function here: the Transformer Engine
 names of the layer-spec module bound to stand-ins while a spec is built without TE
@@ -207,10 +214,19 @@ REDIRECTS: tuple[Redirect, ...] = (
     ),
 )
 
-# A module-level name megatron-core only defines when Transformer Engine imports: without it
-# the MoE router's fp32 GEMM raises NameError instead of taking its torch fallback.
+# Module-level names megatron-core only defines when Transformer Engine imports, each with the
+# None test megatron-core reads it through. Without TE, te_general_gemm unbound makes every MoE
+# router forward and backward raise NameError instead of taking its torch GEMM, and the fused
+# permutation names unbound make TransformerConfig(moe_permute_fusion=True) raise ImportError
+# instead of megatron-core's own ValueError ("Please install TE >= 2.1.0").
+_MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
 MISSING_SYMBOLS: tuple[tuple[str, str, str], ...] = (
-    ("megatron.core.transformer.moe.moe_utils", "te_general_gemm", "te_general_gemm is not None"),
+    (_MOE_UTILS, "te_general_gemm", "te_general_gemm is not None"),
+    (_MOE_UTILS, "fused_permute", "fused_permute is None"),
+    (_MOE_UTILS, "fused_permute_with_probs", "fused_permute_with_probs is None"),
+    (_MOE_UTILS, "fused_sort_chunks_by_index", "fused_sort_chunks_by_index is None"),
+    (_MOE_UTILS, "fused_sort_chunks_by_index_with_probs", "fused_sort_chunks_by_index_with_probs is None"),
+    (_MOE_UTILS, "fused_unpermute", "fused_unpermute is None"),
 )
 
 
@@ -295,6 +311,12 @@ _CUDA_TYPE = {
 _lock = threading.RLock()
 _depth = 0
 _installed: dict[str, object] = {}  # target -> the original function
+_process_on_cpu = False  # install(): every megatron-core call of the process is CPU work
+_scope = threading.local()  # cpu_placed(): this thread's enclosed calls are
+
+
+def _placed_on_cpu() -> bool:
+    return _process_on_cpu or getattr(_scope, "depth", 0) > 0
 
 
 def _is_cuda(device) -> bool:
@@ -349,8 +371,10 @@ def on_cpu(tensors_on_cuda: bool = False) -> Iterator[None]:
         outermost = _depth == 1
     if not outermost:  # already inside a redirected call
         try:
-            if tensors_on_cuda:
-                with _function_mode(tensors_on_cuda=True):
+            # autograd's backward (where recomputation reruns a layer's forward) runs without
+            # the outer call's function mode: the placements need it again there
+            if tensors_on_cuda or torch._C._len_torch_function_stack() == 0:
+                with _function_mode(tensors_on_cuda):
                     yield
             else:
                 yield
@@ -418,6 +442,8 @@ def _wrap(fn, tensors_on_cuda: bool = False):
 
     @functools.wraps(fn)
     def on_cpu_call(*args, **kwargs):
+        if not _placed_on_cpu():  # GPU work: megatron-core's own code, as it is
+            return fn(*args, **kwargs)
         if makes_context:
             return _EnterExitOnCpu(fn(*args, **kwargs))
         with on_cpu(tensors_on_cuda):
@@ -428,7 +454,31 @@ def _wrap(fn, tensors_on_cuda: bool = False):
 
 
 def install() -> None:
-    """Redirect every entry (idempotent). Call only on a machine without a GPU.
+    """Place every megatron-core call of this process on the CPU (idempotent): the CPU training
+    backend and CPU workers. A process that also runs megatron-core on a GPU uses `cpu_placed()`
+    for its CPU work instead."""
+    global _process_on_cpu
+    _install_redirects()
+    bind_missing_te_names()
+    _process_on_cpu = True
+
+
+@contextlib.contextmanager
+def cpu_placed() -> Iterator[None]:
+    """Run the enclosed megatron-core work (of this thread) on the CPU, whatever GPUs are
+    visible: models built, loaded and run on CPU tensors. Outside it the redirected functions
+    run as megatron-core wrote them."""
+    _install_redirects()
+    bind_missing_te_names()
+    _scope.depth = getattr(_scope, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _scope.depth -= 1
+
+
+def _install_redirects() -> None:
+    """Wrap every entry (idempotent); a wrapped function redirects only CPU-placed calls.
 
     A module-level function is also replaced wherever megatron-core imported it by name
     (`from ... import get_grad_norm_fp32`), so every caller gets the redirected one.
@@ -451,20 +501,15 @@ def install() -> None:
                 for module_name, module in list(sys.modules.items()):
                     if module_name.startswith("megatron.") and getattr(module, name, None) is original:
                         setattr(module, name, wrapped)
-        for module_name, symbol, _ in MISSING_SYMBOLS:
-            module = importlib.import_module(module_name)
-            if not hasattr(module, symbol):
-                setattr(module, symbol, None)
 
 
-def install_without_gpu() -> bool:
-    """install() when torch sees no GPU; returns whether the redirects are active."""
-    import torch
-
-    if torch.cuda.is_available():
-        return False
-    install()
-    return True
+def bind_missing_te_names() -> None:
+    """Bind each of MISSING_SYMBOLS to None where Transformer Engine did not define it (on any
+    device; with TE installed every name exists and nothing changes)."""
+    for module_name, symbol, _ in MISSING_SYMBOLS:
+        module = importlib.import_module(module_name)
+        if not hasattr(module, symbol):
+            setattr(module, symbol, None)
 
 
 @contextlib.contextmanager

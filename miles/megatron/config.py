@@ -92,12 +92,19 @@ def transformer_config(
     import torch
     from megatron.core import transformer
 
+    from miles.megatron.compat import bind_missing_te_names
+
+    bind_missing_te_names()  # megatron-core's own message, not an ImportError, for a TE-only switch
     mapping = mapping_of(config)
     mapping.refuse_unmapped(config)
     dtype = dtype or checkpoint_dtype(config)
     fields = mapping.transformer_fields(config)
     fields.update((parallel or ParallelLayout()).transformer_config_kwargs())
     fields.update(overrides)
+    if isinstance(fields.get("attention_backend"), str):  # a flag's value: megatron-core's enum member
+        from megatron.core.transformer.enums import AttnBackend
+
+        fields["attention_backend"] = AttnBackend[fields["attention_backend"]]
     return getattr(transformer, mapping.config_class)(
         params_dtype=dtype,
         pipeline_dtype=dtype,  # what pipeline stages exchange

@@ -240,12 +240,13 @@ def keep_router_weights_fp32(model) -> None:
             module.weight.data = module.weight.data.float()
 
 
-def layer_provider():
-    """The modules of the Transformer Engine layer spec: TE's own, or (without TE) the TE-shaped
-    local ones of `miles.megatron.spec` (ready once `decoder_block_spec` has run)."""
+def layer_provider(impl: str = "local"):
+    """The modules of the Transformer Engine layer spec: TE's own (`impl` "transformer_engine"),
+    or the TE-shaped local ones of `miles.megatron.spec` (ready once `decoder_block_spec` has
+    run)."""
     from miles.megatron import spec
 
-    if spec.has_transformer_engine():
+    if impl == spec.TE:
         from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
 
         return TESpecProvider()
@@ -264,7 +265,7 @@ def down_projection(provider) -> type:
     split and its backward keeps one rank's heads' share of that key's gradient."""
     from miles.megatron import spec
 
-    if spec.has_transformer_engine():
+    if not isinstance(provider, spec.TEShapedSpecProvider):
         return provider.linear()
     from megatron.core.post_training.modelopt.layers import Linear
 

@@ -11,9 +11,10 @@ tensor-parallel weight (`linear_fc1` shards are [gate_r; up_r], so gate and up a
 apart), gather the experts across the expert-parallel group, and broadcast the full tensors
 to the other pipeline stages; then every rank turns megatron's fused tensors back into the
 HF ones (`linear_qkv` split per query group, `linear_fc1` into gate and up, local expert
-indices into global ones). Only one layer's tensors are held at a time. A family's weights
-outside the decoder layers (carried MTP layers, on the last stage) follow under the
-checkpoint's names only: the transformers class has no such parameters.
+indices into global ones). Only one layer's tensors are held at a time. TE's grouped-GEMM
+experts are read under SequentialMLP's names (`expert_name`). A family's weights outside the
+decoder layers (carried MTP layers, on the last stage) follow under the checkpoint's names
+only: the transformers class has no such parameters.
 """
 
 from __future__ import annotations
@@ -32,6 +33,20 @@ _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
 _ANY_EXPERT = re.compile(r"^(.*\.)?mlp\.experts\.local_experts\.(\d+)\.(.*)$")
 # the weights megatron's SwiGLU MLPs hold as [gate; up] (dense MLP, shared expert)
 _GATED = re.compile(r"(^|\.)mlp\.(shared_experts\.)?linear_fc1\.weight$")
+# TE's grouped-GEMM experts (TEGroupedMLP, --moe-grouped-gemm) keep local expert i's weight as
+# `weight{i}` of one grouped linear (megatron/core/transformer/moe/experts.py,
+# TEGroupedMLP.sharded_state_dict: f"{name}.weight{i}").
+_GROUPED = re.compile(r"^(.*\.)?mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
+
+
+def expert_name(name: str) -> str:
+    """A parameter name in SequentialMLP's spelling, `<owner>mlp.experts.local_experts.{i}.
+    linear_fc1.weight`, whichever expert module holds it (other names unchanged); the owner is
+    empty for a layer-relative name, `mtp.layers.k.transformer_layer.` for a carried MTP layer."""
+    m = _GROUPED.match(name)
+    if m is None:
+        return name
+    return f"{m.group(1) or ''}mlp.experts.local_experts.{m.group(4)}.{m.group(2)}.{m.group(3)}"
 
 
 def _stage_tensors(chunks: Sequence) -> dict[str, torch.Tensor]:
@@ -47,7 +62,7 @@ def _stage_tensors(chunks: Sequence) -> dict[str, torch.Tensor]:
             if m:
                 layer = layers[int(m.group(1))]
                 name = f"decoder.layers.{layer.layer_number - 1}.{m.group(2)}"
-            out[name] = tensor
+            out[expert_name(name)] = tensor
     return out
 
 

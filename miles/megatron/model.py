@@ -21,10 +21,12 @@ def build_model(
     *,
     transformer=None,
     vp_stage: int | None = None,
+    impl: str = "local",
 ):
     """An uninitialised GPTModel of this rank's pipeline stage (and virtual stage), shaped like
-    the HF config, with the Transformer Engine layer spec's module tree and keys (and what the
-    family's mapping adds: its own attention, carried MTP layers)."""
+    the HF config, with the Transformer Engine layer spec's module tree and keys: TE's own
+    modules with `impl` "transformer_engine", the stand-in ones by default (miles.megatron.spec);
+    and what the family's mapping adds (its own attention, carried MTP layers)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -47,9 +49,9 @@ def build_model(
         else True
     )
     if mapping.block_spec is not None:
-        spec = mapping.block_spec(tc, config, vp_stage)
+        spec = mapping.block_spec(tc, config, vp_stage, impl=impl)
     else:
-        spec = decoder_block_spec(tc, vp_stage=vp_stage)
+        spec = decoder_block_spec(tc, impl=impl, vp_stage=vp_stage)
     model = GPTModel(
         config=tc,
         transformer_layer_spec=spec,
@@ -65,16 +67,16 @@ def build_model(
     )
     model = model.to(tc.params_dtype)
     if mapping.finish_model is not None:
-        mapping.finish_model(model, tc, config, vp_stage)
+        mapping.finish_model(model, tc, config, vp_stage, impl=impl)
     return model
 
 
-def build_chunks(config: Mapping[str, Any], tc, vocab_size: int) -> list:
+def build_chunks(config: Mapping[str, Any], tc, vocab_size: int, impl: str = "local") -> list:
     """This rank's model: one GPTModel per virtual pipeline stage (one without VPP)."""
     if not tc.virtual_pipeline_model_parallel_size:
-        return [build_model(config, vocab_size, transformer=tc)]
+        return [build_model(config, vocab_size, transformer=tc, impl=impl)]
     return [
-        build_model(config, vocab_size, transformer=tc, vp_stage=stage)
+        build_model(config, vocab_size, transformer=tc, vp_stage=stage, impl=impl)
         for stage in range(tc.virtual_pipeline_model_parallel_size)
     ]
 

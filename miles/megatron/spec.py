@@ -2,12 +2,16 @@
 
 GPU jobs train with megatron-core's Transformer Engine spec, whose modules fuse the input
 norm into `linear_qkv` and the dense MLP's norm into `linear_fc1`, while an MoE layer keeps a
-separate `pre_mlp_layernorm`. Those choices decide a checkpoint's keys. When TE is not
-installed (the CPU lane, and GPU machines without it), the same spec function of
-megatron-core is called with a provider whose modules are plain PyTorch/megatron-core ones
-with TE's parameter names, so the module tree, and therefore every state-dict and sharded
-key, is the one a TE job builds and loads. Numerically they are the unfused operations TE
-fuses: a norm, then the linear.
+separate `pre_mlp_layernorm`. Those choices decide a checkpoint's keys. The stand-in spec
+("local": the CPU lane, GPU machines without TE, and every checkpoint conversion, whose logit
+check runs on the CPU) calls the same spec function of megatron-core with a provider whose
+modules are plain PyTorch/megatron-core ones with TE's parameter names, so the module tree,
+and therefore every state-dict and sharded key, is the one a TE job builds and loads.
+Numerically they are the unfused operations TE fuses: a norm, then the linear.
+
+Which one a run builds is decided once (`choose_impl`): `--transformer-impl` as Megatron-LM
+reads it, else TE where megatron-core's own import of it succeeded (`te_status`) and the run
+is on a GPU. `built_spec_line` reads the classes actually built, for the run's first line.
 
 Experts: with `--moe-grouped-gemm` TE builds TEGroupedMLP, whose sharded state dict
 megatron-core defines to be interchangeable with SequentialMLP's (the stand-in here).
@@ -15,13 +19,91 @@ megatron-core defines to be interchangeable with SequentialMLP's (the stand-in h
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+TE = "transformer_engine"
+LOCAL = "local"
 
-def has_transformer_engine() -> bool:
-    import importlib.util
 
-    return importlib.util.find_spec("transformer_engine") is not None
+class SpecRefused(ValueError):
+    """The requested layer spec cannot be built here; the message names the flag and the fix."""
+
+
+@dataclass(frozen=True)
+class TEStatus:
+    ok: bool
+    version: str | None
+    reason: str  # why not, when not ok
+    broken: bool = False  # installed, and importing it raises what megatron-core does not catch
+
+
+def te_status() -> TEStatus:
+    """Whether megatron-core's Transformer Engine layers can be built here: megatron-core's own
+    import of TE (`HAVE_TE`). A TE that is installed but broken (no cuDNN, mismatched versions,
+    an extension built for another torch) raises other errors than ImportError at import,
+    which megatron-core does not catch; they are a reason here."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        from megatron.core.extensions import transformer_engine as mte
+    except Exception as exc:  # RuntimeError (cuDNN), AssertionError (versions), OSError (the .so)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return TEStatus(False, None, f"importing it failed: {type(exc).__name__}: {first}", broken=True)
+    if not mte.HAVE_TE:
+        return TEStatus(False, None, "transformer_engine is not installed")
+    try:
+        found = version("transformer-engine")
+    except PackageNotFoundError:
+        found = None
+    return TEStatus(True, found, "")
+
+
+def core_te_usage() -> dict[str, bool]:
+    """What megatron-core does with the Transformer Engine installed here: builds its TE layer
+    spec (its own HAVE_TE), and steps with TE's FusedAdam rather than torch's AdamW."""
+    from megatron.core import optimizer
+    from megatron.core.extensions import transformer_engine as mte
+
+    return {"megatron_te": bool(mte.HAVE_TE), "fused_adam": not optimizer.USING_PYTORCH_OPTIMIZER}
+
+
+def choose_impl(requested: str | None, device: str, status: TEStatus | None = None) -> tuple[str, str]:
+    """(spec, why) for `--transformer-impl requested` on `device` ("cpu", "cuda:0", ...), as
+    Megatron-LM reads the flag (transformer_engine or local); unset: TE where it loads on a GPU.
+    Raises SpecRefused for a spec that cannot be built here."""
+    on_cpu = device == "cpu"
+    if requested not in (None, TE, LOCAL):
+        raise SpecRefused(
+            f"--transformer-impl {requested}: the Megatron backend builds 'transformer_engine' or 'local' "
+            "(megatron-core's TE spec or its stand-in with the same keys)"
+        )
+    status = status or te_status()
+    if status.broken:  # megatron-core's other modules would fail to import with it, whatever the spec
+        raise SpecRefused(
+            f"Transformer Engine is installed but does not load here ({status.reason}), and megatron-core's "
+            "modules fail to import with it: run in the lane's image (docker/Dockerfile, docker/Dockerfile.rocm "
+            "build it), or uninstall transformer-engine to train with the stand-in spec"
+        )
+    if requested == LOCAL:
+        return LOCAL, "--transformer-impl local"
+    if on_cpu:
+        if requested == TE:
+            raise SpecRefused(
+                "--transformer-impl transformer_engine: Transformer Engine's layers run on CUDA or ROCm GPUs "
+                "and this run is on the CPU; pass --transformer-impl local or leave the flag out"
+            )
+        return LOCAL, "on the CPU"
+    if status.ok:
+        return TE, f"transformer-engine {status.version or '(version unknown)'}"
+    if requested == TE:
+        raise SpecRefused(
+            f"--transformer-impl transformer_engine: Transformer Engine does not load here ({status.reason}); "
+            "run in the lane's image (docker/Dockerfile, docker/Dockerfile.rocm build it) or pass "
+            "--transformer-impl local"
+        )
+    return LOCAL, f"no Transformer Engine: {status.reason}"
 
 
 def _norm_fn(config, x: torch.Tensor, weight: torch.Tensor, bias, eps: float) -> torch.Tensor:
@@ -140,10 +222,13 @@ def core_attention(config, **kwargs):
     return DotProductAttention(config, **kwargs)
 
 
-def decoder_block_spec(config, *, vp_stage: int | None = None, pp_rank: int | None = None):
+def decoder_block_spec(config, *, impl: str = LOCAL, vp_stage: int | None = None, pp_rank: int | None = None):
     """The TransformerBlock spec of this pipeline stage (and virtual stage): megatron-core's
-    Transformer Engine spec, with TE's own modules when TE is installed."""
-    if has_transformer_engine():
+    Transformer Engine spec with TE's modules (`impl` "transformer_engine") or the stand-in ones."""
+    from miles.megatron.compat import bind_missing_te_names
+
+    bind_missing_te_names()
+    if impl == TE:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
         return get_gpt_decoder_block_spec(
@@ -158,3 +243,30 @@ def decoder_block_spec(config, *, vp_stage: int | None = None, pp_rank: int | No
         return specs.get_gpt_decoder_block_spec(
             config, use_transformer_engine=True, vp_stage=vp_stage, pp_rank=pp_rank
         )
+
+
+def _class(obj) -> str:
+    return type(obj).__name__
+
+
+def built_spec_line(chunks, optimizer, impl: str, why: str, attention_backend=None) -> str:
+    """What was built, read off the modules themselves: the spec, its attention, fused linear,
+    expert and optimizer classes (the run's first line)."""
+    layers = [layer for chunk in chunks for layer in chunk.decoder.layers]
+    parts = []
+    if layers:
+        attention = layers[0].self_attention
+        backend = f" [{attention_backend.name}]" if impl == TE and attention_backend is not None else ""
+        parts.append(f"attention {_class(attention.core_attention)}{backend}")
+        # MLA (GLM-5.2) has no linear_qkv: its query up-projection is the norm-fused linear
+        qkv = next(n for n in ("linear_qkv", "linear_q_up_proj", "linear_q_proj") if hasattr(attention, n))
+        parts.append(f"{qkv} {_class(getattr(attention, qkv))}")
+        experts = sorted({_class(layer.mlp.experts) for layer in layers if hasattr(layer.mlp, "experts")})
+        if experts:
+            parts.append(f"experts {'/'.join(experts)}")
+    inner = [getattr(o, "optimizer", o) for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+    names = sorted({f"{type(o).__module__.split('.')[0]} {_class(o)}" for o in inner if o is not None})
+    if names:
+        parts.append(f"optimizer {', '.join(names)}")
+    spec = "Transformer Engine layer spec" if impl == TE else "stand-in layer spec"
+    return f"megatron {spec} ({why}): {', '.join(parts)}"

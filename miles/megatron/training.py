@@ -43,22 +43,23 @@ def context_parallel_rank() -> int:
     return ps.get_context_parallel_rank()
 
 
-def wrap_ddp(chunks: Sequence, tc) -> list:
-    """megatron's DDP around each chunk: fp32 gradient buffers, reduced for the distributed optimizer."""
+def wrap_ddp(chunks: Sequence, tc, fields: dict | None = None) -> list:
+    """megatron's DDP around each chunk, for the distributed optimizer; `fields` are the
+    DistributedDataParallelConfig fields the flags set (miles.megatron.options.ddp_fields)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
-    )
+    ddp_config = DistributedDataParallelConfig(**{"use_distributed_optimizer": True, **(fields or {})})
     return [
         DistributedDataParallel(config=tc, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
         for i, chunk in enumerate(chunks)
     ]
 
 
-def build_optimizer(wrapped: Sequence, optim_cfg, tc):
-    """megatron's distributed optimizer (AdamW): fp32 main parameters and states, sharded over DP.
-    `optim_cfg` carries lr, min_lr, weight_decay, beta1, beta2, eps and clip_grad."""
+def build_optimizer(wrapped: Sequence, optim_cfg, tc, fields: dict | None = None):
+    """megatron's distributed optimizer (AdamW: Transformer Engine's FusedAdam where TE imports,
+    torch's otherwise): fp32 main parameters and states, sharded over DP. `optim_cfg` carries
+    lr, min_lr, weight_decay, beta1, beta2, eps and clip_grad; `fields` the OptimizerConfig
+    fields the flags set (miles.megatron.options.optimizer_fields)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     config = OptimizerConfig(
@@ -72,20 +73,36 @@ def build_optimizer(wrapped: Sequence, optim_cfg, tc):
         clip_grad=optim_cfg.clip_grad,
         bf16=tc.bf16,
         params_dtype=tc.params_dtype,
-        use_distributed_optimizer=True,
+        **{"use_distributed_optimizer": True, **(fields or {})},
     )
     return get_megatron_optimizer(config, list(wrapped))
 
 
 def connect_schedule(tc, wrapped: Sequence) -> None:
     """What megatron's schedule calls around the micro-batches: no gradient sync until the
-    last one, then the DP/SP/embedding gradient reductions."""
+    last one, then the DP/SP/embedding gradient reductions; with overlapped gradient reduction,
+    the pipeline schedules start each chunk's reduction as its last backward ends (as
+    Megatron-LM sets them)."""
     from megatron.core.distributed import finalize_model_grads
 
-    no_sync = [m.no_sync for m in wrapped]
-    tc.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    def one_or_list(funcs: list):
+        return funcs[0] if len(funcs) == 1 else funcs
+
+    tc.no_sync_func = one_or_list([m.no_sync for m in wrapped])
+    if wrapped and wrapped[0].ddp_config.overlap_grad_reduce:
+        tc.grad_sync_func = one_or_list([m.start_grad_sync for m in wrapped])
     tc.finalize_model_grads_func = finalize_model_grads
     tc.grad_scale_func = None
+
+
+def gather_params(wrapped: Sequence) -> None:
+    """The model's parameters up to date with the optimizer's shards. With overlapped parameter
+    gathering, a step leaves them stale until megatron's next forward gathers them; whatever
+    reads them outside a training forward (the weight export, a save, a forward that no
+    zero_grad preceded) needs them gathered now, as Megatron-LM's force_param_sync does."""
+    for chunk in wrapped:
+        if chunk.ddp_config.overlap_param_gather:
+            chunk.start_param_sync(force_sync=True)
 
 
 def schedule_name() -> str:

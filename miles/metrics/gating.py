@@ -1,6 +1,6 @@
 """Gate one finished test attempt end to end: records -> history -> verdicts -> baseline.
 
-This is what the runner's gate step and `python -m miles.ci gate` both call. It never
+This is what the CI runner's gate step and the CI's `gate` command both call. It never
 raises for a bad record or an unreachable store: those become verdicts and messages, and
 the outcome says whether the test must fail (only gates in enforce mode can fail it).
 """
@@ -80,7 +80,7 @@ def gate_attempt(
     """Gate the records in `record_dir` against the history of (test, backend, suite).
 
     `write_baseline` says the attempt passed and its run may store history (the caller asked
-    miles.ci.policy.stores_history); the run is stored only then and when the cadence is one
+    the CI's policy, `stores_history`); the run is stored only then and when the cadence is one
     that writes baselines (nightly, weekly), trusted or not, so a run that failed its gates is
     visible in the history but never moves a baseline.
     """

@@ -4,16 +4,25 @@ A record is `<pid>-<uuid>.jsonl`, one complete line per metric (see capture.py).
 line ends with a newline because the writer renames a finished file into place; a line
 without one, or one that is not the expected JSON, means the file was cut short or written
 by something else, and the record is refused with file:line and the reason.
+
+The folder is the test's to write, so nothing in it is trusted to be what its name says:
+only regular files are read (a FIFO, a device or a symlink is refused, never opened for a
+blocking or endless read), each at most MAX_RECORD_BYTES, at most MAX_RECORD_FILES of them.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from miles.files import FileRefused, read_regular
 from miles.metrics.capture import NON_FINITE, decode_value
+
+MAX_RECORD_BYTES = 32 << 20  # a metric's line holds its whole series: ~30 bytes a step
+MAX_RECORD_FILES = 1024  # one record per training process
 
 
 class RecordError(ValueError):
@@ -45,7 +54,9 @@ def read_record(path: Path | str) -> dict[str, dict[int, float]]:
     """{metric: {step: value}} of one record file; RecordError if it is incomplete or malformed."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_regular(path, MAX_RECORD_BYTES, follow=False, what="record").decode("utf-8")
+    except FileRefused as exc:
+        raise RecordError(f"{exc}; a record is a file miles.metrics.capture renames into place") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise RecordError(f"{path}: cannot read the record: {exc}") from exc
     series: dict[str, dict[int, float]] = {}
@@ -141,7 +152,7 @@ def merge_records(directory: Path | str) -> dict[str, MetricSeries]:
         raise RecordError(f"{directory}: no such record directory")
     merged: dict[str, dict[int, float]] = {}
     source: dict[tuple[str, int], Path] = {}
-    for path in sorted(p for p in directory.glob("*.jsonl") if not p.name.startswith(".")):
+    for path in _record_files(directory):
         for metric, points in read_record(path).items():
             into = merged.setdefault(metric, {})
             for step, value in points.items():
@@ -153,6 +164,25 @@ def merge_records(directory: Path | str) -> dict[str, MetricSeries]:
                 into[step] = value
                 source.setdefault((metric, step), path)
     return {metric: MetricSeries(metric, tuple(sorted(points.items()))) for metric, points in merged.items()}
+
+
+def _record_files(directory: Path) -> list[Path]:
+    """The record files of `directory`, sorted; a RecordError past MAX_RECORD_FILES (the
+    listing stops there, so a folder of millions of files costs no more than that)."""
+    found = []
+    try:
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if entry.name.endswith(".jsonl") and not entry.name.startswith("."):
+                    found.append(Path(entry.path))
+                    if len(found) > MAX_RECORD_FILES:
+                        raise RecordError(
+                            f"{directory}: more than {MAX_RECORD_FILES} record files; one training "
+                            "process writes one, so something else filled the folder"
+                        )
+    except OSError as exc:
+        raise RecordError(f"{directory}: cannot list the record directory ({exc.strerror})") from None
+    return sorted(found)
 
 
 def _same(a: float, b: float) -> bool:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from miles.metrics.capture import encode_value
 from miles.metrics.spec import LAST_STEP
 from miles.metrics.store import HistoryStore, MetricValue, StoredRun
+from miles.text import printable
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ def history_rows(
 
 def render_history(rows: Sequence[HistoryRow], *, test: str, store_url: str, metric: str | None) -> str:
     what = metric or "all gated metrics"
-    lines = [f"history of {what} for {test} (store {store_url})"]
+    lines = [f"history of {printable(what)} for {printable(test)} (store {printable(store_url)})"]
     if not rows:
         lines.append("no stored runs; baselines are written by nightly and weekly runs")
         return "\n".join(lines) + "\n"
@@ -84,7 +85,7 @@ def render_history(rows: Sequence[HistoryRow], *, test: str, store_url: str, met
         "VERDICT",
     )
     for (backend, suite), group in groups.items():
-        lines.append(f"\n{backend} / {suite}")
+        lines.append(f"\n{printable(backend)} / {printable(suite)}")
         table = [header] + [_cells(row) for row in group]
         widths = [max(len(r[i]) for r in table) for i in range(len(header))]
         lines += [
@@ -93,7 +94,7 @@ def render_history(rows: Sequence[HistoryRow], *, test: str, store_url: str, met
     untrusted = {row.run.id: row.run.untrusted_reason for row in rows if not row.run.trusted}
     for run_id, reason in sorted(untrusted.items()):
         if reason:
-            lines.append(f"run {run_id} untrusted: {reason}")
+            lines.append(f"run {run_id} untrusted: {printable(reason)}")
     return "\n".join(lines) + "\n"
 
 
@@ -104,12 +105,12 @@ def _cells(row: HistoryRow) -> tuple[str, ...]:
     return (
         str(r.id),
         r.created_at.strftime("%Y-%m-%d %H:%M"),
-        r.cadence,
-        (r.commit or "-")[:10],
+        printable(r.cadence),
+        printable(r.commit or "-")[:10],
         "yes" if r.trusted else "no",
-        v.coordinate.metric,
+        printable(v.coordinate.metric),
         step,
         f"{v.value:.6g}",
         band,
-        v.verdict or "-",
+        printable(v.verdict or "-"),
     )

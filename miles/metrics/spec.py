@@ -1,6 +1,6 @@
 """What a `register_ci_gate(...)` declaration means once defaults are filled in.
 
-Discovery reads the literal arguments (miles.ci.discover.GateDeclaration); this module
+The CI's discovery reads the literal arguments (its GateDeclaration); this module
 turns one into a `GateSpec`: the band each side of the baseline (the declared constraint
 merged over the metric's defaults), which steps are checked, and the coordinates under
 which values are stored. A coordinate is (metric, steps key, constraint key, step); the
@@ -62,7 +62,7 @@ GENERIC_BAND = Band(rel_up=0.5, abs_floor_up=1e-3, rel_down=0.5, abs_floor_down=
 
 
 class Declaration(Protocol):
-    """What a gate declaration carries (miles.ci.discover.GateDeclaration has these)."""
+    """What a gate declaration carries (the CI registry's GateDeclaration has these)."""
 
     file: str
     line: int
@@ -104,6 +104,26 @@ class GateSpec:
 
     def coordinate(self, step: int) -> Coordinate:
         return Coordinate(self.metric, self.steps_key, self.constraint_key, step)
+
+
+MAX_METRIC_KEY = 200
+
+
+def metric_key_problem(key: object) -> str | None:
+    """Why `key` cannot name a gated metric, or None. A key is stored, printed and matched
+    against training records, so it is printable text (no control character, newline or
+    lone surrogate, which no store can encode) of at most MAX_METRIC_KEY characters."""
+    if not isinstance(key, str) or not key.strip():
+        return f"metric_key={key!r} must be a non-empty string such as 'train/grad_norm'"
+    if len(key) > MAX_METRIC_KEY:
+        return f"metric_key of {len(key)} characters is longer than {MAX_METRIC_KEY}; name the metric shortly"
+    if not key.isprintable() or key != key.strip():
+        shown = key.encode("unicode_escape", "backslashreplace").decode("ascii")
+        return (
+            f"metric_key='{shown}' must be printable text without control characters, lone surrogates "
+            "or surrounding spaces (the stores and the reports hold it as is)"
+        )
+    return None
 
 
 def constraint_key(constraint: Mapping[str, float]) -> str:

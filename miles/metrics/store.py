@@ -24,6 +24,9 @@ from urllib.parse import unquote, urlsplit
 from miles.metrics.spec import Coordinate
 
 HISTORY_URL_ENV = "MILES_HISTORY_URL"
+TIMEOUT_ENV = "MILES_HISTORY_TIMEOUT"  # seconds any one store statement (or lock wait) may take
+DEFAULT_TIMEOUT_S = 60.0
+MAX_TIMEOUT_S = 3600.0
 DEFAULT_SQLITE_PATH = Path(".miles") / "history.sqlite"
 BASELINE_CADENCES = ("nightly", "weekly")
 _COMMIT_PREFIX = re.compile(r"[0-9a-fA-F]{7,64}")
@@ -148,7 +151,7 @@ class HistoryStore(ABC):
 
 def writes_baseline(cadence: str) -> bool:
     """Whether runs of this cadence extend baselines. Whether a given run may store history at
-    all (only runs of the main line, never a PR) is miles.ci.policy.stores_history's call."""
+    all (only runs of the main line, never a PR) is the CI policy's call (`stores_history`)."""
     return cadence in BASELINE_CADENCES
 
 
@@ -287,6 +290,23 @@ def open_store(url: str | None = None, *, root: Path | str = ".") -> HistoryStor
             )
         return SqliteStore(Path(path))
     raise StoreError(f"store URL {mask_url(url)!r}: unknown scheme '{scheme}'; use {URL_FORMS}")
+
+
+def statement_timeout() -> float:
+    """Seconds one store statement may run or wait for a lock: $MILES_HISTORY_TIMEOUT, else 60.
+    Every query of both stores is held to it, so a locked table fails a command, never hangs it."""
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
+        raise StoreError(
+            f"{TIMEOUT_ENV}={text[:40]!r} must be a number of seconds above 0 and at most {MAX_TIMEOUT_S:g}"
+        )
+    return value
 
 
 def now() -> datetime:

@@ -1,9 +1,12 @@
 """The shared history store on PostgreSQL (psycopg 3), for many runners writing at once.
 
 Each operation opens one connection, runs one transaction and closes it, so nothing holds
-a connection across a long test. Transient failures (connection refused or dropped,
-serialization conflicts, server restarts) are retried a bounded number of times with a
-growing pause; after that the store reports itself unreachable, with the password masked.
+a connection across a long test. Every statement runs under `statement_timeout` and
+`lock_timeout` ($MILES_HISTORY_TIMEOUT, miles.metrics.store.statement_timeout), so a table
+another session locks fails the operation in bounded time instead of hanging it. Transient
+failures (connection refused or dropped, serialization conflicts, server restarts) are
+retried a bounded number of times with a growing pause; a timeout is not retried. After that
+the store reports itself unreachable, with the password masked.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from miles.metrics.store import StoreError, StoreUnreachable, mask_url, scrub
+from miles.metrics.store import StoreError, StoreUnreachable, mask_url, scrub, statement_timeout
 from miles.metrics.store_sql import SqlStore
 
 T = TypeVar("T")
@@ -33,12 +36,15 @@ class PostgresStore(SqlStore):
     def __init__(self, url: str):
         self._dsn = url
         self.url = mask_url(url)
+        self.timeout = statement_timeout()
         self.migrate()
 
     def _transaction(self, fn: Callable[[Any], T], *, write: bool) -> T:
         import psycopg
+        from psycopg import errors
 
         last: Exception | None = None
+        limit = f"{max(1, round(self.timeout * 1000))}ms"
         for attempt in range(ATTEMPTS):
             if attempt:
                 time.sleep(BACKOFF_S[attempt - 1])
@@ -52,9 +58,20 @@ class PostgresStore(SqlStore):
             except Exception as exc:  # ProgrammingError for a DSN libpq cannot parse, and the like
                 raise StoreError(f"history store {self.url}: {self._clean(exc)}") from None
             try:
+                # the session's own settings: the URL's `options` (a search_path) stay as given
+                conn.execute(
+                    "SELECT set_config('statement_timeout', %s, false), set_config('lock_timeout', %s, false)",
+                    (limit, limit),
+                )
                 result = fn(conn)
                 conn.commit()
                 return result
+            except (errors.QueryCanceled, errors.LockNotAvailable) as exc:
+                raise StoreUnreachable(
+                    f"history store unreachable: {self.url}: no answer within {self.timeout:g} s "
+                    f"({self._clean(exc)}); another session may hold a lock on its tables "
+                    "(raise MILES_HISTORY_TIMEOUT to wait longer)"
+                ) from None
             except psycopg.OperationalError as exc:  # dropped connection, conflict, shutdown
                 last = exc
             except psycopg.Error as exc:  # every other class: permissions, SQL, data

@@ -8,12 +8,13 @@ types and timestamp conversion.
 from __future__ import annotations
 
 import math
+import re
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-from miles.metrics.capture import decode_value, encode_value
+from miles.metrics.capture import NON_FINITE, decode_value, encode_value
 from miles.metrics.spec import Coordinate
 from miles.metrics.store import (
     DurationRecord,
@@ -26,6 +27,7 @@ from miles.metrics.store import (
     finite_or_none,
     now,
 )
+from miles.text import printable
 
 T = TypeVar("T")
 SCHEMA_VERSION = 1
@@ -227,9 +229,13 @@ class SqlStore(HistoryStore):
 
         found: dict[Coordinate, list[float]] = {c: [] for c in wanted}
         for metric, steps_key, constraint_key, step, value in self._transaction(read, write=False):
-            coordinate = Coordinate(metric, steps_key, constraint_key, int(step))
+            row = _Row(self.url, "metric_values", f"metric {str(metric)[:60]!r} step {str(step)[:20]}")
+            coordinate = Coordinate(
+                row.text("metric", metric), row.text("steps_key", steps_key),
+                row.text("constraint_key", constraint_key), row.integer("step", step),
+            )  # fmt: skip
             if coordinate in found:
-                found[coordinate].append(float(value))
+                found[coordinate].append(row.number("value", value))
         return found
 
     def runs(
@@ -251,11 +257,17 @@ class SqlStore(HistoryStore):
         rows = self._transaction(lambda conn: self._exec(conn, sql, params).fetchall(), write=False)
         return [self._stored_run(row) for row in rows]
 
-    def _stored_run(self, row: Sequence) -> StoredRun:
-        (id_, uid, test, backend, suite, lane, cadence, commit, pr, ci_run_id, created, trusted, reason) = row
+    def _stored_run(self, values: Sequence) -> StoredRun:
+        (id_, uid, test, backend, suite, lane, cadence, commit, pr, ci_run_id, created, trusted, reason) = (
+            values
+        )
+        row = _Row(self.url, "runs", f"id {str(id_)[:20]}")
         return StoredRun(
-            int(id_), uid, test, backend, suite, lane, cadence, commit, pr, ci_run_id,
-            self._ts_value(created), bool(trusted), reason,
+            row.integer("id", id_), row.text("uid", uid), row.text("test", test), row.text("backend", backend),
+            row.text("suite", suite), row.text("lane", lane), row.text("cadence", cadence),
+            row.text("commit_sha", commit, null=True), row.text("pr", pr, null=True),
+            row.text("ci_run_id", ci_run_id, null=True), row.timestamp("created_at", created, self._ts_value),
+            row.flag("trusted", trusted), row.text("untrusted_reason", reason, null=True),
         )  # fmt: skip
 
     def values(self, run_ids: Iterable[int], metric: str | None = None) -> dict[int, list[MetricValue]]:
@@ -278,12 +290,23 @@ class SqlStore(HistoryStore):
         for run_id, metric_, steps_key, constraint_key, step, value, nonfinite, verdict, ref, low, high in (
             self._transaction(read, write=False) if ids else []
         ):
-            number = float(value) if value is not None else decode_value(nonfinite or "NaN")
-            out[int(run_id)].append(
+            row = _Row(self.url, "metric_values", f"run_id {str(run_id)[:20]} metric {str(metric_)[:60]!r}")
+            if value is not None:
+                number = row.number("value", value)
+            elif nonfinite is None or nonfinite in NON_FINITE:
+                number = decode_value(nonfinite or "NaN")
+            else:
+                raise row.refuse("nonfinite", nonfinite, f"one of {', '.join(NON_FINITE)} or NULL")
+            coordinate = Coordinate(
+                row.text("metric", metric_), row.text("steps_key", steps_key),
+                row.text("constraint_key", constraint_key), row.integer("step", step),
+            )  # fmt: skip
+            out.setdefault(row.integer("run_id", run_id), []).append(
                 MetricValue(
-                    Coordinate(metric_, steps_key, constraint_key, int(step)), number, verdict, ref, low, high
+                    coordinate, number, row.text("verdict", verdict, null=True), row.number("ref", ref, null=True),
+                    row.number("low", low, null=True), row.number("high", high, null=True),
                 )
-            )
+            )  # fmt: skip
         return out
 
     def mark_untrusted(self, *, run_id: int | None = None, commit: str | None = None, reason: str) -> int:
@@ -324,12 +347,70 @@ class SqlStore(HistoryStore):
         rows = self._transaction(
             lambda conn: self._exec(conn, sql, [*params, per_file]).fetchall(), write=False
         )
-        return [
-            DurationRecord(
-                file, backend_, suite_, float(elapsed), status, lane, est, commit, self._ts_value(at)
-            )
-            for file, backend_, suite_, lane, status, elapsed, est, commit, at in rows
-        ]
+        out = []
+        for file, backend_, suite_, lane, status, elapsed, est, commit, at in rows:
+            row = _Row(self.url, "durations", f"file {str(file)[:80]!r}")
+            out.append(
+                DurationRecord(
+                    row.text("file", file), row.text("backend", backend_), row.text("suite", suite_),
+                    row.number("elapsed_s", elapsed), row.text("status", status), row.text("lane", lane),
+                    row.number("est_time", est, null=True), row.text("commit_sha", commit, null=True),
+                    row.timestamp("created_at", at, self._ts_value),
+                )
+            )  # fmt: skip
+        return out
+
+
+class _Row:
+    """Reads one stored row's columns, refusing a value miles never writes (a row another
+    program wrote, or one edited by hand) with one line naming table, row and column."""
+
+    def __init__(self, url: str, table: str, which: str):
+        self.url, self.table, self.which = url, table, which
+
+    def refuse(self, column: str, value: object, expected: str) -> StoreError:
+        shown = repr(value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        return StoreError(
+            f"history store {self.url}: {self.table} row ({printable(self.which)}) has {column} = "
+            f"{printable(shown)}, not {expected}; miles did not write that row: delete or repair it"
+        )
+
+    def text(self, column: str, value: object, *, null: bool = False) -> str | None:
+        if value is None and null:
+            return None
+        if not isinstance(value, str) or _SURROGATE.search(value):
+            raise self.refuse(column, value, "text" + (" or NULL" if null else ""))
+        return value
+
+    def integer(self, column: str, value: object) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.refuse(column, value, "an integer")
+        return value
+
+    def number(self, column: str, value: object, *, null: bool = False) -> float | None:
+        if value is None and null:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.refuse(column, value, "a number" + (" or NULL" if null else ""))
+        return float(value)
+
+    def flag(self, column: str, value: object) -> bool:
+        if value in (0, 1) and isinstance(value, int):  # bool is an int: True/False pass too
+            return bool(value)
+        raise self.refuse(column, value, "true or false")
+
+    def timestamp(self, column: str, value: object, convert: Callable[[Any], datetime]) -> datetime:
+        try:
+            stamp = convert(value)
+        except (TypeError, ValueError, AttributeError, OverflowError):
+            raise self.refuse(column, value, "a timestamp") from None
+        if not isinstance(stamp, datetime) or stamp.tzinfo is None:
+            raise self.refuse(column, value, "a timestamp with its time zone")
+        return stamp
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _marks(n: int) -> str:

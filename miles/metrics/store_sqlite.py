@@ -1,22 +1,25 @@
 """The embedded history store: one SQLite file in WAL mode, shared by concurrent processes.
 
 WAL lets readers run while one writer commits; writers take the write lock up front
-(BEGIN IMMEDIATE) and wait up to BUSY_TIMEOUT_S for each other instead of failing.
+(BEGIN IMMEDIATE) and wait for each other instead of failing, up to the store timeout
+($MILES_HISTORY_TIMEOUT, miles.metrics.store.statement_timeout), which also bounds every
+transaction's statements: past it SQLite interrupts them and the operation fails.
 """
 
 from __future__ import annotations
 
 import sqlite3
+import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from miles.metrics.store import StoreError, StoreUnreachable
+from miles.metrics.store import StoreError, StoreUnreachable, statement_timeout
 from miles.metrics.store_sql import SqlStore
 
 T = TypeVar("T")
-BUSY_TIMEOUT_S = 60.0
+_PROGRESS_OPS = 20_000  # SQLite VM steps between deadline checks (well under a millisecond)
 
 
 class SqliteStore(SqlStore):
@@ -25,6 +28,7 @@ class SqliteStore(SqlStore):
     def __init__(self, path: Path | str):
         self.path = Path(path)
         self.url = f"sqlite:///{self.path.as_posix()}"
+        self.timeout = statement_timeout()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -33,7 +37,11 @@ class SqliteStore(SqlStore):
         self.migrate()
 
     def _connect(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+        conn = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None)
+        deadline = time.monotonic() + self.timeout
+        conn.set_progress_handler(lambda: time.monotonic() > deadline, _PROGRESS_OPS)
+        # text another program stored as bad UTF-8 reads back visibly damaged, never as a crash
+        conn.text_factory = lambda raw: raw.decode("utf-8", "replace")
         conn.execute("PRAGMA foreign_keys = ON")
         # In WAL mode NORMAL survives a crashed process; only power loss can drop the last commit.
         conn.execute("PRAGMA synchronous = NORMAL")
@@ -47,7 +55,7 @@ class SqliteStore(SqlStore):
             finally:
                 conn.close()
         except sqlite3.Error as exc:
-            raise StoreUnreachable(f"history store unreachable: {self.url}: {exc}") from exc
+            raise StoreUnreachable(f"history store unreachable: {self.url}: {exc}{self._hint(exc)}") from exc
         if str(mode).lower() != "wal":
             raise StoreError(
                 f"history store {self.url}: SQLite refused WAL mode (got {mode!r}); put the file on a "
@@ -64,19 +72,27 @@ class SqliteStore(SqlStore):
             result = fn(conn)
             conn.execute("COMMIT")
             return result
-        except sqlite3.IntegrityError as exc:
-            conn.execute("ROLLBACK")
-            raise StoreError(f"history store {self.url}: {exc}") from exc
-        except (sqlite3.OperationalError, sqlite3.DatabaseError) as exc:
+        except BaseException as exc:
             if conn.in_transaction:
+                conn.set_progress_handler(None, 0)  # the rollback itself must not be interrupted
                 conn.execute("ROLLBACK")
-            raise StoreUnreachable(f"history store unreachable: {self.url}: {exc}") from exc
-        except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
+            if isinstance(exc, sqlite3.IntegrityError):
+                raise StoreError(f"history store {self.url}: {exc}") from exc
+            if isinstance(exc, sqlite3.DatabaseError):  # OperationalError included
+                raise StoreUnreachable(
+                    f"history store unreachable: {self.url}: {exc}{self._hint(exc)}"
+                ) from exc
             raise
         finally:
             conn.close()
+
+    def _hint(self, exc: BaseException) -> str:
+        if "locked" not in str(exc) and "interrupted" not in str(exc):
+            return ""
+        return (
+            f" (no answer within {self.timeout:g} s: another process holds the database; "
+            "raise MILES_HISTORY_TIMEOUT to wait longer)"
+        )
 
     def _lock_schema(self, conn: Any) -> None:
         pass  # BEGIN IMMEDIATE already holds the database's write lock

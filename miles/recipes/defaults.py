@@ -236,6 +236,16 @@ COMMON_DEVIATIONS = (
         platforms=("rocm",),
     ),
     deviation(
+        "env:HSA_ENABLE_IPC_MODE_LEGACY",
+        "env:HSA_NO_SCRATCH_RECLAIM",
+        "env:HIP_FORCE_DEV_KERNARG",
+        "env:NCCL_MIN_NCHANNELS",
+        reason="the reference's ROCm image sets these runtime variables (radixark/miles docker/Dockerfile.rocm@"
+        "31f1ca961a94); miles' image sets the same values, and miles.platform.job_env puts them in every ROCm job "
+        "so a job started outside the image has them too",
+        platforms=("rocm",),
+    ),
+    deviation(
         "env:NCCL_NVLS_ENABLE",
         reason="the reference's launcher probes NVLink with nvidia-smi and sets NCCL_NVLS_ENABLE to the answer; "
         "miles leaves NCCL its own detection on CUDA",

@@ -170,7 +170,7 @@ def check_command(recipe: Recipe, profile: ParallelProfile, platform: str, argv:
     pinned for `platform`; one RecipeError lists every problem."""
     from miles.recipes.stack import command_problems
 
-    problems = command_problems(argv, platform)
+    problems = command_problems(argv, platform, recipe.backend_of(profile))
     if problems:
         where = f"{recipe.name} ({recipe.variant} form) {profile.describe()}"
         listed = "; ".join(f"{flag}: {problem}" for flag, problem in problems)

@@ -413,7 +413,7 @@ def gpu_profile(
 
 def check_suite(suite: str, platform: str, gpus: int) -> None:
     """The suite exists in the CI catalog for `platform` and its runners have `gpus` GPUs."""
-    from miles.ci.catalog import UnknownName, load_catalog
+    from miles.ci.registry.catalog import UnknownName, load_catalog
 
     try:
         entry = load_catalog().suite(suite, platform)

@@ -6,8 +6,11 @@ sglang the platform's lane pins (requirements/<stack>.txt). The field names of e
 release are kept in `stacks/sglang-<version>-serverargs.txt`, written from the installed package's
 own class (`python tests/unit/sglang_probe.py --fields`), and tests/unit/test_recipe_stack.py
 checks the list against the installed sglang's ServerArgs. Every other flag must be one
-`python -m miles.train` parses (miles.train.args.build_parser). Neither import is heavy:
-the field list is a text file and the trainer's parser is standard-library argparse.
+`python -m miles.train` parses (the sections' flags, miles.train.config.FLAGS), and a Megatron
+command's flags must be ones the Megatron backend can act on with the platform's stack: its
+declaration of each (miles.megatron.options) names what a flag needs (Transformer Engine's
+spec, a GPU, another flag) or why it is refused. None of these imports is heavy: the field list
+is a text file, the trainer's sections are standard-library dataclasses, the declaration a table.
 """
 
 from __future__ import annotations
@@ -63,9 +66,9 @@ def sglang_fields(version: str) -> frozenset[str]:
 
 @cache
 def trainer_flags() -> frozenset[str]:
-    from miles.train.args import build_parser
+    from miles.train.config import FLAGS
 
-    return frozenset(opt for action in build_parser()._actions for opt in action.option_strings)
+    return frozenset(f.option for f in FLAGS)
 
 
 def stack_problems(argv: Sequence[str], platform: str) -> list[tuple[str, str]]:
@@ -97,7 +100,34 @@ def stack_problems(argv: Sequence[str], platform: str) -> list[tuple[str, str]]:
     return out
 
 
-def command_problems(argv: Sequence[str], platform: str) -> list[tuple[str, str]]:
-    """Stack problems, and flags given more than once with different values."""
+@cache
+def stack_has_te(platform: str) -> bool:
+    """Whether the stack pinned for `platform` carries Transformer Engine (miles.image.te)."""
+    if platform == "cpu":
+        return False
+    from miles.image.config import load_images
+    from miles.image.te import stack_carries_te
+
+    try:
+        return stack_carries_te(load_images().stack_of_backend(platform).name)
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def backend_problems(argv: Sequence[str], platform: str, backend: str) -> list[tuple[str, str]]:
+    """Flags the chosen training backend refuses, or cannot act on with the platform's stack,
+    each with the reason: the Megatron backend's declaration of what each flag needs
+    (miles.megatron.options). A flag no component of the run consumes is named by the run's
+    start-up note (miles.train.consumption)."""
+    if backend != "megatron":
+        return []
+    from miles.megatron.options import render_problems
+
+    return render_problems(argv, platform, stack_has_te(platform))
+
+
+def command_problems(argv: Sequence[str], platform: str, backend: str | None = None) -> list[tuple[str, str]]:
+    """Stack problems, flags given more than once with different values, and (with `backend`) the
+    flags that backend refuses or cannot act on here."""
     repeated = [(flag, twice(values)) for flag, values in duplicates(pairs(argv))]
-    return [*repeated, *stack_problems(argv, platform)]
+    return [*repeated, *stack_problems(argv, platform), *backend_problems(argv, platform, backend or "")]

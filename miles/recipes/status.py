@@ -63,8 +63,8 @@ def cpu_lane_trainings(root: Path = ROOT) -> dict[str, tuple[tuple[str, str], ..
     of the cpu lane whose file builds the recipe's CPU plan; empty without a tests/ tree."""
     if not (root / "tests").is_dir():
         return {}
-    from miles.ci.catalog import load_catalog
-    from miles.ci.discover import discover
+    from miles.ci.registry.catalog import load_catalog
+    from miles.ci.registry.discover import discover
 
     lane_suites = {s.name for s in load_catalog().suites_of_lane(CPU_LANE_NAME)}
     found: dict[str, list[tuple[str, str]]] = {}
@@ -250,7 +250,7 @@ def _mismatch(record: dict, recipe: Recipe, profile: ParallelProfile, root: Path
 
 def record_run(recipe: Recipe, profile: ParallelProfile, run_json: Path, directory: Path = RUNS_DIR) -> Path:
     """Write the run record of `profile` from a runner run.json in which its test passed."""
-    from miles.ci.record import RunRecord
+    from miles.ci.reports.record import RunRecord
 
     run = RunRecord.from_json(json.loads(Path(run_json).read_text()))
     wanted = test_files(recipe, profile)

@@ -1,6 +1,8 @@
 """The RL core: `python -m miles.train <flags>` trains a policy with GRPO/GSPO.
 
-args (flags) -> runtime (setup) -> trainer (the loop) over data, rollout engines, rewards,
-algorithm (losses), backends (FSDP2/DDP, Megatron), checks, checkpoint and report.
+config (the flags as typed sections) -> args (parse, validate) -> runtime (setup; each
+backend and engine gets the sections it declares in consumption) -> trainer (the loop) over
+data, rollout engines, rewards, algorithm (losses), backends (FSDP2/DDP, Megatron), checks,
+checkpoint and report.
 Nothing here is imported by miles.ci; torch and transformers load only when a run starts.
 """

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from miles.train.args import LossConfig
+from miles.train.config import LossConfig
 
 # log(pi/pi_old) is clamped to [-20, 20] before exp, as verl's PPO loss does
 # (core_algos.compute_policy_loss): exp(20) ~ 5e8 is far outside any clip range, so the

@@ -20,6 +20,8 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from miles.train.config import RunConfig
+
 MARKER = "latest_checkpointed_iteration.txt"
 STATE_FILE = "trainer_state.json"
 
@@ -39,16 +41,16 @@ class TrainerState:
     with_optimizer: bool
 
 
-def state_of(args, rollouts_done: int) -> TrainerState:
+def state_of(config: RunConfig, rollouts_done: int) -> TrainerState:
     """What the checkpoint written after `rollouts_done` rollouts of this command records."""
     return TrainerState(
         rollouts_done=rollouts_done,
-        hf_checkpoint=args.hf_checkpoint,
-        seed=args.seed,
-        rollout_batch_size=args.rollout_batch_size,
-        n_samples_per_prompt=args.n_samples_per_prompt,
-        prompt_data=args.prompt_data,
-        with_optimizer=not args.no_save_optim,
+        hf_checkpoint=config.checkpoint.hf_checkpoint,
+        seed=config.job.seed,
+        rollout_batch_size=config.rollout.rollout_batch_size,
+        n_samples_per_prompt=config.rollout.n_samples_per_prompt,
+        prompt_data=config.data.prompt_data,
+        with_optimizer=not config.checkpoint.no_save_optim,
     )
 
 
@@ -144,20 +146,21 @@ def read_state(root: str | Path, step: int | None = None) -> TrainerState | None
     return TrainerState(**json.loads(path.read_text()))
 
 
-def check_compatible(state: TrainerState, args) -> None:
+def check_compatible(state: TrainerState, config: RunConfig) -> None:
     """Resuming with a different data or batch setup would not continue the same run."""
+    now = state_of(config, state.rollouts_done)
     changed = [
         f"{flag} {old} -> {new}"
         for flag, old, new in (
-            ("--seed", state.seed, args.seed),
-            ("--rollout-batch-size", state.rollout_batch_size, args.rollout_batch_size),
-            ("--n-samples-per-prompt", state.n_samples_per_prompt, args.n_samples_per_prompt),
-            ("--prompt-data", state.prompt_data, args.prompt_data),
+            ("--seed", state.seed, now.seed),
+            ("--rollout-batch-size", state.rollout_batch_size, now.rollout_batch_size),
+            ("--n-samples-per-prompt", state.n_samples_per_prompt, now.n_samples_per_prompt),
+            ("--prompt-data", state.prompt_data, now.prompt_data),
         )
         if old != new
     ]
     if changed:
         raise CheckpointError(
-            f"--load {args.load}: the checkpoint was written with different flags ({'; '.join(changed)}); "
+            f"--load {config.checkpoint.load}: the checkpoint was written with different flags ({'; '.join(changed)}); "
             "resume with the original flags, or start a new run with --save elsewhere"
         )

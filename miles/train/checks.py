@@ -7,7 +7,10 @@
 3. After a weight sync the engine's weights equal the trainer's, bit for bit, except names
    matching `--check-weight-update-skip-list`. An engine that cannot hand out its tensors
    (SGLang) is checked instead by greedy continuations of fixed prompts: their logprobs
-   under the engine and under the trainer agree within --ci-logprob-abs-diff-tol.
+   under the engine and under the trainer agree within --ci-logprob-abs-diff-tol. Both sides
+   score them at temperature 1: SGLang treats top_k 1 as greedy and returns the untempered
+   logprobs (sglang 0.5.23 sampling_batch_info.py: is_all_greedy = top_k <= 1 for every
+   request; sampler.py, Sampler.forward: log_softmax(logits) without the temperature there).
 4. With --ci-metric-checker-key, the metric's last value reaches --ci-metric-checker-threshold.
 A failed check raises `CheckFailed` naming the rollout, the metric, the value and the bound.
 """
@@ -107,20 +110,30 @@ def check_weights_equal(
     return len(engine)
 
 
-def probe_logprob_gap(engine, backend, prompts: Sequence[Sequence[int]], sampling) -> float:
-    """Mean |engine - trainer| logprob over greedy continuations of `prompts` (every rank calls
-    this: generation and the trainer's forward may be collectives). Greedy (top_k 1) makes the
-    tokens a function of the engine's weights only; both sides score them at the sampling
-    temperature, as the rollout logprobs are."""
+def probe_sampling(sampling):
+    """Greedy (top_k 1) at temperature 1: the tokens are a function of the engine's weights only,
+    and the logprobs are the untempered ones SGLang returns for greedy requests."""
     from dataclasses import replace
 
+    return replace(
+        sampling,
+        temperature=1.0,
+        top_k=1,
+        top_p=1.0,
+        max_response_len=min(PROBE_TOKENS, sampling.max_response_len),
+    )
+
+
+def probe_logprob_gap(engine, backend, prompts: Sequence[Sequence[int]], sampling) -> float:
+    """Mean |engine - trainer| logprob over greedy continuations of `prompts` (every rank calls
+    this: generation and the trainer's forward may be collectives), both at temperature 1."""
     from miles.train.batch import Sample, collate
     from miles.train.distributed import all_reduce_sum
 
-    greedy = replace(sampling, top_k=1, max_response_len=min(PROBE_TOKENS, sampling.max_response_len))
-    generations = engine.generate([list(p) for p in prompts], greedy, seed=0)
+    generations = engine.generate([list(p) for p in prompts], probe_sampling(sampling), seed=0)
     batch = collate([Sample(i, i, g, "", "", 0.0) for i, g in enumerate(generations)])
-    trainer = backend.logprobs(batch)
+    with backend.scoring_temperature(1.0):
+        trainer = backend.logprobs(batch)
     gap, tokens = all_reduce_sum(
         [float(((trainer - batch.rollout_logp).abs() * batch.loss_mask).sum()), float(batch.loss_mask.sum())]
     )

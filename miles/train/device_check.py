@@ -8,9 +8,13 @@ rollout engine's greedy decoding against transformers' generate() on a ~0.2B ran
 bf16), `grpo` (the qwen3_4b recipe's tiny profile on one rank over NCCL with --ci-test,
 16 rollouts that must learn, FSDP), `megatron-parity` (HF logits against the megatron GPTModel
 loaded from the torch_dist conversion, Qwen3 and Qwen3-MoE, fp32), `megatron-grpo` (the same
-tiny profile on the Megatron backend, learning synthetic:echo). Each prints `PASS <step>: ...` or `FAIL <step>: ...` and exits
-0 or 1. `--cpu` runs the same code on CPU at CI size (gloo, fewer rollouts, a smaller model),
-which is how CI keeps this script working between GPU runs.
+tiny profile on the Megatron backend, learning synthetic:echo), and the steps of
+miles.train.device_check_sglang: the SGLang engine (formats, a weight-update session, memory
+release cycles, its logprob gap to the trainer), a bf16 Megatron run with SGLang rollouts, a
+bf16 MoE run, and two GPUs. Each prints `PASS <step>: ...`, `FAIL <step>: ...` or `SKIP
+<step>: <why>` (a package it needs is missing, or it needs a GPU or a second one) and exits 1
+only on a failure. `--cpu` runs the same code on CPU at CI size (gloo, fewer rollouts, a
+smaller model), which is how CI keeps this script working between GPU runs.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from miles.megatron import CORE_MODULE
 from miles.models import FAMILIES
 
 # Distinct lengths (left padding), a GRPO group sharing its prefill, a one-token prompt.
@@ -33,6 +38,44 @@ NEAR_TIE = 0.05  # bf16: two tokens whose logprobs differ by less are a tie eith
 
 class CheckFailed(RuntimeError):
     pass
+
+
+class Skipped(RuntimeError):
+    """The step cannot run here; the message says why (a missing package, no GPU)."""
+
+
+# What each step imports beyond torch (a bare machine has only torch; the rest comes as wheels).
+NEEDS = {
+    "parity": ("transformers", "safetensors"),
+    "generate": ("transformers",),
+    "grpo": ("transformers", "safetensors"),
+    "megatron-parity": ("transformers", "safetensors", CORE_MODULE),
+    "megatron-grpo": ("transformers", "safetensors", CORE_MODULE),
+    "megatron-moe": ("transformers", "safetensors", CORE_MODULE),
+}
+
+
+def import_problem(module: str) -> str | None:
+    """Why `module` does not import here (in a process of its own: importing sglang patches
+    transformers), or None."""
+    done = subprocess.run(
+        [sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=300
+    )
+    if done.returncode == 0:
+        return None
+    lines = done.stderr.strip().splitlines()
+    return lines[-1] if lines else f"exit code {done.returncode}"
+
+
+def require(*modules: str) -> None:
+    """Skip the step when a module it needs is not installed."""
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m.split(".")[0]) is None]
+    if missing:
+        raise Skipped(
+            f"needs {', '.join(missing)}, not installed (carry the wheels: MILES_WHEELS in scripts/gpu_check.sh)"
+        )
 
 
 def device_of(cpu: bool) -> str:
@@ -46,26 +89,32 @@ def device_of(cpu: bool) -> str:
 
 
 def step_platform(cpu: bool, workdir: Path) -> str:
-    import importlib.util
-
     import torch
-    import transformers
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from miles.platform import resolve
-    from miles.train.rollout import cache_keyword
 
     info = resolve()
     if not cpu and info.platform == "cpu":
         raise CheckFailed(f"expected a GPU, found {info.describe()}")
-    with torch.device("meta"):
-        keyword = cache_keyword(Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=1)))
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    found = {m: importlib.util.find_spec(m) is not None for m in ("sglang", "transformer_engine", "megatron")}
-    return (
-        f"{info.describe()}; device {gpu}; torch {torch.__version__}; transformers {transformers.__version__} "
-        f"(KV cache passed as '{keyword}'); "
-        + ", ".join(f"{m} {'yes' if ok else 'no'}" for m, ok in found.items())
+    try:
+        import transformers
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        from miles.train.rollout import cache_keyword
+
+        with torch.device("meta"):
+            keyword = cache_keyword(Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=1)))
+        stack = f"transformers {transformers.__version__} (KV cache passed as '{keyword}')"
+    except ImportError as exc:
+        stack = f"transformers no ({exc})"
+    # imported for real, each in its own process: a package that is installed but cannot load
+    # (sglang without triton) is a "no"
+    found = {
+        m: import_problem(m) for m in ("sglang", "torch_memory_saver", "transformer_engine", CORE_MODULE)
+    }
+    return f"{info.describe()}; device {gpu}; torch {torch.__version__}; {stack}; " + ", ".join(
+        f"{m} {'yes' if problem is None else f'no ({problem})'}" for m, problem in found.items()
     )
 
 
@@ -90,7 +139,7 @@ def step_parity(cpu: bool, workdir: Path) -> str:
     import torch
 
     from miles.ckpt.tiny import make_tiny_checkpoint
-    from miles.train.args import SamplingConfig
+    from miles.train.config import SamplingConfig
     from miles.train.model import load_causal_lm
     from miles.train.rollout import TorchRolloutEngine
 
@@ -140,7 +189,7 @@ def qwen3_model(cpu: bool):
 def step_generate(cpu: bool, workdir: Path) -> str:
     import torch
 
-    from miles.train.args import SamplingConfig
+    from miles.train.config import SamplingConfig
     from miles.train.rollout import TorchRolloutEngine
 
     model, config = qwen3_model(cpu)
@@ -193,8 +242,10 @@ def step_generate(cpu: bool, workdir: Path) -> str:
 TRAIN_TIMEOUT_S = 600  # for a hung run, not a slow one: the CPU check's runs end in seconds
 
 
-def train_tiny_recipe(workdir: Path, run_id: str, args: tuple[str, ...]) -> tuple[dict, float]:
-    """The qwen3_4b recipe's tiny profile with `args` on one rank; its metric series and seconds."""
+def train_tiny_recipe(
+    workdir: Path, run_id: str, args: tuple[str, ...], *, recipe: str = "qwen3_4b", ranks: int = 1
+) -> tuple[dict, float]:
+    """A recipe's tiny profile with `args` on `ranks` ranks; its metric series and seconds."""
     from miles.ckpt.pipeline import prepare
     from miles.metrics.capture import RECORD_DIR_ENV, decode_value
     from miles.recipes import load
@@ -202,12 +253,12 @@ def train_tiny_recipe(workdir: Path, run_id: str, args: tuple[str, ...]) -> tupl
 
     options = RunOptions(
         model="tiny", model_dir=str(workdir / "models"), output_dir=str(workdir / "runs"), run_id=run_id,
-        python=sys.executable, extra_args=(*args, "--tensor-model-parallel-size", "1", "--actor-num-gpus-per-node", "1"),
+        python=sys.executable, extra_args=(*args, "--tensor-model-parallel-size", "1", "--actor-num-gpus-per-node", str(ranks)),
     )  # fmt: skip
-    plan = build_plan(load("qwen3_4b", platform="cpu"), options, "cpu", base_env={})
+    plan = build_plan(load(recipe, platform="cpu"), options, "cpu", base_env={})
     prepare(plan.checkpoint, progress=False)
-    record = workdir / "record"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+    record = workdir / f"record-{run_id}"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                "-m", "miles.train", *plan.train_args]  # fmt: skip
     started = time.perf_counter()
     try:
@@ -259,6 +310,15 @@ def step_grpo(cpu: bool, workdir: Path) -> str:
     return summary
 
 
+def _placed(cpu: bool):
+    """megatron-core's CPU redirects around CPU work; a GPU run uses megatron-core as it is."""
+    import contextlib
+
+    from miles.megatron.compat import cpu_placed
+
+    return cpu_placed() if cpu else contextlib.nullcontext()
+
+
 def step_megatron_parity(cpu: bool, workdir: Path) -> str:
     """HF logits against the megatron GPTModel loaded from the torch_dist conversion, fp32."""
     import torch
@@ -279,7 +339,7 @@ def step_megatron_parity(cpu: bool, workdir: Path) -> str:
             dist.mkdir(parents=True)
             convert_to_torch_dist(hf, dist, family)
         config = json.loads((hf / "config.json").read_text())
-        with single_process_group(), torch.random.fork_rng(devices=[]):
+        with single_process_group(), torch.random.fork_rng(devices=[]), _placed(cpu):
             model = load_model(config, dist / RELEASE, dtype=torch.float32, on_cpu=cpu)
             gaps[family] = hf_logit_gap(hf, model.to(device), config, device)
     report = ", ".join(f"{f} {g:.1e}" for f, g in gaps.items())
@@ -314,34 +374,59 @@ def step_megatron_grpo(cpu: bool, workdir: Path) -> str:
     return summary
 
 
-STEPS = {
-    "platform": step_platform,
-    "parity": step_parity,
-    "generate": step_generate,
-    "grpo": step_grpo,
-    "megatron-parity": step_megatron_parity,
-    "megatron-grpo": step_megatron_grpo,
-}
+def _steps() -> dict:
+    from miles.train import device_check_sglang as more
+
+    return {
+        "platform": step_platform,
+        "parity": step_parity,
+        "generate": step_generate,
+        "grpo": step_grpo,
+        "megatron-parity": step_megatron_parity,
+        "megatron-grpo": step_megatron_grpo,
+        **more.STEPS,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m miles.train.device_check", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("step", choices=sorted(STEPS))
+    parser.add_argument("step", choices=list(_steps()))
     parser.add_argument("--cpu", action="store_true", help="the same step on CPU at CI size")
     parser.add_argument("--workdir", type=Path, default=Path(".miles/device-check"))
     args = parser.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     try:
-        detail = STEPS[args.step](args.cpu, args.workdir)
+        require(*NEEDS.get(args.step, ()))
+        detail = _steps()[args.step](args.cpu, args.workdir)
+    except Skipped as exc:
+        print(f"SKIP {args.step}: {exc}", flush=True)
+        return 0
     except CheckFailed as exc:
         print(f"FAIL {args.step} ({time.perf_counter() - started:.0f}s): {exc}", flush=True)
         return 1
-    print(f"PASS {args.step} ({time.perf_counter() - started:.0f}s): {detail}", flush=True)
-    return 0
+    except Exception as exc:  # a crash is a failed check too, with its traceback on stderr
+        import traceback
+
+        traceback.print_exc()
+        print(
+            f"FAIL {args.step} ({time.perf_counter() - started:.0f}s): {type(exc).__name__}: {exc}",
+            flush=True,
+        )
+        return 1
+    # a step of several checks returns [(name, failure or None, detail)]: one line each
+    checks = detail if isinstance(detail, list) else [(args.step, None, detail)]
+    for name, failure, text in checks:
+        verdict = "FAIL" if failure else "PASS"
+        print(f"{verdict} {name} ({time.perf_counter() - started:.0f}s): {failure or text}", flush=True)
+    return 1 if any(failure for _, failure, _ in checks) else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # the steps in device_check_sglang import this module by name: run its copy, not __main__'s,
+    # so the exceptions they raise are the ones main() catches
+    from miles.train import device_check
+
+    sys.exit(device_check.main())

@@ -8,53 +8,53 @@ is greedy), and the mean reward is logged as `eval/<NAME>`.
 
 from __future__ import annotations
 
-import argparse
-
 from miles.train import data
-from miles.train.args import SamplingConfig
+from miles.train.config import DataConfig, EvalConfig, SamplingConfig
 from miles.train.distributed import all_reduce_sum, sampling_seed
 
 EVAL_SEED_OFFSET = 1_000_000_007  # eval draws never reuse a training rollout's random stream
 
 
-def eval_sets(args: argparse.Namespace) -> dict[str, list[data.Prompt]]:
-    """The named evaluation prompt sets (the parser checked that NAME PATH come in pairs)."""
-    pairs = args.eval_prompt_data or []
+def eval_sets(evaluation: EvalConfig, prompts: DataConfig) -> dict[str, list[data.Prompt]]:
+    """The named evaluation prompt sets (the parser checked that NAME PATH come in pairs), read
+    with the training data's keys."""
+    pairs = evaluation.eval_prompt_data or ()
     return {
         name: data.load_prompts(
-            path, input_key=args.input_key, label_key=args.label_key, metadata_key=args.metadata_key
+            path, input_key=prompts.input_key, label_key=prompts.label_key, metadata_key=prompts.metadata_key
         )
         for name, path in zip(pairs[::2], pairs[1::2], strict=True)
     }
 
 
-def eval_sampling(args: argparse.Namespace, train: SamplingConfig) -> SamplingConfig:
-    temperature = train.temperature if args.eval_temperature is None else args.eval_temperature
+def eval_sampling(evaluation: EvalConfig, train: SamplingConfig) -> SamplingConfig:
+    temperature = train.temperature if evaluation.eval_temperature is None else evaluation.eval_temperature
     greedy = temperature == 0
     return SamplingConfig(
         temperature=1.0 if greedy else temperature,
-        top_p=train.top_p if args.eval_top_p is None else args.eval_top_p,
+        top_p=train.top_p if evaluation.eval_top_p is None else evaluation.eval_top_p,
         top_k=1 if greedy else train.top_k,
-        max_response_len=args.eval_max_response_len or train.max_response_len,
+        max_response_len=evaluation.eval_max_response_len or train.max_response_len,
         stop_token_ids=train.stop_token_ids,
     )
 
 
-def due(args: argparse.Namespace, rollout_id: int) -> bool:
-    return bool(args.eval_interval and args.eval_prompt_data and (rollout_id + 1) % args.eval_interval == 0)
+def due(evaluation: EvalConfig, rollout_id: int) -> bool:
+    every = evaluation.eval_interval
+    return bool(every and evaluation.eval_prompt_data and (rollout_id + 1) % every == 0)
 
 
 def evaluate(run, sets: dict[str, list[data.Prompt]], rollout_id: int) -> dict[str, float]:
     """`eval/<name>`: mean reward over every prompt of each set and its samples, all ranks."""
-    args, rank, world = run.args, run.dist.rank, run.dist.world_size
-    sampling = eval_sampling(args, run.sampling)
-    n = args.n_samples_per_eval_prompt
+    evaluation, rank, world = run.config.eval, run.dist.rank, run.dist.world_size
+    sampling = eval_sampling(evaluation, run.sampling)
+    n = evaluation.n_samples_per_eval_prompt
     metrics = {}
     for name, prompts in sets.items():
         mine = prompts[rank::world]
         # not run.encode: its cache is keyed by the training set's indices
         requests = [ids for ids in map(run.prompt_ids, mine) for _ in range(n)]
-        seed = sampling_seed(args.rollout_seed + EVAL_SEED_OFFSET, rollout_id, rank)
+        seed = sampling_seed(run.config.rollout.rollout_seed + EVAL_SEED_OFFSET, rollout_id, rank)
         generations = run.engine.generate(requests, sampling, seed=seed) if requests else []
         total = sum(run.score(mine[i // n], generation)[1] for i, generation in enumerate(generations))
         reward_sum, count = all_reduce_sum([total, float(len(requests))])

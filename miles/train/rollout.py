@@ -14,7 +14,7 @@ import inspect
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from miles.train.args import SamplingConfig
+from miles.train.config import CheckpointConfig, OptimizerConfig, SamplingConfig
 
 
 @dataclass(frozen=True)
@@ -52,8 +52,12 @@ def cache_keyword(model) -> str:
 
 
 class RolloutEngine(abc.ABC):
-    """What the trainer needs from a rollout engine."""
+    """What the trainer needs from a rollout engine. What it needs to know about one is declared
+    here as properties (the trainer never asks which class it is); what the engine acts on of
+    the run's configuration is its `CONSUMES` (miles.train.consumption)."""
 
+    # The --rollout-engine value that selects it; how notes and logs name it.
+    name: str = ""
     # named_weights() returns the engine's own tensors, so the weight check can be bit-exact;
     # an engine that cannot expose them is checked by the logprobs of fixed sequences.
     exact_weights = True
@@ -61,6 +65,17 @@ class RolloutEngine(abc.ABC):
     # state dict (transformers 5 keeps a layer's experts fused); "checkpoint", those of the
     # checkpoint files (one tensor per expert), as SGLang's loaders read them.
     weight_names = "model"
+    # It holds its own memory on the training GPUs and gives it back while the trainer steps
+    # (release_memory / resume_memory).
+    colocated = False
+    # The same seed gives the same samples.
+    seeded = True
+
+    @property
+    def local_model(self):
+        """The Hugging Face model the engine samples with in this process (its generation
+        config says how it ends a sequence), or None when the model lives elsewhere."""
+        return None
 
     @abc.abstractmethod
     def generate(
@@ -95,10 +110,29 @@ class TorchRolloutEngine(RolloutEngine):
     samples stop early does not keep paying for them.
     """
 
+    name = "torch"
+    # Built from a model; `from_sections` loads it from --hf-checkpoint in the trainer's
+    # compute dtype (--bf16), so the engine samples what the trainer scores.
+    CONSUMES = {"checkpoint": ("hf_checkpoint",), "optimizer": ("bf16",)}
+
     def __init__(self, model, *, pad_token_id: int = 0):
         self.model = model.eval()
         self.pad_token_id = pad_token_id
         self.cache_keyword = cache_keyword(self.model)
+
+    @classmethod
+    def from_sections(
+        cls, *, checkpoint: CheckpointConfig, optimizer: OptimizerConfig, dist_info
+    ) -> TorchRolloutEngine:
+        from miles.train.model import load_causal_lm, load_tokenizer, train_dtype
+
+        path = checkpoint.hf_checkpoint
+        model = load_causal_lm(path, dtype=train_dtype(optimizer.bf16), device=dist_info.device)
+        return cls(model, pad_token_id=load_tokenizer(path).pad_token_id or 0)
+
+    @property
+    def local_model(self):
+        return self.model
 
     def generate(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, seed: int

@@ -1,19 +1,21 @@
 """Everything a training run holds, built once from the flags: the machinery around the loop.
 
-`build_run(args)` joins the process group, loads tokenizer, prompts, reward rule, training
-backend and rollout engine, and restores `--load`'s checkpoint when there is one. `dry_start(args)`
-(--dry-start) stops after the training backend: the flags checked against the world and the
-model, the model built at the layout and its starting weights loaded.
+`build_run(config)` joins the process group, loads tokenizer, prompts, reward rule, training
+backend and rollout engine (each given only the sections it consumes), and restores `--load`'s
+checkpoint when there is one. `dry_start(config)` (--dry-start) stops after the training
+backend: the flags checked against the world and the model, the model built at the layout and
+its starting weights loaded.
 """
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, field
 
 from miles.train import checkpoint, data, guards
-from miles.train.args import SamplingConfig, run_notes, sampling_config, validate_world
+from miles.train.args import validate_world, world_note
 from miles.train.backends import TrainBackend, make_backend
+from miles.train.config import RunConfig, SamplingConfig
+from miles.train.consumption import build, run_notes
 from miles.train.distributed import DistInfo, init_distributed, seed_everything
 from miles.train.rewards import RewardFn, load_reward, score
 from miles.train.rollout import Generation, RolloutEngine
@@ -21,7 +23,7 @@ from miles.train.rollout import Generation, RolloutEngine
 
 @dataclass
 class Run:
-    args: argparse.Namespace
+    config: RunConfig
     dist: DistInfo
     tokenizer: object
     prompts: list[data.Prompt]
@@ -38,8 +40,8 @@ class Run:
         return data.encode_prompt(
             prompt,
             self.tokenizer,
-            apply_chat_template=self.args.apply_chat_template,
-            system_prompt=self.args.system_prompt,
+            apply_chat_template=self.config.data.apply_chat_template,
+            system_prompt=self.config.data.system_prompt,
         )
 
     def encode(self, prompt: data.Prompt) -> list[int]:
@@ -47,10 +49,10 @@ class Run:
         ids = self._encoded.get(prompt.index)
         if ids is None:
             ids = self.prompt_ids(prompt)
-            limit = self.args.rollout_max_prompt_len
+            limit = self.config.rollout.rollout_max_prompt_len
             if limit and len(ids) > limit:
                 raise data.DataError(
-                    f"--prompt-data {self.args.prompt_data}: prompt {prompt.index} has {len(ids)} tokens, over "
+                    f"--prompt-data {self.config.data.prompt_data}: prompt {prompt.index} has {len(ids)} tokens, over "
                     f"--rollout-max-prompt-len {limit}; filter the dataset or raise the limit"
                 )
             self._encoded[prompt.index] = ids
@@ -61,7 +63,7 @@ class Run:
         text = self.tokenizer.decode(list(generation.response_ids), skip_special_tokens=True)
         where = f"prompt {prompt.index} of --prompt-data, sample {sample}"
         return text, score(
-            self.reward_fn, text, prompt.label, prompt.metadata, self.args.reward_key, where=where
+            self.reward_fn, text, prompt.label, prompt.metadata, self.config.reward.reward_key, where=where
         )
 
     def log(self, message: str) -> None:
@@ -69,45 +71,49 @@ class Run:
             print(message, flush=True)
 
 
-def build_run(args: argparse.Namespace) -> Run:
+def build_run(config: RunConfig) -> Run:
     import torch
 
     from miles.train.model import eos_token_ids, load_tokenizer
 
-    if args.num_threads:
-        torch.set_num_threads(args.num_threads)
-    dist_info = init_distributed(args.distributed_backend)
-    validate_world(args, dist_info.world_size)
-    if args.load:  # before any model loads: a mistyped --load fails in a second
-        checkpoint.check_load_dir(args.load, args.save)
-    seed_everything(args.seed)
-    tokenizer = load_tokenizer(args.hf_checkpoint)
+    job, ckpt = config.job, config.checkpoint
+    if job.num_threads:
+        torch.set_num_threads(job.num_threads)
+    dist_info = init_distributed(job.distributed_backend)
+    validate_world(config, dist_info.world_size)
+    if ckpt.load:  # before any model loads: a mistyped --load fails in a second
+        checkpoint.check_load_dir(ckpt.load, ckpt.save)
+    seed_everything(job.seed)
+    tokenizer = load_tokenizer(ckpt.hf_checkpoint)
+    d = config.data
     prompts = data.load_prompts(
-        args.prompt_data, input_key=args.input_key, label_key=args.label_key, metadata_key=args.metadata_key
+        d.prompt_data, input_key=d.input_key, label_key=d.label_key, metadata_key=d.metadata_key
     )
-    reward_fn = load_reward(args.custom_rm_path or args.rm_type)
-    backend = make_backend(args, dist_info)
-    engine = make_engine(args, dist_info)
-    engine_model = getattr(engine, "model", None)
-    sampling = sampling_config(
-        args, eos_token_ids(engine_model, tokenizer) if engine_model is not None else ()
-    )
-    run = Run(args, dist_info, tokenizer, prompts, reward_fn, backend, engine, sampling)
-    run.skipped_streak = guards.SkippedStreak(args.max_skipped_steps)
-    if engine_model is not None:
+    reward = config.reward.custom_rm_path or config.reward.rm_type
+    reward_fn = load_reward(reward)
+    backend = make_backend(config, dist_info)
+    engine = make_engine(config, dist_info)
+    model = engine.local_model
+    sampling = config.rollout.sampling_config(eos_token_ids(model, tokenizer) if model is not None else ())
+    run = Run(config, dist_info, tokenizer, prompts, reward_fn, backend, engine, sampling)
+    run.skipped_streak = guards.SkippedStreak(config.optimizer.max_skipped_steps)
+    if model is not None:
         warn_if_not_causal(run)
     run.start_rollout = resume(run)
     engine.update_weights(backend.full_weights(names=engine.weight_names))
-    kl = f", KL {args.kl_loss_type} x {args.kl_loss_coef} vs {getattr(backend, 'ref_source', '-')}"
+    algorithm = config.algorithm
+    kl = f", KL {algorithm.kl_loss_type} x {algorithm.kl_loss_coef} vs {backend.ref_source or '-'}"
     run.log(
-        f"miles.train: {args.advantage_estimator} on {args.hf_checkpoint} | {args.train_backend} x "
-        f"{dist_info.world_size} ({dist_info.backend}, {dist_info.device}) | rollout {type(engine).__name__} | "
-        f"data {args.prompt_data} ({len(prompts)} prompts) | reward {args.custom_rm_path or args.rm_type}"
-        f"{kl if args.use_kl_loss else ''} | rollouts {run.start_rollout}..{args.num_rollout}"
+        f"miles.train: {algorithm.advantage_estimator} on {ckpt.hf_checkpoint} | {job.train_backend} x "
+        f"{dist_info.world_size} ({dist_info.backend}, {dist_info.device}) | rollout {engine.name}"
+        f"{' (colocated)' if engine.colocated else ''} | data {d.prompt_data} ({len(prompts)} prompts) | "
+        f"reward {reward}{kl if algorithm.use_kl_loss else ''} | rollouts {run.start_rollout}..{config.rollout.num_rollout}"
     )
-    engine_name = "sglang" if type(engine).__name__.startswith("SGLang") else "torch"
-    notes = run_notes(args, engine_name)
-    if getattr(engine, "seeded", True) is False:
+    notes = run_notes(config, engine.name)
+    world = world_note(config, dist_info.world_size)
+    if world:
+        notes.append(world)
+    if not engine.seeded:
         notes.append(
             "SGLang samples with --rollout-seed only under --sglang-enable-deterministic-inference; "
             "without it the seed reaches the server (random_seed) and rollouts are not reproducible"
@@ -117,25 +123,26 @@ def build_run(args: argparse.Namespace) -> Run:
     return run
 
 
-def dry_start(args: argparse.Namespace) -> None:
+def dry_start(config: RunConfig) -> None:
     """The checks a start makes before any rollout, and nothing after them: the flags against the
     world size, the load directory, the training backend's model built at the layout (the Megatron
     backend: every rank's model chunks, its model flags against config.json) with its starting
     weights loaded (--ref-load's torch_dist)."""
     import torch
 
-    if args.num_threads:
-        torch.set_num_threads(args.num_threads)
-    dist_info = init_distributed(args.distributed_backend)
-    validate_world(args, dist_info.world_size)
-    if args.load:
-        checkpoint.check_load_dir(args.load, args.save)
-    seed_everything(args.seed)
-    backend = make_backend(args, dist_info)
-    source = getattr(backend, "source", args.hf_checkpoint)
+    job, ckpt = config.job, config.checkpoint
+    if job.num_threads:
+        torch.set_num_threads(job.num_threads)
+    dist_info = init_distributed(job.distributed_backend)
+    validate_world(config, dist_info.world_size)
+    if ckpt.load:
+        checkpoint.check_load_dir(ckpt.load, ckpt.save)
+    seed_everything(job.seed)
+    backend = make_backend(config, dist_info)
+    source = getattr(backend, "source", ckpt.hf_checkpoint)
     if dist_info.is_main:
         print(
-            f"miles.train: dry start: the {args.train_backend} model of {args.hf_checkpoint} is built on "
+            f"miles.train: dry start: the {job.train_backend} model of {ckpt.hf_checkpoint} is built on "
             f"{dist_info.world_size} rank(s) ({dist_info.device}) and holds {source}; no rollout",
             flush=True,
         )
@@ -156,26 +163,13 @@ def warn_if_not_causal(run: Run) -> None:
         )
 
 
-def make_engine(args: argparse.Namespace, dist_info: DistInfo) -> RolloutEngine:
-    choice = args.rollout_engine
+def make_engine(config: RunConfig, dist_info: DistInfo) -> RolloutEngine:
+    """The --rollout-engine (auto: sglang on a GPU machine that has it, else the built-in one),
+    given the sections it consumes."""
+    choice = config.job.rollout_engine
     if choice == "auto":
         choice = "sglang" if dist_info.device != "cpu" and _sglang_installed() else "torch"
-    if choice == "sglang":
-        from miles.train.sglang_engine import SGLangRolloutEngine
-
-        return SGLangRolloutEngine(args, dist_info)
-    from miles.train.model import load_causal_lm, load_tokenizer
-    from miles.train.rollout import TorchRolloutEngine
-
-    model = load_causal_lm(args.hf_checkpoint, dtype=_rollout_dtype(args, dist_info), device=dist_info.device)
-    pad = load_tokenizer(args.hf_checkpoint).pad_token_id
-    return TorchRolloutEngine(model, pad_token_id=pad or 0)
-
-
-def _rollout_dtype(args, dist_info):
-    from miles.train.model import train_dtype
-
-    return train_dtype(args.bf16)  # the engine samples in the trainer's compute dtype
+    return build("engine", choice, config, dist_info)
 
 
 def _sglang_installed() -> bool:
@@ -186,17 +180,17 @@ def _sglang_installed() -> bool:
 
 def resume(run: Run) -> int:
     """Restore `--load`'s checkpoint; returns the first rollout id to run."""
-    args = run.args
-    if not args.load:
+    ckpt = run.config.checkpoint
+    if not ckpt.load:
         return 0
-    state = checkpoint.read_state(args.load, args.ckpt_step)
+    state = checkpoint.read_state(ckpt.load, ckpt.ckpt_step)
     if state is None:
-        run.log(f"miles.train: no checkpoint in --load {args.load}; starting from --hf-checkpoint")
+        run.log(f"miles.train: no checkpoint in --load {ckpt.load}; starting from --hf-checkpoint")
         return 0
-    checkpoint.check_compatible(state, args)
-    with_optimizer = state.with_optimizer and not args.no_load_optim
+    checkpoint.check_compatible(state, run.config)
+    with_optimizer = state.with_optimizer and not ckpt.no_load_optim
     run.backend.load(
-        str(checkpoint.iteration_dir(args.load, state.rollouts_done)), with_optimizer=with_optimizer
+        str(checkpoint.iteration_dir(ckpt.load, state.rollouts_done)), with_optimizer=with_optimizer
     )
-    run.log(f"miles.train: resumed from {checkpoint.iteration_dir(args.load, state.rollouts_done)}")
+    run.log(f"miles.train: resumed from {checkpoint.iteration_dir(ckpt.load, state.rollouts_done)}")
     return state.rollouts_done

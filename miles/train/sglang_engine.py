@@ -1,161 +1,59 @@
 """SGLang as the rollout engine, behind the same interface as the built-in torch engine.
 
-GPU machines only. Engines are colocated with training: an engine of
-`--rollout-num-gpus-per-engine` N GPUs serves the N training ranks on those GPUs, so
-engines never overlap (the first rank of each group of N starts it, the others hand it
-their prompts). Around training the engine releases its GPU memory (SGLang's memory saver,
-`enable_memory_saver`) and takes it back before the weights are pushed in place through
-`update_weights_from_tensor`, whose `(success, message)` is checked. `--sglang-<name> VALUE`
-flags become the engine's server arguments, converted to the types SGLang declares.
+GPU machines only; written against sglang 0.5.23 (the lanes' pin), whose own code the CPU
+tests run wherever it can run without a GPU. Engines are colocated with training: an engine
+of `--rollout-num-gpus-per-engine` N GPUs serves the N training ranks on those GPUs (its
+group), engines never overlap, and the first rank of a group starts the engine and talks to
+it; the others hand it their prompts and weights over the group's gloo group
+(miles.train.sglang_weights), so they wait without an NCCL watchdog.
+
+Memory: while the trainer steps, the engine releases its weights, KV cache and CUDA graphs
+(SGLang's memory saver, torch-memory-saver). A weight push empties the trainer's allocator
+cache, resumes the engine's weights only, pushes (see sglang_weights), empties the cache of
+what the push left behind, and only then resumes the KV cache and CUDA graphs, as the seed
+framework does (radixark/miles train.py at 31f1ca961a94cb860cec3b2dea34ec332bfa8f76:
+onload_weights, update_weights, onload_kv). An engine started from an FP8 checkpoint gets
+FP8 weights (miles.train.fp8_export).
+
+Failures end in one line: a request SGLang refuses (a prompt over the context length), an
+unfinished request, a refused weight update, and a scheduler or detokenizer process that
+died. SGLang's own reaction to a dead child is to SIGKILL this whole process tree; the
+engine here replaces it (the launch-phase `custom_sigquit_handler` and the tokenizer
+manager's `signal_handler_class`) so the engine call in progress fails instead.
 
 Seeds: SGLang honours a request's `sampling_seed` only under
 `--sglang-enable-deterministic-inference`; without it sampling is not reproducible and the
 seed is not sent (the run says so at start). `random_seed` seeds the server's own RNG.
-sglang is imported only when this engine is built.
+`--sglang-<name> VALUE` flags become the engine's server arguments, converted to the types
+SGLang declares. sglang is imported only when this engine is built.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from miles.train.args import SamplingConfig
+from miles.train.config import CheckpointConfig, RolloutConfig, SamplingConfig, SGLangConfig
 from miles.train.rollout import Generation, RolloutEngine, RolloutEngineError
+from miles.train.sglang_server import (
+    CHILD_FAILED,
+    SGLangUnavailable,
+    engine_slot,
+    require_memory_saver,
+    seeds_honoured,
+    server_kwargs,
+)
+from miles.train.sglang_weights import FLATTENED, buckets, checked, engine_groups, serialize_bucket
+
+# sglang.srt.constants GPU_MEMORY_TYPE_*: what release/resume_memory_occupation take as tags
+KV_CACHE, WEIGHTS, CUDA_GRAPH = "kv_cache", "weights", "cuda_graph"
+MEMORY_TAGS = (KV_CACHE, WEIGHTS, CUDA_GRAPH)
+
 
 # A finish reason other than these means SGLang did not complete the request (an abort:
 # prompt over the context length, out of memory, a request cancelled by a weight update).
 NORMAL_FINISH = {"stop": "stop", "length": "length"}
-
-
-class SGLangUnavailable(RuntimeError):
-    """sglang is not installed or cannot run here; the message says what to use instead."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerField:
-    name: str
-    type: Any  # the annotation SGLang declares
-    default: Any
-
-
-def server_fields(server_args_cls) -> dict[str, ServerField]:
-    """The fields of SGLang's ServerArgs, a msgspec Struct in the pinned 0.5 line."""
-    import msgspec
-
-    try:
-        fields = msgspec.structs.fields(server_args_cls)
-    except TypeError as exc:
-        raise SGLangUnavailable(
-            f"{server_args_cls!r} is not a msgspec Struct as in sglang 0.5; install the lane's pinned sglang"
-        ) from exc
-    return {
-        f.name: ServerField(f.name, f.type, None if f.default is msgspec.NODEFAULT else f.default)
-        for f in fields
-    }
-
-
-def convert_value(flag: str, value, field: ServerField):
-    """A CLI value (str, list of str, or True for a bare switch) as the type SGLang declares."""
-    import msgspec
-
-    candidates = [value, [value]] if isinstance(value, str) else [value]  # one value of a list field
-    for candidate in candidates:
-        try:
-            return msgspec.convert(candidate, field.type, strict=False)
-        except msgspec.ValidationError:
-            continue
-        except TypeError:  # a declared type msgspec cannot convert into: go by the default
-            return _convert_by_default(value, field.default)
-    raise SGLangUnavailable(f"{flag} {value!r}: SGLang declares {_type_name(field.type)} for '{field.name}'")
-
-
-def _type_name(annotation) -> str:
-    from typing import Annotated, get_args, get_origin
-
-    if get_origin(annotation) is Annotated:
-        annotation = get_args(annotation)[0]
-    return annotation.__name__ if isinstance(annotation, type) else str(annotation).replace("typing.", "")
-
-
-def _convert_by_default(value, default):
-    """The CLI string as the type of the field's default (types msgspec cannot convert into)."""
-    if isinstance(value, list):
-        inner = default[0] if isinstance(default, list) and default else None
-        return [_convert_by_default(v, inner) for v in value]
-    if not isinstance(value, str):
-        return value
-    if isinstance(default, bool):
-        return value.lower() in ("1", "true", "yes")
-    if isinstance(default, (int, float, str)):
-        return type(default)(value)
-    for kind in (int, float):  # no default to go by: numbers where they read as numbers
-        try:
-            return kind(value)
-        except ValueError:
-            pass
-    return value
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineSlot:
-    """Where this rank's engine lives: which local GPUs it spans and which ranks it serves."""
-
-    leader: bool  # this rank starts the engine and talks to it
-    base_gpu_id: int
-    group: tuple[int, ...]  # global ranks served by the engine, the leader first
-
-
-def engine_slot(rank: int, local_rank: int, local_world_size: int, gpus_per_engine: int) -> EngineSlot:
-    """Engines of `gpus_per_engine` GPUs tile each node's GPUs without overlap."""
-    if local_world_size % gpus_per_engine:
-        raise SGLangUnavailable(
-            f"--rollout-num-gpus-per-engine {gpus_per_engine} does not divide the {local_world_size} GPUs "
-            f"per node: engines would overlap or straddle nodes; use a divisor of {local_world_size}"
-        )
-    offset = local_rank % gpus_per_engine
-    first = rank - offset
-    return EngineSlot(offset == 0, local_rank - offset, tuple(range(first, first + gpus_per_engine)))
-
-
-def server_kwargs(args, dist_info, server_args_cls, *, local_world_size: int | None = None) -> dict:
-    """Engine keyword arguments: the model, this engine's GPUs, the memory saver, --sglang-*."""
-    fields = server_fields(server_args_cls)
-    slot = engine_slot(
-        dist_info.rank,
-        dist_info.local_rank,
-        local_world_size or dist_info.world_size,
-        args.rollout_num_gpus_per_engine,
-    )
-    kwargs = {
-        "model_path": args.hf_checkpoint,
-        "tp_size": args.rollout_num_gpus_per_engine,
-        "random_seed": args.rollout_seed + dist_info.rank,
-        "log_level": "error",
-        # Colocated with training: memory is released while the trainer steps.
-        "enable_memory_saver": True,
-        "base_gpu_id": slot.base_gpu_id,
-    }
-    if args.sglang_mem_fraction_static is not None:
-        kwargs["mem_fraction_static"] = args.sglang_mem_fraction_static
-    for name, value in args.sglang_args.items():
-        flag = f"--sglang-{name.replace('_', '-')}"
-        field = fields.get(name)
-        if field is None:
-            raise SGLangUnavailable(f"{flag}: this SGLang has no server argument '{name}'")
-        kwargs[name] = convert_value(flag, value, field)
-    unknown = sorted(set(kwargs) - set(fields))
-    if unknown:
-        raise SGLangUnavailable(
-            f"this SGLang has no server argument(s) {unknown}; install the lane's pinned sglang"
-        )
-    return kwargs
-
-
-def seeds_honoured(kwargs: Mapping[str, Any]) -> bool:
-    """SGLang samples with a request's sampling_seed only in deterministic-inference mode."""
-    return bool(kwargs.get("enable_deterministic_inference"))
 
 
 def sampling_params(sampling: SamplingConfig, seed: int | None) -> dict:
@@ -194,98 +92,195 @@ def to_generation(prompt: Sequence[int], out: Mapping[str, Any]) -> Generation:
 
 
 class SGLangRolloutEngine(RolloutEngine):
+    name = "sglang"
     exact_weights = False  # SGLang's Qwen3 has no get_weights_by_name: the weight check uses logprobs
     weight_names = "checkpoint"  # its models' load_weights read checkpoint names
+    colocated = True  # it shares the training GPUs and releases its memory while the trainer steps
+    # The model it serves, its server's seed, and every SGLang option.
+    CONSUMES = {"sglang": "*", "checkpoint": ("hf_checkpoint",), "rollout": ("rollout_seed",)}
 
-    def __init__(self, args, dist_info, *, engine_cls=None, server_args_cls=None):
+    def __init__(
+        self,
+        *,
+        sglang: SGLangConfig,
+        checkpoint: CheckpointConfig,
+        rollout: RolloutConfig,
+        dist_info,
+        engine_cls=None,
+        server_args_cls=None,
+    ):
+        """`engine_cls` and `server_args_cls` default to sglang's Engine and ServerArgs."""
+        from miles.train.fp8_export import Fp8ExportError, fp8_export_for
+
         if dist_info.device == "cpu":
             raise SGLangUnavailable("--rollout-engine sglang needs a GPU; on CPU use --rollout-engine torch")
         if engine_cls is None or server_args_cls is None:
-            try:
-                import sglang
-                from sglang.srt.server_args import ServerArgs
-            except ImportError as exc:
-                raise SGLangUnavailable(
-                    f"--rollout-engine sglang: cannot import sglang ({exc}); install the lane's pinned stack "
-                    "(requirements/<lane>.txt) or use --rollout-engine torch"
-                ) from exc
-            engine_cls, server_args_cls = engine_cls or sglang.Engine, server_args_cls or ServerArgs
+            engine_cls, server_args_cls = _import_sglang(engine_cls, server_args_cls)
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist_info.world_size))
-        self.kwargs = server_kwargs(args, dist_info, server_args_cls, local_world_size=local_world)
-        self.slot = engine_slot(
-            dist_info.rank, dist_info.local_rank, local_world, args.rollout_num_gpus_per_engine
+        self.kwargs = server_kwargs(
+            sglang,
+            dist_info,
+            server_args_cls,
+            model_path=checkpoint.hf_checkpoint,
+            seed=rollout.rollout_seed,
+            local_world_size=local_world,
         )
+        gpus = sglang.rollout_num_gpus_per_engine
+        self.slot = engine_slot(dist_info.rank, dist_info.local_rank, local_world, gpus)
         self.rank = dist_info.rank
         self.seeded = seeds_honoured(self.kwargs)
-        self.engine = engine_cls(**self.kwargs) if self.slot.leader else None
-        self.released = False
-        self.bucket_bytes = args.update_weight_buffer_size or 512 << 20
+        self.bucket_bytes = sglang.update_weight_buffer_size or 512 << 20
+        try:
+            self.fp8 = fp8_export_for(checkpoint.hf_checkpoint)
+        except Fp8ExportError as exc:
+            raise SGLangUnavailable(f"--hf-checkpoint: {exc}") from None
+        self.released: set[str] = set()
+        self.group = engine_groups(dist_info.world_size, gpus, self.rank)
+        self.engine = self._start(engine_cls) if self.slot.leader else None
+
+    def _start(self, engine_cls):
+        try:
+            engine = engine_cls(**self.kwargs)
+        except Exception as exc:  # sglang raises RuntimeError/ValueError/ImportError from its launch
+            raise SGLangUnavailable(
+                f"the SGLang engine for {self.kwargs['model_path']} did not start: {type(exc).__name__}: "
+                f"{_first_line(exc)} (its log above has the details)"
+            ) from None
+        _watch_children(engine)
+        return engine
+
+    # --- generation ---
 
     def generate(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, seed: int
     ) -> list[Generation]:
-        if len(self.slot.group) == 1:
-            return self._generate_here(prompts, sampling, seed)
-        # The group's prompts go to its leader's engine; every rank gets its own answers back.
-        from miles.train.distributed import all_gather_objects
+        """The group's prompts go to its leader's engine; every rank gets its own answers back."""
 
-        asked = all_gather_objects([list(p) for p in prompts])
-        answers = None
-        if self.slot.leader:
-            mine = [asked[r] for r in self.slot.group]
-            flat = self._generate_here([p for part in mine for p in part], sampling, seed)
-            answers, start = [], 0
-            for part in mine:
-                answers.append(flat[start : start + len(part)])
+        def serve(asked: list) -> list:
+            flat = self._generate_here([p for part in asked for p in part], sampling, seed)
+            out, start = [], 0
+            for part in asked:
+                out.append(flat[start : start + len(part)])
                 start += len(part)
-        gathered = all_gather_objects(answers)
-        leader = self.slot.group[0]
-        return gathered[leader][self.slot.group.index(self.rank)]
+            return out
+
+        answers = self.group.exchange([list(p) for p in prompts], serve)
+        return answers[self.group.ranks.index(self.rank)]
 
     def _generate_here(self, prompts, sampling: SamplingConfig, seed: int) -> list[Generation]:
         if not prompts:
             return []
         self.resume_memory()
         params = sampling_params(sampling, seed if self.seeded else None)
-        outputs = self.engine.generate(
-            input_ids=[list(p) for p in prompts], sampling_params=params, return_logprob=True
-        )
+        try:
+            outputs = self._call(
+                "generate",
+                self.engine.generate,
+                input_ids=[list(p) for p in prompts],
+                sampling_params=params,
+                return_logprob=True,
+            )
+        except ValueError as exc:  # sglang's TokenizerManager._validate_one_request and SamplingParams.verify
+            lengths = sorted(len(p) for p in prompts)
+            raise RolloutEngineError(
+                f"SGLang refused the rollout requests: {_first_line(exc)} (prompts of {lengths[0]}-{lengths[-1]} "
+                f"tokens, --rollout-max-response-len {sampling.max_response_len}); shorten the prompts "
+                "(--rollout-max-prompt-len) or the responses, or raise --sglang-context-length"
+            ) from None
         return [to_generation(p, out) for p, out in zip(prompts, outputs, strict=True)]
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, object]]) -> None:
-        """Push the weights in buckets of --update-weight-buffer-size bytes (default 512 MiB), so
-        at most one bucket of full tensors is held; the KV cache is flushed with the last one.
-        Every rank drains the iterator, engine or not: producing it may run collectives."""
-        bucket: list[tuple[str, object]] = []
-        size = 0
-        if self.engine is not None:
-            self.resume_memory()
-        for name, tensor in named_tensors:
-            bucket.append((name, tensor))
-            size += tensor.numel() * tensor.element_size() if hasattr(tensor, "numel") else 0
-            if size >= self.bucket_bytes:
-                self._push(bucket, flush_cache=False)
-                bucket, size = [], 0
-        self._push(bucket, flush_cache=True)
+    # --- weights ---
 
-    def _push(self, tensors: list, *, flush_cache: bool) -> None:
-        if self.engine is None or not (tensors or flush_cache):
-            return
-        result = self.engine.update_weights_from_tensor(named_tensors=tensors, flush_cache=flush_cache)
-        success, message = result if isinstance(result, tuple) else (result, "")
-        if not success:
-            raise RolloutEngineError(f"SGLang refused the weight update: {message or 'no message'}")
+    def update_weights(self, named_tensors: Iterable[tuple[str, object]]) -> None:
+        """Push the weights in buckets of --update-weight-buffer-size bytes (default 512 MiB), inside
+        one weight-update session. Every rank drains the iterator, engine or not: producing it may
+        run collectives, and every rank of the group sends the engine its own copy."""
+        stream = self.fp8(named_tensors) if self.fp8 is not None else named_tensors
+        clear_memory()  # the trainer's cached blocks go back before the engine's weights return
+        self._resume({WEIGHTS})
+        self.group.exchange(None, lambda _: self._open_session())
+        for bucket in buckets(stream, self.bucket_bytes):
+            payload, keep = serialize_bucket(bucket)
+            self.group.exchange(payload, self._load)
+            del keep  # the engine has loaded it on every rank
+        self.group.exchange(None, lambda _: self._close_session())
+        clear_memory()  # what the push left behind (gathered tensors, buckets) before the KV cache returns
+        self._resume({KV_CACHE, CUDA_GRAPH})
+
+    def _open_session(self) -> None:
+        from sglang.srt.managers.io_struct import PauseGenerationReqInput
+
+        tm = self.engine.tokenizer_manager
+        pause = tm.pause_generation(PauseGenerationReqInput(mode="retract"))
+        self._call("pause_generation", self.engine.loop.run_until_complete, pause)
+        checked(
+            "to flush its cache before the weight update", self._call("flush_cache", self.engine.flush_cache)
+        )
+        checked(
+            "to open a weight-update session",
+            self._call("begin_weight_update", self.engine.begin_weight_update),
+        )
+
+    def _load(self, payloads: list[bytes]) -> None:
+        result = self._call(
+            "update_weights_from_tensor",
+            self.engine.update_weights_from_tensor,
+            named_tensors=payloads,
+            load_format=FLATTENED,
+            flush_cache=False,  # flushed before the session; nothing runs while it is open
+        )
+        checked("the weight update", result)
+
+    def _close_session(self) -> None:
+        from sglang.srt.managers.io_struct import ContinueGenerationReqInput
+
+        checked(
+            "to close the weight-update session",
+            self._call("end_weight_update", self.engine.end_weight_update),
+        )
+        tm = self.engine.tokenizer_manager
+        resume = tm.continue_generation(ContinueGenerationReqInput())
+        self._call("continue_generation", self.engine.loop.run_until_complete, resume)
+
+    # --- memory ---
 
     def release_memory(self) -> None:
-        """Free the engine's GPU memory (weights and KV cache) while the trainer steps."""
-        if self.engine is not None and not self.released:
-            self.engine.release_memory_occupation()
-            self.released = True
+        """Free the engine's GPU memory (weights, KV cache, CUDA graphs) while the trainer steps."""
+        held = [t for t in MEMORY_TAGS if t not in self.released]
+        if self.engine is not None and held:
+            self._call("release_memory_occupation", self.engine.release_memory_occupation, tags=held)
+            self.released.update(held)
 
     def resume_memory(self) -> None:
-        if self.engine is not None and self.released:
-            self.engine.resume_memory_occupation()
-            self.released = False
+        """Take back everything released (before sampling)."""
+        self._resume(set(MEMORY_TAGS))
+
+    def _resume(self, tags: set[str]) -> None:
+        wanted = [t for t in MEMORY_TAGS if t in tags and t in self.released]
+        if self.engine is not None and wanted:
+            self._call("resume_memory_occupation", self.engine.resume_memory_occupation, tags=wanted)
+            self.released.difference_update(wanted)
+
+    # --- the engine's processes ---
+
+    def _call(self, what: str, fn, *args, **kwargs):
+        """One engine call; a dead engine process turns into one line naming it."""
+        if CHILD_FAILED.is_set():
+            raise self._died(what)
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError:
+            if CHILD_FAILED.is_set():
+                raise self._died(what) from None
+            raise
+
+    def _died(self, what: str) -> RolloutEngineError:
+        dead = _dead_children(self.engine)
+        self.close()
+        return RolloutEngineError(
+            f"the SGLang engine lost {dead or 'a scheduler or detokenizer process'} during {what}; that "
+            "process's error is in the log above; the engine's other processes were stopped"
+        )
 
     def named_weights(self) -> Iterator[tuple[str, object]]:
         raise NotImplementedError(
@@ -295,4 +290,63 @@ class SGLangRolloutEngine(RolloutEngine):
 
     def close(self) -> None:
         if self.engine is not None:
-            self.engine.shutdown()
+            engine, self.engine = self.engine, None
+            engine.shutdown()
+
+
+def _import_sglang(engine_cls, server_args_cls):
+    try:
+        import sglang
+        from sglang.srt.server_args import ServerArgs
+    except ImportError as exc:
+        raise SGLangUnavailable(
+            f"--rollout-engine sglang: cannot import sglang ({exc}); install the lane's pinned stack "
+            "(requirements/<lane>.txt) or use --rollout-engine torch"
+        ) from exc
+    require_memory_saver()
+    return engine_cls or sglang.Engine, server_args_cls or ServerArgs
+
+
+def _watch_children(engine) -> None:
+    """Replace the tokenizer manager's SIGQUIT reaction (sglang's SignalHandler kills this process
+    tree) with one that ends the engine call in progress; auto_create_handle_loop instantiates it."""
+    from sglang.srt.managers.tokenizer_manager import SignalHandler
+
+    class ChildWatch(SignalHandler):
+        def running_phase_sigquit_handler(self, signum=None, frame=None):
+            import asyncio
+
+            CHILD_FAILED.set()
+            asyncio.get_running_loop().stop()  # run_until_complete raises in the call in progress
+
+    engine.tokenizer_manager.signal_handler_class = ChildWatch
+
+
+def _dead_children(engine) -> str:
+    """'<name> (pid P, exit code C)' of the engine processes that are gone, from sglang's watchdog."""
+    watchdog = getattr(getattr(engine, "tokenizer_manager", None), "_subprocess_watchdog", None)
+    procs = getattr(watchdog, "_processes", None) or []
+    names = getattr(watchdog, "_names", None) or [f"process {i}" for i in range(len(procs))]
+    dead = [
+        f"{n} (pid {p.pid}, exit code {p.exitcode})"
+        for p, n in zip(procs, names, strict=False)
+        if not p.is_alive()
+    ]
+    return ", ".join(dead)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def clear_memory() -> None:
+    """Give the allocator's cached blocks back to the GPU (the engine shares it with this process)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()

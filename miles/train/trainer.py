@@ -25,7 +25,7 @@ import torch
 
 from miles.train import checkpoint, checks, evaluation, guards, report
 from miles.train.algorithm import LOSS_SUMS, group_advantages
-from miles.train.args import ArgsError, parse_args
+from miles.train.args import ArgsError, parse_config
 from miles.train.backends import BackendUnavailable
 from miles.train.batch import Sample, TokenBatch, collate, load_samples, save_samples
 from miles.train.data import SYNTHETIC_PREFIX, DataError, batch_for_rollout
@@ -35,6 +35,38 @@ from miles.train.rewards import RewardError
 from miles.train.rollout import RolloutEngineError
 from miles.train.runtime import Run, build_run, dry_start
 from miles.train.sglang_engine import SGLangUnavailable
+
+# The section fields the trainer acts on (the backend's and engine's are theirs: see
+# miles.train.consumption); read from this file's syntax tree, so keep it a literal.
+CONSUMES = {
+    "checkpoint": ("hf_checkpoint", "load", "save", "save_interval", "ckpt_step", "no_save_optim", "no_load_optim"),
+    "data": (
+        "prompt_data", "input_key", "label_key", "metadata_key", "apply_chat_template", "system_prompt",
+        "rollout_shuffle",
+    ),
+    "eval": "*",
+    "rollout": (
+        "num_rollout", "rollout_batch_size", "n_samples_per_prompt", "rollout_max_response_len",
+        "rollout_max_prompt_len", "rollout_temperature", "rollout_top_p", "rollout_top_k",
+        "rollout_stop_token_ids", "rollout_seed", "update_weights_interval",
+    ),
+    "batch": ("global_batch_size",),
+    "reward": ("rm_type", "custom_rm_path", "reward_key"),
+    "algorithm": (
+        "disable_grpo_std_normalization", "use_kl_loss", "use_tis", "calculate_per_token_loss",
+        "use_rollout_logprobs",
+    ),
+    "optimizer": ("max_skipped_steps",),
+    "job": (
+        "train_backend", "rollout_engine", "distributed_backend", "actor_num_nodes", "actor_num_gpus_per_node",
+        "seed", "num_threads",
+    ),
+    "checks": (
+        "ci_test", "ci_disable_kl_checker", "check_weight_update_equal", "check_weight_update_skip_list",
+        "ci_logprob_abs_diff_tol", "ci_step0_kl_tol", "ci_metric_checker_key", "ci_metric_checker_threshold",
+        "debug_rollout_only", "save_debug_rollout_data", "load_debug_rollout_data", "dry_start",
+    ),
+}  # fmt: skip
 
 # Errors whose message names the file or flag, the rule and the fix: one line and exit 1.
 FOR_PEOPLE = (
@@ -53,46 +85,52 @@ FOR_PEOPLE = (
 
 def train(run: Run) -> None:
     """The loop of this module's docstring, from the first rollout not yet done to --num-rollout."""
-    args = run.args
-    eval_sets = evaluation.eval_sets(args)
+    cfg, checked = run.config, run.config.checks
+    eval_sets = evaluation.eval_sets(cfg.eval, cfg.data)
     watched: dict[int, float] = {}  # --ci-metric-checker-key's values by rollout
-    for rollout_id in range(run.start_rollout, args.num_rollout):
+    for rollout_id in range(run.start_rollout, cfg.rollout.num_rollout):
         started = time.perf_counter()
         samples = generate_and_score(run, rollout_id)  # 1 rollout, 2 reward
         samples = with_advantages(run, samples)  # 3 advantage
         metrics = report.rollout_metrics(
-            samples, time.perf_counter() - started, exact=args.prompt_data.startswith(SYNTHETIC_PREFIX)
+            samples, time.perf_counter() - started, exact=cfg.data.prompt_data.startswith(SYNTHETIC_PREFIX)
         )
-        if not args.debug_rollout_only:
+        if not checked.debug_rollout_only:
             metrics |= learn(run, rollout_id, samples)  # 4 loss and optimizer steps
             metrics |= sync_weights(run, rollout_id)  # 5 sync
         metrics["perf/step_time"] = time.perf_counter() - started
-        if evaluation.due(args, rollout_id):
+        if evaluation.due(cfg.eval, rollout_id):
             metrics |= evaluation.evaluate(run, eval_sets, rollout_id)
         if run.dist.is_main:
             report.record(rollout_id, metrics)
-            run.log(report.console_line(rollout_id, args.num_rollout, metrics))
-        if args.ci_metric_checker_key in metrics:
-            watched[rollout_id] = metrics[args.ci_metric_checker_key]
+            run.log(report.console_line(rollout_id, cfg.rollout.num_rollout, metrics))
+        if checked.ci_metric_checker_key in metrics:
+            watched[rollout_id] = metrics[checked.ci_metric_checker_key]
         maybe_save(run, rollout_id)
-    if args.ci_metric_checker_key:
-        checks.check_metric_threshold(args.ci_metric_checker_key, watched, args.ci_metric_checker_threshold)
+    if checked.ci_metric_checker_key:
+        checks.check_metric_threshold(
+            checked.ci_metric_checker_key, watched, checked.ci_metric_checker_threshold
+        )
 
 
 def generate_and_score(run: Run, rollout_id: int) -> list[Sample]:
     """This rank's share of the prompts, G samples each, scored; then every rank's, in order."""
-    args, rank, world = run.args, run.dist.rank, run.dist.world_size
-    if args.load_debug_rollout_data:
-        return load_samples(args.load_debug_rollout_data.format(rollout_id=rollout_id))
+    cfg, rank, world = run.config, run.dist.rank, run.dist.world_size
+    if cfg.checks.load_debug_rollout_data:
+        return load_samples(cfg.checks.load_debug_rollout_data.format(rollout_id=rollout_id))
     prompts = batch_for_rollout(
-        run.prompts, rollout_id, args.rollout_batch_size, seed=args.seed, shuffle=args.rollout_shuffle
+        run.prompts,
+        rollout_id,
+        cfg.rollout.rollout_batch_size,
+        seed=cfg.job.seed,
+        shuffle=cfg.data.rollout_shuffle,
     )
     per_rank = len(prompts) // world
     mine = prompts[rank * per_rank : (rank + 1) * per_rank]
-    group_size = args.n_samples_per_prompt
+    group_size = cfg.rollout.n_samples_per_prompt
     requests = [run.encode(p) for p in mine for _ in range(group_size)]
     generations = run.engine.generate(
-        requests, run.sampling, seed=sampling_seed(args.rollout_seed, rollout_id, rank)
+        requests, run.sampling, seed=sampling_seed(cfg.rollout.rollout_seed, rollout_id, rank)
     )
     samples = []
     for i, generation in enumerate(generations):
@@ -102,62 +140,94 @@ def generate_and_score(run: Run, rollout_id: int) -> list[Sample]:
             Sample(prompt.index, rank * per_rank + i // group_size, generation, text, prompt.label, reward)
         )
     gathered = [s for part in all_gather_objects(samples) for s in part]
-    if args.save_debug_rollout_data and run.dist.is_main:
-        save_samples(args.save_debug_rollout_data.format(rollout_id=rollout_id), gathered)
+    if cfg.checks.save_debug_rollout_data and run.dist.is_main:
+        save_samples(cfg.checks.save_debug_rollout_data.format(rollout_id=rollout_id), gathered)
     return gathered
 
 
 def with_advantages(run: Run, samples: Sequence[Sample]) -> list[Sample]:
     """Step 3: each sample's advantage within its group of --n-samples-per-prompt."""
     rewards = torch.tensor([s.reward for s in samples])
-    normalize_std = not run.args.disable_grpo_std_normalization
+    normalize_std = not run.config.algorithm.disable_grpo_std_normalization
     advantages = group_advantages(
-        rewards, run.args.n_samples_per_prompt, normalize_std=normalize_std
+        rewards, run.config.rollout.n_samples_per_prompt, normalize_std=normalize_std
     ).tolist()
     return [replace(s, advantage=a) for s, a in zip(samples, advantages, strict=True)]
 
 
 def learn(run: Run, rollout_id: int, samples: Sequence[Sample]) -> dict[str, float]:
     """Step 4: old (and reference) logprobs of this rank's share, then one optimizer step per
-    minibatch of --global-batch-size samples (split over ranks and micro-batches)."""
-    args = run.args
+    minibatch of --global-batch-size samples (split over ranks and micro-batches).
+
+    The first minibatch is trained on the very weights its old logprobs would be computed with
+    (no step comes between), so where the backend's training forward is deterministic, that
+    forward's own detached logprobs are the old ones (the ratio is exactly 1) and it gets no
+    separate old-logprob forward. The trainer/rollout mismatch then comes from the same
+    forward; --ci-test still runs the separate forward and checks the two against each other."""
+    cfg, checked = run.config, run.config.checks
     started = time.perf_counter()
-    run.engine.release_memory()  # a colocated engine gives the GPU to the trainer until the sync
-    per_rank = args.global_batch_size // run.backend.data_parallel[1]
-    local, mismatch = with_old_logprobs(run, share_of_rank(run, samples))
-    if args.ci_test and not args.use_rollout_logprobs:
-        checks.check_logprob_agreement(
-            rollout_id, mismatch["train/train_rollout_logprob_abs_diff"], args.ci_logprob_abs_diff_tol
-        )
-    steps = []
-    for m in range(len(samples) // args.global_batch_size):
-        steps.append(optimizer_step(run, local.rows(slice(m * per_rank, (m + 1) * per_rank))))
-        step = steps[-1]
+    if run.engine.colocated:
+        run.engine.release_memory()  # it gives the GPU to the trainer until the sync
+    local, plan = share_of_rank(run, samples)
+    reuse = run.backend.forward_is_deterministic
+    own_old = reuse and not cfg.algorithm.use_rollout_logprobs  # else the engine's are the old ones
+    local, trainer_logp = with_old_logprobs(run, local, plan, skip_first=reuse and not checked.ci_test)
+    steps, mismatch = [], {}
+    for m, micro in enumerate(plan):
+        batches = [local.rows(rows) for rows in micro]
+        if m == 0 and own_old:
+            batches = [mb.with_(old_logp=None) for mb in batches]  # the forward's own (batch_loss)
+        step, logprobs = optimizer_step(run, batches)
+        if m == 0 and reuse and not checked.ci_test:
+            trainer_logp = with_rows(trainer_logp, micro, logprobs)
+        elif m == 0 and own_old:
+            step |= first_step_against_scoring(run, batches, logprobs, [trainer_logp[rows] for rows in micro])
+        steps.append(step)
         run.skipped_streak.record(rollout_id, step["skipped"], step["loss"], step["grad_norm"], step["lr"])
-        if m == 0 and args.ci_test and not args.ci_disable_kl_checker:
-            kl, clipfrac, tokens = steps[0]["ppo_kl"], steps[0]["pg_clipfrac"], steps[0]["tokens"]
-            checks.check_first_step(rollout_id, kl / tokens, clipfrac / tokens, args.ci_step0_kl_tol)
-    metrics = report.train_metrics(steps, args.use_tis)
+        if m == 0:
+            mismatch = rollout_mismatch(run, local, trainer_logp)
+            checked_first_step(run, rollout_id, step, mismatch)
+    metrics = report.train_metrics(steps, cfg.algorithm.use_tis)
     metrics["train/skipped_steps"] = float(sum(step["skipped"] for step in steps))
+    metrics["perf/micro_batches_per_step"] = sum(map(len, plan)) / len(plan)
     return metrics | mismatch | {"perf/train_time": time.perf_counter() - started}
 
 
-def share_of_rank(run: Run, samples: Sequence[Sample]) -> TokenBatch:
-    """This data-parallel rank's rows of every minibatch, minibatch after minibatch (strided, so
-    groups spread); model-parallel peers get the same rows."""
-    gbs = run.args.global_batch_size
-    rank, size, _ = run.backend.data_parallel
-    mine = [m * gbs + i for m in range(len(samples) // gbs) for i in range(rank, gbs, size)]
-    return collate([samples[i] for i in mine], run.tokenizer.pad_token_id or 0)
+def share_of_rank(run: Run, samples: Sequence[Sample]) -> tuple[TokenBatch, list[list[list[int]]]]:
+    """This data-parallel rank's rows of every minibatch, minibatch after minibatch, and each
+    minibatch's micro-batches (lists of rows of the returned batch) as the backend cuts them;
+    model-parallel peers get the same rows and micro-batches."""
+    gbs = run.config.batch.global_batch_size
+    mine: list[int] = []
+    plan = []
+    for m in range(len(samples) // gbs):
+        lengths = [
+            len(s.generation.prompt_ids) + len(s.generation.response_ids)
+            for s in samples[m * gbs : (m + 1) * gbs]
+        ]
+        rows, micro = run.backend.split_minibatch(lengths)
+        plan.append([[len(mine) + i for i in part] for part in micro])
+        mine += [m * gbs + i for i in rows]
+    return collate([samples[i] for i in mine], run.tokenizer.pad_token_id or 0), plan
 
 
-def with_old_logprobs(run: Run, local: TokenBatch) -> tuple[TokenBatch, dict[str, float]]:
-    """The batch with old (and reference) logprobs, and how far the rollout engine's are from
-    the trainer's: mean |diff| and KL(rollout || trainer), over every data-parallel rank's tokens."""
-    args = run.args
-    trainer_logp = batched_logprobs(run, local, reference=False)
-    ref_logp = batched_logprobs(run, local, reference=True) if args.use_kl_loss else None
-    old_logp = local.rollout_logp if args.use_rollout_logprobs else trainer_logp
+def with_old_logprobs(
+    run: Run, local: TokenBatch, plan: Sequence[Sequence[Sequence[int]]], *, skip_first: bool = False
+) -> tuple[TokenBatch, torch.Tensor]:
+    """The batch with old (and reference) logprobs, and the trainer's own logprobs of it: each
+    minibatch's micro-batches of `plan` scored together, exactly as its training step gets them.
+    With `skip_first` the first minibatch is not scored (zeros): its training forward gives them
+    (see `learn`)."""
+    algorithm = run.config.algorithm
+    trainer_logp = batched_logprobs(run, local, plan[1:] if skip_first else plan, reference=False)
+    ref_logp = batched_logprobs(run, local, plan, reference=True) if algorithm.use_kl_loss else None
+    old_logp = local.rollout_logp if algorithm.use_rollout_logprobs else trainer_logp
+    return local.with_(old_logp=old_logp, ref_logp=ref_logp), trainer_logp
+
+
+def rollout_mismatch(run: Run, local: TokenBatch, trainer_logp: torch.Tensor) -> dict[str, float]:
+    """How far the rollout engine's logprobs are from the trainer's (before any step of the
+    rollout): mean |diff| and KL(rollout || trainer), over every data-parallel rank's tokens."""
     mask = local.loss_mask
     diff_sum, kl_sum, tokens = all_reduce_sum(
         [
@@ -167,25 +237,63 @@ def with_old_logprobs(run: Run, local: TokenBatch) -> tuple[TokenBatch, dict[str
         ],
         group=run.backend.data_parallel[2],
     )
-    mismatch = {
+    return {
         "train/train_rollout_logprob_abs_diff": diff_sum / tokens,
         "train/train_rollout_kl": kl_sum / tokens,
     }
-    return local.with_(old_logp=old_logp, ref_logp=ref_logp), mismatch
 
 
-def optimizer_step(run: Run, minibatch: TokenBatch) -> dict[str, float]:
-    """One AdamW step on this rank's part of a minibatch; loss terms summed over the data-parallel ranks."""
-    args = run.args
+def checked_first_step(run: Run, rollout_id: int, step: dict[str, float], mismatch: dict[str, float]) -> None:
+    """--ci-test's checks of a rollout's first step: the trainer's logprobs agree with the rollout
+    engine's, and the policy ratio was 1 (the old logprobs came from the weights being trained)."""
+    cfg, checked = run.config, run.config.checks
+    if not checked.ci_test:
+        return
+    if not cfg.algorithm.use_rollout_logprobs:
+        checks.check_logprob_agreement(
+            rollout_id, mismatch["train/train_rollout_logprob_abs_diff"], checked.ci_logprob_abs_diff_tol
+        )
+    if not checked.ci_disable_kl_checker:
+        kl, clipfrac, tokens = step["ppo_kl"], step["pg_clipfrac"], step["tokens"]
+        checks.check_first_step(rollout_id, kl / tokens, clipfrac / tokens, checked.ci_step0_kl_tol)
+
+
+def first_step_against_scoring(
+    run: Run, batches: Sequence[TokenBatch], trained: Sequence[torch.Tensor], scored: Sequence[torch.Tensor]
+) -> dict[str, float]:
+    """ppo_kl and pg_clipfrac of the first step as the separate old-logprob forward (`scored`)
+    sees the training forward's logprobs (`trained`), summed over the data-parallel ranks: what
+    the step reports when its old logprobs come from a forward of their own."""
+    from miles.train.algorithm import policy_loss
+
+    cfg = run.config
+    # the two statistics read no reference or rollout logprobs
+    loss_cfg = replace(
+        cfg.algorithm.loss_config(cfg.rollout.rollout_temperature), use_kl_loss=False, use_tis=False
+    )
+    kl = clipfrac = 0.0
+    for mb, logp, old in zip(batches, trained, scored, strict=True):
+        width = logp.shape[1]
+        terms = policy_loss(
+            logp, torch.zeros_like(logp), old[:, :width], mb.advantages, mb.loss_mask[:, :width], loss_cfg
+        )
+        kl, clipfrac = kl + terms.ppo_kl, clipfrac + terms.pg_clipfrac
+    kl, clipfrac = all_reduce_sum([kl, clipfrac], run.backend.data_parallel[2])
+    return {"ppo_kl": kl, "pg_clipfrac": clipfrac}
+
+
+def optimizer_step(
+    run: Run, micro: Sequence[TokenBatch]
+) -> tuple[dict[str, float], tuple[torch.Tensor, ...]]:
+    """One AdamW step on this rank's micro-batches of a minibatch; loss terms summed over the
+    data-parallel ranks. Also each micro-batch's logprobs from the training forward."""
     _, replicas, group = run.backend.data_parallel
-    size = minibatch.size
-    micro = [
-        minibatch.rows(slice(i, i + args.micro_batch_size)) for i in range(0, size, args.micro_batch_size)
-    ]
+    size = sum(mb.size for mb in micro)
     # Each rank's loss is divided so that the data-parallel gradient average is the mean over
     # the global minibatch: per sample by default, per token with --calculate-per-token-loss.
-    if args.calculate_per_token_loss:
-        normalizer = all_reduce_sum([float(minibatch.loss_mask.sum())], group)[0] / replicas
+    if run.config.algorithm.calculate_per_token_loss:
+        tokens = sum(float(mb.loss_mask.sum()) for mb in micro)
+        normalizer = all_reduce_sum([tokens], group)[0] / replicas
     else:
         normalizer = size
     result = run.backend.train_step(micro, normalizer)
@@ -193,20 +301,43 @@ def optimizer_step(run: Run, minibatch: TokenBatch) -> dict[str, float]:
     loss = sum(float(t.loss.detach()) for t in result.terms) / normalizer
     reduced = dict(zip([*LOSS_SUMS, "loss"], all_reduce_sum([*local, loss], group), strict=True))
     reduced["loss"] /= replicas
-    return reduced | {"grad_norm": result.grad_norm, "lr": result.lr, "skipped": result.skipped}
+    step = reduced | {"grad_norm": result.grad_norm, "lr": result.lr, "skipped": result.skipped}
+    return step, result.logprobs
 
 
-def batched_logprobs(run: Run, batch: TokenBatch, *, reference: bool) -> torch.Tensor:
-    """Logprobs of a whole local batch, computed --micro-batch-size rows at a time."""
-    return run.backend.batch_logprobs(batch, run.args.micro_batch_size, reference=reference)
+def batched_logprobs(
+    run: Run, local: TokenBatch, plan: Sequence[Sequence[Sequence[int]]], *, reference: bool
+) -> torch.Tensor:
+    """Logprobs [B, T-1] of the local batch's rows in `plan`'s minibatches (zeros elsewhere): one
+    call per minibatch, with the micro-batches its training step gets, in the same shapes."""
+    out = torch.zeros_like(local.loss_mask)
+    for micro in plan:
+        _write_rows(
+            out, micro, run.backend.batch_logprobs([local.rows(r) for r in micro], reference=reference)
+        )
+    return out
+
+
+def with_rows(
+    out: torch.Tensor, micro: Sequence[Sequence[int]], values: Sequence[torch.Tensor]
+) -> torch.Tensor:
+    """A copy of `out` [B, T-1] with each micro-batch's values [rows, width-1] in its rows."""
+    out = out.clone()
+    _write_rows(out, micro, values)
+    return out
+
+
+def _write_rows(out: torch.Tensor, micro: Sequence[Sequence[int]], values: Sequence[torch.Tensor]) -> None:
+    for rows, value in zip(micro, values, strict=True):
+        out[torch.as_tensor(list(rows), dtype=torch.long), : value.shape[1]] = value.to(out.dtype)
 
 
 def sync_weights(run: Run, rollout_id: int) -> dict[str, float]:
     """Step 5: the rollout engine gets the trainer's new weights; with --ci-test, verified."""
-    if (rollout_id + 1) % run.args.update_weights_interval:
+    if (rollout_id + 1) % run.config.rollout.update_weights_interval:
         return {}
     started = time.perf_counter()
-    check = run.args.ci_test or run.args.check_weight_update_equal
+    check = run.config.checks.ci_test or run.config.checks.check_weight_update_equal
     stream = run.backend.full_weights(names=run.engine.weight_names)
     # Only a bit-exact check needs every tensor at once; otherwise they stream to the engine.
     weights = dict(stream) if check and run.engine.exact_weights else None
@@ -224,11 +355,14 @@ def verify_weight_sync(run: Run, rollout_id: int, weights: dict[str, torch.Tenso
     try:
         if run.engine.exact_weights:
             checks.check_weights_equal(
-                rollout_id, run.engine.named_weights(), weights, run.args.check_weight_update_skip_list
+                rollout_id,
+                run.engine.named_weights(),
+                weights,
+                run.config.checks.check_weight_update_skip_list,
             )
         else:
             gap = checks.probe_logprob_gap(run.engine, run.backend, probe_prompts(run), run.sampling)
-            checks.check_probe_logprobs(rollout_id, gap, run.args.ci_logprob_abs_diff_tol)
+            checks.check_probe_logprobs(rollout_id, gap, run.config.checks.ci_logprob_abs_diff_tol)
     except checks.CheckFailed as exc:
         failure = exc
     # Every rank must stop together, or the healthy ones would wait in the next collective.
@@ -243,23 +377,24 @@ def probe_prompts(run: Run) -> list[list[int]]:
 
 def maybe_save(run: Run, rollout_id: int) -> None:
     """--save every --save-interval rollouts and after the last one."""
-    args, done = run.args, rollout_id + 1
-    if not args.save or args.debug_rollout_only:
+    cfg, done = run.config, rollout_id + 1
+    ckpt = cfg.checkpoint
+    if not ckpt.save or cfg.checks.debug_rollout_only:
         return
-    if done != args.num_rollout and not (args.save_interval and done % args.save_interval == 0):
+    if done != cfg.rollout.num_rollout and not (ckpt.save_interval and done % ckpt.save_interval == 0):
         return
-    state = checkpoint.state_of(args, done)
-    path = checkpoint.save(run.backend, args.save, state, is_main=run.dist.is_main, barrier=barrier)
+    state = checkpoint.state_of(cfg, done)
+    path = checkpoint.save(run.backend, ckpt.save, state, is_main=run.dist.is_main, barrier=barrier)
     run.log(f"miles.train: saved {path}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    config = parse_config(argv)
     try:
-        if args.dry_start:
-            dry_start(args)
+        if config.checks.dry_start:
+            dry_start(config)
             return 0
-        run = build_run(args)
+        run = build_run(config)
         train(run)
     except FOR_PEOPLE as exc:
         print(f"miles.train: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)

@@ -27,8 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles.ci.catalog import load_catalog
-from miles.ci.discover import discover
+from miles.ci.registry.catalog import load_catalog
+from miles.ci.registry.discover import discover
 from miles.metrics.capture import RECORD_DIR_ENV, STANDARD_METRICS
 from miles.metrics.gate import ERROR, FAIL
 from miles.metrics.gating import GateOutcome, GateRun, gate_attempt

@@ -3,8 +3,10 @@
 The script is what a person runs on a single GPU to see the training path work there
 (platform, engine-vs-forward parity for every family, the engine against generate(), the
 tiny GRPO recipe over NCCL on FSDP, HF-vs-Megatron logits, the tiny recipe on the Megatron
-backend). Its --cpu form runs the same steps, so a change that breaks
-the script fails here, not on the next GPU machine.
+backend, the SGLang engine's formats, weight-update session, memory cycles and logprob gap,
+a bf16 Megatron run with SGLang rollouts, a MoE run, two GPUs). Its --cpu form runs the same
+steps, skipping by name those that need a GPU, so a change that breaks the script fails
+here, not on the next GPU machine.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ import pytest
 
 from miles.ci.register import register_cpu_ci, register_cuda_ci, register_rocm_ci
 
-register_cpu_ci(est_time=110, suite="stage-b-cpu")
-register_cuda_ci(est_time=300, suite="stage-b-2-gpu-h200", labels=["fsdp", "short"])
-register_rocm_ci(est_time=390, suite="stage-c-4-gpu-mi350", labels=["fsdp", "short", "amd"])
+register_cpu_ci(est_time=150, suite="stage-b-cpu")
+register_cuda_ci(est_time=540, suite="stage-b-2-gpu-h200", labels=["fsdp", "short"])
+register_rocm_ci(est_time=650, suite="stage-c-4-gpu-mi350", labels=["fsdp", "short", "amd"])
 
 ROOT = Path(__file__).resolve().parents[2]
 ON_GPU = os.environ.get("MILES_CI_BACKEND", "cpu") != "cpu"
@@ -34,13 +36,36 @@ def test_every_step_of_the_device_check_passes(tmp_path):
         ["bash", str(ROOT / "scripts/gpu_check.sh"), *([] if ON_GPU else ["--cpu"])],
         capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path,
     )  # fmt: skip
-    verdicts = [line for line in done.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
+    verdicts = [line for line in done.stdout.splitlines() if line.startswith(("PASS", "FAIL", "SKIP"))]
     assert done.returncode == 0, "\n".join(verdicts) + done.stderr[-2000:]
-    assert [v.split()[1] for v in verdicts] == [
-        "platform", "parity", "generate", "grpo", "megatron-parity", "megatron-grpo",
+    sglang = (
+        ["sglang-formats", "sglang-weights", "sglang-memory", "sglang-logprob-gap"] if ON_GPU else ["sglang"]
+    )
+    assert [v.split()[1].rstrip(":") for v in verdicts] == [
+        "platform", "parity", "generate", "grpo", "megatron-parity", "megatron-grpo", *sglang, "sglang-grpo",
+        "megatron-moe", "multi-gpu",
     ]  # fmt: skip
-    assert all(v.startswith("PASS") for v in verdicts)
+    assert not any(v.startswith("FAIL") for v in verdicts)
+    if not ON_GPU:  # what needs a GPU says so, by name; the rest runs
+        assert [v.split()[1].rstrip(":") for v in verdicts if v.startswith("SKIP")] == [
+            "sglang",
+            "sglang-grpo",
+            "multi-gpu",
+        ]
     assert done.stdout.splitlines()[-1].startswith("device check: passed")
+
+
+def test_the_platform_line_says_sglang_only_where_it_imports(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    imports = (
+        subprocess.run([sys.executable, "-c", "import sglang"], capture_output=True, env=env).returncode == 0
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "miles.train.device_check", "platform", "--cpu", "--workdir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
+    )  # fmt: skip
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("PASS platform")]
+    assert ("sglang yes" in line) == imports and ("sglang no (" in line) == (not imports)
 
 
 @pytest.mark.skipif(ON_GPU, reason="a GPU machine has the device")

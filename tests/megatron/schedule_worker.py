@@ -57,33 +57,35 @@ def main() -> None:
     hf, torch_dist, cases = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     from megatron.core import parallel_state
 
-    from miles.train.args import parse_args, validate_world
+    from miles.train.args import parse_config, validate_world
     from miles.train.backends import make_backend
     from miles.train.distributed import init_distributed
 
     dist_info = init_distributed("gloo")
     results = []
     for extra in cases:
-        args = parse_args([
+        config = parse_config([
             "--hf-checkpoint", hf, "--ref-load", torch_dist, "--train-backend", "megatron",
             "--actor-num-gpus-per-node", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
             "--global-batch-size", "4", "--micro-batch-size", "2", "--lr", "1e-3", *extra,
         ])  # fmt: skip
-        validate_world(args, dist_info.world_size)
-        backend = make_backend(args, dist_info)
+        validate_world(config, dist_info.world_size)
+        backend = make_backend(config, dist_info)
         batch = a_batch(backend.config["vocab_size"])
         outcome = {}
 
         def step(backend=backend, batch=batch, outcome=outcome):
-            old = backend.batch_logprobs(batch, 2)
-            micro = [batch.with_(old_logp=old).rows(slice(s, s + 2)) for s in (0, 2)]
+            micro = [batch.rows(slice(s, s + 2)) for s in (0, 2)]
+            micro = [
+                mb.with_(old_logp=old) for mb, old in zip(micro, backend.batch_logprobs(micro), strict=True)
+            ]
             result = backend.train_step(micro, normalizer=4.0)
             outcome.update(grad_norm=result.grad_norm, applied=not result.skipped)
 
         schedules = entered_schedules(step)
         results.append({
             "flags": extra,
-            "vpp": args.layout.vpp,
+            "vpp": config.layout.vpp,
             "schedules": sorted(schedules),
             "chunks": len(backend.chunks),
             "megatron_vpp": parallel_state.get_virtual_pipeline_model_parallel_world_size(),

@@ -83,6 +83,7 @@ def test_megatron_glm_logits_match_hf_logits(variant, tmp_path):
 
     from miles.ckpt.torch_dist import convert_to_torch_dist
     from miles.megatron.checkpoint import load_model, single_process_group
+    from miles.megatron.compat import cpu_placed
     from miles.megatron.model import logits, probe_tokens
 
     hf = perturbed_checkpoint(tmp_path, **VARIANTS[variant])
@@ -94,7 +95,7 @@ def test_megatron_glm_logits_match_hf_logits(variant, tmp_path):
     convert_to_torch_dist(hf, dst, "glm_moe_dsa", verify=False)  # compared here, at a tighter tolerance
     reference = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     gaps = {}
-    with single_process_group(), torch.random.fork_rng(devices=[]):
+    with single_process_group(), torch.random.fork_rng(devices=[]), cpu_placed():
         model = load_model(config, dst / "release", dtype=torch.float32)
         for length in (SPARSE_TOPK, 4 * SPARSE_TOPK):
             tokens = probe_tokens(config, length)
@@ -128,13 +129,16 @@ def test_the_recipes_gpu_form_dry_starts_on_two_cpu_ranks(tmp_path):
     """The command the recipe renders for 4 H200s (Megatron, TP 4 with sequence parallelism, EP 4,
     the torch_dist as --ref-load) passes miles.train's argument and checkpoint checks: at the same
     layout scaled to 2 ranks (TP 2, EP 2) and the model flags at a 5-layer tiny GLM's sizes, every
-    rank builds its model chunk and loads the converted checkpoint, then stops (--dry-start)."""
+    rank builds its model chunk and loads the converted checkpoint, then stops (--dry-start).
+    The flags that act only through Transformer Engine's layer spec on a GPU (which the CPU
+    start refuses, miles.megatron.options) are left out: this is the CPU, and only those."""
     import os
     import subprocess
     import sys
 
     from miles.ckpt.tiny import make_tiny_checkpoint
     from miles.ckpt.torch_dist import convert_to_torch_dist
+    from miles.megatron import options as megatron_options
     from miles.models import family
     from miles.models.facts import flag_values
     from miles.recipes import shared
@@ -160,6 +164,12 @@ def test_the_recipes_gpu_form_dry_starts_on_two_cpu_ranks(tmp_path):
     for flag, value in scaled.items():
         if flag in argv and not isinstance(value, bool):
             argv[argv.index(flag) + 1] = str(value)
+    gpu_only = dict(megatron_options.render_problems(argv, "cpu", stack_has_te=False))
+    assert set(gpu_only) == {"--moe-grouped-gemm", "--moe-permute-fusion", "--attention-backend"}, gpu_only
+    assert all("Transformer Engine" in why for why in gpu_only.values()), gpu_only
+    for flag in gpu_only:
+        at = argv.index(flag)
+        del argv[at : at + (2 if at + 1 < len(argv) and not argv[at + 1].startswith("--") else 1)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "miles.train", *argv, "--dry-start"]  # fmt: skip
     proc = subprocess.run(
@@ -168,3 +178,4 @@ def test_the_recipes_gpu_form_dry_starts_on_two_cpu_ranks(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "tp2·pp1·cp1·ep2·etp1+sp" in out and f"holds {ref}; no rollout" in out, out[-3000:]
+    assert "stand-in layer spec" in out and "linear_q_up_proj " in out, out[-3000:]  # the first line, for MLA

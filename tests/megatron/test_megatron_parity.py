@@ -56,6 +56,7 @@ def test_megatron_logits_match_hf_logits(variant, tmp_path):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from miles.megatron.checkpoint import single_process_group
+    from miles.megatron.compat import cpu_placed
     from miles.megatron.config import transformer_config
     from miles.megatron.model import build_model, hf_logit_gap
     from miles.models.facts import rope_parameters
@@ -65,7 +66,7 @@ def test_megatron_logits_match_hf_logits(variant, tmp_path):
     for key, value in dims.items():  # the switch really is in the checkpoint under test
         written = rope_parameters(config)["rope_theta"] if key == "rope_theta" else config[key]
         assert written == value, key
-    with single_process_group(), torch.random.fork_rng(devices=[]):
+    with single_process_group(), torch.random.fork_rng(devices=[]), cpu_placed():
         model_parallel_cuda_manual_seed(0)
         model = build_model(config, transformer=transformer_config(config, dtype=torch.float32))
         state = dist_checkpointing.load(model.sharded_state_dict(), str(tmp_path / "torch_dist" / "release"))

@@ -13,59 +13,18 @@ A process of its own because importing sglang patches transformers (sglang's
 hf_transformers_patches) and must not leak into other tests. sglang.srt.utils imports
 triton at module load; triton compiles GPU kernels and the cpu lane does not install it
 (its wheel is ~250 MB, and megatron-core changes code paths when it finds one). Where triton
-is absent the probe gives sglang an import-only stand-in, like the one sglang ships for
-machines without triton (sglang/_platform_stubs.py); nothing read here runs a kernel.
+is absent the probe gives sglang the import-only stand-ins of tests/unit/sglang_imports.py;
+nothing read here runs a kernel.
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import json
 import sys
-import types
+from pathlib import Path
 
-
-class _ImportOnly(types.ModuleType):
-    """A module whose attributes are modules, classes or pass-through decorators, never code."""
-
-    def __init__(self, name: str):
-        super().__init__(name)
-        self.__path__ = []
-        self.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
-
-    def __getattr__(self, attr: str):
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        if attr[:1].isupper():
-            return type(attr, (), {})
-        child = _ImportOnly(f"{self.__name__}.{attr}")
-        sys.modules[child.__name__] = child
-        return child
-
-    def __call__(self, *args, **kwargs):
-        if len(args) == 1 and callable(args[0]) and not kwargs:
-            return args[0]
-        return lambda fn: fn
-
-
-class _TritonStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, name, path=None, target=None):
-        if name == "triton" or name.startswith("triton."):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        return _ImportOnly(spec.name)
-
-    def exec_module(self, module):
-        pass
-
-
-def _import_sglang() -> None:
-    if importlib.util.find_spec("triton") is None:
-        sys.meta_path.insert(0, _TritonStandIn())
+sys.path.insert(0, str(Path(__file__).parent))
+from sglang_imports import install as _import_sglang
 
 
 def fields() -> str:
@@ -81,18 +40,23 @@ def fields() -> str:
     return "\n".join([header, *names]) + "\n"
 
 
+def _named(value):
+    """A value as JSON holds it: a function (sglang's custom_sigquit_handler) by its dotted name."""
+    return f"{value.__module__}.{value.__qualname__}" if callable(value) else value
+
+
 def main(cases: list[dict]) -> list[dict]:
     _import_sglang()
     import msgspec
     from sglang.srt.server_args import ServerArgs
 
-    from miles.train.args import parse_args
+    from miles.train.args import parse_config
     from miles.train.distributed import DistInfo
     from miles.train.sglang_engine import SGLangUnavailable, server_kwargs
 
     answers = []
     for case in cases:
-        args = parse_args(case["argv"])
+        config = parse_config(case["argv"])
         dist = DistInfo(
             rank=case.get("rank", 0),
             world_size=case.get("local_world", 1),
@@ -101,18 +65,25 @@ def main(cases: list[dict]) -> list[dict]:
             backend="nccl",
         )
         try:
-            kwargs = server_kwargs(args, dist, ServerArgs, local_world_size=case.get("local_world", 1))
+            kwargs = server_kwargs(
+                config.sglang,
+                dist,
+                ServerArgs,
+                model_path=config.checkpoint.hf_checkpoint,
+                seed=config.rollout.rollout_seed,
+                local_world_size=case.get("local_world", 1),
+            )
         except SGLangUnavailable as exc:
             answers.append({"error": str(exc)})
             continue
         built = ServerArgs(**kwargs)
         answers.append(
             {
-                "kwargs": kwargs,
-                "built": {k: getattr(built, k) for k in kwargs},
+                "kwargs": {k: _named(v) for k, v in kwargs.items()},
+                "built": {k: _named(getattr(built, k)) for k in kwargs},
                 "types": {k: type(getattr(built, k)).__name__ for k in kwargs},
                 "is_msgspec_struct": issubclass(ServerArgs, msgspec.Struct),
-                "rollout_seed": args.rollout_seed,
+                "rollout_seed": config.rollout.rollout_seed,
             }
         )
     return answers

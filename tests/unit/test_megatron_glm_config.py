@@ -77,16 +77,16 @@ def test_glm_5_2_runs_its_indexer_on_layers_1_2_3_7_11_and_the_mtp_layer():
 
 
 def test_flags_that_describe_another_glm_are_refused_together(tmp_path):
-    from miles.train.args import parse_args
+    from miles.train.args import parse_config
     from miles.train.backends.megatron import MegatronSetupError, check_model_flags
 
-    args = parse_args([
+    config = parse_config([
         "--hf-checkpoint", str(tmp_path), "--moe-router-score-function", "softmax",
         "--moe-router-bias-update-rate", "0.001", "--mtp-num-layers", "1",
         "--experimental-attention-variant", "gated_delta_net", "--v-head-dim", "16",
     ])  # fmt: skip
     with pytest.raises(MegatronSetupError) as err:
-        check_model_flags(args, GLM, str(tmp_path))
+        check_model_flags(config.model, GLM, str(tmp_path), config.megatron)
     message = str(err.value)
     for wrong in (
         "--moe-router-score-function softmax (transformers' GlmMoeDsaForCausalLM routes by sigmoid scores: sigmoid)",

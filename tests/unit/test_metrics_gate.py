@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from miles.ci.catalog import load_catalog
-from miles.ci.discover import discover
-from miles.ci.registration import GateDeclaration
+from miles.ci.registry.catalog import load_catalog
+from miles.ci.registry.discover import discover
+from miles.ci.registry.registration import GateDeclaration
 from miles.metrics.capture import STANDARD_METRICS
 from miles.metrics.gate import ERROR, FAIL, INACTIVE, PASS, GatePolicy, check_value, evaluate, is_trusted
 from miles.metrics.records import MetricSeries

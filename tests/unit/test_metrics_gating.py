@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from miles.ci.cli import main
-from miles.ci.registration import GateDeclaration
+from miles.ci.registry.registration import GateDeclaration
 from miles.metrics.capture import MetricRecorder
 from miles.metrics.gate import ERROR, FAIL, INACTIVE, PASS
 from miles.metrics.gating import GateRun, gate_attempt

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from miles.ci.registration import GateDeclaration
+from miles.ci.registry.registration import GateDeclaration
 from miles.metrics.capture import MetricRecorder
 from miles.metrics.gating import GateRun, gate_attempt
 from miles.metrics.spec import gate_spec

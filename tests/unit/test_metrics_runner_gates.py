@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from miles.ci.cli import main
-from miles.ci.registration import GateDeclaration
+from miles.ci.registry.registration import GateDeclaration
 from miles.metrics.spec import gate_spec
 from miles.metrics.store import MetricValue, RunEntry, open_store
 

@@ -99,7 +99,7 @@ def test_the_runner_refuses_a_bad_store_setting_before_running_anything(variable
 
 
 def test_durations_path_names_a_file_so_a_url_there_is_refused_with_the_right_variable(monkeypatch):
-    from miles.ci.durations import durations_path
+    from miles.ci.reports.durations import durations_path
 
     monkeypatch.setenv("MILES_DURATIONS_PATH", f"postgresql://miles:{SECRET}@{HOST}/db")
     with pytest.raises(

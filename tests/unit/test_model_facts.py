@@ -18,7 +18,8 @@ import pytest
 from miles import models
 from miles.models.facts import ABSENT, flag_values, value
 from miles.recipes import names, variants
-from miles.train.args import build_parser, parse_args
+from miles.train.args import build_parser, parse_config
+from miles.train.config import FLAGS, ModelConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,9 +35,16 @@ def test_a_family_is_its_module():
 
 
 def test_every_row_names_a_flag_the_trainer_parses():
-    dests = {opt for action in build_parser()._actions for opt in action.option_strings}
-    missing = {row.flag for f in models.FAMILY_TABLES.values() for row in f.keys} - dests
+    options = {f.option for f in FLAGS}
+    missing = {row.flag for f in models.FAMILY_TABLES.values() for row in f.keys} - options
     assert missing == set()
+
+
+def test_every_row_that_describes_the_model_is_a_flag_of_the_model_section():
+    """The backend checks those flags against config.json through the model section it receives."""
+    shape = {f.option for f in ModelConfig.flags()}
+    rows = {row.flag for f in models.FAMILY_TABLES.values() for row in f.keys if row.describes_model}
+    assert rows - shape == set()
 
 
 @pytest.mark.parametrize("name", sorted(_specs()))
@@ -48,7 +56,7 @@ def test_a_recipes_own_flags_pass_the_backends_check_against_its_published_confi
     argv = ["--hf-checkpoint", str(tmp_path)]
     for flag, val in spec.model_args():
         argv += [flag] if val is True else [flag, str(val)]
-    check_model_flags(parse_args(argv), config, str(tmp_path))
+    check_model_flags(parse_config(argv).model, config, str(tmp_path))
 
 
 def test_the_backend_names_every_flag_that_describes_another_model(tmp_path):
@@ -56,10 +64,10 @@ def test_the_backend_names_every_flag_that_describes_another_model(tmp_path):
 
     config = {"model_type": "qwen3_moe", "num_hidden_layers": 2, "hidden_size": 128, "num_local_experts": 8,
               "rope_parameters": {"rope_theta": 1000000}, "router_aux_loss_coef": 0.001}  # fmt: skip
-    args = parse_args(["--hf-checkpoint", str(tmp_path), "--num-layers", "4", "--num-experts", "8",
-                       "--rotary-base", "10000", "--moe-aux-loss-coeff", "0"])  # fmt: skip
+    config_of_run = parse_config(["--hf-checkpoint", str(tmp_path), "--num-layers", "4", "--num-experts", "8",
+                                  "--rotary-base", "10000", "--moe-aux-loss-coeff", "0"])  # fmt: skip
     with pytest.raises(MegatronSetupError) as err:
-        check_model_flags(args, config, "m")
+        check_model_flags(config_of_run.model, config, "m")
     message = str(err.value)
     assert (
         "--num-layers 4 (config.json num_hidden_layers: 2); --rotary-base 10000 (config.json rope_theta: 1000000)"

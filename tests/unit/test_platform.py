@@ -139,6 +139,22 @@ def test_rocm_job_env_mirrors_hip_devices_and_pins_ray_and_nccl():
     assert env == {"HIP_VISIBLE_DEVICES": "4,5,6,7", "PATH": "/bin"}
 
 
+def test_rocm_jobs_get_the_runtime_settings_a_colocated_engine_needs_unless_they_set_their_own():
+    out = job_env("rocm", {"NCCL_MIN_NCHANNELS": "32"})
+    assert out["HSA_ENABLE_IPC_MODE_LEGACY"] == "1" and out["HSA_NO_SCRATCH_RECLAIM"] == "1"
+    assert out["HIP_FORCE_DEV_KERNARG"] == "1" and out["NCCL_MIN_NCHANNELS"] == "32"
+
+
+def test_the_rocm_image_sets_the_same_runtime_settings():
+    from pathlib import Path
+
+    from miles.platform import ROCM_RUNTIME_ENV
+
+    text = (Path(__file__).resolve().parents[2] / "docker" / "Dockerfile.rocm").read_text()
+    env = " ".join(line.strip() for line in text.replace("\\\n", " ").splitlines() if line.startswith("ENV "))
+    assert all(f"{name}={value}" in env for name, value in ROCM_RUNTIME_ENV.items()), env
+
+
 def test_rocm_job_env_refuses_disagreeing_device_lists():
     with pytest.raises(PlatformError, match="HIP_VISIBLE_DEVICES=0,1 and CUDA_VISIBLE_DEVICES=2,3 disagree"):
         job_env(Platform.ROCM, {"HIP_VISIBLE_DEVICES": "0,1", "CUDA_VISIBLE_DEVICES": "2,3"})

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from miles.ci.catalog import UnknownName
-from miles.ci.preflight import (
+from miles.ci.machine.preflight import (
     EXIT_PREFLIGHT,
     JobScope,
     check_disk,
@@ -30,6 +29,7 @@ from miles.ci.preflight import (
     python_available,
     split_lane_args,
 )
+from miles.ci.registry.catalog import UnknownName
 from miles.image.pins import parse_lock
 from miles.platform import Platform, PlatformInfo
 
@@ -214,7 +214,7 @@ def test_the_running_interpreter_counts_as_available():
 
 
 def test_a_python_nobody_installed_is_reported_with_how_to_get_it(monkeypatch):
-    from miles.ci import preflight as module
+    from miles.ci.machine import preflight as module
 
     monkeypatch.setattr(module, "python_available", lambda version: False)
     (line,) = module.check_python("rocm-mi350")

@@ -2,7 +2,7 @@
 cpu-lane test trains it (read from the tests' registrations and code); "cannot build" when the Megatron
 backend's own mapping refuses its model; otherwise untested.
 
-The run records here are real `miles.ci.record.RunRecord`s written as the runner writes its
+The run records here are real `miles.ci.reports.record.RunRecord`s written as the runner writes its
 run.json; only the GPU that would have produced them is missing.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from miles.ci.record import Attempt, RunRecord
+from miles.ci.reports.record import Attempt, RunRecord
 from miles.recipes import load, shared
 from miles.recipes.launch import RunOptions, build_plan, format_plan
 from miles.recipes.recipe import RecipeError

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from miles.ci.catalog import CATALOG_PATH, CatalogError, UnknownName, compress_names, load_catalog
+from miles.ci.registry.catalog import CATALOG_PATH, CatalogError, UnknownName, compress_names, load_catalog
 
 EXPECTED_SUITES = {
     "stage-a-cpu",

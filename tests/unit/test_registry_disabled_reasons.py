@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from miles.ci.discover import disabled_reason_problem
+from miles.ci.registry.discover import disabled_reason_problem
 
 ACCEPTED = [
     "MiniMax-M2.7 is deprecated.",

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from miles.ci import discover as discover_module
-from miles.ci.discover import Registration, disabled_reason_problem, discover
+from miles.ci.registry import discover as discover_module
+from miles.ci.registry.discover import Registration, disabled_reason_problem, discover
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADER = (
@@ -474,7 +474,7 @@ def test_unchanged_file_is_read_from_the_cache(make_tree, monkeypatch):
     root = make_tree({"tests/e2e/test_x.py": source})
     _age(root / "tests/e2e/test_x.py")
     first = discover(root)
-    assert (root / ".miles/cache/discover.pickle").is_file()
+    assert (root / ".miles/cache/discover.json").is_file()
 
     def parse_again(*args, **kwargs):
         raise AssertionError("an unchanged file was parsed again")
@@ -498,8 +498,8 @@ def test_file_modified_just_now_is_not_cached(make_tree):
     root = make_tree({"tests/e2e/test_x.py": HEADER + 'register_cpu_ci(est_time=5, suite="stage-b-cpu")\n'})
     discover(root)
     cached = (
-        (root / ".miles/cache/discover.pickle").read_text()
-        if (root / ".miles/cache/discover.pickle").exists()
+        (root / ".miles/cache/discover.json").read_text()
+        if (root / ".miles/cache/discover.json").exists()
         else ""
     )
     assert "tests/e2e/test_x.py" not in cached
@@ -519,7 +519,7 @@ def test_cached_problems_are_reported_again(make_tree):
 
 
 def test_a_different_catalog_does_not_reuse_the_cache(make_tree, tmp_path_factory):
-    from miles.ci.catalog import CATALOG_PATH, load_catalog
+    from miles.ci.registry.catalog import CATALOG_PATH, load_catalog
 
     root = make_tree(
         {
@@ -550,7 +550,7 @@ def test_a_unit_file_that_calls_markers_only_in_its_tests_is_implicit(make_tree)
 
 
 def _catalog_with(tmp_path, implicit: str):
-    from miles.ci.catalog import CATALOG_PATH, load_catalog
+    from miles.ci.registry.catalog import CATALOG_PATH, load_catalog
 
     text = CATALOG_PATH.read_text()
     start = text.index("[implicit.")
@@ -585,10 +585,10 @@ def test_the_catalog_says_which_directories_register_implicitly_and_where(make_t
 
 def test_the_cache_fingerprint_covers_every_module_discovery_reads_with():
     """An edit to any module whose code decides a file's records must mean a fresh parse."""
-    from miles.ci.discover_cache import _CODE
+    from miles.ci.registry.discover_cache import _CODE
 
     package = ROOT / "miles"
-    needed, todo = set(), ["ci/discover.py"]
+    needed, todo = set(), ["ci/registry/discover.py"]
     while todo:
         rel = todo.pop()
         if rel in needed:

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from miles.ci.catalog import CatalogError, load_catalog
 from miles.ci.cli import main
-from miles.ci.discover import discover, parse_test_file
+from miles.ci.registry.catalog import CatalogError, load_catalog
+from miles.ci.registry.discover import discover, parse_test_file
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_registry_catalog import _problems, _write_catalog
@@ -58,7 +58,7 @@ def test_a_catalog_that_is_not_utf8_or_missing_is_a_catalog_error(tmp_path):
 
 def test_a_broken_catalog_is_bad_input_exit_2(tmp_path, monkeypatch, capsys):
     path = _write_catalog(tmp_path, lambda raw: raw.update(schema=99))
-    import miles.ci.catalog as catalog_module
+    import miles.ci.registry.catalog as catalog_module
 
     monkeypatch.setattr(catalog_module, "CATALOG_PATH", path)
     load_catalog.cache_clear()
@@ -140,7 +140,7 @@ def test_a_bom_or_a_latin1_coding_cookie_is_read(tmp_path):
 
 
 def test_calibrate_writes_into_a_latin1_file_without_breaking_it(tmp_path):
-    from miles.ci.calibrate import Proposal, apply_proposals
+    from miles.ci.reports.calibrate import Proposal, apply_proposals
 
     source = ("# -*- coding: latin-1 -*-\n# d\xe9j\xe0\n" + HEAD + 'register_cpu_ci(est_time=7, suite="stage-b-cpu")\n'
               ).encode("latin-1")  # fmt: skip
@@ -163,8 +163,8 @@ def test_a_fifo_named_like_a_test_file_does_not_hang_discovery(tmp_path):
 
 def test_format_plan_reads_each_partitions_loads_once(make_tree, monkeypatch):
     """format_plan was quadratic in shards (10,000 shards: 33 s): each line recomputed them."""
-    from miles.ci import plan as plan_module
-    from miles.ci.shard import Partition
+    from miles.ci.running import plan as plan_module
+    from miles.ci.selection.shard import Partition
 
     calls = {"n": 0}
     original = Partition.loads

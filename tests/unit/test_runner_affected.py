@@ -6,10 +6,10 @@ import subprocess
 
 import pytest
 
-from miles.ci.affected import affected_suites, parse_name_status
-from miles.ci.catalog import load_catalog
 from miles.ci.cli import main
-from miles.ci.discover import discover
+from miles.ci.registry.catalog import load_catalog
+from miles.ci.registry.discover import discover
+from miles.ci.selection.affected import affected_suites, parse_name_status
 
 CATALOG = load_catalog()
 GPU_SUITES = {s.name for s in CATALOG.suites.values() if s.is_gpu}

@@ -1,6 +1,6 @@
 """Who may store trusted history: the event of the run decides, never a PR label.
 
-One rule (`miles.ci.policy.stores_history`) is asked by the policy command, by the runner's
+One rule (`miles.ci.selection.policy.stores_history`) is asked by the policy command, by the runner's
 gate step and by `python -m miles.ci gate --write`; each is checked here against real runs
 and a real SQLite store.
 """
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from miles.ci.catalog import load_catalog
 from miles.ci.cli import main
-from miles.ci.policy import CiEvent, resolve_policy, stores_history
+from miles.ci.registry.catalog import load_catalog
+from miles.ci.selection.policy import CiEvent, resolve_policy, stores_history
 from miles.metrics.capture import MetricRecorder
 from miles.metrics.store import open_store
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from miles.ci.calibrate import apply_proposals, nearest_rank_quantile, propose, round_up_to_bucket
-from miles.ci.catalog import load_catalog
 from miles.ci.cli import main
-from miles.ci.discover import discover
-from miles.ci.durations import load_durations, record_durations
-from miles.ci.record import Attempt
+from miles.ci.registry.catalog import load_catalog
+from miles.ci.registry.discover import discover
+from miles.ci.reports.calibrate import apply_proposals, nearest_rank_quantile, propose, round_up_to_bucket
+from miles.ci.reports.durations import load_durations, record_durations
+from miles.ci.reports.record import Attempt
 
 CATALOG = load_catalog()
 SOURCE = (

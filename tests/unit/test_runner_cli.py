@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from miles.ci.catalog import load_catalog
 from miles.ci.cli import main
-from miles.ci.discover import discover
-from miles.ci.durations import durations_path, load_durations
-from miles.ci.plan import RunOptions, build_plan, timeout_for
+from miles.ci.registry.catalog import load_catalog
+from miles.ci.registry.discover import discover
+from miles.ci.reports.durations import durations_path, load_durations
+from miles.ci.running.plan import RunOptions, build_plan, timeout_for
 
 ROCM = "from miles.ci.register import register_rocm_ci\n"
 GPU_TREE = {
@@ -199,8 +199,8 @@ def test_github_actions_folds_each_test_and_streams_its_output(make_tree, capsys
 def test_terminal_progress_shows_position_share_and_eta(make_tree):
     import io
 
-    from miles.ci.execute import TestRun
-    from miles.ci.progress import Progress
+    from miles.ci.running.execute import TestRun
+    from miles.ci.running.progress import Progress
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:

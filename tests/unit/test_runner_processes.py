@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from miles.ci.execute import CancelToken, Settings, TestRun, run_attempt
-from miles.ci.processes import Cgroup
+from miles.ci.running.execute import CancelToken, Settings, TestRun, run_attempt
+from miles.ci.running.processes import Cgroup
 
 CI_ENV = ("GITHUB_ACTIONS", "GITHUB_STEP_SUMMARY", "MILES_DURATIONS_PATH", "MILES_HISTORY_URL")
 

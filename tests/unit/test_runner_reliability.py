@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from miles.ci.catalog import load_catalog
-from miles.ci.discover import discover
-from miles.ci.execute import CancelToken, Settings, TestRun, run_attempt
-from miles.ci.plan import RunOptions, build_plan
 from miles.ci.register import register_cpu_ci
-from miles.ci.runner import execute_plan
+from miles.ci.registry.catalog import load_catalog
+from miles.ci.registry.discover import discover
+from miles.ci.running.execute import CancelToken, Settings, TestRun, run_attempt
+from miles.ci.running.plan import RunOptions, build_plan
+from miles.ci.running.runner import execute_plan
 
 register_cpu_ci(est_time=60, suite="stage-a-cpu")
 

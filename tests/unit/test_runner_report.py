@@ -9,9 +9,9 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from miles.ci.outcome import JUnitResult, classify_attempt, is_retryable, read_junit
-from miles.ci.record import Attempt, CaseResult, Exclusion, RunRecord
-from miles.ci.report import render_junit, render_markdown, write_reports
+from miles.ci.reports.record import Attempt, CaseResult, Exclusion, RunRecord
+from miles.ci.reports.report import render_junit, render_markdown, write_reports
+from miles.ci.running.outcome import JUnitResult, classify_attempt, is_retryable, read_junit
 from miles.metrics.gate import GateVerdict
 
 JUNIT_FAILED = """<?xml version="1.0" encoding="utf-8"?><testsuites name="pytest tests"><testsuite
@@ -293,8 +293,8 @@ def test_markdown_tables_and_the_gantt_survive_any_file_name(file):
 def test_a_file_name_cannot_inject_a_workflow_command_into_the_github_log():
     import io
 
-    from miles.ci.execute import TestRun
-    from miles.ci.progress import Progress
+    from miles.ci.running.execute import TestRun
+    from miles.ci.running.progress import Progress
 
     out = io.StringIO()
     progress = Progress((), out, github=True, streaming=False)

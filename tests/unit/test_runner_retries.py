@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from miles.ci.outcome import classify_attempt, classify_case, is_retryable, read_junit
+from miles.ci.running.outcome import classify_attempt, classify_case, is_retryable, read_junit
 
 TABLE = {
     # ---- never retried: a real bug, whatever infra words are around it
@@ -150,7 +150,7 @@ def test_the_warning_of_a_passing_test_does_not_count(cases):
 
 
 def _attempt_of(*cases):
-    from miles.ci.outcome import JUnitResult
+    from miles.ci.running.outcome import JUnitResult
 
     return classify_attempt(returncode=1, timed_out=False, cancelled_by=None, junit=JUnitResult(True, cases),
                             timeout=75.0, est_time=60.0)  # fmt: skip

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from miles.ci.catalog import UnknownName, load_catalog
-from miles.ci.discover import discover
-from miles.ci.policy import (
+from miles.ci.registry.catalog import UnknownName, load_catalog
+from miles.ci.registry.discover import discover
+from miles.ci.selection.policy import (
     PolicyError,
     labels_from_json,
     parse_labels,
     resolve_policy,
     write_github_outputs,
 )
-from miles.ci.select import ScopeError, resolve_scope, select
+from miles.ci.selection.select import ScopeError, resolve_scope, select
 
 CATALOG = load_catalog()
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from miles.ci.shard import Job, balanced_partition, lower_bound, lpt_partition, shards_for_budget
+from miles.ci.selection.shard import Job, balanced_partition, lower_bound, lpt_partition, shards_for_budget
 
 
 def _jobs(weights: list[float]) -> list[Job]:
@@ -124,9 +124,9 @@ def test_planning_a_suite_of_twelve_hundred_files_prints_the_plan(make_tree, cap
 
 
 def test_a_partition_the_search_refuses_is_a_one_line_plan_error(tmp_path):
-    from miles.ci.catalog import load_catalog
-    from miles.ci.discover import Discovery, Registration, TestFile
-    from miles.ci.plan import PlanError, RunOptions, build_plan
+    from miles.ci.registry.catalog import load_catalog
+    from miles.ci.registry.discover import Discovery, Registration, TestFile
+    from miles.ci.running.plan import PlanError, RunOptions, build_plan
 
     # records built in memory (a cache or another tool), not read by discovery's rules
     bad = Registration("cpu", "tests/e2e/test_nan.py", 2, float("nan"), "stage-b-cpu")

@@ -16,8 +16,8 @@ from miles.train.algorithm import (
     tis_weights,
     token_logprobs_and_entropy,
 )
-from miles.train.args import LossConfig
 from miles.train.batch import Sample, collate, load_samples, save_samples
+from miles.train.config import LossConfig
 from miles.train.report import train_metrics
 from miles.train.rollout import Generation
 

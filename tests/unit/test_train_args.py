@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from miles.train.args import ArgsError, loss_config, parse_args, split_sglang_args, validate_world
+from miles.train.args import ArgsError, parse_args, parse_config, split_sglang_args, validate_world
 
 # A Qwen3-4B GRPO command in the shape of the seeds' recipes (model, checkpoint, rollout, GRPO,
 # optimizer, SGLang, perf and misc argument groups).
@@ -133,13 +133,27 @@ def test_megatron_layout_is_checked_by_miles_parallel_with_the_fix(tmp_path, cap
 
 
 def test_world_size_must_split_batches_evenly():
-    args = parse_args(["--hf-checkpoint", "m", "--rollout-batch-size", "3", "--n-samples-per-prompt", "2"])
+    config = parse_config(
+        ["--hf-checkpoint", "m", "--rollout-batch-size", "3", "--n-samples-per-prompt", "2"]
+    )
     with pytest.raises(ArgsError, match="--global-batch-size \\(6\\) must split evenly over 4"):
-        validate_world(args, 4)
+        validate_world(config, 4)
+
+
+def test_a_launch_of_other_ranks_than_the_job_flags_ask_for_is_named():
+    from miles.train.args import world_note
+
+    config = parse_config(["--hf-checkpoint", "m", "--actor-num-gpus-per-node", "4"])
+    assert world_note(config, 2) == (
+        "the process group has 2 rank(s), not the 4 that --actor-num-nodes 1 x --actor-num-gpus-per-node 4 ask for"
+    )
+    assert world_note(config, 4) is None
+    assert world_note(parse_config(["--hf-checkpoint", "m"]), 2) is None  # not given: the launch decides
 
 
 def test_loss_config_carries_the_algorithm_flags():
-    cfg = loss_config(parse_args(["--hf-checkpoint", "m", "--advantage-estimator", "gspo", "--use-tis"]))
+    config = parse_config(["--hf-checkpoint", "m", "--advantage-estimator", "gspo", "--use-tis"])
+    cfg = config.algorithm.loss_config(config.rollout.rollout_temperature)
     assert cfg.advantage_estimator == "gspo" and cfg.use_tis and cfg.eps_clip_high == cfg.eps_clip
 
 
@@ -153,19 +167,23 @@ def test_parsing_flags_imports_no_heavy_package():
 
 
 def test_flags_the_chosen_stack_ignores_are_named_not_dropped():
-    from miles.train.args import run_notes
+    from miles.train.consumption import run_notes
 
-    args = parse_args(
-        "--hf-checkpoint m --colocate --balance-data --num-layers 4 --hidden-size 64 "
+    config = parse_config(
+        "--hf-checkpoint m --colocate --use-wandb --num-layers 4 --hidden-size 64 "
         "--sglang-mem-fraction-static 0.7 --sglang-enable-dp-attention".split()
     )
-    notes = run_notes(args, "torch")
-    assert "without effect on --train-backend fsdp: --colocate --balance-data" in notes
+    notes = run_notes(config, "torch")
     assert (
-        "2 Megatron model flag(s) are read by the megatron backend only (shape from the HF config)" in notes
+        "without effect on --train-backend fsdp with the torch rollout engine (no backend or engine acts on "
+        "them yet): --colocate --use-wandb" in notes
     )
     assert (
-        "without effect on the torch rollout engine: --sglang-mem-fraction-static --sglang-enable-dp-attention"
-        in notes
+        "2 Megatron model flag(s) are read by --train-backend megatron only (--train-backend fsdp takes the "
+        "shape from the HF config)" in notes
     )
-    assert run_notes(parse_args(["--hf-checkpoint", "m"]), "torch") == []
+    assert (
+        "without effect on the torch rollout engine (read by the sglang rollout engine): "
+        "--sglang-mem-fraction-static --sglang-enable-dp-attention" in notes
+    )
+    assert run_notes(parse_config(["--hf-checkpoint", "m"]), "torch") == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -65,11 +66,13 @@ def test_save_writes_state_then_marker_and_leaves_no_temporary(tmp_path):
 
 
 def test_resuming_with_other_batch_flags_is_refused():
-    args = SimpleNamespace(
-        seed=1, rollout_batch_size=8, n_samples_per_prompt=8, prompt_data="synthetic:fixed", load="x"
+    from miles.train.args import parse_config
+
+    config = parse_config(
+        "--hf-checkpoint m --seed 1 --rollout-batch-size 8 --n-samples-per-prompt 8 --load x".split()
     )
-    with pytest.raises(checkpoint.CheckpointError, match="--rollout-batch-size 4 -> 8"):
-        checkpoint.check_compatible(_state(2), args)
+    with pytest.raises(checkpoint.CheckpointError, match="--load x: .*--rollout-batch-size 4 -> 8"):
+        checkpoint.check_compatible(_state(2), config)
 
 
 def test_lr_schedule_warms_up_then_decays_to_min_lr():
@@ -119,6 +122,12 @@ class FullForwardScorer:
     def __init__(self, model, temperature):
         self.model, self.temperature = model, temperature
 
+    @contextlib.contextmanager
+    def scoring_temperature(self, temperature):
+        saved, self.temperature = self.temperature, temperature
+        yield
+        self.temperature = saved
+
     def logprobs(self, batch):
         import torch
 
@@ -136,8 +145,8 @@ def test_the_logprob_weight_check_passes_a_synced_engine_and_catches_a_stale_one
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from miles.train.args import SamplingConfig
     from miles.train.checks import check_probe_logprobs, probe_logprob_gap
+    from miles.train.config import SamplingConfig
     from miles.train.rollout import TorchRolloutEngine
 
     torch.manual_seed(0)
@@ -183,3 +192,59 @@ def test_a_load_that_is_a_file_or_holds_other_files_is_refused(tmp_path):
         checkpoint.CheckpointError, match="not a checkpoint directory; it holds notes.txt but no"
     ):
         checkpoint.check_load_dir(tmp_path / "d", None)
+
+
+class SGLangGreedy:
+    """The torch engine with SGLang's greedy rule, which needs a GPU to run for real: a request
+    with top_k <= 1 is greedy (sglang 0.5.23 sampling_batch_info.py: is_all_greedy) and its
+    logprobs are log_softmax of the untempered logits (sampler.py, Sampler.forward). The rule
+    itself is read from the installed sglang in the test below."""
+
+    def __init__(self, model):
+        from miles.train.rollout import TorchRolloutEngine
+
+        self.inner = TorchRolloutEngine(model)
+
+    def generate(self, prompts, sampling, seed):
+        from dataclasses import replace
+
+        if sampling.top_k <= 1:
+            sampling = replace(sampling, temperature=1.0)
+        return self.inner.generate(prompts, sampling, seed)
+
+
+def test_sglang_returns_untempered_logprobs_for_greedy_requests():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("sglang")
+    if spec is None:
+        pytest.skip("sglang is not installed (requirements/cpu-sglang.txt)")
+    root = Path(spec.origin).parent / "srt"
+    assert (
+        "is_all_greedy=all(r.sampling_params.top_k <= 1 for r in reqs)"
+        in (root / "sampling/sampling_batch_info.py").read_text()
+    )
+    sampler = (root / "layers/sampler.py").read_text()
+    greedy = sampler[sampler.index("if sampling_info.is_all_greedy:\n") :][:800]
+    assert "torch.nn.functional.log_softmax(\n                    logits, dim=-1" in greedy
+
+
+def test_the_logprob_weight_probe_agrees_with_a_greedy_engine_at_any_rollout_temperature(tmp_path):
+    import torch
+
+    from miles.ckpt.tiny import make_tiny_checkpoint
+    from miles.train.args import parse_config
+    from miles.train.backends import make_backend
+    from miles.train.checks import probe_logprob_gap
+    from miles.train.distributed import DistInfo
+    from miles.train.model import load_causal_lm
+
+    path = make_tiny_checkpoint("qwen3", 2, tmp_path / "qwen3", dtype="float32")
+    config = parse_config(["--hf-checkpoint", str(path), "--rollout-temperature", "0.7"])
+    backend = make_backend(config, DistInfo(0, 1, 0, "cpu", "gloo"))
+    engine = SGLangGreedy(load_causal_lm(path, dtype=torch.float32, device="cpu"))
+    prompts = [[5, 6, 7], [40, 41], [9]]
+    gap = probe_logprob_gap(engine, backend, prompts, config.rollout.sampling_config())
+    assert gap < 1e-5
+    assert backend.loss_cfg.temperature == 0.7  # scoring at 1 lasts only for the probe

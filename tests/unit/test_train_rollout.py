@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles.train.args import SamplingConfig
 from miles.train.checks import CheckFailed, check_weights_equal
+from miles.train.config import SamplingConfig
 from miles.train.rollout import TorchRolloutEngine, sample_tokens
 
 VOCAB = 48

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles.train.args import SamplingConfig
+from miles.train.config import SamplingConfig
 from miles.train.rollout import RolloutEngineError, TorchRolloutEngine, cache_keyword
 
 FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v4", "glm_moe_dsa", "inkling")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from miles.ci.catalog import load_catalog
+from miles.ci.registry.catalog import load_catalog
 from miles.image.config import load_images
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -38,12 +38,13 @@ class GPTMapping:
     layer_weights: Callable[[Mapping[str, Any], int, str], Weights]
     # megatron.core.transformer's config class the fields fill (MLA models: "MLATransformerConfig")
     config_class: str = "TransformerConfig"
-    # The family's own decoder block spec, (TransformerConfig, config, vp_stage) -> the spec
-    # (None: megatron-core's Transformer Engine GPT spec, miles.megatron.spec)
+    # The family's own decoder block spec, (TransformerConfig, config, vp_stage, *, impl) -> the
+    # spec, `impl` as miles.megatron.spec names it (None: megatron-core's Transformer Engine GPT
+    # spec, miles.megatron.spec)
     block_spec: Callable[..., Any] | None = None
     # What it adds to a built model chunk, already in the parameter dtype (carried MTP layers,
     # frozen or float32 parameters) and refuses (a chunk that cannot run alone):
-    # (model, TransformerConfig, config, vp_stage) -> None
+    # (model, TransformerConfig, config, vp_stage, *, impl) -> None
     finish_model: Callable[..., None] | None = None
     # The weights outside the decoder layers it adds (MTP layers): (config) -> Weights
     extra_weights: Callable[[Mapping[str, Any]], Weights] | None = None

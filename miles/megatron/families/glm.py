@@ -225,7 +225,7 @@ def lm_args(config: Mapping[str, Any]) -> dict:
     return out
 
 
-def block_spec(tc, config: Mapping[str, Any], vp_stage: int | None = None):
+def block_spec(tc, config: Mapping[str, Any], vp_stage: int | None = None, *, impl: str = "local"):
     """This chunk's decoder block spec: the Transformer Engine GPT spec's layers (MLA, the dense
     MLP or the MoE layer) with GLM's attention, sharing one top-k holder."""
     from dataclasses import replace
@@ -233,15 +233,17 @@ def block_spec(tc, config: Mapping[str, Any], vp_stage: int | None = None):
     from miles.megatron import dsa
     from miles.megatron.spec import decoder_block_spec
 
-    block = decoder_block_spec(tc, vp_stage=vp_stage)
-    attention = dsa.attention_spec(dsa.layer_provider(), layer_kinds(config), holder={})
+    block = decoder_block_spec(tc, impl=impl, vp_stage=vp_stage)
+    attention = dsa.attention_spec(dsa.layer_provider(impl), layer_kinds(config), holder={})
     layers = [
         replace(s, submodules=replace(s.submodules, self_attention=attention)) for s in block.layer_specs
     ]
     return replace(block, layer_specs=layers)
 
 
-def finish_model(model, tc, config: Mapping[str, Any], vp_stage: int | None = None) -> None:
+def finish_model(
+    model, tc, config: Mapping[str, Any], vp_stage: int | None = None, *, impl: str = "local"
+) -> None:
     """Refuse a chunk that starts on a shared layer; on the last stage, carry the MTP layers; keep
     the routers' gate weights in float32, as transformers keeps GlmMoeDsa's `mlp.gate.weight`
     (its checkpoints store them so: a bf16 model would round them)."""
@@ -266,7 +268,7 @@ def finish_model(model, tc, config: Mapping[str, Any], vp_stage: int | None = No
             tc,
             model.decoder.submodules.layer_specs[-1],
             mtp_layers(config),
-            dsa.layer_provider(),
+            dsa.layer_provider(impl),
             vp_stage,
         )
     dsa.keep_router_weights_fp32(model)

@@ -1,19 +1,24 @@
 """Training backends: what the trainer asks of the model that learns.
 
-`TrainBackend` is the interface; `make_backend(args, dist)` picks FSDP2 or DDP (data
-parallel over torch.distributed, any device) or Megatron (GPU only). The trainer never
-touches the wrapped model directly: logprobs, a training step over micro-batches, the full
-weights for the rollout engine, and checkpoint state all go through here.
+`TrainBackend` is the interface; `make_backend(config, dist)` picks FSDP2 or DDP (data
+parallel over torch.distributed, any device) or Megatron (megatron-core, on GPUs or on CPU
+under gloo) and gives it the configuration sections it declares in its `CONSUMES`
+(miles.train.consumption). The trainer never touches the wrapped model directly: how a minibatch is
+dealt to the ranks and cut into micro-batches, logprobs, a training step over micro-batches,
+the full weights for the rollout engine, and checkpoint state all go through here.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from miles.train import micro_batches
 from miles.train.algorithm import LossTerms
 from miles.train.batch import TokenBatch
+from miles.train.config import BatchConfig
 
 
 class BackendUnavailable(RuntimeError):
@@ -25,12 +30,24 @@ class StepResult:
     grad_norm: float
     lr: float
     terms: tuple[LossTerms, ...]  # one per micro-batch, for the metrics
+    # Each micro-batch's token logprobs [rows, width-1] from the training forward (detached, on
+    # the CPU), taken before the step: the policy's logprobs under the weights it started from.
+    logprobs: tuple = ()
     # The loss or grad norm was not finite on some rank, so no rank applied the step
     # (miles.train.guards.step_if_finite); the trainer counts these.
     skipped: bool = False
 
 
 class TrainBackend(abc.ABC):
+    # Where the frozen reference model's weights come from (None: no reference model).
+    ref_source: str | None = None
+    # The batch flags; each backend's constructor keeps its BatchConfig here.
+    batching: BatchConfig
+    # Whether a training forward computes exactly what a no-grad forward of the same micro-batch
+    # does (no dropout or router noise): then the first minibatch's old logprobs are its own
+    # training forward's (miles.train.trainer.learn).
+    forward_is_deterministic: bool = False
+
     @property
     def data_parallel(self) -> tuple[int, int, object]:
         """(rank, size, process group) of the data-parallel dimension: the ranks that train on
@@ -40,20 +57,46 @@ class TrainBackend(abc.ABC):
 
         return dist.get_rank(), dist.get_world_size(), None
 
+    @property
+    def geometry(self) -> micro_batches.Geometry:
+        """What a micro-batch costs here (padded width multiple, context-parallel ranks per row)."""
+        return micro_batches.Geometry()
+
+    def split_minibatch(self, lengths: Sequence[int]) -> tuple[list[int], list[list[int]]]:
+        """This data-parallel rank's samples of a minibatch whose samples have `lengths` tokens
+        (indices into them), and its micro-batches (positions in those samples): --micro-batch-size
+        rows, or under --use-dynamic-batch-size as many rows as --max-tokens-per-gpu allows, dealt
+        by token count with --balance-data (miles.train.micro_batches). Every rank derives the
+        same split, and every data-parallel rank gets the same number of micro-batches."""
+        rank, size, _ = self.data_parallel
+        batch = self.batching
+        batching = micro_batches.Batching(
+            micro_batch_size=batch.micro_batch_size,
+            dynamic=batch.use_dynamic_batch_size,
+            max_tokens=batch.max_tokens_per_gpu,
+            balance=batch.balance_data,
+        )
+        return micro_batches.split_minibatch(lengths, rank, size, batching, self.geometry)
+
     @abc.abstractmethod
     def logprobs(self, batch: TokenBatch, *, reference: bool = False) -> object:
         """Per-token logprobs [B, T-1] of the batch's targets (no gradient), policy or reference."""
 
-    def batch_logprobs(self, batch: TokenBatch, micro_batch_size: int, *, reference: bool = False) -> object:
-        """Logprobs [B, T-1] of a whole local batch, `micro_batch_size` rows per forward."""
-        import torch
+    def batch_logprobs(self, micro: Sequence[TokenBatch], *, reference: bool = False) -> list:
+        """Logprobs [rows, width-1] of each micro-batch (the same micro-batches, in the same shapes,
+        as the training step gets)."""
+        return [self.logprobs(part, reference=reference) for part in micro]
 
-        out = torch.zeros_like(batch.loss_mask)
-        for start in range(0, batch.size, micro_batch_size):
-            part = batch.rows(slice(start, start + micro_batch_size))
-            logp = self.logprobs(part, reference=reference)
-            out[start : start + micro_batch_size, : logp.shape[1]] = logp
-        return out
+    @contextlib.contextmanager
+    def scoring_temperature(self, temperature: float) -> Iterator[None]:
+        """logprobs() at `temperature` instead of the rollout temperature, inside the block
+        (every backend scales its logits by self.loss_cfg.temperature)."""
+        saved = self.loss_cfg
+        self.loss_cfg = replace(saved, temperature=temperature)
+        try:
+            yield
+        finally:
+            self.loss_cfg = saved
 
     @abc.abstractmethod
     def train_step(self, micro_batches: Sequence[TokenBatch], normalizer: float) -> StepResult:
@@ -79,14 +122,16 @@ class TrainBackend(abc.ABC):
 
 def batch_loss(logp, entropy, batch: TokenBatch, cfg) -> LossTerms:
     """The GRPO/GSPO loss terms of a micro-batch from the policy's token logprobs and entropy
-    (any backend's), with the batch's old, reference and rollout logprobs on their device."""
+    (any backend's), with the batch's old, reference and rollout logprobs on their device. A
+    batch without old logprobs is trained on the weights that would compute them: its old
+    logprobs are this forward's own, detached (the ratio is exactly 1)."""
     from miles.train.algorithm import policy_loss
 
     device = logp.device
     return policy_loss(
         logp,
         entropy,
-        batch.old_logp.to(device),
+        logp.detach() if batch.old_logp is None else batch.old_logp.to(device),
         batch.advantages.to(device),
         batch.loss_mask.to(device),
         cfg,
@@ -95,11 +140,8 @@ def batch_loss(logp, entropy, batch: TokenBatch, cfg) -> LossTerms:
     )
 
 
-def make_backend(args, dist_info) -> TrainBackend:
-    if args.train_backend == "megatron":
-        from miles.train.backends.megatron import MegatronBackend
+def make_backend(config, dist_info) -> TrainBackend:
+    """The --train-backend of `config` (a RunConfig), given the sections it consumes."""
+    from miles.train.consumption import build
 
-        return MegatronBackend(args, dist_info)
-    from miles.train.backends.torch_dp import TorchDPBackend
-
-    return TorchDPBackend(args, dist_info)
+    return build("backend", config.job.train_backend, config, dist_info)

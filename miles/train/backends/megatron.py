@@ -1,13 +1,17 @@
 """`--train-backend megatron`: the policy as a megatron-core GPTModel, on GPUs or on CPU under gloo.
 
 The layout of the recipe (TP, SP, PP, VPP, CP, EP, ETP, DP) becomes megatron's process groups;
-the model is built from the HF config with the Transformer Engine layer spec and loaded
+the model is built from the HF config with the Transformer Engine layer spec (TE's own modules
+where TE loads on a GPU, the stand-in ones otherwise: `miles.megatron.spec`) and loaded
 from the torch_dist checkpoint `prepare-ckpt` writes (`--ref-load`); micro-batches go
 through megatron's `forward_backward_func` (so pipeline parallelism runs its real
 schedule) with the GRPO/GSPO loss of `miles.train.algorithm` computed on vocabulary-parallel
 logits; gradients are reduced by megatron's DDP and applied by its distributed optimizer
-(fp32 main parameters). Without a GPU, `compat.install()` first redirects megatron-core's
-CUDA assumptions to the CPU.
+(fp32 main parameters). What it acts on is its `CONSUMES` declaration; how, one row per flag
+of `miles.megatron.options`, whose refusals and needs (TE's spec, a GPU, another flag) are
+checked when the backend starts. On the CPU, `compat.install()` first redirects
+megatron-core's CUDA assumptions. The run's first line names the spec, attention, experts and
+optimizer actually built.
 """
 
 from __future__ import annotations
@@ -24,12 +28,25 @@ import torch.distributed as dist
 
 from miles.megatron import checkpoint as ckpt
 from miles.megatron import model as mg
+from miles.megatron import options
 from miles.megatron import training as mt
 from miles.megatron.export import WeightExporter
 from miles.megatron.loss import gather_context_parallel, micro_batches, vocab_parallel_logprobs
-from miles.train.args import loss_config, optim_config
+from miles.parallel import ParallelLayout
+from miles.train import micro_batches as split
 from miles.train.backends import BackendUnavailable, StepResult, TrainBackend, batch_loss
 from miles.train.batch import TokenBatch
+from miles.train.config import (
+    AlgorithmConfig,
+    BatchConfig,
+    CheckpointConfig,
+    JobConfig,
+    MegatronConfig,
+    ModelConfig,
+    OptimizerConfig,
+    RolloutConfig,
+    optimizer_steps,
+)
 
 
 class MegatronSetupError(BackendUnavailable):
@@ -37,51 +54,113 @@ class MegatronSetupError(BackendUnavailable):
 
 
 class MegatronBackend(TrainBackend):
-    def __init__(self, args, dist_info):
-        self.args = args
+    # The section fields it acts on (miles.train.consumption). The model shape is built from
+    # config.json, and a model flag that describes another model is refused (check_model_flags,
+    # check_built_model); each megatron field below acts through its row of miles.megatron.options
+    # (the layer spec, a TransformerConfig, DDP or optimizer field), and so does the checkpoint's
+    # megatron_to_hf_mode (raw is how it loads; bridge is refused).
+    CONSUMES = {
+        "job": ("seed",),
+        "checkpoint": ("hf_checkpoint", "ref_load", "megatron_to_hf_mode"),
+        "rollout": ("num_rollout", "rollout_batch_size", "n_samples_per_prompt", "rollout_temperature"),
+        "batch": (
+            "global_batch_size", "micro_batch_size", "use_dynamic_batch_size", "max_tokens_per_gpu", "balance_data",
+        ),
+        "algorithm": (
+            "advantage_estimator", "eps_clip", "eps_clip_high", "eps_clip_c", "use_kl_loss", "kl_loss_type",
+            "kl_loss_coef", "entropy_coef", "use_tis", "tis_clip", "tis_clip_low", "calculate_per_token_loss",
+        ),
+        "optimizer": (
+            "lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "weight_decay", "adam_beta1",
+            "adam_beta2", "adam_eps", "clip_grad", "bf16",
+        ),
+        "layout": "*",
+        "model": "*",
+        "megatron": (
+            "transformer_impl", "attention_backend", "attention_dropout", "hidden_dropout",
+            "attention_softmax_in_fp32", "moe_grouped_gemm", "moe_permute_fusion", "moe_token_dispatcher_type",
+            "moe_router_dtype", "moe_aux_loss_coeff", "moe_router_load_balancing_type",
+            "moe_router_bias_update_rate", "moe_z_loss_coeff", "recompute_granularity", "recompute_method",
+            "recompute_num_layers", "recompute_modules", "no_rope_fusion", "no_bias_dropout_fusion",
+            "no_masked_softmax_fusion", "no_bias_swiglu_fusion", "no_gradient_accumulation_fusion",
+            "overlap_grad_reduce", "overlap_param_gather", "accumulate_allreduce_grads_in_fp32",
+            "use_precision_aware_optimizer", "optimizer_cpu_offload", "overlap_cpu_optimizer_d2h_h2d",
+        ),
+    }  # fmt: skip
+
+    def __init__(
+        self,
+        *,
+        job: JobConfig,
+        checkpoint: CheckpointConfig,
+        rollout: RolloutConfig,
+        batch: BatchConfig,
+        algorithm: AlgorithmConfig,
+        optimizer: OptimizerConfig,
+        layout: ParallelLayout,
+        model: ModelConfig,
+        megatron: MegatronConfig,
+        dist_info,
+    ):
         self.on_cpu = dist_info.device == "cpu"
+        self.device = dist_info.device
+        # first: a Transformer Engine that is installed but broken fails megatron-core's imports
+        self.impl, why = _layer_spec(megatron, checkpoint, model, self.device)
         if self.on_cpu:
             from miles.megatron import compat
 
             compat.install()
-        self.device = dist_info.device
-        self.loss_cfg = loss_config(args)
-        self.optim_cfg = optim_config(args)
-        self.config = json.loads((Path(args.hf_checkpoint) / "config.json").read_text())
-        check_model_flags(args, self.config, args.hf_checkpoint)
-        self.source = _weights_source(args)
-        self.layout = args.layout  # parsed and checked with the flags (miles.train.args)
-        mt.init_parallel_state(self.layout, args.seed)
-        self.tc = _transformer_config(args, self.config, self.layout, on_cpu=self.on_cpu)
+        self.batching = batch
+        self.loss_cfg = algorithm.loss_config(rollout.rollout_temperature)
+        self.optim_cfg = optimizer.optim_config()
+        hf = self.hf_checkpoint = checkpoint.hf_checkpoint
+        self.config = json.loads((Path(hf) / "config.json").read_text())
+        check_model_flags(model, self.config, hf, megatron)
+        self.source = _weights_source(checkpoint)
+        self.layout = layout  # parsed and checked with the flags (miles.train.args)
+        mt.init_parallel_state(self.layout, job.seed)
+        dtype = torch.bfloat16 if optimizer.bf16 and not self.on_cpu else torch.float32
+        self.tc = _transformer_config(
+            megatron, self.config, self.layout, hf, dtype=dtype, on_cpu=self.on_cpu, impl=self.impl
+        )
+        _shape_each_micro_batch(self.tc, self.layout)
+        self.forward_is_deterministic = not _noisy_in_training(self.tc)
         # The reference model gets a config of its own: the policy's gains DDP hooks below.
         ref_tc = copy.copy(self.tc)
         self.vocab = ckpt.embedding_rows(self.source) or int(self.config["vocab_size"])
+        check_built_model(model, self.tc, self.vocab, hf)
         chunks = self._load_chunks(self.tc)
         mg.freeze_padding_embedding(chunks, self.config.get("pad_token_id"))
         self.chunks = [c.to(self.device) for c in chunks]
-        self.model = mt.wrap_ddp(self.chunks, self.tc)
-        self.optimizer = mt.build_optimizer(self.model, self.optim_cfg, self.tc)
+        self.model = mt.wrap_ddp(self.chunks, self.tc, options.ddp_fields(megatron))
+        self.optimizer = mt.build_optimizer(
+            self.model, self.optim_cfg, self.tc, options.optimizer_fields(megatron)
+        )
+        self.params_stale = False  # overlapped parameter gathering leaves them stale after a step
         mt.connect_schedule(self.tc, self.model)
         if dist_info.is_main:
+            from miles.megatron.spec import built_spec_line
+
+            line = built_spec_line(self.chunks, self.optimizer, self.impl, why, self.tc.attention_backend)
+            print(f"miles.train: {line}", flush=True)
             print(f"miles.train: megatron {self.schedule()}", flush=True)
         self.ref_chunks = None
         self.ref_source = self.source
-        if args.use_kl_loss:
+        if algorithm.use_kl_loss:
             self.ref_chunks = [
                 c.to(self.device).eval().requires_grad_(False) for c in self._load_chunks(ref_tc)
             ]
-        self.fused_experts = _hf_fuses_experts(args.hf_checkpoint)
-        steps_per_rollout = args.rollout_batch_size * args.n_samples_per_prompt // args.global_batch_size
-        self.total_steps = args.num_rollout * steps_per_rollout
+        self.fused_experts = _hf_fuses_experts(hf)
+        self.total_steps = optimizer_steps(rollout, batch)
         self.steps_done = 0
 
     def _load_chunks(self, tc) -> list:
         from miles.megatron.families import UnmappedModel
 
         try:
-            chunks = mg.build_chunks(self.config, tc, self.vocab)
+            chunks = mg.build_chunks(self.config, tc, self.vocab, impl=self.impl)
         except UnmappedModel as exc:  # a model chunk the layout cannot build (the message says why)
-            raise MegatronSetupError(f"{self.args.hf_checkpoint}: {exc}") from exc
+            raise MegatronSetupError(f"{self.hf_checkpoint}: {exc}") from exc
         try:
             ckpt.load_weights(chunks, self.source)
         except ckpt.CheckpointMismatch as exc:
@@ -94,24 +173,34 @@ class MegatronBackend(TrainBackend):
     def data_parallel(self) -> tuple[int, int, object]:
         return mt.data_parallel()
 
-    def logprobs(self, batch: TokenBatch, *, reference: bool = False) -> torch.Tensor:
-        return self.batch_logprobs(batch, batch.size, reference=reference)
+    @property
+    def geometry(self) -> split.Geometry:
+        cp = self.layout.cp
+        # sequence parallelism splits each rank's tokens over TP; context parallelism the
+        # sequence into 2·cp chunks
+        seq_multiple = (self.layout.tp if self.tc.sequence_parallel else 1) * (2 * cp if cp > 1 else 1)
+        return split.Geometry(seq_multiple=seq_multiple, context_parallel=cp, shared_shape=self._shared_shape)
 
-    def batch_logprobs(
-        self, batch: TokenBatch, micro_batch_size: int, *, reference: bool = False
-    ) -> torch.Tensor:
-        """All micro-batches of the batch in one pass of megatron's schedule (a pipeline stays full)."""
+    @property
+    def _shared_shape(self) -> bool:
+        """A two-stage interleaved pipeline pads a step's micro-batches to one shape: megatron-core's
+        shape exchange (p2p_communication.py, _communicate_shapes) posts both directions' shapes
+        to the one peer in an order that peer does not mirror, so the shapes cannot vary there."""
+        return self.layout.interleaved and self.layout.pp == 2
+
+    def logprobs(self, batch: TokenBatch, *, reference: bool = False) -> torch.Tensor:
+        return self.batch_logprobs([batch], reference=reference)[0]
+
+    def batch_logprobs(self, micro: Sequence[TokenBatch], *, reference: bool = False) -> list[torch.Tensor]:
+        """All the micro-batches in one pass of megatron's schedule (a pipeline stays full)."""
         chunks = self.ref_chunks if reference else self.chunks
+        if not reference:
+            self._gather_params()
         for chunk in chunks:
             chunk.eval()
-        parts = [batch.rows(slice(s, s + micro_batch_size)) for s in range(0, batch.size, micro_batch_size)]
         with torch.no_grad():
-            results = self._run(parts, chunks, self._logprob_loss, forward_only=True)
-        out = torch.zeros_like(batch.loss_mask)
-        for start, result in zip(range(0, batch.size, micro_batch_size), results, strict=False):
-            logp = result["logp"]
-            out[start : start + logp.shape[0], : logp.shape[1]] = logp
-        return out
+            results = self._run(micro, chunks, self._logprob_loss, forward_only=True)
+        return [result["logp"] for result in results[: len(micro)]]
 
     def train_step(self, micro: Sequence[TokenBatch], normalizer: float) -> StepResult:
         for chunk in self.model:
@@ -128,14 +217,20 @@ class MegatronBackend(TrainBackend):
         applied, grad_norm = self._guarded_step(loss)
         if applied:
             self.steps_done += 1
-        return StepResult(grad_norm=float(grad_norm), lr=lr, terms=terms, skipped=not applied)
+            self.params_stale = self.model[0].ddp_config.overlap_param_gather
+        logprobs = tuple(r["logp"] for r in results[: len(micro)])
+        return StepResult(
+            grad_norm=float(grad_norm), lr=lr, terms=terms, skipped=not applied, logprobs=logprobs
+        )
 
     def full_weights(self, names: str = "model") -> Iterator[tuple[str, torch.Tensor]]:
         fused = self.fused_experts and names == "model"
+        self._gather_params()
         # carried MTP layers go to an engine that loads checkpoint names (SGLang drafts with them)
         yield from WeightExporter(self.chunks, self.config, fused_experts=fused, extras=names == "checkpoint")
 
     def save(self, directory: str, *, with_optimizer: bool) -> None:
+        self._gather_params()
         steps = self.steps_done if with_optimizer else None
         ckpt.save_training_state(self.chunks, self.optimizer, directory, steps_done=steps)
 
@@ -154,20 +249,34 @@ class MegatronBackend(TrainBackend):
 
     # --- machinery ----------------------------------------------------------------------
 
+    def _gather_params(self) -> None:
+        """Before anything reads the weights outside a training forward: with overlapped parameter
+        gathering they are stale after a step (megatron gathers them in the next training forward)."""
+        if self.params_stale:
+            mt.gather_params(self.model)
+            self.params_stale = False
+
     def _run(self, parts: Sequence[TokenBatch], chunks, loss_fn, *, forward_only: bool) -> list[dict]:
-        """The micro-batches through megatron's schedule; the last stage's loss outputs, on every rank."""
-        rows = max(self.args.micro_batch_size, max(p.size for p in parts))
+        """The micro-batches through megatron's schedule, each in its own shape (pipeline stages
+        tell each other the shapes: variable_seq_lengths); the last stage's loss outputs, on every rank."""
         cp = self.layout.cp
-        # sequence parallelism splits each rank's tokens over TP; context parallelism the
-        # sequence into 2·cp chunks
-        seq_multiple = (self.layout.tp if self.tc.sequence_parallel else 1) * (2 * cp if cp > 1 else 1)
         # The interleaved (VPP) schedule takes micro-batches in multiples of the pipeline size;
         # extra ones are all padding and add nothing to any loss or result.
         parts = list(parts)
         if self.layout.interleaved:
             pp = self.layout.pp
             parts += [parts[-1].rows(slice(0, 0))] * (-len(parts) % pp)
-        micro, seq = micro_batches(parts, rows, seq_multiple, self.device, cp, mt.context_parallel_rank())
+        geometry = self.geometry
+        shape = None
+        if geometry.shared_shape:
+            shape = (
+                max(p.size for p in parts),
+                geometry.padded_width(max(p.input_ids.shape[1] for p in parts)),
+            )
+        micro = micro_batches(
+            parts, geometry.seq_multiple, self.device, cp, mt.context_parallel_rank(), shape
+        )
+        seq, rows = max(mb.tokens.shape[1] for mb in micro), max(mb.tokens.shape[0] for mb in micro)
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
@@ -209,7 +318,8 @@ class MegatronBackend(TrainBackend):
         # parallel ones); the trainer's normaliser (samples or tokens of this rank's minibatch)
         # is what it must be divided by.
         loss = terms.loss * count / normalizer
-        return loss, {"terms": replace(terms, loss=terms.loss.detach().cpu())}
+        logp = logp.detach().float().cpu() * mb.batch.loss_mask
+        return loss, {"terms": replace(terms, loss=terms.loss.detach().cpu()), "logp": logp}
 
     def _set_lr(self) -> float:
         from miles.train.backends.torch_dp import lr_factor
@@ -229,14 +339,43 @@ class MegatronBackend(TrainBackend):
         return mt.apply_step(self.optimizer, self.optim_cfg.clip_grad, grad_norm), grad_norm
 
 
-def _weights_source(args) -> str:
-    """The torch_dist checkpoint the policy (and reference) start from."""
-    if ckpt.is_torch_dist_dir(args.ref_load):
-        return args.ref_load
-    given = f"--ref-load {args.ref_load} is not a torch_dist checkpoint" if args.ref_load else "no --ref-load"
+def _shape_each_micro_batch(tc, layout: ParallelLayout) -> None:
+    """Let each micro-batch keep its own shape (miles.train.micro_batches pads it to its own
+    widest row): pipeline stages then send each other every activation's shape first
+    (megatron-core's variable_seq_lengths). The all-gather token dispatcher cannot take that
+    across expert-parallel ranks, whose micro-batches hold different rows."""
+    tc.variable_seq_lengths = layout.pp > 1 and not (layout.interleaved and layout.pp == 2)
+    if tc.num_moe_experts and layout.ep > 1 and tc.moe_token_dispatcher_type == "allgather":
+        raise MegatronSetupError(
+            f"--moe-token-dispatcher-type allgather gathers the tokens of the {layout.ep} expert-parallel ranks "
+            "into one tensor, so their micro-batches would need one shape, but each rank pads its micro-batches "
+            "to their own widest rows; use --moe-token-dispatcher-type alltoall"
+        )
+
+
+def _noisy_in_training(tc) -> bool:
+    """Whether megatron's training forward draws random numbers (dropout, router input jitter,
+    Sinkhorn routing), so it differs from the no-grad forward of the same rows."""
+    balancing = tc.moe_router_load_balancing_type
+    sinkhorn = "sinkhorn" in (balancing if isinstance(balancing, str) else " ".join(balancing or ()))
+    return bool(tc.hidden_dropout or tc.attention_dropout or tc.moe_input_jitter_eps or sinkhorn)
+
+
+def _weights_source(checkpoint: CheckpointConfig) -> str:
+    """The torch_dist checkpoint the policy (and reference) start from (--megatron-to-hf-mode raw:
+    the weights are the checkpoint's own; bridge would load them through Megatron-Bridge)."""
+    if checkpoint.megatron_to_hf_mode == "bridge":
+        raise MegatronSetupError(
+            "--megatron-to-hf-mode bridge: Megatron-Bridge is not part of miles; convert the checkpoint to "
+            "torch_dist (invoke prepare-ckpt) and leave the flag at raw"
+        )
+    ref_load = checkpoint.ref_load
+    if ckpt.is_torch_dist_dir(ref_load):
+        return ref_load
+    given = f"--ref-load {ref_load} is not a torch_dist checkpoint" if ref_load else "no --ref-load"
     raise BackendUnavailable(
         f"--train-backend megatron loads its starting weights from a Megatron torch_dist checkpoint; {given}. "
-        f"Convert {args.hf_checkpoint} with `invoke prepare-ckpt` (it writes <model>_torch_dist) and pass that "
+        f"Convert {checkpoint.hf_checkpoint} with `invoke prepare-ckpt` (it writes <model>_torch_dist) and pass that "
         "directory as --ref-load"
     )
 
@@ -251,11 +390,14 @@ def _hf_fuses_experts(path: str) -> bool:
     return any(name.endswith("mlp.experts.gate_up_proj") for name in names)
 
 
-def check_model_flags(args, config: dict, path: str) -> None:
+def check_model_flags(
+    model: ModelConfig, config: dict, path: str, megatron: MegatronConfig | None = None
+) -> None:
     """Every Megatron model flag the command sets agrees with config.json (through its family's
     facts table, `miles.models`, and the flags its architecture fixes), or one error lists every
     one that does not: the model is built from config.json, so a flag that says otherwise
-    describes another model."""
+    describes another model. A fixed flag may live in the megatron section (the router's bias
+    update rate), so both sections are read."""
     from miles import models
     from miles.models.facts import disagreements, text_config
     from miles.parallel.layout import dest
@@ -263,7 +405,11 @@ def check_model_flags(args, config: dict, path: str) -> None:
     keys = models.keys_of(config)
     family = models.family_of(text_config(config))
     fixed = family.fixed if family else ()
-    given = {row.flag: getattr(args, dest(row.flag), None) for row in (*keys, *fixed)}
+    sections = (model,) if megatron is None else (model, megatron)
+    given = {
+        row.flag: next((getattr(s, dest(row.flag)) for s in sections if hasattr(s, dest(row.flag))), None)
+        for row in (*keys, *fixed)
+    }
     wrong = disagreements(keys, config, {f: v for f, v in given.items() if v not in (None, False)}, fixed)
     if wrong:
         raise MegatronSetupError(
@@ -272,31 +418,67 @@ def check_model_flags(args, config: dict, path: str) -> None:
         )
 
 
-def _transformer_config(args, config: dict, layout, *, on_cpu: bool):
-    """The TransformerConfig of the run: the HF model's math, the layout, the recipe's MoE switches."""
+def _layer_spec(
+    megatron: MegatronConfig, checkpoint: CheckpointConfig, model: ModelConfig, device: str
+) -> tuple[str, str]:
+    """The layer spec to build (and why), after every flag the backend refuses, or cannot act on
+    with that spec on `device`, is refused in one line (miles.megatron.options)."""
+    from miles.megatron.spec import SpecRefused, choose_impl
+
+    try:
+        impl, why = choose_impl(megatron.transformer_impl, device)
+    except SpecRefused as exc:
+        raise MegatronSetupError(str(exc)) from exc
+    given = {**megatron.non_default(), **checkpoint.non_default(), **model.non_default()}
+    problems = options.start_problems(given, impl, device)
+    if problems:
+        spec = (
+            "Transformer Engine's layer spec"
+            if impl == "transformer_engine"
+            else f"the stand-in layer spec ({why})"
+        )
+        raise MegatronSetupError(
+            f"--train-backend megatron cannot act on {len(problems)} flag(s) of this command with {spec} on "
+            f"{device}: {'; '.join(problems)}. Remove them, or run where what they need is"
+        )
+    return impl, why
+
+
+def check_built_model(model: ModelConfig, tc, vocab: int, path: str) -> None:
+    """The model flags that name a TransformerConfig field agree with the model built from config.json."""
+    wrong = options.model_disagreements(model, tc, vocab)
+    if wrong:
+        raise MegatronSetupError(
+            f"{path}/config.json describes another model than the Megatron flags: {'; '.join(wrong)}. The model "
+            "is built from config.json; fix the recipe's model flags or point --hf-checkpoint at the right model"
+        )
+
+
+def _transformer_config(
+    megatron: MegatronConfig,
+    config: dict,
+    layout: ParallelLayout,
+    path: str,
+    *,
+    dtype,
+    on_cpu: bool,
+    impl: str = "local",
+):
+    """The TransformerConfig of the run: the HF model's math, the layout, and the fields the
+    `megatron` section sets (miles.megatron.options.transformer_fields)."""
     from miles.megatron.config import transformer_config
     from miles.megatron.families import UnmappedModel
 
-    overrides = {}
-    if args.moe_router_dtype:
-        overrides["moe_router_dtype"] = args.moe_router_dtype
-    if args.moe_aux_loss_coeff:
-        overrides["moe_aux_loss_coeff"] = args.moe_aux_loss_coeff
-        overrides["moe_router_load_balancing_type"] = args.moe_router_load_balancing_type or "aux_loss"
-    if args.moe_token_dispatcher_type:
-        overrides["moe_token_dispatcher_type"] = args.moe_token_dispatcher_type
-    if args.recompute_granularity and not on_cpu:
-        overrides["recompute_granularity"] = args.recompute_granularity
-        overrides["recompute_method"] = args.recompute_method
-        overrides["recompute_num_layers"] = args.recompute_num_layers
+    overrides = options.transformer_fields(megatron, impl)
     if on_cpu:
         # gloo pairs point-to-point messages first-in first-out per pair of ranks. Batched p2p
         # posts a two-stage pipeline's activation and gradient to the same peer in an order the
         # peer does not mirror (the interleaved schedule swaps them); megatron's unbatched path
         # sends the two directions over two communicators.
         overrides["batch_p2p_comm"] = False
-    dtype = torch.bfloat16 if args.bf16 and not on_cpu else torch.float32
     try:
         return transformer_config(config, layout, dtype=dtype, on_cpu=on_cpu, initialize=True, **overrides)
     except UnmappedModel as exc:
-        raise MegatronSetupError(f"{args.hf_checkpoint}: {exc}") from exc
+        raise MegatronSetupError(f"{path}: {exc}") from exc
+    except ValueError as exc:  # megatron-core's own refusal of a combination of fields
+        raise MegatronSetupError(f"megatron-core refuses the flags' TransformerConfig: {exc}") from exc

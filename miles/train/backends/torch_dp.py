@@ -30,26 +30,69 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from miles.train import algorithm, guards
-from miles.train.args import loss_config, optim_config
 from miles.train.backends import StepResult, TrainBackend, batch_loss
 from miles.train.batch import TokenBatch
+from miles.train.config import (
+    AlgorithmConfig,
+    BatchConfig,
+    CheckpointConfig,
+    JobConfig,
+    OptimizerConfig,
+    RolloutConfig,
+    TorchDPConfig,
+    optimizer_steps,
+)
 from miles.train.model import is_hf_dir, load_causal_lm, train_dtype
 
 
 class TorchDPBackend(TrainBackend):
-    def __init__(self, args, dist_info):
-        self.mode = args.train_backend  # fsdp | ddp
+    # The section fields it acts on (miles.train.consumption); the layout's model-parallel
+    # degrees are refused by the flag parser, the Megatron sections are not read.
+    CONSUMES = {
+        "job": ("train_backend",),
+        "checkpoint": ("hf_checkpoint", "ref_load"),
+        "rollout": ("num_rollout", "rollout_batch_size", "n_samples_per_prompt", "rollout_temperature"),
+        "batch": (
+            "global_batch_size", "micro_batch_size", "use_dynamic_batch_size", "max_tokens_per_gpu", "balance_data",
+        ),
+        "algorithm": (
+            "advantage_estimator", "eps_clip", "eps_clip_high", "eps_clip_c", "use_kl_loss", "kl_loss_type",
+            "kl_loss_coef", "entropy_coef", "use_tis", "tis_clip", "tis_clip_low", "calculate_per_token_loss",
+        ),
+        "optimizer": (
+            "lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "weight_decay", "adam_beta1",
+            "adam_beta2", "adam_eps", "clip_grad", "bf16",
+        ),
+        "fsdp": "*",
+    }  # fmt: skip
+
+    def __init__(
+        self,
+        *,
+        job: JobConfig,
+        checkpoint: CheckpointConfig,
+        rollout: RolloutConfig,
+        batch: BatchConfig,
+        algorithm: AlgorithmConfig,
+        optimizer: OptimizerConfig,
+        fsdp: TorchDPConfig,
+        dist_info,
+    ):
+        self.mode = job.train_backend  # fsdp | ddp
         self.dist = dist_info
-        self.loss_cfg = loss_config(args)
-        self.optim_cfg = optim_config(args)
-        self.compute_dtype = train_dtype(args.bf16)
-        model = load_causal_lm(args.hf_checkpoint, dtype=torch.float32, device=dist_info.device)
-        if args.gradient_checkpointing:
+        self.batching = batch
+        self.loss_cfg = algorithm.loss_config(rollout.rollout_temperature)
+        self.optim_cfg = optimizer.optim_config()
+        self.compute_dtype = train_dtype(optimizer.bf16)
+        model = load_causal_lm(checkpoint.hf_checkpoint, dtype=torch.float32, device=dist_info.device)
+        self.forward_is_deterministic = not _noisy_in_training(model)
+        if fsdp.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.model = self._wrap(model, trainable=True)
         self.ref_model = None
-        if args.use_kl_loss:
-            ref_path = args.ref_load if args.ref_load and is_hf_dir(args.ref_load) else args.hf_checkpoint
+        if algorithm.use_kl_loss:
+            ref_load = checkpoint.ref_load
+            ref_path = ref_load if ref_load and is_hf_dir(ref_load) else checkpoint.hf_checkpoint
             self.ref_source = ref_path
             ref = load_causal_lm(ref_path, dtype=self.compute_dtype, device=dist_info.device)
             ref.requires_grad_(False)
@@ -61,8 +104,7 @@ class TorchDPBackend(TrainBackend):
             eps=self.optim_cfg.eps,
             weight_decay=self.optim_cfg.weight_decay,
         )
-        steps_per_rollout = args.rollout_batch_size * args.n_samples_per_prompt // args.global_batch_size
-        total_steps = args.num_rollout * steps_per_rollout
+        total_steps = optimizer_steps(rollout, batch)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, self.optim_cfg, total_steps)
         )
@@ -127,13 +169,14 @@ class TorchDPBackend(TrainBackend):
     def train_step(self, micro_batches: Sequence[TokenBatch], normalizer: float) -> StepResult:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        terms = []
+        terms, logps = [], []
         for i, mb in enumerate(micro_batches):
             with self._grad_sync(last=i == len(micro_batches) - 1):
                 logp, entropy = self._forward(self.model, mb, with_entropy=True)
                 t = batch_loss(logp, entropy, mb, self.loss_cfg)
                 (t.loss / normalizer).backward()
             terms.append(t)
+            logps.append(logp.detach())
         max_norm = self.optim_cfg.clip_grad if self.optim_cfg.clip_grad > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if hasattr(grad_norm, "full_tensor"):
@@ -141,7 +184,12 @@ class TorchDPBackend(TrainBackend):
         lr = self.optimizer.param_groups[0]["lr"]
         loss = sum(float(t.loss.detach()) for t in terms)
         skipped = guards.step_if_finite(self.optimizer, self.scheduler, loss=loss, grad_norm=float(grad_norm))
-        return StepResult(grad_norm=float(grad_norm), lr=lr, terms=tuple(terms), skipped=skipped)
+        logprobs = tuple(
+            logp.float().cpu() * mb.loss_mask for logp, mb in zip(logps, micro_batches, strict=True)
+        )
+        return StepResult(
+            grad_norm=float(grad_norm), lr=lr, terms=tuple(terms), skipped=skipped, logprobs=logprobs
+        )
 
     def _grad_sync(self, *, last: bool):
         """Reduce gradients across ranks only on the last micro-batch of a step."""
@@ -191,6 +239,18 @@ class TorchDPBackend(TrainBackend):
         factor = self.scheduler.lr_lambdas[0](steps_done)
         for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
             group["lr"] = base * factor
+
+
+def _noisy_in_training(model) -> bool:
+    """Whether the model's training forward draws random numbers (dropout, router jitter), so it
+    differs from a no-grad forward of the same rows."""
+    config = model.config.to_dict()
+    rates = [
+        v for k, v in config.items()
+        if ("dropout" in k or "pdrop" in k or "jitter" in k) and isinstance(v, float | int) and not isinstance(v, bool)
+    ]  # fmt: skip
+    dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
+    return dropout or any(r > 0 for r in rates)
 
 
 def checkpoint_names(model, state: dict) -> dict:

@@ -1,0 +1,1 @@
+"""The subcommands of `python -m miles.ci`, grouped by the subsystem they drive."""

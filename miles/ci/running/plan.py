@@ -1,0 +1,366 @@
+"""Planning a run: which tests of which suites run in this shard, with what timeouts.
+
+Planning reads only the catalog and the tests' syntax trees, so `--plan` works on any
+machine with nothing heavy installed. `build_plan()` computes everything the run will do;
+`format_plan()` prints it as people read it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from miles.ci.registry.catalog import MAX_SHARDS, Catalog, Suite
+from miles.ci.registry.discover import Discovery
+from miles.ci.registry.registration import GateDeclaration, Problem, Registration
+from miles.ci.reports.report import REPORT_FILES
+from miles.ci.running.execute import Settings, TestRun, format_command, pytest_command
+from miles.ci.selection.policy import CiEvent, effective_cadence, history_decision, parse_labels
+from miles.ci.selection.select import Scope, Selection, default_cadence, resolve_scope, select
+from miles.ci.selection.shard import Job, Partition, balanced_partition, lower_bound, shards_for_budget
+from miles.text import printable
+
+DEFAULT_TIMEOUT_FLOOR = 60.0  # seconds; short tests still get time to import torch
+DEFAULT_GRACE = 10.0  # seconds between SIGTERM and SIGKILL
+TIMEOUT_FACTOR = 1.25
+# Bounds of the numbers a person passes: beyond them a run hangs on one signal (an infinite
+# grace), never times out (a NaN floor) or plans millions of empty shards.
+MAX_TIMEOUT_FLOOR = 86_400.0  # a day, the longest est_time a registration may state
+MAX_GRACE = 600.0
+MAX_ATTEMPTS = 10
+
+
+class PlanError(ValueError):
+    """The run cannot be planned from this input (exit 2)."""
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    root: Path = Path(".")
+    lane: str | None = None
+    backend: str | None = None
+    suites: tuple[str, ...] = ()
+    cadence: str | None = None
+    labels: str | None = None  # raw PR labels; None = not given (every label admitted)
+    shard: str | None = None  # "k/N" or "k/auto"
+    shards: str | None = None  # "N" or "auto": how many shards the plan splits each suite into
+    max_attempts: int | None = None  # default: the lane's
+    continue_on_error: bool = False
+    timeout_floor: float = DEFAULT_TIMEOUT_FLOOR
+    grace: float = DEFAULT_GRACE
+    report_dir: Path | None = None
+    stream: bool | None = None  # echo test output live; default: on under GitHub Actions
+    pytest_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PlannedTest:
+    registration: Registration
+    lane: str
+    shard: int
+    n_shards: int
+    timeout: float
+    gates: tuple[GateDeclaration, ...] = ()  # the file's register_ci_gate(...) declarations
+
+    @property
+    def shard_label(self) -> str:
+        return f"{self.shard}/{self.n_shards}"
+
+
+@dataclass(frozen=True)
+class SuitePlan:
+    suite: Suite
+    n_shards: int
+    how: str  # where the shard count came from
+    partition: Partition
+    run_shards: tuple[int, ...]  # 1-based shards this invocation runs
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    selection: Selection
+    suites: tuple[SuitePlan, ...]
+    tests: tuple[PlannedTest, ...]  # what this invocation runs, in order
+    shard: str  # "k/N", or "all"
+    report_dir: Path
+    max_attempts: int
+    continue_on_error: bool
+    settings: Settings = field(repr=False)
+    timeout_floor: float = DEFAULT_TIMEOUT_FLOOR
+    store_history: bool = False  # passing gated attempts are stored as trusted history
+    history_reason: str = ""  # why (policy.history_decision)
+    warnings: tuple[Problem, ...] = ()  # registration problems of other suites: not this run's
+
+
+def timeout_for(est_time: float, floor: float) -> float:
+    """The per-file limit: est_time x 1.25, but never below the floor."""
+    return max(floor, TIMEOUT_FACTOR * est_time)
+
+
+def parse_shard(text: str) -> tuple[int, int | None]:
+    """ "k/N" -> (k, N); "k/auto" -> (k, None). Raises PlanError."""
+    k_text, sep, n_text = text.partition("/")
+    try:
+        k = int(k_text)
+        n = None if n_text == "auto" else int(n_text)
+    except ValueError:
+        raise PlanError(f"--shard {text!r} must look like k/N (1-based, e.g. 2/3) or k/auto") from None
+    if n is not None and not 1 <= n <= MAX_SHARDS:
+        raise PlanError(f"--shard {text}: N must be between 1 and {MAX_SHARDS}")
+    if not sep or k < 1 or (n is not None and not 1 <= k <= n):
+        raise PlanError(f"--shard {text!r}: need 1 <= k <= N")
+    return k, n
+
+
+def parse_shards(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        raise PlanError(f"--shards {text!r} must be a positive number or 'auto'") from None
+    if not 1 <= n <= MAX_SHARDS:
+        raise PlanError(f"--shards {text} must be between 1 and {MAX_SHARDS}")
+    return n
+
+
+def check_seconds(flag: str, value: float, low: float, high: float) -> float:
+    """`value` if it is a finite number of seconds in [low, high]; else PlanError."""
+    if not math.isfinite(value):
+        raise PlanError(f"{flag} {value:g} must be a finite number of seconds")
+    if not low <= value <= high:
+        raise PlanError(f"{flag} {value:g} must be between {low:g} and {high:g} seconds")
+    return value
+
+
+def check_options(options: RunOptions) -> None:
+    """The numeric options' bounds and a usable --report-dir, before anything is planned."""
+    check_seconds("--timeout-floor", options.timeout_floor, 0.0, MAX_TIMEOUT_FLOOR)
+    check_seconds("--grace", options.grace, 0.0, MAX_GRACE)
+    if options.max_attempts is not None and not 1 <= options.max_attempts <= MAX_ATTEMPTS:
+        raise PlanError(f"--max-attempts {options.max_attempts} must be between 1 and {MAX_ATTEMPTS}")
+    report_dir = options.report_dir
+    if report_dir is not None and report_dir.exists() and not report_dir.is_dir():
+        raise PlanError(f"--report-dir {report_dir} exists and is not a directory; name a directory")
+
+
+def shard_count(suite: Suite, jobs: list[Job], requested: int | None, explicit: bool) -> tuple[int, str]:
+    if explicit and requested is not None:
+        return requested, "requested"
+    if suite.budget_s is not None:
+        return shards_for_budget(
+            jobs, suite.budget_s, max_shards=MAX_SHARDS
+        ), f"auto: budget {suite.budget_s:g}s per shard"
+    return suite.shards or 1, "catalog"
+
+
+def build_plan(options: RunOptions, catalog: Catalog, discovery: Discovery) -> RunPlan:
+    """Everything the run will do, computed without running anything."""
+    check_options(options)
+    scope = resolve_scope(catalog, lane=options.lane, backend=options.backend, suites=options.suites)
+    own = [p for p in discovery.problems if blocks(p, scope, catalog)]
+    if own:
+        lines = "\n".join(f"  {p}" for p in own)
+        raise PlanError(f"{len(own)} registration problem(s) in this run's suites; fix them first:\n{lines}")
+    labels = parse_labels(options.labels, catalog) if options.labels is not None else None
+    base_cadence = options.cadence or default_cadence(scope)
+    cadence = effective_cadence(base_cadence, labels)
+    # from the event and the cadence it asked for: a label widens the tests, never the trust
+    store_history, history_reason = history_decision(CiEvent.from_env(os.environ), base_cadence, catalog)
+    selection = select(discovery, scope, cadence=cadence, labels=labels)
+
+    k, n_requested, explicit = None, None, False
+    if options.shard is not None:
+        k, n_requested = parse_shard(options.shard)
+        explicit = n_requested is not None
+        if options.shards is not None and parse_shards(options.shards) != n_requested:
+            raise PlanError(f"--shard {options.shard} and --shards {options.shards} disagree; give one")
+    elif options.shards is not None:
+        n_requested = parse_shards(options.shards)
+        explicit = n_requested is not None
+
+    suite_plans, tests = [], []
+    for suite in scope.suites:
+        regs = {r.file: r for r in selection.of_suite(suite.name)}
+        jobs = [Job(r.file, r.est_time) for r in regs.values()]
+        try:
+            n, how = shard_count(suite, jobs, n_requested, explicit)
+            partition = balanced_partition(jobs, n)
+        except ValueError as exc:  # the partition's own checks: one line, exit 2, never a traceback
+            raise PlanError(f"suite {suite.name} cannot be sharded: {exc}") from None
+        run_shards = tuple(range(1, n + 1)) if k is None else ((k,) if k <= n else ())
+        suite_plans.append(SuitePlan(suite, n, how, partition, run_shards))
+        for index in run_shards:
+            # Shortest first: quick feedback, and fast-fail spares the expensive tests.
+            for job in sorted(partition.shards[index - 1], key=lambda j: (j.weight, j.key)):
+                reg = regs[job.key]
+                limit = timeout_for(reg.est_time, options.timeout_floor)
+                gates = discovery.file(reg.file).gates
+                tests.append(PlannedTest(reg, scope.lane_of(suite), index, n, limit, gates))
+
+    if options.shard is not None:
+        shard = options.shard
+    elif all(p.n_shards == 1 for p in suite_plans):
+        shard = "1/1"
+    else:
+        shard = "all"
+    tag = shard.replace("/", "of")
+    root = options.root.resolve()
+    report_dir = options.report_dir or Path(".miles") / "reports" / f"{scope.name}-{tag}"
+    report_dir = report_dir if report_dir.is_absolute() else root / report_dir
+    lane_attempts = (
+        scope.lane.max_attempts
+        if scope.lane
+        else max((catalog.lanes[s.lane].max_attempts for s in scope.suites), default=1)
+    )
+    max_attempts = options.max_attempts if options.max_attempts is not None else lane_attempts
+    continue_on_error = options.continue_on_error or bool(labels and labels.bypass_fastfail)
+    stream = options.stream if options.stream is not None else os.environ.get("GITHUB_ACTIONS") == "true"
+    settings = Settings(
+        root=root,
+        grace=options.grace,
+        pytest_args=options.pytest_args,
+        echo=sys.stdout if stream else None,
+    )
+    return RunPlan(
+        selection,
+        tuple(suite_plans),
+        tuple(tests),
+        shard,
+        report_dir,
+        max_attempts,
+        continue_on_error,
+        settings,
+        options.timeout_floor,
+        store_history,
+        history_reason,
+        tuple(p for p in discovery.problems if not blocks(p, scope, catalog)),
+    )
+
+
+def blocks(problem: Problem, scope: Scope, catalog: Catalog) -> bool:
+    """Whether a registration problem stops a run of `scope`: only a problem in one of its
+    own suites does (a refused call's suite, or a suite the file registers for), or one that
+    cannot be placed in a suite of its backend. The others are warnings here; `audit
+    --strict` (the lint lane) fails on every problem."""
+    if scope.backend not in problem.backends:
+        return False
+    names = {s.name for s in scope.suites}
+    named = (problem.suite,) if problem.suite is not None else problem.suites
+    if not named:
+        return True
+    return any(_suite_in_scope(suite, scope, names, catalog) for suite in named)
+
+
+def _suite_in_scope(suite_name: str, scope: Scope, names: set[str], catalog: Catalog) -> bool:
+    """Whether a suite a problem names is one of this run's; a name no suite of the backend
+    has counts as the run's when it is a near miss of one of its suites (a typo), or when it
+    is close to none at all (it could be anyone's)."""
+    suite = catalog.suites.get(suite_name)
+    if suite is not None and suite.backend == scope.backend:
+        return suite.name in names
+    if suite is not None:  # a suite of another backend: this file's problem is not this run's
+        return False
+    pool = [s.name for s in catalog.suites_for_backend(scope.backend)]
+    close = difflib.get_close_matches(suite_name, pool, n=1, cutoff=0.75)
+    return close[0] in names if close else True
+
+
+def attempt_name(test: PlannedTest, attempt: int) -> str:
+    """`<suite>/<file slug>-<hash>/<attempt>` under the run's attempts/ folder. The slug is the
+    file's path cut to 96 bytes; the hash of the whole path keeps every name unique and short
+    (a folder name over 255 bytes cannot be made)."""
+    file = test.registration.file
+    slug = file.removesuffix(".py").replace("/", "__").encode("utf-8", "surrogateescape")[:96]
+    slug = slug.decode("utf-8", "ignore")
+    digest = hashlib.sha256(file.encode("utf-8", "surrogateescape")).hexdigest()[:10]
+    return f"{test.registration.suite}/{slug}-{digest}/{attempt}"
+
+
+def attempt_dir(plan: RunPlan, test: PlannedTest, attempt: int) -> Path:
+    return plan.report_dir / "attempts" / attempt_name(test, attempt)
+
+
+def test_run(
+    plan: RunPlan, test: PlannedTest, attempt: int, retry_reason: str | None, commit: str
+) -> TestRun:
+    reg = test.registration
+    return TestRun(
+        file=reg.file,
+        backend=reg.backend,
+        suite=reg.suite,
+        lane=test.lane,
+        shard=test.shard_label,
+        est_time=reg.est_time,
+        timeout=test.timeout,
+        attempt=attempt,
+        retry_reason=retry_reason,
+        commit=commit,
+    )
+
+
+def format_plan(plan: RunPlan) -> str:
+    """The plan as people read it: shards, predicted totals, bounds, timeouts, commands."""
+    sel = plan.selection
+    labels = "(not given: every label admitted)" if sel.labels is None else str(sel.labels)
+    out = [
+        f"plan · {sel.scope.name} · backend {sel.scope.backend} · cadence {sel.cadence} · labels {labels} · "
+        f"shard {plan.shard} · max attempts {plan.max_attempts} · "
+        f"{'continue on error' if plan.continue_on_error else 'fast-fail'}",
+        f"metric history is {'stored' if plan.store_history else 'not stored'}: {plan.history_reason}",
+    ]
+    for sp in plan.suites:
+        p = sp.partition
+        loads = p.loads  # a computed property: read once, not once per shard line
+        running = set(sp.run_shards)
+        total = sum(loads)
+        longest = max((j.weight for s in p.shards for j in s), default=0.0)
+        n_tests = sum(len(s) for s in p.shards)
+        out.append("")
+        out.append(
+            f"suite {sp.suite.name}: {n_tests} test(s), {sp.n_shards} shard(s) ({sp.how}), total est {total:g}s"
+        )
+        makespan = max(loads, default=0.0)
+        bound = lower_bound([j.weight for s in p.shards for j in s], sp.n_shards)
+        if n_tests:
+            out.append(
+                f"  lower bound {bound:.0f}s = max(total/N {total / sp.n_shards:.0f}s, longest {longest:g}s); "
+                f"predicted makespan {makespan:.0f}s; ratio {makespan / bound if bound > 0 else 1.0:.3f} ({p.method}"
+                f"{', optimal' if p.optimal else ''})"
+            )
+        for index, shard in enumerate(p.shards, start=1):
+            here = " ← this run" if index in running else ""
+            out.append(
+                f"  shard {index}/{sp.n_shards}: {len(shard)} test(s), predicted {loads[index - 1]:g}s{here}"
+            )
+            for job in sorted(shard, key=lambda j: (j.weight, j.key)):
+                limit = timeout_for(job.weight, plan.timeout_floor)
+                out.append(f"    est {job.weight:>6g}s  timeout {limit:>6g}s  {job.key}")
+        if not sp.run_shards and plan.shard != "all":
+            out.append(
+                f"  shard {plan.shard} asked, but this suite has {sp.n_shards}: nothing of it runs here"
+            )
+        for e in (e for e in sel.excluded if e.suite == sp.suite.name):
+            out.append(f"  not run ({e.kind}): {e.file}: {e.reason}")
+    if plan.warnings:
+        out += ["", f"warning: {len(plan.warnings)} registration problem(s) in other suites (not run here; "
+                "`audit --strict` fails on them):"]  # fmt: skip
+        out += [f"  {p}" for p in plan.warnings]
+    if plan.tests:
+        out += ["", "commands (attempt 1; cwd = project root):"]
+        for test in plan.tests:
+            run = test_run(plan, test, 1, None, "")
+            junit = attempt_dir(plan, test, 1) / "junit.xml"
+            env = run.env(attempt_dir(plan, test, 1) / "metrics")
+            out.append(f"  {format_command(pytest_command(plan.settings, run.file, junit), env)}")
+    else:
+        out += ["", "nothing to run in this shard."]
+    out.append(f"reports: {plan.report_dir}/{{{','.join(REPORT_FILES)}}}")
+    # file names and reasons are anyone's text: a newline in one must not start a line (a
+    # workflow command is any line that starts with '::')
+    return "\n".join(printable(line) for line in out) + "\n"

@@ -1,0 +1,408 @@
+"""How the Megatron backend acts on each Megatron and GPU-stack flag it consumes: one row per flag.
+
+Which flags the backend acts on is its consumption declaration (`MegatronBackend.CONSUMES`,
+read by miles.train.consumption, which names at start-up every flag a command sets that no
+component of its run consumes). This table says how: the spec choice, a megatron-core
+TransformerConfig field (`transformer_fields`), a DistributedDataParallelConfig or
+OptimizerConfig field (`ddp_fields`, `optimizer_fields`), a check against the model built from
+config.json (`model_disagreements`; the shape flags of the family facts tables are checked by
+`check_model_flags`), the layout or the checkpoint. A row also says what its flag needs
+(Transformer Engine's layer spec, a GPU, another flag), or why the backend refuses it whenever
+it is given (`refused`, for a flag it parses and does not consume). Those needs and refusals
+are checked at render time for a recipe (`render_problems`, miles.recipes.stack) and when the
+backend starts (`start_problems`). The wiring functions read the trainer's sections (the
+`megatron` and `model` sections of miles.train.config) by attribute. Standard library only:
+the render reads it without torch. The module is long because it is the one table; each
+function sits beside the rows it reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+TE = "te"  # needs megatron-core's Transformer Engine layer spec (TE installed, on a GPU)
+GPU = "gpu"
+TE_ATTENTION = ("flash", "fused", "unfused")  # --attention-backend values TE's attention picks from
+
+
+@dataclass(frozen=True)
+class Option:
+    flag: str
+    acts: str  # where the value goes, or what it is checked against
+    needs: tuple[str, ...] = ()  # TE, GPU, or another flag; "a|b": either
+    refused: str = ""  # why the backend refuses it whenever it is given
+    fields: tuple[str, ...] = ()  # the megatron-core fields it sets: "TransformerConfig.x", ...
+
+
+# --- the layer spec (miles.megatron.spec.choose_impl) -------------------------------------
+
+SPEC = (
+    Option(
+        "--transformer-impl",
+        "the layer spec: transformer_engine builds TE's modules (needs TE and a GPU), local the stand-in "
+        "with the same keys; unset: TE where it loads on a GPU",
+    ),
+)
+
+# --- TransformerConfig -----------------------------------------------------------------------
+
+_TC = "TransformerConfig."
+
+TRANSFORMER = (
+    Option(
+        "--attention-backend",
+        "flash, fused and unfused pick TE's attention kernels; local and auto megatron-core's own",
+        fields=(_TC + "attention_backend",),
+    ),
+    Option(
+        "--moe-grouped-gemm",
+        "TE's grouped-GEMM experts (TEGroupedMLP)",
+        (TE,),
+        fields=(_TC + "moe_grouped_gemm",),
+    ),
+    Option(
+        "--moe-permute-fusion", "TE's fused token permutation", (TE,), fields=(_TC + "moe_permute_fusion",)
+    ),
+    Option(
+        "--moe-token-dispatcher-type", "the MoE token dispatcher", fields=(_TC + "moe_token_dispatcher_type",)
+    ),
+    Option("--moe-router-dtype", "the router's logits dtype", fields=(_TC + "moe_router_dtype",)),
+    Option(
+        "--moe-aux-loss-coeff",
+        "the load-balancing loss (of type aux_loss unless --moe-router-load-balancing-type says)",
+        fields=(_TC + "moe_aux_loss_coeff",),
+    ),
+    Option("--moe-router-load-balancing-type", "", fields=(_TC + "moe_router_load_balancing_type",)),
+    Option("--moe-router-bias-update-rate", "", fields=(_TC + "moe_router_bias_update_rate",)),
+    Option("--moe-z-loss-coeff", "", fields=(_TC + "moe_z_loss_coeff",)),
+    Option("--attention-dropout", "", fields=(_TC + "attention_dropout",)),
+    Option("--hidden-dropout", "", fields=(_TC + "hidden_dropout",)),
+    Option(
+        "--attention-softmax-in-fp32",
+        "off without it, as in Megatron-LM",
+        fields=(_TC + "attention_softmax_in_fp32",),
+    ),
+    Option("--recompute-granularity", "full or selective", fields=(_TC + "recompute_granularity",)),
+    Option("--recompute-method", "", ("--recompute-granularity",), fields=(_TC + "recompute_method",)),
+    Option("--recompute-num-layers", "", ("--recompute-method",), fields=(_TC + "recompute_num_layers",)),
+    Option("--recompute-modules", "", ("--recompute-granularity",), fields=(_TC + "recompute_modules",)),
+    # Megatron-LM turns these fusions on by default (its arguments.py leaves them out of the
+    # dataclass defaults); they are TE's or Apex's kernels, so the stand-in spec runs unfused.
+    Option("--no-rope-fusion", "off; on with the TE spec otherwise", fields=(_TC + "apply_rope_fusion",)),
+    Option(
+        "--no-bias-dropout-fusion",
+        "off; on with the TE spec otherwise",
+        fields=(_TC + "bias_dropout_fusion",),
+    ),
+    Option(
+        "--no-masked-softmax-fusion",
+        "off; on with the TE spec otherwise",
+        fields=(_TC + "masked_softmax_fusion",),
+    ),
+    Option(
+        "--no-bias-swiglu-fusion",
+        "off; on with the TE spec otherwise",
+        fields=(_TC + "bias_activation_fusion",),
+    ),
+    Option(
+        "--no-gradient-accumulation-fusion",
+        "off; on with the TE spec otherwise",
+        fields=(_TC + "gradient_accumulation_fusion",),
+    ),
+    Option(
+        "--use-flash-attn",
+        "",
+        refused="megatron-core's models do not read it (Megatron-LM reads it only in its legacy model); "
+        "use --attention-backend flash",
+    ),
+)
+
+
+def transformer_fields(megatron, impl: str) -> dict[str, Any]:
+    """The TransformerConfig fields the `megatron` section (miles.train.config.MegatronConfig)
+    sets, for spec `impl` ("transformer_engine" or "local"); the attention backend is an
+    AttnBackend member's name (the caller converts it)."""
+    te = impl == "transformer_engine"
+    out: dict[str, Any] = {}
+    if megatron.attention_backend:
+        out["attention_backend"] = megatron.attention_backend
+    if megatron.moe_grouped_gemm:
+        out["moe_grouped_gemm"] = True
+    if megatron.moe_permute_fusion:
+        out["moe_permute_fusion"] = True
+    if megatron.moe_token_dispatcher_type:
+        out["moe_token_dispatcher_type"] = megatron.moe_token_dispatcher_type
+    if megatron.moe_router_dtype:
+        out["moe_router_dtype"] = megatron.moe_router_dtype
+    if megatron.moe_router_load_balancing_type:
+        out["moe_router_load_balancing_type"] = megatron.moe_router_load_balancing_type
+    if megatron.moe_aux_loss_coeff is not None:
+        out["moe_aux_loss_coeff"] = megatron.moe_aux_loss_coeff
+        if megatron.moe_aux_loss_coeff:
+            out.setdefault("moe_router_load_balancing_type", "aux_loss")
+    numbers = {
+        "moe_router_bias_update_rate": megatron.moe_router_bias_update_rate,
+        "moe_z_loss_coeff": megatron.moe_z_loss_coeff,
+        "attention_dropout": megatron.attention_dropout,
+        "hidden_dropout": megatron.hidden_dropout,
+    }
+    out.update({name: value for name, value in numbers.items() if value is not None})
+    out["attention_softmax_in_fp32"] = bool(megatron.attention_softmax_in_fp32)
+    if megatron.recompute_granularity:
+        out["recompute_granularity"] = megatron.recompute_granularity
+        if megatron.recompute_method:
+            out["recompute_method"] = megatron.recompute_method
+            out["recompute_num_layers"] = megatron.recompute_num_layers or 1
+        if megatron.recompute_modules:
+            out["recompute_modules"] = list(megatron.recompute_modules)
+    # each --no-<fusion> turns its TransformerConfig field off; the stand-in spec has none of them
+    out["apply_rope_fusion"] = te and not megatron.no_rope_fusion
+    out["bias_dropout_fusion"] = te and not megatron.no_bias_dropout_fusion
+    out["masked_softmax_fusion"] = te and not megatron.no_masked_softmax_fusion
+    out["bias_activation_fusion"] = te and not megatron.no_bias_swiglu_fusion
+    out["gradient_accumulation_fusion"] = te and not megatron.no_gradient_accumulation_fusion
+    return out
+
+
+# --- DistributedDataParallelConfig -----------------------------------------------------------
+
+_DDP, _OPT = "DistributedDataParallelConfig.", "OptimizerConfig."
+
+DDP = (
+    Option("--overlap-grad-reduce", "bucketed, asynchronous", fields=(_DDP + "overlap_grad_reduce",)),
+    Option(
+        "--overlap-param-gather",
+        "the weights are gathered before every export to the engine, save, or logprob pass",
+        ("--overlap-grad-reduce",),
+        fields=(_DDP + "overlap_param_gather", _OPT + "overlap_param_gather"),
+    ),
+    Option("--accumulate-allreduce-grads-in-fp32", "", fields=(_DDP + "grad_reduce_in_fp32",)),
+)
+
+
+def ddp_fields(megatron) -> dict[str, Any]:
+    """The DistributedDataParallelConfig fields the `megatron` section sets (miles always uses
+    the distributed optimizer: miles.megatron.training sets that field itself)."""
+    return {
+        "grad_reduce_in_fp32": bool(megatron.accumulate_allreduce_grads_in_fp32),
+        "overlap_grad_reduce": bool(megatron.overlap_grad_reduce),
+        "overlap_param_gather": bool(megatron.overlap_param_gather),
+    }
+
+
+# --- OptimizerConfig -------------------------------------------------------------------------
+
+OPTIMIZER = (
+    # megatron-core 0.16.1 checks TE's version for it (OptimizerConfig.__post_init__), offloaded or not
+    Option(
+        "--use-precision-aware-optimizer",
+        "TE's FusedAdam (or, offloaded, the hybrid optimizer) keeps fp32 main parameters and states",
+        (TE,),
+        fields=(_OPT + "use_precision_aware_optimizer",),
+    ),
+    Option(
+        "--optimizer-cpu-offload",
+        "with Megatron-LM's offload fraction 1.0 (megatron-core's 0.0 offloads nothing): the optimizer steps "
+        "in host memory",
+        (GPU, "--use-precision-aware-optimizer"),
+        fields=(_OPT + "optimizer_cpu_offload", _OPT + "optimizer_offload_fraction"),
+    ),
+    Option(
+        "--overlap-cpu-optimizer-d2h-h2d",
+        "host-device copies on side streams",
+        (GPU, "--optimizer-cpu-offload"),
+        fields=(_OPT + "overlap_cpu_optimizer_d2h_h2d",),
+    ),
+)
+
+
+def optimizer_fields(megatron) -> dict[str, Any]:
+    """The OptimizerConfig fields the `megatron` section sets (beyond the optimizer's own
+    hyperparameters)."""
+    out: dict[str, Any] = {"overlap_param_gather": bool(megatron.overlap_param_gather)}
+    if megatron.use_precision_aware_optimizer:
+        out["use_precision_aware_optimizer"] = True
+    if megatron.optimizer_cpu_offload:
+        out.update(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0)
+    if megatron.overlap_cpu_optimizer_d2h_h2d:
+        out["overlap_cpu_optimizer_d2h_h2d"] = True
+    return out
+
+
+# --- the model built from config.json -----------------------------------------------------
+
+_MISSING = object()
+
+
+def _field(name: str, expected: Callable[[Any], Any] = lambda v: v) -> Callable:
+    def check(value, tc, vocab) -> str | None:
+        found = getattr(tc, name, _MISSING)
+        want = expected(value)
+        if found is _MISSING:
+            return f"the model config.json describes has no {name} (it would be {want!r})"
+        return None if found == want else f"config.json gives {name}={found!r}, the flag says {want!r}"
+
+    return check
+
+
+def _rotary(value, tc, vocab) -> str | None:
+    return (
+        None if value in (True, "rope") else f"miles builds rotary position embeddings (rope), not {value!r}"
+    )
+
+
+def _vocab_multiple(value, tc, vocab) -> str | None:
+    if vocab % int(value) == 0:
+        return None
+    return f"the checkpoint's embedding has {vocab} rows, not a multiple of {value}; convert it with that multiple"
+
+
+# flag -> its check against the TransformerConfig built from config.json (None: agrees)
+MODEL_CHECKS: Mapping[str, Callable] = {
+    "--normalization": _field("normalization"),
+    "--qk-layernorm": _field("qk_layernorm", bool),
+    "--add-qkv-bias": _field("add_qkv_bias", bool),
+    "--position-embedding-type": _rotary,
+    "--use-rotary-position-embeddings": _rotary,
+    "--rotary-percent": _field("rotary_percent", float),
+    "--multi-latent-attention": _field("multi_latent_attention", bool),
+    "--experimental-attention-variant": _field("experimental_attention_variant"),
+    "--moe-router-enable-expert-bias": _field("moe_router_enable_expert_bias", bool),
+    "--beta-fast": _field("beta_fast", float),
+    "--beta-slow": _field("beta_slow", float),
+    "--mscale": _field("mscale", float),
+    "--mscale-all-dim": _field("mscale_all_dim", float),
+    "--original-max-position-embeddings": _field("original_max_position_embeddings", int),
+    "--make-vocab-size-divisible-by": _vocab_multiple,
+}
+
+MODEL = (
+    *(Option(flag, "checked against the model built from config.json") for flag in MODEL_CHECKS),
+    Option(
+        "--group-query-attention",
+        "with --num-query-groups, checked against config.json's num_key_value_heads",
+    ),
+    Option("--no-position-embedding", "no learned absolute position embedding, which miles never builds"),
+)
+
+
+def model_disagreements(model, tc, vocab: int) -> list[str]:
+    """'flag: why' for each MODEL_CHECKS flag the `model` section (miles.train.config.ModelConfig)
+    sets that the built model `tc` (with `vocab` embedding rows) contradicts."""
+    out = []
+    for flag, check in MODEL_CHECKS.items():
+        value = getattr(model, flag.lstrip("-").replace("-", "_"), None)
+        if value in (None, False):
+            continue
+        problem = check(value, tc, vocab)
+        if problem:
+            out.append(f"{flag} {value}: {problem}" if value is not True else f"{flag}: {problem}")
+    return out
+
+
+# --- the layout and the checkpoint ----------------------------------------------------------
+
+ELSEWHERE = (
+    Option(
+        "--num-layers-per-virtual-pipeline-stage",
+        "the layout's virtual pipeline (miles.parallel.ParallelLayout)",
+    ),
+    Option(
+        "--megatron-to-hf-mode",
+        "raw: the weights come from the torch_dist checkpoint --ref-load names; bridge is refused when the "
+        "backend starts (Megatron-Bridge is not part of miles)",
+    ),
+)
+
+OPTIONS: tuple[Option, ...] = (*SPEC, *TRANSFORMER, *DDP, *OPTIMIZER, *MODEL, *ELSEWHERE)
+BY_FLAG: Mapping[str, Option] = {o.flag: o for o in OPTIONS}
+
+
+def _problem(flag: str, value, given: Mapping[str, Any], te: bool | None, gpu: bool | None) -> str | None:
+    """Why `flag` (given with `value`, among `given`) cannot act, if it cannot; `te`/`gpu`:
+    whether TE's spec / a GPU are there (None: not known yet)."""
+    option = BY_FLAG[flag]
+    if option.refused:
+        return option.refused
+    for need in option.needs:
+        alternatives = need.split("|")
+        if any(_met(a, given, te, gpu) for a in alternatives):
+            continue
+        return f"needs {' or '.join(_describe(a) for a in alternatives)}"
+    if flag == "--attention-backend" and value in TE_ATTENTION and te is False:
+        return f"'{value}' selects a kernel of Transformer Engine's attention; needs {_describe(TE)}"
+    if flag == "--attention-backend" and value == "local" and te is True:
+        return "'local' is megatron-core's own attention: pass --transformer-impl local with it (as Megatron-LM asks)"
+    if flag == "--transformer-impl" and value == "transformer_engine" and (te is False or gpu is False):
+        return f"needs {_describe(TE)}"
+    if flag == "--recompute-method" and given.get("--recompute-granularity") == "selective":
+        return "selective recomputation takes no method (Megatron-LM refuses the pair)"
+    return None
+
+
+def _met(need: str, given: Mapping[str, Any], te: bool | None, gpu: bool | None) -> bool:
+    if need == TE:
+        return te is not False
+    if need == GPU:
+        return gpu is not False
+    return given.get(need) not in (None, False)
+
+
+def _describe(need: str) -> str:
+    if need == TE:
+        return "Transformer Engine's layer spec (TE installed, a GPU)"
+    if need == GPU:
+        return "a GPU"
+    return need
+
+
+def _given(argv: Sequence[str]) -> dict[str, Any]:
+    """flag -> value (True for a switch, a tuple for several values) of an argv; the last wins."""
+    out: dict[str, Any] = {}
+    flag = None
+    for token in argv:
+        if token.startswith("--"):
+            flag, _, inline = token.partition("=")
+            out[flag] = inline if inline else True
+        elif flag is not None:
+            value = out[flag]
+            out[flag] = (
+                token if value is True else (*value, token) if isinstance(value, tuple) else (value, token)
+            )
+    return out
+
+
+def _problems(given: Mapping[str, Any], te: bool | None, gpu: bool | None) -> list[tuple[str, str]]:
+    """(flag, why) for each row's flag among `given` that is refused or whose needs are not met."""
+    out = []
+    for flag, value in given.items():
+        if flag in BY_FLAG:
+            problem = _problem(flag, value, given, te=te, gpu=gpu)
+            if problem:
+                out.append((flag, problem))
+    return out
+
+
+def render_problems(argv: Sequence[str], platform: str, stack_has_te: bool) -> list[tuple[str, str]]:
+    """(flag, why) for every flag of a Megatron command (`argv`, the trainer's flags) that the
+    backend refuses, or that cannot act on `platform` (whose pinned stack carries TE or not)."""
+    given = _given(argv)
+    gpu = platform != "cpu"
+    te = stack_has_te and gpu and given.get("--transformer-impl") != "local"
+    return [
+        (flag, f"--train-backend megatron cannot act on it: {why}")
+        for flag, why in _problems(given, te=te, gpu=gpu)
+    ]
+
+
+def start_problems(given: Mapping[str, Any], impl: str, device: str) -> list[str]:
+    """'flag: why' for every flag the command sets (`given`: option string -> value, the flags
+    of the sections the backend takes that differ from their defaults) that the Megatron backend
+    refuses, or cannot act on with spec `impl` on `device`."""
+    te, gpu = impl == "transformer_engine", device != "cpu"
+    return [
+        f"{flag}{'' if given[flag] is True else f' {given[flag]}'}: {why}"
+        for flag, why in _problems(given, te=te, gpu=gpu)
+    ]

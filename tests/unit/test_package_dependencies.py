@@ -1,0 +1,227 @@
+"""Which package of miles may import which, read from the import statements themselves.
+
+Dependencies point one way: the CI drives the metrics (miles.ci -> miles.metrics, never
+back), the recipes build on the layout, checkpoints and models, the trainer records through
+miles.metrics.capture. The tables below are every edge the code has today; an import that
+adds an edge fails here, and so does an entry that no import uses any more, so the tables
+stay the true map. Imports inside functions count: a lazy import is still a dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Modules every package may use; they import nothing of miles themselves.
+SHARED = {"miles.exits", "miles.files", "miles.text", "miles.platform"}
+
+# Between the packages of miles (the parts of miles.ci count as miles.ci). A target is a
+# package, or one module of it where a package reaches in for that module only.
+PACKAGE_EDGES: dict[str, set[str]] = {
+    "miles.ci": {"miles.metrics", "miles.image"},
+    "miles.metrics": set(),
+    # images.toml names its stacks after the catalog's lanes; preflight checks a lane's stack
+    # (miles.ci.machine -> miles.image): a cycle between the two packages
+    "miles.image": {"miles.ci.registry.catalog"},
+    # parallel's command line runs the megatron-core proof; megatron reads the layout: a cycle
+    "miles.parallel": {"miles.megatron.proof"},
+    "miles.models": set(),
+    "miles.megatron": {"miles.models", "miles.parallel"},
+    # ckpt's command line looks recipes' models up; recipes prepare checkpoints: a cycle
+    "miles.ckpt": {"miles.megatron", "miles.models", "miles.recipes"},
+    # recipes read the trainer's flag definitions; train's device check runs a recipe: a cycle
+    "miles.recipes": {
+        "miles.ci.registry",
+        "miles.ci.reports.record",
+        "miles.ckpt",
+        "miles.image",
+        "miles.megatron",
+        "miles.models",
+        "miles.parallel",
+        "miles.train",
+    },
+    "miles.train": {
+        "miles.ckpt",
+        "miles.megatron",
+        "miles.metrics.capture",
+        "miles.models",
+        "miles.parallel",
+        "miles.recipes",
+    },
+}
+
+# Between the parts of miles.ci: registry <- reports <- selection <- running; machine beside
+# them; the commands on top, and the command line, the pytest plugin and the markers as entry
+# points (register.py imports nothing, so a test file's marker import stays free).
+CI_EDGES: dict[str, set[str]] = {
+    "miles.ci.register": set(),
+    "miles.ci.registry": {"miles.ci.register"},
+    "miles.ci.reports": {"miles.ci.register", "miles.ci.registry"},
+    "miles.ci.selection": {"miles.ci.registry", "miles.ci.reports"},
+    "miles.ci.running": {"miles.ci.registry", "miles.ci.reports", "miles.ci.selection"},
+    "miles.ci.machine": {"miles.ci.registry"},
+    "miles.ci.commands": {
+        "miles.ci.machine",
+        "miles.ci.registry",
+        "miles.ci.reports",
+        "miles.ci.running",
+        "miles.ci.selection",
+    },
+    "miles.ci.cli": {"miles.ci.commands", "miles.ci.registry"},
+    "miles.ci.__main__": {"miles.ci.cli"},
+    "miles.ci.pytest_plugin": {"miles.ci.registry"},
+}
+
+# Outside the package: the lanes, the tasks, the recipes' scripts and the tests call miles.
+NEVER_IMPORTED_BY_MILES = ("noxfile", "tasks", "scripts", "tests", "benchmarks")
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted((ROOT / "miles").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(module: str, path: Path) -> list[tuple[int, str]]:
+    return _read_imports(module, path.read_text(), is_package=path.name == "__init__.py")
+
+
+def _read_imports(module: str, source: str, *, is_package: bool) -> list[tuple[int, str]]:
+    """(line, imported module) for every import in `source`, at any depth; `from a import b`
+    is a.b when a.b is a module of miles, else a."""
+    package = module if is_package else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the module's own package upward
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            targets = {f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names}
+            found += [(node.lineno, target) for target in sorted(targets)]
+    return found
+
+
+def _part(module: str, *, inside_ci: bool) -> str:
+    """The package a module belongs to (miles.x), or inside miles.ci its part (miles.ci.x)."""
+    depth = 3 if inside_ci and module.startswith("miles.ci.") else 2
+    return ".".join(module.split(".")[:depth])
+
+
+def _within(target: str, spec: str) -> bool:
+    return target == spec or target.startswith(spec + ".")
+
+
+def _check(edges: dict[str, set[str]], *, inside_ci: bool) -> tuple[list[str], set[tuple[str, str]]]:
+    """(imports that no entry allows, the (part, spec) entries some import uses)."""
+    refused, used = [], set()
+    for module, path in MODULES.items():
+        if inside_ci and not module.startswith("miles.ci."):
+            continue
+        source = _part(module, inside_ci=inside_ci)
+        for line, target in _imports(module, path):
+            if not target.startswith("miles.") or target in SHARED:
+                continue
+            if inside_ci and not target.startswith("miles.ci."):
+                continue  # the CI's imports of other packages are PACKAGE_EDGES' business
+            if _part(target, inside_ci=inside_ci) == source:
+                continue
+            specs = edges.get(source)
+            where = f"{path.relative_to(ROOT)}:{line} imports {target}"
+            if specs is None:
+                refused.append(f"{where}: {source} is in no table; add it with the edges it needs")
+                continue
+            matched = {spec for spec in specs if _within(target, spec)}
+            used |= {(source, spec) for spec in matched}
+            if not matched:
+                refused.append(
+                    f"{where}: {source} -> {_part(target, inside_ci=inside_ci)} is not an allowed edge; "
+                    "move the code so the dependency points the documented way, or, if this direction "
+                    "is the design, add the edge to the table in tests/unit/test_package_dependencies.py"
+                )
+    return refused, used
+
+
+def test_no_package_imports_against_the_documented_direction():
+    refused, _ = _check(PACKAGE_EDGES, inside_ci=False)
+    assert not refused, "\n".join(refused)
+
+
+def test_the_parts_of_miles_ci_import_one_way():
+    refused, _ = _check(CI_EDGES, inside_ci=True)
+    assert not refused, "\n".join(refused)
+
+
+def test_every_allowed_edge_is_one_the_code_has():
+    stale = []
+    for edges, inside_ci in ((PACKAGE_EDGES, False), (CI_EDGES, True)):
+        _, used = _check(edges, inside_ci=inside_ci)
+        stale += [
+            f"{src} -> {spec}" for src, specs in edges.items() for spec in specs if (src, spec) not in used
+        ]
+    assert not stale, "no import uses these entries any more; remove them from the table: " + ", ".join(stale)
+
+
+def test_miles_metrics_imports_nothing_of_miles_ci():
+    found = [
+        f"{path.relative_to(ROOT)}:{line} imports {target}"
+        for module, path in MODULES.items()
+        if module.startswith("miles.metrics")
+        for line, target in _imports(module, path)
+        if target == "miles.ci" or target.startswith("miles.ci.")
+    ]
+    assert not found, found
+
+
+def test_the_shared_modules_import_nothing_of_miles():
+    found = [
+        f"{MODULES[module].relative_to(ROOT)}:{line} imports {target}"
+        for module in sorted(SHARED)
+        for line, target in _imports(module, MODULES[module])
+        if target.startswith("miles.")
+    ]
+    assert not found, found
+
+
+def test_nothing_in_miles_imports_the_lanes_tasks_scripts_or_tests():
+    found = [
+        f"{path.relative_to(ROOT)}:{line} imports {target}"
+        for module, path in MODULES.items()
+        for line, target in _imports(module, path)
+        if target.split(".")[0] in NEVER_IMPORTED_BY_MILES
+    ]
+    assert not found, found
+
+
+def test_the_reader_sees_lazy_relative_and_from_imports():
+    """The checks above are only as good as the reading of import statements."""
+    source = (
+        "import miles.text\n"
+        "from miles.ci import cli\n"
+        "from miles.ci.registry.catalog import load_catalog\n"
+        "def f():\n"
+        "    from miles.metrics import capture\n"
+        "    from . import summary\n"
+        "    from ..registry import discover\n"
+    )
+    imports = defaultdict(list)
+    for line, target in _read_imports("miles.ci.reports.example", source, is_package=False):
+        imports[line].append(target)
+    assert dict(imports) == {
+        1: ["miles.text"],
+        2: ["miles.ci.cli"],
+        3: ["miles.ci.registry.catalog"],
+        5: ["miles.metrics.capture"],
+        6: ["miles.ci.reports.summary"],
+        7: ["miles.ci.registry.discover"],
+    }
