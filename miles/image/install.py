@@ -33,8 +33,10 @@ def install_arguments(stack: Stack, root: Path, *, venv_backend: str, env: Mappi
         if extra:
             # a torch index also carries numpy & co.; let versions, not index order, decide
             args += ["--index-strategy", "unsafe-best-match"]
-    if stack.exclude:
+    if stack.exclude and stack.backend != "cpu":
         # The lock leaves out packages on purpose (CUDA kernels on ROCm): it is the whole set.
+        # The cpu lock leaves out only what PyPI's torch build needs and the CPU build does not:
+        # whichever build the installer takes brings what it needs.
         args.append("--no-deps")
     return [*args, "-r", str(root / stack.lock_path)]
 

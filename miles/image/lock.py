@@ -6,8 +6,10 @@ without downloading torch. Versions already in the lock are kept unless `upgrade
 new ones, and every package in the lock stays in it, including pins others appended by hand.
 Stacks whose torch build lives outside PyPI (ROCm) resolve on PyPI, where the same public
 versions exist, and are then renamed to their build (`torch==X+rocm7.2`); CUDA-only packages
-they exclude are left to the image's source builds. Every other stack pins public versions
-only, so PyPI serves each pin: a local build the resolver took from a wheel folder or a
+they exclude are left to the image's source builds. The cpu stack excludes the CUDA libraries
+PyPI's Linux torch wheel depends on (the CPU build needs none), so a lock resolved where only
+PyPI's torch is on offer stays the same. Every other stack pins public versions only, so PyPI
+serves each pin: a local build the resolver took from a wheel folder or a
 torch index (`2.13.0+cpu`) is written as its public version (`2.13.0`), which that build
 still satisfies. The lock is replaced atomically.
 """
@@ -48,6 +50,7 @@ class LockResult:
     removed: tuple[str, ...]
     changed: tuple[str, ...]  # "name old -> new"
     excluded: tuple[str, ...]
+    excluded_why: str = "left to the image's source builds"
 
     def render(self) -> str:
         out = [f"{self.path}: {len(self.pins)} pins"]
@@ -55,7 +58,7 @@ class LockResult:
             if items:
                 out.append(f"  {title}: {', '.join(items)}")
         if self.excluded:
-            out.append(f"  left to the image's source builds: {', '.join(self.excluded)}")
+            out.append(f"  {self.excluded_why}: {', '.join(self.excluded)}")
         if not (self.added or self.removed or self.changed):
             out.append("  unchanged")
         return "\n".join(out)
@@ -158,7 +161,19 @@ def lock_stack(
             if before[n].version != after[n]
         ),
         excluded=tuple(excluded),
+        excluded_why=excluded_why(stack),
     )
+
+
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def excluded_why(stack: Stack) -> str:
+    """Why the stack's lock leaves its excluded packages out."""
+    if stack.backend == "cpu":
+        return "left out, the CPU build of torch needs none of them"
+    return "left to the image's source builds"
 
 
 def _compile(run: Run, command: list[str]) -> None:
@@ -196,7 +211,7 @@ def render_lock(
     ]
     if excluded:
         listed = textwrap.wrap(
-            f"Left to the image's source builds: {', '.join(excluded)}.", 88, break_on_hyphens=False
+            f"{_sentence(excluded_why(stack))}: {', '.join(excluded)}.", 88, break_on_hyphens=False
         )
         head += [f"# {line}" for line in listed]
     return "\n".join(head + [f"{name}=={version}" for name, version in pins]) + "\n"

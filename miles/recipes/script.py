@@ -191,6 +191,10 @@ def main(
     ) as exc:  # fmt: skip
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `run_x.py train --dry-run | head`: the reader went away
+        from miles.exits import quiet_broken_pipe
+
+        return quiet_broken_pipe()
 
 
 def _main(name: str, fixed: str | None, command: str, cli: dict, env: Mapping[str, str]) -> int:

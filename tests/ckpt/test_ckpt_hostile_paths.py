@@ -280,7 +280,10 @@ def test_ctrl_c_during_prepare_is_one_line_and_a_rerun_finishes(tiny, tmp_path):
     if proc.returncode == 0:
         pytest.skip("prepare finished before the interrupt arrived")
     lines = err.strip().splitlines()
-    assert proc.returncode == 130 and len(lines) == 1, err
+    # 130 as a shell reports it: exit(130), or death by SIGINT, which CPython can choose itself
+    # at exit (its "unhandled KeyboardInterrupt" flag, set when the interrupt passed through
+    # code an extension ran with PyRun_*, stays set after miles caught it; seen once in CI)
+    assert proc.returncode in (130, -signal.SIGINT) and len(lines) == 1, err
     assert lines[0].startswith("interrupted: ") and "rerun" in lines[0], lines[0]
     assert not [p for p in models.iterdir() if ".partial-" in p.name]
     assert main(_prepare(source, models)) == 0

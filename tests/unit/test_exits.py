@@ -63,6 +63,25 @@ def test_list_json_into_head_ends_quietly(make_tree):
     assert proc.stderr.read() == b""
 
 
+def test_a_recipe_dry_run_into_a_closed_pipe_ends_quietly():
+    # The reader is gone before the script prints anything (`… --dry-run | head -0`).
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "scripts/run_qwen3_4b.py", "train", "--dry-run"],
+            cwd=ROOT,
+            stdout=write,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+    finally:
+        os.close(write)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_BROKEN_PIPE, err
+    assert err == b""
+
+
 @pytest.mark.parametrize(
     ("argv", "env"),
     [
@@ -133,8 +152,15 @@ def test_prepare_ckpt_without_its_extras_names_the_package_and_the_extra(bare_py
     _one_error_line(done, 1, "needs the Python package 'huggingface_hub'", "miles[checkpoints]")
 
 
-def test_lock_without_uv_says_so(bare_python):
-    _one_error_line(_invoke("lock", "--stack", "cpu", python=bare_python), 1, "uv is not installed")
+def test_lock_without_uv_says_so(bare_python, tmp_path):
+    # A PATH with no uv on it: where the machine has one, the task would really lock (and
+    # rewrite requirements/cpu.txt in this checkout).
+    lock = ROOT / "requirements" / "cpu.txt"
+    before = lock.read_bytes()
+    (tmp_path / "bin").mkdir()
+    done = _invoke("lock", "--stack", "cpu", python=bare_python, path=str(tmp_path / "bin"))
+    _one_error_line(done, 1, "uv is not installed")
+    assert lock.read_bytes() == before
 
 
 def test_the_extras_come_from_pyproject():

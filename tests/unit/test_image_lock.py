@@ -113,3 +113,22 @@ def test_a_stack_without_a_torch_build_pins_the_public_version_of_a_local_build(
         "torch": "2.9.1",
     }
     assert "# Public versions only: PyPI serves every pin." in text
+
+
+def test_the_cpu_lock_leaves_out_the_cuda_libraries_of_pypis_torch(tmp_path, index):
+    """Where only PyPI's torch (which depends on CUDA libraries) is on offer, the cpu stack's
+    lock still holds none of them: the CPU build it installs needs none."""
+    from miles.image.config import load_images
+
+    stack = load_images().stack("cpu")
+    assert stack.excluded("nvidia-nccl-cu13") and stack.excluded("triton") and not stack.excluded("torch")
+    root = tmp_path / "project"
+    (root / "requirements").mkdir(parents=True)
+    (root / "requirements" / "cpu.in").write_text("torch==2.9.1\n")
+    result = lock_stack(root, stack, extra=index)
+    text = (root / "requirements" / "cpu.txt").read_text()
+    assert {n: p.version for n, p in parse_lock(root / "requirements" / "cpu.txt").pins.items()} == {
+        "torch": "2.9.1"
+    }
+    assert "# Left out, the CPU build of torch needs none of them: nvidia-nccl-cu13, triton." in text
+    assert "left out, the CPU build of torch needs none of them: nvidia-nccl-cu13, triton" in result.render()

@@ -16,8 +16,10 @@ what is left before killing it: a process that forks and lets its parent exit, o
 outruns any kill-what-you-see loop, so every member gets SIGSTOP until two scans in a row
 find the same members, all of them already stopped in both, none vanished (a stopped
 process cannot fork, and with the runner as subreaper every descendant stays in its tree).
-Only then does everything get SIGKILL. The freeze is bounded (FREEZE_S): a member that will
-not stop (stuck in the kernel) leaves containment partial, and `escaped` names it. It reaps
+Only then does everything get SIGKILL, and the attempt is gone once several scans in a row
+find no member. The freeze is bounded (FREEZE_S); one that ran out (a loaded machine) is
+followed by another round, up to KILL_ROUNDS. A member that will not stop (stuck in the
+kernel) leaves containment partial, and `escaped` names it. It reaps
 the orphans it adopted and says which processes it stopped.
 """
 
@@ -37,6 +39,8 @@ TOKEN_ENV = "MILES_CI_ATTEMPT_TOKEN"
 PR_SET_CHILD_SUBREAPER = 36
 _POLL_S = 0.02
 FREEZE_S = 10.0  # how long the freeze may take before containment is called partial
+KILL_ROUNDS = 3  # freeze-and-kill rounds while a member is still alive after one
+QUIET_SCANS = 3  # scans in a row without a member before the attempt counts as gone
 
 
 @dataclass(frozen=True)
@@ -308,14 +312,17 @@ class Containment:
                     seen.add(proc.key)
                     _signal(proc.pid, signal.SIGTERM)
             time.sleep(_POLL_S)
-        frozen = self._freeze()
-        if self.cgroup is not None:
-            self.cgroup.kill()
-        for proc in frozen.values():
-            self.killed.setdefault(proc.key, proc.describe())
-            _signal(proc.pid, signal.SIGKILL)
-        self._wait_gone(frozen)
-        self._reap()
+        for _ in range(KILL_ROUNDS):  # a freeze cut short by FREEZE_S (a loaded machine) goes again
+            frozen = self._freeze()
+            if self.cgroup is not None:
+                self.cgroup.kill()
+            for proc in frozen.values():
+                self.killed.setdefault(proc.key, proc.describe())
+                _signal(proc.pid, signal.SIGKILL)
+            self._wait_gone(frozen)
+            self._reap()
+            if not self.escaped:
+                break
         return tuple(self.killed.values())
 
     def _freeze(self) -> dict[int, Proc]:
@@ -373,19 +380,22 @@ class Containment:
             last = found
 
     def _wait_gone(self, killed: dict[int, Proc]) -> None:
-        """Wait (bounded) for the SIGKILLed members to die; name those that do not."""
+        """Wait (bounded) for the SIGKILLed members to die; name those that do not. Gone means
+        QUIET_SCANS scans in a row found no member: one scan of /proc can miss a process that
+        forked while the scan went by."""
         deadline = time.monotonic() + 5
         left = dict(killed)
-        while left and time.monotonic() < deadline:
+        quiet = 0
+        while quiet < QUIET_SCANS and time.monotonic() < deadline:
             self._reap()
             table = process_table()
             left = {pid: p for pid, p in left.items() if pid in table and table[pid].start == p.start}
             left.update({pid: p for pid, p in self.members(table).items() if pid not in left})
             for proc in left.values():
                 _signal(proc.pid, signal.SIGKILL)
-            if left:
-                time.sleep(_POLL_S)
-        self.escaped = tuple(p.describe() for p in left.values())
+            quiet = 0 if left else quiet + 1
+            time.sleep(_POLL_S)
+        self.escaped = tuple(p.describe() for p in left.values()) if quiet < QUIET_SCANS else ()
 
     def _reap(self) -> None:
         """Collect the exit status of orphans this runner adopted (never of its own Popen
