@@ -100,7 +100,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(f"{name}: {recipe.description}")
         for form in variants(name):
             for p in form.profiles:
-                print(f"  [{form.variant}] {p.describe()}  ({profile_status(form, p).kind})")
+                print(f"  [{form.variant}] {form.describe_profile(p)}  ({profile_status(form, p).kind})")
     return 0
 
 
@@ -123,7 +123,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     from miles.recipes.status import profile_status
 
     for p in recipe.profiles:
-        print(f"    {p.describe()}")
+        print(f"    {recipe.describe_profile(p)}")
         print(f"      {profile_status(recipe, p).text()}")
     for gap in recipe.model.gaps:
         print(f"  megatron-core lacks: {gap.feature}: {gap.why}")
@@ -151,7 +151,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
                 print(f"{base.name} [{form.variant}] on {platform}: no reference recipe recorded")
             for item in compared:
                 ref = item.comparison.reference
-                print(f"{base.name} [{form.variant}] {item.profile.describe()}")
+                print(f"{base.name} [{form.variant}] {form.describe_profile(item.profile)}")
                 if form.fallback is not None:
                     print(
                         f"  fallback: --train-backend {form.fallback.train_backend} ({form.fallback.reason})"

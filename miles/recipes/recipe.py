@@ -247,6 +247,18 @@ class Recipe:
             return CPU_BACKEND
         return self.fallback.train_backend if self.fallback else self.train_backend
 
+    def describe_profile(self, profile: ParallelProfile) -> str:
+        """A profile as it trains: its layout, or for a GPU profile under the recipe's fallback the
+        fallback's backend, data-parallel over the profile's GPUs (the Megatron layout it keeps for
+        when the backend builds the family is named as not in use)."""
+        if self.fallback is None or profile.platform == "cpu" or profile.train_backend:
+            return profile.describe()
+        return (
+            f"{profile.platform} {profile.nodes}x{profile.gpus_per_node} {profile.model}: "
+            f"{self.backend_of(profile)} data-parallel over {profile.world_size} GPUs "
+            f"(the fallback; its Megatron layout {profile.parallel.describe()} is unused)"
+        )
+
     @property
     def explained(self) -> tuple[Deviation | Rename, ...]:
         """Every declared difference from the references: the fallback's first (what it changes, it

@@ -185,10 +185,15 @@ def profile_status(
         problem = _mismatch(record, recipe, profile, root)
         if problem is None:
             when = time.strftime("%Y-%m-%d", time.gmtime(record.get("started_at", 0)))
+            fallback = (
+                f"; it trained with the recipe's fallback, --train-backend {recipe.backend_of(profile)}, not Megatron"
+                if recipe.fallback is not None and profile.platform != "cpu" and not profile.train_backend
+                else ""
+            )
             return Status(
                 VERIFIED,
                 f"{record['test']} passed in {record['suite']} at commit {record['commit'][:12]} on {when} "
-                f"({_shown(path)})",
+                f"({_shown(path)}){fallback}",
             )
         stale = f"; {_shown(path)} does not count: {problem}"
     backend = recipe.backend_of(profile)

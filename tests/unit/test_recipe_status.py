@@ -135,6 +135,8 @@ def test_a_passed_run_of_the_profiles_test_verifies_it(tmp_path):
     assert status.detail.startswith(
         "tests/e2e/recipes/test_inkling_recipe.py passed in stage-c-4-gpu-mi350 at commit 0123456789ab on 2026-01-01"
     )
+    # a verified fallback profile says what it was verified with
+    assert status.detail.endswith("it trained with the recipe's fallback, --train-backend fsdp, not Megatron")
 
 
 def test_a_record_of_another_command_does_not_verify(tmp_path):

@@ -301,6 +301,34 @@ def test_a_recipe_whose_family_megatron_cannot_build_trains_its_declared_fallbac
     ]
 
 
+def test_list_and_show_say_a_fallback_profile_trains_data_parallel_not_at_its_megatron_layout(capsys):
+    from miles.recipes.__main__ import main
+
+    assert main(["list"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    for name, gpus in (
+        ("Inkling-Small-4layer", 4),
+        ("DeepSeek-V4-Flash-4layer", 4),
+        ("DeepSeek-V4-Flash-4layer", 8),
+    ):
+        line = next(ln for ln in listed if f"cuda 1x{gpus} {name}:" in ln)
+        assert (
+            f": fsdp data-parallel over {gpus} GPUs (the fallback; its Megatron layout tp{gpus}·" in line
+        ), line
+        assert line.endswith("(FSDP fallback, untested on GPU)"), line
+    glm = next(
+        ln for ln in listed if "cuda 1x4 GLM-5.2-744B-A40B-5layer:" in ln
+    )  # built: its layout, no fallback
+    assert glm.endswith(": tp4·pp1·cp1·ep4·etp1+sp  (untested on GPU)"), glm
+    assert main(["show", "inkling", "--platform", "rocm"]) == 0
+    shown = capsys.readouterr().out
+    assert (
+        "train backend: fsdp (fallback from megatron: miles' Megatron backend does not build Inkling yet"
+        in shown
+    )
+    assert "rocm 1x4 Inkling-Small-4layer: fsdp data-parallel over 4 GPUs" in shown
+
+
 def test_a_megatron_recipe_of_an_unbuilt_family_must_declare_its_fallback():
     inkling = shared("inkling")
     with pytest.raises(RecipeError, match="declare the recipe's Fallback"):
