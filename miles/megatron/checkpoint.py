@@ -188,6 +188,9 @@ _LM_ARG_FLAGS = (
     "--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--num-query-groups",
     "--kv-channels", "--max-position-embeddings", "--rotary-base", "--norm-epsilon",
     "--untie-embeddings-and-output-weights", "--num-experts", "--moe-ffn-hidden-size", "--moe-router-topk",
+    "--moe-shared-expert-intermediate-size", "--moe-router-topk-scaling-factor", "--q-lora-rank", "--kv-lora-rank",
+    "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim", "--dsa-indexer-n-heads", "--dsa-indexer-head-dim",
+    "--dsa-indexer-topk",
 )  # fmt: skip
 
 
@@ -202,6 +205,7 @@ def megatron_lm_args(config: Mapping[str, Any], vocab: int, vocab_multiple: int 
     """
     import argparse
 
+    from miles.megatron.families import mapping_of
     from miles.models import keys_of
     from miles.models.facts import flag_values
 
@@ -219,6 +223,9 @@ def megatron_lm_args(config: Mapping[str, Any], vocab: int, vocab_multiple: int 
         consumed_train_samples=0,
         consumed_valid_samples=0,
     )
+    family_args = mapping_of(config).lm_args
+    if family_args is not None:
+        values.update(family_args(config))
     return argparse.Namespace(**values)
 
 

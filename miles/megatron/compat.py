@@ -19,10 +19,11 @@ test_megatron_te_only_names.py requires each to be guarded, bound here, or unrea
 The other changes are `PATCHES`, each applied by one function here: the Transformer Engine
 names of the layer-spec module bound to stand-ins while a spec is built without TE
 (`te_stand_ins`), the MoE dispatcher's CUDA stream when the rank-grid proof builds a MoE
-layer on CPU (`without_dispatcher_stream`), the process groups megatron-core's
-`destroy_model_parallel` leaves behind (`forget_destroyed_groups`), and the checkpoint
-writer's result queue, served by a manager that dies with the trainer
-(`writers_die_with_this_process`). Nothing outside this module writes into megatron-core (the module is long for that reason: the entries and the
+layer on CPU (`without_dispatcher_stream`), multi-latent attention's belief that TE is
+installed (`mla_without_te`), the process groups megatron-core's `destroy_model_parallel`
+leaves behind (`forget_destroyed_groups`), and the checkpoint writer's result queue, served by
+a manager that dies with the trainer (`writers_die_with_this_process`). Nothing outside this
+module writes into megatron-core (the module is long for that reason: the entries and the
 functions that apply them stay together), and `stale()` checks every entry against the
 installed release, which must be the one they were written for (`KNOWN_RELEASE`).
 """
@@ -202,6 +203,16 @@ REDIRECTS: tuple[Redirect, ...] = (
         "torch.cuda.FloatTensor",
         "gradient clipping accepts gradients only by their CUDA tensor type name",
     ),
+    Redirect(
+        "megatron.core.models.common.embeddings.rotary_pos_embedding:RotaryEmbedding.__init__",
+        "torch.cuda.current_device()",
+        "multi-latent attention and the DSA indexer build their rotary tables on the current CUDA device",
+    ),
+    Redirect(
+        "megatron.core.transformer.moe.router:TopKRouter.__init__",
+        "device=torch.cuda.current_device()",
+        "a router with expert bias allocates the bias and its token counts on the current CUDA device",
+    ),
 )
 
 # Module-level names megatron-core only defines when Transformer Engine imports, each with the
@@ -258,6 +269,12 @@ PATCHES: tuple[Patch, ...] = (
         "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.fork",
         "_set_cuda_rng_state(",
         "on_cpu() swaps the module's _get_cuda_rng_state and _set_cuda_rng_state for the CPU generator's",
+    ),
+    Patch(
+        "megatron.core.transformer.multi_latent_attention:MultiLatentAttention.__init__",
+        "HAVE_TE\n            and isinstance(self.linear_proj, TELinear)",
+        "mla_without_te() sets the module's HAVE_TE false without Transformer Engine: its extensions module "
+        "imports anyway (TE bound to a MagicMock), so TELinear is no type and MLA's isinstance check raises",
     ),
     Patch(
         "megatron.core.dist_checkpointing.strategies.filesystem_async:_get_write_results_queue",
@@ -529,6 +546,18 @@ def without_dispatcher_stream() -> None:
 
     if not torch.cuda.is_available() and MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:
         MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "no CUDA stream on CPU"
+
+
+def mla_without_te() -> None:
+    """Without Transformer Engine, let multi-latent attention be built: megatron-core's
+    transformer_engine extensions import without TE (binding `te` to a MagicMock), so the MLA
+    module believes TE is there and tests `isinstance(self.linear_proj, TELinear)` against a mock."""
+    import importlib.util
+
+    from megatron.core.transformer import multi_latent_attention
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        multi_latent_attention.HAVE_TE = False
 
 
 def forget_destroyed_groups() -> None:

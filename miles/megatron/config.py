@@ -39,6 +39,16 @@ TRANSFORMER_FIELDS: dict[str, tuple[str, bool]] = {  # flag: (field, negated)
     "--moe-router-topk": ("moe_router_topk", False),
     "--moe-ffn-hidden-size": ("moe_ffn_hidden_size", False),
     "--moe-router-pre-softmax": ("moe_router_pre_softmax", False),
+    "--moe-shared-expert-intermediate-size": ("moe_shared_expert_intermediate_size", False),
+    "--moe-router-topk-scaling-factor": ("moe_router_topk_scaling_factor", False),
+    "--q-lora-rank": ("q_lora_rank", False),
+    "--kv-lora-rank": ("kv_lora_rank", False),
+    "--qk-head-dim": ("qk_head_dim", False),  # MLA's q/k head part without rope
+    "--qk-pos-emb-head-dim": ("qk_pos_emb_head_dim", False),
+    "--v-head-dim": ("v_head_dim", False),
+    "--dsa-indexer-n-heads": ("dsa_indexer_n_heads", False),
+    "--dsa-indexer-head-dim": ("dsa_indexer_head_dim", False),
+    "--dsa-indexer-topk": ("dsa_indexer_topk", False),
 }
 
 

@@ -12,7 +12,9 @@ apart), gather the experts across the expert-parallel group, and broadcast the f
 to the other pipeline stages; then every rank turns megatron's fused tensors back into the
 HF ones (`linear_qkv` split per query group, `linear_fc1` into gate and up, local expert
 indices into global ones). Only one layer's tensors are held at a time. TE's grouped-GEMM
-experts are read under SequentialMLP's names (`expert_name`).
+experts are read under SequentialMLP's names (`expert_name`). A family's weights outside the
+decoder layers (carried MTP layers, on the last stage) follow under the checkpoint's names
+only: the transformers class has no such parameters.
 """
 
 from __future__ import annotations
@@ -23,21 +25,28 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from miles.megatron.hf_names import layer_layout
+from miles.megatron.hf_names import extra_layout, layer_layout
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
+# an expert's weight anywhere: (owner prefix, local index, suffix)
+_ANY_EXPERT = re.compile(r"^(.*\.)?mlp\.experts\.local_experts\.(\d+)\.(.*)$")
+# the weights megatron's SwiGLU MLPs hold as [gate; up] (dense MLP, shared expert)
+_GATED = re.compile(r"(^|\.)mlp\.(shared_experts\.)?linear_fc1\.weight$")
 # TE's grouped-GEMM experts (TEGroupedMLP, --moe-grouped-gemm) keep local expert i's weight as
 # `weight{i}` of one grouped linear (megatron/core/transformer/moe/experts.py,
 # TEGroupedMLP.sharded_state_dict: f"{name}.weight{i}").
-_GROUPED = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
+_GROUPED = re.compile(r"^(.*\.)?mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
 
 
 def expert_name(name: str) -> str:
-    """A layer-relative parameter name in SequentialMLP's spelling, `mlp.experts.local_experts.{i}.
-    linear_fc1.weight`, whichever expert module holds it (other names unchanged)."""
+    """A parameter name in SequentialMLP's spelling, `<owner>mlp.experts.local_experts.{i}.
+    linear_fc1.weight`, whichever expert module holds it (other names unchanged); the owner is
+    empty for a layer-relative name, `mtp.layers.k.transformer_layer.` for a carried MTP layer."""
     m = _GROUPED.match(name)
-    return f"mlp.experts.local_experts.{m.group(3)}.{m.group(1)}.{m.group(2)}" if m else name
+    if m is None:
+        return name
+    return f"{m.group(1) or ''}mlp.experts.local_experts.{m.group(4)}.{m.group(2)}.{m.group(3)}"
 
 
 def _stage_tensors(chunks: Sequence) -> dict[str, torch.Tensor]:
@@ -52,8 +61,8 @@ def _stage_tensors(chunks: Sequence) -> dict[str, torch.Tensor]:
             m = _LAYER.match(name)
             if m:
                 layer = layers[int(m.group(1))]
-                name = f"decoder.layers.{layer.layer_number - 1}.{expert_name(m.group(2))}"
-            out[name] = tensor
+                name = f"decoder.layers.{layer.layer_number - 1}.{m.group(2)}"
+            out[expert_name(name)] = tensor
     return out
 
 
@@ -86,7 +95,14 @@ def _owner_of_layers(chunks: Sequence, num_layers: int, pp_group) -> list[int]:
 class WeightExporter:
     """Streams the full HF state dict out of a (possibly sharded) megatron model, on every rank."""
 
-    def __init__(self, chunks: Sequence, config: Mapping, gated: bool = True, fused_experts: bool = False):
+    def __init__(
+        self,
+        chunks: Sequence,
+        config: Mapping,
+        gated: bool = True,
+        fused_experts: bool = False,
+        extras: bool = False,
+    ):
         from megatron.core import parallel_state as ps
 
         self.chunks = list(chunks)
@@ -102,6 +118,7 @@ class WeightExporter:
         self.last = dist.get_world_size(self.pp) - 1
         self.owner = _owner_of_layers(self.chunks, config["num_hidden_layers"], self.pp)
         self.fused_experts = fused_experts
+        self.extras = extras  # the family's weights outside the decoder layers (MTP): checkpoint names only
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         local = _stage_tensors(self.chunks)
@@ -111,10 +128,10 @@ class WeightExporter:
         for i in range(self.config["num_hidden_layers"]):
             prefix = f"decoder.layers.{i}."
             names = [n for n in local if n.startswith(prefix)] if self.owner[i] == self.pp_rank else []
-            full = self._from_stage(self.owner[i], local, names, layer=i)
+            full = self._from_stage(self.owner[i], local, names)
             if self.fused_experts:
                 full = _fuse_experts(full, prefix)
-            yield from _to_hf(self.config, i, prefix, full)
+            yield from _to_hf(layer_layout(self.config, i, prefix), full)
         tail = ["decoder.final_layernorm.weight"]
         if not self.config.get("tie_word_embeddings"):
             tail.append("output_layer.weight")
@@ -122,22 +139,30 @@ class WeightExporter:
         yield "model.norm.weight", end["decoder.final_layernorm.weight"]
         if not self.config.get("tie_word_embeddings"):
             yield "lm_head.weight", end["output_layer.weight"][:hf_vocab]
+        if self.extras:
+            extra = list(extra_layout(self.config))
+            wanted = {name for name, _ in extra}
+            names = (
+                [n for n in local if n in wanted or _expert_of(n, wanted)]
+                if self.pp_rank == self.last
+                else []
+            )
+            yield from _to_hf(extra, self._from_stage(self.last, local, names))
 
-    def _from_stage(self, stage: int, local, names: Sequence[str], layer: int | None = None) -> dict:
+    def _from_stage(self, stage: int, local, names: Sequence[str]) -> dict:
         """Full tensors of `names` from pipeline stage `stage`, on every stage."""
         full: dict[str, torch.Tensor] = {}
         if stage == self.pp_rank:
             experts = {}
             for name in names:
                 tensor = local[name]
-                m = _EXPERT.match(name.split(".", 3)[3]) if layer is not None else None
+                m = _ANY_EXPERT.match(name)
                 if m:
-                    experts.setdefault(m.group(2), []).append((int(m.group(1)), tensor))
+                    experts.setdefault((m.group(1) or "", m.group(3)), []).append((int(m.group(2)), tensor))
                     continue
-                gated = self.gated and name.endswith("mlp.linear_fc1.weight")
-                full[name] = _gather_tp(tensor, self.tp, gated)
-            for suffix, parts in experts.items():
-                full.update(self._gather_experts(layer, suffix, parts))
+                full[name] = _gather_tp(tensor, self.tp, self.gated and bool(_GATED.search(name)))
+            for (owner, suffix), parts in experts.items():
+                full.update(self._gather_experts(owner, suffix, parts))
         if dist.get_world_size(self.pp) == 1:
             return full
         meta = [[(n, tuple(t.shape), t.dtype) for n, t in full.items()]]
@@ -148,8 +173,9 @@ class WeightExporter:
             dist.broadcast(full[name], src=self.pp_ranks[stage], group=self.pp)
         return full
 
-    def _gather_experts(self, layer: int, suffix: str, parts) -> dict[str, torch.Tensor]:
-        """Every expert's full `suffix` weight of a layer, under its global expert index."""
+    def _gather_experts(self, owner: str, suffix: str, parts) -> dict[str, torch.Tensor]:
+        """Every expert's full `suffix` weight of the layer `owner` (a name prefix), under its global
+        expert index."""
         parts.sort()
         gated = self.gated and suffix == "linear_fc1.weight"
         local = torch.stack([_gather_tp(t, self.etp, gated) for _, t in parts])
@@ -158,7 +184,7 @@ class WeightExporter:
         dist.all_gather(stacked, local.contiguous(), group=self.ep)
         per_rank = len(parts)
         return {
-            f"decoder.layers.{layer}.mlp.experts.local_experts.{r * per_rank + k}.{suffix}": stacked[r][k]
+            f"{owner}mlp.experts.local_experts.{r * per_rank + k}.{suffix}": stacked[r][k]
             for r in range(ep_size)
             for k in range(per_rank)
         }
@@ -166,6 +192,14 @@ class WeightExporter:
 
 def local_device(local: Mapping[str, torch.Tensor]) -> torch.device:
     return next(iter(local.values())).device
+
+
+def _expert_of(name: str, wanted: set[str]) -> bool:
+    """Whether `name` is a local expert's weight whose global name may be in `wanted`."""
+    m = _ANY_EXPERT.match(name)
+    return m is not None and any(
+        w.startswith(f"{m.group(1) or ''}mlp.experts.local_experts.") for w in wanted
+    )
 
 
 _FUSED = {"linear_fc1.weight": "gate_up_proj", "linear_fc2.weight": "down_proj"}
@@ -187,15 +221,16 @@ def _fuse_experts(full: dict[str, torch.Tensor], prefix: str) -> dict[str, torch
     return rest
 
 
-def _to_hf(
-    config, i: int, prefix: str, full: Mapping[str, torch.Tensor]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """The HF tensors of decoder layer i, cut out of megatron's fused ones."""
+def _to_hf(layout, full: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF tensors `layout` (megatron name, pieces) places, cut out of megatron's full ones."""
+    layout = list(layout)
     for name, tensor in full.items():
-        if name.startswith(f"{prefix}mlp.experts.") and name.rsplit(".", 1)[-1] in _FUSED.values():
-            yield f"model.layers.{i}.mlp.experts.{name.rsplit('.', 1)[-1]}", tensor
+        fused = name.rsplit(".", 1)[-1]
+        if ".mlp.experts." in name and fused in _FUSED.values():
+            layer = _LAYER.match(name)
+            yield f"model.layers.{layer.group(1)}.mlp.experts.{fused}", tensor
     pieces: dict[str, list] = {}
-    for name, parts in layer_layout(config, i, prefix):
+    for name, parts in layout:
         if name not in full:  # an expert weight already handed over fused
             continue
         for piece in parts:

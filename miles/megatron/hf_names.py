@@ -2,7 +2,7 @@
 
 `layout(config)` yields (megatron state-dict name, pieces) for the whole model: the embedding,
 each decoder layer as its family's mapping places it (`miles.megatron.families`), the final
-norm and, unless tied, the output layer. A piece is a run of HF rows placed at a row of the
+norm, unless tied the output layer, and what the family adds (carried MTP layers). A piece is a run of HF rows placed at a row of the
 megatron tensor: q, k and v become one `linear_qkv` whose rows are grouped per query group
 ([q heads of the group, k, v] for each group), gate and up become `linear_fc1` ([gate; up]),
 and norms fused into a linear take that linear's `layer_norm_weight` name. Conversion reads
@@ -57,6 +57,15 @@ def layer_layout(config: Mapping[str, Any], i: int, mg: str) -> Weights:
     yield from mapping_of(config).layer_weights(config, i, mg)
 
 
+def extra_layout(config: Mapping[str, Any]) -> Weights:
+    """The weights a family adds outside the decoder layers (its carried MTP layers), if any."""
+    from miles.megatron.families import mapping_of
+
+    extra = mapping_of(config).extra_weights
+    if extra is not None:
+        yield from extra(config)
+
+
 def layout(config: Mapping[str, Any]) -> Weights:
     """(megatron state-dict name, where each of its rows comes from) for every weight of the
     whole model (one pipeline stage, one expert-parallel rank)."""
@@ -67,3 +76,4 @@ def layout(config: Mapping[str, Any]) -> Weights:
     yield "decoder.final_layernorm.weight", (whole("model.norm.weight", hidden),)
     if not config.get("tie_word_embeddings"):
         yield "output_layer.weight", (whole("lm_head.weight", vocab),)
+    yield from extra_layout(config)

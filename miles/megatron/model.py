@@ -25,12 +25,15 @@ def build_model(
 ):
     """An uninitialised GPTModel of this rank's pipeline stage (and virtual stage), shaped like
     the HF config, with the Transformer Engine layer spec's module tree and keys: TE's own
-    modules with `impl` "transformer_engine", the stand-in ones by default (miles.megatron.spec)."""
+    modules with `impl` "transformer_engine", the stand-in ones by default (miles.megatron.spec);
+    and what the family's mapping adds (its own attention, carried MTP layers)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    from miles.megatron.families import mapping_of
     from miles.megatron.spec import decoder_block_spec
 
+    mapping = mapping_of(config)
     tc = transformer if transformer is not None else transformer_config(config)
     rope = rope_parameters(config)
     interpolation = float(rope["factor"]) if rope.get("rope_type") == "linear" else None
@@ -45,9 +48,13 @@ def build_model(
         if pp_initialized
         else True
     )
+    if mapping.block_spec is not None:
+        spec = mapping.block_spec(tc, config, vp_stage, impl=impl)
+    else:
+        spec = decoder_block_spec(tc, impl=impl, vp_stage=vp_stage)
     model = GPTModel(
         config=tc,
-        transformer_layer_spec=decoder_block_spec(tc, impl=impl, vp_stage=vp_stage),
+        transformer_layer_spec=spec,
         vocab_size=vocab_size or config["vocab_size"],
         max_sequence_length=config.get("max_position_embeddings", 4096),
         pre_process=first,
@@ -58,7 +65,10 @@ def build_model(
         share_embeddings_and_output_weights=bool(config.get("tie_word_embeddings")),
         vp_stage=vp_stage,
     )
-    return model.to(tc.params_dtype)
+    model = model.to(tc.params_dtype)
+    if mapping.finish_model is not None:
+        mapping.finish_model(model, tc, config, vp_stage, impl=impl)
+    return model
 
 
 def build_chunks(config: Mapping[str, Any], tc, vocab_size: int, impl: str = "local") -> list:
@@ -120,11 +130,13 @@ def hf_logit_gap(hf_dir, model, config: Mapping[str, Any], device: str = "cpu") 
     from transformers.utils import logging as hf_logging
 
     tokens = probe_tokens(config).to(device)
-    shown = hf_logging.is_progress_bar_enabled()
+    shown, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
     hf_logging.disable_progress_bar()  # a check inside prepare-ckpt, whose output is one line per step
+    hf_logging.set_verbosity_error()  # nor its load report (checkpoint tensors the class has no use for: MTP)
     try:
         hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device)
     finally:
+        hf_logging.set_verbosity(verbosity)
         if shown:
             hf_logging.enable_progress_bar()
     with torch.no_grad():

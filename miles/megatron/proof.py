@@ -6,7 +6,9 @@ its world size in turn, the way a training start meets them: `initialize_model_p
 (the rank grids and virtual pipeline, called as the trainer calls it:
 `miles.megatron.training.init_parallel_state`), `TransformerConfig` (the model config checks, with the layout's
 `transformer_config_kwargs`),
-`get_num_layers_to_build` for every pipeline stage and virtual stage, a MoE layer built on
+`get_num_layers_to_build` for every pipeline stage and virtual stage, for a model whose DSA
+layers share their top-k the check miles' GLM model makes of every model chunk's first layer
+(`miles.megatron.dsa.check_chunk_start`, on megatron-core's own layer offsets), a MoE layer built on
 the expert groups, and that layer's training forward called without input (its first
 statement checks the layout; the missing input then stops it before any computation); then
 `destroy_model_parallel` before the next layout. megatron-core's verdict and exact message
@@ -36,7 +38,8 @@ from miles.parallel.layout import ModelShape, ParallelLayout
 from miles.parallel.verdict import Verdict
 
 STAGES = (
-    "initialize_model_parallel", "TransformerConfig", "get_num_layers_to_build", "MoELayer", "MoELayer.forward",
+    "initialize_model_parallel", "TransformerConfig", "get_num_layers_to_build", "miles.megatron.dsa", "MoELayer",
+    "MoELayer.forward",
 )  # fmt: skip
 # Every rank is a forked process holding torch and megatron-core; past this many the proof
 # would take the machine, so bigger worlds are refused with the reason.
@@ -61,6 +64,7 @@ _MEGATRON_RULES = (
         "layers-pp",
     ),
     ("get_num_layers_to_build", r"should be divisible by vp_size", "vpp-layers"),
+    ("miles.megatron.dsa", r"reuses the DSA top-k of an earlier layer", "dsa-index-share-stage"),
     ("MoELayer", r"num_moe_experts % ep_size", "experts-ep"),
     ("MoELayer", r"is not divisible by", "moe-ffn-etp"),
     ("MoELayer.forward", r"MoE and tensor parallelism", "moe-tp-needs-sp"),

@@ -169,6 +169,9 @@ def _try_layout(case: dict) -> dict:
             transformer = _transformer_config(layout, model)
             stage = "get_num_layers_to_build"
             result["layers_per_stage"] = _layers_per_stage(transformer, layout)
+            if model.shared_index_layers:
+                stage = "miles.megatron.dsa"
+                _check_chunk_starts(transformer, layout, model)
             if model.num_experts is not None:
                 stage = "MoELayer"
                 layer = _build_moe_layer(transformer)
@@ -246,6 +249,18 @@ def _layers_per_stage(transformer, layout: ParallelLayout) -> list[int]:
         ]
         out.append(sum(chunks))
     return out
+
+
+def _check_chunk_starts(transformer, layout: ParallelLayout, model: ModelShape) -> None:
+    """What miles' GLM model refuses when it builds each model chunk: one that starts on a layer
+    reusing the DSA top-k of a layer in another chunk."""
+    from miles.megatron.dsa import check_chunk_start
+
+    shared = set(model.shared_index_layers)
+    kinds = tuple("shared" if i in shared else "full" for i in range(model.num_layers))
+    for rank in range(layout.pp):
+        for v in range(layout.model_chunks):
+            check_chunk_start(transformer, kinds, vp_stage=v if layout.interleaved else None, pp_rank=rank)
 
 
 def _build_moe_layer(transformer):

@@ -258,7 +258,9 @@ def built_spec_line(chunks, optimizer, impl: str, why: str, attention_backend=No
         attention = layers[0].self_attention
         backend = f" [{attention_backend.name}]" if impl == TE and attention_backend is not None else ""
         parts.append(f"attention {_class(attention.core_attention)}{backend}")
-        parts.append(f"linear_qkv {_class(attention.linear_qkv)}")
+        # MLA (GLM-5.2) has no linear_qkv: its query up-projection is the norm-fused linear
+        qkv = next(n for n in ("linear_qkv", "linear_q_up_proj", "linear_q_proj") if hasattr(attention, n))
+        parts.append(f"{qkv} {_class(getattr(attention, qkv))}")
         experts = sorted({_class(layer.mlp.experts) for layer in layers if hasattr(layer.mlp, "experts")})
         if experts:
             parts.append(f"experts {'/'.join(experts)}")

@@ -90,6 +90,16 @@ class Key:
 
 
 @dataclass(frozen=True)
+class Fixed:
+    """A Megatron flag whose value the architecture fixes (no config.json key carries it): another
+    value describes another model, and the backend refuses it."""
+
+    flag: str
+    value: object
+    why: str  # what in the model fixes it
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     model_types: tuple[str, ...]  # config.json model_type values this family accepts
@@ -102,6 +112,12 @@ class Family:
     # How the checkpoint names MTP layers: "layers" = model.layers.{L+k}.* with eh_proj/enorm/hnorm
     # (DeepSeek-V3 style, GLM-5); "mtp" = mtp.{k}.* with e_proj/h_proj (DeepSeek-V4); None = none.
     mtp_style: str | None = None
+    # Megatron flags the architecture fixes (checked like the rows: another value is another model)
+    fixed: tuple[Fixed, ...] = ()
+    # config.json keys the Megatron model reads itself, with no flag (key: what reads it)
+    read_by_model: Mapping[str, str] = field(default_factory=dict)
+    # decoder layers of the CPU lane's tiny model: enough for every kind of layer the model has
+    tiny_layers: int = 2
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KINDS:
@@ -183,6 +199,38 @@ def rope_parameters(config: Mapping[str, Any]) -> Mapping[str, Any]:
     return rope
 
 
+def indexer_types(config: Mapping[str, Any], count: int | None = None) -> tuple[str, ...]:
+    """ "full" or "shared" for each of `count` layers (default: the decoder's) of a DSA model with
+    cross-layer top-k sharing: a shared layer reuses the top-k of the nearest full layer below.
+
+    transformers' GlmMoeDsaConfig takes config.json's `indexer_types` as written, else
+    `index_topk_pattern` ("F"/"S" per layer), else layer i is full when
+    max(i - index_skip_topk_offset + 1, 0) is a multiple of index_topk_freq (defaults 2 and 1:
+    every layer full). Layers past the list (MTP layers) follow the formula.
+    """
+    count = int(config["num_hidden_layers"]) if count is None else count
+    written = list(config.get("indexer_types") or [])
+    pattern = config.get("index_topk_pattern")
+    if isinstance(pattern, str):
+        written = [{"F": "full", "S": "shared"}[c] for c in pattern]
+    elif pattern is not None:
+        written = list(pattern)
+    freq = max(int(config.get("index_topk_freq") or 1), 1)
+    offset = config.get("index_skip_topk_offset")
+    offset = 2 if offset is None else int(offset)
+    return tuple(
+        written[i] if i < len(written) else "full" if max(i - offset + 1, 0) % freq == 0 else "shared"
+        for i in range(count)
+    )
+
+
+def shared_index_layers(config: Mapping[str, Any], count: int | None = None) -> tuple[int, ...]:
+    """The (0-based) layers that reuse another layer's DSA top-k instead of running an indexer."""
+    if not any(k in config for k in ("indexer_types", "index_topk_pattern", "index_topk_freq")):
+        return ()
+    return tuple(i for i, kind in enumerate(indexer_types(config, count)) if kind == "shared")
+
+
 def value(config: Mapping[str, Any], key: str) -> object:
     """A key's value in a config.json, wherever transformers writes it (ABSENT when it says nothing)."""
     if key == "rope_theta":
@@ -238,10 +286,16 @@ def same(flag: str, a: object, b: object) -> bool:
     return shown(a) == shown(b)
 
 
-def disagreements(keys: Iterable[Key], config: Mapping[str, Any], given: Mapping[str, object]) -> list[str]:
+def disagreements(
+    keys: Iterable[Key], config: Mapping[str, Any], given: Mapping[str, object], fixed: Iterable[Fixed] = ()
+) -> list[str]:
     """'<flag> <given> (config.json <key>: <value>)' for each flag in `given` that describes
-    another model than the config.json does."""
-    out = []
+    another model than the config.json does (or than the architecture fixes: `fixed`)."""
+    out = [
+        f"{row.flag} {shown(given[row.flag])} ({row.why}: {shown(row.value)})"
+        for row in fixed
+        if row.flag in given and not same(row.flag, given[row.flag], row.value)
+    ]
     for row in keys:
         if not row.describes_model or row.flag not in given:
             continue

@@ -55,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--bias", action="store_true", help="linear layers carry biases (no --disable-bias-linear)"
     )
     m.add_argument("--attention", choices=ATTENTION_KINDS, default="gqa")
+    m.add_argument(
+        "--shared-index-layers",
+        type=_layer_list,
+        default=(),
+        help="DSA layers (0-based, comma-separated) that reuse an earlier layer's top-k (GLM-5.2: 3,4,5,7,...)",
+    )
     m.add_argument("--model-name", default="model", help="name shown in messages")
     p.add_argument(
         "--megatron-core", metavar="VERSION", help="apply this release's rules (default: the installed one)"
@@ -78,6 +84,13 @@ def main(argv: list[str] | None = None) -> int:
         return 3
 
 
+def _layer_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated layer numbers, got {text!r}") from None
+
+
 def _model(args: argparse.Namespace) -> ModelShape | None:
     given = [args.layers, args.heads, args.kv_heads, args.experts, args.moe_ffn_hidden_size]
     if all(v is None for v in given) and not args.bias:
@@ -86,7 +99,7 @@ def _model(args: argparse.Namespace) -> ModelShape | None:
         raise ValueError("a model needs at least --layers and --heads")
     return ModelShape(
         args.model_name, args.layers, args.heads, args.kv_heads, args.experts, args.attention, args.bias,
-        args.moe_ffn_hidden_size,
+        args.moe_ffn_hidden_size, args.shared_index_layers,
     )  # fmt: skip
 
 

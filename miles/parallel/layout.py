@@ -261,8 +261,12 @@ class ModelShape:
     attention: str = "gqa"
     bias: bool = False  # biases in the linear layers (every recipe model passes --disable-bias-linear)
     moe_ffn_hidden_size: int | None = None  # an expert's FFN width (None: not checked)
+    # DSA layers (0-based) that reuse the top-k of the nearest layer below that runs its own
+    # indexer (GLM-5's cross-layer sharing); a pipeline (virtual) stage cannot start on one
+    shared_index_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "shared_index_layers", tuple(self.shared_index_layers))  # JSON gives a list
         if self.attention not in ATTENTION_KINDS:
             raise ValueError(f"attention {self.attention!r} is not one of {', '.join(ATTENTION_KINDS)}")
         for name in (
@@ -277,6 +281,12 @@ class ModelShape:
                 raise ValueError(f"{self.name}: {name} must be an integer >= 1, got {value!r}")
         if not isinstance(self.bias, bool):
             raise ValueError(f"{self.name}: bias must be true or false, got {self.bias!r}")
+        wrong = [i for i in self.shared_index_layers if not isinstance(i, int) or not 0 < i < self.num_layers]
+        if wrong:
+            raise ValueError(
+                f"{self.name}: shared_index_layers {wrong} are not layers 1..{self.num_layers - 1} "
+                "(layer 0 has no layer below it to share with)"
+            )
 
     @property
     def kv_heads(self) -> int:

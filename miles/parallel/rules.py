@@ -184,6 +184,34 @@ def _dsa_cp(c: ParallelLayout, x: Context) -> str | None:
     return None
 
 
+def chunk_starts(c: ParallelLayout, m: ModelShape) -> tuple[int, ...]:
+    """The first (0-based) layer of every model chunk: pipeline stages, or with vpp the virtual
+    stages, in megatron-core's order (virtual stage 0 of every rank, then virtual stage 1, ...)."""
+    per_chunk = layers_per_virtual_stage(c, m)
+    starts, at = [], 0
+    for _ in range(c.vpp or 1):
+        for size in per_chunk:
+            starts.append(at)
+            at += size
+    return tuple(starts)
+
+
+def _index_share_stage(c: ParallelLayout, x: Context) -> str | None:
+    m = x.model
+    if not m.shared_index_layers or (c.pp == 1 and c.vpp is None):
+        return None
+    shared = set(m.shared_index_layers)
+    bad = [s for s in chunk_starts(c, m) if s in shared]
+    if not bad:
+        return None
+    stage = "virtual stage" if c.vpp is not None else "pipeline stage"
+    return (
+        f"{m.name}: a {stage} starts at layer {bad[0]}, which reuses the DSA top-k of an earlier layer "
+        f"(cross-layer index sharing) held by another stage; every stage must start on a layer that runs "
+        f"its own indexer (shared layers: {', '.join(map(str, m.shared_index_layers))})"
+    )
+
+
 def _layers_pp(c: ParallelLayout, x: Context) -> str | None:
     m = x.model
     if c.first_stage_layers is None and c.last_stage_layers is None and m.num_layers % c.pp:
@@ -253,6 +281,8 @@ RULES: tuple[Rule, ...] = (
     Rule("dsa-cp", "TransformerConfig", _dsa_cp, ("cp", "cp_comm_type"), needs_model=True),
     Rule("layers-pp", "get_num_layers_to_build", _layers_pp, ("pp", "first_stage_layers", "last_stage_layers"), lambda c, x: split_text(c, x.model), True),
     Rule("vpp-layers", "get_num_layers_to_build", _vpp_layers, ("vpp", "pp"), lambda c, x: split_text(c, x.model), True),
+    # miles' own: megatron-core 0.16.1 has no cross-layer top-k sharing (miles.megatron.dsa builds it)
+    Rule("dsa-index-share-stage", "miles.megatron.dsa", _index_share_stage, ("first_stage_layers", "last_stage_layers", "pp", "vpp"), lambda c, x: split_text(c, x.model), True),
     Rule("experts-ep", "MoELayer", _experts_ep, ("ep",), lambda c, x: f"puts {x.model.num_experts // c.ep} experts on each ep rank", True),
     Rule("moe-ffn-etp", "MoELayer", _moe_ffn_etp, ("etp",), lambda c, x: f"splits each expert's FFN {x.model.moe_ffn_hidden_size // c.expert_tp} per etp rank", True),
     Rule("moe-tp-needs-sp", "MoELayer.forward", _moe_tp_needs_sp, ("sp", "tp"), needs_model=True),

@@ -100,7 +100,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(f"{name}: {recipe.description}")
         for form in variants(name):
             for p in form.profiles:
-                print(f"  [{form.variant}] {p.describe()}  ({profile_status(form, p).kind})")
+                print(f"  [{form.variant}] {form.describe_profile(p)}  ({profile_status(form, p).kind})")
     return 0
 
 
@@ -108,7 +108,10 @@ def cmd_show(args: argparse.Namespace) -> int:
     recipe = shared(args.name).for_platform(args.platform)
     print(f"{recipe.name} ({recipe.variant} form): {recipe.description}")
     print(f"  defined in {recipe.defined_in}")
-    print(f"  models: {', '.join(recipe.models)}, tiny (cpu)   train backend: {recipe.train_backend}")
+    backend = recipe.train_backend
+    if recipe.fallback is not None:
+        backend = f"{recipe.fallback.train_backend} (fallback from {backend}: {recipe.fallback.reason})"
+    print(f"  models: {', '.join(recipe.models)}, tiny (cpu)   train backend: {backend}")
     print(f"  fp8 rollout: {'yes' if recipe.fp8_rollout else 'no'}")
     for group, args_ in recipe.args:
         print(f"  {group}:")
@@ -120,10 +123,12 @@ def cmd_show(args: argparse.Namespace) -> int:
     from miles.recipes.status import profile_status
 
     for p in recipe.profiles:
-        print(f"    {p.describe()}")
+        print(f"    {recipe.describe_profile(p)}")
         print(f"      {profile_status(recipe, p).text()}")
     for gap in recipe.model.gaps:
         print(f"  megatron-core lacks: {gap.feature}: {gap.why}")
+    for what, why in recipe.model.known_differences:
+        print(f"  trainer vs rollout engine: {what}: {why}")
     return 0
 
 
@@ -146,7 +151,11 @@ def cmd_diff(args: argparse.Namespace) -> int:
                 print(f"{base.name} [{form.variant}] on {platform}: no reference recipe recorded")
             for item in compared:
                 ref = item.comparison.reference
-                print(f"{base.name} [{form.variant}] {item.profile.describe()}")
+                print(f"{base.name} [{form.variant}] {form.describe_profile(item.profile)}")
+                if form.fallback is not None:
+                    print(
+                        f"  fallback: --train-backend {form.fallback.train_backend} ({form.fallback.reason})"
+                    )
                 print(f"  beside {ref.script} on {ref.source.hardware}: {ref.source.command_line()}")
                 print(f"  = {item.comparison.agree} flags, variables and layouts agree")
                 for line in item.comparison.lines:

@@ -194,17 +194,6 @@ SGLANG_RENAMES = (
     ),
 )  # fmt: skip
 
-# A family miles has no Megatron layout for (miles.megatron.families has no mapping) keeps HF names in
-# torch_dist, so its Megatron job loads the HF checkpoint through Megatron-Bridge (the render adds
-# --megatron-to-hf-mode bridge and points --ref-load at the HF directory).
-BRIDGE_LOAD = deviation(
-    "--megatron-to-hf-mode",
-    "--ref-load",
-    reason="miles has no Megatron layout for this family, so its job reads the HF checkpoint through "
-    "Megatron-Bridge (--megatron-to-hf-mode bridge, --ref-load the HF directory); the reference converts it to "
-    "torch_dist with its own model spec and loads that",
-)
-
 # Differences every recipe has from its reference, and why.
 COMMON_DEVIATIONS = (
     *SGLANG_RENAMES,

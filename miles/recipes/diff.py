@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from miles.parallel import ParallelLayout
 from miles.recipes.args import Args
 from miles.recipes.fidelity import Comparison, Line, Placement, compare
 from miles.recipes.launch import RunOptions, build_plan
@@ -112,8 +113,10 @@ def reference_comparisons(form: Recipe, platform: str) -> list[ProfileComparison
         if reference is None:
             continue
         argv, env = rendered(form, profile)
-        layout = Placement(profile.world_size, profile.parallel, profile.rollout_gpus_per_engine)
-        comparison = compare(argv, env, layout, reference, form.deviations)
+        # a fallback backend renders no Megatron layout: its ranks are all data-parallel
+        parallel = profile.parallel if form.backend_of(profile) == "megatron" else ParallelLayout()
+        layout = Placement(profile.world_size, parallel, profile.rollout_gpus_per_engine)
+        comparison = compare(argv, env, layout, reference, form.explained)
         problems = tuple(
             Line("!", flag, problem, "", None) for flag, problem in stack_problems(argv, platform)
         )

@@ -5,8 +5,9 @@ miles.recipes.specs), the flag its family's facts table (`miles.models`) maps it
 value that row derives from it, and the value the recipe's model flags (at full depth) give
 that flag: `ok` when they agree, `DIFFERS` when not, `choice` when the recipe trains with
 another value on purpose (the spec says why), `gap` when the key is something megatron-core
-cannot express (a `Gap` of the spec says what and how the reference gets it), `UNMAPPED`
-when no row and no gap covers it. A recipe is true to its model when no row DIFFERS or is
+cannot express (a `Gap` of the spec says what and how the reference gets it), `model` when
+the Megatron model reads the key from config.json itself (the family's `read_by_model`),
+`UNMAPPED` when no row and no gap covers it. A recipe is true to its model when no row DIFFERS or is
 UNMAPPED; tests/unit/test_recipe_facts.py holds all five to that.
 """
 
@@ -28,7 +29,7 @@ class Row:
     flag: str  # "" when no rule maps the key
     expected: str  # what the flag should be ("" when unmapped or a gap)
     recipe: str  # what the recipe passes ("(not passed)" when absent)
-    status: str  # ok | choice | gap | DIFFERS | UNMAPPED
+    status: str  # ok | choice | gap | model | DIFFERS | UNMAPPED
     note: str = ""  # the gap's feature, the choice's reason, or why an optional flag is left out
 
     @property
@@ -50,6 +51,9 @@ def rows(spec: ModelSpec) -> list[Row]:
         source = spec.published.source_of(key)
         gap = gaps.get(key)
         rule = table.key(key)
+        if rule is None and key in table.read_by_model:
+            out.append(Row(key, value, source, "", "", "", "model", table.read_by_model[key]))
+            continue
         if rule is None:
             status = "gap" if gap else "UNMAPPED"
             out.append(Row(key, value, source, "", "", "", status, gap.feature if gap else ""))
@@ -91,7 +95,13 @@ def format_table(name: str, spec: ModelSpec) -> str:
     width = max(len(r.key) for r in table)
     for r in table:
         value = shown(r.published) if not isinstance(r.published, tuple) else str(list(r.published))
-        target = f"{r.flag} {r.expected}".strip() if r.flag else "(no Megatron flag)"
+        target = (
+            f"{r.flag} {r.expected}".strip()
+            if r.flag
+            else "(read from config.json)"
+            if r.status == "model"
+            else "(no Megatron flag)"
+        )
         mark = r.status if r.status != "ok" else "ok"
         tail = f"  [{r.note}]" if r.note else ""
         lines.append(f"  {r.key:<{width}}  {value:<12} -> {target:<48} recipe {r.recipe:<16} {mark}{tail}")
@@ -101,4 +111,7 @@ def format_table(name: str, spec: ModelSpec) -> str:
     if spec.gaps:
         lines.append("  megatron-core (as pinned) cannot express:")
         lines += [f"    - {gap.feature}: {gap.why}" for gap in spec.gaps]
+    if spec.known_differences:
+        lines.append("  the rollout engine computes otherwise than the trainer (transformers' math):")
+        lines += [f"    - {what}: {why}" for what, why in spec.known_differences]
     return "\n".join(lines)

@@ -21,12 +21,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from miles.models import family
-from miles.models.facts import moe_layer_freq
+from miles.models.facts import moe_layer_freq, shared_index_layers
 from miles.parallel import ModelShape
 from miles.recipes.args import Args
 
 TINY = "tiny"
-TINY_LAYERS = 2
 DEPTH_ENV = "MODEL_ARGS_NUM_LAYERS"
 _SLICE_RE = re.compile(r"^(?P<base>.+)-(?P<layers>\d+)layers?$")
 
@@ -75,6 +74,9 @@ class ModelSpec:
     gaps: tuple[Gap, ...] = ()
     # config.json keys the recipe trains with a different value on purpose, and why
     choices: tuple[tuple[str, str], ...] = ()
+    # where the rollout engine computes the model otherwise than the trainer, which follows
+    # transformers' class: (what, how much and why)
+    known_differences: tuple[tuple[str, str], ...] = ()
 
     @property
     def attention(self) -> str:
@@ -85,9 +87,11 @@ class ModelSpec:
         layers = num_layers or self.num_layers
         name = name or (self.name if layers == self.num_layers else f"{self.name}-{layers}layer")
         flags = dict(self.arch_args)
+        published = dict(self.published.values) if self.published else {}
         return ModelShape(
             name, layers, self.num_attention_heads, self.num_query_groups, self.num_experts, self.attention,
             bias=not flags.get("--disable-bias-linear"), moe_ffn_hidden_size=flags.get("--moe-ffn-hidden-size"),
+            shared_index_layers=shared_index_layers({**published, "num_hidden_layers": layers}),
         )  # fmt: skip
 
     def model_args(self, num_layers: int | None = None, kernels: bool = True) -> Args:
@@ -137,7 +141,7 @@ class UnknownModel(ValueError):
 def resolve_model(name: str, spec: ModelSpec, env: Mapping[str, str] = os.environ) -> ResolvedModel:
     """`name` (the spec's name, an `-Nlayer` slice of it, or `tiny`) -> the spec at a depth."""
     if name == TINY:
-        return ResolvedModel(spec, f"{spec.name}-{TINY}", TINY_LAYERS, TINY)
+        return ResolvedModel(spec, f"{spec.name}-{TINY}", family(spec.family).tiny_layers, TINY)
     match = _SLICE_RE.match(name)
     if match and match["base"] == spec.name:
         layers = int(match["layers"])

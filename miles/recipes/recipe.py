@@ -97,6 +97,35 @@ class Overlay:
 
 
 @dataclass(frozen=True)
+class Fallback:
+    """What a recipe's GPU profiles train with while miles' Megatron backend cannot build its
+    model (`miles.megatron.families` has no mapping for it), and why. It is part of the recipe,
+    not of a test: the rendered command says `--train-backend <train_backend>` (FSDP: data
+    parallel over the HF checkpoint on the profile's GPUs, no Megatron model or layout flags),
+    `diff` explains every difference from the reference it causes with `reason`, and `list`
+    shows it. A recipe whose family the backend builds may not keep one."""
+
+    train_backend: str
+    reason: str
+
+    def deviation(self, model: ModelSpec) -> Deviation:
+        """What the fallback changes against the reference's Megatron command: the backend, the
+        layout, every Megatron model flag (an FSDP job reads the shape from config.json), and the
+        variable miles sets for Megatron jobs only."""
+        megatron = tuple(dict.fromkeys(flag for flag, _ in model.model_args()))
+        keys = (
+            "--train-backend",
+            "layout:*",
+            "--megatron-*",
+            "--ref-load",
+            "env:CUDA_DEVICE_MAX_CONNECTIONS",
+            *megatron,
+            *_megatron_only_options(self.train_backend),
+        )
+        return Deviation(keys, f"fallback to --train-backend {self.train_backend}: {self.reason}")
+
+
+@dataclass(frozen=True)
 class Recipe:
     name: str
     description: str
@@ -113,12 +142,25 @@ class Recipe:
     variant: str = SHARED  # "shared", or the platform whose overlay was applied
     references: tuple[Reference, ...] = ()  # the reference commands per GPU platform (quoted facts)
     deviations: tuple[Deviation | Rename, ...] = ()  # where the recipe differs from them, and why
+    fallback: Fallback | None = None  # what the GPU profiles train with while Megatron cannot build the model
 
     def __post_init__(self) -> None:
         unknown = [g for g, _ in self.args if g not in GROUPS]
         if unknown:
             raise RecipeError(
                 f"{self.defined_in}: unknown argument group(s) {unknown}; known: {', '.join(GROUPS)}"
+            )
+        family = self.model.family
+        if self.train_backend == "megatron" and self.fallback is None and not megatron_layout(family):
+            raise RecipeError(
+                f"{self.defined_in}: {self.name} trains with Megatron on GPUs, but miles' Megatron backend does "
+                f"not build {family} (miles/megatron/families/); declare the recipe's Fallback (what it trains "
+                "with instead, and why) or build the family"
+            )
+        if self.fallback is not None and megatron_layout(family):
+            raise RecipeError(
+                f"{self.defined_in}: {self.name} declares a fallback to {self.fallback.train_backend}, but miles' "
+                f"Megatron backend builds {family} now; remove the fallback"
             )
         self.datasets()  # data the recipe names must be data something fetches
         for profile in self.profiles:
@@ -225,7 +267,35 @@ class Recipe:
     def backend_of(self, profile: ParallelProfile) -> str:
         if profile.train_backend:
             return profile.train_backend
-        return CPU_BACKEND if profile.platform == "cpu" else self.train_backend
+        if profile.platform == "cpu":
+            return CPU_BACKEND
+        return self.fallback.train_backend if self.fallback else self.train_backend
+
+    def falls_back(self, profile: ParallelProfile) -> bool:
+        """Whether `profile` trains with the recipe's fallback (a GPU profile of a recipe that
+        declares one, with no backend of its own): it then renders only the flags its backend,
+        the trainer and the engine act on, leaving out the Megatron options it would refuse."""
+        return self.fallback is not None and profile.platform != "cpu" and not profile.train_backend
+
+    def describe_profile(self, profile: ParallelProfile) -> str:
+        """A profile as it trains: its layout, or for a GPU profile under the recipe's fallback the
+        fallback's backend, data-parallel over the profile's GPUs (the Megatron layout it keeps for
+        when the backend builds the family is named as not in use)."""
+        if not self.falls_back(profile):
+            return profile.describe()
+        return (
+            f"{profile.platform} {profile.nodes}x{profile.gpus_per_node} {profile.model}: "
+            f"{self.backend_of(profile)} data-parallel over {profile.world_size} GPUs "
+            f"(the fallback; its Megatron layout {profile.parallel.describe()} is unused)"
+        )
+
+    @property
+    def explained(self) -> tuple[Deviation | Rename, ...]:
+        """Every declared difference from the references: the fallback's first (what it changes, it
+        explains), then the deviations."""
+        if self.fallback is None:
+            return self.deviations
+        return (self.fallback.deviation(self.model), *self.deviations)
 
     def checkpoint_plan(
         self,
@@ -240,8 +310,8 @@ class Recipe:
     ) -> CheckpointPlan:
         """The checkpoint pipeline's plan for `model`: fetch and validate always; trim for an
         -Nlayer slice; fp8 for FP8-rollout recipes; torch_dist for Megatron training (the
-        recipe's backend unless `train_backend` says otherwise) of a family with a Megatron GPT
-        layout (the others load their HF weights through Megatron-Bridge); stage when a
+        recipe's backend unless `train_backend` says otherwise: a fallback to FSDP needs none);
+        stage when a
         node-local stage_dir is given. `tiny` builds a random checkpoint of the family locally
         (and trains on a synthetic task); any other model's fetch also fetches the prompt
         datasets the recipe reads into `data_dir`."""
@@ -252,7 +322,8 @@ class Recipe:
                 steps.append("trim")
             if self.fp8_rollout:
                 steps.append("fp8")
-        megatron = (train_backend or self.train_backend) == "megatron"
+        gpu_backend = self.fallback.train_backend if self.fallback else self.train_backend
+        megatron = (train_backend or gpu_backend) == "megatron"
         if megatron and megatron_layout(resolved.spec.family) and (not resolved.tiny or train_backend):
             steps.append("torch_dist")
         if stage_dir:
@@ -280,8 +351,6 @@ class Recipe:
         if backend == "megatron":
             # a tiny model's shape is its own config.json, not the full model's widths
             model_args = () if resolved.tiny else resolved.model_args(kernels=profile.gpus)
-            if not megatron_layout(resolved.spec.family):  # --ref-load is the HF dir: load it via the bridge
-                model_args = (*model_args, ("--megatron-to-hf-mode", "bridge"))
             if model_args:
                 out.append(("model", model_args))
         for group in GROUPS:
@@ -294,9 +363,11 @@ class Recipe:
                 args = drop(args, "--sglang-")
                 if group == "rollout_engine":
                     args = (("--rollout-engine", profile.rollout_engine), *args)
-            if profile.only_read:
+            if profile.only_read or self.falls_back(profile):
                 args = tuple(
-                    (flag, value) for flag, value in args if _read(flag, backend, profile.rollout_engine)
+                    (flag, value)
+                    for flag, value in args
+                    if _read(flag, value, backend, profile.rollout_engine)
                 )
             out.append((group, fill(args, fields, f"{self.defined_in}: group {group}")))
         return tuple(out)
@@ -333,14 +404,27 @@ class Recipe:
         return None
 
 
-def _read(option: str, backend: str, engine: str) -> bool:
-    """Whether the trainer, `backend` or `engine` acts on `option` (miles.train.consumption)."""
+def _read(option: str, value: object, backend: str, engine: str) -> bool:
+    """Whether the trainer, `backend` or `engine` acts on `option`, or `value` is the flag's
+    default, which changes nothing (miles.train.consumption counts only flags set otherwise)."""
     from miles.train import consumption
     from miles.train.config import Flag, SGLangConfig, flag_of
 
-    flag = flag_of(option) or Flag(option, "server_args", SGLangConfig.name, {})
+    flag = flag_of(option)
+    if flag is not None and value == flag.default:
+        return True
+    flag = flag or Flag(option, "server_args", SGLangConfig.name, {})
     components = (consumption.trainer(), consumption.backend(backend), consumption.engine(engine))
     return any(c.consumes(flag) for c in components)
+
+
+def _megatron_only_options(backend: str) -> tuple[str, ...]:
+    """The options the Megatron backend acts on and `backend` does not: what a fallback leaves out."""
+    from miles.train import consumption
+    from miles.train.config import FLAGS
+
+    megatron, other = consumption.backend("megatron"), consumption.backend(backend)
+    return tuple(f.option for f in FLAGS if megatron.consumes(f) and not other.consumes(f))
 
 
 def _placement(profile: ParallelProfile, backend: str) -> Args:
@@ -432,6 +516,7 @@ def source_file(module_name: str) -> str:
 
 
 def megatron_layout(family: str) -> bool:
-    """Whether miles writes this family's torch_dist checkpoint in Megatron's own keys; for the
-    others the torch_dist dir keeps HF names, which Megatron-LM cannot load as --ref-load."""
+    """Whether miles' Megatron backend builds this family (its torch_dist is then written in
+    Megatron's own keys); for the others the torch_dist dir keeps HF names, which no Megatron
+    job loads, so their recipes declare a `Fallback`."""
     return writes_megatron_keys(family)

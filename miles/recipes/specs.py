@@ -146,18 +146,30 @@ GLM5_2_744B_A40B = ModelSpec(
             ("kv_lora_rank", 512), ("qk_nope_head_dim", 192), ("qk_rope_head_dim", 64), ("v_head_dim", 256),
             ("rms_norm_eps", 1e-5), ("vocab_size", 154880), ("tie_word_embeddings", False),
             ("index_n_heads", 32), ("index_head_dim", 128), ("index_topk", 2048), ("rope_theta", 8000000),
-            ("index_topk_freq", 4),
+            ("index_topk_freq", 4), ("index_skip_topk_offset", 3), ("num_nextn_predict_layers", 1),
         ),
         sources=(
             ("rope_theta", "radixark/miles scripts/run_glm5_2_744b_a40b.py@044f7c8c notes (GLM-5.2: rotary base 8000000)"),
             ("index_topk_freq", "radixark/miles scripts/models/glm5.2-744B-A40B_7layer.sh@a3f6efc5 notes"),
+            (
+                "index_skip_topk_offset", "radixark/miles scripts/run_glm5_2_744b_a40b.py@49f9aef1 notes "
+                "(index_topk_freq=4, index_skip_topk_offset=3: indexers on layers 1, 2, 3, 7, 11, ..., 75)",
+            ),
         ),
     ),
-    gaps=(
-        Gap(
-            "cross-layer DSA top-k sharing", "the indexer runs on layers 1, 2, 3, 7, 11, ... and the others reuse "
-            "its top-k; megatron-core 0.16.1's DSA indexes every layer; the reference builds GLM-5.2 with its own "
-            "spec (miles_plugins.models.glm5)", ("index_topk_freq",),
+    choices=(
+        (
+            "num_nextn_predict_layers",
+            "the MTP layer is carried (converted, handed to SGLang for speculative decoding), not trained: "
+            "transformers' model has no MTP forward to hold it to",
+        ),
+    ),
+    known_differences=(
+        (
+            "q/kv latent norm eps",
+            "transformers' GlmMoeDsaRMSNorm and so miles' trainer normalise the q and kv latents with eps 1e-6; "
+            "SGLang 0.5.23 uses rms_norm_eps 1e-5 (models/deepseek_v2.py:2077, 2163): trainer and rollout logits "
+            "differ by about 1e-4 in float32, below bf16's rounding",
         ),
     ),
 )  # fmt: skip

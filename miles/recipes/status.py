@@ -10,6 +10,8 @@
   from the test files' syntax trees (`cpu_lane_trainings`), never from a list kept here.
 - **cannot build**: a GPU profile whose train backend is Megatron and whose model's config
   types that backend's own mapping does not build (`megatron_model_types`).
+- **FSDP fallback, untested on GPU**: a GPU profile of a recipe that declares a `Fallback`
+  (its family is not built by the Megatron backend yet) and no run record verifies.
 - **untested on GPU**: any other GPU profile (no GPU lane run of it has been recorded).
 - **untested**: a CPU profile no CPU-lane test trains.
 """
@@ -30,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RUNS_DIR = Path(__file__).with_name("runs")
 SCHEMA = 1
 VERIFIED, CPU_LANE, CANNOT_BUILD = "verified", "trained on the CPU lane", "cannot build"
+FALLBACK = "FSDP fallback, untested on GPU"
 UNTESTED_GPU, UNTESTED = "untested on GPU", "untested"
 CPU_LANE_NAME = "cpu"
 CPU_PLAN_FUNCTION = "tiny_plan"  # tests/e2e/recipe_runs.py: builds and prepares a recipe's CPU plan
@@ -37,7 +40,7 @@ CPU_PLAN_FUNCTION = "tiny_plan"  # tests/e2e/recipe_runs.py: builds and prepares
 
 @dataclass(frozen=True)
 class Status:
-    kind: str  # verified | trained on the CPU lane | cannot build | untested on GPU | untested
+    kind: str  # verified | trained on the CPU lane | cannot build | FSDP fallback... | untested on GPU | untested
     detail: str
 
     def text(self) -> str:
@@ -182,10 +185,15 @@ def profile_status(
         problem = _mismatch(record, recipe, profile, root)
         if problem is None:
             when = time.strftime("%Y-%m-%d", time.gmtime(record.get("started_at", 0)))
+            fallback = (
+                f"; it trained with the recipe's fallback, --train-backend {recipe.backend_of(profile)}, not Megatron"
+                if recipe.fallback is not None and profile.platform != "cpu" and not profile.train_backend
+                else ""
+            )
             return Status(
                 VERIFIED,
                 f"{record['test']} passed in {record['suite']} at commit {record['commit'][:12]} on {when} "
-                f"({_shown(path)})",
+                f"({_shown(path)}){fallback}",
             )
         stale = f"; {_shown(path)} does not count: {problem}"
     backend = recipe.backend_of(profile)
@@ -206,11 +214,17 @@ def profile_status(
                 f"{recipe.model.name} is model type {'/'.join(types)}; miles' Megatron backend builds "
                 f"{', '.join(buildable)} (miles/megatron/families/){stale}",
             )
-    return Status(
-        UNTESTED_GPU,
-        f"{backend} on {profile.platform}: {test_files(recipe, profile)[0]} trains it in {profile.suite}, but no run "
-        f"record says it passed (python -m miles.recipes record){stale}",
+    untested = (
+        f"{test_files(recipe, profile)[0]} trains it in {profile.suite}, but no run record says it passed "
+        f"(python -m miles.recipes record){stale}"
     )
+    if recipe.fallback is not None and not profile.train_backend:
+        return Status(
+            FALLBACK,
+            f"{backend} over the HF checkpoint on {profile.world_size} {profile.platform} GPUs instead of Megatron at "
+            f"{profile.parallel.describe()} (the recipe's fallback: {recipe.fallback.reason}); {untested}",
+        )
+    return Status(UNTESTED_GPU, f"{backend} on {profile.platform}: {untested}")
 
 
 def _model_types(recipe: Recipe) -> tuple[str, ...]:

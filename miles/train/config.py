@@ -575,6 +575,10 @@ class ChecksConfig(Section):
     ci_step0_kl_tol: float = flag(type=_non_negative_float, default=1e-6)
     ci_metric_checker_key: str | None = _text()
     ci_metric_checker_threshold: float | None = flag(type=float)
+    dry_start: bool = flag(
+        action="store_true",
+        help="check the flags and the starting checkpoint: build the model at the layout, load its weights, stop",
+    )
     debug_rollout_only: bool = _switch()
     debug_train_only: bool = _switch()
     save_debug_rollout_data: str | None = _text()

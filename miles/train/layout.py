@@ -31,7 +31,7 @@ def model_shape(args):
     None when neither says how deep and wide the model is (only the rank-grid rules apply).
     """
     from miles import models, parallel
-    from miles.models.facts import flag_values, text_config
+    from miles.models.facts import flag_values, shared_index_layers, text_config
     from miles.parallel.layout import dest
 
     hf = {}
@@ -60,6 +60,7 @@ def model_shape(args):
         if args.num_layers
         else not implied.get("--disable-bias-linear", True),
         moe_ffn_hidden_size=flag("--moe-ffn-hidden-size"),
+        shared_index_layers=shared_index_layers(hf, layers) if hf else (),
     )
 
 

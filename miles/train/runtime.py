@@ -2,7 +2,9 @@
 
 `build_run(config)` joins the process group, loads tokenizer, prompts, reward rule, training
 backend and rollout engine (each given only the sections it consumes), and restores `--load`'s
-checkpoint when there is one.
+checkpoint when there is one. `dry_start(config)` (--dry-start) stops after the training
+backend: the flags checked against the world and the model, the model built at the layout and
+its starting weights loaded.
 """
 
 from __future__ import annotations
@@ -70,6 +72,20 @@ class Run:
             print(message, flush=True)
 
 
+def check_before_loading(config: RunConfig, dist_info: DistInfo) -> None:
+    """What a start checks before any model loads, each failing in seconds: the flags against the
+    world size and against what the run acts on, the checkpoints it starts from against their
+    digests and config, and the load directory."""
+    validate_world(config, dist_info.world_size)
+    refused = refusal(config, engine_choice(config, dist_info))
+    if refused:  # a flag the run would not act on
+        raise ArgsError(f"python -m miles.train: {refused}")
+    verify_checkpoints(config, dist_info)
+    ckpt = config.checkpoint
+    if ckpt.load:  # a mistyped --load
+        checkpoint.check_load_dir(ckpt.load, ckpt.save)
+
+
 def build_run(config: RunConfig) -> Run:
     import torch
 
@@ -79,13 +95,7 @@ def build_run(config: RunConfig) -> Run:
     if job.num_threads:
         torch.set_num_threads(job.num_threads)
     dist_info = init_distributed(job.distributed_backend)
-    validate_world(config, dist_info.world_size)
-    refused = refusal(config, engine_choice(config, dist_info))
-    if refused:  # before anything loads: a flag the run would not act on
-        raise ArgsError(f"python -m miles.train: {refused}")
-    verify_checkpoints(config, dist_info)  # before any model loads from them
-    if ckpt.load:  # before any model loads: a mistyped --load fails in a second
-        checkpoint.check_load_dir(ckpt.load, ckpt.save)
+    check_before_loading(config, dist_info)
     seed_everything(job.seed)
     tokenizer = load_tokenizer(ckpt.hf_checkpoint)
     d = config.data
@@ -124,6 +134,29 @@ def build_run(config: RunConfig) -> Run:
     for note in notes:
         run.log(f"miles.train: note: {note}")
     return run
+
+
+def dry_start(config: RunConfig) -> None:
+    """The checks a start makes before any rollout, and nothing after them: the flags against the
+    world size, the load directory, the training backend's model built at the layout (the Megatron
+    backend: every rank's model chunks, its model flags against config.json) with its starting
+    weights loaded (--ref-load's torch_dist)."""
+    import torch
+
+    job, ckpt = config.job, config.checkpoint
+    if job.num_threads:
+        torch.set_num_threads(job.num_threads)
+    dist_info = init_distributed(job.distributed_backend)
+    check_before_loading(config, dist_info)
+    seed_everything(job.seed)
+    backend = make_backend(config, dist_info)
+    source = getattr(backend, "source", ckpt.hf_checkpoint)
+    if dist_info.is_main:
+        print(
+            f"miles.train: dry start: the {job.train_backend} model of {ckpt.hf_checkpoint} is built on "
+            f"{dist_info.world_size} rank(s) ({dist_info.device}) and holds {source}; no rollout",
+            flush=True,
+        )
 
 
 def push_initial_weights(run: Run) -> None:

@@ -42,7 +42,7 @@ from miles.train.inputs import CheckpointRefused
 from miles.train.model import ModelLoadError
 from miles.train.rewards import RewardError
 from miles.train.rollout import RolloutEngineError
-from miles.train.runtime import Run, build_run
+from miles.train.runtime import Run, build_run, dry_start
 from miles.train.sglang_engine import SGLangUnavailable
 
 # The section fields the trainer acts on (the backend's and engine's are theirs: see
@@ -73,7 +73,7 @@ CONSUMES = {
     "checks": (
         "ci_test", "ci_disable_kl_checker", "check_weight_update_equal", "check_weight_update_skip_list",
         "ci_logprob_abs_diff_tol", "ci_step0_kl_tol", "ci_metric_checker_key", "ci_metric_checker_threshold",
-        "debug_rollout_only", "save_debug_rollout_data", "load_debug_rollout_data",
+        "debug_rollout_only", "save_debug_rollout_data", "load_debug_rollout_data", "dry_start",
     ),
 }  # fmt: skip
 
@@ -402,6 +402,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     children.arm()  # what the run forks (checkpoint writers) dies with it, even on SIGKILL
     config = parse_config(argv)
     try:
+        if config.checks.dry_start:
+            dry_start(config)
+            return 0
         run = build_run(config)
         train(run)
     except FOR_PEOPLE as exc:

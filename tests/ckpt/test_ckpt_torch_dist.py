@@ -60,6 +60,15 @@ def test_torch_dist_has_megatrons_layout_and_loads_back_equal(tiny, torch_dist_o
             # Qwen3-4B ties its output layer to the embedding; Qwen3-30B-A3B has its own
             assert ("output_layer.weight" in keys) is (not tied)
             return
+        if name == "glm_moe_dsa":
+            # dense and MoE layers, with and without an indexer: megatron keys them layer by layer
+            keys = {k for k in dist_checkpointing.load_tensors_metadata(str(release))}
+            assert "decoder.layers.2.self_attention.core_attention.indexer.linear_wq_b.weight" in keys
+            assert not any(
+                k.startswith("decoder.layers.3.") and ".indexer." in k for k in keys
+            )  # a shared layer
+            assert {"decoder.layers.1.mlp.router.expert_bias", "mtp.layers.0.eh_proj.weight"} <= keys
+            return
         template = {}
         for tensor in hf.files.weight_map:
             like = hf.read(tensor)

@@ -2,9 +2,11 @@
 
 A tiny checkpoint is converted to torch_dist and loaded by two gloo ranks at a model-parallel
 layout; the exported weights must equal the checkpoint files tensor for tensor under their
-file names (what SGLang loads) and the transformers model's state dict under its names
-(fused experts, what the built-in engine loads): TP shards gathered (gate and up apart), PP
-stages broadcast, experts gathered over EP with their global indices.
+file names (what SGLang loads, GLM-5.2's MTP layer included) and the transformers model's state
+dict under its names (fused experts, what the built-in engine loads): TP shards gathered (gate
+and up apart, the shared expert's too), PP stages broadcast, experts gathered over EP with their
+global indices. GLM-5.2's tiny has 4 layers, the last reusing the DSA top-k of layer 2, so its
+PP=2 split (2 + 2) starts each stage on a layer with its own indexer.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import pytest
 
 from miles.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=60, suite="stage-b-cpu")
+register_cpu_ci(est_time=100, suite="stage-b-cpu")
 
 WORKER = Path(__file__).with_name("weights_worker.py")
 
@@ -30,9 +32,9 @@ def converted(tmp_path_factory):
     from miles.ckpt.torch_dist import convert_to_torch_dist
 
     made = {}
-    for family in ("qwen3", "qwen3_moe"):
+    for family, layers in (("qwen3", 2), ("qwen3_moe", 2), ("glm_moe_dsa", 4)):
         root = tmp_path_factory.mktemp(family)
-        hf = make_tiny_checkpoint(family, 2, root / "hf")
+        hf = make_tiny_checkpoint(family, layers, root / "hf")
         dist = root / "torch_dist"
         dist.mkdir()
         convert_to_torch_dist(hf, dist, family)
@@ -42,8 +44,15 @@ def converted(tmp_path_factory):
 
 @pytest.mark.parametrize(
     ("family", "tp", "pp", "ep"),
-    [("qwen3", 2, 1, 1), ("qwen3", 1, 2, 1), ("qwen3_moe", 1, 1, 2), ("qwen3_moe", 2, 1, 2)],
-    ids=["dense-tp2", "dense-pp2", "moe-ep2", "moe-tp2-ep2"],
+    [
+        ("qwen3", 2, 1, 1),
+        ("qwen3", 1, 2, 1),
+        ("qwen3_moe", 1, 1, 2),
+        ("qwen3_moe", 2, 1, 2),
+        ("glm_moe_dsa", 2, 1, 2),
+        ("glm_moe_dsa", 1, 2, 1),
+    ],
+    ids=["dense-tp2", "dense-pp2", "moe-ep2", "moe-tp2-ep2", "glm-tp2-ep2", "glm-pp2"],
 )
 def test_exported_weights_equal_the_checkpoint_under_both_name_sets(converted, family, tp, pp, ep):
     hf, dist = converted[family]
@@ -55,6 +64,8 @@ def test_exported_weights_equal_the_checkpoint_under_both_name_sets(converted, f
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, (proc.stdout + proc.stderr)[-3000:]
     result = json.loads(lines[0].removeprefix("RESULT "))
+    if family == "glm_moe_dsa":  # the MTP layer is handed over under its checkpoint names
+        assert "model.layers.4.eh_proj.weight" in result["checkpoint_names"], result
     assert result["checkpoint_names_missing"] == [] and result["checkpoint_names_extra"] == [], result
     assert result["model_names_missing"] == [] and result["model_names_extra"] == [], result
     assert result["checkpoint_max_diff"] == 0.0 and result["model_max_diff"] == 0.0, result

@@ -1,6 +1,7 @@
 """Run under `torch.distributed.run --nproc-per-node 2 weights_worker.py HF_DIR TORCH_DIST TP PP EP`:
 the Megatron backend's weight export against the checkpoint it was loaded from, in both name
-formats. Not a test module; tests/megatron/test_megatron_weights.py launches it."""
+formats (the checkpoint's with the carried MTP layers, the transformers class's without).
+Not a test module; tests/megatron/test_megatron_weights.py launches it."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def main() -> None:
     worst = {}
     with CheckpointReader(hf) as reader:
         files = {name: reader.read(name).float() for name in reader.files.weight_map}
-    exported = {n: t.float() for n, t in WeightExporter(chunks, config, fused_experts=False)}
+    exported = {n: t.float() for n, t in WeightExporter(chunks, config, fused_experts=False, extras=True)}
+    worst["checkpoint_names"] = sorted(exported)
     worst["checkpoint_names_missing"] = sorted(set(files) - set(exported))[:5]
     worst["checkpoint_names_extra"] = sorted(set(exported) - set(files))[:5]
     worst["checkpoint_max_diff"] = max(

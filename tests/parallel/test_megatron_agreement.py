@@ -20,7 +20,8 @@ register_cpu_ci(est_time=40, suite="stage-b-cpu")
 
 DENSE = ModelShape("Qwen3-4B-4layer", 4, 32, 8)
 MOE = ModelShape("Qwen3-30B-A3B-4layer", 4, 32, 4, 128)
-GLM = ModelShape("GLM-5.2-5layer", 5, 64, 64, 256, "dsa")
+# GLM-5.2's first 5 layers: indexers on layers 0-2, layers 3 and 4 reuse layer 2's top-k
+GLM = ModelShape("GLM-5.2-5layer", 5, 64, 64, 256, "dsa", shared_index_layers=(3, 4))
 KV3 = ModelShape("kv3", 4, 12, 3)
 KV2 = ModelShape("kv2", 4, 8, 2)
 E8 = ModelShape("moe8", 4, 8, 8, 8)
@@ -34,6 +35,12 @@ EP_DENSE = "ValueError: num_moe_experts must be non None to use expert-parallel.
 HEADS_3 = "ValueError: num_attention_heads (32) must be a multiple of tensor_model_parallel_size (3)."
 LAYERS_PP = "AssertionError: num_layers should be divisible by pipeline_model_parallel_size"
 DSA_CP = "AssertionError: Currently context parallelism is not supported by DSAttention!"
+SHARED_START = (
+    "StageStartsOnSharedLayer: a pipeline stage starts at layer 3, which reuses the DSA top-k of an earlier "
+    "layer (cross-layer index sharing) held by another stage; every stage must start on a layer that runs its "
+    "own indexer (shared layers: 3, 4): change --decoder-first-pipeline-num-layers / "
+    "--decoder-last-pipeline-num-layers or the virtual stages (python -m miles.parallel check names one)"
+)
 EXPERTS_EP = (
     "AssertionError: assert self.config.num_moe_experts % ep_size == 0 "
     "(megatron/core/transformer/moe/moe_layer.py:101)"
@@ -57,7 +64,14 @@ TABLE = [
     (2, P(ep=2), DENSE, "ep-needs-moe", EP_DENSE),
     (2, P(ep=2), MOE, None, None),
     (2, P(pp=2), GLM, "layers-pp", LAYERS_PP),
-    (2, P(pp=2, first_stage_layers=3), GLM, None, None),
+    (2, P(pp=2, first_stage_layers=2), GLM, None, None),
+    (
+        2,
+        P(pp=2, first_stage_layers=3),
+        GLM,
+        "dsa-index-share-stage",
+        SHARED_START,
+    ),  # miles' GLM model refuses
     (
         2,
         P(pp=2, first_stage_layers=3, last_stage_layers=3),
@@ -133,7 +147,7 @@ TABLE = [
     (4, P(tp=2, cp=2), DENSE, None, None),
     (4, P(tp=2, cp=2, pp=2), DENSE, "dense-grid", "RuntimeError: world_size (4) is not divisible by 8"),
     (4, P(pp=4), GLM, "layers-pp", LAYERS_PP),
-    (4, P(pp=4, first_stage_layers=2), GLM, None, None),
+    (4, P(pp=4, first_stage_layers=2), GLM, "dsa-index-share-stage", SHARED_START),
     (
         4,
         P(pp=4, vpp=2, first_stage_layers=3),

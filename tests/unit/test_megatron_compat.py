@@ -79,6 +79,26 @@ CASES = {
         "    b = torch.rand(3)\n"
         "assert not torch.equal(a, b)  # the stream advanced inside the fork\n"
     ),
+    "rotary table of MLA and the DSA indexer": (
+        "from megatron.core.models.common.embeddings import RotaryEmbedding\n"
+        "assert RotaryEmbedding(16, rotary_percent=1.0).inv_freq.device.type == 'cpu'"
+    ),
+    "router with expert bias": (
+        "import torch.distributed as dist\n"
+        "from megatron.core import parallel_state\n"
+        "if not dist.is_initialized():\n"
+        "    dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "if not parallel_state.model_parallel_is_initialized():\n"
+        "    parallel_state.initialize_model_parallel(1, 1)\n"
+        "from megatron.core.transformer import TransformerConfig\n"
+        "from megatron.core.transformer.moe.router import TopKRouter\n"
+        "from megatron.core.process_groups_config import ProcessGroupCollection\n"
+        "tc = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, num_moe_experts=4,\n"
+        "    moe_router_topk=2, moe_router_score_function='sigmoid', moe_router_enable_expert_bias=True,\n"
+        "    use_cpu_initialization=True, moe_ffn_hidden_size=8)\n"
+        "router = TopKRouter(tc, pg_collection=ProcessGroupCollection.use_mpu_process_groups())\n"
+        "assert router.expert_bias.device.type == 'cpu'"
+    ),
 }
 
 

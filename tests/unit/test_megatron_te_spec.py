@@ -83,6 +83,15 @@ def test_grouped_gemm_experts_export_under_sequential_mlps_names():
         == "mlp.experts.local_experts.1.linear_fc1.weight"
     )
     assert expert_name("mlp.linear_fc1.layer_norm_weight") == "mlp.linear_fc1.layer_norm_weight"
+    # whole-model names keep their owner: a decoder layer's, or a carried MTP layer's (GLM-5.2)
+    assert (
+        expert_name("decoder.layers.2.mlp.experts.linear_fc2.weight1")
+        == "decoder.layers.2.mlp.experts.local_experts.1.linear_fc2.weight"
+    )
+    assert (
+        expert_name("mtp.layers.0.transformer_layer.mlp.experts.linear_fc1.weight5")
+        == "mtp.layers.0.transformer_layer.mlp.experts.local_experts.5.linear_fc1.weight"
+    )
 
 
 def test_no_gpu_means_the_stand_in_and_a_requested_te_spec_is_refused():

@@ -88,9 +88,13 @@ def test_config_readers_find_values_where_transformers_writes_them():
 
 
 def test_mla_families_expand_kv_heads_to_every_attention_head():
+    dsv4 = models.family("deepseek_v4")
+    flags = flag_values(dsv4.keys, {"num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512})
+    assert flags == {"--num-attention-heads": 64, "--v-head-dim": 512}  # no query groups for MLA
+    # GlmMoeDsaConfig writes head_dim = qk_rope_head_dim (64 in GLM-5): the value head is v_head_dim
     glm = models.family("glm_moe_dsa")
-    flags = flag_values(glm.keys, {"num_attention_heads": 64, "num_key_value_heads": 64, "head_dim": 256})
-    assert flags == {"--num-attention-heads": 64, "--v-head-dim": 256}  # no query groups for MLA
+    config = {"num_attention_heads": 64, "num_key_value_heads": 64, "head_dim": 64, "v_head_dim": 256}
+    assert flag_values(glm.keys, config) == {"--num-attention-heads": 64, "--v-head-dim": 256}
 
 
 @pytest.mark.parametrize("name", sorted(_specs()))

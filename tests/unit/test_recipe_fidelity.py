@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from miles.parallel import ParallelLayout
-from miles.recipes import defaults, names, shared, variants
-from miles.recipes.diff import reference_comparisons
+from miles.recipes import names, shared, variants
+from miles.recipes.diff import reference_comparisons, rendered
 from miles.recipes.facts import rows
 from miles.recipes.fidelity import Deviation, Placement, Reference, compare, deviation, flags, renamed, shown
 from miles.recipes.recipe import gpu_profile
@@ -85,17 +85,24 @@ def test_a_flag_given_twice_with_different_values_is_an_error_no_reason_explains
     )
 
 
-def test_a_render_time_flag_that_differs_from_the_reference_is_unexplained():
-    """The launcher adds --megatron-to-hf-mode bridge for a family without a Megatron layout; the
-    reference says raw. Without the recipe's reason, diff reports it."""
+def test_a_fallback_is_rendered_and_explains_each_difference_it_makes():
+    """Inkling's recipe declares its FSDP fallback: the GPU command trains data-parallel without
+    Megatron's model flags, and diff explains each difference by the fallback's reason; without
+    that reason they are unexplained."""
     inkling = shared("inkling")
-    assert ("--megatron-to-hf-mode", "bridge") in inkling.arg_groups(inkling.profiles[0], _FIELDS, env={})[0][
-        1
-    ]
-    bare = replace(inkling, deviations=tuple(d for d in inkling.deviations if d is not defaults.BRIDGE_LOAD))
-    (item,) = reference_comparisons(bare, "cuda")
-    rendered = [line.render() for line in item.unexplained]
-    assert "~ --megatron-to-hf-mode: ours bridge, reference raw  UNEXPLAINED" in rendered
+    (item,) = reference_comparisons(inkling, "cuda")
+    assert item.unexplained == ()
+    lines = {line.key: line for line in item.comparison.lines}
+    for key in ("layout:4", "--num-layers", "--megatron-to-hf-mode", "env:CUDA_DEVICE_MAX_CONNECTIONS"):
+        assert lines[key].reason.startswith("fallback to --train-backend fsdp: miles' Megatron backend"), key
+    argv, env = rendered(inkling, inkling.profiles[0])
+    assert argv[argv.index("--train-backend") + 1] == "fsdp" and "--num-layers" not in argv
+    bare = compare(
+        argv, env, Placement(4, ParallelLayout(), 4), item.comparison.reference, inkling.deviations
+    )
+    assert {"layout:4", "--num-layers", "env:CUDA_DEVICE_MAX_CONNECTIONS"} <= {
+        ln.key for ln in bare.unexplained
+    }
 
 
 def test_diff_command_exits_1_on_an_unexplained_difference(tmp_path):
@@ -184,7 +191,11 @@ def test_window_sizes_are_written_as_megatrons_left_right_pair():
 def test_what_megatron_core_lacks_is_said_in_the_recipe():
     gaps = {gap.feature for gap in shared("deepseek_v4").model.gaps}
     assert {"hybrid compressed sparse attention", "sqrt-softplus routing with expert bias"} <= gaps
-    assert shared("glm5_2_744b_a40b").model.gaps[0].keys == ("index_topk_freq",)
+    # GLM-5.2's cross-layer top-k sharing is miles' own (miles.megatron.dsa): no gap, read from config.json
+    glm = shared("glm5_2_744b_a40b").model
+    assert glm.gaps == ()
+    table = {r.key: r for r in rows(glm)}
+    assert table["index_topk_freq"].status == table["index_skip_topk_offset"].status == "model"
 
 
 def test_a_layout_that_differs_from_the_reference_without_a_reason_is_unexplained():

@@ -186,7 +186,7 @@ def test_every_recipe_has_a_shared_and_an_amd_script_that_run_it_and_nothing_els
 
 def test_amd_script_dry_run_prints_a_complete_plan():
     proc = subprocess.run(
-        [sys.executable, "scripts/amd/run_inkling.py", "train", "--dry-run", "--run-id", "x"],
+        [sys.executable, "scripts/amd/run_glm5_2_744b_a40b.py", "train", "--dry-run", "--run-id", "x"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -194,9 +194,8 @@ def test_amd_script_dry_run_prints_a_complete_plan():
     )
     assert proc.returncode == 0, proc.stderr
     for part in (
-        "recipe     inkling (rocm form)",
-        "pins       numba==0.65.1",
-        "SGLANG_ENABLE_UNIFIED_RADIX_TREE=1",
+        "recipe     glm5_2_744b_a40b (rocm form)",
+        "--sglang-moe-a2a-backend mori",
         "CUDA_DEVICE_MAX_CONNECTIONS=1",
         "--sequence-parallel",
     ):
@@ -207,7 +206,9 @@ def test_prepare_dry_run_prints_the_checkpoint_plan(capsys):
     assert main("glm5_2_744b_a40b", argv=["prepare", "--dry-run", "--platform", "cuda"], env={}) == 0
     out = capsys.readouterr().out
     assert "checkpoint plan: zai-org/GLM-5.2 -> .miles/models/GLM-5.2-744B-A40B-5layer" in out
-    assert "steps: fetch, validate, trim, fp8\n" in out  # GLM-5 has no Megatron layout: no torch_dist
+    assert "steps: fetch, validate, trim, fp8, torch_dist\n" in out  # GLM-5 trains with Megatron
+    assert main("inkling", argv=["prepare", "--dry-run", "--platform", "cuda"], env={}) == 0
+    assert "steps: fetch, validate, trim\n" in capsys.readouterr().out  # its FSDP fallback loads the HF dir
 
 
 def test_prepare_with_a_bad_checkpoint_source_exits_2_with_one_line(tmp_path, capsys):
@@ -227,8 +228,10 @@ def test_shared_script_under_a_wrong_platform_variable_refuses(capsys):
 def test_megatron_gpu_jobs_run_with_one_device_connection():
     cuda = build_plan(shared("qwen3_4b"), replace(FIXED, model="Qwen3-4B"), base_env={})
     assert dict(cuda.env)["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
-    rocm = build_plan(load("inkling", platform="rocm"), FIXED, base_env={})
+    rocm = build_plan(load("glm5_2_744b_a40b", platform="rocm"), FIXED, base_env={})
     assert dict(rocm.env)["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    fallback = build_plan(load("inkling", platform="rocm"), FIXED, base_env={})  # FSDP: no Megatron kernels
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in dict(fallback.env)
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in dict(build_plan(shared("qwen3_4b"), FIXED, base_env={}).env)
 
 

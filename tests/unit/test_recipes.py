@@ -248,9 +248,10 @@ def test_tiny_plan_builds_the_family_locally_and_skips_conversions():
     assert (plan.source, plan.model_name, plan.num_layers) == (
         "tiny:glm_moe_dsa",
         "GLM-5.2-744B-A40B-tiny",
-        2,
+        4,  # the family's tiny depth: layers 0-2 run the DSA indexer, layer 3 reuses its top-k
     )
     assert plan.steps == ("fetch", "validate")
+    assert shared("qwen3_4b").checkpoint_plan("tiny").num_layers == 2
 
 
 def test_fp8_recipe_slice_plan_trims_converts_and_builds_torch_dist():
@@ -284,18 +285,57 @@ def test_fp8_recipe_rolls_out_from_the_fp8_checkpoint_and_references_torch_dist(
     assert args[args.index("--ref-load") + 1] == "/m/Qwen3-30B-A3B-4layer_torch_dist"
 
 
-def test_a_family_without_a_megatron_layout_is_referenced_by_its_hf_dir_through_the_bridge():
-    # DeepSeek-V4's torch_dist would hold HF names, which Megatron-LM cannot load as --ref-load
+def test_a_recipe_whose_family_megatron_cannot_build_trains_its_declared_fallback():
+    # DeepSeek-V4's torch_dist would hold HF names, which no Megatron job loads: FSDP reads the HF dir
     from miles.recipes.launch import RunOptions, build_plan
 
-    plan = build_plan(
-        shared("deepseek_v4"), RunOptions(model="DeepSeek-V4-Flash-4layer", model_dir="/m"), base_env={}
-    )
+    recipe = shared("deepseek_v4")
+    plan = build_plan(recipe, RunOptions(model="DeepSeek-V4-Flash-4layer", model_dir="/m"), base_env={})
     args = plan.train_args
-    assert "torch_dist" not in plan.checkpoint.steps
+    assert recipe.fallback is not None and "torch_dist" not in plan.checkpoint.steps
+    assert args[args.index("--train-backend") + 1] == "fsdp"
     assert args[args.index("--hf-checkpoint") + 1] == "/m/DeepSeek-V4-Flash-4layer_fp8"
     assert args[args.index("--ref-load") + 1] == "/m/DeepSeek-V4-Flash-4layer"
-    assert args[args.index("--megatron-to-hf-mode") + 1] == "bridge"
+    assert not [
+        a for a in args if a.startswith(("--megatron-to-hf-mode", "--tensor-model-parallel", "--num-layers"))
+    ]
+
+
+def test_list_and_show_say_a_fallback_profile_trains_data_parallel_not_at_its_megatron_layout(capsys):
+    from miles.recipes.__main__ import main
+
+    assert main(["list"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    for name, gpus in (
+        ("Inkling-Small-4layer", 4),
+        ("DeepSeek-V4-Flash-4layer", 4),
+        ("DeepSeek-V4-Flash-4layer", 8),
+    ):
+        line = next(ln for ln in listed if f"cuda 1x{gpus} {name}:" in ln)
+        assert (
+            f": fsdp data-parallel over {gpus} GPUs (the fallback; its Megatron layout tp{gpus}·" in line
+        ), line
+        assert line.endswith("(FSDP fallback, untested on GPU)"), line
+    glm = next(
+        ln for ln in listed if "cuda 1x4 GLM-5.2-744B-A40B-5layer:" in ln
+    )  # built: its layout, no fallback
+    assert glm.endswith(": tp4·pp1·cp1·ep4·etp1+sp  (untested on GPU)"), glm
+    assert main(["show", "inkling", "--platform", "rocm"]) == 0
+    shown = capsys.readouterr().out
+    assert (
+        "train backend: fsdp (fallback from megatron: miles' Megatron backend does not build Inkling yet"
+        in shown
+    )
+    assert "rocm 1x4 Inkling-Small-4layer: fsdp data-parallel over 4 GPUs" in shown
+
+
+def test_a_megatron_recipe_of_an_unbuilt_family_must_declare_its_fallback():
+    inkling = shared("inkling")
+    with pytest.raises(RecipeError, match="declare the recipe's Fallback"):
+        replace(inkling, fallback=None)
+    glm = shared("glm5_2_744b_a40b")
+    with pytest.raises(RecipeError, match="builds glm_moe_dsa now; remove the fallback"):
+        replace(glm, fallback=inkling.fallback)
 
 
 def test_tiny_profile_of_a_family_megatron_cannot_build_is_data_parallel_fsdp():

@@ -4,7 +4,10 @@ A mapping says what megatron-core needs to build a family's model that the facts
 (`miles.models`) does not: the TransformerConfig switches megatron-core spells its own way
 (normalisation, qk-norm, which layers are MoE, how top-k weights are renormalised), the
 config values it refuses, and where every row of a decoder layer's megatron weights comes
-from in the Hugging Face checkpoint. Adding a family: one module here defining `MAPPINGS`.
+from in the Hugging Face checkpoint; and, for a family megatron-core's GPT layers do not
+build as they are, its own layer spec, what it adds to a built model chunk, and where the
+weights outside the decoder layers come from. Adding a family: one module here defining
+`MAPPINGS`.
 Importing this package imports no torch and no megatron-core.
 """
 
@@ -35,6 +38,18 @@ class GPTMapping:
     layer_weights: Callable[[Mapping[str, Any], int, str], Weights]
     # megatron.core.transformer's config class the fields fill (MLA models: "MLATransformerConfig")
     config_class: str = "TransformerConfig"
+    # The family's own decoder block spec, (TransformerConfig, config, vp_stage, *, impl) -> the
+    # spec, `impl` as miles.megatron.spec names it (None: megatron-core's Transformer Engine GPT
+    # spec, miles.megatron.spec)
+    block_spec: Callable[..., Any] | None = None
+    # What it adds to a built model chunk, already in the parameter dtype (carried MTP layers,
+    # frozen or float32 parameters) and refuses (a chunk that cannot run alone):
+    # (model, TransformerConfig, config, vp_stage, *, impl) -> None
+    finish_model: Callable[..., None] | None = None
+    # The weights outside the decoder layers it adds (MTP layers): (config) -> Weights
+    extra_weights: Callable[[Mapping[str, Any]], Weights] | None = None
+    # Megatron-LM arguments common.pt records beyond the shared ones: (config) -> {name: value}
+    lm_args: Callable[[Mapping[str, Any]], dict] | None = None
 
 
 @cache

@@ -1,15 +1,16 @@
 """GRPO on DeepSeek-V4-Flash (a 4-layer slice in CI), FP8 rollouts.
 
 megatron-core 0.16.1 cannot build DeepSeek-V4's attention, hyper-connections or router (see
-`python -m miles.recipes facts deepseek_v4`); the profiles carry only what it can express, and
-the reference trains V4 through its own Megatron spec.
+`python -m miles.recipes facts deepseek_v4`) and miles' Megatron backend does not build V4 yet,
+so the GPU profiles train with FSDP over the HF checkpoint (the recipe's declared fallback);
+their Megatron layouts are the reference's, kept for when the backend builds the family.
 """
 
 from miles.parallel import ParallelLayout
 from miles.recipes import defaults as d
 from miles.recipes import references
 from miles.recipes.fidelity import deviation
-from miles.recipes.recipe import Overlay, Recipe, gpu_profile, groups, source_file
+from miles.recipes.recipe import Fallback, Overlay, Recipe, gpu_profile, groups, source_file
 from miles.recipes.specs import DEEPSEEK_V4_FLASH
 
 MODEL = "DeepSeek-V4-Flash-4layer"
@@ -53,7 +54,7 @@ ROCM = Overlay(
 
 RECIPE = Recipe(
     name="deepseek_v4",
-    description="GRPO on DeepSeek-V4-Flash with FP8 rollouts, the Megatron backend and SGLang",
+    description="GRPO on DeepSeek-V4-Flash with FP8 SGLang rollouts (FSDP until the Megatron backend builds it)",
     model=DEEPSEEK_V4_FLASH,
     models=(MODEL,),
     defined_in=source_file(__name__),
@@ -99,9 +100,13 @@ RECIPE = Recipe(
     ),
     overlays=(ROCM,),
     references=references.load("deepseek_v4"),
+    fallback=Fallback(
+        "fsdp",
+        reason="miles' Megatron backend does not build DeepSeek-V4 yet (its hybrid attention, hyper-connections "
+        "and routers are not in megatron-core 0.16.1); FSDP trains the HF model on the same GPUs, data-parallel",
+    ),
     deviations=(
         *d.COMMON_DEVIATIONS,
-        d.BRIDGE_LOAD,
         deviation(
             "--hf-checkpoint",
             reason="miles trims DeepSeek-V4-Flash to 4 layers and converts it to FP8 itself (prepare-ckpt: "

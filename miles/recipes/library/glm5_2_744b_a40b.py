@@ -1,4 +1,10 @@
-"""GRPO on GLM-5.2-744B-A40B (a 5-layer slice in CI): MLA with DSA sparse attention, FP8 rollouts."""
+"""GRPO on GLM-5.2-744B-A40B (a 5-layer slice in CI): MLA with DSA sparse attention, FP8 rollouts.
+
+Trained by miles' Megatron backend (miles.megatron.families.glm: MLA, GLM's DSA indexer with
+its cross-layer top-k sharing, sigmoid-routed MoE with a shared expert, MTP layers carried) from
+the torch_dist prepare-ckpt converts; its CPU profile trains the tiny model at TP 2 with sequence
+parallelism and EP 2.
+"""
 
 from miles.parallel import ParallelLayout
 from miles.recipes import defaults as d
@@ -11,6 +17,8 @@ MODEL = "GLM-5.2-744B-A40B-5layer"
 # DSA attention cannot use context parallel on megatron-core 0.16.1; 5 layers keep PP at 1.
 FOUR_GPUS = ParallelLayout(tp=4, sp=True, ep=4, etp=1)
 EIGHT_GPUS = ParallelLayout(tp=4, sp=True, ep=8, etp=1)
+# The 4-GPU form's dimensions on the CPU lane's two ranks: tensor (with sequence) and expert parallel.
+CPU_TP2_EP2 = ParallelLayout(tp=2, sp=True, ep=2, etp=1)
 
 
 def _prefill(gpus: int) -> tuple:
@@ -108,7 +116,7 @@ RECIPE = Recipe(
             suite="stage-c-8-gpu-h200",
             rollout_engine=_prefill(8),
         ),
-        d.cpu_tiny_profile(),
+        d.cpu_tiny_profile(CPU_TP2_EP2, "megatron"),
     ),
     overlays=(ROCM,),
     references=references.load("glm5_2_744b_a40b"),
@@ -119,9 +127,10 @@ RECIPE = Recipe(
             "--enable-experimental",
             "--experimental-attention-variant",
             "--dsa-indexer-*",
-            reason="the reference builds GLM-5.2's DSA with its own spec (miles_plugins.models.glm5); miles asks for "
-            "megatron-core's own DSA with config.json's indexer shape (it lacks the cross-layer top-k sharing: "
-            "`facts glm5_2_744b_a40b`)",
+            reason="the reference builds GLM-5.2's DSA with its own spec (miles_plugins.models.glm5); miles builds it "
+            "with its own modules (miles.megatron.dsa: GLM's indexer and its cross-layer top-k sharing, read from "
+            "config.json) and states the attention and the indexer's shape in megatron-core's flags, which its "
+            "backend checks against config.json",
         ),
         deviation(
             "--moe-enable-deepep",
@@ -130,11 +139,12 @@ RECIPE = Recipe(
             "as the reference does without DeepEP (its AMD script)",
             platforms=("cuda",),
         ),
-        d.BRIDGE_LOAD,
         deviation(
             "--hf-checkpoint",
-            reason="miles names prepared checkpoints after the recipe's model (GLM-5.2-744B-A40B-5layer_fp8, trimmed "
-            "and FP8-converted by prepare-ckpt); the reference downloads a 5-layer prune named GLM-5.2_5layer",
+            "--ref-load",
+            reason="miles names prepared checkpoints after the recipe's model (GLM-5.2-744B-A40B-5layer_fp8 and "
+            "_torch_dist, trimmed and converted by prepare-ckpt); the reference downloads a 5-layer prune named "
+            "GLM-5.2_5layer",
         ),
         deviation(
             "--sglang-router-policy",

@@ -114,9 +114,9 @@ class MegatronBackend(TrainBackend):
         self.batching = batch
         self.loss_cfg = algorithm.loss_config(rollout.rollout_temperature)
         self.optim_cfg = optimizer.optim_config()
-        hf = checkpoint.hf_checkpoint
+        hf = self.hf_checkpoint = checkpoint.hf_checkpoint
         self.config = json.loads((Path(hf) / "config.json").read_text())
-        check_model_flags(model, self.config, hf)
+        check_model_flags(model, self.config, hf, megatron)
         self.source = _weights_source(checkpoint)
         self.layout = layout  # parsed and checked with the flags (miles.train.args)
         mt.init_parallel_state(self.layout, job.seed)
@@ -156,7 +156,12 @@ class MegatronBackend(TrainBackend):
         self.steps_done = 0
 
     def _load_chunks(self, tc) -> list:
-        chunks = mg.build_chunks(self.config, tc, self.vocab, impl=self.impl)
+        from miles.megatron.families import UnmappedModel
+
+        try:
+            chunks = mg.build_chunks(self.config, tc, self.vocab, impl=self.impl)
+        except UnmappedModel as exc:  # a model chunk the layout cannot build (the message says why)
+            raise MegatronSetupError(f"{self.hf_checkpoint}: {exc}") from exc
         try:
             ckpt.load_weights(chunks, self.source)
         except ckpt.CheckpointMismatch as exc:
@@ -222,7 +227,9 @@ class MegatronBackend(TrainBackend):
     def full_weights(self, names: str = "model", dtype=None) -> Iterator[tuple[str, torch.Tensor]]:
         fused = self.fused_experts and names == "model"
         self._gather_params()
-        for name, tensor in WeightExporter(self.chunks, self.config, fused_experts=fused):
+        # carried MTP layers go to an engine that loads checkpoint names (SGLang drafts with them)
+        exporter = WeightExporter(self.chunks, self.config, fused_experts=fused, extras=names == "checkpoint")
+        for name, tensor in exporter:
             yield name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
 
     def save(self, directory: str, *, with_optimizer: bool) -> None:
@@ -386,17 +393,27 @@ def _hf_fuses_experts(path: str) -> bool:
     return any(name.endswith("mlp.experts.gate_up_proj") for name in names)
 
 
-def check_model_flags(model: ModelConfig, config: dict, path: str) -> None:
+def check_model_flags(
+    model: ModelConfig, config: dict, path: str, megatron: MegatronConfig | None = None
+) -> None:
     """Every Megatron model flag the command sets agrees with config.json (through its family's
-    facts table, `miles.models`), or one error lists every one that does not: the model is built
-    from config.json, so a flag that says otherwise describes another model."""
+    facts table, `miles.models`, and the flags its architecture fixes), or one error lists every
+    one that does not: the model is built from config.json, so a flag that says otherwise
+    describes another model. A fixed flag may live in the megatron section (the router's bias
+    update rate), so both sections are read."""
     from miles import models
-    from miles.models.facts import disagreements
+    from miles.models.facts import disagreements, text_config
     from miles.parallel.layout import dest
 
     keys = models.keys_of(config)
-    given = {row.flag: getattr(model, dest(row.flag), None) for row in keys}
-    wrong = disagreements(keys, config, {f: v for f, v in given.items() if v not in (None, False)})
+    family = models.family_of(text_config(config))
+    fixed = family.fixed if family else ()
+    sections = (model,) if megatron is None else (model, megatron)
+    given = {
+        row.flag: next((getattr(s, dest(row.flag)) for s in sections if hasattr(s, dest(row.flag))), None)
+        for row in (*keys, *fixed)
+    }
+    wrong = disagreements(keys, config, {f: v for f, v in given.items() if v not in (None, False)}, fixed)
     if wrong:
         raise MegatronSetupError(
             f"{path}/config.json describes another model than the Megatron flags: {'; '.join(wrong)}. The model "

@@ -29,20 +29,13 @@ ROLLOUTS = 3
 
 
 BF16_LOGPROB_TOL = "0.05"
-# The families miles' Megatron backend cannot build (megatron-core 0.16.1 has no layer spec for
-# their attention; see `python -m miles.recipes facts <name>`) train with FSDP over their HF
-# model in these tests, on the recipe's own checkpoint, data and GPUs (the script renders the
-# recipe for FSDP: without the Megatron options, which the trainer would refuse).
-FSDP_INSTEAD = ("--train-backend", "fsdp")
 
 
 def run_recipe(name: str, workdir: Path) -> Path:
-    """Prepare and train `name` on this machine's GPUs; returns the run's checkpoint directory."""
-    from miles.recipes.recipe import megatron_layout
-
+    """Prepare and train `name` on this machine's GPUs, by the command the recipe renders (its
+    backend and layout, or its declared fallback); returns the run's checkpoint directory."""
     platform = str(resolve().platform)
     recipe = load(name)
-    backend = () if megatron_layout(recipe.model.family) else FSDP_INSTEAD
     assert recipe.variant == ("rocm" if platform == "rocm" else "shared"), (platform, recipe.variant)
     runs = workdir / "runs"
     argv = [
@@ -59,7 +52,6 @@ def run_recipe(name: str, workdir: Path) -> Path:
         str(ROLLOUTS),
         "--extra-args",
         f"--prompt-data synthetic:fixed --rm-type synthetic --ci-test --ci-logprob-abs-diff-tol {BF16_LOGPROB_TOL}",
-        *backend,
     ]
     proc = subprocess.run(argv, cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, check=False)
     tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])

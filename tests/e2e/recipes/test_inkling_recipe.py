@@ -3,8 +3,8 @@
 On 4 GPUs the CUDA or ROCm profile prepares and trains (3 rollouts, --ci-test); the recipe comes from
 miles.recipes.load(), which picks the ROCm form on a ROCm runner. On CPU every recipe's tiny
 profile is trained by tests/e2e/test_train_recipes_tiny.py.
-It trains with the FSDP backend over its HF model (conftest.FSDP_INSTEAD): miles' Megatron
-backend cannot build this architecture.
+It trains with the FSDP backend over its HF model: the recipe's declared fallback (its GPU
+command says --train-backend fsdp) until miles' Megatron backend builds this architecture.
 est_time is an estimate: no GPU run of this test has been measured yet.
 """
 
