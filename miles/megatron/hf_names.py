@@ -50,6 +50,13 @@ def gate_up_pieces(prefix: str, rows: int) -> tuple[Piece, ...]:
     return (whole(prefix + "gate_proj.weight", rows), whole(prefix + "up_proj.weight", rows, rows))
 
 
+def dense_mlp(mg: str, hf: str, post_norm: tuple[Piece, ...], width: int, hidden: int) -> Weights:
+    """A dense SwiGLU MLP in the TE spec: its norm fused into linear_fc1, [gate; up], then down."""
+    yield mg + "mlp.linear_fc1.layer_norm_weight", post_norm
+    yield mg + "mlp.linear_fc1.weight", gate_up_pieces(hf + "mlp.", width)
+    yield mg + "mlp.linear_fc2.weight", (whole(hf + "mlp.down_proj.weight", hidden),)
+
+
 def layer_layout(config: Mapping[str, Any], i: int, mg: str) -> Weights:
     """The weights of decoder layer `i` of the HF model, under megatron layer prefix `mg`."""
     from miles.megatron.families import mapping_of

@@ -72,12 +72,12 @@ class Run:
             print(message, flush=True)
 
 
-def check_before_loading(config: RunConfig, dist_info: DistInfo) -> None:
+def check_before_loading(config: RunConfig, dist_info: DistInfo, engine: str) -> None:
     """What a start checks before any model loads, each failing in seconds: the flags against the
-    world size and against what the run acts on, the checkpoints it starts from against their
-    digests and config, and the load directory."""
+    world size and against what the run acts on with `engine`, the checkpoints it starts from
+    against their digests and config, and the load directory."""
     validate_world(config, dist_info.world_size)
-    refused = refusal(config, engine_choice(config, dist_info))
+    refused = refusal(config, engine)
     if refused:  # a flag the run would not act on
         raise ArgsError(f"python -m miles.train: {refused}")
     verify_checkpoints(config, dist_info)
@@ -86,17 +86,27 @@ def check_before_loading(config: RunConfig, dist_info: DistInfo) -> None:
         checkpoint.check_load_dir(ckpt.load, ckpt.save)
 
 
-def build_run(config: RunConfig) -> Run:
+def start(config: RunConfig, *, dry: bool = False) -> DistInfo:
+    """Threads, the process group, the checks made before anything loads, the seeds. A dry start
+    checks the flags against the engine the command names, `auto` as a GPU machine with SGLang
+    resolves it (the command is checked for where it will run, not for this machine)."""
     import torch
 
+    if config.job.num_threads:
+        torch.set_num_threads(config.job.num_threads)
+    dist_info = init_distributed(config.job.distributed_backend)
+    choice = config.job.rollout_engine
+    engine = ("sglang" if choice == "auto" else choice) if dry else engine_choice(config, dist_info)
+    check_before_loading(config, dist_info, engine)
+    seed_everything(config.job.seed)
+    return dist_info
+
+
+def build_run(config: RunConfig) -> Run:
     from miles.train.model import eos_token_ids, load_tokenizer
 
     job, ckpt = config.job, config.checkpoint
-    if job.num_threads:
-        torch.set_num_threads(job.num_threads)
-    dist_info = init_distributed(job.distributed_backend)
-    check_before_loading(config, dist_info)
-    seed_everything(job.seed)
+    dist_info = start(config)
     tokenizer = load_tokenizer(ckpt.hf_checkpoint)
     d = config.data
     prompts = data.load_prompts(
@@ -141,14 +151,8 @@ def dry_start(config: RunConfig) -> None:
     world size, the load directory, the training backend's model built at the layout (the Megatron
     backend: every rank's model chunks, its model flags against config.json) with its starting
     weights loaded (--ref-load's torch_dist)."""
-    import torch
-
     job, ckpt = config.job, config.checkpoint
-    if job.num_threads:
-        torch.set_num_threads(job.num_threads)
-    dist_info = init_distributed(job.distributed_backend)
-    check_before_loading(config, dist_info)
-    seed_everything(job.seed)
+    dist_info = start(config, dry=True)
     backend = make_backend(config, dist_info)
     source = getattr(backend, "source", ckpt.hf_checkpoint)
     if dist_info.is_main:

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from miles.megatron.families import GPTMapping, UnmappedModel
-from miles.megatron.hf_names import Weights, gate_up_pieces, whole
+from miles.megatron.hf_names import Weights, dense_mlp, gate_up_pieces, whole
 from miles.models.facts import indexer_types, rope_parameters, value
 
 
@@ -175,9 +175,7 @@ def layer_weights(config: Mapping[str, Any], i: int, mg: str) -> Weights:
         yield to + "linear_weights_proj.weight", (whole(src + "weights_proj.weight", index),)
     post_norm = (whole(hf + "post_attention_layernorm.weight", hidden),)
     if not moe_layers(config)[i]:
-        yield mg + "mlp.linear_fc1.layer_norm_weight", post_norm
-        yield mg + "mlp.linear_fc1.weight", gate_up_pieces(hf + "mlp.", config["intermediate_size"])
-        yield mg + "mlp.linear_fc2.weight", (whole(hf + "mlp.down_proj.weight", hidden),)
+        yield from dense_mlp(mg, hf, post_norm, config["intermediate_size"], hidden)
         return
     experts, width = int(value(config, "n_routed_experts")), config["moe_intermediate_size"]
     yield mg + "pre_mlp_layernorm.weight", post_norm
