@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 
 from miles.ci.running.execute import CancelToken, Settings, TestRun, run_attempt
-from miles.ci.running.processes import Containment
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # Forks as fast as it can; each parent exits at once. It holds a shared lock on argv[2]
 # (inherited by every generation), says so in argv[3], and stops by itself when argv[4]
@@ -86,21 +87,42 @@ def _stop_escaped(lock: Path, stop: Path) -> None:
     assert not _alive(lock, wait=60), "an escaped hopper did not stop"
 
 
+# Twelve sweeps in a fresh process, as the runner (`python -m miles.ci run`) holds them: the
+# subreaper is a process that runs tests and nothing else, not this pytest process, which by now
+# may host torch's and gloo's threads and whatever earlier tests left in it. Prints the number
+# of sweeps the hopper outlived.
+SWEEPS = """
+import sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[3])
+import test_runner_containment as t
+from miles.ci.running.processes import Containment
+mode, root = sys.argv[1], Path(sys.argv[2])
+escaped = 0
+for n in range(12):
+    lock, ready, stop = t._files(root, n)
+    containment = Containment(use_cgroup=False)
+    argv = [sys.executable, "-c", t.LEAK, t.HOPPER, mode, str(lock), str(ready), str(stop)]
+    proc = t.subprocess.Popen(argv, start_new_session=True)
+    containment.started(proc.pid)
+    proc.wait()
+    containment.stop(0.1)
+    containment.close()
+    if t._alive(lock):
+        escaped += 1
+        t._stop_escaped(lock, stop)
+print(escaped)
+"""
+
+
 @pytest.mark.parametrize("mode", ["session", "one-session"])
 def test_a_fork_hopper_never_outlives_the_sweep(tmp_path, mode):
-    escaped = 0
-    for n in range(12):
-        lock, ready, stop = _files(tmp_path, n)
-        containment = Containment(use_cgroup=False)
-        argv = [sys.executable, "-c", LEAK, HOPPER, mode, str(lock), str(ready), str(stop)]
-        proc = subprocess.Popen(argv, start_new_session=True)
-        containment.started(proc.pid)
-        proc.wait()
-        containment.stop(0.1)
-        containment.close()
-        if _alive(lock):
-            escaped += 1
-            _stop_escaped(lock, stop)
+    done = subprocess.run(
+        [sys.executable, "-c", SWEEPS, mode, str(tmp_path), str(Path(__file__).parent)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    escaped = int(done.stdout.split()[-1])
     assert escaped == 0, f"the hopper escaped {escaped} of 12 sweeps"
 
 
