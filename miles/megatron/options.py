@@ -199,9 +199,13 @@ def ddp_fields(megatron) -> dict[str, Any]:
 
 
 def distributed_optimizer(megatron) -> bool:
-    """Always True. --use-distributed-optimizer asks for megatron-core's distributed optimizer,
-    and leaving the flag out builds it all the same: the backend has no replicated optimizer
-    (its checkpoints and the data-parallel resharding on resume are the distributed one's)."""
+    """Always True, as in the seed framework: radixark/miles sets use_distributed_optimizer for
+    every Adam run whatever the command line says (set_default_megatron_args in
+    miles/backends/megatron_utils/arguments.py at 31f1ca961a94), so its recipes pass
+    --use-precision-aware-optimizer, which megatron-core allows only with the distributed
+    optimizer, without the flag. --use-distributed-optimizer asks for what the backend builds;
+    leaving it out builds the same (the checkpoints and the data-parallel resharding on resume
+    are the distributed optimizer's)."""
     return bool(megatron.use_distributed_optimizer) or True
 
 
