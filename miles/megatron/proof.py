@@ -9,7 +9,8 @@ its world size in turn, the way a training start meets them: `initialize_model_p
 `get_num_layers_to_build` for every pipeline stage and virtual stage, for a model whose DSA
 layers share their top-k the check miles' GLM model makes of every model chunk's first layer
 (`miles.megatron.dsa.check_chunk_start`, on megatron-core's own layer offsets), a MoE layer built on
-the expert groups, and that layer's training forward called without input (its first
+the expert groups, the check miles' trainer makes of its expert weights' reduction marks
+(`miles.megatron.training.check_expert_replicas`), and that layer's training forward called without input (its first
 statement checks the layout; the missing input then stops it before any computation); then
 `destroy_model_parallel` before the next layout. megatron-core's verdict and exact message
 come back as `MegatronVerdict`s.
@@ -39,7 +40,7 @@ from miles.parallel.verdict import Verdict
 
 STAGES = (
     "initialize_model_parallel", "TransformerConfig", "get_num_layers_to_build", "miles.megatron.dsa", "MoELayer",
-    "MoELayer.forward",
+    "miles.megatron.training", "MoELayer.forward",
 )  # fmt: skip
 # Every rank is a forked process holding torch and megatron-core; past this many the proof
 # would take the machine, so bigger worlds are refused with the reason.
@@ -67,6 +68,7 @@ _MEGATRON_RULES = (
     ("miles.megatron.dsa", r"reuses the DSA top-k of an earlier layer", "dsa-index-share-stage"),
     ("MoELayer", r"num_moe_experts % ep_size", "experts-ep"),
     ("MoELayer", r"is not divisible by", "moe-ffn-etp"),
+    ("miles.megatron.training", r"the copies would drift apart", "expert-copies-tp"),
     ("MoELayer.forward", r"MoE and tensor parallelism", "moe-tp-needs-sp"),
 )
 

@@ -175,6 +175,8 @@ def _try_layout(case: dict) -> dict:
             if model.num_experts is not None:
                 stage = "MoELayer"
                 layer = _build_moe_layer(transformer)
+                stage = "miles.megatron.training"
+                _check_expert_replicas(layer, transformer)
                 stage = "MoELayer.forward"
                 _enter_moe_forward(layer)
     except Exception as exc:  # megatron-core raises ValueError, RuntimeError or AssertionError
@@ -277,6 +279,15 @@ def _build_moe_layer(transformer):
         submodules=spec.submodules.mlp.submodules,
         pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
     )
+
+
+def _check_expert_replicas(layer, transformer) -> None:
+    """What miles' trainer refuses before wrapping a model in DDP: expert weights copied over a
+    tensor-parallel group that megatron-core reduces over data parallel only (read from the
+    built layer's own `allreduce` marks)."""
+    from miles.megatron.training import check_expert_replicas
+
+    check_expert_replicas(layer, transformer)
 
 
 def _enter_moe_forward(layer) -> None:

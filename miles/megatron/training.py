@@ -43,11 +43,41 @@ def context_parallel_rank() -> int:
     return ps.get_context_parallel_rank()
 
 
+def check_expert_replicas(module, tc) -> None:
+    """Refuse expert weights DDP would let drift apart.
+
+    megatron-core sends an expert weight to the expert-data-parallel reduction only when it is
+    marked `allreduce = False`, which its expert layers do only with expert_model_parallel_size
+    > 1 (tensor_parallel/layers.py, moe/experts.py and TE's grouped linear read
+    `expert_parallel`); a weight left `allreduce = True` is reduced over data parallel alone,
+    as a dense one. With ep = 1 and etp < tp, each expert is copied on tp/etp ranks of a
+    tensor-parallel group, and under sequence parallelism each copy sees only its rank's
+    tokens: the copies get different gradients, nobody sums them, and they drift apart (a
+    tiny Qwen3-MoE at tp2·etp1 on two ranks: gradient norm 1e-5 off FSDP's at the first step,
+    0.7% at the third, and trainer and rollout logprobs 1.4e-3 apart after one step).
+    """
+    tp = tc.tensor_model_parallel_size
+    etp = tc.expert_tensor_parallel_size or tp
+    if etp >= tp or not tc.sequence_parallel:
+        return
+    for name, param in module.named_parameters():
+        if ".experts." in f".{name}" and getattr(param, "allreduce", True):
+            raise ValueError(
+                f"expert weight {name} is copied on the {tp // etp} ranks of each tensor-parallel group "
+                f"(tp {tp}, etp {etp}), each copy trained on its rank's sequence-parallel tokens, but "
+                f"megatron-core reduces it over data parallel only (it marks expert weights for the "
+                f"expert-data-parallel reduction only with expert_model_parallel_size > 1): the copies "
+                f"would drift apart; use --expert-tensor-parallel-size {tp} or --expert-model-parallel-size >= 2"
+            )
+
+
 def wrap_ddp(chunks: Sequence, tc, fields: dict | None = None) -> list:
     """megatron's DDP around each chunk, for the distributed optimizer; `fields` are the
     DistributedDataParallelConfig fields the flags set (miles.megatron.options.ddp_fields)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+    for chunk in chunks:
+        check_expert_replicas(chunk, tc)
     ddp_config = DistributedDataParallelConfig(**{"use_distributed_optimizer": True, **(fields or {})})
     return [
         DistributedDataParallel(config=tc, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)

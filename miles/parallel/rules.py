@@ -248,6 +248,18 @@ def _moe_ffn_etp(c: ParallelLayout, x: Context) -> str | None:
     return None
 
 
+def _expert_copies_tp(c: ParallelLayout, x: Context) -> str | None:
+    m = x.model
+    if m.moe and c.ep == 1 and c.expert_tp < c.tp and c.effective_sp:
+        return (
+            f"{m.name}: with ep(1) and etp({c.expert_tp}) < tp({c.tp}) each expert is copied on "
+            f"{c.tp // c.expert_tp} ranks of a tensor-parallel group, each trained on its own "
+            "sequence-parallel tokens, and megatron-core reduces expert weights over data parallel only "
+            "at ep 1: the copies would drift apart"
+        )
+    return None
+
+
 def _moe_tp_needs_sp(c: ParallelLayout, x: Context) -> str | None:
     m = x.model
     if m.moe and c.tp > 1 and not c.effective_sp:
@@ -285,6 +297,8 @@ RULES: tuple[Rule, ...] = (
     Rule("dsa-index-share-stage", "miles.megatron.dsa", _index_share_stage, ("first_stage_layers", "last_stage_layers", "pp", "vpp"), lambda c, x: split_text(c, x.model), True),
     Rule("experts-ep", "MoELayer", _experts_ep, ("ep",), lambda c, x: f"puts {x.model.num_experts // c.ep} experts on each ep rank", True),
     Rule("moe-ffn-etp", "MoELayer", _moe_ffn_etp, ("etp",), lambda c, x: f"splits each expert's FFN {x.model.moe_ffn_hidden_size // c.expert_tp} per etp rank", True),
+    # miles' own: megatron-core accepts the layout and trains the copies apart (miles.megatron.training refuses)
+    Rule("expert-copies-tp", "miles.megatron.training", _expert_copies_tp, ("etp", "ep"), needs_model=True),
     Rule("moe-tp-needs-sp", "MoELayer.forward", _moe_tp_needs_sp, ("sp", "tp"), needs_model=True),
 )  # fmt: skip
 RULE_IDS = tuple(r.id for r in RULES)

@@ -47,6 +47,16 @@ EXPERTS_EP = (
 )
 
 
+def expert_copies() -> str:
+    return (
+        "ValueError: expert weight experts.local_experts.0.linear_fc1.weight is copied on the 2 ranks of each "
+        "tensor-parallel group (tp 2, etp 1), each copy trained on its rank's sequence-parallel tokens, but "
+        "megatron-core reduces it over data parallel only (it marks expert weights for the expert-data-parallel "
+        "reduction only with expert_model_parallel_size > 1): the copies would drift apart; use "
+        "--expert-tensor-parallel-size 2 or --expert-model-parallel-size >= 2"
+    )
+
+
 def expert_grid(world: int, size: int) -> str:
     return f"RuntimeError: world_size ({world}) is not divisible by expert_tensor_model_pipeline_parallel size ({size})"
 
@@ -111,7 +121,10 @@ TABLE = [
         "moe-bias-etp",
         "AssertionError: Bias in Moe is only supported when ETP==1",
     ),
-    (2, P(tp=2, sp=True, etp=1), BIASED, None, None),
+    # at ep 1, an expert copied on both tp ranks (etp 1) is reduced as a dense weight: miles' trainer refuses
+    (2, P(tp=2, sp=True, etp=1), BIASED, "expert-copies-tp", expert_copies()),
+    (2, P(tp=2, sp=True, etp=1), E8, "expert-copies-tp", expert_copies()),
+    (2, P(tp=2, sp=True, ep=2, etp=1), BIASED, None, None),  # ep 2: the copies are summed over edp
     (2, P(tp=2, sp=True, etp=2), E8, None, None),  # the bias-free MoE every recipe trains
     (
         2,

@@ -331,10 +331,23 @@ def test_dense_models_may_use_tensor_parallel_without_sequence_parallel():
 
 def test_moe_with_biases_needs_expert_tensor_parallel_1():
     biased = ModelShape("biased-moe", 4, 8, 8, 8, bias=True)
-    verdict = validate(ParallelLayout(tp=2, sp=True, etp=2), 2, biased)
+    verdict = validate(ParallelLayout(tp=2, sp=True, ep=2, etp=2), 4, biased)
     assert verdict.rules == ("moe-bias-etp",)
     assert verdict.violations[0].fixes[0] == "etp=2 → etp=1 makes the layout valid"
-    assert validate(ParallelLayout(tp=2, sp=True, etp=2), 2, replace(biased, bias=False)).ok
+    assert validate(ParallelLayout(tp=2, sp=True, ep=2, etp=2), 4, replace(biased, bias=False)).ok
+
+
+def test_experts_copied_over_tensor_parallel_need_expert_parallel():
+    # at ep 1 megatron-core reduces expert weights as dense ones, over data parallel only
+    verdict = validate(ParallelLayout(tp=2, sp=True, etp=1), 2, MOE)
+    assert verdict.rules == ("expert-copies-tp",)
+    assert "copied on 2 ranks of a tensor-parallel group" in verdict.violations[0].message
+    assert verdict.violations[0].fixes == (
+        "etp=1 → etp=2 makes the layout valid",
+        "ep=1 → ep=2 makes the layout valid",
+    )
+    assert validate(ParallelLayout(tp=2, sp=True, ep=2, etp=1), 2, MOE).ok
+    assert validate(ParallelLayout(tp=2, sp=True, etp=2), 2, MOE).ok
 
 
 def test_an_expert_ffn_width_must_split_over_expert_tensor_parallel():
