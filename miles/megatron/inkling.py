@@ -436,12 +436,15 @@ def add_embedding_norm(model, eps: float) -> None:
 
 
 def keep_fp32(model) -> None:
-    """The convolutions, router gates and global scales stay fp32 in a bf16 model, as transformers
-    keeps them (its short convolutions are fp32 modules, the gate computes in fp32)."""
+    """The short convolutions and the router's global scale stay fp32 in a bf16 model, as
+    transformers keeps them (InklingPreTrainedModel._keep_in_fp32_modules_strict; the expert bias,
+    also listed there, is megatron's fp32 buffer); the gate weight keeps the model's dtype and is
+    computed with in fp32 (moe_router_dtype), as transformers computes it."""
     for module in model.modules():
-        if isinstance(module, ShortConv | InklingRouter):
-            for param in module.parameters(recurse=False):
-                param.data = param.data.float()
+        if isinstance(module, ShortConv):
+            module.weight.data = module.weight.data.float()
+        elif isinstance(module, InklingRouter):
+            module.global_scale.data = module.global_scale.data.float()
 
 
 def block_spec(tc, hf: Mapping[str, Any], vp_stage=None, *, impl: str = "local"):

@@ -229,7 +229,7 @@ def block_spec(tc, config: Mapping[str, Any], vp_stage: int | None = None, *, im
 def finish_model(
     model, tc, config: Mapping[str, Any], vp_stage: int | None = None, *, impl: str = "local"
 ) -> None:
-    """The embedding's norm on the first stage; fp32 convolutions, router gates and scales; refuse
+    """The embedding's norm on the first stage; fp32 convolutions and router scale; refuse
     context parallelism (the convolutions and the relative bias need each row's whole prefix
     in order, which miles' zigzag context split does not give)."""
     from miles.megatron import inkling
