@@ -317,9 +317,10 @@ def test_glm_model_parallel_layouts_reproduce_the_data_parallel_gradients(glm, t
 
 # --- Inkling-Small -------------------------------------------------------------------------
 # The tiny Inkling's 2 layers are a sliding-window dense layer and a global MoE layer; its
-# norms, global scales, convolutions, relative-bias banks and expert bias are perturbed first
-# (at their initial values a missing sequence-parallel halo of the branch convolutions moves the
-# gradient norms by less than 1e-4; perturbed, by 2e-3). PP=2 puts one layer on each stage.
+# norms, global scales, convolutions, relative-bias banks and expert bias are perturbed and its
+# head scaled up first (at the initial values a missing sequence-parallel halo of the branch
+# convolutions moves the gradient norms by less than 1e-4; on the perturbed checkpoint the run
+# fails). PP=2 puts one layer on each stage.
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,9 @@ logit), at 24 tokens and at 80 (past the window, 32, and the global extent, 64).
 
 Tiny checkpoints start every norm and global scale at 1, the expert bias at 0 and the
 convolutions and relative-bias bank at values too small to matter, which hides bugs (a
-dropped embedding norm, a swapped scale), so those tensors are perturbed first. The published
-log-scaling floor (128000 tokens) never acts at test lengths: a variant sets it to 8.
+dropped embedding norm, a swapped scale), so those tensors are perturbed first, and the head is
+scaled up so the logits are of order 1. The published log-scaling floor (128000 tokens) never
+acts at test lengths: a variant sets it to 2 (and its alpha to 0.5, so tau reaches 2.8).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ LENGTHS = (24, 80)
 
 VARIANTS = {
     "published switches": {},
-    "log scaling from position 8": {"log_scaling_n_floor": 8},
+    "log scaling from position 2, alpha 0.5": {"log_scaling_n_floor": 2, "log_scaling_alpha": 0.5},
     # sliding layers with their own geometry (4 kv heads of 16), one shared expert, every layer MoE
     "sliding geometry, one shared expert, all MoE": {
         "swa_num_key_value_heads": 4, "swa_head_dim": 16, "n_shared_experts": 1, "dense_mlp_idx": 0,
@@ -66,6 +67,8 @@ def perturbed_checkpoint(root: Path, **dims) -> Path:
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
             elif "rel_logits_proj" in name:
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+            elif name == "lm_head.weight":  # logits of order 1, not 0.06: a relative error of 1e-5 shows
+                param.mul_(30.0)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.05)
