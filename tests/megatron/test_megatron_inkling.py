@@ -166,6 +166,17 @@ def test_configs_transformers_computes_otherwise_are_refused_by_name():
         transformer_config({**base, "model_type": "inkling_mm_model"})
 
 
+def test_context_parallelism_is_refused_before_a_model_runs():
+    from types import SimpleNamespace
+
+    from miles.megatron.families import UnmappedModel, mapping_of
+    from miles.models import family
+
+    config = {"model_type": "inkling_text", "num_hidden_layers": 2, **family("inkling").tiny_dims}
+    with pytest.raises(UnmappedModel, match="--context-parallel-size 2: Inkling's short convolutions"):
+        mapping_of(config).finish_model(SimpleNamespace(), SimpleNamespace(context_parallel_size=2), config)
+
+
 def test_the_recipes_gpu_form_dry_starts_on_two_cpu_ranks(tmp_path):
     """The command the recipe renders for 4 H200s (Megatron, TP 4 with sequence parallelism, EP 4,
     the torch_dist as --ref-load) passes miles.train's argument and checkpoint checks: at the same
