@@ -171,9 +171,30 @@ def test_megatron_inkling_tp2_ep2_learns_a_task_that_needs_the_prompt(tmp_path):
     print("inkling exact match by rollout:", {s: round(v, 3) for s, v in sorted(exact.items())})
     assert_learns_the_prompt(record, INKLING["rollouts"])
     diffs = runs.series(record, "train/train_rollout_logprob_abs_diff")
-    assert max(diffs.values()) <= 1e-5, (
-        diffs
-    )  # fp32: megatron's and transformers' forwards of the same weights
+    assert max(diffs.values()) <= 1e-5, diffs  # fp32: megatron's and transformers' forwards alike
+    # the expert bias only selects experts and nothing updates it (transformers keeps it a
+    # buffer); the router's global scale is trained
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from miles.ckpt.shards import CheckpointReader
+    from miles.megatron.checkpoint import single_process_group
+
+    saved = str(runs.checkpoint_dir(plan) / f"iter_{INKLING['rollouts']:07d}")
+    hf_dir = Path(plan.train_args[plan.train_args.index("--hf-checkpoint") + 1])
+    router = "decoder.layers.1.mlp.router."
+    with single_process_group(), CheckpointReader(hf_dir) as hf:
+        shapes = dist_checkpointing.load_tensors_metadata(saved)
+        template = {
+            name: ShardedTensor.from_rank_offsets(
+                router + name, torch.empty(shapes[router + name].local_shape), replica_id=0
+            )
+            for name in ("expert_bias", "global_scale")
+        }
+        trained = dist_checkpointing.load(template, saved)
+        assert torch.equal(trained["expert_bias"], hf.read("model.layers.1.mlp.gate.e_score_correction_bias"))
+        assert not torch.equal(trained["global_scale"], hf.read("model.layers.1.mlp.gate.global_scale"))
 
 
 def test_fsdp_learns_the_same_task_from_the_same_recipe(tmp_path):
