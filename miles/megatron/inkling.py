@@ -485,7 +485,8 @@ def block_spec(tc, hf: Mapping[str, Any], vp_stage=None, *, impl: str = "local")
         else:
             mlp = replace(mlp, module=InklingDenseMLP, params={**mlp.params, "hf": hf})
         layers.append(replace(spec, submodules=replace(spec.submodules, self_attention=attention, mlp=mlp)))
-    final = ModuleSpec(module=FinalNorm, params={"mup": float(hf.get("logits_mup_width_multiplier", 1.0))})
+    # InklingTextConfig's default multiplier is 24
+    final = ModuleSpec(module=FinalNorm, params={"mup": float(hf.get("logits_mup_width_multiplier", 24.0))})
     return replace(block, layer_specs=layers, layer_norm=final)
 
 

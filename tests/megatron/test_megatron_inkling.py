@@ -233,3 +233,20 @@ def test_the_recipes_gpu_form_dry_starts_on_two_cpu_ranks(tmp_path):
     assert proc.returncode == 0, out[-3000:]
     assert "tp2·pp1·cp1·ep2·etp1+sp" in out and f"holds {ref}; no rollout" in out, out[-3000:]
     assert "stand-in layer spec" in out and "attention InklingAttention" in out, out[-3000:]
+
+
+def test_the_key_names_transformers_accepts_for_a_key_are_read_as_that_key():
+    import torch
+
+    from miles.megatron.checkpoint import single_process_group
+    from miles.megatron.config import transformer_config
+    from miles.megatron.families.inkling import block_spec
+    from miles.models import family
+
+    config = {"model_type": "inkling_text", "num_hidden_layers": 2, **family("inkling").tiny_dims}
+    config["num_local_experts"] = config.pop("n_routed_experts")  # InklingTextConfig.attribute_map
+    config["embedding_multiplier"] = config.pop("logits_mup_width_multiplier")
+    tc = transformer_config(config, dtype=torch.float32)
+    assert tc.num_moe_experts == 8
+    with single_process_group():
+        assert block_spec(tc, config).layer_norm.params["mup"] == 16.0

@@ -50,11 +50,23 @@ def moe_layers(config: Mapping[str, Any]) -> list[bool]:
     return [i >= dense for i in range(layers)]
 
 
+# InklingTextConfig.attribute_map: the names a config.json may use for its keys
+ALIASES = {
+    "sconv_kernel_size": "conv_kernel_size", "sliding_window": "sliding_window_size",
+    "num_local_experts": "n_routed_experts", "model_max_length": "max_position_embeddings",
+    "embedding_multiplier": "logits_mup_width_multiplier",
+}  # fmt: skip
+
+
 def normalised(config: Mapping[str, Any]) -> dict:
-    """The config with the per-layer lists transformers' InklingTextConfig derives."""
-    return {**config, "layer_types": layer_types(config), "mlp_layer_types": [
-        "sparse" if m else "dense" for m in moe_layers(config)
-    ]}  # fmt: skip
+    """The config under InklingTextConfig's key names, with the per-layer lists it derives."""
+    out = dict(config)
+    for alias, name in ALIASES.items():
+        if alias in out and name not in out:
+            out[name] = out[alias]
+    out["layer_types"] = layer_types(out)
+    out["mlp_layer_types"] = ["sparse" if m else "dense" for m in moe_layers(out)]
+    return out
 
 
 # switches transformers' Inkling hard-codes, which SGLang reads: a config asking otherwise
@@ -110,6 +122,7 @@ def transformer_fields(config: Mapping[str, Any]) -> dict:
 
     from miles.megatron.config import model_fields
 
+    config = normalised(config)
     fields = model_fields(config)
     fields.setdefault("layernorm_epsilon", 1e-6)  # InklingTextConfig's rms_norm_eps
     fields.setdefault("kv_channels", int(config.get("head_dim") or 128))
