@@ -142,7 +142,9 @@ def _fill_gpt(model, config, reader: CheckpointReader, vocab: int, progress: Pro
             target = _target(params, name, pieces, reader)
             for piece in pieces:
                 dst = target[piece.at : piece.at + piece.stop - piece.start]
-                if dst.dtype == torch_dtype(reader.info(piece.hf_name)[1].dtype):
+                if piece.index is not None:  # rows of one sub-tensor of a stacked tensor
+                    dst.copy_(_read_piece(reader, piece))
+                elif dst.dtype == torch_dtype(reader.info(piece.hf_name)[1].dtype):
                     reader.read_rows(piece.hf_name, piece.start, piece.stop, out=dst)
                 else:  # e.g. fp32 norms in a bf16 checkpoint: megatron keeps one dtype
                     dst.copy_(reader.read_rows(piece.hf_name, piece.start, piece.stop))
@@ -166,11 +168,19 @@ def _target(params, name: str, pieces, reader: CheckpointReader):
         raise CheckpointError(f"torch_dist: {name} needs {want}; the HF weights give {rows} rows")
     for piece in pieces:
         _, info = reader.info(piece.hf_name)
-        if tuple(info.shape[1:]) != tuple(target.shape[1:]):
+        row_shape = info.shape[2:] if piece.index is not None else info.shape[1:]
+        if tuple(row_shape) != tuple(target.shape[1:]):
             raise CheckpointError(
                 f"torch_dist: {piece.hf_name} is {list(info.shape)}; megatron's {name} needs rows of {list(target.shape[1:])}"
             )
     return target
+
+
+def _read_piece(reader: CheckpointReader, piece):
+    """The HF rows a piece names (of sub-tensor `index` of a stacked tensor, if it has one)."""
+    if piece.index is None:
+        return reader.read_rows(piece.hf_name, piece.start, piece.stop)
+    return reader.read_rows(piece.hf_name, piece.index, piece.index + 1)[0, piece.start : piece.stop]
 
 
 def _hf_named_state(reader: CheckpointReader, progress: Progress | None) -> dict:
@@ -232,6 +242,7 @@ def _verify(release: Path, config, reader: CheckpointReader, gpt: bool, vocab: i
     import torch
 
     from miles.megatron.checkpoint import gpt_state, hf_named_state, load_release
+    from miles.megatron.hf_names import Piece
 
     if gpt:
         from miles.megatron.hf_names import layout
@@ -242,7 +253,7 @@ def _verify(release: Path, config, reader: CheckpointReader, gpt: bool, vocab: i
         model.load_state_dict({k: v for k, v in state.items() if k not in _COMMON_KEYS})
         loaded = model.state_dict()
         checks = (
-            (name, loaded[name][p.at : p.at + p.stop - p.start], p.hf_name, p.start, p.stop)
+            (name, loaded[name][p.at : p.at + p.stop - p.start], p)
             for name, pieces in layout(config)
             for p in pieces
         )
@@ -253,11 +264,16 @@ def _verify(release: Path, config, reader: CheckpointReader, gpt: bool, vocab: i
         )
         loaded = load_release(hf_named_state(empty), release)
         checks = (
-            (name, loaded[name], name, 0, reader.info(name)[1].shape[0] if reader.info(name)[1].shape else 1)
+            (
+                name,
+                loaded[name],
+                Piece(name, 0, reader.info(name)[1].shape[0] if reader.info(name)[1].shape else 1, 0),
+            )
             for name in sorted(reader.files.weight_map)
         )
-    for name, got, hf_name, start, stop in checks:
-        want = reader.read_rows(hf_name, start, stop)
+    for name, got, piece in checks:
+        hf_name, start, stop = piece.hf_name, piece.start, piece.stop
+        want = _read_piece(reader, piece)
         if not torch.equal(got.reshape(want.shape), want.to(got.dtype)):
             if want.is_floating_point() and not bool(torch.isfinite(want).all()):
                 first = (~torch.isfinite(want)).nonzero()[0].tolist()

@@ -25,14 +25,14 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from miles.megatron.hf_names import extra_layout, layer_layout
+from miles.megatron.hf_names import embedding_layout, extra_layout, layer_layout
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
 # an expert's weight anywhere: (owner prefix, local index, suffix)
 _ANY_EXPERT = re.compile(r"^(.*\.)?mlp\.experts\.local_experts\.(\d+)\.(.*)$")
 # the weights megatron's SwiGLU MLPs hold as [gate; up] (dense MLP, shared expert)
-_GATED = re.compile(r"(^|\.)mlp\.(shared_experts\.)?linear_fc1\.weight$")
+_GATED = re.compile(r"(^|\.)mlp\.(shared_experts\.(experts\.\d+\.)?)?linear_fc1\.weight$")
 # TE's grouped-GEMM experts (TEGroupedMLP, --moe-grouped-gemm) keep local expert i's weight as
 # `weight{i}` of one grouped linear (megatron/core/transformer/moe/experts.py,
 # TEGroupedMLP.sharded_state_dict: f"{name}.weight{i}").
@@ -123,8 +123,12 @@ class WeightExporter:
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         local = _stage_tensors(self.chunks)
         hf_vocab = self.config["vocab_size"]
-        embed = self._from_stage(self.first, local, ["embedding.word_embeddings.weight"])
+        extra = list(embedding_layout(self.config))  # the family's embedding norm
+        embed = self._from_stage(
+            self.first, local, ["embedding.word_embeddings.weight", *(name for name, _ in extra)]
+        )
         yield "model.embed_tokens.weight", embed["embedding.word_embeddings.weight"][:hf_vocab]
+        yield from _to_hf(extra, embed)
         for i in range(self.config["num_hidden_layers"]):
             prefix = f"decoder.layers.{i}."
             names = [n for n in local if n.startswith(prefix)] if self.owner[i] == self.pp_rank else []
@@ -236,9 +240,15 @@ def _to_hf(layout, full: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torc
         for piece in parts:
             pieces.setdefault(piece.hf_name, []).append((name, piece))
     for hf_name, parts in pieces.items():
-        rows = sum(p.stop - p.start for _, p in parts)
         first = full[parts[0][0]]
-        out = torch.empty((rows, *first.shape[1:]), dtype=first.dtype, device=first.device)
+        stacked = sorted({p.index for _, p in parts if p.index is not None})
+        if stacked:  # one sub-tensor per index (transformers' fused experts)
+            rows = sum(p.stop - p.start for _, p in parts if p.index == stacked[0])
+            shape = (len(stacked), rows, *first.shape[1:])
+        else:
+            shape = (sum(p.stop - p.start for _, p in parts), *first.shape[1:])
+        out = torch.empty(shape, dtype=first.dtype, device=first.device)
         for name, p in parts:
-            out[p.start : p.stop] = full[name][p.at : p.at + p.stop - p.start]
+            rows_of = out[p.index] if p.index is not None else out
+            rows_of[p.start : p.stop] = full[name][p.at : p.at + p.stop - p.start]
         yield hf_name, out

@@ -5,7 +5,8 @@ each decoder layer as its family's mapping places it (`miles.megatron.families`)
 norm, unless tied the output layer, and what the family adds (carried MTP layers). A piece is a run of HF rows placed at a row of the
 megatron tensor: q, k and v become one `linear_qkv` whose rows are grouped per query group
 ([q heads of the group, k, v] for each group), gate and up become `linear_fc1` ([gate; up]),
-and norms fused into a linear take that linear's `layer_norm_weight` name. Conversion reads
+and norms fused into a linear take that linear's `layer_norm_weight` name; one expert of a
+stacked HF expert tensor is a piece of that tensor's sub-tensor. Conversion reads
 the pieces in; the weight export (`miles.megatron.export`) cuts them back out.
 """
 
@@ -18,12 +19,15 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Piece:
-    """Rows [start, stop) of a Hugging Face tensor, placed at row `at` of a megatron tensor."""
+    """Rows [start, stop) of a Hugging Face tensor, placed at row `at` of a megatron tensor; with
+    `index`, rows of sub-tensor `index` of a stacked one (transformers' fused experts
+    [experts, rows, ...])."""
 
     hf_name: str
     start: int
     stop: int
     at: int
+    index: int | None = None
 
 
 Weights = Iterator[tuple[str, tuple[Piece, ...]]]
@@ -73,11 +77,21 @@ def extra_layout(config: Mapping[str, Any]) -> Weights:
         yield from extra(config)
 
 
+def embedding_layout(config: Mapping[str, Any]) -> Weights:
+    """The first stage's weights a family adds beyond the word embedding (an embedding norm), if any."""
+    from miles.megatron.families import mapping_of
+
+    extra = mapping_of(config).embedding_weights
+    if extra is not None:
+        yield from extra(config)
+
+
 def layout(config: Mapping[str, Any]) -> Weights:
     """(megatron state-dict name, where each of its rows comes from) for every weight of the
     whole model (one pipeline stage, one expert-parallel rank)."""
     hidden, vocab = config["hidden_size"], config["vocab_size"]
     yield "embedding.word_embeddings.weight", (whole("model.embed_tokens.weight", vocab),)
+    yield from embedding_layout(config)
     for i in range(config["num_hidden_layers"]):
         yield from layer_layout(config, i, f"decoder.layers.{i}.")
     yield "decoder.final_layernorm.weight", (whole("model.norm.weight", hidden),)

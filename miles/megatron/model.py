@@ -59,7 +59,7 @@ def build_model(
         max_sequence_length=config.get("max_position_embeddings", 4096),
         pre_process=first,
         post_process=last,
-        position_embedding_type="rope",
+        position_embedding_type=mapping.position_embedding_type,
         rotary_base=rope["rope_theta"],
         seq_len_interpolation_factor=interpolation,
         share_embeddings_and_output_weights=bool(config.get("tie_word_embeddings")),

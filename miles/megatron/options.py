@@ -257,7 +257,7 @@ _MISSING = object()
 
 
 def _field(name: str, expected: Callable[[Any], Any] = lambda v: v) -> Callable:
-    def check(value, tc, vocab) -> str | None:
+    def check(value, tc, vocab, position="rope") -> str | None:
         found = getattr(tc, name, _MISSING)
         want = expected(value)
         if found is _MISSING:
@@ -267,13 +267,18 @@ def _field(name: str, expected: Callable[[Any], Any] = lambda v: v) -> Callable:
     return check
 
 
-def _rotary(value, tc, vocab) -> str | None:
-    return (
-        None if value in (True, "rope") else f"miles builds rotary position embeddings (rope), not {value!r}"
-    )
+def _rotary(value, tc, vocab, position="rope") -> str | None:
+    """--position-embedding-type (or --use-rotary-position-embeddings, which means rope) against
+    the position embedding the family's mapping builds (`position`: rope, or none for a model
+    whose layers carry position themselves)."""
+    given = "rope" if value is True else value
+    if given == position:
+        return None
+    built = "rotary position embeddings (rope)" if position == "rope" else f"position embedding {position!r}"
+    return f"miles builds {built} for this model, not {value!r}"
 
 
-def _vocab_multiple(value, tc, vocab) -> str | None:
+def _vocab_multiple(value, tc, vocab, position="rope") -> str | None:
     if vocab % int(value) == 0:
         return None
     return f"the checkpoint's embedding has {vocab} rows, not a multiple of {value}; convert it with that multiple"
@@ -308,15 +313,15 @@ MODEL = (
 )
 
 
-def model_disagreements(model, tc, vocab: int) -> list[str]:
+def model_disagreements(model, tc, vocab: int, position: str = "rope") -> list[str]:
     """'flag: why' for each MODEL_CHECKS flag the `model` section (miles.train.config.ModelConfig)
-    sets that the built model `tc` (with `vocab` embedding rows) contradicts."""
+    sets that the built model `tc` (with `vocab` embedding rows, `position` embedding) contradicts."""
     out = []
     for flag, check in MODEL_CHECKS.items():
         value = getattr(model, flag.lstrip("-").replace("-", "_"), None)
         if value in (None, False):
             continue
-        problem = check(value, tc, vocab)
+        problem = check(value, tc, vocab, position)
         if problem:
             out.append(f"{flag} {value}: {problem}" if value is not True else f"{flag}: {problem}")
     return out

@@ -257,7 +257,8 @@ def built_spec_line(chunks, optimizer, impl: str, why: str, attention_backend=No
     if layers:
         attention = layers[0].self_attention
         backend = f" [{attention_backend.name}]" if impl == TE and attention_backend is not None else ""
-        parts.append(f"attention {_class(attention.core_attention)}{backend}")
+        core = getattr(attention, "core_attention", attention)  # Inkling's attention is its own core
+        parts.append(f"attention {_class(core)}{backend}")
         # MLA (GLM-5.2) has no linear_qkv: its query up-projection is the norm-fused linear
         qkv = next(n for n in ("linear_qkv", "linear_q_up_proj", "linear_q_proj") if hasattr(attention, n))
         parts.append(f"{qkv} {_class(getattr(attention, qkv))}")

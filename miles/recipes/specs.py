@@ -68,8 +68,6 @@ QWEN3_30B_A3B = ModelSpec(
     ),
 )  # fmt: skip
 
-_INKLING_PROVIDER = "the reference builds it with its own model provider (miles_plugins.models.inkling)"
-
 INKLING_SMALL = ModelSpec(
     "Inkling-Small", "inkling", "thinkingmachines/Inkling-Small", num_layers=42, num_attention_heads=32,
     num_query_groups=8, num_experts=256, first_k_dense=2,
@@ -101,19 +99,6 @@ INKLING_SMALL = ModelSpec(
             ("log_scaling_alpha", 0.1),
         ),
         sources=(("global_layer_period", "derived from the release's global attention layers 5, 11, ..., 41"),),
-    ),
-    gaps=(
-        Gap("short convolutions", f"on K, V and the attention and MLP branches (kernel 4); {_INKLING_PROVIDER}", ("conv_kernel_size",)),
-        Gap(
-            "learned relative attention bias", "hidden-state-conditioned, in place of position embeddings "
-            f"(--position-embedding-type none); {_INKLING_PROVIDER}", ("d_rel", "rel_extent"),
-        ),
-        Gap("log scaling of global attention", _INKLING_PROVIDER, ("log_scaling_n_floor", "log_scaling_alpha")),
-        Gap("logits divided by a width multiplier", _INKLING_PROVIDER, ("logits_mup_width_multiplier",)),
-        Gap(
-            "shared experts normalised with the routed ones", "megatron-core adds its shared expert outside the "
-            f"routing; {_INKLING_PROVIDER}",
-        ),
     ),
 )  # fmt: skip
 

@@ -69,6 +69,17 @@ def test_torch_dist_has_megatrons_layout_and_loads_back_equal(tiny, torch_dist_o
             )  # a shared layer
             assert {"decoder.layers.1.mlp.router.expert_bias", "mtp.layers.0.eh_proj.weight"} <= keys
             return
+        if name == "inkling":
+            # a sliding and a global layer (their relative-bias banks differ in extent), a dense and
+            # an MoE layer: megatron keys them layer by layer
+            keys = {k for k in dist_checkpointing.load_tensors_metadata(str(release))}
+            assert {
+                "embedding.embed_norm.weight", "decoder.layers.0.self_attention.rel_proj.weight",
+                "decoder.layers.0.mlp.global_scale", "decoder.layers.1.mlp.router.global_scale",
+                "decoder.layers.1.mlp.shared_experts.experts.1.linear_fc2.weight",
+                "decoder.layers.1.self_attention.k_sconv.weight", "decoder.layers.1.mlp.mlp_sconv.weight",
+            } <= keys  # fmt: skip
+            return
         template = {}
         for tensor in hf.files.weight_map:
             like = hf.read(tensor)
@@ -159,10 +170,12 @@ def test_loaded_megatron_experts_and_router_hold_the_hf_experts(tiny, torch_dist
             assert torch.allclose(out, expected, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "inkling"])
 def test_layout_fills_every_row_of_every_megatron_weight_exactly_once(tiny, name):
+    from miles.megatron.compat import cpu_placed
+
     config = json.loads((tiny(name) / "config.json").read_text())
-    with single_process_group():
+    with single_process_group(), cpu_placed():  # a router with an expert bias is built on the CPU here
         shapes = {
             k: tuple(v.shape)
             for k, v in build_model(config).state_dict().items()
@@ -198,7 +211,7 @@ def test_common_pt_carries_the_args_megatron_lm_checks_on_load(tiny, torch_dist_
 def test_families_without_a_megatron_layout_carry_no_megatron_args(torch_dist_of):
     from megatron.core import dist_checkpointing
 
-    common = dist_checkpointing.load_common_state_dict(str(torch_dist_of("inkling") / RELEASE))
+    common = dist_checkpointing.load_common_state_dict(str(torch_dist_of("deepseek_v4") / RELEASE))
     assert common["miles"]["layout"] == "hf-names" and "args" not in common
 
 

@@ -6,7 +6,9 @@ file names (what SGLang loads, GLM-5.2's MTP layer included) and the transformer
 dict under its names (fused experts, what the built-in engine loads): TP shards gathered (gate
 and up apart, the shared expert's too), PP stages broadcast, experts gathered over EP with their
 global indices. GLM-5.2's tiny has 4 layers, the last reusing the DSA top-k of layer 2, so its
-PP=2 split (2 + 2) starts each stage on a layer with its own indexer.
+PP=2 split (2 + 2) starts each stage on a layer with its own indexer. Inkling's tiny (a sliding
+and a global layer, dense then MoE) exports its stacked experts and shared experts, its
+convolutions (split over TP on k and v) and its embedding norm.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import pytest
 
 from miles.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=100, suite="stage-b-cpu")
+register_cpu_ci(est_time=125, suite="stage-b-cpu")
 
 WORKER = Path(__file__).with_name("weights_worker.py")
 
@@ -32,7 +34,7 @@ def converted(tmp_path_factory):
     from miles.ckpt.torch_dist import convert_to_torch_dist
 
     made = {}
-    for family, layers in (("qwen3", 2), ("qwen3_moe", 2), ("glm_moe_dsa", 4)):
+    for family, layers in (("qwen3", 2), ("qwen3_moe", 2), ("glm_moe_dsa", 4), ("inkling", 2)):
         root = tmp_path_factory.mktemp(family)
         hf = make_tiny_checkpoint(family, layers, root / "hf")
         dist = root / "torch_dist"
@@ -51,8 +53,19 @@ def converted(tmp_path_factory):
         ("qwen3_moe", 2, 1, 2),
         ("glm_moe_dsa", 2, 1, 2),
         ("glm_moe_dsa", 1, 2, 1),
+        ("inkling", 2, 1, 2),
+        ("inkling", 1, 2, 1),
     ],
-    ids=["dense-tp2", "dense-pp2", "moe-ep2", "moe-tp2-ep2", "glm-tp2-ep2", "glm-pp2"],
+    ids=[
+        "dense-tp2",
+        "dense-pp2",
+        "moe-ep2",
+        "moe-tp2-ep2",
+        "glm-tp2-ep2",
+        "glm-pp2",
+        "inkling-tp2-ep2",
+        "inkling-pp2",
+    ],
 )
 def test_exported_weights_equal_the_checkpoint_under_both_name_sets(converted, family, tp, pp, ep):
     hf, dist = converted[family]

@@ -159,7 +159,10 @@ def test_script_train_without_a_prepared_checkpoint_says_to_prepare(tmp_path, ca
     argv = ["train", "--platform", "cpu", "--model-dir", str(tmp_path)]
     assert main("inkling", argv=argv, env={}) == 2
     err = capsys.readouterr().err
-    assert f"checkpoint {tmp_path}/Inkling-Small-tiny is missing" in err
+    assert (
+        f"checkpoint {tmp_path}/Inkling-Small-tiny, {tmp_path}/Inkling-Small-tiny_torch_dist is missing"
+        in err
+    )
     assert "run `python scripts/run_inkling.py prepare --model tiny` first" in err
 
 
@@ -208,7 +211,11 @@ def test_prepare_dry_run_prints_the_checkpoint_plan(capsys):
     assert "checkpoint plan: zai-org/GLM-5.2 -> .miles/models/GLM-5.2-744B-A40B-5layer" in out
     assert "steps: fetch, validate, trim, fp8, torch_dist\n" in out  # GLM-5 trains with Megatron
     assert main("inkling", argv=["prepare", "--dry-run", "--platform", "cuda"], env={}) == 0
-    assert "steps: fetch, validate, trim\n" in capsys.readouterr().out  # its FSDP fallback loads the HF dir
+    assert "steps: fetch, validate, trim, torch_dist\n" in capsys.readouterr().out  # Megatron, bf16 rollouts
+    assert main("deepseek_v4", argv=["prepare", "--dry-run", "--platform", "cuda"], env={}) == 0
+    assert (
+        "torch_dist" not in capsys.readouterr().out.split("steps: ")[1]
+    )  # its FSDP fallback loads the HF dir
 
 
 def test_prepare_with_a_bad_checkpoint_source_exits_2_with_one_line(tmp_path, capsys):
@@ -230,7 +237,9 @@ def test_megatron_gpu_jobs_run_with_one_device_connection():
     assert dict(cuda.env)["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
     rocm = build_plan(load("glm5_2_744b_a40b", platform="rocm"), FIXED, base_env={})
     assert dict(rocm.env)["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
-    fallback = build_plan(load("inkling", platform="rocm"), FIXED, base_env={})  # FSDP: no Megatron kernels
+    fallback = build_plan(
+        load("deepseek_v4", platform="rocm"), FIXED, base_env={}
+    )  # FSDP: no Megatron kernels
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in dict(fallback.env)
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in dict(build_plan(shared("qwen3_4b"), FIXED, base_env={}).env)
 

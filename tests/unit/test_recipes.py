@@ -307,7 +307,6 @@ def test_list_and_show_say_a_fallback_profile_trains_data_parallel_not_at_its_me
     assert main(["list"]) == 0
     listed = capsys.readouterr().out.splitlines()
     for name, gpus in (
-        ("Inkling-Small-4layer", 4),
         ("DeepSeek-V4-Flash-4layer", 4),
         ("DeepSeek-V4-Flash-4layer", 8),
     ):
@@ -320,26 +319,25 @@ def test_list_and_show_say_a_fallback_profile_trains_data_parallel_not_at_its_me
         ln for ln in listed if "cuda 1x4 GLM-5.2-744B-A40B-5layer:" in ln
     )  # built: its layout, no fallback
     assert glm.endswith(": tp4·pp1·cp1·ep4·etp1+sp  (untested on GPU)"), glm
-    assert main(["show", "inkling", "--platform", "rocm"]) == 0
+    inkling = next(ln for ln in listed if "cuda 1x4 Inkling-Small-4layer:" in ln)
+    assert inkling.endswith(": tp4·pp1·cp1·ep4·etp1+sp  (untested on GPU)"), inkling
+    assert main(["show", "deepseek_v4"]) == 0
     shown = capsys.readouterr().out
-    assert (
-        "train backend: fsdp (fallback from megatron: miles' Megatron backend does not build Inkling yet"
-        in shown
-    )
-    assert "rocm 1x4 Inkling-Small-4layer: fsdp data-parallel over 4 GPUs" in shown
+    assert "train backend: fsdp (fallback from megatron: miles' Megatron backend does not build" in shown
+    assert "cuda 1x4 DeepSeek-V4-Flash-4layer: fsdp data-parallel over 4 GPUs" in shown
 
 
 def test_a_megatron_recipe_of_an_unbuilt_family_must_declare_its_fallback():
-    inkling = shared("inkling")
+    deepseek = shared("deepseek_v4")
     with pytest.raises(RecipeError, match="declare the recipe's Fallback"):
-        replace(inkling, fallback=None)
-    glm = shared("glm5_2_744b_a40b")
-    with pytest.raises(RecipeError, match="builds glm_moe_dsa now; remove the fallback"):
-        replace(glm, fallback=inkling.fallback)
+        replace(deepseek, fallback=None)
+    for built, family in (("glm5_2_744b_a40b", "glm_moe_dsa"), ("inkling", "inkling")):
+        with pytest.raises(RecipeError, match=f"builds {family} now; remove the fallback"):
+            replace(shared(built), fallback=deepseek.fallback)
 
 
 def test_tiny_profile_of_a_family_megatron_cannot_build_is_data_parallel_fsdp():
-    flags = _flags(shared("inkling"), "cpu")
+    flags = _flags(shared("deepseek_v4"), "cpu")
     assert flags[flags.index("--train-backend") + 1] == "fsdp"
     assert flags[flags.index("--rollout-engine") + 1] == "torch"
     assert not [f for f in flags if f.startswith("--sglang-") or f.startswith("--tensor-model-parallel")]
@@ -351,6 +349,7 @@ def test_tiny_profile_of_a_family_megatron_cannot_build_is_data_parallel_fsdp():
     [
         ("qwen3_4b", ("--tensor-model-parallel-size", "2")),
         ("qwen3_30b_a3b", ("--expert-model-parallel-size", "2")),
+        ("inkling", ("--expert-model-parallel-size", "2")),
     ],
 )
 def test_tiny_profile_of_a_gpt_family_trains_with_megatron_at_a_layout_of_its_own(recipe, layout):

@@ -50,6 +50,10 @@ class GPTMapping:
     extra_weights: Callable[[Mapping[str, Any]], Weights] | None = None
     # Megatron-LM arguments common.pt records beyond the shared ones: (config) -> {name: value}
     lm_args: Callable[[Mapping[str, Any]], dict] | None = None
+    # The first stage's weights beyond the word embedding (an embedding norm): (config) -> Weights
+    embedding_weights: Callable[[Mapping[str, Any]], Weights] | None = None
+    # GPTModel's position_embedding_type ("none": position comes from the layers themselves)
+    position_embedding_type: str = "rope"
 
 
 @cache

@@ -1,21 +1,23 @@
 """GRPO on Inkling-Small (a 4-layer slice in CI), rolled out with SGLang.
 
-miles' Megatron backend does not build Inkling yet (short convolutions, relative attention bias,
-its shared experts: `python -m miles.recipes facts inkling`), so the GPU profiles train with FSDP
-over the HF checkpoint (the recipe's declared fallback); their Megatron layouts are the
-reference's, kept for when the backend builds the family.
+Trained by miles' Megatron backend (miles.megatron.families.inkling: short convolutions,
+relative attention bias, sliding-window and global attention with log scaling, the router
+normalised over its shared experts) from the torch_dist prepare-ckpt converts; its CPU profile
+trains the tiny model at TP 2 with sequence parallelism and EP 2.
 """
 
 from miles.parallel import ParallelLayout
 from miles.recipes import defaults as d
 from miles.recipes import references
 from miles.recipes.fidelity import deviation
-from miles.recipes.recipe import Fallback, Overlay, Recipe, gpu_profile, groups, source_file
+from miles.recipes.recipe import Overlay, Recipe, gpu_profile, groups, source_file
 from miles.recipes.specs import INKLING_SMALL
 
 MODEL = "Inkling-Small-4layer"
 # TP4 with sequence parallel and all experts spread over the 4 GPUs (ETP1): both references.
 TP4_EP4 = ParallelLayout(tp=4, sp=True, ep=4, etp=1)
+# The GPU form's dimensions on the CPU lane's two ranks: tensor (with sequence) and expert parallel.
+CPU_TP2_EP2 = ParallelLayout(tp=2, sp=True, ep=2, etp=1)
 
 ROCM = Overlay(
     platform="rocm",
@@ -32,7 +34,7 @@ ROCM = Overlay(
 
 RECIPE = Recipe(
     name="inkling",
-    description="GRPO on Inkling-Small with SGLang rollouts (FSDP until the Megatron backend builds it)",
+    description="GRPO on Inkling-Small with the Megatron backend and SGLang rollouts",
     model=INKLING_SMALL,
     models=(MODEL,),
     defined_in=source_file(__name__),
@@ -83,16 +85,10 @@ RECIPE = Recipe(
     ),
     profiles=(
         gpu_profile("cuda", 1, 4, MODEL, TP4_EP4, rollout_gpus_per_engine=4, suite="stage-c-4-gpu-h200"),
-        d.cpu_tiny_profile(),
+        d.cpu_tiny_profile(CPU_TP2_EP2, "megatron"),
     ),
     overlays=(ROCM,),
     references=references.load("inkling"),
-    fallback=Fallback(
-        "fsdp",
-        reason="miles' Megatron backend does not build Inkling yet (short convolutions, relative attention bias "
-        "and its shared experts are not in megatron-core 0.16.1); FSDP trains the HF model on the same GPUs, "
-        "data-parallel",
-    ),
     deviations=(
         *d.COMMON_DEVIATIONS,
         deviation(
@@ -109,8 +105,8 @@ RECIPE = Recipe(
         ),
         deviation(
             "--model-name",
-            reason="selects the reference's Megatron-to-HF weight mapping; miles keeps Inkling's HF names in "
-            "torch_dist (megatron-core 0.16.1 has no layer spec for it)",
+            reason="selects the reference's Megatron-to-HF weight mapping; miles maps Inkling's weights by its "
+            "config.json's model type (miles.megatron.families.inkling)",
         ),
         deviation(
             "--custom-model-provider-path",
@@ -119,9 +115,16 @@ RECIPE = Recipe(
             "--moe-layer-freq",
             "--window-size",
             "--window-attn-skip-freq",
-            reason="the reference builds Inkling with its own provider from the checkpoint's config; miles passes "
-            "config.json's shape in megatron-core's terms (dense width 16384 in layers 0-1, 2 shared experts of "
-            "2048, a 512-token window with a global layer every 6th; see `facts inkling`)",
+            reason="the reference builds Inkling with its own provider from the checkpoint's config; so does miles "
+            "(miles.megatron.inkling, read from config.json), and it passes config.json's shape in megatron-core's "
+            "terms, which its backend checks against config.json (dense width 16384 in layers 0-1, 2 shared experts "
+            "of 2048, a 512-token window with a global layer every 6th; see `facts inkling`)",
+        ),
+        deviation(
+            "--megatron-to-hf-mode",
+            reason="the reference's raw weight conversion for the rollout engine; miles.train's Megatron backend "
+            "converts the trained weights back to the checkpoint's names itself (miles.megatron.export), its only "
+            "mode, so the recipe leaves the flag at its default",
         ),
         deviation(
             "--use-rollout-routing-replay",

@@ -31,6 +31,7 @@ from miles.megatron import model as mg
 from miles.megatron import options
 from miles.megatron import training as mt
 from miles.megatron.export import WeightExporter
+from miles.megatron.families import mapping_of
 from miles.megatron.loss import gather_context_parallel, micro_batches, vocab_parallel_logprobs
 from miles.parallel import ParallelLayout
 from miles.train import micro_batches as split
@@ -129,7 +130,7 @@ class MegatronBackend(TrainBackend):
         # The reference model gets a config of its own: the policy's gains DDP hooks below.
         ref_tc = copy.copy(self.tc)
         self.vocab = ckpt.embedding_rows(self.source) or int(self.config["vocab_size"])
-        check_built_model(model, self.tc, self.vocab, hf)
+        check_built_model(model, self.tc, self.vocab, hf, mapping_of(self.config).position_embedding_type)
         chunks = self._load_chunks(self.tc)
         mg.freeze_padding_embedding(chunks, self.config.get("pad_token_id"))
         self.chunks = [c.to(self.device) for c in chunks]
@@ -447,9 +448,9 @@ def _layer_spec(
     return impl, why
 
 
-def check_built_model(model: ModelConfig, tc, vocab: int, path: str) -> None:
+def check_built_model(model: ModelConfig, tc, vocab: int, path: str, position: str = "rope") -> None:
     """The model flags that name a TransformerConfig field agree with the model built from config.json."""
-    wrong = options.model_disagreements(model, tc, vocab)
+    wrong = options.model_disagreements(model, tc, vocab, position)
     if wrong:
         raise MegatronSetupError(
             f"{path}/config.json describes another model than the Megatron flags: {'; '.join(wrong)}. The model "

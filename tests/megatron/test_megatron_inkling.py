@@ -1,0 +1,252 @@
+"""Inkling (inkling_text) built by megatron-core computes what transformers' InklingForCausalLM computes.
+
+A tiny random Inkling checkpoint with every switch of the published model (a sliding-window
+layer and a global one with their own relative-bias extents, log scaling of the global layer,
+short convolutions on k, v and both branches, the embedding norm, a dense first layer with
+its global scale, then an MoE layer whose router normalises over the top-k and two shared
+experts, the logits divided by the width multiplier 16, untied head) is converted to
+torch_dist by the converter prepare-ckpt runs, loaded into megatron-core's GPTModel on CPU and
+compared in float32 with the HF model: at most 1e-5 apart (and at most 1e-4 of the largest
+logit), at 24 tokens and at 80 (past the window, 32, and the global extent, 64).
+
+Tiny checkpoints start every norm and global scale at 1, the expert bias at 0 and the
+convolutions and relative-bias bank at values too small to matter, which hides bugs (a
+dropped embedding norm, a swapped scale), so those tensors are perturbed first, and the head is
+scaled up so the logits are of order 1. The published log-scaling floor (128000 tokens) never
+acts at test lengths: a variant sets it to 2 (and its alpha to 0.5, so tau reaches 2.8).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles.ci.register import register_cpu_ci
+
+register_cpu_ci(est_time=50, suite="stage-b-cpu")
+
+TOL = 1e-5
+LENGTHS = (24, 80)
+
+VARIANTS = {
+    "published switches": {},
+    "log scaling from position 2, alpha 0.5": {"log_scaling_n_floor": 2, "log_scaling_alpha": 0.5},
+    # sliding layers with their own geometry (4 kv heads of 16), one shared expert, every layer MoE
+    "sliding geometry, one shared expert, all MoE": {
+        "swa_num_key_value_heads": 4, "swa_head_dim": 16, "n_shared_experts": 1, "dense_mlp_idx": 0,
+    },
+    # a global layer first, every layer dense, 8 heads of 16 over 4 kv heads, global extent 16
+    "global first, all dense, other heads": {
+        "dense_mlp_idx": 2, "local_layer_ids": [1], "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 16, "rel_extent": 16,
+    },
+}  # fmt: skip
+
+
+def perturbed_checkpoint(root: Path, **dims) -> Path:
+    """A float32 tiny Inkling whose norms, scales, convolutions, bias bank and expert bias are not
+    at their initial values."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from miles.ckpt.tiny import make_tiny_checkpoint
+
+    source = make_tiny_checkpoint("inkling", 2, root / "source", dtype="float32", **dims)
+    hf_logging.set_verbosity_error()
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "global_scale" in name:
+                param.add_(torch.randn(param.shape, generator=gen) * 0.3)
+            elif "sconv" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+            elif "rel_logits_proj" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+            elif name == "lm_head.weight":  # logits of order 1, not 0.06: a relative error of 1e-5 shows
+                param.mul_(30.0)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.05)
+    out = root / "hf"
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, out / name)
+    return out
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_megatron_inkling_logits_match_hf_logits(variant, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from miles.ckpt.torch_dist import convert_to_torch_dist
+    from miles.megatron.checkpoint import load_model, single_process_group
+    from miles.megatron.compat import cpu_placed
+    from miles.megatron.model import logits, probe_tokens
+
+    dims = VARIANTS[variant]
+    hf = perturbed_checkpoint(tmp_path, **dims)
+    config = json.loads((hf / "config.json").read_text())
+    for key, value in dims.items():  # the switch really is in the checkpoint under test
+        if key == "dense_mlp_idx":
+            assert config["mlp_layer_types"] == ["dense"] * value + ["sparse"] * (2 - value), key
+        elif key == "local_layer_ids":
+            assert [i for i, t in enumerate(config["layer_types"]) if t == "hybrid_sliding"] == value, key
+        else:
+            assert config[key] == value, key
+    dst = tmp_path / "torch_dist"
+    dst.mkdir()
+    convert_to_torch_dist(hf, dst, "inkling", verify=False)  # compared here, at a tighter tolerance
+    reference = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    gaps, largest = {}, 0.0
+    with single_process_group(), torch.random.fork_rng(devices=[]), cpu_placed():
+        model = load_model(config, dst / "release", dtype=torch.float32)
+        for length in LENGTHS:
+            tokens = probe_tokens(config, length)
+            with torch.no_grad():
+                want = reference(input_ids=tokens).logits.float()
+            gaps[length] = float((want - logits(model, tokens, config["vocab_size"])).abs().max())
+            largest = max(largest, float(want.abs().max()))
+    print(f"{variant}: max |logit gap| by length {gaps}, largest |logit| {largest:.3g}")
+    assert max(gaps.values()) <= min(TOL, 1e-4 * largest), (
+        f"{variant}: logits differ by up to {gaps} (by length)"
+    )
+
+
+def test_every_checkpoint_tensor_has_one_place(tmp_path):
+    from miles.ckpt.shards import read_weight_map
+    from miles.ckpt.tiny import make_tiny_checkpoint
+    from miles.megatron.hf_names import layout
+
+    hf = make_tiny_checkpoint("inkling", 2, tmp_path / "hf")
+    config = json.loads((hf / "config.json").read_text())
+    assert config["layer_types"] == ["hybrid_sliding", "hybrid"]
+    assert config["mlp_layer_types"] == ["dense", "sparse"]
+    placed = [(name, piece) for name, pieces in layout(config) for piece in pieces]
+    assert sorted({p.hf_name for _, p in placed}) == sorted(read_weight_map(hf).weight_map)
+    # every row of every HF tensor is placed exactly once
+    rows: dict[tuple, int] = {}
+    for _, p in placed:
+        key = (p.hf_name, p.index)
+        rows[key] = rows.get(key, 0) + p.stop - p.start
+    shapes = {}
+    from safetensors import safe_open
+
+    for f in hf.glob("*.safetensors"):
+        with safe_open(f, "pt") as s:
+            shapes.update({k: s.get_slice(k).get_shape() for k in s.keys()})
+    for (name, index), count in rows.items():
+        shape = shapes[name]
+        assert count == (shape[1] if index is not None else shape[0]), (name, index, count, shape)
+    stacked = {name for name, index in rows if index is not None}
+    for name in stacked:
+        assert sorted(i for n, i in rows if n == name) == list(range(shapes[name][0])), name
+
+
+def test_configs_transformers_computes_otherwise_are_refused_by_name():
+    from miles.megatron.config import transformer_config
+    from miles.megatron.families import UnmappedModel
+    from miles.models import family
+
+    base = {"model_type": "inkling_text", "num_hidden_layers": 2, **family("inkling").tiny_dims}
+    for key, value, says in (
+        ("use_sconv", False, "use_sconv=false"),
+        ("final_logit_softcapping", 30.0, "final_logit_softcapping=30.0"),
+        ("tie_word_embeddings", True, "tie_word_embeddings=True"),
+        ("gate_activation", "softmax", "gate_activation 'softmax'"),
+        ("unpadded_vocab_size", 500, "unpadded_vocab_size 500"),
+    ):
+        with pytest.raises(UnmappedModel, match=says):
+            transformer_config({**base, key: value})
+    with pytest.raises(UnmappedModel, match="model_type 'inkling_mm_model'"):
+        transformer_config({**base, "model_type": "inkling_mm_model"})
+
+
+def test_context_parallelism_is_refused_before_a_model_runs():
+    from types import SimpleNamespace
+
+    from miles.megatron.families import UnmappedModel, mapping_of
+    from miles.models import family
+
+    config = {"model_type": "inkling_text", "num_hidden_layers": 2, **family("inkling").tiny_dims}
+    with pytest.raises(UnmappedModel, match="--context-parallel-size 2: Inkling's short convolutions"):
+        mapping_of(config).finish_model(SimpleNamespace(), SimpleNamespace(context_parallel_size=2), config)
+
+
+def test_the_recipes_gpu_form_dry_starts_on_two_cpu_ranks(tmp_path):
+    """The command the recipe renders for 4 H200s (Megatron, TP 4 with sequence parallelism, EP 4,
+    the torch_dist as --ref-load) passes miles.train's argument and checkpoint checks: at the same
+    layout scaled to 2 ranks (TP 2, EP 2) and the model flags at a 4-layer tiny Inkling's sizes,
+    every rank builds its model chunk and loads the converted checkpoint, then stops (--dry-start).
+    The flags that act only through Transformer Engine's layer spec on a GPU (which the CPU
+    start refuses, miles.megatron.options) are left out: this is the CPU, and only those."""
+    import os
+    import subprocess
+    import sys
+
+    from miles.ckpt.tiny import make_tiny_checkpoint
+    from miles.ckpt.torch_dist import convert_to_torch_dist
+    from miles.megatron import options as megatron_options
+    from miles.models import family
+    from miles.models.facts import flag_values
+    from miles.recipes import shared
+    from miles.recipes.launch import RunOptions, build_plan
+
+    recipe = shared("inkling")
+    profile = recipe.profile(None, "cuda", 1, 4)
+    options = RunOptions(
+        model=profile.model, model_dir=str(tmp_path / "models"), output_dir=str(tmp_path / "runs")
+    )
+    argv = list(build_plan(recipe, options, "cuda", base_env={}).train_args)
+    assert argv[argv.index("--train-backend") + 1] == "megatron"
+    hf, ref = (Path(argv[argv.index(flag) + 1]) for flag in ("--hf-checkpoint", "--ref-load"))
+    assert ref.name == "Inkling-Small-4layer_torch_dist"
+    # under the name the plan gives the prepared checkpoint: the published layer pattern at 4 layers
+    # (dense layers 0-1, global layer 3 with the window every 6th... of a 4-layer slice: all sliding but
+    # one global layer here, so both kinds are loaded)
+    make_tiny_checkpoint("inkling", 4, hf, dense_mlp_idx=2, local_layer_ids=[0, 1, 2])
+    ref.mkdir()
+    convert_to_torch_dist(hf, ref, "inkling")
+    config = json.loads((hf / "config.json").read_text())
+    scaled = {
+        **flag_values(family("inkling").keys, config),
+        "--tensor-model-parallel-size": 2, "--expert-model-parallel-size": 2, "--actor-num-gpus-per-node": 2,
+    }  # fmt: skip
+    for flag, value in scaled.items():
+        if flag in argv and not isinstance(value, bool):
+            argv[argv.index(flag) + 1] = str(value)
+    gpu_only = dict(megatron_options.render_problems(argv, "cpu", stack_has_te=False))
+    assert all("Transformer Engine" in why for why in gpu_only.values()), gpu_only
+    for flag in gpu_only:
+        at = argv.index(flag)
+        del argv[at : at + (2 if at + 1 < len(argv) and not argv[at + 1].startswith("--") else 1)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "miles.train", *argv, "--dry-start"]  # fmt: skip
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "tp2·pp1·cp1·ep2·etp1+sp" in out and f"holds {ref}; no rollout" in out, out[-3000:]
+    assert "stand-in layer spec" in out and "attention InklingAttention" in out, out[-3000:]
+
+
+def test_the_key_names_transformers_accepts_for_a_key_are_read_as_that_key():
+    import torch
+
+    from miles.megatron.checkpoint import single_process_group
+    from miles.megatron.config import transformer_config
+    from miles.megatron.families.inkling import block_spec
+    from miles.models import family
+
+    config = {"model_type": "inkling_text", "num_hidden_layers": 2, **family("inkling").tiny_dims}
+    config["num_local_experts"] = config.pop("n_routed_experts")  # InklingTextConfig.attribute_map
+    config["embedding_multiplier"] = config.pop("logits_mup_width_multiplier")
+    tc = transformer_config(config, dtype=torch.float32)
+    assert tc.num_moe_experts == 8
+    with single_process_group():
+        assert block_spec(tc, config).layer_norm.params["mup"] == 16.0
