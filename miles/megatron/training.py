@@ -56,19 +56,28 @@ def check_expert_replicas(module, tc) -> None:
     tiny Qwen3-MoE at tp2·etp1 on two ranks: gradient norm 1e-5 off FSDP's at the first step,
     0.7% at the third, and trainer and rollout logprobs 1.4e-3 apart after one step).
     """
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
     tp = tc.tensor_model_parallel_size
     etp = tc.expert_tensor_parallel_size or tp
     if etp >= tp or not tc.sequence_parallel:
         return
-    for name, param in module.named_parameters():
-        if ".experts." in f".{name}" and getattr(param, "allreduce", True):
-            raise ValueError(
-                f"expert weight {name} is copied on the {tp // etp} ranks of each tensor-parallel group "
-                f"(tp {tp}, etp {etp}), each copy trained on its rank's sequence-parallel tokens, but "
-                f"megatron-core reduces it over data parallel only (it marks expert weights for the "
-                f"expert-data-parallel reduction only with expert_model_parallel_size > 1): the copies "
-                f"would drift apart; use --expert-tensor-parallel-size {tp} or --expert-model-parallel-size >= 2"
-            )
+    routed = (
+        (f"{where}.experts." if where else "experts.") + name
+        for where, layer in module.named_modules()
+        if isinstance(layer, MoELayer)
+        for name, param in layer.experts.named_parameters()
+        if getattr(param, "allreduce", True)
+    )
+    name = next(routed, None)
+    if name is not None:
+        raise ValueError(
+            f"expert weight {name} is copied on the {tp // etp} ranks of each tensor-parallel group "
+            f"(tp {tp}, etp {etp}), each copy trained on its rank's sequence-parallel tokens, but "
+            f"megatron-core reduces it over data parallel only (it marks expert weights for the "
+            f"expert-data-parallel reduction only with expert_model_parallel_size > 1): the copies "
+            f"would drift apart; use --expert-tensor-parallel-size {tp} or --expert-model-parallel-size >= 2"
+        )
 
 
 def wrap_ddp(chunks: Sequence, tc, fields: dict | None = None) -> list:
