@@ -243,12 +243,12 @@ def _to_hf(layout, full: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torc
         first = full[parts[0][0]]
         stacked = sorted({p.index for _, p in parts if p.index is not None})
         if stacked:  # one sub-tensor per index (transformers' fused experts)
-            rows = sum(p.stop - p.start for _, p in parts if p.index == stacked[0])
+            rows = sum(p.rows for _, p in parts if p.index == stacked[0])
             shape = (len(stacked), rows, *first.shape[1:])
         else:
-            shape = (sum(p.stop - p.start for _, p in parts), *first.shape[1:])
+            shape = (sum(p.rows for _, p in parts), *first.shape[1:])
         out = torch.empty(shape, dtype=first.dtype, device=first.device)
         for name, p in parts:
             rows_of = out[p.index] if p.index is not None else out
-            rows_of[p.start : p.stop] = full[name][p.at : p.at + p.stop - p.start]
+            rows_of[p.hf_rows] = full[name][p.at : p.at + p.rows]
         yield hf_name, out
