@@ -28,7 +28,7 @@ import torch
 
 from miles.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=50, suite="stage-b-cpu")
+register_cpu_ci(est_time=60, suite="stage-b-cpu")
 
 sys.path.insert(0, str(Path(__file__).parent))
 from inkling_release import make_release_checkpoint  # noqa: E402  (this directory's helper)
@@ -255,6 +255,25 @@ def test_the_release_config_is_read_as_transformers_normalises_it():
     assert ours["layer_types"] == ["hybrid_sliding", "hybrid_sliding", "hybrid"]
     assert ours["model_type"] == "inkling_mm_model" and ours["dtype"] == "bfloat16"
     assert decoder_config(ours) == ours
+
+
+def test_a_release_is_not_handed_over_under_names_no_engine_loads():
+    """The built-in engine loads AutoModelForCausalLM's names, which a release (inkling_mm_model)
+    does not have: its weights go to SGLang under the checkpoint's names, and asking for the
+    class's names is refused before any tensor is gathered."""
+    from types import SimpleNamespace
+
+    from miles.megatron.families import decoder_config
+    from miles.models import family
+    from miles.train.backends.megatron import MegatronBackend, MegatronSetupError
+
+    text = {**family("inkling").tiny_dims, "num_hidden_layers": 2, "model_type": "inkling_text"}
+    release = decoder_config({"model_type": "inkling_mm_model", "text_config": text})
+    backend = SimpleNamespace(config=release, hf_checkpoint="/m/Inkling-Small")  # only what it reads first
+    with pytest.raises(
+        MegatronSetupError, match="inkling_mm_model is a multimodal release .*--rollout-engine sglang"
+    ):
+        next(MegatronBackend.full_weights(backend, "model"))
 
 
 def test_context_parallelism_is_refused_before_a_model_runs():
