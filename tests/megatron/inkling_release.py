@@ -21,7 +21,10 @@ from pathlib import Path
 import torch
 
 
-def make_release_checkpoint(out: Path) -> Path:
+def make_release_checkpoint(
+    out: Path, layers: int = 2, dense: int = 1, local: tuple[int, ...] = (0,)
+) -> Path:
+    """`layers` decoder layers, the first `dense` dense, those in `local` sliding-window."""
     from safetensors.torch import load_file, save_file
     from transformers import InklingConfig, InklingForConditionalGeneration
     from transformers.utils import logging as hf_logging
@@ -31,7 +34,8 @@ def make_release_checkpoint(out: Path) -> Path:
 
     hf_logging.set_verbosity_error()
     text = {
-        **family("inkling").tiny_dims, "num_hidden_layers": 2, "pad_token_id": 0, "tie_word_embeddings": False,
+        **family("inkling").tiny_dims, "num_hidden_layers": layers, "pad_token_id": 0, "tie_word_embeddings": False,
+        "dense_mlp_idx": dense, "local_layer_ids": list(local),
     }  # fmt: skip
     vision = {"hidden_size": 32, "num_hidden_layers": 4, "patch_size": 4, "temporal_patch_size": 2}
     config = InklingConfig(
@@ -39,8 +43,10 @@ def make_release_checkpoint(out: Path) -> Path:
         vision_config={**vision, "num_attention_heads": 2},
         audio_config={"n_mel_bins": 4, "mel_vocab_size": 8},
     )
-    assert config.text_config.layer_types == ["hybrid_sliding", "hybrid"]
-    assert config.text_config.mlp_layer_types == ["dense", "sparse"]
+    assert config.text_config.layer_types == [
+        "hybrid_sliding" if i in local else "hybrid" for i in range(layers)
+    ]
+    assert config.text_config.mlp_layer_types == ["dense" if i < dense else "sparse" for i in range(layers)]
     torch.manual_seed(0)
     model = InklingForConditionalGeneration(config).float()
     gen = torch.Generator().manual_seed(7)
@@ -66,7 +72,7 @@ def make_release_checkpoint(out: Path) -> Path:
     t["intermediate_size"] = t.pop("moe_intermediate_size")  # 64: each expert's
     t["sconv_kernel_size"] = t.pop("conv_kernel_size")
     del t["layer_types"], t["mlp_layer_types"], t["num_mtp_layers"]
-    t["dense_mlp_idx"] = 1
+    t["dense_mlp_idx"] = dense
     raw["mtp_config"] = {"num_nextn_predict_layers": 1, "local_layer_ids": []}
     (out / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
     weights = load_file(out / "model.safetensors")

@@ -28,7 +28,7 @@ import torch
 
 from miles.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=60, suite="stage-b-cpu")
+register_cpu_ci(est_time=85, suite="stage-b-cpu")
 
 sys.path.insert(0, str(Path(__file__).parent))
 from inkling_release import make_release_checkpoint  # noqa: E402  (this directory's helper)
@@ -287,13 +287,16 @@ def test_context_parallelism_is_refused_before_a_model_runs():
         mapping_of(config).finish_model(SimpleNamespace(), SimpleNamespace(context_parallel_size=2), config)
 
 
-def test_the_recipes_gpu_form_dry_starts_on_two_cpu_ranks(tmp_path):
+@pytest.mark.parametrize("form", ["inkling_text", "release"])
+def test_the_recipes_gpu_form_dry_starts_on_two_cpu_ranks(form, tmp_path):
     """The command the recipe renders for 4 H200s (Megatron, TP 4 with sequence parallelism, EP 4,
     the torch_dist as --ref-load) passes miles.train's argument and checkpoint checks: at the same
     layout scaled to 2 ranks (TP 2, EP 2) and the model flags at a 4-layer tiny Inkling's sizes,
     every rank builds its model chunk and loads the converted checkpoint, then stops (--dry-start).
     The flags that act only through Transformer Engine's layer spec on a GPU (which the CPU
-    start refuses, miles.megatron.options) are left out: this is the CPU, and only those."""
+    start refuses, miles.megatron.options) are left out: this is the CPU, and only those. The
+    checkpoint is a tiny inkling_text, and the release's form (inkling_mm_model, what the recipe's
+    slice of the published checkpoint is)."""
     import os
     import subprocess
     import sys
@@ -301,6 +304,7 @@ def test_the_recipes_gpu_form_dry_starts_on_two_cpu_ranks(tmp_path):
     from miles.ckpt.tiny import make_tiny_checkpoint
     from miles.ckpt.torch_dist import convert_to_torch_dist
     from miles.megatron import options as megatron_options
+    from miles.megatron.families import read_config
     from miles.models import family
     from miles.models.facts import flag_values
     from miles.recipes import shared
@@ -318,10 +322,13 @@ def test_the_recipes_gpu_form_dry_starts_on_two_cpu_ranks(tmp_path):
     # under the name the plan gives the prepared checkpoint: the published layer pattern at 4 layers
     # (dense layers 0-1, global layer 3 with the window every 6th... of a 4-layer slice: all sliding but
     # one global layer here, so both kinds are loaded)
-    make_tiny_checkpoint("inkling", 4, hf, dense_mlp_idx=2, local_layer_ids=[0, 1, 2])
+    if form == "release":
+        make_release_checkpoint(hf, layers=4, dense=2, local=(0, 1, 2))
+    else:
+        make_tiny_checkpoint("inkling", 4, hf, dense_mlp_idx=2, local_layer_ids=[0, 1, 2])
     ref.mkdir()
     convert_to_torch_dist(hf, ref, "inkling")
-    config = json.loads((hf / "config.json").read_text())
+    config = read_config(hf)
     scaled = {
         **flag_values(family("inkling").keys, config),
         "--tensor-model-parallel-size": 2, "--expert-model-parallel-size": 2, "--actor-num-gpus-per-node": 2,
