@@ -1,4 +1,4 @@
-"""Inkling (transformers' InklingForCausalLM, model_type inkling_text) as megatron-core GPTModel.
+"""Inkling (transformers' InklingForCausalLM, inkling_text; its release, inkling_mm_model) as megatron-core GPTModel.
 
 Inkling's layers (`miles.megatron.inkling`: short convolutions, relative attention bias,
 1/head_dim-scaled sliding-window and global attention with log scaling, the dense MLP's
