@@ -28,7 +28,7 @@ from typing import Any
 
 from miles.ckpt.errors import CheckpointError, full_disk_error
 from miles.ckpt.families import writes_megatron_keys
-from miles.ckpt.progress import Progress
+from miles.ckpt.progress import Progress, say
 from miles.ckpt.shards import CheckpointReader, torch_dtype
 from miles.megatron.checkpoint import (
     RELEASE,
@@ -59,8 +59,9 @@ def convert_to_torch_dist(
     Megatron-LM's --make-vocab-size-divisible-by x TP does; 1 keeps the HF vocabulary.
     """
     src, dst = Path(src), Path(dst)
-    config = json.loads((src / "config.json").read_text())
     gpt = writes_megatron_keys(family_name)
+    with _mapped({}):
+        config = _config(src, gpt)
     with _quiet(), _mapped(config), single_process_group(), CheckpointReader(src) as reader, _on_cpu(gpt):
         if progress is not None:
             progress.total_bytes = sum(reader.info(n)[1].nbytes for n in reader.files.weight_map)
@@ -71,7 +72,9 @@ def convert_to_torch_dist(
             from miles.megatron.model import build_model
 
             model = build_model(config, vocab)
-            _fill_gpt(model, config, reader, vocab, progress)
+            left = _fill_gpt(model, config, reader, vocab, progress)
+            if left:
+                say(f"torch_dist: {src} {left}")
             sharded = gpt_state(model)
         else:
             sharded = _hf_named_state(reader, progress)
@@ -88,6 +91,16 @@ def convert_to_torch_dist(
         if verify:
             _verify(release, config, reader, gpt, vocab)
     (dst / TRACKER).write_text(RELEASE)
+
+
+def _config(hf_dir: Path, gpt: bool) -> dict:
+    """config.json of `hf_dir`; for a family megatron-core builds, the decoder's config as the
+    mapping reads it (miles.megatron.families.decoder_config)."""
+    if not gpt:
+        return json.loads((Path(hf_dir) / "config.json").read_text())
+    from miles.megatron.families import read_config
+
+    return read_config(hf_dir)
 
 
 @contextmanager
@@ -128,8 +141,9 @@ def _padded_vocab(config: Mapping[str, Any], multiple: int) -> int:
     return -(-vocab // multiple) * multiple
 
 
-def _fill_gpt(model, config, reader: CheckpointReader, vocab: int, progress: Progress | None) -> None:
-    """Read every HF row block straight into its place in the megatron parameters."""
+def _fill_gpt(model, config, reader: CheckpointReader, vocab: int, progress: Progress | None) -> str:
+    """Read every HF row block straight into its place in the megatron parameters; what the
+    checkpoint holds that the model leaves out, in words ("" if nothing)."""
     import torch
 
     from miles.megatron.hf_names import layout
@@ -141,8 +155,8 @@ def _fill_gpt(model, config, reader: CheckpointReader, vocab: int, progress: Pro
         for name, pieces in layout(config):
             target = _target(params, name, pieces, reader)
             for piece in pieces:
-                dst = target[piece.at : piece.at + piece.stop - piece.start]
-                if piece.index is not None:  # rows of one sub-tensor of a stacked tensor
+                dst = target[piece.at : piece.at + piece.rows]
+                if piece.index is not None or piece.step != 1:  # a stacked sub-tensor's or strided rows
                     dst.copy_(_read_piece(reader, piece))
                 elif dst.dtype == torch_dtype(reader.info(piece.hf_name)[1].dtype):
                     reader.read_rows(piece.hf_name, piece.start, piece.stop, out=dst)
@@ -151,17 +165,40 @@ def _fill_gpt(model, config, reader: CheckpointReader, vocab: int, progress: Pro
                 if progress is not None:
                     progress.advance(dst.numel() * dst.element_size(), int(piece.hf_name not in read))
                 read.add(piece.hf_name)
-            target[sum(p.stop - p.start for p in pieces) :].zero_()  # padded vocabulary rows
+            target[sum(p.rows for p in pieces) :].zero_()  # padded vocabulary rows
             seen.add(name)
     missing = sorted(set(params) - seen)
     if missing:
         raise CheckpointError(f"torch_dist: the HF weights give no value for megatron's {missing[:5]}")
+    return left_out(config, sorted(set(reader.files.weight_map) - read))
+
+
+def left_out(config, names: list[str]) -> str:
+    """One line naming the checkpoint tensors the conversion did not read, grouped by what its
+    family's mapping says they are ("" if none)."""
+    from miles.megatron.families import mapping_of
+
+    if not names:
+        return ""
+    groups: dict[str, int] = {}
+    for name in names:
+        what = next(
+            (
+                f"{what} ({prefix}*)"
+                for prefix, what in mapping_of(config).not_decoder
+                if name.startswith(prefix)
+            ),
+            "tensors the megatron model has no place for: " + name,
+        )
+        groups[what] = groups.get(what, 0) + 1
+    parts = ", ".join(f"{what}: {count} tensor(s)" for what, count in groups.items())
+    return f"left out of the megatron checkpoint (not part of the decoder it builds): {parts}"
 
 
 def _target(params, name: str, pieces, reader: CheckpointReader):
     """The megatron parameter `name`, checked against the HF tensors that fill it."""
     target = params.get(name)
-    rows = sum(p.stop - p.start for p in pieces)
+    rows = sum(p.rows for p in pieces)
     padded = name in ("embedding.word_embeddings.weight", "output_layer.weight")
     if target is None or rows > target.shape[0] or (rows != target.shape[0] and not padded):
         want = None if target is None else list(target.shape)
@@ -177,10 +214,12 @@ def _target(params, name: str, pieces, reader: CheckpointReader):
 
 
 def _read_piece(reader: CheckpointReader, piece):
-    """The HF rows a piece names (of sub-tensor `index` of a stacked tensor, if it has one)."""
+    """The HF rows a piece names (of sub-tensor `index` of a stacked tensor, if it has one; every
+    `step`-th row)."""
     if piece.index is None:
-        return reader.read_rows(piece.hf_name, piece.start, piece.stop)
-    return reader.read_rows(piece.hf_name, piece.index, piece.index + 1)[0, piece.start : piece.stop]
+        rows = reader.read_rows(piece.hf_name, piece.start, piece.stop)
+        return rows if piece.step == 1 else rows[:: piece.step]
+    return reader.read_rows(piece.hf_name, piece.index, piece.index + 1)[0, piece.hf_rows]
 
 
 def _hf_named_state(reader: CheckpointReader, progress: Progress | None) -> dict:
@@ -253,9 +292,7 @@ def _verify(release: Path, config, reader: CheckpointReader, gpt: bool, vocab: i
         model.load_state_dict({k: v for k, v in state.items() if k not in _COMMON_KEYS})
         loaded = model.state_dict()
         checks = (
-            (name, loaded[name][p.at : p.at + p.stop - p.start], p)
-            for name, pieces in layout(config)
-            for p in pieces
+            (name, loaded[name][p.at : p.at + p.rows], p) for name, pieces in layout(config) for p in pieces
         )
     else:
         empty = (
@@ -277,7 +314,7 @@ def _verify(release: Path, config, reader: CheckpointReader, gpt: bool, vocab: i
         if not torch.equal(got.reshape(want.shape), want.to(got.dtype)):
             if want.is_floating_point() and not bool(torch.isfinite(want).all()):
                 first = (~torch.isfinite(want)).nonzero()[0].tolist()
-                index = [first[0] + start, *first[1:]] if first else []
+                index = [first[0] * piece.step + start, *first[1:]] if first else []
                 raise CheckpointError(
                     f"{reader.files.root}: tensor {hf_name} holds NaN/Inf (first at index {index}), which "
                     "never loads back equal; the source checkpoint is broken and a rerun cannot fix it: "
@@ -324,8 +361,11 @@ def shape_problems(torch_dist_dir: Path, hf_dir: Path) -> list[str]:
         return [
             f"{path} cannot be read ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
         ]
-    config = json.loads((Path(hf_dir) / "config.json").read_text())
     recorded = common.get("miles", {}) if isinstance(common.get("miles"), dict) else {}
+    try:
+        config = _config(hf_dir, recorded.get("layout") == "megatron-gpt")
+    except ValueError as exc:  # a config the mapping refuses (UnmappedModel)
+        return [f"{Path(hf_dir) / 'config.json'}: {exc}"]
     differences = []
     if recorded.get("model_type") not in (None, config.get("model_type")):
         differences.append(f"model_type {recorded['model_type']} (config.json: {config.get('model_type')})")

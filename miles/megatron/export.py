@@ -14,7 +14,8 @@ HF ones (`linear_qkv` split per query group, `linear_fc1` into gate and up, loca
 indices into global ones). Only one layer's tensors are held at a time. TE's grouped-GEMM
 experts are read under SequentialMLP's names (`expert_name`). A family's weights outside the
 decoder layers (carried MTP layers, on the last stage) follow under the checkpoint's names
-only: the transformers class has no such parameters.
+only: the transformers class has no such parameters. A family's release names (Inkling's
+`model.llm.*`, its gate and up rows interleaved again) come from its layout like any other.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from miles.megatron.hf_names import embedding_layout, extra_layout, layer_layout
+from miles.megatron.hf_names import embedding_layout, extra_layout, layer_layout, outer_names
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
@@ -123,11 +124,12 @@ class WeightExporter:
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         local = _stage_tensors(self.chunks)
         hf_vocab = self.config["vocab_size"]
+        embed_name, norm_name, head_name = outer_names(self.config)
         extra = list(embedding_layout(self.config))  # the family's embedding norm
         embed = self._from_stage(
             self.first, local, ["embedding.word_embeddings.weight", *(name for name, _ in extra)]
         )
-        yield "model.embed_tokens.weight", embed["embedding.word_embeddings.weight"][:hf_vocab]
+        yield embed_name, embed["embedding.word_embeddings.weight"][:hf_vocab]
         yield from _to_hf(extra, embed)
         for i in range(self.config["num_hidden_layers"]):
             prefix = f"decoder.layers.{i}."
@@ -140,9 +142,9 @@ class WeightExporter:
         if not self.config.get("tie_word_embeddings"):
             tail.append("output_layer.weight")
         end = self._from_stage(self.last, local, tail)
-        yield "model.norm.weight", end["decoder.final_layernorm.weight"]
+        yield norm_name, end["decoder.final_layernorm.weight"]
         if not self.config.get("tie_word_embeddings"):
-            yield "lm_head.weight", end["output_layer.weight"][:hf_vocab]
+            yield head_name, end["output_layer.weight"][:hf_vocab]
         if self.extras:
             extra = list(extra_layout(self.config))
             wanted = {name for name, _ in extra}
@@ -243,12 +245,12 @@ def _to_hf(layout, full: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torc
         first = full[parts[0][0]]
         stacked = sorted({p.index for _, p in parts if p.index is not None})
         if stacked:  # one sub-tensor per index (transformers' fused experts)
-            rows = sum(p.stop - p.start for _, p in parts if p.index == stacked[0])
+            rows = sum(p.rows for _, p in parts if p.index == stacked[0])
             shape = (len(stacked), rows, *first.shape[1:])
         else:
-            shape = (sum(p.stop - p.start for _, p in parts), *first.shape[1:])
+            shape = (sum(p.rows for _, p in parts), *first.shape[1:])
         out = torch.empty(shape, dtype=first.dtype, device=first.device)
         for name, p in parts:
             rows_of = out[p.index] if p.index is not None else out
-            rows_of[p.start : p.stop] = full[name][p.at : p.at + p.stop - p.start]
+            rows_of[p.hf_rows] = full[name][p.at : p.at + p.rows]
         yield hf_name, out

@@ -6,7 +6,9 @@ norm, unless tied the output layer, and what the family adds (carried MTP layers
 megatron tensor: q, k and v become one `linear_qkv` whose rows are grouped per query group
 ([q heads of the group, k, v] for each group), gate and up become `linear_fc1` ([gate; up]),
 and norms fused into a linear take that linear's `layer_norm_weight` name; one expert of a
-stacked HF expert tensor is a piece of that tensor's sub-tensor. Conversion reads
+stacked HF expert tensor is a piece of that tensor's sub-tensor; interleaved gate/up rows are
+two pieces of step 2. The embedding, final norm and head have the family's names for them
+(`outer_names`). Conversion reads
 the pieces in; the weight export (`miles.megatron.export`) cuts them back out.
 """
 
@@ -19,15 +21,26 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Piece:
-    """Rows [start, stop) of a Hugging Face tensor, placed at row `at` of a megatron tensor; with
-    `index`, rows of sub-tensor `index` of a stacked one (transformers' fused experts
-    [experts, rows, ...])."""
+    """Rows [start, stop) of a Hugging Face tensor, every `step`-th one, placed one after
+    another from row `at` of a megatron tensor; with `index`, rows of sub-tensor `index` of a
+    stacked one (transformers' fused experts [experts, rows, ...]). A step of 2 reads one half of
+    row-interleaved [gate, up] pairs (Inkling's release checkpoint)."""
 
     hf_name: str
     start: int
     stop: int
     at: int
     index: int | None = None
+    step: int = 1
+
+    @property
+    def rows(self) -> int:
+        """How many megatron rows the piece fills."""
+        return len(range(self.start, self.stop, self.step))
+
+    @property
+    def hf_rows(self) -> slice:
+        return slice(self.start, self.stop, self.step)
 
 
 Weights = Iterator[tuple[str, tuple[Piece, ...]]]
@@ -86,15 +99,27 @@ def embedding_layout(config: Mapping[str, Any]) -> Weights:
         yield from extra(config)
 
 
+OUTER_NAMES = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+
+
+def outer_names(config: Mapping[str, Any]) -> tuple[str, str, str]:
+    """The checkpoint's names of the word embedding, the final norm and the output layer."""
+    from miles.megatron.families import mapping_of
+
+    names = mapping_of(config).outer_names
+    return OUTER_NAMES if names is None else names(config)
+
+
 def layout(config: Mapping[str, Any]) -> Weights:
     """(megatron state-dict name, where each of its rows comes from) for every weight of the
     whole model (one pipeline stage, one expert-parallel rank)."""
     hidden, vocab = config["hidden_size"], config["vocab_size"]
-    yield "embedding.word_embeddings.weight", (whole("model.embed_tokens.weight", vocab),)
+    embed, norm, head = outer_names(config)
+    yield "embedding.word_embeddings.weight", (whole(embed, vocab),)
     yield from embedding_layout(config)
     for i in range(config["num_hidden_layers"]):
         yield from layer_layout(config, i, f"decoder.layers.{i}.")
-    yield "decoder.final_layernorm.weight", (whole("model.norm.weight", hidden),)
+    yield "decoder.final_layernorm.weight", (whole(norm, hidden),)
     if not config.get("tie_word_embeddings"):
-        yield "output_layer.weight", (whole("lm_head.weight", vocab),)
+        yield "output_layer.weight", (whole(head, vocab),)
     yield from extra_layout(config)

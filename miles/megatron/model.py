@@ -122,11 +122,22 @@ def logits(model, tokens, vocab_size: int):
         return model.eval()(tokens, positions, None)[..., :vocab_size].float()
 
 
+def hf_class(config: Mapping[str, Any]):
+    """transformers' auto class of a checkpoint: its causal LM, else (a multimodal release such as
+    Inkling's inkling_mm_model, which the causal-LM mapping does not list) its image-text-to-text
+    class, whose text-only forward is the decoder's."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if config.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return AutoModelForCausalLM
+    return AutoModelForImageTextToText
+
+
 def hf_logit_gap(hf_dir, model, config: Mapping[str, Any], device: str = "cpu") -> float:
     """Max |logit difference| between the HF checkpoint in `hf_dir` and a world-of-one megatron
     `model` holding its converted weights, both in float32 on `device`, on `probe_tokens`."""
     import torch
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     tokens = probe_tokens(config).to(device)
@@ -134,7 +145,7 @@ def hf_logit_gap(hf_dir, model, config: Mapping[str, Any], device: str = "cpu") 
     hf_logging.disable_progress_bar()  # a check inside prepare-ckpt, whose output is one line per step
     hf_logging.set_verbosity_error()  # nor its load report (checkpoint tensors the class has no use for: MTP)
     try:
-        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device)
+        hf = hf_class(config).from_pretrained(hf_dir, dtype=torch.float32).to(device)
     finally:
         hf_logging.set_verbosity(verbosity)
         if shown:

@@ -33,7 +33,14 @@ def is_silu(value: object, config: Mapping[str, Any]) -> object:
 
 
 def window(value: object, config: Mapping[str, Any]) -> object:
-    return f"{value},0"  # Megatron-LM's LEFT,RIGHT: a causal window of `value` tokens
+    """Megatron-LM's --window-size LEFT,RIGHT for a Hugging Face sliding window of `value`.
+
+    transformers admits key k for query q when q - value < k <= q (masking_utils,
+    sliding_window_overlay): `value` keys, the query's own among them. megatron-core's (LEFT,
+    RIGHT) admits q - LEFT <= k <= q + RIGHT (transformer/utils.py,
+    get_sliding_window_causal_mask; Transformer Engine's window_size alike): LEFT + 1 keys. So
+    a window of `value` keys is (value - 1, 0)."""
+    return f"{int(value) - 1},0"
 
 
 def moe_layer_freq(first_k_dense: int, num_layers: int) -> str:

@@ -76,7 +76,7 @@ INKLING_SMALL = ModelSpec(
         ("--norm-epsilon", 1e-6), ("--swiglu", True), ("--disable-bias-linear", True),
         ("--untie-embeddings-and-output-weights", True), ("--vocab-size", 201024),
         ("--position-embedding-type", "none"), ("--max-position-embeddings", 1048576), ("--qk-layernorm", True),
-        ("--window-size", "512,0"), ("--window-attn-skip-freq", 6),
+        ("--window-size", "511,0"), ("--window-attn-skip-freq", 6),
         ("--moe-ffn-hidden-size", 2048), ("--moe-router-topk", 6), ("--moe-shared-expert-intermediate-size", 4096),
         ("--moe-router-pre-softmax", True), ("--moe-router-score-function", "sigmoid"),
         ("--moe-router-enable-expert-bias", True), ("--moe-router-load-balancing-type", "seq_aux_loss"),

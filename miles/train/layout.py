@@ -37,7 +37,9 @@ def model_shape(args):
     hf = {}
     config_path = Path(args.hf_checkpoint) / "config.json"
     if config_path.is_file():
-        hf = text_config(json.loads(config_path.read_text()))
+        from miles.megatron.families import decoder_config
+
+        hf = text_config(decoder_config(json.loads(config_path.read_text())))
     implied = flag_values(models.keys_of(hf), hf)
 
     def flag(name: str):

@@ -8,7 +8,10 @@ and up apart, the shared expert's too), PP stages broadcast, experts gathered ov
 global indices. GLM-5.2's tiny has 4 layers, the last reusing the DSA top-k of layer 2, so its
 PP=2 split (2 + 2) starts each stage on a layer with its own indexer. Inkling's tiny (a sliding
 and a global layer, dense then MoE) exports its stacked experts and shared experts, its
-convolutions (split over TP on k and v) and its embedding norm.
+convolutions (split over TP on k and v) and its embedding norm. Inkling's release form
+(inkling_mm_model, tests/megatron/inkling_release.py) exports under the release's names, gate and
+up interleaved again, equal to its checkpoint's decoder tensors: what SGLang's
+InklingForConditionalGeneration loads (the built-in engine's AutoModelForCausalLM loads no release).
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ import pytest
 
 from miles.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=125, suite="stage-b-cpu")
+register_cpu_ci(est_time=145, suite="stage-b-cpu")
 
 WORKER = Path(__file__).with_name("weights_worker.py")
+sys.path.insert(0, str(Path(__file__).parent))
+from inkling_release import make_release_checkpoint  # noqa: E402  (this directory's helper)
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +39,21 @@ def converted(tmp_path_factory):
     from miles.ckpt.torch_dist import convert_to_torch_dist
 
     made = {}
-    for family, layers in (("qwen3", 2), ("qwen3_moe", 2), ("glm_moe_dsa", 4), ("inkling", 2)):
+    for family, layers in (
+        ("qwen3", 2),
+        ("qwen3_moe", 2),
+        ("glm_moe_dsa", 4),
+        ("inkling", 2),
+        ("release", 2),
+    ):
         root = tmp_path_factory.mktemp(family)
-        hf = make_tiny_checkpoint(family, layers, root / "hf")
+        if family == "release":
+            hf = make_release_checkpoint(root / "hf")
+        else:
+            hf = make_tiny_checkpoint(family, layers, root / "hf")
         dist = root / "torch_dist"
         dist.mkdir()
-        convert_to_torch_dist(hf, dist, family)
+        convert_to_torch_dist(hf, dist, "inkling" if family == "release" else family)
         made[family] = (hf, dist)
     return made
 
@@ -55,6 +69,7 @@ def converted(tmp_path_factory):
         ("glm_moe_dsa", 1, 2, 1),
         ("inkling", 2, 1, 2),
         ("inkling", 1, 2, 1),
+        ("release", 2, 1, 2),
     ],
     ids=[
         "dense-tp2",
@@ -65,6 +80,7 @@ def converted(tmp_path_factory):
         "glm-pp2",
         "inkling-tp2-ep2",
         "inkling-pp2",
+        "inkling-release-tp2-ep2",
     ],
 )
 def test_exported_weights_equal_the_checkpoint_under_both_name_sets(converted, family, tp, pp, ep):
@@ -80,5 +96,14 @@ def test_exported_weights_equal_the_checkpoint_under_both_name_sets(converted, f
     if family == "glm_moe_dsa":  # the MTP layer is handed over under its checkpoint names
         assert "model.layers.4.eh_proj.weight" in result["checkpoint_names"], result
     assert result["checkpoint_names_missing"] == [] and result["checkpoint_names_extra"] == [], result
+    if family == "release":  # SGLang's names (InklingForConditionalGeneration.load_weights reads model.llm.*)
+        assert result["left_out"] == ["audio", "mtp", "visual"], result
+        names = result["checkpoint_names"]
+        for name in ("model.llm.layers.1.mlp.experts.w13_weight", "model.llm.layers.0.mlp.w13_dn.weight",
+                     "model.llm.unembed.weight", "model.llm.embed_norm.weight"):  # fmt: skip
+            assert name in names, name
+        assert not any(n.startswith(("model.layers.", "lm_head")) for n in names), names
+        assert result["checkpoint_max_diff"] == 0.0, result
+        return
     assert result["model_names_missing"] == [] and result["model_names_extra"] == [], result
     assert result["checkpoint_max_diff"] == 0.0 and result["model_max_diff"] == 0.0, result

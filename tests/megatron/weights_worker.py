@@ -25,12 +25,13 @@ def main() -> None:
     from miles.megatron.checkpoint import load_weights
     from miles.megatron.config import transformer_config
     from miles.megatron.export import WeightExporter
+    from miles.megatron.families import mapping_of, read_config
     from miles.megatron.model import build_chunks
     from miles.megatron.training import init_parallel_state
     from miles.parallel import ParallelLayout
 
     compat.install()
-    config = json.loads((hf / "config.json").read_text())
+    config = read_config(hf)
     layout = ParallelLayout(tp=tp, pp=pp, ep=ep, etp=1 if ep > 1 else None, sp=tp > 1)
     init_parallel_state(layout, seed=0)
     tc = transformer_config(config, layout, dtype=torch.float32, initialize=True, batch_p2p_comm=False)
@@ -38,8 +39,15 @@ def main() -> None:
     load_weights(chunks, torch_dist)
 
     worst = {}
+    # the checkpoint's tensors outside the decoder (a release's towers and MTP layers) are not trained
+    left = tuple(prefix for prefix, _ in mapping_of(config).not_decoder)
     with CheckpointReader(hf) as reader:
-        files = {name: reader.read(name).float() for name in reader.files.weight_map}
+        files = {
+            name: reader.read(name).float() for name in reader.files.weight_map if not name.startswith(left)
+        }
+    worst["left_out"] = sorted(
+        {name.split(".")[1] for name in reader.files.weight_map if name.startswith(left)}
+    )
     exported = {n: t.float() for n, t in WeightExporter(chunks, config, fused_experts=False, extras=True)}
     worst["checkpoint_names"] = sorted(exported)
     worst["checkpoint_names_missing"] = sorted(set(files) - set(exported))[:5]
@@ -48,6 +56,11 @@ def main() -> None:
         float((exported[n] - files[n]).abs().max()) for n in files if n in exported
     )
 
+    if config["model_type"] == "inkling_mm_model":  # AutoModelForCausalLM does not load a release
+        if dist.get_rank() == 0:
+            print("RESULT " + json.dumps(worst), flush=True)
+        dist.destroy_process_group()
+        return
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).state_dict()
     fused = {n: t.float() for n, t in WeightExporter(chunks, config, fused_experts=True)}
     tied = {"lm_head.weight"} if config.get("tie_word_embeddings") else set()

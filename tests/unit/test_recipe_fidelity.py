@@ -182,8 +182,32 @@ def test_the_recipes_carry_the_models_published_shapes():
 
 
 def test_window_sizes_are_written_as_megatrons_left_right_pair():
-    assert dict(shared("inkling").model.model_args())["--window-size"] == "512,0"
+    # Inkling-Small's 512-key window: megatron-core's (511, 0) admits the query and 511 keys before it
+    assert dict(shared("inkling").model.model_args())["--window-size"] == "511,0"
     assert "--window-size" not in dict(shared("deepseek_v4").model.model_args())
+
+
+@pytest.mark.parametrize("window", [1, 3, 32, 512])
+def test_a_window_flag_admits_the_keys_transformers_admits(window):
+    """The --window-size the facts table derives from a sliding window admits, under megatron-core's
+    rule, exactly the keys transformers' sliding-window mask admits. megatron-core 0.16.1's rule
+    (transformer/utils.py, get_sliding_window_causal_mask, which allocates on CUDA and so is
+    restated here): masked unless triu(diagonal=skv - sq - LEFT) and tril(diagonal=skv - sq + RIGHT)."""
+    import torch
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    from miles.models.facts import window as window_flag
+    from miles.train.config import _window
+
+    left, right = _window(window_flag(window, {}))
+    n = window + 20
+    ones = torch.ones(n, n, dtype=torch.bool)
+    megatron = torch.tril(torch.triu(ones, diagonal=-left), diagonal=right)  # True: attended
+    admits = sliding_window_causal_mask_function(window)
+    zero, rows = torch.tensor(0), torch.arange(n)
+    hf = admits(zero, zero, rows[:, None], rows[None, :]).expand(n, n)
+    assert torch.equal(megatron, hf)
+    assert int(hf[n - 1].sum()) == window
 
 
 def test_what_megatron_core_lacks_is_said_in_the_recipe():

@@ -65,8 +65,8 @@ def test_a_megatron_profile_of_a_family_the_backend_does_not_build_cannot_build(
     status = profile_status(recipe, profile, tmp_path)
     assert status.kind == CANNOT_BUILD
     assert status.detail == (
-        "DeepSeek-V4-Flash is model type deepseek_v4; miles' Megatron backend builds glm_moe_dsa, inkling_text, "
-        "qwen3, qwen3_moe (miles/megatron/families/)"
+        "DeepSeek-V4-Flash is model type deepseek_v4; miles' Megatron backend builds glm_moe_dsa, inkling_mm_model, "
+        "inkling_text, qwen3, qwen3_moe (miles/megatron/families/)"
     )
 
 

@@ -14,10 +14,12 @@ Importing this package imports no torch and no megatron-core.
 from __future__ import annotations
 
 import importlib
+import json
 import pkgutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 from miles.megatron.hf_names import Weights
@@ -54,6 +56,15 @@ class GPTMapping:
     embedding_weights: Callable[[Mapping[str, Any]], Weights] | None = None
     # GPTModel's position_embedding_type ("none": position comes from the layers themselves)
     position_embedding_type: str = "rope"
+    # The checkpoint's names of the word embedding, final norm and output layer, when they are not
+    # model.embed_tokens / model.norm / lm_head: (config) -> (embedding, norm, head)
+    outer_names: Callable[[Mapping[str, Any]], tuple[str, str, str]] | None = None
+    # config.json as the decoder's config the rest reads (a multimodal release nests it under
+    # text_config with keys of its own): (config.json) -> config
+    decoder_config: Callable[[Mapping[str, Any]], dict] | None = None
+    # Checkpoint tensors outside the decoder that megatron's model leaves out, by name prefix:
+    # ((prefix, what they are), ...); the conversion names them in its report
+    not_decoder: tuple[tuple[str, str], ...] = ()
 
 
 @cache
@@ -75,6 +86,21 @@ def mapping_of(config: Mapping[str, Any]) -> GPTMapping:
         known = ", ".join(sorted(mappings()))
         raise UnmappedModel(f"no megatron GPT mapping for model_type {model_type!r}; mapped: {known}")
     return found
+
+
+def decoder_config(config: Mapping[str, Any]) -> dict:
+    """A config.json as its family's mapping, the weight layout, the model flags' check and the
+    trainer read it: the decoder's own config, normalised as transformers normalises it (a model
+    type without a mapping, or whose mapping reads config.json as it is, is returned as it is)."""
+    mapping = mappings().get(config.get("model_type"))
+    if mapping is None or mapping.decoder_config is None:
+        return dict(config)
+    return mapping.decoder_config(config)
+
+
+def read_config(hf_dir: str | Path) -> dict:
+    """`decoder_config` of the config.json in a Hugging Face model directory."""
+    return decoder_config(json.loads((Path(hf_dir) / "config.json").read_text()))
 
 
 def has_mapping(family: str) -> bool:

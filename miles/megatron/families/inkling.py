@@ -1,4 +1,4 @@
-"""Inkling (transformers' InklingForCausalLM, model_type inkling_text) as megatron-core GPTModel.
+"""Inkling (transformers' InklingForCausalLM, inkling_text; its release, inkling_mm_model) as megatron-core GPTModel.
 
 Inkling's layers (`miles.megatron.inkling`: short convolutions, relative attention bias,
 1/head_dim-scaled sliding-window and global attention with log scaling, the dense MLP's
@@ -6,8 +6,20 @@ global scale, the shared-expert-sink router, shared experts of the routed width,
 embedding norm, the final norm's division) in megatron-core's GPTModel, its layers and MoE
 layer. Every config.json value that changes the math is mapped or refused by name. No
 position embedding. The MTP layers the published checkpoint may carry are not built
-(transformers' causal LM has no forward for them); the multimodal release checkpoint
-(inkling_mm_model, `model.llm.*` names, interleaved gate/up) is not mapped here.
+(transformers' causal LM has no forward for them).
+
+The published release (inkling_mm_model, transformers' InklingForConditionalGeneration) nests
+the decoder's config under text_config with keys of its own (`dense_intermediate_size` is the
+dense width, `intermediate_size` then the experts'; the MTP block at the top level), which
+`decoder_config` normalises as transformers' InklingConfig does; its weights have the
+release's names (transformers' conversion_mapping.py, "inkling_mm_model"): model.llm.embed,
+embed_norm, norm and unembed, a layer's attn.{wq_du, wk_dv, wv_dv, wr_du, wo_ud}, attn.{q,k}_norm,
+attn.{k,v}_sconv, attn.rel_logits_proj.proj, attn_norm, attn_sconv, mlp_norm, mlp_sconv, the
+dense mlp.w13_dn (gate and up rows interleaved: gate, up, gate, ...), mlp.w2_md and
+mlp.global_scale, an MoE layer's mlp.gate.{weight, global_scale, bias}, mlp.experts.w13_weight
+[experts, interleaved gate/up, hidden] and w2_weight, mlp.shared_experts.shared_w13_weight
+(interleaved too) and shared_w2_weight. Its vision and audio towers and MTP layers are not part
+of the decoder: the conversion leaves them out and says so.
 
 Weights (transformers names on the right): linear_qkv [q_proj, k_proj, v_proj, r_proj rows
 per query group: its q heads, k, v, then its heads' r] with layer_norm_weight
@@ -29,6 +41,7 @@ from miles.megatron.families import GPTMapping, UnmappedModel
 from miles.megatron.hf_names import Piece, Weights, whole
 
 SLIDING = "hybrid_sliding"
+RELEASE = "inkling_mm_model"  # the published multimodal checkpoint
 
 
 def layer_types(config: Mapping[str, Any]) -> list[str]:
@@ -69,6 +82,55 @@ def normalised(config: Mapping[str, Any]) -> dict:
     return out
 
 
+def decoder_config(config: Mapping[str, Any]) -> dict:
+    """The decoder's config of a release config.json (model_type inkling_mm_model), as
+    transformers' InklingConfig and InklingTextConfig normalise it: text_config's keys, the
+    top-level mtp_config block as num_mtp_layers / chain_hidden_post_norm /
+    mtp_local_layer_ids, and with `dense_intermediate_size` present the widths swapped
+    (`intermediate_size` is then the experts' width, moe_intermediate_size). It keeps the
+    release's model_type: its weights have the release's names. A config already normalised
+    (no text_config) is returned normalised again, unchanged."""
+    text = config.get("text_config")
+    if text is None and "hidden_size" in config:
+        return normalised(config)
+    if not isinstance(text, Mapping):
+        raise UnmappedModel(
+            f"config.json model_type {RELEASE!r} has no text_config object (the decoder's config); "
+            "is this an Inkling release checkpoint?"
+        )
+    out = dict(text)
+    if out.get("dense_intermediate_size") is not None:
+        out["moe_intermediate_size"] = out["intermediate_size"]
+        out["intermediate_size"] = out.pop("dense_intermediate_size")
+    mtp = config.get("mtp_config") or {}
+    out.setdefault("num_mtp_layers", mtp.get("num_nextn_predict_layers"))
+    out.setdefault("chain_hidden_post_norm", mtp.get("chain_hidden_post_norm", False))
+    out.setdefault("mtp_local_layer_ids", mtp.get("local_layer_ids"))
+    for key in ("dtype", "torch_dtype"):  # the weights' dtype, where only the top level records it
+        if key in config and key not in out:
+            out[key] = config[key]
+    out["model_type"] = RELEASE
+    return normalised(out)
+
+
+def release_names(config: Mapping[str, Any]) -> bool:
+    return config.get("model_type") == RELEASE
+
+
+def outer_names(config: Mapping[str, Any]) -> tuple[str, str, str]:
+    if release_names(config):
+        return "model.llm.embed.weight", "model.llm.norm.weight", "model.llm.unembed.weight"
+    return "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+
+
+# checkpoint tensors outside the decoder the conversion leaves out: (prefix, what it is)
+NOT_DECODER = (
+    ("model.visual.", "the vision tower"),
+    ("model.audio.", "the audio tower"),
+    ("model.mtp.", "the MTP layers (speculative decoding; not built)"),
+)
+
+
 # switches transformers' Inkling hard-codes, which SGLang reads: a config asking otherwise
 # describes a model neither transformers nor miles computes
 _ON = ("use_sconv", "use_embed_norm", "use_global_scale", "shared_expert_sink", "norm_after_topk")
@@ -79,11 +141,15 @@ def refuse_unmapped(config: Mapping[str, Any]) -> None:
     def refuse(message: str) -> None:
         raise UnmappedModel(f"config.json {message}")
 
-    if config.get("model_type") != "inkling_text":
+    if config.get("model_type") not in ("inkling_text", RELEASE):
         refuse(
-            f"model_type {config.get('model_type')!r}: the Megatron mapping reads inkling_text checkpoints "
-            "(the multimodal release's model.llm.* names and interleaved gate/up are not mapped); convert the "
-            "text model with transformers (InklingForCausalLM.save_pretrained) or train with --train-backend fsdp"
+            f"model_type {config.get('model_type')!r}: the Megatron mapping reads inkling_text and {RELEASE} "
+            "checkpoints"
+        )
+    if "text_config" in config:
+        refuse(
+            "text_config: the mapping reads the decoder's config (miles.megatron.families.decoder_config "
+            "of config.json), not the release's top level"
         )
     for key in _ON:
         if key in config and not config[key]:
@@ -158,8 +224,10 @@ def transformer_fields(config: Mapping[str, Any]) -> dict:
     return fields
 
 
-def _qkvr_pieces(hf: str, dims: dict) -> tuple[Piece, ...]:
-    """linear_qkv rows per query group: its q heads, its k head, its v head, its heads' r rows."""
+def _qkvr_pieces(names: tuple[str, str, str, str], dims: dict) -> tuple[Piece, ...]:
+    """linear_qkv rows per query group: its q heads, its k head, its v head, its heads' r rows
+    (`names`: the q, k, v and r projections' weights)."""
+    q, k, v, r = names
     groups, dim, d_rel = dims["groups"], dims["dim"], dims["d_rel"]
     rep = dims["heads"] // groups
     q_rows, r_rows = rep * dim, rep * d_rel
@@ -167,10 +235,10 @@ def _qkvr_pieces(hf: str, dims: dict) -> tuple[Piece, ...]:
     pieces = []
     for g in range(groups):
         at = g * block
-        pieces.append(Piece(hf + "q_proj.weight", g * q_rows, (g + 1) * q_rows, at))
-        pieces.append(Piece(hf + "k_proj.weight", g * dim, (g + 1) * dim, at + q_rows))
-        pieces.append(Piece(hf + "v_proj.weight", g * dim, (g + 1) * dim, at + q_rows + dim))
-        pieces.append(Piece(hf + "r_proj.weight", g * r_rows, (g + 1) * r_rows, at + q_rows + 2 * dim))
+        pieces.append(Piece(q, g * q_rows, (g + 1) * q_rows, at))
+        pieces.append(Piece(k, g * dim, (g + 1) * dim, at + q_rows))
+        pieces.append(Piece(v, g * dim, (g + 1) * dim, at + q_rows + dim))
+        pieces.append(Piece(r, g * r_rows, (g + 1) * r_rows, at + q_rows + 2 * dim))
     return tuple(pieces)
 
 
@@ -178,17 +246,25 @@ def _stacked_gate_up(gate: str, up: str, index: int, rows: int) -> tuple[Piece, 
     return (Piece(gate, 0, rows, 0, index), Piece(up, 0, rows, rows, index))
 
 
+def _interleaved_gate_up(w13: str, rows: int, index: int | None = None) -> tuple[Piece, ...]:
+    """megatron's [gate; up] from the release's interleaved rows (gate, up, gate, up, ...)."""
+    return (Piece(w13, 0, 2 * rows, 0, index, 2), Piece(w13, 1, 2 * rows, rows, index, 2))
+
+
 def layer_weights(config: Mapping[str, Any], i: int, mg: str) -> Weights:
     """The weights of decoder layer `i` of the HF model, under megatron layer prefix `mg`."""
     from miles.megatron.inkling import attention_dims
 
     config = normalised(config)
+    if release_names(config):
+        yield from _release_layer_weights(config, i, mg, attention_dims(config, i))
+        return
     hidden = int(config["hidden_size"])
     dims = attention_dims(config, i)
     hf, attn, at = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", mg + "self_attention."
     kv = dims["groups"] * dims["dim"]
     yield at + "linear_qkv.layer_norm_weight", (whole(hf + "input_layernorm.weight", hidden),)
-    yield at + "linear_qkv.weight", _qkvr_pieces(attn, dims)
+    yield at + "linear_qkv.weight", _qkvr_pieces(tuple(attn + f"{p}_proj.weight" for p in "qkvr"), dims)
     yield at + "k_sconv.weight", (whole(attn + "k_sconv.conv1d.weight", kv),)
     yield at + "v_sconv.weight", (whole(attn + "v_sconv.conv1d.weight", kv),)
     yield at + "q_layernorm.weight", (whole(attn + "q_norm.weight", dims["dim"]),)
@@ -226,11 +302,52 @@ def layer_weights(config: Mapping[str, Any], i: int, mg: str) -> Weights:
         yield to + "linear_fc2.weight", (Piece(src + "down_proj", 0, hidden, 0, j),)
 
 
+def _release_layer_weights(config: Mapping[str, Any], i: int, mg: str, dims: dict) -> Weights:
+    """Decoder layer `i` under the release's names (transformers' conversion_mapping.py)."""
+    hidden = int(config["hidden_size"])
+    hf, at = f"model.llm.layers.{i}.", mg + "self_attention."
+    attn = hf + "attn."
+    kv = dims["groups"] * dims["dim"]
+    yield at + "linear_qkv.layer_norm_weight", (whole(hf + "attn_norm.weight", hidden),)
+    names = tuple(attn + f"{p}.weight" for p in ("wq_du", "wk_dv", "wv_dv", "wr_du"))
+    yield at + "linear_qkv.weight", _qkvr_pieces(names, dims)
+    yield at + "k_sconv.weight", (whole(attn + "k_sconv.weight", kv),)
+    yield at + "v_sconv.weight", (whole(attn + "v_sconv.weight", kv),)
+    yield at + "q_layernorm.weight", (whole(attn + "q_norm.weight", dims["dim"]),)
+    yield at + "k_layernorm.weight", (whole(attn + "k_norm.weight", dims["dim"]),)
+    yield at + "rel_proj.weight", (whole(attn + "rel_logits_proj.proj", dims["d_rel"]),)
+    yield at + "linear_proj.weight", (whole(attn + "wo_ud.weight", hidden),)
+    yield at + "attn_sconv.weight", (whole(hf + "attn_sconv.weight", hidden),)
+    post_norm = (whole(hf + "mlp_norm.weight", hidden),)
+    yield mg + "mlp.mlp_sconv.weight", (whole(hf + "mlp_sconv.weight", hidden),)
+    if not moe_layers(config)[i]:
+        width = int(config["intermediate_size"])
+        yield mg + "mlp.linear_fc1.layer_norm_weight", post_norm
+        yield mg + "mlp.linear_fc1.weight", _interleaved_gate_up(hf + "mlp.w13_dn.weight", width)
+        yield mg + "mlp.linear_fc2.weight", (whole(hf + "mlp.w2_md.weight", hidden),)
+        yield mg + "mlp.global_scale", (whole(hf + "mlp.global_scale", 1),)
+        return
+    experts, shared = int(config["n_routed_experts"]), int(config["n_shared_experts"])
+    width = int(config["moe_intermediate_size"])
+    yield mg + "pre_mlp_layernorm.weight", post_norm
+    yield mg + "mlp.router.weight", (whole(hf + "mlp.gate.weight", experts + shared),)
+    yield mg + "mlp.router.global_scale", (whole(hf + "mlp.gate.global_scale", 1),)
+    yield mg + "mlp.router.expert_bias", (whole(hf + "mlp.gate.bias", experts),)
+    src = hf + "mlp.experts."
+    for e in range(experts):
+        to = mg + f"mlp.experts.local_experts.{e}."
+        yield to + "linear_fc1.weight", _interleaved_gate_up(src + "w13_weight", width, e)
+        yield to + "linear_fc2.weight", (Piece(src + "w2_weight", 0, hidden, 0, e),)
+    src = hf + "mlp.shared_experts."
+    for j in range(shared):
+        to = mg + f"mlp.shared_experts.experts.{j}."
+        yield to + "linear_fc1.weight", _interleaved_gate_up(src + "shared_w13_weight", width, j)
+        yield to + "linear_fc2.weight", (Piece(src + "shared_w2_weight", 0, hidden, 0, j),)
+
+
 def embedding_weights(config: Mapping[str, Any]) -> Weights:
-    yield (
-        "embedding.embed_norm.weight",
-        (whole("model.embed_tokens.embed_norm.weight", int(config["hidden_size"])),),
-    )
+    name = "model.llm.embed_norm.weight" if release_names(config) else "model.embed_tokens.embed_norm.weight"
+    yield "embedding.embed_norm.weight", (whole(name, int(config["hidden_size"])),)
 
 
 def block_spec(tc, config: Mapping[str, Any], vp_stage: int | None = None, *, impl: str = "local"):
@@ -272,7 +389,7 @@ def lm_args(config: Mapping[str, Any]) -> dict:
 MAPPINGS = (
     GPTMapping(
         "inkling",
-        ("inkling_text",),
+        ("inkling_text", RELEASE),
         refuse_unmapped,
         transformer_fields,
         layer_weights,
@@ -281,5 +398,8 @@ MAPPINGS = (
         embedding_weights=embedding_weights,
         lm_args=lm_args,
         position_embedding_type="none",
+        outer_names=outer_names,
+        decoder_config=decoder_config,
+        not_decoder=NOT_DECODER,
     ),
 )

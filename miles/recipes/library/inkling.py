@@ -118,7 +118,8 @@ RECIPE = Recipe(
             reason="the reference builds Inkling with its own provider from the checkpoint's config; so does miles "
             "(miles.megatron.inkling, read from config.json), and it passes config.json's shape in megatron-core's "
             "terms, which its backend checks against config.json (dense width 16384 in layers 0-1, 2 shared experts "
-            "of 2048, a 512-token window with a global layer every 6th; see `facts inkling`)",
+            "of 2048, a 512-token window with a global layer every 6th; see `facts inkling`). The window is 511,0 in "
+            "megatron-core's LEFT,RIGHT terms, whose LEFT counts the keys before the query's own",
         ),
         deviation(
             "--megatron-to-hf-mode",

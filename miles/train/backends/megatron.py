@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -31,7 +29,7 @@ from miles.megatron import model as mg
 from miles.megatron import options
 from miles.megatron import training as mt
 from miles.megatron.export import WeightExporter
-from miles.megatron.families import mapping_of
+from miles.megatron.families import mapping_of, read_config
 from miles.megatron.loss import gather_context_parallel, micro_batches, vocab_parallel_logprobs
 from miles.parallel import ParallelLayout
 from miles.train import micro_batches as split
@@ -116,7 +114,7 @@ class MegatronBackend(TrainBackend):
         self.loss_cfg = algorithm.loss_config(rollout.rollout_temperature)
         self.optim_cfg = optimizer.optim_config()
         hf = self.hf_checkpoint = checkpoint.hf_checkpoint
-        self.config = json.loads((Path(hf) / "config.json").read_text())
+        self.config = read_config(hf)  # the decoder's config (a multimodal release's text_config)
         check_model_flags(model, self.config, hf, megatron)
         self.source = _weights_source(checkpoint)
         self.layout = layout  # parsed and checked with the flags (miles.train.args)
@@ -226,6 +224,16 @@ class MegatronBackend(TrainBackend):
         )
 
     def full_weights(self, names: str = "model", dtype=None) -> Iterator[tuple[str, torch.Tensor]]:
+        if names == "model" and mapping_of(self.config).outer_names is not None:
+            from miles.megatron.hf_names import OUTER_NAMES, outer_names
+
+            if outer_names(self.config) != OUTER_NAMES:
+                raise MegatronSetupError(
+                    f"{self.hf_checkpoint}: model_type {self.config.get('model_type')} is a multimodal release "
+                    "that transformers' AutoModelForCausalLM (the built-in rollout engine's loader) does not "
+                    "load; its weights are handed over under the checkpoint's names, to SGLang (--rollout-engine "
+                    "sglang)"
+                )
         fused = self.fused_experts and names == "model"
         self._gather_params()
         # carried MTP layers go to an engine that loads checkpoint names (SGLang drafts with them)
@@ -385,10 +393,11 @@ def _weights_source(checkpoint: CheckpointConfig) -> str:
 
 
 def _hf_fuses_experts(path: str) -> bool:
-    """Whether the installed transformers class keeps a layer's experts as fused 3-D tensors."""
+    """Whether the installed transformers class keeps a layer's experts as fused 3-D tensors (the
+    decoder's class, for a multimodal release)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path).get_text_config()
     with torch.device("meta"):
         names = AutoModelForCausalLM.from_config(config).state_dict().keys()
     return any(name.endswith("mlp.experts.gate_up_proj") for name in names)
