@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
+from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -519,3 +520,185 @@ class HashRouter(SqrtSoftplusRouter):
                 "token to one expert twice (fix the table: every row needs distinct experts)"
             )
         return _renormalised(scores, picks, self.config.moe_router_topk_scaling_factor or 1.0)
+
+
+# --- layer and model -----------------------------------------------------------------------------
+
+
+def moe_spec(tc, hf: Mapping[str, Any], mlp_kind: str):
+    """megatron-core's MoE layer spec (local experts and shared expert) with DeepSeek-V4's router."""
+    import functools
+
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    if mlp_kind not in (HASH_MOE, MOE):
+        raise ValueError(f"DeepSeek-V4 MLP kind {mlp_kind!r} is not one of {HASH_MOE}, {MOE}")
+    spec = get_moe_module_spec(use_te=False, num_experts=tc.num_moe_experts)
+    spec.submodules.router = (
+        SqrtSoftplusRouter
+        if mlp_kind == MOE
+        else functools.partial(HashRouter, vocab_size=int(hf["vocab_size"]))
+    )
+    return spec
+
+
+class Layer(MegatronModule):
+    """One DeepSeek-V4 decoder layer (DeepseekV4DecoderLayer) on the hyper-connection streams
+    [s, b, n, d]: hc_attn mixes them around input_layernorm and self_attention, hc_ffn around
+    pre_mlp_layernorm and the MoE mlp."""
+
+    def __init__(self, tc, hf: Mapping[str, Any], layer_number: int, kind: str, mlp_kind: str):
+        from megatron.core.transformer.spec_utils import build_module
+
+        super().__init__(config=tc)
+        self.layer_number = layer_number  # global, from 1
+        d, n, eps = int(hf["hidden_size"]), int(hf["hc_mult"]), float(hf["rms_norm_eps"])
+        hc = (d, n, int(hf["hc_sinkhorn_iters"]), float(hf["hc_eps"]), eps)
+        self.hc_attn = HyperConnection(tc, *hc)
+        self.input_layernorm = RMSNorm(tc, d, eps)
+        self.self_attention = Attention(tc, hf, kind)
+        self.hc_ffn = HyperConnection(tc, *hc)
+        self.pre_mlp_layernorm = RMSNorm(tc, d, eps)
+        for norm in (self.input_layernorm, self.pre_mlp_layernorm):
+            norm.weight.sequence_parallel = tc.sequence_parallel
+        self.hashed = mlp_kind == HASH_MOE
+        self.mlp = build_module(moe_spec(tc, hf, mlp_kind), config=tc, layer_number=layer_number)
+
+    def forward(
+        self, streams: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The streams after the layer; token_ids [s(/tp), b] are laid out as the streams' tokens."""
+        post, comb, collapsed = self.hc_attn(streams)
+        out = self.self_attention(self.input_layernorm(collapsed), positions)
+        streams = hc_merge(out, streams, post, comb)
+        post, comb, collapsed = self.hc_ffn(streams)
+        if self.hashed:
+            self.mlp.router.token_ids = token_ids
+        out, _ = self.mlp(self.pre_mlp_layernorm(collapsed))
+        return hc_merge(out, streams, post, comb)
+
+
+class Block(MegatronModule):
+    """This pipeline stage's decoder layers (keys decoder.layers.{global index}); on the last stage
+    also the streams' collapse (hc_head) and the final norm (final_layernorm). Between stages the
+    streams travel as [s, b * n, d] (megatron's p2p carries [s, b, d] tensors)."""
+
+    def __init__(self, tc, hf: Mapping[str, Any], post_process: bool, vp_stage: int | None = None):
+        from megatron.core.transformer.transformer_block import get_num_layers_to_build
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        super().__init__(config=tc)
+        offset = get_transformer_layer_offset(tc, vp_stage=vp_stage)
+        count = get_num_layers_to_build(tc, vp_stage=vp_stage)
+        kinds, mlp_kinds = list(hf["layer_types"]), list(hf["mlp_layer_types"])
+        self.layers = torch.nn.ModuleList(
+            Layer(tc, hf, offset + i + 1, kinds[offset + i], mlp_kinds[offset + i]) for i in range(count)
+        )
+        self.streams = int(hf["hc_mult"])
+        self.post_process = post_process
+        self.input_tensor = None
+        if post_process:
+            d, eps = int(hf["hidden_size"]), float(hf["rms_norm_eps"])
+            self.hc_head = HyperHead(tc, d, self.streams, float(hf["hc_eps"]), eps)
+            self.final_layernorm = RMSNorm(tc, d, eps)
+            self.final_layernorm.weight.sequence_parallel = tc.sequence_parallel
+
+    def set_input_tensor(self, tensor) -> None:
+        self.input_tensor = tensor
+
+    def forward(self, hidden: torch.Tensor | None, positions: torch.Tensor, token_ids: torch.Tensor):
+        if hidden is not None:  # the first stage: n copies of the embedding
+            streams = hidden.unsqueeze(2).expand(-1, -1, self.streams, -1).contiguous()
+        else:
+            s, bn, d = self.input_tensor.shape
+            streams = self.input_tensor.view(s, bn // self.streams, self.streams, d)
+        for layer in self.layers:
+            streams = layer(streams, positions, token_ids)
+        if not self.post_process:
+            return streams.flatten(1, 2)
+        return self.final_layernorm(self.hc_head(streams))
+
+
+def _sequence_slice(tokens: torch.Tensor, config) -> torch.Tensor:
+    """Token ids [b, s] laid out as this rank's hidden states: [s, b], its sequence slice under SP."""
+    ids = tokens.transpose(0, 1)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if config.sequence_parallel and tp > 1:
+        rows = ids.shape[0] // tp
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        ids = ids[rank * rows : (rank + 1) * rows]
+    return ids.contiguous()
+
+
+class Model(LanguageModule):
+    """DeepSeek-V4 (DeepseekV4ForCausalLM) of one pipeline stage: embedding (first stage), Block,
+    output_layer (last stage, untied). forward(input_ids, position_ids, attention_mask) returns
+    logits [b, s, vocab/tp] as GPTModel does; the mask must be None (the model builds its own)."""
+
+    def __init__(self, tc, hf: Mapping[str, Any], vocab_size: int, pre_process: bool, post_process: bool,
+                 vp_stage: int | None = None):  # fmt: skip
+        from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+
+        super().__init__(config=tc)
+        if hf.get("tie_word_embeddings"):
+            raise ValueError(
+                "DeepSeek-V4 with tie_word_embeddings: the published model unties them; not built"
+            )
+        self.pre_process, self.post_process, self.vp_stage = pre_process, post_process, vp_stage
+        self.vocab_size = vocab_size
+        self.share_embeddings_and_output_weights = False
+        self.parallel_output = True
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(
+                config=tc, vocab_size=vocab_size, max_sequence_length=int(hf.get("max_position_embeddings", 4096)),
+                position_embedding_type="none",
+            )  # fmt: skip
+        self.decoder = Block(tc, hf, post_process, vp_stage)
+        if post_process:
+            self.output_layer = ColumnParallelLinear(
+                tc.hidden_size,
+                vocab_size,
+                config=tc,
+                init_method=tc.init_method,
+                bias=False,
+                gather_output=False,
+            )
+
+    def set_input_tensor(self, tensor) -> None:
+        if isinstance(tensor, list | tuple):
+            tensor = tensor[0]
+        self.decoder.set_input_tensor(tensor)
+
+    def forward(self, input_ids, position_ids, attention_mask=None, **kwargs):
+        unknown = sorted(k for k, v in kwargs.items() if v is not None)
+        if attention_mask is not None or unknown:
+            raise ValueError(
+                f"DeepSeek-V4's model builds its own masks and takes no {unknown or ['attention_mask']}: "
+                "pass input_ids and position_ids only"
+            )
+        hidden = self.embedding(input_ids=input_ids, position_ids=None) if self.pre_process else None
+        out = self.decoder(hidden, position_ids, _sequence_slice(input_ids, self.config))
+        if not self.post_process:
+            return out
+        logits, _ = self.output_layer(out)
+        return logits.transpose(0, 1).contiguous()
+
+
+def build_model(tc, hf: Mapping[str, Any], vocab_size: int, vp_stage: int | None = None) -> Model:
+    """This rank's DeepSeek-V4 model chunk (pipeline stage, virtual stage), in tc.params_dtype with the
+    parameters transformers keeps in float32 kept so."""
+    first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    model = Model(tc, hf, vocab_size, first, last, vp_stage)
+    kept = {
+        id(p)
+        for m in model.modules()
+        if isinstance(m, RMSNorm | HyperConnection | HyperHead)
+        for p in m.parameters()
+    }
+    kept |= {id(m.attn_sink) for m in model.modules() if isinstance(m, Attention)}
+    kept |= {id(m.ape) for m in model.modules() if isinstance(m, Compressor)}
+    for param in model.parameters():
+        if id(param) not in kept:
+            param.data = param.data.to(tc.params_dtype)
+    return model

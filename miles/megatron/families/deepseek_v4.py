@@ -1,0 +1,192 @@
+"""DeepSeek-V4 (transformers' DeepseekV4ForCausalLM, model_type deepseek_v4) as miles.megatron.dsv4's model.
+
+Not a GPTModel: hash routing needs the token ids inside each layer and the hyper-connections
+carry several residual streams, so the model is `miles.megatron.dsv4.Model`. Its mapping is
+`MAPPING`; it is not yet in the backend's table (`MAPPINGS` is empty): the checkpoint converter,
+the weight export and the trainer do not build this model yet, and until they do and its
+parallel gradients match FSDP's, the recipe's declared FSDP fallback stands.
+
+Weights, megatron names on the left, the checkpoint's file names (as transformers'
+save_pretrained writes them) on the right: embedding.word_embeddings [model.embed_tokens],
+output_layer [head], decoder.final_layernorm [model.norm], decoder.hc_head.hc_head_{fn,base,scale}
+[model.hc_head.hc_{fn,base,scale}]; per layer i: hc_attn.{fn,base,scale} [hc_attn_{fn,base,scale}],
+hc_ffn.* [hc_ffn_*], input_layernorm [attn_norm], pre_mlp_layernorm [ffn_norm],
+self_attention.{wq_a, q_norm, wq_b, wkv, kv_norm [attn.norm], wo_a, wo_b, attn_sink},
+self_attention.compressor.{ape, wkv, wgate, norm}, self_attention.indexer.{linear_wq_b [wq_b],
+linear_weights_proj [weights_proj], compressor.*}, mlp.router.weight [ffn.gate.weight],
+mlp.router.expert_bias [ffn.gate.bias] (top-k layers), mlp.router.tid2eid [ffn.gate.tid2eid]
+(hash layers), experts e linear_fc1 [w1; w3], linear_fc2 [w2], shared_experts likewise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from miles.megatron.families import GPTMapping, UnmappedModel
+from miles.megatron.hf_names import Weights, whole
+
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+
+
+def refuse_unmapped(config: Mapping[str, Any]) -> None:
+    def refuse(message: str) -> None:
+        raise UnmappedModel(f"config.json {message}")
+
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        refuse("attention_bias/mlp_bias=true is not built (DeepSeek-V4 checkpoints have no biases)")
+    if config.get("hidden_act", "silu") != "silu":
+        refuse(f"hidden_act {config.get('hidden_act')!r}: only silu (SwiGLU) is built")
+    if config.get("scoring_func", "sqrtsoftplus") != "sqrtsoftplus":
+        refuse(f"scoring_func {config.get('scoring_func')!r}: only sqrtsoftplus (DeepSeek-V4's) is built")
+    if int(config.get("num_key_value_heads", 1)) != 1:
+        refuse(
+            f"num_key_value_heads {config['num_key_value_heads']}: DeepSeek-V4 attends with one shared K=V head"
+        )
+    if config.get("tie_word_embeddings"):
+        refuse("tie_word_embeddings=true: DeepSeek-V4 unties them; not built")
+    if config.get("attention_dropout"):
+        refuse(f"attention_dropout {config['attention_dropout']}: the DeepSeek-V4 attention applies none")
+    heads, groups = int(config["num_attention_heads"]), int(config["o_groups"])
+    if heads % groups:
+        refuse(f"o_groups {groups} does not divide num_attention_heads {heads}")
+    layers = int(config["num_hidden_layers"])
+    for key, allowed in (("layer_types", (SLIDING, CSA, HCA)), ("mlp_layer_types", ("hash_moe", "moe"))):
+        kinds = list(config.get(key) or [])
+        if len(kinds) != layers or any(k not in allowed for k in kinds):
+            refuse(f"{key} {kinds}: need {layers} entries of {', '.join(allowed)} (transformers writes them)")
+
+
+def transformer_fields(config: Mapping[str, Any]) -> dict:
+    """The TransformerConfig of the model: the experts' and shared expert's sizes, top-k and scaling
+    (the routing itself is miles.megatron.dsv4's), the clamp, no dropout; attention sizes only as
+    megatron-core's checks read them (one query group per head: the K=V head is the attention's own)."""
+    import torch
+
+    experts, topk = int(config["n_routed_experts"]), int(config["num_experts_per_tok"])
+    width = int(config["moe_intermediate_size"])
+    return dict(
+        num_layers=int(config["num_hidden_layers"]),
+        hidden_size=int(config["hidden_size"]),
+        num_attention_heads=int(config["num_attention_heads"]),
+        num_query_groups=int(config["num_attention_heads"]),
+        kv_channels=int(config["head_dim"]),
+        ffn_hidden_size=width,
+        layernorm_epsilon=float(config["rms_norm_eps"]),
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        activation_func_clamp_value=float(config["swiglu_limit"]),
+        bias_activation_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        num_moe_experts=experts,
+        moe_router_topk=topk,
+        moe_ffn_hidden_size=width,
+        moe_shared_expert_intermediate_size=width * int(config.get("n_shared_experts") or 0) or None,
+        moe_router_topk_scaling_factor=float(config["routed_scaling_factor"]),
+        moe_router_load_balancing_type="none",
+        moe_router_dtype="fp32",  # transformers' gate logits are float32 in a float32 model, sqrt-softplus on them
+        moe_router_pre_softmax=topk
+        == 1,  # megatron-core requires it at top-1; the DeepSeek-V4 router ignores it
+        moe_token_dispatcher_type="alltoall",
+        moe_shared_expert_overlap=False,
+    )
+
+
+def layer_weights(config: Mapping[str, Any], i: int, mg: str) -> Weights:
+    """The weights of decoder layer `i` of the checkpoint file, under megatron layer prefix `mg`."""
+    d, heads, dim = int(config["hidden_size"]), int(config["num_attention_heads"]), int(config["head_dim"])
+    q_lora, o_lora, groups = int(config["q_lora_rank"]), int(config["o_lora_rank"]), int(config["o_groups"])
+    n, experts, width = (
+        int(config["hc_mult"]),
+        int(config["n_routed_experts"]),
+        int(config["moe_intermediate_size"]),
+    )
+    hf = f"model.layers.{i}."
+    kind, mlp_kind = config["layer_types"][i], config["mlp_layer_types"][i]
+    for part in ("attn", "ffn"):
+        yield mg + f"hc_{part}.fn", (whole(f"{hf}hc_{part}_fn", (2 + n) * n),)
+        yield mg + f"hc_{part}.base", (whole(f"{hf}hc_{part}_base", (2 + n) * n),)
+        yield mg + f"hc_{part}.scale", (whole(f"{hf}hc_{part}_scale", 3),)
+    yield mg + "input_layernorm.weight", (whole(hf + "attn_norm.weight", d),)
+    yield mg + "pre_mlp_layernorm.weight", (whole(hf + "ffn_norm.weight", d),)
+    at, src = mg + "self_attention.", hf + "attn."
+    for ours, theirs, rows in (
+        ("wq_a.weight", "wq_a.weight", q_lora), ("q_norm.weight", "q_norm.weight", q_lora),
+        ("wq_b.weight", "wq_b.weight", heads * dim), ("wkv.weight", "wkv.weight", dim),
+        ("kv_norm.weight", "norm.weight", dim), ("wo_a.weight", "wo_a.weight", groups * o_lora),
+        ("wo_b.weight", "wo_b.weight", d), ("attn_sink", "attn_sink", heads),
+    ):  # fmt: skip
+        yield at + ours, (whole(src + theirs, rows),)
+    if kind != SLIDING:
+        ratio = int(config["compress_rates"][kind])
+        yield from _compressor(
+            at + "compressor.", src + "compressor.", ratio, (2 if kind == CSA else 1) * dim, dim
+        )
+    if kind == CSA:
+        index_heads, index_dim = int(config["index_n_heads"]), int(config["index_head_dim"])
+        to, fr = at + "indexer.", src + "indexer."
+        yield to + "linear_wq_b.weight", (whole(fr + "wq_b.weight", index_heads * index_dim),)
+        yield to + "linear_weights_proj.weight", (whole(fr + "weights_proj.weight", index_heads),)
+        ratio = int(config["compress_rates"][CSA])
+        yield from _compressor(to + "compressor.", fr + "compressor.", ratio, 2 * index_dim, index_dim)
+    ffn = hf + "ffn."
+    yield mg + "mlp.router.weight", (whole(ffn + "gate.weight", experts),)
+    if mlp_kind == "moe":
+        yield mg + "mlp.router.expert_bias", (whole(ffn + "gate.bias", experts),)
+    else:
+        yield mg + "mlp.router.tid2eid", (whole(ffn + "gate.tid2eid", int(config["vocab_size"])),)
+    for e in range(experts):
+        yield from _swiglu(mg + f"mlp.experts.local_experts.{e}.", f"{ffn}experts.{e}.", width, d)
+    shared = width * int(config.get("n_shared_experts") or 0)
+    if shared:
+        yield from _swiglu(mg + "mlp.shared_experts.", ffn + "shared_experts.", shared, d)
+
+
+def _compressor(mg: str, hf: str, ratio: int, width: int, dim: int) -> Weights:
+    yield mg + "ape", (whole(hf + "ape", ratio),)
+    yield mg + "wkv.weight", (whole(hf + "wkv.weight", width),)
+    yield mg + "wgate.weight", (whole(hf + "wgate.weight", width),)
+    yield mg + "norm.weight", (whole(hf + "norm.weight", dim),)
+
+
+def _swiglu(mg: str, hf: str, width: int, hidden: int) -> Weights:
+    """linear_fc1 is [gate (w1); up (w3)], linear_fc2 is down (w2)."""
+    yield mg + "linear_fc1.weight", (whole(hf + "w1.weight", width), whole(hf + "w3.weight", width, width))
+    yield mg + "linear_fc2.weight", (whole(hf + "w2.weight", hidden),)
+
+
+def weights(config: Mapping[str, Any]) -> Weights:
+    """(megatron name, pieces) for every weight of the whole model (one stage, one expert rank)."""
+    d, vocab, n = int(config["hidden_size"]), int(config["vocab_size"]), int(config["hc_mult"])
+    yield "embedding.word_embeddings.weight", (whole("model.embed_tokens.weight", vocab),)
+    for i in range(int(config["num_hidden_layers"])):
+        yield from layer_weights(config, i, f"decoder.layers.{i}.")
+    yield "decoder.hc_head.hc_head_fn", (whole("model.hc_head.hc_fn", n),)
+    yield "decoder.hc_head.hc_head_base", (whole("model.hc_head.hc_base", n),)
+    yield "decoder.hc_head.hc_head_scale", (whole("model.hc_head.hc_scale", 1),)
+    yield "decoder.final_layernorm.weight", (whole("model.norm.weight", d),)
+    yield "output_layer.weight", (whole("head.weight", vocab),)
+
+
+def build_model(tc, config: Mapping[str, Any], vocab_size: int, vp_stage: int | None = None):
+    """This rank's model chunk: miles.megatron.dsv4's DeepSeek-V4."""
+    from miles.megatron import dsv4
+
+    refuse_unmapped(config)
+    return dsv4.build_model(tc, config, vocab_size, vp_stage)
+
+
+MAPPING = GPTMapping(
+    "deepseek_v4",
+    ("deepseek_v4",),
+    refuse_unmapped,
+    transformer_fields,
+    layer_weights,
+)
+
+# Not in the table yet (see the module docstring): the converter, export and trainer must build
+# `build_model`'s model, and TP/EP/PP gradients must match FSDP's, before deepseek_v4 is mapped.
+MAPPINGS: tuple[GPTMapping, ...] = ()

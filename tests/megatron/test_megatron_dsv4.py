@@ -1,0 +1,145 @@
+"""DeepSeek-V4 built by miles.megatron.dsv4 computes what transformers' DeepseekV4ForCausalLM computes.
+
+A tiny random DeepSeek-V4 checkpoint with every switch of the published Flash model (its layer
+pattern sliding, sliding, CSA, HCA; hash routing on the first three layers, sqrt-softplus top-k
+with expert bias after; 4 hyper-connection streams; YaRN on the compressed layers' rope; clamped
+SwiGLU; per-head sinks; grouped output projection) and random values where transformers starts at
+a constant, is read into the megatron model through the family's weight mapping
+(miles/megatron/families/deepseek_v4.py) and compared with the HF model in float32 on 320-token
+sequences (sliding window 32 active, 2 heavily compressed entries, 80 CSA entries of which the
+indexer keeps 16): logits at most 1e-5 apart, for the published switches and for each switch
+turned another way. Each variant first checks that its switch is in the checkpoint's config.json,
+and that transformers' indexer has no near-tie at its top-k boundary on the probe (a pick that
+flips on a last-bit difference would make the comparison meaningless, not the model wrong).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from miles.ci.register import register_cpu_ci
+
+register_cpu_ci(est_time=60, suite="stage-b-cpu")
+
+TOL = 1e-5
+SEQ, BATCH = 320, 2
+MARGIN = 1e-5  # the least relative gap at the indexer's k-th place the comparison trusts
+PROBES = 5  # probes tried, in order, for one that is not within MARGIN of a flip
+CSA_ALL, HCA_ALL = [4] * 44, [128] * 44
+
+VARIANTS = {  # name: (tiny dims, what config.json must then say)
+    "published switches": ({}, {"hc_mult": 4}),
+    "every layer CSA": ({"compress_ratios": CSA_ALL}, {"layer_types": ["compressed_sparse_attention"] * 4}),
+    "every layer HCA": ({"compress_ratios": HCA_ALL}, {"layer_types": ["heavily_compressed_attention"] * 4}),
+    "indexer keeps every entry": ({"index_topk": 128}, {"index_topk": 128}),
+    "plain compress rope": ({"rope_parameters": {"rope_type": "default"}}, {}),
+    "clamp active": ({"swiglu_limit": 0.05}, {"swiglu_limit": 0.05}),
+    "top-1 routing": ({"num_experts_per_tok": 1}, {"num_experts_per_tok": 1}),
+    "3 streams": ({"hc_mult": 3}, {"hc_mult": 3}),
+}
+
+
+@pytest.fixture(scope="module")
+def megatron():
+    from miles.megatron import compat
+    from miles.megatron.checkpoint import single_process_group
+
+    compat.install()
+    with single_process_group():
+        yield
+
+
+def load_megatron(path, config):
+    """The megatron DeepSeek-V4 with every weight read from the checkpoint files through the mapping."""
+    from megatron.core.transformer import TransformerConfig
+
+    from miles.ckpt.shards import CheckpointReader
+    from miles.megatron.families import deepseek_v4 as family
+
+    tc = TransformerConfig(
+        **family.transformer_fields(config), params_dtype=torch.float32, use_cpu_initialization=True,
+        perform_initialization=False,
+    )  # fmt: skip
+    model = family.build_model(tc, config, int(config["vocab_size"]))
+    state = {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
+    filled = set()
+    with CheckpointReader(path) as reader, torch.no_grad():
+        for name, pieces in family.weights(config):
+            assert name in state, f"the mapping names {name}, which the model does not have"
+            for piece in pieces:
+                rows = reader.read_rows(piece.hf_name, piece.start, piece.stop)
+                state[name][piece.at : piece.at + rows.shape[0]].copy_(rows)
+            filled.add(name)
+    assert not sorted(set(state) - filled), sorted(set(state) - filled)[:5]  # every weight has a source
+    return model.eval()
+
+
+def indexer_margin(hf, tokens) -> float:
+    """The least relative gap between transformers' k-th and (k+1)-th indexer score over the probe's
+    queries that have more visible entries than k (inf when none has)."""
+    margins = []
+
+    def keeper(indexer):
+        def keep(module, args, scores):  # the scorer's [b, s, T] scores, before the causal mask
+            k = indexer.index_topk
+            for t in range(scores.shape[1]):
+                visible = (t + 1) // indexer.compress_rate
+                if visible > k:
+                    top = scores[:, t, :visible].topk(k + 1, dim=-1).values
+                    gap = (top[:, k - 1] - top[:, k]).abs() / top[:, k - 1].abs().clamp_min(1e-30)
+                    # entries where every head's relu(q.k) is 0 score exactly 0 in both models alike;
+                    # ties among them break the same way (same values, same shapes, same topk)
+                    gap = gap.masked_fill(top[:, k - 1] == 0, float("inf"))
+                    margins.append(float(gap.min()))
+
+        return keep
+
+    indexers = [
+        layer.self_attn.compressor.indexer
+        for layer in hf.model.layers
+        if getattr(layer.self_attn.compressor, "indexer", None) is not None
+    ]
+    handles = [ix.scorer.register_forward_hook(keeper(ix)) for ix in indexers]
+    try:
+        with torch.no_grad():
+            hf(input_ids=tokens)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return min(margins, default=float("inf"))
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_logits_equal_transformers(megatron, tmp_path, variant):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from miles.ckpt.tiny import make_tiny_checkpoint
+
+    dims, says = VARIANTS[variant]
+    path = make_tiny_checkpoint("deepseek_v4", 4, tmp_path / "hf", dtype="float32", progress=False, **dims)
+    config = json.loads((path / "config.json").read_text())
+    for key, want in says.items():
+        assert config[key] == want, (key, config[key])
+    if variant == "plain compress rope":
+        assert config["rope_parameters"]["compress"]["rope_type"] == "default"
+    hf_logging.set_verbosity_error()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    margins = {}
+    for seed in range(PROBES):  # the first probe on which no pick is within MARGIN of flipping
+        tokens = torch.randint(3, 500, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+        margins[seed] = indexer_margin(hf, tokens)
+        if margins[seed] >= MARGIN:
+            break
+    else:
+        pytest.fail(f"every probe is ill-conditioned: the indexer's least k-th gap per probe {margins}")
+    model = load_megatron(path, config)
+    positions = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
+    with torch.no_grad():
+        want = hf(input_ids=tokens).logits
+        got = model(tokens, positions)
+    gap = float((want - got).abs().max())
+    assert gap <= TOL, f"{variant}: logits {gap:.3g} apart (|logits| up to {float(want.abs().max()):.3g})"
