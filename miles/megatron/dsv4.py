@@ -644,6 +644,9 @@ class Model(LanguageModule):
             raise ValueError(
                 "DeepSeek-V4 with tie_word_embeddings: the published model unties them; not built"
             )
+        from megatron.core.enums import ModelType
+
+        self.model_type = ModelType.encoder_or_decoder  # what megatron's schedules ask of a model
         self.pre_process, self.post_process, self.vp_stage = pre_process, post_process, vp_stage
         self.vocab_size = vocab_size
         self.share_embeddings_and_output_weights = False

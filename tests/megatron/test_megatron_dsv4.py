@@ -8,7 +8,11 @@ a constant, is read into the megatron model through the family's weight mapping
 (miles/megatron/families/deepseek_v4.py) and compared with the HF model in float32 on 320-token
 sequences (sliding window 32 active, 2 heavily compressed entries, 80 CSA entries of which the
 indexer keeps 16): logits at most 1e-5 apart, for the published switches and for each switch
-turned another way. Each variant first checks that its switch is in the checkpoint's config.json,
+turned another way. Split over two CPU ranks (TP 2 with sequence parallelism and EP 2, as the
+recipes lay experts out; EP 2; PP 2) the model computes the same logits, and the gradient norm of
+the mean token cross-entropy, as the trainer gets it (megatron's DDP, schedule and distributed
+optimizer), equals transformers' own on the same tokens (what FSDP computes over the HF model)
+within 1e-4 relative. Each variant first checks that its switch is in the checkpoint's config.json,
 and that transformers' indexer has no near-tie at its top-k boundary on the probe (a pick that
 flips on a last-bit difference would make the comparison meaningless, not the model wrong).
 """
@@ -16,19 +20,25 @@ flips on a last-bit difference would make the comparison meaningless, not the mo
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from miles.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=60, suite="stage-b-cpu")
+register_cpu_ci(est_time=90, suite="stage-b-cpu")
 
 TOL = 1e-5
 SEQ, BATCH = 320, 2
 MARGIN = 1e-5  # the least relative gap at the indexer's k-th place the comparison trusts
 PROBES = 5  # probes tried, in order, for one that is not within MARGIN of a flip
 CSA_ALL, HCA_ALL = [4] * 44, [128] * 44
+WORKER = Path(__file__).with_name("dsv4_parallel_worker.py")
+GRAD_REL = 1e-4
 
 VARIANTS = {  # name: (tiny dims, what config.json must then say)
     "published switches": ({}, {"hc_mult": 4}),
@@ -143,3 +153,23 @@ def test_logits_equal_transformers(megatron, tmp_path, variant):
         got = model(tokens, positions)
     gap = float((want - got).abs().max())
     assert gap <= TOL, f"{variant}: logits {gap:.3g} apart (|logits| up to {float(want.abs().max()):.3g})"
+
+
+@pytest.mark.parametrize("layout", ["tp2sp", "ep2", "pp2"])
+def test_two_ranks_give_transformers_logits_and_gradient_norm(tmp_path, layout):
+    from miles.ckpt.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint("deepseek_v4", 4, tmp_path / "hf", dtype="float32", progress=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
+         str(path), layout],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
+    results = json.loads(lines[-1].removeprefix("RESULT "))
+    assert any("gap" in r for r in results)  # the last pipeline stage compared the logits
+    for result in results:
+        if "gap" in result:
+            assert result["gap"] <= TOL, result
+        assert result["grad_norm_rel"] <= GRAD_REL, result
