@@ -408,6 +408,18 @@ class Attention(MegatronModule):
         out, _ = self.wo_b(out.flatten(2).transpose(0, 1).contiguous())
         return out
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """As megatron-core's default, with the sinks split over the tensor-parallel ranks by head."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        out.update(
+            make_sharded_tensors_for_checkpoint(
+                {"attn_sink": self.attn_sink}, prefix, {"attn_sink": 0}, sharded_offsets
+            )
+        )
+        return out
+
     def _entry_bias(self, x, q_latent, positions, count: int, dtype) -> torch.Tensor:
         """0 / -inf [b, 1, s, T] over the compressed entries: closed windows, and on CSA layers the indexer's picks."""
         visible = visible_entries(positions, self.ratio).unsqueeze(-1)  # [b, s, 1]
@@ -605,6 +617,22 @@ class Block(MegatronModule):
 
     def set_input_tensor(self, tensor) -> None:
         self.input_tensor = tensor
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Every layer under its global number (decoder.layers.{i}), whichever stage holds it."""
+        from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+        from megatron.core.transformer.utils import sharded_state_dict_default
+
+        out = {}
+        for local, layer in enumerate(self.layers):
+            here, there = f"{prefix}layers.{local}.", f"{prefix}layers.{layer.layer_number - 1}."
+            part = layer.sharded_state_dict(prefix=here, sharded_offsets=(), metadata=metadata)
+            replace_prefix_for_sharding(part, here, there)
+            out.update(part)
+        for name, module in self.named_children():
+            if module is not self.layers:
+                out.update(sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata))
+        return out
 
     def forward(self, hidden: torch.Tensor | None, positions: torch.Tensor, token_ids: torch.Tensor):
         if hidden is not None:  # the first stage: n copies of the embedding

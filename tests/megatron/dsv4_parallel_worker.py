@@ -1,5 +1,6 @@
 """Run under `torch.distributed.run --nproc-per-node 2`: DeepSeek-V4 (miles.megatron.dsv4) split over
-two ranks (argv: checkpoint dir, layout "tp2sp" | "ep2" | "pp2") computes transformers' logits. Each
+two ranks (argv: checkpoint dir, layout "tp2sp" | "ep2" | "pp2", optionally a directory to save the
+model's shards in as the trainer saves them) computes transformers' logits and gradient norm. Each
 rank holds its part of the weights: the full tensors from the checkpoint through the family's
 mapping, cut as megatron-core marks each parameter (tensor-parallel dimension, [gate; up] halves of
 a SwiGLU's fc1, the rank's experts, its pipeline stage's layers). Not a test module;
@@ -147,6 +148,10 @@ def main() -> None:
                     f"{name}: the rank's part is {list(part.shape)}, the parameter {list(param.shape)}"
                 )
             param.copy_(part)
+    if len(sys.argv) > 3:  # the trainer's save of the model's shards, for a load at another layout
+        from miles.megatron.checkpoint import save_training_state
+
+        save_training_state([model], None, sys.argv[3], steps_done=None)
     tokens = torch.randint(3, 500, (BATCH, SEQ), generator=torch.Generator().manual_seed(SEED))
     positions = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
     streams = int(config["hc_mult"]) * BATCH
