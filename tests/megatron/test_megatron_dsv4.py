@@ -191,3 +191,24 @@ def test_two_ranks_give_transformers_logits_and_gradient_norm(megatron, tmp_path
     for name, value in model.state_dict().items():
         if name in want:
             assert torch.equal(value, want[name]), name
+
+
+@pytest.mark.parametrize(
+    "parallel,message",
+    [
+        ({"context_parallel_size": 2}, "--context-parallel-size 2: DeepSeek-V4's sliding windows"),
+        ({"tensor_model_parallel_size": 4, "sequence_parallel": True}, "does not divide o_groups 2"),
+    ],
+)
+def test_a_layout_the_attention_cannot_split_is_refused(megatron, parallel, message):
+    from megatron.core.transformer import TransformerConfig
+    from transformers import AutoConfig
+
+    from miles.megatron.families import UnmappedModel
+    from miles.megatron.families import deepseek_v4 as family
+    from miles.models.deepseek_v4 import FAMILY
+
+    config = AutoConfig.for_model("deepseek_v4", **FAMILY.tiny_dims, num_hidden_layers=4).to_dict()
+    tc = TransformerConfig(**family.transformer_fields(config), **parallel, use_cpu_initialization=True)
+    with pytest.raises(UnmappedModel, match=message):
+        family.build_model(tc, config, int(config["vocab_size"]))

@@ -50,6 +50,15 @@ def refuse_unmapped(config: Mapping[str, Any]) -> None:
     heads, groups = int(config["num_attention_heads"]), int(config["o_groups"])
     if heads % groups:
         refuse(f"o_groups {groups} does not divide num_attention_heads {heads}")
+    rope = (config.get("rope_parameters") or {}).get("compress") or {}
+    kind = rope.get("rope_type", "default")
+    if kind not in ("default", "yarn"):
+        refuse(f"rope_parameters.compress.rope_type {kind!r}: only default and yarn are built")
+    if float(rope.get("attention_factor", 1.0)) != 1.0:
+        refuse(
+            f"rope_parameters.compress.attention_factor {rope['attention_factor']}: DeepSeek-V4 never scales "
+            "cos/sin (transformers forces 1.0); remove it"
+        )
     layers = int(config["num_hidden_layers"])
     for key, allowed in (("layer_types", (SLIDING, CSA, HCA)), ("mlp_layer_types", ("hash_moe", "moe"))):
         kinds = list(config.get(key) or [])
@@ -176,6 +185,17 @@ def build_model(tc, config: Mapping[str, Any], vocab_size: int, vp_stage: int | 
     from miles.megatron import dsv4
 
     refuse_unmapped(config)
+    if tc.context_parallel_size > 1:
+        raise UnmappedModel(
+            f"--context-parallel-size {tc.context_parallel_size}: DeepSeek-V4's sliding windows and compressed "
+            "keys need a rank's whole sequence; use --context-parallel-size 1"
+        )
+    groups = int(config["o_groups"])
+    if groups % tc.tensor_model_parallel_size:
+        raise UnmappedModel(
+            f"--tensor-model-parallel-size {tc.tensor_model_parallel_size} does not divide o_groups {groups}: the "
+            "grouped output projection splits by group; pick a tensor-parallel size dividing it"
+        )
     return dsv4.build_model(tc, config, vocab_size, vp_stage)
 
 
