@@ -32,7 +32,10 @@ def full_state(path, config) -> dict:
     out = {}
     with CheckpointReader(path) as reader:
         for name, pieces in family.weights(config):
-            out[name] = torch.cat([reader.read_rows(p.hf_name, p.start, p.stop) for p in pieces])
+            names = [family.source_name(p.hf_name, reader.files.weight_map) for p in pieces]
+            out[name] = torch.cat(
+                [reader.read_rows(n, p.start, p.stop) for n, p in zip(names, pieces, strict=True)]
+            )
     return out
 
 

@@ -81,7 +81,8 @@ def load_megatron(path, config):
         for name, pieces in family.weights(config):
             assert name in state, f"the mapping names {name}, which the model does not have"
             for piece in pieces:
-                rows = reader.read_rows(piece.hf_name, piece.start, piece.stop)
+                source = family.source_name(piece.hf_name, reader.files.weight_map)
+                rows = reader.read_rows(source, piece.start, piece.stop)
                 state[name][piece.at : piece.at + rows.shape[0]].copy_(rows)
             filled.add(name)
     assert not sorted(set(state) - filled), sorted(set(state) - filled)[:5]  # every weight has a source
@@ -212,3 +213,28 @@ def test_a_layout_the_attention_cannot_split_is_refused(megatron, parallel, mess
     tc = TransformerConfig(**family.transformer_fields(config), **parallel, use_cpu_initialization=True)
     with pytest.raises(UnmappedModel, match=message):
         family.build_model(tc, config, int(config["vocab_size"]))
+
+
+def test_published_names_load_the_same_weights(megatron, tmp_path):
+    """DeepSeek's published files name the tensors without transformers' `model.` prefix and with
+    embed.weight / hc_head_fn: the mapping reads either form into the same model."""
+    from safetensors.torch import load_file, save_file
+
+    from miles.ckpt.shards import INDEX_NAME
+    from miles.ckpt.tiny import make_tiny_checkpoint
+    from miles.megatron.families import deepseek_v4 as family
+
+    saved = make_tiny_checkpoint("deepseek_v4", 4, tmp_path / "hf", dtype="float32", progress=False)
+    published = tmp_path / "published"
+    published.mkdir()
+    index = json.loads((saved / INDEX_NAME).read_text())
+    renamed = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors = {family.published_name(k): v for k, v in load_file(saved / shard).items()}
+        save_file(tensors, published / shard, metadata={"format": "pt"})
+        renamed.update({k: shard for k in tensors})
+    assert "embed.weight" in renamed and "layers.0.attn.wq_a.weight" in renamed and "hc_head_fn" in renamed
+    (published / INDEX_NAME).write_text(json.dumps({**index, "weight_map": renamed}))
+    config = json.loads((saved / "config.json").read_text())
+    ours, theirs = load_megatron(saved, config).state_dict(), load_megatron(published, config).state_dict()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours if not k.endswith("_extra_state"))

@@ -180,6 +180,29 @@ def weights(config: Mapping[str, Any]) -> Weights:
     yield "output_layer.weight", (whole("head.weight", vocab),)
 
 
+_PUBLISHED = {"model.embed_tokens.weight": "embed.weight", "model.hc_head.hc_fn": "hc_head_fn",
+              "model.hc_head.hc_base": "hc_head_base", "model.hc_head.hc_scale": "hc_head_scale"}  # fmt: skip
+
+
+def published_name(name: str) -> str:
+    """The name DeepSeek's published files give a tensor `weights` names as transformers saves it:
+    no `model.` prefix, `embed.weight`, `hc_head_{fn,base,scale}`; every other leaf the same
+    (transformers 5.24 conversion_mapping.py "deepseek_v4" renames both forms to the same model)."""
+    return _PUBLISHED.get(name, name.removeprefix("model."))
+
+
+def source_name(name: str, present) -> str:
+    """The name `name` has among a checkpoint's tensors `present` (either form), or UnmappedModel."""
+    if name in present:
+        return name
+    if published_name(name) in present:
+        return published_name(name)
+    raise UnmappedModel(
+        f"the checkpoint has no tensor {name} (nor {published_name(name)}, as published): is it a DeepSeek-V4 "
+        "checkpoint of this config.json?"
+    )
+
+
 def build_model(tc, config: Mapping[str, Any], vocab_size: int, vp_stage: int | None = None):
     """This rank's model chunk: miles.megatron.dsv4's DeepSeek-V4."""
     from miles.megatron import dsv4
