@@ -647,6 +647,47 @@ class Block(MegatronModule):
         return self.final_layernorm(self.hc_head(streams))
 
 
+class MTPLayer(MegatronModule):
+    """One multi-token-prediction layer of the checkpoint (mtp.{k}.*), carried: converted, saved,
+    loaded and handed on, frozen and outside the forward (transformers has no MTP forward to match,
+    and the trainer does not train it). Its decoder layer is built as the published model's MTP layer
+    is (sliding-window attention, top-k routing). Weights: enorm, hnorm, e_proj, h_proj [d, d],
+    hc_head, final_layernorm [norm], transformer_layer."""
+
+    def __init__(self, tc, hf: Mapping[str, Any], layer_number: int, kind: str, mlp_kind: str):
+        super().__init__(config=tc)
+        d, n, eps = int(hf["hidden_size"]), int(hf["hc_mult"]), float(hf["rms_norm_eps"])
+        self.enorm, self.hnorm = RMSNorm(tc, d, eps), RMSNorm(tc, d, eps)
+        self.e_proj = DuplicatedLinear(d, d, config=tc, init_method=tc.init_method)
+        self.h_proj = DuplicatedLinear(d, d, config=tc, init_method=tc.init_method)
+        self.hc_head = HyperHead(tc, d, n, float(hf["hc_eps"]), eps)
+        self.final_layernorm = RMSNorm(tc, d, eps)
+        self.transformer_layer = Layer(tc, hf, layer_number, kind, mlp_kind)
+        self.requires_grad_(False)
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("DeepSeek-V4's MTP layers are carried for the rollout engine, not run by miles")
+
+
+class MTPBlock(MegatronModule):
+    """The carried MTP layers (keys mtp.layers.{k}.*), on the last pipeline stage."""
+
+    def __init__(self, tc, hf: Mapping[str, Any], kinds: Mapping[str, str]):
+        super().__init__(config=tc)
+        count, first = int(hf.get("num_nextn_predict_layers") or 0), int(hf["num_hidden_layers"])
+        self.layers = torch.nn.ModuleList(
+            MTPLayer(tc, hf, first + k + 1, kinds["layer_types"], kinds["mlp_layer_types"])
+            for k in range(count)
+        )
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Each layer's own (its sinks and experts split as a decoder layer's are)."""
+        out = {}
+        for k, layer in enumerate(self.layers):
+            out.update(layer.sharded_state_dict(f"{prefix}layers.{k}.", sharded_offsets, metadata))
+        return out
+
+
 def _sequence_slice(tokens: torch.Tensor, config) -> torch.Tensor:
     """Token ids [b, s] laid out as this rank's hidden states: [s, b], its sequence slice under SP."""
     ids = tokens.transpose(0, 1)
@@ -664,7 +705,7 @@ class Model(LanguageModule):
     logits [b, s, vocab/tp] as GPTModel does; the mask must be None (the model builds its own)."""
 
     def __init__(self, tc, hf: Mapping[str, Any], vocab_size: int, pre_process: bool, post_process: bool,
-                 vp_stage: int | None = None):  # fmt: skip
+                 vp_stage: int | None = None, mtp_kinds: Mapping[str, str] | None = None):  # fmt: skip
         from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 
         super().__init__(config=tc)
@@ -694,6 +735,12 @@ class Model(LanguageModule):
                 bias=False,
                 gather_output=False,
             )
+            if int(hf.get("num_nextn_predict_layers") or 0):
+                if mtp_kinds is None:
+                    raise ValueError(
+                        "DeepSeek-V4 with MTP layers: say which kind of layer they are (mtp_kinds)"
+                    )
+                self.mtp = MTPBlock(tc, hf, mtp_kinds)
 
     def set_input_tensor(self, tensor) -> None:
         if isinstance(tensor, list | tuple):
@@ -715,12 +762,19 @@ class Model(LanguageModule):
         return logits.transpose(0, 1).contiguous()
 
 
-def build_model(tc, hf: Mapping[str, Any], vocab_size: int, vp_stage: int | None = None) -> Model:
+def build_model(
+    tc,
+    hf: Mapping[str, Any],
+    vocab_size: int,
+    vp_stage: int | None = None,
+    mtp_kinds: Mapping[str, str] | None = None,
+) -> Model:
     """This rank's DeepSeek-V4 model chunk (pipeline stage, virtual stage), in tc.params_dtype with the
-    parameters transformers keeps in float32 kept so."""
+    parameters transformers keeps in float32 kept so; `mtp_kinds` the attention and MLP kind of the
+    carried MTP layers (config.json's layer lists cover the decoder layers only)."""
     first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    model = Model(tc, hf, vocab_size, first, last, vp_stage)
+    model = Model(tc, hf, vocab_size, first, last, vp_stage, mtp_kinds)
     kept = {
         id(p)
         for m in model.modules()

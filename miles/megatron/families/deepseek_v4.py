@@ -15,7 +15,10 @@ self_attention.{wq_a, q_norm, wq_b, wkv, kv_norm [attn.norm], wo_a, wo_b, attn_s
 self_attention.compressor.{ape, wkv, wgate, norm}, self_attention.indexer.{linear_wq_b [wq_b],
 linear_weights_proj [weights_proj], compressor.*}, mlp.router.weight [ffn.gate.weight],
 mlp.router.expert_bias [ffn.gate.bias] (top-k layers), mlp.router.tid2eid [ffn.gate.tid2eid]
-(hash layers), experts e linear_fc1 [w1; w3], linear_fc2 [w2], shared_experts likewise.
+(hash layers), experts e linear_fc1 [w1; w3], linear_fc2 [w2], shared_experts likewise; the carried MTP
+layer k as mtp.layers.k.{enorm, hnorm, e_proj, h_proj, final_layernorm [norm], hc_head.hc_head_*
+[hc_head_*], transformer_layer.* [mtp.k.*, named as a decoder layer]}. DeepSeek's published files
+name the same tensors without the `model.` prefix, embed.weight and hc_head_fn (`source_name`).
 """
 
 from __future__ import annotations
@@ -106,6 +109,13 @@ def transformer_fields(config: Mapping[str, Any]) -> dict:
 
 def layer_weights(config: Mapping[str, Any], i: int, mg: str) -> Weights:
     """The weights of decoder layer `i` of the checkpoint file, under megatron layer prefix `mg`."""
+    yield from _layer(
+        config, f"model.layers.{i}.", config["layer_types"][i], config["mlp_layer_types"][i], mg
+    )
+
+
+def _layer(config: Mapping[str, Any], hf: str, kind: str, mlp_kind: str, mg: str) -> Weights:
+    """A decoder layer's weights under checkpoint prefix `hf` (attention `kind`, MLP `mlp_kind`)."""
     d, heads, dim = int(config["hidden_size"]), int(config["num_attention_heads"]), int(config["head_dim"])
     q_lora, o_lora, groups = int(config["q_lora_rank"]), int(config["o_lora_rank"]), int(config["o_groups"])
     n, experts, width = (
@@ -113,8 +123,6 @@ def layer_weights(config: Mapping[str, Any], i: int, mg: str) -> Weights:
         int(config["n_routed_experts"]),
         int(config["moe_intermediate_size"]),
     )
-    hf = f"model.layers.{i}."
-    kind, mlp_kind = config["layer_types"][i], config["mlp_layer_types"][i]
     for part in ("attn", "ffn"):
         yield mg + f"hc_{part}.fn", (whole(f"{hf}hc_{part}_fn", (2 + n) * n),)
         yield mg + f"hc_{part}.base", (whole(f"{hf}hc_{part}_base", (2 + n) * n),)
@@ -178,6 +186,31 @@ def weights(config: Mapping[str, Any]) -> Weights:
     yield "decoder.hc_head.hc_head_scale", (whole("model.hc_head.hc_scale", 1),)
     yield "decoder.final_layernorm.weight", (whole("model.norm.weight", d),)
     yield "output_layer.weight", (whole("head.weight", vocab),)
+    yield from mtp_weights(config)
+
+
+def mtp_weights(config: Mapping[str, Any]) -> Weights:
+    """The carried MTP layers: checkpoint mtp.{k}.* as mtp.layers.{k}.*, the layer as the published
+    model's MTP layer is built (miles.models.deepseek_v4 FAMILY.mtp_layer_kinds)."""
+    d, n = int(config["hidden_size"]), int(config["hc_mult"])
+    kinds = mtp_kinds()
+    for k in range(int(config.get("num_nextn_predict_layers") or 0)):
+        hf, mg = f"mtp.{k}.", f"mtp.layers.{k}."
+        for norm, theirs in (("enorm", "enorm"), ("hnorm", "hnorm"), ("final_layernorm", "norm")):
+            yield f"{mg}{norm}.weight", (whole(f"{hf}{theirs}.weight", d),)
+        yield mg + "e_proj.weight", (whole(hf + "e_proj.weight", d),)
+        yield mg + "h_proj.weight", (whole(hf + "h_proj.weight", d),)
+        for part, rows in (("fn", n), ("base", n), ("scale", 1)):
+            yield f"{mg}hc_head.hc_head_{part}", (whole(f"{hf}hc_head_{part}", rows),)
+        yield from _layer(
+            config, hf, kinds["layer_types"], kinds["mlp_layer_types"], mg + "transformer_layer."
+        )
+
+
+def mtp_kinds() -> Mapping[str, str]:
+    from miles.models.deepseek_v4 import FAMILY
+
+    return FAMILY.mtp_layer_kinds
 
 
 _PUBLISHED = {"model.embed_tokens.weight": "embed.weight", "model.hc_head.hc_fn": "hc_head_fn",
@@ -219,7 +252,7 @@ def build_model(tc, config: Mapping[str, Any], vocab_size: int, vp_stage: int | 
             f"--tensor-model-parallel-size {tc.tensor_model_parallel_size} does not divide o_groups {groups}: the "
             "grouped output projection splits by group; pick a tensor-parallel size dividing it"
         )
-    return dsv4.build_model(tc, config, vocab_size, vp_stage)
+    return dsv4.build_model(tc, config, vocab_size, vp_stage, mtp_kinds())
 
 
 MAPPING = GPTMapping(
