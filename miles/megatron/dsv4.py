@@ -139,8 +139,8 @@ class HyperConnection(MegatronModule):
     it computes `pre` (collapses the streams into the sublayer's input), `post` (spreads the
     sublayer's output over the streams) and the doubly-stochastic `comb` (mixes the streams:
     stream k of the result takes sum_j comb[j, k] * X_j). Parameters `fn` [(2+n)n, n*d],
-    `base` [(2+n)n], `scale` [3] (pre, post, comb), all float32; `prefix` names them as the
-    layer holds them (hc_attn_fn, ...). Each token's mix is its own, so under sequence
+    `base` [(2+n)n], `scale` [3] (pre, post, comb), all float32 (a layer holds two: hc_attn and
+    hc_ffn; the checkpoint names them hc_attn_fn, ...). Each token's mix is its own, so under sequence
     parallelism every rank mixes its slice and the gradients are summed over the TP group
     (`sequence_parallel` on the parameters)."""
 
