@@ -75,7 +75,14 @@ def extra_layout(config: Mapping[str, Any]) -> Weights:
 
 def layout(config: Mapping[str, Any]) -> Weights:
     """(megatron state-dict name, where each of its rows comes from) for every weight of the
-    whole model (one pipeline stage, one expert-parallel rank)."""
+    whole model (one pipeline stage, one expert-parallel rank); a family that lays its whole
+    model out itself (its mapping's `weights`) gives them all."""
+    from miles.megatron.families import mapping_of
+
+    own = mapping_of(config).weights
+    if own is not None:
+        yield from own(config)
+        return
     hidden, vocab = config["hidden_size"], config["vocab_size"]
     yield "embedding.word_embeddings.weight", (whole("model.embed_tokens.weight", vocab),)
     for i in range(config["num_hidden_layers"]):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -50,6 +50,18 @@ class GPTMapping:
     extra_weights: Callable[[Mapping[str, Any]], Weights] | None = None
     # Megatron-LM arguments common.pt records beyond the shared ones: (config) -> {name: value}
     lm_args: Callable[[Mapping[str, Any]], dict] | None = None
+    # A family whose model is not a GPTModel builds its chunks itself:
+    # (TransformerConfig, config, vocab_size, vp_stage, *, impl) -> this rank's model chunk, in the
+    # parameter dtype (block_spec and finish_model are then unused)
+    build_model: Callable[..., Any] | None = None
+    # That model's weights, all of them (embedding, layers, head, extras), in place of the GPT
+    # layout built from layer_weights: (config) -> Weights
+    weights: Callable[[Mapping[str, Any]], Weights] | None = None
+    # The name a checkpoint holding `present` tensors gives one of `weights`' HF names, for a family
+    # whose published files spell names another way: (name, present) -> name, UnmappedModel if absent
+    source_name: Callable[[str, Collection[str]], str] | None = None
+    # Tokens the conversion's logit check runs through: long enough to reach every attention path
+    probe_length: int = 24
 
 
 @cache

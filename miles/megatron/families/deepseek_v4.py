@@ -2,9 +2,11 @@
 
 Not a GPTModel: hash routing needs the token ids inside each layer and the hyper-connections
 carry several residual streams, so the model is `miles.megatron.dsv4.Model`. Its mapping is
-`MAPPING`; it is not yet in the backend's table (`MAPPINGS` is empty): the checkpoint converter,
-the weight export and the trainer do not build this model yet, and until they do and its
-parallel gradients match FSDP's, the recipe's declared FSDP fallback stands.
+`MAPPING`: the family builds its own chunks (`build_model`), lays out its whole model (`weights`)
+and reads DeepSeek's published names too (`source_name`), which is all prepare-ckpt's torch_dist step
+needs. It is not yet in the backend's table (`MAPPINGS` is empty): the weight export and the trainer
+do not build this model yet, and until they do and its parallel gradients match FSDP's, the
+recipe's declared FSDP fallback stands.
 
 Weights, megatron names on the left, the checkpoint's file names (as transformers'
 save_pretrained writes them) on the right: embedding.word_embeddings [model.embed_tokens],
@@ -236,8 +238,12 @@ def source_name(name: str, present) -> str:
     )
 
 
-def build_model(tc, config: Mapping[str, Any], vocab_size: int, vp_stage: int | None = None):
-    """This rank's model chunk: miles.megatron.dsv4's DeepSeek-V4."""
+def build_model(
+    tc, config: Mapping[str, Any], vocab_size: int, vp_stage: int | None = None, *, impl: str = "local"
+):
+    """This rank's model chunk: miles.megatron.dsv4's DeepSeek-V4. Its layers are the same modules
+    under either `impl` (its own attention and hyper-connections, megatron-core's local experts),
+    so their state-dict keys do not depend on it."""
     from miles.megatron import dsv4
 
     refuse_unmapped(config)
@@ -255,12 +261,48 @@ def build_model(tc, config: Mapping[str, Any], vocab_size: int, vp_stage: int | 
     return dsv4.build_model(tc, config, vocab_size, vp_stage, mtp_kinds())
 
 
+def lm_args(config: Mapping[str, Any]) -> dict:
+    """What common.pt records beyond the shared arguments, under the Megatron-LM argument names the
+    seed's DeepSeek-V4 job passes (radixark/miles scripts/models/deepseek-v4-flash.py at fe30593dd:
+    --experimental-attention-variant dsv4, --dsv4-*, sqrt-softplus routing with expert bias)."""
+    rates = config.get("compress_rates") or {}
+    ratio = {SLIDING: 0, CSA: int(rates.get(CSA, 4)), HCA: int(rates.get(HCA, 128))}
+    mtp = int(config.get("num_nextn_predict_layers") or 0)
+    kinds = [*config["layer_types"], *[mtp_kinds()["layer_types"]] * mtp]
+    return {
+        "multi_latent_attention": True,
+        "experimental_attention_variant": "dsv4",
+        "position_embedding_type": "rope",
+        "mtp_num_layers": mtp or None,
+        "moe_router_score_function": "sqrtsoftplus",
+        "moe_router_enable_expert_bias": True,
+        "dsv4_hc_mult": int(config["hc_mult"]),
+        "dsv4_hc_sinkhorn_iters": int(config["hc_sinkhorn_iters"]),
+        "dsv4_compress_ratios": [ratio[k] for k in kinds],
+        "dsv4_compress_rope_theta": float(config["compress_rope_theta"]),
+        "dsv4_o_groups": int(config["o_groups"]),
+        "dsv4_o_lora_rank": int(config["o_lora_rank"]),
+        "dsv4_n_hash_layers": sum(k == "hash_moe" for k in config["mlp_layer_types"]),
+        "dsv4_window_size": int(config["sliding_window"]),
+    }
+
+
+# The conversion's logit check runs 320 tokens: past the sliding window (32 at tiny sizes, 128
+# published), two heavily compressed entries (every 128 tokens) and more compressed entries than the
+# indexer keeps (80 > 16 at tiny sizes), so every attention path is in the comparison.
+PROBE_LENGTH = 320
+
 MAPPING = GPTMapping(
     "deepseek_v4",
     ("deepseek_v4",),
     refuse_unmapped,
     transformer_fields,
     layer_weights,
+    lm_args=lm_args,
+    build_model=build_model,
+    weights=weights,
+    source_name=source_name,
+    probe_length=PROBE_LENGTH,
 )
 
 # Not in the table yet (see the module docstring): the converter, export and trainer must build
