@@ -60,6 +60,10 @@ class GPTMapping:
     # The name a checkpoint holding `present` tensors gives one of `weights`' HF names, for a family
     # whose published files spell names another way: (name, present) -> name, UnmappedModel if absent
     source_name: Callable[[str, Collection[str]], str] | None = None
+    # The transformers class's name of one of `weights`' HF (checkpoint file) names, for a family
+    # whose class renames its checkpoint's tensors on load (the built-in rollout engine loads these):
+    # (name) -> name; None: the class keeps the checkpoint's names
+    model_name: Callable[[str], str] | None = None
     # Tokens the conversion's logit check runs through: long enough to reach every attention path
     probe_length: int = 24
 

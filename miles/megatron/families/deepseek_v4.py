@@ -238,6 +238,48 @@ def source_name(name: str, present) -> str:
     )
 
 
+# transformers 5.24 DeepseekV4ForCausalLM's names of a layer's checkpoint tensors (its
+# conversion_mapping.py "deepseek_v4" renames them on load), by the name's tail after model.layers.{i}.
+_MODEL_NAMES = {
+    "hc_attn_fn": "attn_hc.fn", "hc_attn_base": "attn_hc.base", "hc_attn_scale": "attn_hc.scale",
+    "hc_ffn_fn": "ffn_hc.fn", "hc_ffn_base": "ffn_hc.base", "hc_ffn_scale": "ffn_hc.scale",
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn.wq_a.weight": "self_attn.q_a_proj.weight", "attn.q_norm.weight": "self_attn.q_a_norm.weight",
+    "attn.wq_b.weight": "self_attn.q_b_proj.weight", "attn.wkv.weight": "self_attn.kv_proj.weight",
+    "attn.norm.weight": "self_attn.kv_norm.weight", "attn.wo_a.weight": "self_attn.o_a_proj.weight",
+    "attn.wo_b.weight": "self_attn.o_b_proj.weight", "attn.attn_sink": "self_attn.sinks",
+    "attn.compressor.ape": "self_attn.compressor.position_bias",
+    "attn.compressor.wkv.weight": "self_attn.compressor.kv_proj.weight",
+    "attn.compressor.wgate.weight": "self_attn.compressor.gate_proj.weight",
+    "attn.compressor.norm.weight": "self_attn.compressor.kv_norm.weight",
+    "attn.indexer.wq_b.weight": "self_attn.compressor.indexer.q_b_proj.weight",
+    "attn.indexer.weights_proj.weight": "self_attn.compressor.indexer.scorer.weights_proj.weight",
+    "attn.indexer.compressor.ape": "self_attn.compressor.indexer.position_bias",
+    "attn.indexer.compressor.wkv.weight": "self_attn.compressor.indexer.kv_proj.weight",
+    "attn.indexer.compressor.wgate.weight": "self_attn.compressor.indexer.gate_proj.weight",
+    "attn.indexer.compressor.norm.weight": "self_attn.compressor.indexer.kv_norm.weight",
+    "ffn.gate.weight": "mlp.gate.weight", "ffn.gate.bias": "mlp.gate.e_score_correction_bias",
+    "ffn.gate.tid2eid": "mlp.gate.tid2eid",
+    "ffn.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
+    # the routed experts arrive fused, already under the class's names
+    "mlp.experts.gate_up_proj": "mlp.experts.gate_up_proj", "mlp.experts.down_proj": "mlp.experts.down_proj",
+}  # fmt: skip
+_MODEL_TOP = {"head.weight": "lm_head.weight"}
+
+
+def model_name(name: str) -> str:
+    """The transformers class's name of checkpoint tensor `name` (as `weights` names it)."""
+    if name.startswith("model.layers."):
+        index, _, tail = name.removeprefix("model.layers.").partition(".")
+        if tail in _MODEL_NAMES:
+            return f"model.layers.{index}.{_MODEL_NAMES[tail]}"
+    elif name in _MODEL_TOP or name.startswith(("model.embed_tokens.", "model.norm.", "model.hc_head.")):
+        return _MODEL_TOP.get(name, name)
+    raise UnmappedModel(f"DeepseekV4ForCausalLM has no tensor for checkpoint tensor {name}")
+
+
 def build_model(
     tc, config: Mapping[str, Any], vocab_size: int, vp_stage: int | None = None, *, impl: str = "local"
 ):
@@ -302,6 +344,7 @@ MAPPING = GPTMapping(
     build_model=build_model,
     weights=weights,
     source_name=source_name,
+    model_name=model_name,
     probe_length=PROBE_LENGTH,
 )
 

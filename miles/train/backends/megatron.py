@@ -228,7 +228,13 @@ class MegatronBackend(TrainBackend):
         fused = self.fused_experts and names == "model"
         self._gather_params()
         # carried MTP layers go to an engine that loads checkpoint names (SGLang drafts with them)
-        exporter = WeightExporter(self.chunks, self.config, fused_experts=fused, extras=names == "checkpoint")
+        exporter = WeightExporter(
+            self.chunks,
+            self.config,
+            fused_experts=fused,
+            extras=names == "checkpoint",
+            model_names=names == "model",
+        )
         for name, tensor in exporter:
             yield name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
 
