@@ -257,10 +257,13 @@ def built_spec_line(chunks, optimizer, impl: str, why: str, attention_backend=No
     if layers:
         attention = layers[0].self_attention
         backend = f" [{attention_backend.name}]" if impl == TE and attention_backend is not None else ""
-        parts.append(f"attention {_class(attention.core_attention)}{backend}")
+        # a family's own attention (DeepSeek-V4) is one module, with no core attention or fused qkv
+        parts.append(f"attention {_class(getattr(attention, 'core_attention', attention))}{backend}")
         # MLA (GLM-5.2) has no linear_qkv: its query up-projection is the norm-fused linear
-        qkv = next(n for n in ("linear_qkv", "linear_q_up_proj", "linear_q_proj") if hasattr(attention, n))
-        parts.append(f"{qkv} {_class(getattr(attention, qkv))}")
+        names = ("linear_qkv", "linear_q_up_proj", "linear_q_proj")
+        qkv = next((n for n in names if hasattr(attention, n)), None)
+        if qkv is not None:
+            parts.append(f"{qkv} {_class(getattr(attention, qkv))}")
         experts = sorted({_class(layer.mlp.experts) for layer in layers if hasattr(layer.mlp, "experts")})
         if experts:
             parts.append(f"experts {'/'.join(experts)}")
@@ -269,4 +272,7 @@ def built_spec_line(chunks, optimizer, impl: str, why: str, attention_backend=No
     if names:
         parts.append(f"optimizer {', '.join(names)}")
     spec = "Transformer Engine layer spec" if impl == TE else "stand-in layer spec"
+    model = type(chunks[0]) if chunks else None
+    if model is not None and model.__name__ != "GPTModel":  # a family's own model (its mapping's build_model)
+        spec = f"{model.__module__}.{model.__name__}"
     return f"megatron {spec} ({why}): {', '.join(parts)}"

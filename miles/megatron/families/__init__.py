@@ -64,6 +64,10 @@ class GPTMapping:
     # whose class renames its checkpoint's tensors on load (the built-in rollout engine loads these):
     # (name) -> name; None: the class keeps the checkpoint's names
     model_name: Callable[[str], str] | None = None
+    # How many rows a pipeline stage sends the next per sequence row: a model carrying several
+    # residual streams between layers sends them as [s, rows x streams, d] (megatron-core's
+    # schedules size their p2p buffers from micro_batch_size): (config) -> int
+    pipeline_rows: Callable[[Mapping[str, Any]], int] | None = None
     # Tokens the conversion's logit check runs through: long enough to reach every attention path
     probe_length: int = 24
 

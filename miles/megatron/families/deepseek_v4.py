@@ -345,6 +345,7 @@ MAPPING = GPTMapping(
     weights=weights,
     source_name=source_name,
     model_name=model_name,
+    pipeline_rows=lambda config: int(config["hc_mult"]),  # the hyper-connection streams cross as [s, b*n, d]
     probe_length=PROBE_LENGTH,
 )
 
