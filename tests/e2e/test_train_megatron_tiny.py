@@ -13,7 +13,8 @@ well above that quarter. The FSDP backend learns the same task from the same com
 A run resumed from its mid-run checkpoint reproduces the original's metrics to 1e-5, and
 TP=2 with SP, CP=2, PP=2 and PP=2 with two virtual stages each reproduce the FSDP backend's
 gradient norms on the same samples (the pipeline layouts through megatron's real schedules);
-for GLM-5.2, TP=2 with SP and EP=2, and PP=2.
+for GLM-5.2, TP=2 with SP and EP=2, and PP=2; for DeepSeek-V4, those and PP=2 with two virtual
+stages each.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import pytest
 
 from miles.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=520, suite="stage-b-cpu")
+register_cpu_ci(est_time=575, suite="stage-b-cpu")
 
 _spec = importlib.util.spec_from_file_location("recipe_runs", Path(__file__).with_name("recipe_runs.py"))
 runs = importlib.util.module_from_spec(_spec)
@@ -286,5 +287,40 @@ def test_glm_model_parallel_layouts_reproduce_the_data_parallel_gradients(glm, t
     hf, dist, fsdp = glm
     norms = _grad_norms(
         tmp_path, hf, "--train-backend", "megatron", "--ref-load", str(dist), *GLM_LAYOUTS[layout]
+    )
+    assert norms == pytest.approx(fsdp, rel=1e-4), json.dumps({"fsdp": fsdp, layout: norms})
+
+
+# --- DeepSeek-V4 ----------------------------------------------------------------------------
+# miles' own model (miles.megatron.dsv4): the tiny's layers are sliding, sliding, CSA, HCA, so PP=2
+# splits them 2 + 2 and the 4 hyper-connection streams cross the stage boundary as [s, b*4, d]; the
+# interleaved schedule (one layer per virtual stage) sizes its buffers from the streams too.
+
+
+@pytest.fixture(scope="module")
+def dsv4(tmp_path_factory):
+    from miles.ckpt.tiny import make_tiny_checkpoint
+    from miles.ckpt.torch_dist import convert_to_torch_dist
+
+    root = tmp_path_factory.mktemp("dsv4")
+    hf = make_tiny_checkpoint("deepseek_v4", 4, root / "hf")
+    dist = root / "torch_dist"
+    dist.mkdir()
+    convert_to_torch_dist(hf, dist, "deepseek_v4")
+    fsdp = _grad_norms(tmp_path_factory.mktemp("dsv4-fsdp"), hf, "--train-backend", "fsdp")
+    return hf, dist, fsdp
+
+
+DSV4_LAYOUTS = {
+    **GLM_LAYOUTS,
+    "pp2-vpp2": ("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"),
+}
+
+
+@pytest.mark.parametrize("layout", list(DSV4_LAYOUTS))
+def test_dsv4_model_parallel_layouts_reproduce_the_data_parallel_gradients(dsv4, tmp_path, layout):
+    hf, dist, fsdp = dsv4
+    norms = _grad_norms(
+        tmp_path, hf, "--train-backend", "megatron", "--ref-load", str(dist), *DSV4_LAYOUTS[layout]
     )
     assert norms == pytest.approx(fsdp, rel=1e-4), json.dumps({"fsdp": fsdp, layout: norms})

@@ -117,7 +117,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -131,7 +131,7 @@ def main() -> None:
     config = json.loads(open(f"{path}/config.json").read())
     parallel = LAYOUTS[layout]
     tp = parallel.get("tensor_model_parallel_size", 1)
-    tc = TransformerConfig(
+    tc = MLATransformerConfig(
         **family.transformer_fields(config), **parallel, sequence_parallel=tp > 1, params_dtype=torch.float32,
         use_cpu_initialization=True, perform_initialization=True, pipeline_dtype=torch.float32,
     )  # fmt: skip

@@ -65,12 +65,12 @@ def megatron():
 
 def load_megatron(path, config):
     """The megatron DeepSeek-V4 with every weight read from the checkpoint files through the mapping."""
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig
 
     from miles.ckpt.shards import CheckpointReader
     from miles.megatron.families import deepseek_v4 as family
 
-    tc = TransformerConfig(
+    tc = MLATransformerConfig(
         **family.transformer_fields(config), params_dtype=torch.float32, use_cpu_initialization=True,
         perform_initialization=False,
     )  # fmt: skip
@@ -202,7 +202,7 @@ def test_two_ranks_give_transformers_logits_and_gradient_norm(megatron, tmp_path
     ],
 )
 def test_a_layout_the_attention_cannot_split_is_refused(megatron, parallel, message):
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig
     from transformers import AutoConfig
 
     from miles.megatron.families import UnmappedModel
@@ -210,7 +210,7 @@ def test_a_layout_the_attention_cannot_split_is_refused(megatron, parallel, mess
     from miles.models.deepseek_v4 import FAMILY
 
     config = AutoConfig.for_model("deepseek_v4", **FAMILY.tiny_dims, num_hidden_layers=4).to_dict()
-    tc = TransformerConfig(**family.transformer_fields(config), **parallel, use_cpu_initialization=True)
+    tc = MLATransformerConfig(**family.transformer_fields(config), **parallel, use_cpu_initialization=True)
     with pytest.raises(UnmappedModel, match=message):
         family.build_model(tc, config, int(config["vocab_size"]))
 

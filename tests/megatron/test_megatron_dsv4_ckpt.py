@@ -14,29 +14,18 @@ to the same release.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from miles.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=25, suite="stage-b-cpu")
+register_cpu_ci(est_time=40, suite="stage-b-cpu")
 
 
 @pytest.fixture(scope="module")
-def mapped():
-    """deepseek_v4 in the backend's model table: MAPPINGS stays empty until the trainer builds the
-    model, so this puts the module's own MAPPING there, exactly what registering it does."""
-    from miles.megatron.families import deepseek_v4, mappings
-
-    table = mappings()
-    table["deepseek_v4"] = deepseek_v4.MAPPING
-    yield
-    del table["deepseek_v4"]
-
-
-@pytest.fixture(scope="module")
-def converted(mapped, tmp_path_factory):
+def converted(tmp_path_factory):
     from miles.ckpt.tiny import make_tiny_checkpoint
     from miles.ckpt.torch_dist import convert_to_torch_dist
 
@@ -48,7 +37,7 @@ def converted(mapped, tmp_path_factory):
     return hf, out
 
 
-def test_the_probe_reaches_every_attention_path(mapped, converted):
+def test_the_probe_reaches_every_attention_path(converted):
     from miles.megatron.model import probe_tokens
 
     config = json.loads((converted[0] / "config.json").read_text())
@@ -58,7 +47,7 @@ def test_the_probe_reaches_every_attention_path(mapped, converted):
     assert length // config["compress_rates"]["compressed_sparse_attention"] > config["index_topk"]
 
 
-def test_torch_dist_holds_the_models_keys_dtypes_and_transformers_logits(mapped, converted):
+def test_torch_dist_holds_the_models_keys_dtypes_and_transformers_logits(converted):
     from miles.ckpt.shards import CheckpointReader
     from miles.ckpt.torch_dist import RELEASE, read_common
     from miles.megatron.checkpoint import load_model, single_process_group
@@ -89,7 +78,7 @@ def test_torch_dist_holds_the_models_keys_dtypes_and_transformers_logits(mapped,
     assert "mtp.layers.0.transformer_layer.self_attention.wq_a.weight" in state
 
 
-def test_published_names_convert_to_the_same_release(mapped, converted, tmp_path):
+def test_published_names_convert_to_the_same_release(converted, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from miles.ckpt.shards import INDEX_NAME
@@ -113,3 +102,66 @@ def test_published_names_convert_to_the_same_release(mapped, converted, tmp_path
     convert_to_torch_dist(published, again, "deepseek_v4")
     for name in sorted(p.name for p in (out / RELEASE).iterdir()):
         assert (again / RELEASE / name).read_bytes() == (out / RELEASE / name).read_bytes(), name
+
+
+def test_the_recipes_gpu_form_dry_starts_on_two_cpu_ranks(tmp_path):
+    """The command the recipe renders for 4 H200s (Megatron, TP 4 with sequence parallelism, EP 4,
+    the torch_dist as --ref-load) passes miles.train's argument and checkpoint checks: at the same
+    layout scaled to 2 ranks (TP 2, EP 2) and the model flags at the 4-layer tiny DeepSeek-V4's
+    sizes, every rank builds its model chunk and loads the converted checkpoint, then stops
+    (--dry-start). The flags that act only on a GPU (Transformer Engine's layer spec, the optimizer's
+    CPU offload from GPU memory), which the CPU start refuses (miles.megatron.options), are left out:
+    this is the CPU, and only those."""
+    import os
+    import subprocess
+    import sys
+
+    from miles.ckpt.tiny import make_tiny_checkpoint
+    from miles.ckpt.torch_dist import convert_to_torch_dist
+    from miles.megatron import options as megatron_options
+    from miles.models import family
+    from miles.models.facts import flag_values
+    from miles.recipes import shared
+    from miles.recipes.launch import RunOptions, build_plan
+
+    recipe = shared("deepseek_v4")
+    profile = recipe.profile(None, "cuda", 1, 4)
+    options = RunOptions(
+        model=profile.model, model_dir=str(tmp_path / "models"), output_dir=str(tmp_path / "runs")
+    )
+    argv = list(build_plan(recipe, options, "cuda", base_env={}).train_args)
+    assert argv[argv.index("--train-backend") + 1] == "megatron"
+    hf, ref = (Path(argv[argv.index(flag) + 1]) for flag in ("--hf-checkpoint", "--ref-load"))
+    assert ref.name == "DeepSeek-V4-Flash-4layer_torch_dist"
+    make_tiny_checkpoint("deepseek_v4", 4, hf)  # under the name the plan gives the prepared checkpoint
+    ref.mkdir()
+    convert_to_torch_dist(hf, ref, "deepseek_v4")
+    config = json.loads((hf / "config.json").read_text())
+    scaled = {
+        **flag_values(family("deepseek_v4").keys, config),
+        "--tensor-model-parallel-size": 2, "--expert-model-parallel-size": 2, "--actor-num-gpus-per-node": 2,
+        # the tiny model stretches the compressed layers' YaRN over 256 positions, Flash over 65536
+        "--original-max-position-embeddings": config["rope_parameters"]["compress"]["original_max_position_embeddings"],
+    }  # fmt: skip
+    for flag, value in scaled.items():
+        if flag in argv and not isinstance(value, bool):
+            argv[argv.index(flag) + 1] = str(value)
+    gpu_only = dict(megatron_options.render_problems(argv, "cpu", stack_has_te=False))
+    assert set(gpu_only) == {
+        "--moe-grouped-gemm", "--transformer-impl", "--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d",
+        "--use-precision-aware-optimizer",
+    }, gpu_only  # fmt: skip
+    assert all("Transformer Engine" in why or "needs a GPU" in why for why in gpu_only.values()), gpu_only
+    for flag in gpu_only:
+        at = argv.index(flag)
+        del argv[at : at + (2 if at + 1 < len(argv) and not argv[at + 1].startswith("--") else 1)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "miles.train", *argv, "--dry-start"]  # fmt: skip
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    out = proc.stdout + proc.stderr
+    errors = [line for line in out.splitlines() if "Error" in line and "Warning" not in line]
+    assert proc.returncode == 0, "\n".join(errors[-5:]) or out[-3000:]
+    assert "tp2·pp1·cp1·ep2·etp1+sp" in out and f"holds {ref}; no rollout" in out, out[-3000:]
+    assert "miles.megatron.dsv4.Model" in out, out[-3000:]  # the first line names the family's own model

@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -38,26 +37,9 @@ def converted(tmp_path_factory):
         hf = make_tiny_checkpoint(family, layers, root / "hf")
         dist = root / "torch_dist"
         dist.mkdir()
-        with _mapped(family):
-            convert_to_torch_dist(hf, dist, family)
+        convert_to_torch_dist(hf, dist, family)
         made[family] = (hf, dist)
     return made
-
-
-@contextmanager
-def _mapped(family: str):
-    """DeepSeek-V4 is not in the backend's table until the trainer builds it (its MAPPINGS is
-    empty): its module's own MAPPING, put where registering it will put it."""
-    from miles.megatron.families import deepseek_v4, mappings
-
-    added = family == "deepseek_v4" and "deepseek_v4" not in mappings()
-    if added:
-        mappings()["deepseek_v4"] = deepseek_v4.MAPPING
-    try:
-        yield
-    finally:
-        if added:
-            del mappings()["deepseek_v4"]
 
 
 @pytest.mark.parametrize(

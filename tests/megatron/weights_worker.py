@@ -31,12 +31,6 @@ def main() -> None:
 
     compat.install()
     config = json.loads((hf / "config.json").read_text())
-    if config["model_type"] == "deepseek_v4":
-        # not in the backend's table until the trainer builds it (its MAPPINGS is empty): the
-        # module's own MAPPING, put where registering it will put it
-        from miles.megatron.families import deepseek_v4, mappings
-
-        mappings().setdefault("deepseek_v4", deepseek_v4.MAPPING)
     layout = ParallelLayout(tp=tp, pp=pp, ep=ep, etp=1 if ep > 1 else None, sp=tp > 1)
     init_parallel_state(layout, seed=0)
     tc = transformer_config(config, layout, dtype=torch.float32, initialize=True, batch_p2p_comm=False)

@@ -2,11 +2,11 @@
 
 Not a GPTModel: hash routing needs the token ids inside each layer and the hyper-connections
 carry several residual streams, so the model is `miles.megatron.dsv4.Model`. Its mapping is
-`MAPPING`: the family builds its own chunks (`build_model`), lays out its whole model (`weights`)
-and reads DeepSeek's published names too (`source_name`), which is all prepare-ckpt's torch_dist step
-needs. It is not yet in the backend's table (`MAPPINGS` is empty): the weight export and the trainer
-do not build this model yet, and until they do and its parallel gradients match FSDP's, the
-recipe's declared FSDP fallback stands.
+`MAPPING`: the family builds its own chunks (`build_model`), lays out its whole model (`weights`),
+reads DeepSeek's published names too (`source_name`), names the transformers class's tensors for the
+built-in engine (`model_name`) and sends its hyper-connection streams between pipeline stages
+(`pipeline_rows`); megatron-core's MLA fields state the attention's shape as the seed's job does,
+for the model-flag checks only (`_mla_fields`).
 
 Weights, megatron names on the left, the checkpoint's file names (as transformers'
 save_pretrained writes them) on the right: embedding.word_embeddings [model.embed_tokens],
@@ -106,7 +106,35 @@ def transformer_fields(config: Mapping[str, Any]) -> dict:
         == 1,  # megatron-core requires it at top-1; the DeepSeek-V4 router ignores it
         moe_token_dispatcher_type="alltoall",
         moe_shared_expert_overlap=False,
+        **_mla_fields(config),
     )
+
+
+def _mla_fields(config: Mapping[str, Any]) -> dict:
+    """The attention's shape as the seed's DeepSeek-V4 job states it in megatron-core's MLA fields
+    (radixark/miles scripts/models/deepseek-v4-flash.py at fe30593dd: --multi-latent-attention,
+    --q-lora-rank, --kv-lora-rank and --qk-head-dim and --v-head-dim at head_dim, --qk-pos-emb-head-dim
+    the rope part, --qk-layernorm for the q-latent and kv norms, the compressed layers' YaRN), so the
+    run's model flags are checked against the model config.json describes. miles.megatron.dsv4 reads
+    none of them: its attention is its own, built from config.json."""
+    dim = int(config["head_dim"])
+    rope = (config.get("rope_parameters") or {}).get("compress") or {}
+    fields = dict(
+        q_lora_rank=int(config["q_lora_rank"]), kv_lora_rank=dim, qk_head_dim=dim, v_head_dim=dim,
+        qk_pos_emb_head_dim=int(config.get("qk_rope_head_dim") or dim * float(rope.get("partial_rotary_factor", 1))),
+        qk_layernorm=True,
+    )  # fmt: skip
+    if rope.get("rope_type") == "yarn":
+        fields.update(
+            rope_type="yarn",
+            rotary_scaling_factor=float(rope["factor"]),
+            beta_fast=float(rope.get("beta_fast", 32)),
+            beta_slow=float(rope.get("beta_slow", 1)),
+            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        )
+    else:
+        fields.update(rope_type="rope")
+    return fields
 
 
 def layer_weights(config: Mapping[str, Any], i: int, mg: str) -> Weights:
@@ -340,6 +368,7 @@ MAPPING = GPTMapping(
     refuse_unmapped,
     transformer_fields,
     layer_weights,
+    config_class="MLATransformerConfig",
     lm_args=lm_args,
     build_model=build_model,
     weights=weights,
@@ -349,6 +378,4 @@ MAPPING = GPTMapping(
     probe_length=PROBE_LENGTH,
 )
 
-# Not in the table yet (see the module docstring): the converter, export and trainer must build
-# `build_model`'s model, and TP/EP/PP gradients must match FSDP's, before deepseek_v4 is mapped.
-MAPPINGS: tuple[GPTMapping, ...] = ()
+MAPPINGS: tuple[GPTMapping, ...] = (MAPPING,)
