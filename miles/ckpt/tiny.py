@@ -133,6 +133,9 @@ def _save_model(spec, layers: int, seed: int, dtype: str, shard_bytes: int, dims
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    if spec.tiny_values is not None:
+        with torch.no_grad():
+            spec.tiny_values(model, torch.Generator().manual_seed(seed + 2))
     model.generation_config.pad_token_id = ids["pad"]
     model.generation_config.eos_token_id = ids["eos"]
     model.save_pretrained(out, max_shard_size=shard_bytes)
@@ -194,6 +197,8 @@ def add_mtp_layers(spec, config: dict, seed: int, dtype: str, out: Path) -> None
         return
     # The class built one layer deeper, on the meta device, names and types the MTP block's tensors.
     deeper = {k: v for k, v in config.items() if k not in LAYER_LIST_KEYS}
+    for key, kind in spec.mtp_layer_kinds.items():  # the MTP layers' kind, where the model fixes it
+        deeper[key] = list(config[key]) + [kind] * count
     deeper["num_hidden_layers"] = layers + count
     with torch.device("meta"):
         model = getattr(transformers, config["architectures"][0])._from_config(

@@ -141,18 +141,33 @@ def _padded_vocab(config: Mapping[str, Any], multiple: int) -> int:
     return -(-vocab // multiple) * multiple
 
 
+def _layout(config, reader: CheckpointReader):
+    """miles.megatron.hf_names.layout with each piece named as this checkpoint names its tensor (a
+    family whose published files spell names another way resolves them: its mapping's `source_name`)."""
+    from dataclasses import replace
+
+    from miles.megatron.families import mapping_of
+    from miles.megatron.hf_names import layout
+
+    resolve = mapping_of(config).source_name
+    if resolve is None:
+        yield from layout(config)
+        return
+    present = reader.files.weight_map
+    for name, pieces in layout(config):
+        yield name, tuple(replace(p, hf_name=resolve(p.hf_name, present)) for p in pieces)
+
+
 def _fill_gpt(model, config, reader: CheckpointReader, vocab: int, progress: Progress | None) -> str:
     """Read every HF row block straight into its place in the megatron parameters; what the
     checkpoint holds that the model leaves out, in words ("" if nothing)."""
     import torch
 
-    from miles.megatron.hf_names import layout
-
     params = {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
     seen = set()
     read = set()  # HF tensors read so far (q/k/v and gate/up arrive in several pieces)
     with torch.no_grad():
-        for name, pieces in layout(config):
+        for name, pieces in _layout(config, reader):
             target = _target(params, name, pieces, reader)
             for piece in pieces:
                 dst = target[piece.at : piece.at + piece.rows]
@@ -284,7 +299,6 @@ def _verify(release: Path, config, reader: CheckpointReader, gpt: bool, vocab: i
     from miles.megatron.hf_names import Piece
 
     if gpt:
-        from miles.megatron.hf_names import layout
         from miles.megatron.model import build_model
 
         model = build_model(config, vocab)
@@ -292,7 +306,9 @@ def _verify(release: Path, config, reader: CheckpointReader, gpt: bool, vocab: i
         model.load_state_dict({k: v for k, v in state.items() if k not in _COMMON_KEYS})
         loaded = model.state_dict()
         checks = (
-            (name, loaded[name][p.at : p.at + p.rows], p) for name, pieces in layout(config) for p in pieces
+            (name, loaded[name][p.at : p.at + p.rows], p)
+            for name, pieces in _layout(config, reader)
+            for p in pieces
         )
     else:
         empty = (

@@ -14,7 +14,10 @@ HF ones (`linear_qkv` split per query group, `linear_fc1` into gate and up, loca
 indices into global ones). Only one layer's tensors are held at a time. TE's grouped-GEMM
 experts are read under SequentialMLP's names (`expert_name`). A family's weights outside the
 decoder layers (carried MTP layers, on the last stage) follow under the checkpoint's names
-only: the transformers class has no such parameters. A family's release names (Inkling's
+only: the transformers class has no such parameters. The layout is the family's whole-model one
+(`miles.megatron.hf_names.layout`), so a family that is not a GPTModel (DeepSeek-V4) exports the
+same way; a family whose transformers class renames its checkpoint's tensors on load gives the
+class's names through its mapping's `model_name` when the engine loads the class's names. A family's release names (Inkling's
 `model.llm.*`, its gate and up rows interleaved again) come from its layout like any other.
 """
 
@@ -26,7 +29,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from miles.megatron.hf_names import embedding_layout, extra_layout, layer_layout, outer_names
+from miles.megatron.hf_names import layout
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
@@ -103,8 +106,11 @@ class WeightExporter:
         gated: bool = True,
         fused_experts: bool = False,
         extras: bool = False,
+        model_names: bool = False,
     ):
         from megatron.core import parallel_state as ps
+
+        from miles.megatron.families import mapping_of
 
         self.chunks = list(chunks)
         self.config = config
@@ -120,40 +126,37 @@ class WeightExporter:
         self.owner = _owner_of_layers(self.chunks, config["num_hidden_layers"], self.pp)
         self.fused_experts = fused_experts
         self.extras = extras  # the family's weights outside the decoder layers (MTP): checkpoint names only
+        self.rename = mapping_of(config).model_name if model_names else None
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         local = _stage_tensors(self.chunks)
-        hf_vocab = self.config["vocab_size"]
-        embed_name, norm_name, head_name = outer_names(self.config)
-        extra = list(embedding_layout(self.config))  # the family's embedding norm
-        embed = self._from_stage(
-            self.first, local, ["embedding.word_embeddings.weight", *(name for name, _ in extra)]
-        )
-        yield embed_name, embed["embedding.word_embeddings.weight"][:hf_vocab]
-        yield from _to_hf(extra, embed)
+        first, layers, last, extras = _by_stage(self.config)
+        yield from self._out(_to_hf(first, self._from_stage(self.first, local, [n for n, _ in first])))
         for i in range(self.config["num_hidden_layers"]):
             prefix = f"decoder.layers.{i}."
             names = [n for n in local if n.startswith(prefix)] if self.owner[i] == self.pp_rank else []
             full = self._from_stage(self.owner[i], local, names)
             if self.fused_experts:
                 full = _fuse_experts(full, prefix)
-            yield from _to_hf(layer_layout(self.config, i, prefix), full)
-        tail = ["decoder.final_layernorm.weight"]
-        if not self.config.get("tie_word_embeddings"):
-            tail.append("output_layer.weight")
-        end = self._from_stage(self.last, local, tail)
-        yield norm_name, end["decoder.final_layernorm.weight"]
-        if not self.config.get("tie_word_embeddings"):
-            yield head_name, end["output_layer.weight"][:hf_vocab]
+            yield from self._out(_to_hf(layers[i], full))
+        yield from self._out(_to_hf(last, self._from_stage(self.last, local, [n for n, _ in last])))
         if self.extras:
-            extra = list(extra_layout(self.config))
-            wanted = {name for name, _ in extra}
+            wanted = {name for name, _ in extras}
             names = (
                 [n for n in local if n in wanted or _expert_of(n, wanted)]
                 if self.pp_rank == self.last
                 else []
             )
-            yield from _to_hf(extra, self._from_stage(self.last, local, names))
+            yield from _to_hf(extras, self._from_stage(self.last, local, names))
+
+    def _out(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors under the transformers class's names when asked and the family's class renames
+        its checkpoint's tensors on load (its mapping's `model_name`), else under the checkpoint's."""
+        if self.rename is None:
+            yield from tensors
+            return
+        for name, tensor in tensors:
+            yield self.rename(name), tensor
 
     def _from_stage(self, stage: int, local, names: Sequence[str]) -> dict:
         """Full tensors of `names` from pipeline stage `stage`, on every stage."""
@@ -194,6 +197,25 @@ class WeightExporter:
             for r in range(ep_size)
             for k in range(per_rank)
         }
+
+
+def _by_stage(config: Mapping) -> tuple[list, dict[int, list], list, list]:
+    """The model's weight layout (miles.megatron.hf_names.layout) split by where the weights live:
+    the first stage's (embedding), each decoder layer's, the last stage's (final norms, output
+    layer) and the family's extras outside the decoder (carried MTP layers, `mtp.*`)."""
+    first, last, extras = [], [], []
+    layers: dict[int, list] = {i: [] for i in range(config["num_hidden_layers"])}
+    for name, pieces in layout(config):
+        m = _LAYER.match(name)
+        if m:
+            layers[int(m.group(1))].append((name, pieces))
+        elif name.startswith("embedding."):
+            first.append((name, pieces))
+        elif name.startswith("mtp."):
+            extras.append((name, pieces))
+        else:
+            last.append((name, pieces))
+    return first, layers, last, extras
 
 
 def local_device(local: Mapping[str, torch.Tensor]) -> torch.device:

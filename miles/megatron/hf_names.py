@@ -112,7 +112,14 @@ def outer_names(config: Mapping[str, Any]) -> tuple[str, str, str]:
 
 def layout(config: Mapping[str, Any]) -> Weights:
     """(megatron state-dict name, where each of its rows comes from) for every weight of the
-    whole model (one pipeline stage, one expert-parallel rank)."""
+    whole model (one pipeline stage, one expert-parallel rank); a family that lays its whole
+    model out itself (its mapping's `weights`) gives them all."""
+    from miles.megatron.families import mapping_of
+
+    own = mapping_of(config).weights
+    if own is not None:
+        yield from own(config)
+        return
     hidden, vocab = config["hidden_size"], config["vocab_size"]
     embed, norm, head = outer_names(config)
     yield "embedding.word_embeddings.weight", (whole(embed, vocab),)

@@ -26,7 +26,8 @@ def build_model(
     """An uninitialised GPTModel of this rank's pipeline stage (and virtual stage), shaped like
     the HF config, with the Transformer Engine layer spec's module tree and keys: TE's own
     modules with `impl` "transformer_engine", the stand-in ones by default (miles.megatron.spec);
-    and what the family's mapping adds (its own attention, carried MTP layers)."""
+    and what the family's mapping adds (its own attention, carried MTP layers). A family whose
+    model is not a GPTModel (its mapping's `build_model`) builds its own chunk instead."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -35,6 +36,8 @@ def build_model(
 
     mapping = mapping_of(config)
     tc = transformer if transformer is not None else transformer_config(config)
+    if mapping.build_model is not None:
+        return mapping.build_model(tc, config, vocab_size or config["vocab_size"], vp_stage, impl=impl)
     rope = rope_parameters(config)
     interpolation = float(rope["factor"]) if rope.get("rope_type") == "linear" else None
     pp_initialized = parallel_state.model_parallel_is_initialized()
@@ -105,9 +108,14 @@ def freeze_padding_embedding(chunks: Sequence, pad_token_id: int | None) -> None
             embedding.word_embeddings.register_forward_hook(stop_pad_gradient)
 
 
-def probe_tokens(config: Mapping[str, Any], length: int = 24, seed: int = 0):
-    """A fixed [1, length] sequence of ordinary token ids to compare two models on."""
+def probe_tokens(config: Mapping[str, Any], length: int | None = None, seed: int = 0):
+    """A fixed [1, length] sequence of ordinary token ids to compare two models on (by default as
+    long as the family's mapping asks, `probe_length`)."""
     import torch
+
+    from miles.megatron.families import mapping_of
+
+    length = length or mapping_of(config).probe_length
 
     vocab = min(int(config["vocab_size"]), 500)
     return torch.randint(3, vocab, (1, length), generator=torch.Generator().manual_seed(seed))

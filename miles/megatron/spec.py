@@ -257,11 +257,13 @@ def built_spec_line(chunks, optimizer, impl: str, why: str, attention_backend=No
     if layers:
         attention = layers[0].self_attention
         backend = f" [{attention_backend.name}]" if impl == TE and attention_backend is not None else ""
-        core = getattr(attention, "core_attention", attention)  # Inkling's attention is its own core
-        parts.append(f"attention {_class(core)}{backend}")
+        # a family's own attention (Inkling's, DeepSeek-V4's) may be its own core, with no fused qkv
+        parts.append(f"attention {_class(getattr(attention, 'core_attention', attention))}{backend}")
         # MLA (GLM-5.2) has no linear_qkv: its query up-projection is the norm-fused linear
-        qkv = next(n for n in ("linear_qkv", "linear_q_up_proj", "linear_q_proj") if hasattr(attention, n))
-        parts.append(f"{qkv} {_class(getattr(attention, qkv))}")
+        names = ("linear_qkv", "linear_q_up_proj", "linear_q_proj")
+        qkv = next((n for n in names if hasattr(attention, n)), None)
+        if qkv is not None:
+            parts.append(f"{qkv} {_class(getattr(attention, qkv))}")
         experts = sorted({_class(layer.mlp.experts) for layer in layers if hasattr(layer.mlp, "experts")})
         if experts:
             parts.append(f"experts {'/'.join(experts)}")
@@ -270,4 +272,7 @@ def built_spec_line(chunks, optimizer, impl: str, why: str, attention_backend=No
     if names:
         parts.append(f"optimizer {', '.join(names)}")
     spec = "Transformer Engine layer spec" if impl == TE else "stand-in layer spec"
+    model = type(chunks[0]) if chunks else None
+    if model is not None and model.__name__ != "GPTModel":  # a family's own model (its mapping's build_model)
+        spec = f"{model.__module__}.{model.__name__}"
     return f"megatron {spec} ({why}): {', '.join(parts)}"

@@ -125,6 +125,13 @@ class Family:
     read_by_model: Mapping[str, str] = field(default_factory=dict)
     # decoder layers of the CPU lane's tiny model: enough for every kind of layer the model has
     tiny_layers: int = 2
+    # The kind an MTP layer has in each per-layer list of config.json (layer_types: its attention),
+    # where the published model fixes it; a list not named here is re-derived for the deeper model.
+    mtp_layer_kinds: Mapping[str, str] = field(default_factory=dict)
+    # Values for what transformers initialises to a constant (norms at 1, biases at 0, lookup
+    # tables at 0) that would hide code paths in a tiny model: (model, torch.Generator) -> None,
+    # run on the freshly built model before it is saved. Imports torch only when called.
+    tiny_values: Callable[[Any, Any], None] | None = None
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KINDS:

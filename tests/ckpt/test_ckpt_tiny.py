@@ -105,6 +105,33 @@ def test_tiny_models_carry_the_mtp_layer_their_config_declares(tiny, name, mtp_t
     validate_checkpoint(path, name, expect_layers=4)  # declared, so not an unexpected tensor
 
 
+def test_tiny_deepseek_v4_has_flash_layer_kinds_and_no_constant_values_that_hide_paths(tiny):
+    from safetensors import safe_open
+
+    path = tiny("deepseek_v4")
+    config = _config(path)
+    sliding, csa, hca = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+    kinds = [sliding, sliding, csa, hca]
+    assert config["layer_types"] == kinds  # the first 4 of Flash's compress_ratios
+    assert config["mlp_layer_types"] == ["hash_moe"] * 3 + ["moe"]
+    assert config["hc_mult"] == 4 and config["index_n_heads"] == 8
+    assert config["rope_parameters"]["compress"]["rope_type"] == "yarn"
+    names = read_weight_map(path).weight_map
+    assert not any(n.startswith("mtp.0.attn.compressor") for n in names)  # the MTP layer is sliding
+    assert "mtp.0.ffn.gate.bias" in names and "mtp.0.ffn.gate.tid2eid" not in names  # and routes by top-k
+    tensors = {}
+    for shard in sorted(set(names.values())):
+        with safe_open(path / shard, "pt") as f:
+            tensors.update({n: f.get_tensor(n) for n in f.keys()})
+    table = tensors["model.layers.0.ffn.gate.tid2eid"]
+    assert table.dtype == torch.int64 and table.shape == (512, 2)
+    assert bool((table[:, 0] != table[:, 1]).all()) and set(table.unique().tolist()) == set(range(8))
+    for name in ("model.layers.0.attn.attn_sink", "model.layers.3.attn.compressor.ape", "model.layers.1.hc_ffn_base",
+                 "model.layers.1.hc_ffn_scale", "model.hc_head.hc_base", "model.layers.3.ffn.gate.bias",
+                 "model.layers.2.attn.indexer.compressor.norm.weight", "model.layers.0.attn.q_norm.weight"):  # fmt: skip
+        assert tensors[name].float().std() > 0.01, name
+
+
 def test_any_switch_can_be_set_from_the_command_line(tmp_path):
     from miles.ckpt.cli import main
 

@@ -26,7 +26,7 @@ import pytest
 
 from miles.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=145, suite="stage-b-cpu")
+register_cpu_ci(est_time=200, suite="stage-b-cpu")
 
 WORKER = Path(__file__).with_name("weights_worker.py")
 sys.path.insert(0, str(Path(__file__).parent))
@@ -45,6 +45,7 @@ def converted(tmp_path_factory):
         ("glm_moe_dsa", 4),
         ("inkling", 2),
         ("release", 2),
+        ("deepseek_v4", 4),
     ):
         root = tmp_path_factory.mktemp(family)
         if family == "release":
@@ -70,6 +71,8 @@ def converted(tmp_path_factory):
         ("inkling", 2, 1, 2),
         ("inkling", 1, 2, 1),
         ("release", 2, 1, 2),
+        ("deepseek_v4", 2, 1, 2),
+        ("deepseek_v4", 1, 2, 1),
     ],
     ids=[
         "dense-tp2",
@@ -81,6 +84,8 @@ def converted(tmp_path_factory):
         "inkling-tp2-ep2",
         "inkling-pp2",
         "inkling-release-tp2-ep2",
+        "dsv4-tp2-ep2",
+        "dsv4-pp2",
     ],
 )
 def test_exported_weights_equal_the_checkpoint_under_both_name_sets(converted, family, tp, pp, ep):
@@ -95,6 +100,9 @@ def test_exported_weights_equal_the_checkpoint_under_both_name_sets(converted, f
     result = json.loads(lines[0].removeprefix("RESULT "))
     if family == "glm_moe_dsa":  # the MTP layer is handed over under its checkpoint names
         assert "model.layers.4.eh_proj.weight" in result["checkpoint_names"], result
+    if family == "deepseek_v4":  # its MTP layer too, and the hash-routing tables under both name sets
+        assert "mtp.0.e_proj.weight" in result["checkpoint_names"], result
+        assert "model.layers.0.ffn.gate.tid2eid" in result["checkpoint_names"], result
     assert result["checkpoint_names_missing"] == [] and result["checkpoint_names_extra"] == [], result
     if family == "release":  # SGLang's names (InklingForConditionalGeneration.load_weights reads model.llm.*)
         assert result["left_out"] == ["audio", "mtp", "visual"], result

@@ -62,7 +62,7 @@ def main() -> None:
         dist.destroy_process_group()
         return
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).state_dict()
-    fused = {n: t.float() for n, t in WeightExporter(chunks, config, fused_experts=True)}
+    fused = {n: t.float() for n, t in WeightExporter(chunks, config, fused_experts=True, model_names=True)}
     tied = {"lm_head.weight"} if config.get("tie_word_embeddings") else set()
     worst["model_names_missing"] = sorted(set(model) - set(fused) - tied)[:5]
     worst["model_names_extra"] = sorted(set(fused) - set(model))[:5]

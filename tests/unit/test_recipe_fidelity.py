@@ -85,19 +85,21 @@ def test_a_flag_given_twice_with_different_values_is_an_error_no_reason_explains
     )
 
 
-def test_a_fallback_is_rendered_and_explains_each_difference_it_makes():
-    """DeepSeek-V4's recipe declares its FSDP fallback: the GPU command trains data-parallel without
-    Megatron's model flags, and diff explains each difference by the fallback's reason; without
-    that reason they are unexplained."""
-    recipe = shared("deepseek_v4")
-    item = reference_comparisons(recipe, "cuda")[0]
+def test_a_fallback_is_rendered_and_explains_each_difference_it_makes(inkling_unbuilt):
+    """Inkling's recipe as it declared its FSDP fallback: the GPU command trains data-parallel
+    without Megatron's model flags, and diff explains each difference by the fallback's reason;
+    without that reason they are unexplained."""
+    inkling = inkling_unbuilt
+    (item,) = reference_comparisons(inkling, "cuda")
     assert item.unexplained == ()
     lines = {line.key: line for line in item.comparison.lines}
-    for key in ("layout:4", "--num-layers", "env:CUDA_DEVICE_MAX_CONNECTIONS"):
+    for key in ("layout:4", "--num-layers", "--megatron-to-hf-mode", "env:CUDA_DEVICE_MAX_CONNECTIONS"):
         assert lines[key].reason.startswith("fallback to --train-backend fsdp: miles' Megatron backend"), key
-    argv, env = rendered(recipe, recipe.profiles[0])
+    argv, env = rendered(inkling, inkling.profiles[0])
     assert argv[argv.index("--train-backend") + 1] == "fsdp" and "--num-layers" not in argv
-    bare = compare(argv, env, Placement(4, ParallelLayout(), 4), item.comparison.reference, recipe.deviations)
+    bare = compare(
+        argv, env, Placement(4, ParallelLayout(), 4), item.comparison.reference, inkling.deviations
+    )
     assert {"layout:4", "--num-layers", "env:CUDA_DEVICE_MAX_CONNECTIONS"} <= {
         ln.key for ln in bare.unexplained
     }

@@ -285,31 +285,44 @@ def test_fp8_recipe_rolls_out_from_the_fp8_checkpoint_and_references_torch_dist(
     assert args[args.index("--ref-load") + 1] == "/m/Qwen3-30B-A3B-4layer_torch_dist"
 
 
-def test_a_recipe_whose_family_megatron_cannot_build_trains_its_declared_fallback():
-    # DeepSeek-V4's torch_dist would hold HF names, which no Megatron job loads: FSDP reads the HF dir
+def test_a_recipe_whose_family_megatron_cannot_build_trains_its_declared_fallback(inkling_unbuilt):
+    # Inkling's torch_dist would hold HF names, which no Megatron job loads: FSDP reads the HF dir
     from miles.recipes.launch import RunOptions, build_plan
 
-    recipe = shared("deepseek_v4")
-    plan = build_plan(recipe, RunOptions(model="DeepSeek-V4-Flash-4layer", model_dir="/m"), base_env={})
+    recipe = shared("inkling")
+    plan = build_plan(recipe, RunOptions(model="Inkling-Small-4layer", model_dir="/m"), base_env={})
     args = plan.train_args
     assert recipe.fallback is not None and "torch_dist" not in plan.checkpoint.steps
     assert args[args.index("--train-backend") + 1] == "fsdp"
-    assert args[args.index("--hf-checkpoint") + 1] == "/m/DeepSeek-V4-Flash-4layer_fp8"
-    assert args[args.index("--ref-load") + 1] == "/m/DeepSeek-V4-Flash-4layer"
+    assert args[args.index("--hf-checkpoint") + 1] == "/m/Inkling-Small-4layer"
+    assert args[args.index("--ref-load") + 1] == "/m/Inkling-Small-4layer"
     assert not [
         a for a in args if a.startswith(("--megatron-to-hf-mode", "--tensor-model-parallel", "--num-layers"))
     ]
 
 
-def test_list_and_show_say_a_fallback_profile_trains_data_parallel_not_at_its_megatron_layout(capsys):
+def test_deepseek_v4_trains_with_megatron_from_its_torch_dist():
+    # miles' Megatron backend builds DeepSeek-V4 (its own model): the recipe has no fallback left
+    from miles.recipes.launch import RunOptions, build_plan
+
+    recipe = shared("deepseek_v4")
+    plan = build_plan(recipe, RunOptions(model="DeepSeek-V4-Flash-4layer", model_dir="/m"), base_env={})
+    args = plan.train_args
+    assert recipe.fallback is None and plan.checkpoint.steps[-1] == "torch_dist"
+    assert args[args.index("--train-backend") + 1] == "megatron"
+    assert args[args.index("--hf-checkpoint") + 1] == "/m/DeepSeek-V4-Flash-4layer_fp8"
+    assert args[args.index("--ref-load") + 1] == "/m/DeepSeek-V4-Flash-4layer_torch_dist"
+    assert args[args.index("--tensor-model-parallel-size") + 1] == "4" and "--sequence-parallel" in args
+
+
+def test_list_and_show_say_a_fallback_profile_trains_data_parallel_not_at_its_megatron_layout(
+    capsys, inkling_unbuilt
+):
     from miles.recipes.__main__ import main
 
     assert main(["list"]) == 0
     listed = capsys.readouterr().out.splitlines()
-    for name, gpus in (
-        ("DeepSeek-V4-Flash-4layer", 4),
-        ("DeepSeek-V4-Flash-4layer", 8),
-    ):
+    for name, gpus in (("Inkling-Small-4layer", 4),):
         line = next(ln for ln in listed if f"cuda 1x{gpus} {name}:" in ln)
         assert (
             f": fsdp data-parallel over {gpus} GPUs (the fallback; its Megatron layout tp{gpus}·" in line
@@ -319,25 +332,24 @@ def test_list_and_show_say_a_fallback_profile_trains_data_parallel_not_at_its_me
         ln for ln in listed if "cuda 1x4 GLM-5.2-744B-A40B-5layer:" in ln
     )  # built: its layout, no fallback
     assert glm.endswith(": tp4·pp1·cp1·ep4·etp1+sp  (untested on GPU)"), glm
-    inkling = next(ln for ln in listed if "cuda 1x4 Inkling-Small-4layer:" in ln)
-    assert inkling.endswith(": tp4·pp1·cp1·ep4·etp1+sp  (untested on GPU)"), inkling
-    assert main(["show", "deepseek_v4"]) == 0
+    dsv4 = next(ln for ln in listed if "cuda 1x8 DeepSeek-V4-Flash-4layer:" in ln)  # built since
+    assert dsv4.endswith(": tp8·pp1·cp1·ep8·etp1+sp  (untested on GPU)"), dsv4
+    assert main(["show", "inkling", "--platform", "rocm"]) == 0
     shown = capsys.readouterr().out
     assert "train backend: fsdp (fallback from megatron: miles' Megatron backend does not build" in shown
-    assert "cuda 1x4 DeepSeek-V4-Flash-4layer: fsdp data-parallel over 4 GPUs" in shown
+    assert "rocm 1x4 Inkling-Small-4layer: fsdp data-parallel over 4 GPUs" in shown
 
 
-def test_a_megatron_recipe_of_an_unbuilt_family_must_declare_its_fallback():
-    deepseek = shared("deepseek_v4")
+def test_a_megatron_recipe_of_an_unbuilt_family_must_declare_its_fallback(inkling_unbuilt):
     with pytest.raises(RecipeError, match="declare the recipe's Fallback"):
-        replace(deepseek, fallback=None)
-    for built, family in (("glm5_2_744b_a40b", "glm_moe_dsa"), ("inkling", "inkling")):
+        replace(inkling_unbuilt, fallback=None)
+    for built, family in (("glm5_2_744b_a40b", "glm_moe_dsa"), ("deepseek_v4", "deepseek_v4")):
         with pytest.raises(RecipeError, match=f"builds {family} now; remove the fallback"):
-            replace(shared(built), fallback=deepseek.fallback)
+            replace(shared(built), fallback=inkling_unbuilt.fallback)
 
 
-def test_tiny_profile_of_a_family_megatron_cannot_build_is_data_parallel_fsdp():
-    flags = _flags(shared("deepseek_v4"), "cpu")
+def test_tiny_profile_of_a_family_megatron_cannot_build_is_data_parallel_fsdp(inkling_unbuilt):
+    flags = _flags(inkling_unbuilt, "cpu")
     assert flags[flags.index("--train-backend") + 1] == "fsdp"
     assert flags[flags.index("--rollout-engine") + 1] == "torch"
     assert not [f for f in flags if f.startswith("--sglang-") or f.startswith("--tensor-model-parallel")]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 import json
 import pkgutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -65,6 +65,26 @@ class GPTMapping:
     # Checkpoint tensors outside the decoder that megatron's model leaves out, by name prefix:
     # ((prefix, what they are), ...); the conversion names them in its report
     not_decoder: tuple[tuple[str, str], ...] = ()
+    # A family whose model is not a GPTModel builds its chunks itself:
+    # (TransformerConfig, config, vocab_size, vp_stage, *, impl) -> this rank's model chunk, in the
+    # parameter dtype (block_spec and finish_model are then unused)
+    build_model: Callable[..., Any] | None = None
+    # That model's weights, all of them (embedding, layers, head, extras), in place of the GPT
+    # layout built from layer_weights: (config) -> Weights
+    weights: Callable[[Mapping[str, Any]], Weights] | None = None
+    # The name a checkpoint holding `present` tensors gives one of `weights`' HF names, for a family
+    # whose published files spell names another way: (name, present) -> name, UnmappedModel if absent
+    source_name: Callable[[str, Collection[str]], str] | None = None
+    # The transformers class's name of one of `weights`' HF (checkpoint file) names, for a family
+    # whose class renames its checkpoint's tensors on load (the built-in rollout engine loads these):
+    # (name) -> name; None: the class keeps the checkpoint's names
+    model_name: Callable[[str], str] | None = None
+    # How many rows a pipeline stage sends the next per sequence row: a model carrying several
+    # residual streams between layers sends them as [s, rows x streams, d] (megatron-core's
+    # schedules size their p2p buffers from micro_batch_size): (config) -> int
+    pipeline_rows: Callable[[Mapping[str, Any]], int] | None = None
+    # Tokens the conversion's logit check runs through: long enough to reach every attention path
+    probe_length: int = 24
 
 
 @cache

@@ -1,21 +1,24 @@
 """GRPO on DeepSeek-V4-Flash (a 4-layer slice in CI), FP8 rollouts.
 
-megatron-core 0.16.1 cannot build DeepSeek-V4's attention, hyper-connections or router (see
-`python -m miles.recipes facts deepseek_v4`) and miles' Megatron backend does not build V4 yet,
-so the GPU profiles train with FSDP over the HF checkpoint (the recipe's declared fallback);
-their Megatron layouts are the reference's, kept for when the backend builds the family.
+Trained by miles' Megatron backend with its own DeepSeek-V4 model (miles.megatron.dsv4, mapped by
+miles.megatron.families.deepseek_v4: the hybrid sliding/compressed attention with its indexer,
+hyper-connections, sqrt-softplus and hash routers with megatron-core's experts, clamped SwiGLU,
+MTP layers carried), read from config.json, from the torch_dist prepare-ckpt converts; its CPU
+profile trains the tiny model at TP 2 with sequence parallelism and EP 2.
 """
 
 from miles.parallel import ParallelLayout
 from miles.recipes import defaults as d
 from miles.recipes import references
 from miles.recipes.fidelity import deviation
-from miles.recipes.recipe import Fallback, Overlay, Recipe, gpu_profile, groups, source_file
+from miles.recipes.recipe import Overlay, Recipe, gpu_profile, groups, source_file
 from miles.recipes.specs import DEEPSEEK_V4_FLASH
 
 MODEL = "DeepSeek-V4-Flash-4layer"
 FOUR_GPUS = ParallelLayout(tp=4, sp=True, ep=4, etp=1)
 EIGHT_GPUS = ParallelLayout(tp=8, sp=True, ep=8, etp=1)
+# The 4-GPU form's dimensions on the CPU lane's two ranks: tensor (with sequence) and expert parallel.
+CPU_TP2_EP2 = ParallelLayout(tp=2, sp=True, ep=2, etp=1)
 
 ROCM = Overlay(
     platform="rocm",
@@ -54,7 +57,7 @@ ROCM = Overlay(
 
 RECIPE = Recipe(
     name="deepseek_v4",
-    description="GRPO on DeepSeek-V4-Flash with FP8 SGLang rollouts (FSDP until the Megatron backend builds it)",
+    description="GRPO on DeepSeek-V4-Flash with FP8 SGLang rollouts",
     model=DEEPSEEK_V4_FLASH,
     models=(MODEL,),
     defined_in=source_file(__name__),
@@ -96,21 +99,18 @@ RECIPE = Recipe(
     profiles=(
         gpu_profile("cuda", 1, 4, MODEL, FOUR_GPUS, rollout_gpus_per_engine=4, suite="stage-c-4-gpu-h200"),
         gpu_profile("cuda", 1, 8, MODEL, EIGHT_GPUS, rollout_gpus_per_engine=4, suite="stage-c-8-gpu-h200"),
-        d.cpu_tiny_profile(),
+        d.cpu_tiny_profile(CPU_TP2_EP2, "megatron"),
     ),
     overlays=(ROCM,),
     references=references.load("deepseek_v4"),
-    fallback=Fallback(
-        "fsdp",
-        reason="miles' Megatron backend does not build DeepSeek-V4 yet (its hybrid attention, hyper-connections "
-        "and routers are not in megatron-core 0.16.1); FSDP trains the HF model on the same GPUs, data-parallel",
-    ),
     deviations=(
         *d.COMMON_DEVIATIONS,
         deviation(
             "--hf-checkpoint",
-            reason="miles trims DeepSeek-V4-Flash to 4 layers and converts it to FP8 itself (prepare-ckpt: "
-            "DeepSeek-V4-Flash-4layer_fp8); the reference downloads an FP8 4-layer prune (DeepSeek-V4-Flash-FP8-4layer)",
+            "--ref-load",
+            reason="miles trims DeepSeek-V4-Flash to 4 layers and converts it to FP8 and torch_dist itself "
+            "(prepare-ckpt: DeepSeek-V4-Flash-4layer_fp8 and _torch_dist); the reference downloads an FP8 4-layer "
+            "prune (DeepSeek-V4-Flash-FP8-4layer)",
         ),
         deviation(
             "--experimental-attention-variant",
@@ -118,12 +118,17 @@ RECIPE = Recipe(
             "--spec",
             "--activation-func-clamp-value",
             "--no-bias-swiglu-fusion",
-            "--no-activation-func-clamp-shared-expert",
             "--moe-router-score-function",
             "--moe-router-enable-expert-bias",
-            reason="V4's hybrid attention, hyper-connections, hash routing, sqrt-softplus router and clamped SwiGLU "
-            "exist only in the reference's own Megatron spec; megatron-core 0.16.1 has none of them, so miles "
-            "passes none (see `facts deepseek_v4`)",
+            reason="the reference builds V4 with its own spec (miles_plugins.models.deepseek_v4); miles builds it with "
+            "its own modules (miles.megatron.dsv4: hybrid attention, hyper-connections, hash and sqrt-softplus "
+            "routers, clamped SwiGLU), every one of these values read from config.json, which megatron-core 0.16.1 "
+            "has no flags for",
+        ),
+        deviation(
+            "--no-activation-func-clamp-shared-expert",
+            reason="the reference leaves the shared expert's SwiGLU unclamped; transformers' DeepSeek-V4 clamps it "
+            "(swiglu_limit), and miles computes what transformers computes, so its shared expert is clamped",
         ),
         deviation(
             "--fp8-format",

@@ -124,6 +124,7 @@ class MegatronBackend(TrainBackend):
             megatron, self.config, self.layout, hf, dtype=dtype, on_cpu=self.on_cpu, impl=self.impl
         )
         _shape_each_micro_batch(self.tc, self.layout)
+        self.pipeline_rows = _pipeline_rows(self.config)  # the config is mapped: transformer_config built
         self.forward_is_deterministic = not _noisy_in_training(self.tc)
         # The reference model gets a config of its own: the policy's gains DDP hooks below.
         ref_tc = copy.copy(self.tc)
@@ -237,7 +238,13 @@ class MegatronBackend(TrainBackend):
         fused = self.fused_experts and names == "model"
         self._gather_params()
         # carried MTP layers go to an engine that loads checkpoint names (SGLang drafts with them)
-        exporter = WeightExporter(self.chunks, self.config, fused_experts=fused, extras=names == "checkpoint")
+        exporter = WeightExporter(
+            self.chunks,
+            self.config,
+            fused_experts=fused,
+            extras=names == "checkpoint",
+            model_names=names == "model",
+        )
         for name, tensor in exporter:
             yield name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
 
@@ -295,7 +302,12 @@ class MegatronBackend(TrainBackend):
             return model(mb.model_tokens, mb.model_position_ids, None), functools.partial(loss_fn, mb)
 
         return mt.run_schedule(
-            forward_step, chunks, micro, seq_length=seq, micro_batch_size=rows, forward_only=forward_only
+            forward_step,
+            chunks,
+            micro,
+            seq_length=seq,
+            micro_batch_size=rows * self.pipeline_rows,
+            forward_only=forward_only,
         )
 
     def _schedule_count(self, parts: int) -> int:
@@ -349,6 +361,14 @@ class MegatronBackend(TrainBackend):
         if found_inf or not all_finite_on_every_rank(loss, grad_norm):
             return False, grad_norm
         return mt.apply_step(self.optimizer, self.optim_cfg.clip_grad, grad_norm), grad_norm
+
+
+def _pipeline_rows(config: dict) -> int:
+    """Rows a pipeline stage sends per micro-batch row (the family's streams; 1 for a GPTModel)."""
+    from miles.megatron.families import mapping_of
+
+    rows = mapping_of(config).pipeline_rows
+    return 1 if rows is None else rows(config)
 
 
 def _shape_each_micro_batch(tc, layout: ParallelLayout) -> None:

@@ -3,8 +3,8 @@
 On 4 GPUs the CUDA or ROCm profile prepares and trains (3 rollouts, --ci-test); the recipe comes from
 miles.recipes.load(), which picks the ROCm form on a ROCm runner. On CPU every recipe's tiny
 profile is trained by tests/e2e/test_train_recipes_tiny.py.
-It trains with the FSDP backend over its HF model: the recipe's declared fallback (its GPU
-command says --train-backend fsdp) until miles' Megatron backend builds this architecture.
+It trains with the Megatron backend (miles' own DeepSeek-V4 model) at the recipe's layout (TP 4
+with sequence parallelism, EP 4), from the torch_dist prepare-ckpt converts: untested on GPU.
 est_time is an estimate: no GPU run of this test has been measured yet.
 """
 
@@ -15,12 +15,12 @@ from miles.ci.register import register_ci_gate, register_cuda_ci, register_rocm_
 register_cuda_ci(
     est_time=1900,
     suite="stage-c-4-gpu-h200",
-    labels=["fsdp", "model-scripts"],
+    labels=["megatron", "model-scripts"],
 )
 register_rocm_ci(
     est_time=1900,
     suite="stage-c-4-gpu-mi350",
-    labels=["fsdp", "model-scripts", "amd"],
+    labels=["megatron", "model-scripts", "amd"],
 )
 register_ci_gate(metric_key="train/grad_norm")
 

@@ -1,0 +1,244 @@
+"""DeepSeek-V4 built by miles.megatron.dsv4 computes what transformers' DeepseekV4ForCausalLM computes.
+
+A tiny random DeepSeek-V4 checkpoint with every switch of the published Flash model (its layer
+pattern sliding, sliding, CSA, HCA; hash routing on the first three layers, sqrt-softplus top-k
+with expert bias after; 4 hyper-connection streams; YaRN on the compressed layers' rope; clamped
+SwiGLU; per-head sinks; grouped output projection) and random values where transformers starts at
+a constant, is read into the megatron model through the family's weight mapping
+(miles/megatron/families/deepseek_v4.py) and compared with the HF model in float32 on 320-token
+sequences (sliding window 32 active, 2 heavily compressed entries, 80 CSA entries of which the
+indexer keeps 16): logits at most 1e-5 apart, for the published switches and for each switch
+turned another way. Split over two CPU ranks (TP 2 with sequence parallelism and EP 2, as the
+recipes lay experts out; EP 2; PP 2) the model computes the same logits, and the gradient norm of
+the mean token cross-entropy, as the trainer gets it (megatron's DDP, schedule and distributed
+optimizer), equals transformers' own on the same tokens (what FSDP computes over the HF model)
+within 1e-4 relative; the shards the two ranks save as the trainer saves them load into the
+one-process model as exactly the checkpoint's weights. Each variant first checks that its switch is in the checkpoint's config.json,
+and that transformers' indexer has no near-tie at its top-k boundary on the probe (a pick that
+flips on a last-bit difference would make the comparison meaningless, not the model wrong).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles.ci.register import register_cpu_ci
+
+register_cpu_ci(est_time=150, suite="stage-b-cpu")
+
+TOL = 1e-5
+SEQ, BATCH = 320, 2
+MARGIN = 1e-5  # the least relative gap at the indexer's k-th place the comparison trusts
+PROBES = 5  # probes tried, in order, for one that is not within MARGIN of a flip
+CSA_ALL, HCA_ALL = [4] * 44, [128] * 44
+WORKER = Path(__file__).with_name("dsv4_parallel_worker.py")
+GRAD_REL = 1e-4
+
+VARIANTS = {  # name: (tiny dims, what config.json must then say)
+    "published switches": ({}, {"hc_mult": 4}),
+    "every layer CSA": ({"compress_ratios": CSA_ALL}, {"layer_types": ["compressed_sparse_attention"] * 4}),
+    "every layer HCA": ({"compress_ratios": HCA_ALL}, {"layer_types": ["heavily_compressed_attention"] * 4}),
+    "indexer keeps every entry": ({"index_topk": 128}, {"index_topk": 128}),
+    "plain compress rope": ({"rope_parameters": {"rope_type": "default"}}, {}),
+    "clamp active": ({"swiglu_limit": 0.05}, {"swiglu_limit": 0.05}),
+    "top-1 routing": ({"num_experts_per_tok": 1}, {"num_experts_per_tok": 1}),
+    "3 streams": ({"hc_mult": 3}, {"hc_mult": 3}),
+}
+
+
+@pytest.fixture(scope="module")
+def megatron():
+    from miles.megatron import compat
+    from miles.megatron.checkpoint import single_process_group
+
+    compat.install()
+    with single_process_group():
+        yield
+
+
+def load_megatron(path, config):
+    """The megatron DeepSeek-V4 with every weight read from the checkpoint files through the mapping."""
+    from megatron.core.transformer import MLATransformerConfig
+
+    from miles.ckpt.shards import CheckpointReader
+    from miles.megatron.families import deepseek_v4 as family
+
+    tc = MLATransformerConfig(
+        **family.transformer_fields(config), params_dtype=torch.float32, use_cpu_initialization=True,
+        perform_initialization=False,
+    )  # fmt: skip
+    model = family.build_model(tc, config, int(config["vocab_size"]))
+    state = {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
+    filled = set()
+    with CheckpointReader(path) as reader, torch.no_grad():
+        for name, pieces in family.weights(config):
+            assert name in state, f"the mapping names {name}, which the model does not have"
+            for piece in pieces:
+                source = family.source_name(piece.hf_name, reader.files.weight_map)
+                rows = reader.read_rows(source, piece.start, piece.stop)
+                state[name][piece.at : piece.at + rows.shape[0]].copy_(rows)
+            filled.add(name)
+    assert not sorted(set(state) - filled), sorted(set(state) - filled)[:5]  # every weight has a source
+    return model.eval()
+
+
+def indexer_margin(hf, tokens) -> float:
+    """The least relative gap between transformers' k-th and (k+1)-th indexer score over the probe's
+    queries that have more visible entries than k (inf when none has)."""
+    margins = []
+
+    def keeper(indexer):
+        def keep(module, args, scores):  # the scorer's [b, s, T] scores, before the causal mask
+            k = indexer.index_topk
+            for t in range(scores.shape[1]):
+                visible = (t + 1) // indexer.compress_rate
+                if visible > k:
+                    top = scores[:, t, :visible].topk(k + 1, dim=-1).values
+                    gap = (top[:, k - 1] - top[:, k]).abs() / top[:, k - 1].abs().clamp_min(1e-30)
+                    # entries where every head's relu(q.k) is 0 score exactly 0 in both models alike;
+                    # ties among them break the same way (same values, same shapes, same topk)
+                    gap = gap.masked_fill(top[:, k - 1] == 0, float("inf"))
+                    margins.append(float(gap.min()))
+
+        return keep
+
+    indexers = [
+        layer.self_attn.compressor.indexer
+        for layer in hf.model.layers
+        if getattr(layer.self_attn.compressor, "indexer", None) is not None
+    ]
+    handles = [ix.scorer.register_forward_hook(keeper(ix)) for ix in indexers]
+    try:
+        with torch.no_grad():
+            hf(input_ids=tokens)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return min(margins, default=float("inf"))
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_logits_equal_transformers(megatron, tmp_path, variant):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from miles.ckpt.tiny import make_tiny_checkpoint
+
+    dims, says = VARIANTS[variant]
+    path = make_tiny_checkpoint("deepseek_v4", 4, tmp_path / "hf", dtype="float32", progress=False, **dims)
+    config = json.loads((path / "config.json").read_text())
+    for key, want in says.items():
+        assert config[key] == want, (key, config[key])
+    if variant == "plain compress rope":
+        assert config["rope_parameters"]["compress"]["rope_type"] == "default"
+    hf_logging.set_verbosity_error()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    margins = {}
+    for seed in range(PROBES):  # the first probe on which no pick is within MARGIN of flipping
+        tokens = torch.randint(3, 500, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+        margins[seed] = indexer_margin(hf, tokens)
+        if margins[seed] >= MARGIN:
+            break
+    else:
+        pytest.fail(f"every probe is ill-conditioned: the indexer's least k-th gap per probe {margins}")
+    model = load_megatron(path, config)
+    positions = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
+    with torch.no_grad():
+        want = hf(input_ids=tokens).logits
+        got = model(tokens, positions)
+    gap = float((want - got).abs().max())
+    assert gap <= TOL, f"{variant}: logits {gap:.3g} apart (|logits| up to {float(want.abs().max()):.3g})"
+
+
+@pytest.mark.parametrize("layout", ["tp2sp", "ep2", "pp2"])
+def test_two_ranks_give_transformers_logits_and_gradient_norm(megatron, tmp_path, layout):
+    from miles.ckpt.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint("deepseek_v4", 4, tmp_path / "hf", dtype="float32", progress=False)
+    (tmp_path / "saved").mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
+         str(path), layout, str(tmp_path / "saved")],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
+    results = json.loads(lines[-1].removeprefix("RESULT "))
+    assert any("gap" in r for r in results)  # the last pipeline stage compared the logits
+    for result in results:
+        if "gap" in result:
+            assert result["gap"] <= TOL, result
+        assert result["grad_norm_rel"] <= GRAD_REL, result
+    # the shards the two ranks saved load into the one-process model as the checkpoint's weights
+    from megatron.core import dist_checkpointing
+
+    from miles.megatron.checkpoint import model_state_template
+
+    config = json.loads((path / "config.json").read_text())
+    model = load_megatron(path, config)
+    want = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    with torch.no_grad():
+        for param in want:
+            model.state_dict(keep_vars=True)[param].zero_()
+    loaded = dist_checkpointing.load(model_state_template([model]), str(tmp_path / "saved"))["model0"]
+    model.load_state_dict(loaded, strict=False)
+    for name, value in model.state_dict().items():
+        if name in want:
+            assert torch.equal(value, want[name]), name
+
+
+@pytest.mark.parametrize(
+    "parallel,message",
+    [
+        ({"context_parallel_size": 2}, "--context-parallel-size 2: DeepSeek-V4's sliding windows"),
+        ({"tensor_model_parallel_size": 4, "sequence_parallel": True}, "does not divide o_groups 2"),
+        (
+            {"tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_tensor_parallel_size": 1},
+            "--expert-tensor-parallel-size 1: at this layout the backend's MoE gradient norm is 1e-4 off",
+        ),
+    ],
+)
+def test_a_layout_the_attention_cannot_split_is_refused(megatron, parallel, message):
+    from megatron.core.transformer import MLATransformerConfig
+    from transformers import AutoConfig
+
+    from miles.megatron.families import UnmappedModel
+    from miles.megatron.families import deepseek_v4 as family
+    from miles.models.deepseek_v4 import FAMILY
+
+    config = AutoConfig.for_model("deepseek_v4", **FAMILY.tiny_dims, num_hidden_layers=4).to_dict()
+    tc = MLATransformerConfig(**family.transformer_fields(config), **parallel, use_cpu_initialization=True)
+    with pytest.raises(UnmappedModel, match=message):
+        family.build_model(tc, config, int(config["vocab_size"]))
+
+
+def test_published_names_load_the_same_weights(megatron, tmp_path):
+    """DeepSeek's published files name the tensors without transformers' `model.` prefix and with
+    embed.weight / hc_head_fn: the mapping reads either form into the same model."""
+    from safetensors.torch import load_file, save_file
+
+    from miles.ckpt.shards import INDEX_NAME
+    from miles.ckpt.tiny import make_tiny_checkpoint
+    from miles.megatron.families import deepseek_v4 as family
+
+    saved = make_tiny_checkpoint("deepseek_v4", 4, tmp_path / "hf", dtype="float32", progress=False)
+    published = tmp_path / "published"
+    published.mkdir()
+    index = json.loads((saved / INDEX_NAME).read_text())
+    renamed = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors = {family.published_name(k): v for k, v in load_file(saved / shard).items()}
+        save_file(tensors, published / shard, metadata={"format": "pt"})
+        renamed.update({k: shard for k in tensors})
+    assert "embed.weight" in renamed and "layers.0.attn.wq_a.weight" in renamed and "hc_head_fn" in renamed
+    (published / INDEX_NAME).write_text(json.dumps({**index, "weight_map": renamed}))
+    config = json.loads((saved / "config.json").read_text())
+    ours, theirs = load_megatron(saved, config).state_dict(), load_megatron(published, config).state_dict()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours if not k.endswith("_extra_state"))
