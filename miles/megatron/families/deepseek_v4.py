@@ -328,14 +328,6 @@ def build_model(
             f"--tensor-model-parallel-size {tc.tensor_model_parallel_size} does not divide o_groups {groups}: the "
             "grouped output projection splits by group; pick a tensor-parallel size dividing it"
         )
-    tp, ep, etp = tc.tensor_model_parallel_size, tc.expert_model_parallel_size, tc.expert_tensor_parallel_size
-    if tp > 1 and ep == 1 and etp == 1:
-        raise UnmappedModel(
-            f"--tensor-model-parallel-size {tp} with --expert-model-parallel-size 1 and --expert-tensor-parallel-size "
-            "1: at this layout the backend's MoE gradient norm is 1e-4 off FSDP's and after one step the rollout's "
-            f"logprobs are 8e-3 off the trainer's (GLM-5.2's too; a known fault, not yet found); split the experts: --expert-tensor-parallel-size {tp} or "
-            "--expert-model-parallel-size > 1"
-        )
     return dsv4.build_model(tc, config, vocab_size, vp_stage, mtp_kinds())
 
 
