@@ -18,36 +18,3 @@ def make_tree(tmp_path: Path):
         return tmp_path
 
     return write
-
-
-# What Inkling's recipe declared while miles' Megatron backend did not build it.
-INKLING_FALLBACK_REASON = (
-    "miles' Megatron backend does not build Inkling yet (short convolutions, relative attention bias "
-    "and its shared experts are not in megatron-core 0.16.1); FSDP trains the HF model on the same GPUs, "
-    "data-parallel"
-)
-
-
-@pytest.fixture
-def inkling_unbuilt(monkeypatch):
-    """The recipes as they were while miles' Megatron backend did not build Inkling: its mapping
-    out of the backend's table and its recipe declaring the FSDP fallback it had (and its CPU
-    profile the default tiny one, which trains such a family with FSDP). Every shipped
-    family is built now; the fallback machinery is for the next family that is not, and these
-    tests hold it to what it did for Inkling. Returns the recipe with its fallback."""
-    from dataclasses import replace
-
-    import miles.megatron.families as families
-    import miles.recipes.library.inkling as library
-    from miles.recipes.recipe import Fallback
-
-    table = {t: m for t, m in families.mappings().items() if m.family != "inkling"}
-    monkeypatch.setattr(families, "mappings", lambda: table)
-    from miles.recipes import defaults
-
-    profiles = tuple(
-        defaults.cpu_tiny_profile() if p.platform == "cpu" else p for p in library.RECIPE.profiles
-    )
-    recipe = replace(library.RECIPE, profiles=profiles, fallback=Fallback("fsdp", INKLING_FALLBACK_REASON))
-    monkeypatch.setattr(library, "RECIPE", recipe)
-    return recipe

@@ -61,8 +61,8 @@ def test_the_render_refuses_colocate_on_the_cpu_lane_in_one_line():
     assert message.endswith("Fix the recipe in miles/recipes/library/qwen3_4b.py")
 
 
-def test_the_render_refuses_a_megatron_option_on_an_fsdp_profile():
-    recipe = _with_flag("deepseek_v4", "perf", "--sequence-parallel", True)
+def test_the_render_refuses_a_megatron_option_on_an_fsdp_profile(inkling_unbuilt):
+    recipe = _with_flag("inkling", "perf", "--sequence-parallel", True)  # its tiny profile trains with FSDP
     cpu = next(p for p in recipe.profiles if p.platform == "cpu")
     with pytest.raises(RecipeError, match=r"--sequence-parallel \(read by --train-backend megatron\): no effect on "
                                           r"--train-backend fsdp with the torch rollout engine"):  # fmt: skip

@@ -213,6 +213,11 @@ def test_prepare_dry_run_prints_the_checkpoint_plan(capsys):
     assert main("inkling", argv=["prepare", "--dry-run", "--platform", "cuda"], env={}) == 0
     assert "steps: fetch, validate, trim, torch_dist\n" in capsys.readouterr().out  # Megatron, bf16 rollouts
     assert main("deepseek_v4", argv=["prepare", "--dry-run", "--platform", "cuda"], env={}) == 0
+    assert "steps: fetch, validate, trim, fp8, torch_dist\n" in capsys.readouterr().out
+
+
+def test_prepare_dry_run_of_a_recipe_with_a_fallback_writes_no_torch_dist(capsys, inkling_unbuilt):
+    assert main("inkling", argv=["prepare", "--dry-run", "--platform", "cuda"], env={}) == 0
     assert (
         "torch_dist" not in capsys.readouterr().out.split("steps: ")[1]
     )  # its FSDP fallback loads the HF dir
@@ -232,14 +237,12 @@ def test_shared_script_under_a_wrong_platform_variable_refuses(capsys):
     assert "MILES_HARDWARE_PLATFORM=rocm but this machine is cpu" in capsys.readouterr().err
 
 
-def test_megatron_gpu_jobs_run_with_one_device_connection():
+def test_megatron_gpu_jobs_run_with_one_device_connection(inkling_unbuilt):
     cuda = build_plan(shared("qwen3_4b"), replace(FIXED, model="Qwen3-4B"), base_env={})
     assert dict(cuda.env)["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
     rocm = build_plan(load("glm5_2_744b_a40b", platform="rocm"), FIXED, base_env={})
     assert dict(rocm.env)["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
-    fallback = build_plan(
-        load("deepseek_v4", platform="rocm"), FIXED, base_env={}
-    )  # FSDP: no Megatron kernels
+    fallback = build_plan(load("inkling", platform="rocm"), FIXED, base_env={})  # FSDP: no Megatron kernels
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in dict(fallback.env)
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in dict(build_plan(shared("qwen3_4b"), FIXED, base_env={}).env)
 
