@@ -63,6 +63,7 @@ def convert_to_torch_dist(
     with _mapped({}):
         config = _config(src, gpt)
     with _quiet(), _mapped(config), single_process_group(), CheckpointReader(src) as reader, _on_cpu(gpt):
+        _refuse_quantized(src, config, reader)
         if progress is not None:
             progress.total_bytes = sum(reader.info(n)[1].nbytes for n in reader.files.weight_map)
             progress.total_tensors = len(reader.files.weight_map)
@@ -134,6 +135,23 @@ def _quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield
+
+
+def _refuse_quantized(src: Path, config: Mapping[str, Any], reader: CheckpointReader) -> None:
+    """An FP8 checkpoint holds float8 blocks and their scales, not weights: megatron's parameters
+    (and an HF-named torch_dist) would get the float8 values cast without their scales. Refused
+    before anything is written, with the step that makes a convertible copy."""
+    method = (config.get("quantization_config") or {}).get("quant_method")
+    quantized = sorted(n for n in reader.files.weight_map if reader.info(n)[1].dtype.startswith("F8_"))
+    if method is None and not quantized:
+        return
+    held = f"quantization_config quant_method {method!r}" if method else "no quantization_config"
+    example = f"; {quantized[0]} is {reader.info(quantized[0])[1].dtype}" if quantized else ""
+    raise CheckpointError(
+        f"{src}: a quantized checkpoint ({held}{example}, {len(quantized)} float8 tensor(s)); torch_dist needs "
+        f"the weights themselves, not float8 blocks and their scales: write a bf16 copy with "
+        f"`python -m miles.ckpt dequantize {src} <dir>` and convert that"
+    )
 
 
 def _padded_vocab(config: Mapping[str, Any], multiple: int) -> int:

@@ -248,3 +248,20 @@ def test_a_nan_in_the_source_is_reported_as_a_broken_source_not_a_rerun(tiny_cop
     ) as info:
         convert_to_torch_dist(path, out, name)
     assert "a rerun cannot fix it" in str(info.value) and "rerun the step" not in str(info.value)
+
+
+def test_an_fp8_checkpoint_is_refused_before_anything_is_written(fp8_of, tmp_path):
+    # float8 blocks cast without their scales would load as wrong weights and still compare equal to
+    # the (equally unscaled) source tensors
+    from miles.ckpt.errors import CheckpointError
+
+    src = fp8_of("qwen3")
+    out = tmp_path / "td"
+    out.mkdir()
+    with pytest.raises(
+        CheckpointError, match=r"a quantized checkpoint \(quantization_config quant_method 'fp8'; "
+    ):
+        convert_to_torch_dist(src, out, "qwen3")
+    assert list(out.iterdir()) == []
+    with pytest.raises(CheckpointError, match=rf"python -m miles.ckpt dequantize {src} <dir>"):
+        convert_to_torch_dist(src, out, "qwen3")
