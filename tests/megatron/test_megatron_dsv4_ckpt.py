@@ -14,6 +14,7 @@ to the same release.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,9 @@ import torch
 from miles.ci.register import register_cpu_ci
 
 register_cpu_ci(est_time=40, suite="stage-b-cpu")
+
+sys.path.insert(0, str(Path(__file__).parent))
+import dry_start as dry  # noqa: E402  (this directory's helper)
 
 
 @pytest.fixture(scope="module")
@@ -112,56 +116,24 @@ def test_the_recipes_gpu_form_dry_starts_on_two_cpu_ranks(tmp_path):
     (--dry-start). The flags that act only on a GPU (Transformer Engine's layer spec, the optimizer's
     CPU offload from GPU memory), which the CPU start refuses (miles.megatron.options), are left out:
     this is the CPU, and only those."""
-    import os
-    import subprocess
-    import sys
-
     from miles.ckpt.tiny import make_tiny_checkpoint
     from miles.ckpt.torch_dist import convert_to_torch_dist
-    from miles.megatron import options as megatron_options
-    from miles.models import family
-    from miles.models.facts import flag_values
-    from miles.recipes import shared
-    from miles.recipes.launch import RunOptions, build_plan
 
-    recipe = shared("deepseek_v4")
-    profile = recipe.profile(None, "cuda", 1, 4)
-    options = RunOptions(
-        model=profile.model, model_dir=str(tmp_path / "models"), output_dir=str(tmp_path / "runs")
-    )
-    argv = list(build_plan(recipe, options, "cuda", base_env={}).train_args)
-    assert argv[argv.index("--train-backend") + 1] == "megatron"
-    hf, ref = (Path(argv[argv.index(flag) + 1]) for flag in ("--hf-checkpoint", "--ref-load"))
+    argv, hf, ref = dry.gpu_command("deepseek_v4", tmp_path)
     assert ref.name == "DeepSeek-V4-Flash-4layer_torch_dist"
     make_tiny_checkpoint("deepseek_v4", 4, hf)  # under the name the plan gives the prepared checkpoint
     ref.mkdir()
     convert_to_torch_dist(hf, ref, "deepseek_v4")
     config = json.loads((hf / "config.json").read_text())
-    scaled = {
-        **flag_values(family("deepseek_v4").keys, config),
-        "--tensor-model-parallel-size": 2, "--expert-model-parallel-size": 2, "--actor-num-gpus-per-node": 2,
-        # the tiny model stretches the compressed layers' YaRN over 256 positions, Flash over 65536
-        "--original-max-position-embeddings": config["rope_parameters"]["compress"]["original_max_position_embeddings"],
-    }  # fmt: skip
-    for flag, value in scaled.items():
-        if flag in argv and not isinstance(value, bool):
-            argv[argv.index(flag) + 1] = str(value)
-    gpu_only = dict(megatron_options.render_problems(argv, "cpu", stack_has_te=False))
+    # the tiny model stretches the compressed layers' YaRN over 256 positions, Flash over 65536
+    original = config["rope_parameters"]["compress"]["original_max_position_embeddings"]
+    dry.scale(argv, "deepseek_v4", config, **{"--original-max-position-embeddings": original})
+    gpu_only = dry.without_gpu_only(argv)
     assert set(gpu_only) == {
         "--moe-grouped-gemm", "--transformer-impl", "--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d",
         "--use-precision-aware-optimizer",
     }, gpu_only  # fmt: skip
     assert all("Transformer Engine" in why or "needs a GPU" in why for why in gpu_only.values()), gpu_only
-    for flag in gpu_only:
-        at = argv.index(flag)
-        del argv[at : at + (2 if at + 1 < len(argv) and not argv[at + 1].startswith("--") else 1)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "miles.train", *argv, "--dry-start"]  # fmt: skip
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    out = proc.stdout + proc.stderr
-    errors = [line for line in out.splitlines() if "Error" in line and "Warning" not in line]
-    assert proc.returncode == 0, "\n".join(errors[-5:]) or out[-3000:]
+    out = dry.dry_start(argv)
     assert "tp2·pp1·cp1·ep2·etp1+sp" in out and f"holds {ref}; no rollout" in out, out[-3000:]
     assert "miles.megatron.dsv4.Model" in out, out[-3000:]  # the first line names the family's own model

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,9 @@ import torch
 from miles.ci.register import register_cpu_ci
 
 register_cpu_ci(est_time=60, suite="stage-b-cpu")
+
+sys.path.insert(0, str(Path(__file__).parent))
+import dry_start as dry  # noqa: E402  (this directory's helper)
 
 TOL = 1e-5
 LAYERS = 4
@@ -132,50 +136,18 @@ def test_the_recipes_gpu_form_dry_starts_on_two_cpu_ranks(tmp_path):
     rank builds its model chunk and loads the converted checkpoint, then stops (--dry-start).
     The flags that act only through Transformer Engine's layer spec on a GPU (which the CPU
     start refuses, miles.megatron.options) are left out: this is the CPU, and only those."""
-    import os
-    import subprocess
-    import sys
-
     from miles.ckpt.tiny import make_tiny_checkpoint
     from miles.ckpt.torch_dist import convert_to_torch_dist
-    from miles.megatron import options as megatron_options
-    from miles.models import family
-    from miles.models.facts import flag_values
-    from miles.recipes import shared
-    from miles.recipes.launch import RunOptions, build_plan
 
-    recipe = shared("glm5_2_744b_a40b")
-    profile = recipe.profile(None, "cuda", 1, 4)
-    options = RunOptions(
-        model=profile.model, model_dir=str(tmp_path / "models"), output_dir=str(tmp_path / "runs")
-    )
-    argv = list(build_plan(recipe, options, "cuda", base_env={}).train_args)
-    assert argv[argv.index("--train-backend") + 1] == "megatron"
-    hf, ref = (Path(argv[argv.index(flag) + 1]) for flag in ("--hf-checkpoint", "--ref-load"))
+    argv, hf, ref = dry.gpu_command("glm5_2_744b_a40b", tmp_path)
     assert ref.name == "GLM-5.2-744B-A40B-5layer_torch_dist"
     make_tiny_checkpoint("glm_moe_dsa", 5, hf)  # under the name the plan gives the prepared checkpoint
     ref.mkdir()
     convert_to_torch_dist(hf, ref, "glm_moe_dsa")
-    config = json.loads((hf / "config.json").read_text())
-    scaled = {
-        **flag_values(family("glm_moe_dsa").keys, config),
-        "--tensor-model-parallel-size": 2, "--expert-model-parallel-size": 2, "--actor-num-gpus-per-node": 2,
-    }  # fmt: skip
-    for flag, value in scaled.items():
-        if flag in argv and not isinstance(value, bool):
-            argv[argv.index(flag) + 1] = str(value)
-    gpu_only = dict(megatron_options.render_problems(argv, "cpu", stack_has_te=False))
+    dry.scale(argv, "glm_moe_dsa", json.loads((hf / "config.json").read_text()))
+    gpu_only = dry.without_gpu_only(argv)
     assert set(gpu_only) == {"--moe-grouped-gemm", "--moe-permute-fusion", "--attention-backend"}, gpu_only
     assert all("Transformer Engine" in why for why in gpu_only.values()), gpu_only
-    for flag in gpu_only:
-        at = argv.index(flag)
-        del argv[at : at + (2 if at + 1 < len(argv) and not argv[at + 1].startswith("--") else 1)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "miles.train", *argv, "--dry-start"]  # fmt: skip
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-3000:]
+    out = dry.dry_start(argv)
     assert "tp2·pp1·cp1·ep2·etp1+sp" in out and f"holds {ref}; no rollout" in out, out[-3000:]
     assert "stand-in layer spec" in out and "linear_q_up_proj " in out, out[-3000:]  # the first line, for MLA

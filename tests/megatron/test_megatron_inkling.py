@@ -31,7 +31,8 @@ from miles.ci.register import register_cpu_ci
 register_cpu_ci(est_time=85, suite="stage-b-cpu")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from inkling_release import make_release_checkpoint  # noqa: E402  (this directory's helper)
+import dry_start as dry  # noqa: E402  (this directory's helpers)
+from inkling_release import make_release_checkpoint  # noqa: E402
 
 TOL = 1e-5
 LENGTHS = (24, 80)
@@ -297,27 +298,11 @@ def test_the_recipes_gpu_form_dry_starts_on_two_cpu_ranks(form, tmp_path):
     start refuses, miles.megatron.options) are left out: this is the CPU, and only those. The
     checkpoint is a tiny inkling_text, and the release's form (inkling_mm_model, what the recipe's
     slice of the published checkpoint is)."""
-    import os
-    import subprocess
-    import sys
-
     from miles.ckpt.tiny import make_tiny_checkpoint
     from miles.ckpt.torch_dist import convert_to_torch_dist
-    from miles.megatron import options as megatron_options
     from miles.megatron.families import read_config
-    from miles.models import family
-    from miles.models.facts import flag_values
-    from miles.recipes import shared
-    from miles.recipes.launch import RunOptions, build_plan
 
-    recipe = shared("inkling")
-    profile = recipe.profile(None, "cuda", 1, 4)
-    options = RunOptions(
-        model=profile.model, model_dir=str(tmp_path / "models"), output_dir=str(tmp_path / "runs")
-    )
-    argv = list(build_plan(recipe, options, "cuda", base_env={}).train_args)
-    assert argv[argv.index("--train-backend") + 1] == "megatron"
-    hf, ref = (Path(argv[argv.index(flag) + 1]) for flag in ("--hf-checkpoint", "--ref-load"))
+    argv, hf, ref = dry.gpu_command("inkling", tmp_path)
     assert ref.name == "Inkling-Small-4layer_torch_dist"
     # under the name the plan gives the prepared checkpoint: the published layer pattern at 4 layers
     # (dense layers 0-1, global layer 3 with the window every 6th... of a 4-layer slice: all sliding but
@@ -328,26 +313,10 @@ def test_the_recipes_gpu_form_dry_starts_on_two_cpu_ranks(form, tmp_path):
         make_tiny_checkpoint("inkling", 4, hf, dense_mlp_idx=2, local_layer_ids=[0, 1, 2])
     ref.mkdir()
     convert_to_torch_dist(hf, ref, "inkling")
-    config = read_config(hf)
-    scaled = {
-        **flag_values(family("inkling").keys, config),
-        "--tensor-model-parallel-size": 2, "--expert-model-parallel-size": 2, "--actor-num-gpus-per-node": 2,
-    }  # fmt: skip
-    for flag, value in scaled.items():
-        if flag in argv and not isinstance(value, bool):
-            argv[argv.index(flag) + 1] = str(value)
-    gpu_only = dict(megatron_options.render_problems(argv, "cpu", stack_has_te=False))
+    dry.scale(argv, "inkling", read_config(hf))
+    gpu_only = dry.without_gpu_only(argv)
     assert all("Transformer Engine" in why for why in gpu_only.values()), gpu_only
-    for flag in gpu_only:
-        at = argv.index(flag)
-        del argv[at : at + (2 if at + 1 < len(argv) and not argv[at + 1].startswith("--") else 1)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "miles.train", *argv, "--dry-start"]  # fmt: skip
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-3000:]
+    out = dry.dry_start(argv)
     assert "tp2·pp1·cp1·ep2·etp1+sp" in out and f"holds {ref}; no rollout" in out, out[-3000:]
     assert "stand-in layer spec" in out and "attention InklingAttention" in out, out[-3000:]
 
