@@ -6,7 +6,9 @@ names the hardware it needs, without importing it (its imports may need a GPU st
 file whose registration breaks a rule is a collection error carrying discovery's message.
 The backend is `MILES_CI_BACKEND` (the runner sets it on GPU machines), else cpu.
 
-Enable with `pytest_plugins = ("miles.ci.pytest_plugin",)` in the top conftest.py.
+Enable with `pytest_plugins = ("miles.ci.pytest_plugin",)` in the top conftest.py. Under the
+runner it also records the session's phases (miles.phases): start-up until the tests are
+collected, teardown from the end of the session until the process is gone.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from miles import phases
 from miles.ci.registry.catalog import load_catalog
 from miles.ci.registry.discover import Registration, parse_test_file
 
@@ -85,3 +88,11 @@ def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector):
         reason = "; ".join(f"disabled on {r.backend} ({r.suite}): {r.disabled}" for r in here)
         return RegisteredElsewhere.from_parent(parent, path=Path(module_path), reason=reason, error=False)
     return None
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    phases.started()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    phases.teardown_until_the_end()

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from miles import phases
 from miles.ckpt.datasets import fetch_for_plan
 from miles.ckpt.errors import (
     CheckpointError,
@@ -94,6 +95,11 @@ def prepare(
     run = _Run(plan, dry=dry, progress=progress, workers=workers, scan_fraction=scan_fraction)
     if dry:
         return PrepareResult(plan, tuple(run.step(step) for step in chosen))
+    with phases.phase(phases.CHECKPOINT):
+        return _run_locked(plan, chosen, run)
+
+
+def _run_locked(plan: CheckpointPlan, chosen: list[str], run: _Run) -> PrepareResult:
     lock = run.state / f"{plan.model_name}.lock"
     try:
         held = plan_lock(lock)

@@ -25,10 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from miles.ci.reports.phases import attempt_phases
 from miles.ci.reports.record import CANCELLED, FAILED, Attempt
 from miles.ci.running.outcome import classify_attempt, read_junit, signal_name
 from miles.ci.running.processes import Containment
 from miles.files import Folder
+from miles.phases import DIR_ENV as PHASE_DIR_ENV
 
 TAIL_LINES = 80
 TAIL_CHARS = 12_000
@@ -118,9 +120,9 @@ class TestRun:
             **outcome,
         )
 
-    def env(self, record_dir: Path) -> dict[str, str]:
+    def env(self, record_dir: Path, phase_dir: Path | None = None) -> dict[str, str]:
         """The variables every test process gets (the contract with tests and trainers)."""
-        return {
+        env = {
             "MILES_CI_BACKEND": self.backend,
             "MILES_CI_SUITE": self.suite,
             "MILES_CI_LANE": self.lane,
@@ -128,6 +130,9 @@ class TestRun:
             "MILES_CI_ATTEMPT": str(self.attempt),
             "MILES_CI_GATE_RECORD_DIR": str(record_dir),
         }
+        if phase_dir is not None:
+            env[PHASE_DIR_ENV] = str(phase_dir)
+        return env
 
 
 @dataclass(frozen=True)
@@ -179,8 +184,9 @@ def run_attempt(
     try:
         if not isinstance(folder, Folder):
             folder = Folder.open(attempt_dir, create=True)
-        with folder.subfolder("metrics"):
-            pass
+        for name in ("metrics", "phases"):
+            with folder.subfolder(name):
+                pass
         log = folder.create("output.log")
     except (OSError, ValueError) as exc:  # FileRefused is a ValueError
         path = getattr(folder, "path", attempt_dir)
@@ -203,6 +209,7 @@ def _run_in(
     on_cancel: Callable[[Attempt], None] | None,
 ) -> Attempt:
     record_dir = attempt_dir / "metrics"
+    phase_dir = attempt_dir / "phases"
     junit_path = attempt_dir / "junit.xml"
     base = test.record(FAILED, "", record_dir=str(record_dir))
     if cancel.cancelled:
@@ -218,7 +225,7 @@ def _run_in(
 
     argv = pytest_command(settings, test.file, junit_path)
     containment = Containment(use_cgroup=settings.use_cgroup)
-    env = {**settings.base_env, **test.env(record_dir), **containment.env()}
+    env = {**settings.base_env, **test.env(record_dir, phase_dir), **containment.env()}
     started = time.monotonic()
     try:
         try:
@@ -271,6 +278,7 @@ def _run_in(
         est_time=test.est_time,
     )
     return base.replace(
+        phases=attempt_phases(phase_dir, base.started_at, elapsed),
         status=status,
         exit_code=returncode if returncode is not None and returncode >= 0 else None,
         signal=signal_name(returncode),

@@ -355,8 +355,9 @@ def format_plan(plan: RunPlan) -> str:
         out += ["", "commands (attempt 1; cwd = project root):"]
         for test in plan.tests:
             run = test_run(plan, test, 1, None, "")
-            junit = attempt_dir(plan, test, 1) / "junit.xml"
-            env = run.env(attempt_dir(plan, test, 1) / "metrics")
+            folder = attempt_dir(plan, test, 1)
+            junit = folder / "junit.xml"
+            env = run.env(folder / "metrics", folder / "phases")
             out.append(f"  {format_command(pytest_command(plan.settings, run.file, junit), env)}")
     else:
         out += ["", "nothing to run in this shard."]

@@ -28,6 +28,7 @@ from typing import IO, TypeVar
 
 from miles.ci.registry.catalog import Catalog, Lane
 from miles.ci.registry.registration import GateDeclaration
+from miles.ci.reports.phases import text_table as phase_table
 from miles.ci.reports.record import CANCELLED, FAILED, FLAKY, PASSED, SKIPPED, Attempt, RunRecord
 from miles.ci.reports.report import ReportDirError, claim_report_dir, write_reports
 from miles.ci.running.execute import POLL_S, CancelToken, TestRun, run_attempt
@@ -44,6 +45,7 @@ from miles.ci.running.plan import (
 )
 from miles.ci.running.progress import Progress
 from miles.files import Folder
+from miles.text import printable
 
 T = TypeVar("T")
 
@@ -379,6 +381,9 @@ def run(options: RunOptions, *, plan_only: bool = False, out: IO[str] | None = N
         for k in ("passed", "flaky", "failed", "timeout", "error", "cancelled", "skipped")
         if counts[k]
     )
+    table = phase_table(record.final_attempts)
+    if table:
+        out.write("\n" + "\n".join(printable(line) for line in table) + "\n")
     out.write(f"\n{'PASSED' if record.passed else 'FAILED'}: {summary or 'nothing ran'}\n")
     for name, path in paths.items():
         out.write(f"{name:>10}: {path}\n")
