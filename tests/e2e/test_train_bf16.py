@@ -11,7 +11,6 @@ probe holds a bf16 engine to bf16's rounding noise, not float32's.
 from __future__ import annotations
 
 import glob
-import importlib.util
 import os
 import subprocess
 import sys
@@ -20,12 +19,10 @@ from pathlib import Path
 import pytest
 
 from miles.ci.register import register_cpu_ci
+from tests.support import recipes as runs
 
 register_cpu_ci(est_time=60, suite="stage-b-cpu")
 
-_spec = importlib.util.spec_from_file_location("recipe_runs", Path(__file__).with_name("recipe_runs.py"))
-runs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(runs)
 
 RUN = (
     "--prompt-data synthetic:fixed --rm-type synthetic --num-rollout 3 --rollout-batch-size 4 "

@@ -15,10 +15,12 @@ afresh for each run (miles.ci.reports.report.claim_report_dir), each file create
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -312,6 +314,24 @@ def _run_record(
     )
 
 
+# Read by miles.ckpt.tiny_cache (which the CI package does not import): the folder of tiny
+# checkpoints and torch_dist forms every file of a run shares (tests/unit/test_runner_phases.py
+# holds the two names equal).
+TINY_CACHE_ENV = "MILES_TINY_CACHE"
+
+
+@contextmanager
+def shared_tiny_cache(plan: RunPlan) -> Iterator[RunPlan]:
+    """The plan with one fresh tiny-checkpoint cache for all its files, deleted when the run ends;
+    a cache the caller's environment names already is used as it is (and kept)."""
+    if plan.settings.base_env.get(TINY_CACHE_ENV):
+        yield plan
+        return
+    with tempfile.TemporaryDirectory(prefix="miles-tiny-") as folder:
+        env = {**plan.settings.base_env, TINY_CACHE_ENV: folder}
+        yield dataclasses.replace(plan, settings=dataclasses.replace(plan.settings, base_env=env))
+
+
 @contextmanager
 def cancel_on_signals(cancel: CancelToken) -> Iterator[None]:
     """SIGTERM/SIGINT set the token instead of killing the runner, so it can clean up."""
@@ -355,7 +375,7 @@ def run(options: RunOptions, *, plan_only: bool = False, out: IO[str] | None = N
 
     report_folder, attempts = _claim(plan.report_dir)
     cancel = CancelToken()
-    with cancel_on_signals(cancel), report_folder, attempts:
+    with cancel_on_signals(cancel), report_folder, attempts, shared_tiny_cache(plan) as plan:
         record = execute_plan(
             plan,
             catalog,

@@ -1,9 +1,9 @@
-"""Launching a recipe's trainer command the way the lanes do, for the training e2e tests.
+"""Launching a recipe's trainer command the way the lanes do, and reading its metric records.
 
-Not a test module: the test files import it. The plan comes from the recipe (miles.recipes),
-the tiny checkpoint from the checkpoint pipeline (miles.ckpt.pipeline, source tiny:<family>),
-and the run from the recipe launcher, so these tests exercise what a user's
-`python scripts/run_<model>.py full-train` does.
+The plan comes from the recipe (miles.recipes), the tiny checkpoint from the checkpoint pipeline
+(miles.ckpt.pipeline, source tiny:<family>, its tiny checkpoint and torch_dist form copied from
+the shared cache instead of built again), and the run from the recipe launcher, so these tests
+exercise what a user's `python scripts/run_<model>.py full-train` does.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from miles.metrics.capture import RECORD_DIR_ENV, decode_value
+from tests.support.ckpt import cache_folder
 
 
 def tiny_plan(
@@ -35,7 +36,7 @@ def tiny_plan(
     )
     form = load(recipe_name, platform="cpu")
     plan = build_plan(form.on_backend(train_backend) if train_backend else form, options, "cpu", base_env={})
-    prepare(plan.checkpoint, progress=False)
+    prepare(plan.checkpoint, progress=False, tiny_cache=cache_folder())
     return plan
 
 

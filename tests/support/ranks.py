@@ -1,0 +1,59 @@
+"""Launching ranks as a user does: `python -m torch.distributed.run --standalone`, gloo on the CPU.
+
+`launch` starts a worker script or module on N ranks with one thread each and the project root on
+their path (so workers import `tests.support` like the tests do); `trainer` is the same for
+`python -m miles.train`, the command a user runs. Both return the finished process, output kept.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_TIMEOUT = 600
+
+
+def torchrun(nproc: int) -> list[str]:
+    """The launcher's own command line, up to the script or `-m module`."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+
+
+def rank_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment, one thread per rank (two ranks share two cores), the project
+    root first on the path."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(extra or {})}
+
+
+def launch(
+    target: str | Path,
+    *args: str,
+    nproc: int = 2,
+    module: bool = False,
+    env: Mapping[str, str] | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> subprocess.CompletedProcess:
+    """Run `target` (a script path, or a module with module=True) with `args` on `nproc` ranks."""
+    cmd = [*torchrun(nproc), *(["-m", str(target)] if module else [str(target)]), *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=rank_env(env))
+
+
+def trainer(
+    args: Sequence[str],
+    *,
+    nproc: int = 2,
+    env: Mapping[str, str] | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> subprocess.CompletedProcess:
+    """`python -m miles.train ARGS` on `nproc` ranks."""
+    return launch("miles.train", *args, nproc=nproc, module=True, env=env, timeout=timeout)
+
+
+def succeeded(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """The process, after asserting it exited 0 (its output's tail is the message when not)."""
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc
