@@ -88,6 +88,11 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     )
     stream.add_argument("--no-stream", dest="stream", action="store_false")
     p.add_argument("--pytest-arg", action="append", default=[], help="extra pytest argument (repeatable)")
+    p.add_argument(
+        "--jobs", help='runner processes side by side: N or "cores" (default: the lane\'s, in a --lane run)'
+    )
+    # set by a run with jobs for each job it starts: the plan and the final tables are the parent's
+    p.add_argument("--job-of", help=argparse.SUPPRESS)
 
 
 def _options(args: argparse.Namespace):
@@ -109,6 +114,7 @@ def _options(args: argparse.Namespace):
         report_dir=args.report_dir,
         stream=args.stream,
         pytest_args=tuple(args.pytest_arg),
+        jobs=args.jobs,
     )
 
 
@@ -124,7 +130,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from miles.ci.running.runner import run
 
     try:
-        return run(_options(args), plan_only=args.plan)
+        return run(_options(args), plan_only=args.plan, job_of=getattr(args, "job_of", None))
     except _usage_errors() as exc:
         raise UsageError(str(exc)) from None
 
@@ -149,6 +155,7 @@ def cmd_matrix(args: argparse.Namespace) -> int:
         labels=args.labels,
         shards=args.shards,
         timeout_floor=DEFAULT_TIMEOUT_FLOOR if args.timeout_floor is None else args.timeout_floor,
+        jobs="1",  # the matrix lists machines; a lane's jobs share one
     )
     try:
         plan = build_plan(options, catalog, discover(args.root, catalog=catalog))

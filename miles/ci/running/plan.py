@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from miles.ci.registry.catalog import MAX_SHARDS, Catalog, Suite
+from miles.ci.registry.catalog import JOBS_PER_CORE, MAX_JOBS, MAX_SHARDS, Catalog, Suite
 from miles.ci.registry.discover import Discovery
 from miles.ci.registry.registration import GateDeclaration, Problem, Registration
 from miles.ci.reports.report import REPORT_FILES
@@ -56,6 +56,7 @@ class RunOptions:
     report_dir: Path | None = None
     stream: bool | None = None  # echo test output live; default: on under GitHub Actions
     pytest_args: tuple[str, ...] = ()
+    jobs: str | None = None  # "N" or "cores": files at once; default: the lane's `jobs` (a --lane run)
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,41 @@ class RunPlan:
     store_history: bool = False  # passing gated attempts are stored as trusted history
     history_reason: str = ""  # why (policy.history_decision)
     warnings: tuple[Problem, ...] = ()  # registration problems of other suites: not this run's
+    jobs: int = 1  # runner processes side by side, job j running shard j of every suite
+
+    @property
+    def predicted_wall(self) -> float:
+        """The run's predicted wall time from the est_times: its shards one after another, or with
+        jobs, the longest job (each job runs its shard of every suite in turn)."""
+        if self.jobs > 1:
+            return max(sum(sp.partition.loads[j] for sp in self.suites) for j in range(self.jobs))
+        return sum(sp.partition.loads[k - 1] for sp in self.suites for k in sp.run_shards)
+
+
+def resolve_jobs(options: RunOptions, scope: Scope) -> int:
+    """How many jobs the run uses: --jobs, else the lane's `jobs` in a run of a lane; 1 with an
+    explicit shard (a CI matrix splits the suite already), where --jobs is refused."""
+    asked = (
+        options.jobs
+        if options.jobs is not None
+        else (scope.lane.jobs if scope.lane and not scope.narrowed else 1)
+    )
+    if str(asked) == JOBS_PER_CORE:
+        jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    else:
+        try:
+            jobs = int(asked)
+        except ValueError:
+            raise PlanError(f'--jobs {asked!r} must be a number or "{JOBS_PER_CORE}"') from None
+        if not 1 <= jobs <= MAX_JOBS:
+            raise PlanError(f"--jobs {jobs} must be between 1 and {MAX_JOBS}")
+    if options.shard is not None or options.shards is not None:
+        if options.jobs is not None and jobs > 1:
+            raise PlanError(
+                "--jobs runs a whole run's shards side by side; it cannot be given with --shard/--shards"
+            )
+        return 1
+    return min(jobs, MAX_JOBS)
 
 
 def timeout_for(est_time: float, floor: float) -> float:
@@ -174,8 +210,11 @@ def build_plan(options: RunOptions, catalog: Catalog, discovery: Discovery) -> R
     store_history, history_reason = history_decision(CiEvent.from_env(os.environ), base_cadence, catalog)
     selection = select(discovery, scope, cadence=cadence, labels=labels)
 
+    n_jobs = resolve_jobs(options, scope)
     k, n_requested, explicit = None, None, False
-    if options.shard is not None:
+    if n_jobs > 1:  # each suite split into one shard per job
+        n_requested, explicit = n_jobs, True
+    elif options.shard is not None:
         k, n_requested = parse_shard(options.shard)
         explicit = n_requested is not None
         if options.shards is not None and parse_shards(options.shards) != n_requested:
@@ -205,7 +244,7 @@ def build_plan(options: RunOptions, catalog: Catalog, discovery: Discovery) -> R
 
     if options.shard is not None:
         shard = options.shard
-    elif all(p.n_shards == 1 for p in suite_plans):
+    elif n_jobs > 1 or all(p.n_shards == 1 for p in suite_plans):
         shard = "1/1"
     else:
         shard = "all"
@@ -219,7 +258,10 @@ def build_plan(options: RunOptions, catalog: Catalog, discovery: Discovery) -> R
         else max((catalog.lanes[s.lane].max_attempts for s in scope.suites), default=1)
     )
     max_attempts = options.max_attempts if options.max_attempts is not None else lane_attempts
-    continue_on_error = options.continue_on_error or bool(labels and labels.bypass_fastfail)
+    lane_runs_every_file = scope.lane is not None and not scope.narrowed and not scope.lane.fast_fail
+    continue_on_error = (
+        options.continue_on_error or bool(labels and labels.bypass_fastfail) or lane_runs_every_file
+    )
     stream = options.stream if options.stream is not None else os.environ.get("GITHUB_ACTIONS") == "true"
     settings = Settings(
         root=root,
@@ -240,6 +282,7 @@ def build_plan(options: RunOptions, catalog: Catalog, discovery: Discovery) -> R
         store_history,
         history_reason,
         tuple(p for p in discovery.problems if not blocks(p, scope, catalog)),
+        n_jobs,
     )
 
 
@@ -304,6 +347,14 @@ def test_run(
     )
 
 
+def _prediction(plan: RunPlan) -> str:
+    if plan.jobs > 1:
+        loads = [sum(sp.partition.loads[j] for sp in plan.suites) for j in range(plan.jobs)]
+        each = ", ".join(f"job {j + 1}: {load:g}s" for j, load in enumerate(loads))
+        return f"predicted wall {plan.predicted_wall:g}s: {plan.jobs} jobs side by side, job j runs shard j of every suite ({each})"
+    return f"predicted wall {plan.predicted_wall:g}s: the shards above, one after another"
+
+
 def format_plan(plan: RunPlan) -> str:
     """The plan as people read it: shards, predicted totals, bounds, timeouts, commands."""
     sel = plan.selection
@@ -311,7 +362,8 @@ def format_plan(plan: RunPlan) -> str:
     out = [
         f"plan · {sel.scope.name} · backend {sel.scope.backend} · cadence {sel.cadence} · labels {labels} · "
         f"shard {plan.shard} · max attempts {plan.max_attempts} · "
-        f"{'continue on error' if plan.continue_on_error else 'fast-fail'}",
+        f"{'continue on error' if plan.continue_on_error else 'fast-fail'}"
+        + (f" · {plan.jobs} jobs at once" if plan.jobs > 1 else ""),
         f"metric history is {'stored' if plan.store_history else 'not stored'}: {plan.history_reason}",
     ]
     for sp in plan.suites:
@@ -347,6 +399,8 @@ def format_plan(plan: RunPlan) -> str:
             )
         for e in (e for e in sel.excluded if e.suite == sp.suite.name):
             out.append(f"  not run ({e.kind}): {e.file}: {e.reason}")
+    if plan.tests:
+        out += ["", _prediction(plan)]
     if plan.warnings:
         out += ["", f"warning: {len(plan.warnings)} registration problem(s) in other suites (not run here; "
                 "`audit --strict` fails on them):"]  # fmt: skip

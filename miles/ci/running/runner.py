@@ -353,8 +353,12 @@ def cancel_on_signals(cancel: CancelToken) -> Iterator[None]:
             signal.signal(s, old)
 
 
-def run(options: RunOptions, *, plan_only: bool = False, out: IO[str] | None = None) -> int:
-    """Plan, print the plan, and (unless plan_only) run it; returns the exit code."""
+def run(
+    options: RunOptions, *, plan_only: bool = False, out: IO[str] | None = None, job_of: str | None = None
+) -> int:
+    """Plan, print the plan, and (unless plan_only) run it; returns the exit code. `job_of`
+    ("j/N") marks a job of a run with jobs (miles.ci.running.jobs): that run prints the plan and
+    the totals, the job only its progress."""
     out = out if out is not None else sys.stdout
     from miles.ci.registry.catalog import load_catalog
     from miles.ci.registry.discover import discover
@@ -367,34 +371,52 @@ def run(options: RunOptions, *, plan_only: bool = False, out: IO[str] | None = N
         raise PlanError(str(exc)) from None
     catalog = load_catalog()
     plan = build_plan(options, catalog, discover(options.root, catalog=catalog))
-    out.write(format_plan(plan))
-    out.flush()
+    if job_of is None:
+        out.write(format_plan(plan))
+        out.flush()
     if plan_only:
         return 0
-    from miles.ci.reports.durations import durations_path, record_durations
-
     report_folder, attempts = _claim(plan.report_dir)
     cancel = CancelToken()
     with cancel_on_signals(cancel), report_folder, attempts, shared_tiny_cache(plan) as plan:
-        record = execute_plan(
-            plan,
-            catalog,
-            cancel,
-            out,
-            checkpoint=lambda partial: write_reports(partial, report_folder, step_summary=False),
-            folders=(report_folder, attempts),
-        )
-        paths = write_reports(record, report_folder)
-        try:
-            call_bounded(
-                lambda: record_durations(record.attempts, durations_path(plan.settings.root)),
+        if plan.jobs > 1:
+            from miles.ci.running.jobs import run_jobs
+
+            record = run_jobs(options, plan, attempts, cancel, out)  # each job stored its durations
+            paths = write_reports(record, report_folder)
+        else:
+            record = execute_plan(
+                plan,
+                catalog,
                 cancel,
-                plan.settings.grace,
+                out,
+                checkpoint=lambda partial: write_reports(partial, report_folder, step_summary=False),
+                folders=(report_folder, attempts),
             )
-        except Abandoned:
-            print(f"warning: durations not stored: {cancel.name} arrived while storing them", file=sys.stderr)
-        except (OSError, ValueError, TimeoutError, StoreError) as exc:
-            print(f"warning: durations not stored: {exc}", file=sys.stderr)
+            paths = write_reports(record, report_folder, step_summary=job_of is None)
+            _store_durations(record, plan, cancel)
+    if job_of is None:
+        _print_totals(record, paths, out)
+    return record.exit_code
+
+
+def _store_durations(record: RunRecord, plan: RunPlan, cancel: CancelToken) -> None:
+    from miles.ci.reports.durations import durations_path, record_durations
+    from miles.metrics.store import StoreError
+
+    try:
+        call_bounded(
+            lambda: record_durations(record.attempts, durations_path(plan.settings.root)),
+            cancel,
+            plan.settings.grace,
+        )
+    except Abandoned:
+        print(f"warning: durations not stored: {cancel.name} arrived while storing them", file=sys.stderr)
+    except (OSError, ValueError, TimeoutError, StoreError) as exc:
+        print(f"warning: durations not stored: {exc}", file=sys.stderr)
+
+
+def _print_totals(record: RunRecord, paths: dict[str, Path], out: IO[str]) -> None:
     counts = record.counts()
     summary = ", ".join(
         f"{counts[k]} {k}"
@@ -404,8 +426,8 @@ def run(options: RunOptions, *, plan_only: bool = False, out: IO[str] | None = N
     table = phase_table(record.final_attempts)
     if table:
         out.write("\n" + "\n".join(printable(line) for line in table) + "\n")
-    out.write(f"\n{'PASSED' if record.passed else 'FAILED'}: {summary or 'nothing ran'}\n")
+    wall = record.finished_at - record.started_at
+    out.write(f"\n{'PASSED' if record.passed else 'FAILED'}: {summary or 'nothing ran'} in {wall:.0f}s\n")
     for name, path in paths.items():
         out.write(f"{name:>10}: {path}\n")
     out.flush()
-    return record.exit_code

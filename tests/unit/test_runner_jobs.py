@@ -1,0 +1,137 @@
+"""A run with jobs runs its files side by side, one runner process per job, and reports them as one run.
+
+Each job runs its shard of every suite (the balanced partition CI's shards use); the files of
+different jobs overlap in time; a failure in one job leaves the other's files running; the run's
+reports hold every file's attempt once; the plan predicts the wall time of the longest job; a
+lane that asks for jobs gets them, one per core with "cores", and a run split by --shard does not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from miles.ci.cli import main
+
+REPORTS = ".miles/reports/stage-b-cpu-1of1"
+# Each file notes when its test started and ended, and waits until the other job's file has
+# started too (up to a minute), so that two jobs can only pass by running at the same time.
+MEETS = """
+import time
+from pathlib import Path
+from miles.ci.register import register_cpu_ci
+register_cpu_ci(est_time={est}, suite="stage-b-cpu")
+OUT = Path(__file__).parents[2] / "seen"
+def test_meet():
+    OUT.mkdir(exist_ok=True)
+    (OUT / "{name}.start").write_text(str(time.time()))
+    deadline = time.time() + 60
+    while len(list(OUT.glob("*.start"))) < {wait_for} and time.time() < deadline:
+        time.sleep(0.05)
+    (OUT / "{name}.end").write_text(str(time.time()))
+    assert len(list(OUT.glob("*.start"))) >= {wait_for}
+"""
+FAILS = """
+from miles.ci.register import register_cpu_ci
+register_cpu_ci(est_time=1, suite="stage-b-cpu")
+def test_fails():
+    assert 1 == 2
+"""
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for key in ("GITHUB_ACTIONS", "GITHUB_STEP_SUMMARY", "MILES_HISTORY_URL", "MILES_TINY_CACHE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("MILES_DURATIONS_PATH", "durations.sqlite")
+
+
+def _run(root: Path, *extra: str) -> int:
+    return main(["run", "--root", str(root), "--suite", "stage-b-cpu", "--no-stream", *extra])
+
+
+def _attempts(root: Path) -> list[dict]:
+    return json.loads((root / REPORTS / "run.json").read_text())["attempts"]
+
+
+def test_two_jobs_run_their_files_side_by_side_and_report_one_run(make_tree, capsys):
+    root = make_tree({
+        "tests/e2e/test_a.py": MEETS.format(est=20, name="a", wait_for=2),
+        "tests/e2e/test_b.py": MEETS.format(est=20, name="b", wait_for=2),
+    })  # fmt: skip
+    assert _run(root, "--jobs", "2") == 0
+    seen = root / "seen"
+    a = (float((seen / "a.start").read_text()), float((seen / "a.end").read_text()))
+    b = (float((seen / "b.start").read_text()), float((seen / "b.end").read_text()))
+    assert a[0] < b[1] and b[0] < a[1], (a, b)  # the two tests overlapped
+    attempts = _attempts(root)
+    assert sorted(x["file"] for x in attempts) == ["tests/e2e/test_a.py", "tests/e2e/test_b.py"]
+    assert {x["shard"] for x in attempts} == {"1/2", "2/2"} and {x["status"] for x in attempts} == {"passed"}
+    out = capsys.readouterr().out
+    assert "[1/2] " in out and "[2/2] " in out and "PASSED: 2 passed" in out
+    assert out.count("plan · ") == 1  # the run's plan, not each job's
+
+
+def test_a_failure_in_one_job_leaves_the_other_jobs_files_running(make_tree):
+    root = make_tree({
+        "tests/e2e/test_fails.py": FAILS,
+        "tests/e2e/test_a.py": MEETS.format(est=30, name="a", wait_for=1),
+        "tests/e2e/test_b.py": MEETS.format(est=20, name="b", wait_for=1),
+    })  # fmt: skip
+    assert _run(root, "--jobs", "2") == 1
+    status = {x["file"]: x["status"] for x in _attempts(root)}
+    assert status["tests/e2e/test_fails.py"] == "failed"
+    # the fast-failing job stops its own later files; the other job runs all of its own
+    assert "passed" in {status["tests/e2e/test_a.py"], status["tests/e2e/test_b.py"]}
+    assert len(status) == 3
+
+
+def test_the_plan_predicts_the_longest_job(make_tree, capsys):
+    root = make_tree({
+        f"tests/e2e/test_{n}.py": MEETS.format(est=est, name=n, wait_for=1)
+        for n, est in (("a", 40), ("b", 30), ("c", 20))
+    })  # fmt: skip
+    assert main(["plan", "--root", str(root), "--suite", "stage-b-cpu", "--jobs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "2 jobs at once" in out
+    assert "predicted wall 50s: 2 jobs side by side" in out  # 40 on one job, 30 + 20 on the other
+
+
+def test_a_lane_asks_for_its_jobs_and_a_sharded_run_uses_one(make_tree, capsys):
+    from miles.ci.registry.catalog import load_catalog
+
+    root = make_tree({"tests/e2e/test_a.py": MEETS.format(est=5, name="a", wait_for=1)})
+    assert load_catalog().lanes["cpu"].jobs == "cores" and load_catalog().lanes["cpu"].fast_fail is False
+    assert main(["plan", "--root", str(root), "--lane", "cpu"]) == 0
+    out = capsys.readouterr().out
+    cores = len(os.sched_getaffinity(0))
+    assert (f"{cores} jobs at once" in out) == (cores > 1) and "continue on error" in out
+    assert main(["plan", "--root", str(root), "--lane", "cpu", "--shard", "1/1"]) == 0
+    assert "jobs at once" not in capsys.readouterr().out
+    assert main(["plan", "--root", str(root), "--lane", "cpu", "--shard", "1/1", "--jobs", "2"]) == 2
+
+
+def test_a_signal_to_the_run_stops_every_job_and_the_reports_are_written(make_tree):
+    root = make_tree({
+        f"tests/e2e/test_{n}.py": MEETS.format(est=30, name=n, wait_for=3) for n in ("a", "b")
+    })  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GITHUB_", "MILES_"))}
+    env["MILES_DURATIONS_PATH"] = "durations.sqlite"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "miles.ci", "run", "--root", str(root), "--suite", "stage-b-cpu", "--jobs", "2"],
+        cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.time() + 120
+    while len(list((root / "seen").glob("*.start"))) < 2 and time.time() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 1
+    statuses = {x["status"] for x in _attempts(root)}
+    assert statuses == {"cancelled"}, statuses
