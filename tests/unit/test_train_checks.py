@@ -168,11 +168,16 @@ def test_the_logprob_weight_check_passes_a_synced_engine_and_catches_a_stale_one
 
 
 def test_load_equal_to_save_starts_fresh_when_missing_or_empty(tmp_path):
-    checkpoint.check_load_dir(tmp_path / "new" / "ckpt", tmp_path / "new" / "ckpt")
     (tmp_path / "empty").mkdir()
-    checkpoint.check_load_dir(tmp_path / "empty", None)
     (tmp_path / "interrupted" / "iter_0000004.tmp").mkdir(parents=True)  # killed during the first save
-    checkpoint.check_load_dir(tmp_path / "interrupted", None)
+    accepted = [
+        (tmp_path / "new" / "ckpt", tmp_path / "new" / "ckpt"),
+        (tmp_path / "empty", None),
+        (tmp_path / "interrupted", None),
+    ]
+    for load, save in accepted:
+        assert checkpoint.check_load_dir(load, save) is None, load  # it raises on a load it refuses
+    assert not (tmp_path / "new").exists()  # a fresh start creates nothing before the first save
 
 
 def test_a_load_elsewhere_that_does_not_exist_is_refused(tmp_path):
