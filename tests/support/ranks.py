@@ -57,3 +57,17 @@ def succeeded(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     """The process, after asserting it exited 0 (its output's tail is the message when not)."""
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc
+
+
+def case_results(
+    worker: str | Path, cases: Mapping[str, object], *args: str, nproc: int = 2
+) -> dict[str, object]:
+    """Launch `worker ARGS CASES_JSON` once for every case; the worker's one `RESULT` line, a list
+    in the cases' order, by case name."""
+    import json
+
+    from tests.support.results import result
+
+    found = result(launch(worker, *args, json.dumps(list(cases.values())), nproc=nproc))
+    assert isinstance(found, list) and len(found) == len(cases), found
+    return dict(zip(cases, found, strict=True))

@@ -123,3 +123,34 @@ def test_calibrate_command_lists_proposals_and_writes_on_request(project, capsys
     assert (project / FILE).read_text(encoding="utf-8") == SOURCE
     assert main(["calibrate", "--root", str(project), "--suite", "stage-b-cpu", "--write"]) == 0
     assert "+register_cpu_ci(est_time=50," in capsys.readouterr().out
+
+
+UNIT = "tests/unit/test_slow_on_a_busy_machine.py"
+UNIT_SOURCE = (
+    '"""A unit file: implicitly stage-a-cpu."""\n\nimport time\n\n\ndef test_x():\n    assert time.time()\n'
+)
+
+
+def test_an_implicitly_registered_file_gets_its_own_measured_est_time_and_timeout(make_tree, tmp_path):
+    from miles.ci.running.plan import RunOptions, build_plan
+
+    root = make_tree({UNIT: UNIT_SOURCE})
+    before = discover(root, catalog=CATALOG, cache=False)
+    (reg,) = before.registrations
+    assert reg.implicit and reg.est_time == 15  # the directory's flat value: a 60 s timeout
+    store = tmp_path / "d.sqlite"
+    # 7.7 s on a quiet machine, 57.7 s on a busy one (the run whose 60 s timeout stopped the lane)
+    record_durations([_attempt(s, suite="stage-a-cpu").replace(file=UNIT) for s in (7.7, 9.0, 57.7)], store)
+    proposals = propose(before, store, backend="cpu")
+    (row,) = proposals.rows
+    assert row.proposed == 75 and row.changes  # 57.7 x 1.25 = 72.1, up to the 15 s step
+    apply_proposals(root, proposals.changes)
+    text = (root / UNIT).read_text()
+    assert 'register_cpu_ci(est_time=75, suite="stage-a-cpu")' in text
+    assert "from miles.ci.register import register_cpu_ci" in text
+    (after,) = discover(root, catalog=CATALOG, cache=False).registrations
+    assert not after.implicit and after.suite == "stage-a-cpu" and after.est_time == 75
+    plan = build_plan(
+        RunOptions(root=root, suites=("stage-a-cpu",)), CATALOG, discover(root, catalog=CATALOG, cache=False)
+    )
+    assert plan.tests[0].timeout == 93.75  # above the busy machine's 57.7 s

@@ -135,3 +135,37 @@ def test_a_signal_to_the_run_stops_every_job_and_the_reports_are_written(make_tr
     assert proc.wait(timeout=120) == 1
     statuses = {x["status"] for x in _attempts(root)}
     assert statuses == {"cancelled"}, statuses
+
+
+HANGS = """
+import time
+from miles.ci.register import register_cpu_ci
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
+def test_hangs():
+    time.sleep(600)
+"""
+PASSES = """
+from miles.ci.register import register_cpu_ci
+register_cpu_ci(est_time={est}, suite="{suite}")
+def test_passes():
+    assert True is not False
+"""
+
+
+def test_the_cpu_lane_runs_and_reports_every_file_after_one_fails_or_times_out(make_tree):
+    root = make_tree({
+        "tests/unit/test_hangs.py": HANGS,
+        "tests/unit/test_after.py": PASSES.format(est=2, suite="stage-a-cpu"),
+        "tests/unit/test_fails.py": FAILS.replace("stage-b-cpu", "stage-a-cpu"),
+        "tests/e2e/test_stage_b.py": PASSES.format(est=3, suite="stage-b-cpu"),
+    })  # fmt: skip
+    assert main(["run", "--root", str(root), "--lane", "cpu", "--no-stream", "--timeout-floor", "1"]) == 1
+    run = json.loads((root / ".miles/reports/cpu-1of1/run.json").read_text())
+    status = {a["file"]: a["status"] for a in run["attempts"]}
+    assert status == {
+        "tests/unit/test_hangs.py": "timeout",
+        "tests/unit/test_fails.py": "failed",
+        "tests/unit/test_after.py": "passed",
+        "tests/e2e/test_stage_b.py": "passed",
+    }, status
+    assert run["counts"]["skipped"] == 0

@@ -159,3 +159,16 @@ def test_escapees_are_stopped_when_the_run_is_cancelled(tmp_path, mode):
     attempt, pids, port = _run(tmp_path, mode, "hang", timeout=300, cancel=cancel)
     assert (attempt.status, attempt.classification) == ("cancelled", "cancelled")
     _assert_all_stopped(attempt, pids, port)
+
+
+def test_a_loaded_machine_stretches_a_timeout_and_a_quiet_one_does_not():
+    from miles.ci.running.execute import LoadClock
+
+    quiet = LoadClock(10.0, 10.0, 0.0, cores=2, load=lambda: 1.0)
+    assert not quiet.expired(9.9) and quiet.expired(10.0)
+    busy = LoadClock(10.0, 10.0, 0.0, cores=2, load=lambda: 8.0)  # 4 runnable per core: a second counts 1/4
+    assert not busy.expired(39.0) and busy.expired(40.0) and busy.stretched
+    swamped = LoadClock(10.0, 10.0, 0.0, cores=2, load=lambda: 1000.0)  # a hang still ends: at 10x the limit
+    assert not swamped.expired(99.0) and swamped.expired(100.0)
+    never = LoadClock(10.0, 1.0, 0.0, cores=2, load=lambda: 8.0)  # no stretch asked: wall time
+    assert never.expired(10.0)

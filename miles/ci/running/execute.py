@@ -144,6 +144,8 @@ class Settings:
     echo: IO[str] | None = None  # where to stream the test's output live, if anywhere
     base_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
     use_cgroup: bool = True  # track the test's processes in a cgroup of its own where possible
+    # how far a timeout stretches while the machine is loaded (LoadClock); 1: never
+    load_stretch: float = 1.0
 
 
 def pytest_command(settings: Settings, file: str, junit_path: Path | str) -> list[str]:
@@ -237,7 +239,8 @@ def _run_in(
         tail = Tail()
         reader = threading.Thread(target=_pump, args=(proc.stdout, log, tail, settings.echo), daemon=True)
         reader.start()
-        outcome = _wait(proc, started + test.timeout, cancel, tick, started)
+        clock = LoadClock(test.timeout, settings.load_stretch, started)
+        outcome = _wait(proc, clock, cancel, tick, started)
         elapsed = time.monotonic() - started
         if outcome == "cancelled" and on_cancel is not None:
             on_cancel(
@@ -277,6 +280,8 @@ def _run_in(
         timeout=test.timeout,
         est_time=test.est_time,
     )
+    if outcome == "timeout" and clock.stretched:
+        message += f" of the machine's time: {elapsed:.0f}s of wall time at a load average up to {clock.peak:.1f} on {clock.cores} cores"
     return base.replace(
         phases=attempt_phases(phase_dir, base.started_at, elapsed),
         status=status,
@@ -352,14 +357,55 @@ def _pump(stream: IO[bytes], log: IO[bytes], tail: Tail, echo: IO[str] | None) -
         stream.close()
 
 
+class LoadClock:
+    """A timeout that stretches while the machine is loaded, so a slow file on a busy machine is
+    not taken for a hung one: each wall second counts 1 / max(1, load average / cores) of the
+    limit, and at most `stretch` times the limit passes in wall time whatever the load (a hung
+    test still ends). A quiet machine counts every second in full."""
+
+    def __init__(
+        self, limit: float, stretch: float, started: float, cores: int | None = None, load=None
+    ) -> None:
+        self.limit, self.stretch, self.started = limit, max(1.0, stretch), started
+        self.load = load or _load
+        self.cores = cores or (
+            len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        )
+        self.counted, self.last, self.peak = 0.0, started, 0.0
+
+    def expired(self, now: float) -> bool:
+        step, self.last = now - self.last, now
+        if self.stretch == 1.0:
+            self.counted += step
+        else:
+            load = self.load()
+            self.peak = max(self.peak, load)
+            self.counted += step / min(self.stretch, max(1.0, load / self.cores))
+        return self.counted >= self.limit or now - self.started >= self.limit * self.stretch
+
+    def left(self, now: float) -> float:
+        return max(0.0, self.limit - self.counted)
+
+    @property
+    def stretched(self) -> bool:
+        return self.last - self.started > self.limit + 1
+
+
+def _load() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
+
+
 def _wait(
     proc: subprocess.Popen,
-    deadline: float,
+    clock: LoadClock,
     cancel: CancelToken,
     tick: Callable[[float], None] | None,
     started: float,
 ) -> str:
-    """Block until the process exits ("exited"), the deadline passes ("timeout") or the run
+    """Block until the process exits ("exited"), its time runs out ("timeout") or the run
     is cancelled ("cancelled"). A pidfd makes the exit visible at once and the cancel
     token's pipe the cancel; polling is the fallback where the kernel has no pidfd."""
     pidfd = None
@@ -375,9 +421,9 @@ def _wait(
             if cancel.cancelled:
                 return "cancelled"
             now = time.monotonic()
-            if now >= deadline:
+            if clock.expired(now):
                 return "timeout"
-            step = min(deadline - now, POLL_S)
+            step = min(clock.left(now), POLL_S)
             if pidfd is not None:
                 select.select([pidfd, cancel], [], [], step)
             else:

@@ -28,6 +28,10 @@ from miles.text import printable
 DEFAULT_TIMEOUT_FLOOR = 60.0  # seconds; short tests still get time to import torch
 DEFAULT_GRACE = 10.0  # seconds between SIGTERM and SIGKILL
 TIMEOUT_FACTOR = 1.25
+# A file's timeout stretches while the load average exceeds the cores (execute.LoadClock), up to
+# this many times its limit in wall time: a shared 2-core machine runs a file several times slower
+# than a quiet one, and that is not a hang.
+LOAD_STRETCH = 10.0
 # Bounds of the numbers a person passes: beyond them a run hangs on one signal (an infinite
 # grace), never times out (a NaN floor) or plans millions of empty shards.
 MAX_TIMEOUT_FLOOR = 86_400.0  # a day, the longest est_time a registration may state
@@ -268,6 +272,7 @@ def build_plan(options: RunOptions, catalog: Catalog, discovery: Discovery) -> R
         grace=options.grace,
         pytest_args=options.pytest_args,
         echo=sys.stdout if stream else None,
+        load_stretch=LOAD_STRETCH,
     )
     return RunPlan(
         selection,
@@ -365,6 +370,8 @@ def format_plan(plan: RunPlan) -> str:
         f"{'continue on error' if plan.continue_on_error else 'fast-fail'}"
         + (f" · {plan.jobs} jobs at once" if plan.jobs > 1 else ""),
         f"metric history is {'stored' if plan.store_history else 'not stored'}: {plan.history_reason}",
+        f"timeouts: max(floor {plan.timeout_floor:g}s, {TIMEOUT_FACTOR:g} x est_time), counted at the machine's "
+        f"load (up to {plan.settings.load_stretch:g}x in wall time while the load average exceeds the cores)",
     ]
     for sp in plan.suites:
         p = sp.partition
