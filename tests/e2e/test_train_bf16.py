@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from miles.ci.register import register_cpu_ci
+from tests.support import ranks as support_ranks
 from tests.support import recipes as runs
 
 register_cpu_ci(est_time=60, suite="stage-b-cpu")
@@ -39,9 +40,7 @@ def model(tmp_path_factory) -> Path:
 
 def trained_weights(model: Path, save: Path, *flags: str, ranks: int = 1) -> tuple[dict, float]:
     """The weights after 3 rollouts, and the largest rollout-vs-trainer logprob gap seen."""
-    launcher = (
-        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] if ranks > 1 else []
-    )
+    launcher = support_ranks.torchrun(ranks)[1:] if ranks > 1 else []
     record = save.with_name("record")
     env = {**os.environ, "MILES_CI_GATE_RECORD_DIR": str(record)}
     done = subprocess.run(

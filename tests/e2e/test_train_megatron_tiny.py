@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -35,6 +34,7 @@ from miles.ci.register import register_cpu_ci
 from tests.support import recipes as runs
 from tests.support.ckpt import tiny
 from tests.support.inkling import perturbed_checkpoint
+from tests.support.ranks import torchrun
 from tests.support.trainer_cases import run_cases
 
 register_cpu_ci(est_time=800, suite="stage-b-cpu")
@@ -239,8 +239,7 @@ def test_a_megatron_run_that_saves_ends_with_every_helper_process(tmp_path):
     # megatron's checkpoint writer starts a multiprocessing Manager; a trainer that leaves it
     # running keeps the caller's stdout/stderr pipes open, and a caller reading them waits forever
     plan = runs.tiny_plan(DENSE["recipe"], tmp_path, *ECHO, "--num-rollout", "1", "--save-interval", "1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-           "-m", "miles.train", *plan.train_args, "--tensor-model-parallel-size", "1",
+    cmd = [*torchrun(1), "-m", "miles.train", *plan.train_args, "--tensor-model-parallel-size", "1",
            "--actor-num-gpus-per-node", "1"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
