@@ -96,9 +96,20 @@ def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector):
     return None
 
 
+_sessions: list[pytest.Session] = []  # the process's own session first; a test's inner ones (pytester) after
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _sessions.append(session)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
-    phases.started()
+    if _sessions and session is _sessions[0]:
+        phases.started()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    phases.teardown_until_the_end()
+    if _sessions and session is _sessions[0]:
+        phases.teardown_until_the_end()
+    if session in _sessions:
+        _sessions.remove(session)

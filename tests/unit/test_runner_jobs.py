@@ -47,10 +47,10 @@ def test_fails():
 
 
 @pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
+def _clean_env(monkeypatch, tmp_path_factory):
     for key in ("GITHUB_ACTIONS", "GITHUB_STEP_SUMMARY", "MILES_HISTORY_URL", "MILES_TINY_CACHE"):
         monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("MILES_DURATIONS_PATH", "durations.sqlite")
+    monkeypatch.setenv("MILES_DURATIONS_PATH", str(tmp_path_factory.mktemp("store") / "durations.sqlite"))
 
 
 def _run(root: Path, *extra: str) -> int:
@@ -123,7 +123,7 @@ def test_a_signal_to_the_run_stops_every_job_and_the_reports_are_written(make_tr
         f"tests/e2e/test_{n}.py": MEETS.format(est=30, name=n, wait_for=3) for n in ("a", "b")
     })  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GITHUB_", "MILES_"))}
-    env["MILES_DURATIONS_PATH"] = "durations.sqlite"
+    env["MILES_DURATIONS_PATH"] = str(root / "durations.sqlite")
     proc = subprocess.Popen(
         [sys.executable, "-m", "miles.ci", "run", "--root", str(root), "--suite", "stage-b-cpu", "--jobs", "2"],
         cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -42,10 +42,10 @@ CONFTEST = 'pytest_plugins = ("miles.ci.pytest_plugin",)\n'  # as the project's 
 
 
 @pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
+def _clean_env(monkeypatch, tmp_path_factory):
     for key in ("GITHUB_ACTIONS", "GITHUB_STEP_SUMMARY", "MILES_DURATIONS_PATH", "MILES_HISTORY_URL"):
         monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("MILES_DURATIONS_PATH", "durations.sqlite")
+    monkeypatch.setenv("MILES_DURATIONS_PATH", str(tmp_path_factory.mktemp("store") / "durations.sqlite"))
 
 
 def test_each_instant_is_charged_to_one_phase_and_a_row_adds_up_to_the_elapsed_time():
@@ -103,3 +103,43 @@ def test_without_a_runner_a_process_records_nothing_and_times_no_import(tmp_path
     out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert out.stdout.strip() == "True", out.stderr
     assert list(Path(tmp_path).iterdir()) == []
+
+
+NESTED = """
+import time
+from pathlib import Path
+import pytest
+from miles.ci.register import register_cpu_ci
+
+register_cpu_ci(est_time=30, suite="stage-b-cpu")
+OUT = Path(__file__).parents[2]
+INNER = "from miles.ci.register import register_cpu_ci\\nregister_cpu_ci(est_time=1, suite='stage-b-cpu')\\n" \\
+    "def test_inner():\\n    assert 1\\n"
+
+
+def test_runs_a_session_of_its_own():
+    (OUT / "began").write_text(repr(time.time()))
+    inner = OUT / "inner"
+    inner.mkdir()
+    (inner / "test_inner.py").write_text(INNER)
+    # the CI plugin in the inner session too, as a pytester run of the project's own tests has it
+    assert pytest.main([str(inner), "-q", "-p", "no:cacheprovider", "-p", "miles.ci.pytest_plugin"]) == 0
+    (OUT / "ended").write_text(repr(time.time()))
+"""
+
+
+def test_a_session_a_test_runs_inside_its_own_does_not_end_the_files_start_up_or_begin_its_teardown(
+    make_tree,
+):
+    root = make_tree({"tests/e2e/test_nested.py": NESTED, "tests/conftest.py": CONFTEST})
+    assert main(["run", "--root", str(root), "--suite", "stage-b-cpu", "--no-stream"]) == 0
+    began, ended = (float((root / name).read_text()) for name in ("began", "ended"))
+    (folder,) = (root / REPORTS / "attempts" / "stage-b-cpu").glob("*/1/phases")
+    rows = [json.loads(line) for path in folder.glob("*.jsonl") for line in path.read_text().splitlines()]
+    teardown = [r for r in rows if r["phase"] == "teardown" and r["end"] is None]
+    assert len(teardown) == 1 and teardown[0]["start"] >= ended, (teardown, ended)
+    long_starts = [r for r in rows if r["phase"] == "start" and r["end"] - r["start"] > 0.5]
+    assert all(r["end"] <= began for r in long_starts), (
+        long_starts,
+        began,
+    )  # the inner collection is not start-up

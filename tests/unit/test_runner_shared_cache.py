@@ -24,10 +24,10 @@ def test_cache():
 
 
 @pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
+def _clean_env(monkeypatch, tmp_path_factory):
     for key in ("GITHUB_ACTIONS", "GITHUB_STEP_SUMMARY", "MILES_HISTORY_URL", CACHE_ENV):
         monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("MILES_DURATIONS_PATH", "durations.sqlite")
+    monkeypatch.setenv("MILES_DURATIONS_PATH", str(tmp_path_factory.mktemp("store") / "durations.sqlite"))
 
 
 def _project(make_tree) -> Path:
