@@ -65,6 +65,7 @@ def add_calibrate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suite")
     p.add_argument("--write", action="store_true", help="rewrite the est_time numbers and print the diff")
     p.add_argument("--quantile", type=float, default=None, help="quantile of passed durations (default 0.9)")
+    p.add_argument("--min-runs", type=int, default=None, help="passed runs a proposal needs (default 3)")
     p.set_defaults(handler=cmd_calibrate)
 
 
@@ -253,7 +254,7 @@ def cmd_affected(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from miles.ci.registry.catalog import load_catalog
     from miles.ci.registry.discover import discover
-    from miles.ci.reports.calibrate import DEFAULT_QUANTILE, apply_proposals, propose
+    from miles.ci.reports.calibrate import DEFAULT_QUANTILE, MIN_PASSED_RUNS, apply_proposals, propose
     from miles.ci.reports.durations import durations_path
 
     catalog = load_catalog()
@@ -262,12 +263,20 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     quantile = DEFAULT_QUANTILE if args.quantile is None else args.quantile
     if not 0 < quantile <= 1:
         raise UsageError(f"--quantile {quantile} must be in (0, 1]")
+    min_runs = MIN_PASSED_RUNS if args.min_runs is None else args.min_runs
+    if min_runs < 1:
+        raise UsageError(f"--min-runs {min_runs} must be at least 1")
     discovery = discover(args.root, catalog=catalog)
     from miles.metrics.store import StoreError
 
     try:
         proposals = propose(
-            discovery, durations_path(args.root), backend=args.backend, suite=args.suite, quantile=quantile
+            discovery,
+            durations_path(args.root),
+            backend=args.backend,
+            suite=args.suite,
+            quantile=quantile,
+            min_runs=min_runs,
         )
     except OSError as exc:  # the store is down: the reason, password masked, and exit 1
         print(f"error: {exc}", file=sys.stderr)
