@@ -1,29 +1,18 @@
-"""The Megatron backend trains the recipes' tiny profiles on CPU, and learns a task that needs the prompt.
+"""The Megatron backend trains Qwen3's tiny profiles on CPU and learns a task that needs the prompt.
 
-Qwen3-4B's tiny profile trains with megatron-core at TP=2 with sequence parallelism,
-Qwen3-30B-A3B's at EP=2 (ETP=1), GLM-5.2's at TP=2 with sequence parallelism and EP=2 (its
-MLA, DSA indexer with a shared layer, sigmoid-routed experts and shared expert split over both),
-Inkling-Small's at TP=2 with sequence parallelism and EP=2 (its short convolutions with the
-sequence-parallel halo, relative bias, sliding and global layers, shared-expert-sink router),
-and DeepSeek-V4's at the same layout (miles' own model: hybrid attention, hyper-connections,
-hash and sqrt-softplus routers),
-each on two gloo ranks, by the recipe's own command (its --ci-test checks on: first-step KL,
-trainer/rollout logprob agreement within 1e-3, weights after every sync). The task is `synthetic:echo`: the prompt ends with one of four digits and
-the answer is that digit, so a policy that ignores its input is exactly right on a quarter
-of the prompts at best. The learning assertions are about `rollout/exact_match`, not the
-graded reward (whose near-miss credit is only shaping): it must start near zero and end
-well above that quarter. The FSDP backend learns the same task from the same command.
-
-A run resumed from its mid-run checkpoint reproduces the original's metrics to 1e-5, and
-TP=2 with SP, CP=2, PP=2 and PP=2 with two virtual stages each reproduce the FSDP backend's
-gradient norms on the same samples (the pipeline layouts through megatron's real schedules);
-for GLM-5.2, TP=2 with SP and EP=2, and PP=2; for Inkling, TP=2 with SP and EP=2, EP=2, and PP=2;
-for DeepSeek-V4, TP=2 with SP and EP=2, PP=2 and PP=2 with two virtual stages each.
+Qwen3-4B's tiny profile trains with megatron-core at TP=2 with sequence parallelism and
+Qwen3-30B-A3B's at EP=2 (ETP=1), each on two gloo ranks, by the recipe's own command (its
+--ci-test checks on: first-step KL, trainer/rollout logprob agreement within 1e-3, weights after
+every sync), and each learns `synthetic:echo` (tests/support/learning.py): exact match near zero
+at first, well above the quarter a policy that ignores the prompt gets at the end. The FSDP
+backend learns the same task from the same command. A run resumed from its mid-run checkpoint
+reproduces the original's metrics to 1e-5, and a run that saves ends with every helper process
+(megatron's checkpoint writer) gone. The other families learn in test_train_megatron_families.py;
+the layouts' gradients are held to data parallel's in test_train_megatron_layouts.py.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 from pathlib import Path
@@ -32,87 +21,10 @@ import pytest
 
 from miles.ci.register import register_cpu_ci
 from tests.support import recipes as runs
-from tests.support.ckpt import tiny
-from tests.support.inkling import perturbed_checkpoint
+from tests.support.learning import DENSE, ECHO, MOE, assert_learns_the_prompt, train
 from tests.support.ranks import torchrun
-from tests.support.trainer_cases import run_cases
 
-register_cpu_ci(est_time=800, suite="stage-b-cpu")
-
-
-ECHO = (
-    "--prompt-data", "synthetic:echo", "--rollout-max-response-len", "1", "--rollout-batch-size", "4",
-    "--n-samples-per-prompt", "32", "--global-batch-size", "64", "--micro-batch-size", "32", "--rollout-temperature", "1",
-)  # fmt: skip
-DENSE = {"recipe": "qwen3_4b", "rollouts": 40, "lr": "3e-3"}
-MOE = {"recipe": "qwen3_30b_a3b", "rollouts": 48, "lr": "2e-3"}
-# The tiny GLM's policy turns deterministic (all of a group's samples alike: nothing left to learn
-# from) within ~15 rollouts at the others' settings, mostly on one answer for every prompt; an
-# entropy bonus keeps it sampling, and 16 prompts of 8 samples a rollout show it every digit.
-# Below lr 8e-3 a run may stay on one answer (chance, 0.25) or leave it only near rollout 30:
-# 6e-3 ended at 0.61 over the last 8 with the unfused logprob and at 0.48 with the fused one
-# (the same run to rollout 31), 4e-3 at 0.23; at 8e-3 it reads the prompt by rollout 22 (0.61).
-GLM = {
-    "recipe": "glm5_2_744b_a40b", "rollouts": 40, "lr": "8e-3",
-    "extra": ("--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--entropy-coef", "0.2"),
-}  # fmt: skip
-# The tiny Inkling (its logits divided by the width multiplier 16) leaves the one-answer policy
-# slowly and not for good: at GLM's settings (lr 8e-3) it stays near 0.03 over 40 rollouts; at
-# 2e-2 to 6e-2 it reads the prompt from about rollout 15, and over 60 rollouts the last 8 end
-# between chance and 0.46 (seven settings); at 5e-2 it reaches 0.8 by rollout 38 and falls back
-# to chance by rollout 50, at 4e-2 its last 8 of 80 reach 0.54. 40 rollouts at 5e-2 end at 0.57.
-INKLING = {
-    "recipe": "inkling", "rollouts": 40, "lr": "5e-2",
-    "extra": ("--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--entropy-coef", "0.2"),
-}  # fmt: skip
-
-
-# DeepSeek-V4's tiny at GLM's settings: exact match 0.0 over the first 4 rollouts, past 0.5 by
-# rollout 24, 0.92 over the last 8 (97 s on 2 CPU cores).
-DSV4 = {**GLM, "recipe": "deepseek_v4"}
-CHANCE = 0.25  # the exact-match rate of the best policy that ignores its prompt
-
-
-def learning_args(setup: dict, *extra: str) -> tuple[str, ...]:
-    return (
-        *ECHO,
-        "--num-rollout",
-        str(setup["rollouts"]),
-        "--lr",
-        setup["lr"],
-        *setup.get("extra", ()),
-        *extra,
-    )
-
-
-def train(
-    workdir: Path,
-    setup: dict,
-    *extra: str,
-    run_id: str = "run",
-    record_name: str = "record",
-    train_backend: str | None = None,
-) -> tuple[object, Path]:
-    plan = runs.tiny_plan(
-        setup["recipe"], workdir, *learning_args(setup, *extra), run_id=run_id, train_backend=train_backend
-    )
-    record = workdir / record_name
-    assert runs.launch(plan, record) == 0, f"{setup['recipe']} {run_id} failed (its output is above)"
-    return plan, record
-
-
-def assert_learns_the_prompt(record: Path, rollouts: int) -> None:
-    exact = runs.series(record, "rollout/exact_match")
-    assert sorted(exact) == list(range(rollouts))
-    first = sum(exact[s] for s in range(4)) / 4
-    last = sum(exact[s] for s in range(rollouts - 8, rollouts)) / 8
-    assert first <= 0.05, (
-        f"exact match {first:.3f} over the first 4 rollouts: the task is not new to the model"
-    )
-    assert last >= 2 * CHANCE, (
-        f"exact match {last:.3f} over the last 8 rollouts, below {2 * CHANCE} (a policy that ignores the "
-        f"prompt reaches {CHANCE}); from {first:.3f} over the first 4"
-    )
+register_cpu_ci(est_time=400, suite="stage-b-cpu")
 
 
 @pytest.fixture(scope="module")
@@ -156,65 +68,6 @@ def test_megatron_ep2_moe_learns_a_task_that_needs_the_prompt(tmp_path):
     assert_learns_the_prompt(record, MOE["rollouts"])
 
 
-def test_megatron_glm_tp2_ep2_learns_a_task_that_needs_the_prompt(tmp_path):
-    plan, record = train(tmp_path, GLM)
-    args = " ".join(plan.train_args)
-    assert "--train-backend megatron" in args and "--tensor-model-parallel-size 2" in args
-    assert "--expert-model-parallel-size 2" in args and "--sequence-parallel" in args
-    assert_learns_the_prompt(record, GLM["rollouts"])
-    diffs = runs.series(record, "train/train_rollout_logprob_abs_diff")
-    assert max(diffs.values()) <= 1e-5, (
-        diffs
-    )  # fp32: megatron's and transformers' forwards of the same weights
-    marker = runs.checkpoint_dir(plan) / "latest_checkpointed_iteration.txt"
-    assert marker.read_text().strip() == str(GLM["rollouts"])  # the recipe's tiny profile saves every 3
-
-
-def test_megatron_inkling_tp2_ep2_learns_a_task_that_needs_the_prompt(tmp_path):
-    plan, record = train(tmp_path, INKLING)
-    args = " ".join(plan.train_args)
-    assert "--train-backend megatron" in args and "--tensor-model-parallel-size 2" in args
-    assert "--expert-model-parallel-size 2" in args and "--sequence-parallel" in args
-    assert_learns_the_prompt(record, INKLING["rollouts"])
-    diffs = runs.series(record, "train/train_rollout_logprob_abs_diff")
-    assert max(diffs.values()) <= 1e-5, diffs  # fp32: megatron's and transformers' forwards alike
-    # the expert bias only selects experts and nothing updates it (transformers keeps it a
-    # buffer); the router's global scale is trained
-    import torch
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing import ShardedTensor
-
-    from miles.ckpt.shards import CheckpointReader
-    from miles.megatron.checkpoint import single_process_group
-
-    saved = str(runs.checkpoint_dir(plan) / f"iter_{INKLING['rollouts']:07d}")
-    hf_dir = Path(plan.train_args[plan.train_args.index("--hf-checkpoint") + 1])
-    router = "decoder.layers.1.mlp.router."
-    with single_process_group(), CheckpointReader(hf_dir) as hf:
-        shapes = dist_checkpointing.load_tensors_metadata(saved)
-        template = {
-            name: ShardedTensor.from_rank_offsets(
-                router + name, torch.empty(shapes[router + name].local_shape), replica_id=0
-            )
-            for name in ("expert_bias", "global_scale")
-        }
-        trained = dist_checkpointing.load(template, saved)
-        assert torch.equal(trained["expert_bias"], hf.read("model.layers.1.mlp.gate.e_score_correction_bias"))
-        assert not torch.equal(trained["global_scale"], hf.read("model.layers.1.mlp.gate.global_scale"))
-
-
-def test_megatron_dsv4_tp2_ep2_learns_a_task_that_needs_the_prompt(tmp_path):
-    plan, record = train(tmp_path, DSV4)
-    args = " ".join(plan.train_args)
-    assert "--train-backend megatron" in args and "--tensor-model-parallel-size 2" in args
-    assert "--expert-model-parallel-size 2" in args and "--sequence-parallel" in args
-    assert_learns_the_prompt(record, DSV4["rollouts"])
-    diffs = runs.series(record, "train/train_rollout_logprob_abs_diff")
-    assert max(diffs.values()) <= 1e-5, (
-        diffs
-    )  # fp32: miles' DeepSeek-V4 and transformers' of the same weights
-
-
 def test_fsdp_learns_the_same_task_from_the_same_recipe(tmp_path):
     _, record = train(tmp_path, DENSE, train_backend="fsdp")
     assert_learns_the_prompt(record, DENSE["rollouts"])
@@ -252,123 +105,3 @@ def test_a_megatron_run_that_saves_ends_with_every_helper_process(tmp_path):
         pytest.fail(f"the run's output pipes stayed open for 180s, held by {left}")
     assert proc.returncode == 0, (out + err)[-3000:]
     assert (runs.checkpoint_dir(plan) / "latest_checkpointed_iteration.txt").exists()
-
-
-# --- model-parallel layouts against data parallel ----------------------------------------
-# Every layout below and each family's FSDP run train the same 3 rollouts of the same samples in one
-# launch of two ranks (tests/support/trainer_cases.py: the trainer's own loop, command after
-# command); each layout's gradient norms must be the FSDP run's.
-BASE = (
-    "--prompt-data", "synthetic:fixed", "--num-rollout", "3", "--rollout-batch-size", "4", "--n-samples-per-prompt",
-    "4", "--global-batch-size", "16", "--micro-batch-size", "4", "--rollout-max-response-len", "8", "--lr", "1e-3",
-    "--ci-test", "--num-threads", "1", "--actor-num-gpus-per-node", "2",
-)  # fmt: skip
-
-# Qwen3 (4 layers): the pipeline layouts through megatron's real schedules.
-LAYOUTS = {
-    "tp2-sp": ("--tensor-model-parallel-size", "2", "--sequence-parallel"),
-    "cp2": ("--context-parallel-size", "2"),
-    "pp2": ("--pipeline-model-parallel-size", "2"),
-    "pp2-vpp2": ("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"),
-}
-# GLM-5.2: the tiny's 4 layers run the DSA indexer on layers 0-2 and reuse layer 2's top-k on layer
-# 3, so PP=2 splits them 2 + 2 (each stage starts on an indexer). Its index_topk (64) covers every
-# sequence here, as it covers both backends' padded lengths: the top-k of a row shorter than
-# index_topk is the whole row, so padding cannot change it (the sparse path, where transformers'
-# own top-k depends on the padded length through ties, is held to HF by test_megatron_glm.py).
-GLM_LAYOUTS = {
-    "tp2-sp-ep2": (
-        "--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
-        "--expert-tensor-parallel-size", "1",
-    ),
-    "pp2": ("--pipeline-model-parallel-size", "2"),
-}  # fmt: skip
-# Inkling-Small: the tiny's 2 layers are a sliding-window dense layer and a global MoE layer; its
-# norms, global scales, convolutions, relative-bias banks and expert bias are perturbed and its
-# head scaled up first (at the initial values a missing sequence-parallel halo of the branch
-# convolutions moves the gradient norms by less than 1e-4; on the perturbed checkpoint the run
-# fails). PP=2 puts one layer on each stage. The norms agree to 1e-7 and are held to 1e-5.
-INKLING_LAYOUTS = {
-    "tp2-sp-ep2": GLM_LAYOUTS["tp2-sp-ep2"],
-    "ep2": ("--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"),
-    "pp2": ("--pipeline-model-parallel-size", "2"),
-}
-INKLING_REL = 1e-5
-# DeepSeek-V4 (miles' own model, miles.megatron.dsv4): the tiny's layers are sliding, sliding, CSA,
-# HCA, so PP=2 splits them 2 + 2 and the 4 hyper-connection streams cross the stage boundary as
-# [s, b*4, d]; the interleaved schedule (one layer per virtual stage) sizes its buffers from the
-# streams too.
-DSV4_LAYOUTS = {
-    **GLM_LAYOUTS,
-    "pp2-vpp2": ("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"),
-}
-FAMILY_LAYOUTS = {
-    "qwen3": LAYOUTS,
-    "glm_moe_dsa": GLM_LAYOUTS,
-    "inkling": INKLING_LAYOUTS,
-    "deepseek_v4": DSV4_LAYOUTS,
-}
-
-
-def _inkling_checkpoints(root: Path) -> tuple[Path, Path]:
-    from miles.ckpt.torch_dist import convert_to_torch_dist
-
-    hf = perturbed_checkpoint(root)
-    dist = root / "torch_dist"
-    dist.mkdir()
-    convert_to_torch_dist(hf, dist, "inkling")
-    return hf, dist
-
-
-@pytest.fixture(scope="module")
-def layout_norms(tmp_path_factory) -> dict[str, list[float]]:
-    """Gradient norms by rollout of every "<family>/<layout>" case and each family's "<family>/fsdp"."""
-    root = tmp_path_factory.mktemp("layouts")
-    checkpoints = {
-        family: tiny(family, 4, torch_dist=True) for family in ("qwen3", "glm_moe_dsa", "deepseek_v4")
-    }
-    checkpoints = {f: (c.hf, c.torch_dist) for f, c in checkpoints.items()}
-    checkpoints["inkling"] = _inkling_checkpoints(root / "inkling")
-    cases = {
-        f"{f}/fsdp": [*BASE, "--hf-checkpoint", str(hf), "--train-backend", "fsdp"]
-        for f, (hf, _) in checkpoints.items()
-    }
-    for family, layouts in FAMILY_LAYOUTS.items():
-        hf, dist = checkpoints[family]
-        for layout, flags in layouts.items():
-            cases[f"{family}/{layout}"] = [
-                *BASE, "--hf-checkpoint", str(hf), "--train-backend", "megatron", "--ref-load", str(dist), *flags
-            ]  # fmt: skip
-    records = run_cases(cases, root / "records")
-    norms = {name: runs.series(folder, "train/grad_norm") for name, folder in records.items()}
-    return {name: [n[s] for s in sorted(n)] for name, n in norms.items()}
-
-
-def _parity(layout_norms: dict, family: str, layout: str) -> tuple[list[float], list[float], str]:
-    fsdp, norms = layout_norms[f"{family}/fsdp"], layout_norms[f"{family}/{layout}"]
-    assert len(norms) == len(fsdp) == 3, (family, layout, norms, fsdp)
-    return norms, fsdp, json.dumps({"fsdp": fsdp, layout: norms})
-
-
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_model_parallel_layouts_reproduce_the_data_parallel_gradients(layout_norms, layout):
-    norms, fsdp, shown = _parity(layout_norms, "qwen3", layout)
-    assert norms == pytest.approx(fsdp, rel=1e-4), shown
-
-
-@pytest.mark.parametrize("layout", list(GLM_LAYOUTS))
-def test_glm_model_parallel_layouts_reproduce_the_data_parallel_gradients(layout_norms, layout):
-    norms, fsdp, shown = _parity(layout_norms, "glm_moe_dsa", layout)
-    assert norms == pytest.approx(fsdp, rel=1e-4), shown
-
-
-@pytest.mark.parametrize("layout", list(INKLING_LAYOUTS))
-def test_inkling_model_parallel_layouts_reproduce_the_data_parallel_gradients(layout_norms, layout):
-    norms, fsdp, shown = _parity(layout_norms, "inkling", layout)
-    assert norms == pytest.approx(fsdp, rel=INKLING_REL), shown
-
-
-@pytest.mark.parametrize("layout", list(DSV4_LAYOUTS))
-def test_dsv4_model_parallel_layouts_reproduce_the_data_parallel_gradients(layout_norms, layout):
-    norms, fsdp, shown = _parity(layout_norms, "deepseek_v4", layout)
-    assert norms == pytest.approx(fsdp, rel=1e-4), shown
