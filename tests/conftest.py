@@ -1,27 +1,8 @@
-"""Collect each test file only where its registrations say it runs (see the plugin), and share one
-tiny-checkpoint cache among the session's tests (the lane's, when the CI runner gives one)."""
-
-import os
-import shutil
-import tempfile
+"""Collect each test file only where its registrations say it runs (see the plugin)."""
 
 import pytest
 
-from miles.ckpt.tiny_cache import CACHE_ENV as TINY_CACHE_ENV
-
 pytest_plugins = ("miles.ci.pytest_plugin", "pytester")
-_session_cache: list[str] = []
-
-
-def pytest_configure(config):
-    if not os.environ.get(TINY_CACHE_ENV):  # inherited by every process the tests start
-        _session_cache.append(tempfile.mkdtemp(prefix="miles-tiny-"))
-        os.environ[TINY_CACHE_ENV] = _session_cache[0]
-
-
-def pytest_unconfigure(config):
-    for folder in _session_cache:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 # What Inkling's recipe declared while miles' Megatron backend did not build it.

@@ -106,9 +106,20 @@ class RunPlan:
     def predicted_wall(self) -> float:
         """The run's predicted wall time from the est_times: its shards one after another, or with
         jobs, the longest job (each job runs its shard of every suite in turn)."""
-        if self.jobs > 1:
-            return max(sum(sp.partition.loads[j] for sp in self.suites) for j in range(self.jobs))
-        return sum(sp.partition.loads[k - 1] for sp in self.suites for k in sp.run_shards)
+        return predicted_wall(self, [sp.partition.loads for sp in self.suites])
+
+
+def predicted_wall(plan: RunPlan, loads: list[tuple[float, ...]]) -> float:
+    """`plan.predicted_wall` from each suite's shard loads (read once: they are computed)."""
+    if plan.jobs > 1:
+        return max(_job_loads(plan, loads))
+    return sum(
+        shard_loads[k - 1] for sp, shard_loads in zip(plan.suites, loads, strict=True) for k in sp.run_shards
+    )
+
+
+def _job_loads(plan: RunPlan, loads: list[tuple[float, ...]]) -> list[float]:
+    return [sum(shard_loads[j] for shard_loads in loads) for j in range(plan.jobs)]
 
 
 def resolve_jobs(options: RunOptions, scope: Scope) -> int:
@@ -352,12 +363,12 @@ def test_run(
     )
 
 
-def _prediction(plan: RunPlan) -> str:
+def _prediction(plan: RunPlan, loads: list[tuple[float, ...]]) -> str:
+    wall = predicted_wall(plan, loads)
     if plan.jobs > 1:
-        loads = [sum(sp.partition.loads[j] for sp in plan.suites) for j in range(plan.jobs)]
-        each = ", ".join(f"job {j + 1}: {load:g}s" for j, load in enumerate(loads))
-        return f"predicted wall {plan.predicted_wall:g}s: {plan.jobs} jobs side by side, job j runs shard j of every suite ({each})"
-    return f"predicted wall {plan.predicted_wall:g}s: the shards above, one after another"
+        each = ", ".join(f"job {j + 1}: {load:g}s" for j, load in enumerate(_job_loads(plan, loads)))
+        return f"predicted wall {wall:g}s: {plan.jobs} jobs side by side, job j runs shard j of every suite ({each})"
+    return f"predicted wall {wall:g}s: the shards above, one after another"
 
 
 def format_plan(plan: RunPlan) -> str:
@@ -373,9 +384,11 @@ def format_plan(plan: RunPlan) -> str:
         f"timeouts: max(floor {plan.timeout_floor:g}s, {TIMEOUT_FACTOR:g} x est_time), counted at the machine's "
         f"load (up to {plan.settings.load_stretch:g}x in wall time while the load average exceeds the cores)",
     ]
+    every_suite_loads = []
     for sp in plan.suites:
         p = sp.partition
         loads = p.loads  # a computed property: read once, not once per shard line
+        every_suite_loads.append(loads)
         running = set(sp.run_shards)
         total = sum(loads)
         longest = max((j.weight for s in p.shards for j in s), default=0.0)
@@ -407,7 +420,7 @@ def format_plan(plan: RunPlan) -> str:
         for e in (e for e in sel.excluded if e.suite == sp.suite.name):
             out.append(f"  not run ({e.kind}): {e.file}: {e.reason}")
     if plan.tests:
-        out += ["", _prediction(plan)]
+        out += ["", _prediction(plan, every_suite_loads)]
     if plan.warnings:
         out += ["", f"warning: {len(plan.warnings)} registration problem(s) in other suites (not run here; "
                 "`audit --strict` fails on them):"]  # fmt: skip
