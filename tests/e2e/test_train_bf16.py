@@ -21,6 +21,7 @@ import pytest
 from miles.ci.register import register_cpu_ci
 from tests.support import ranks as support_ranks
 from tests.support import recipes as runs
+from tests.support.ckpt import tiny_hf
 
 register_cpu_ci(est_time=60, suite="stage-b-cpu")
 
@@ -32,10 +33,8 @@ RUN = (
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    from miles.ckpt.tiny import make_tiny_checkpoint
-
-    return make_tiny_checkpoint("qwen3", 2, tmp_path_factory.mktemp("bf16") / "qwen3")
+def model() -> Path:
+    return tiny_hf("qwen3", 2)
 
 
 def trained_weights(model: Path, save: Path, *flags: str, ranks: int = 1) -> tuple[dict, float]:

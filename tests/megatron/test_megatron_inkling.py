@@ -94,14 +94,14 @@ def test_every_checkpoint_tensor_has_one_place(form, tmp_path):
     from safetensors import safe_open
 
     from miles.ckpt.shards import read_weight_map
-    from miles.ckpt.tiny import make_tiny_checkpoint
     from miles.megatron.families import mapping_of, read_config
     from miles.megatron.hf_names import layout
+    from tests.support.ckpt import tiny_hf
 
     if form == "release":
         hf = make_release_checkpoint(tmp_path / "hf")
     else:
-        hf = make_tiny_checkpoint("inkling", 2, tmp_path / "hf")
+        hf = tiny_hf("inkling", 2)
     config = read_config(hf)
     assert config["layer_types"] == ["hybrid_sliding", "hybrid"]
     assert config["mlp_layer_types"] == ["dense", "sparse"]

@@ -238,14 +238,14 @@ def test_sglang_returns_untempered_logprobs_for_greedy_requests():
 def test_the_logprob_weight_probe_agrees_with_a_greedy_engine_at_any_rollout_temperature(tmp_path):
     import torch
 
-    from miles.ckpt.tiny import make_tiny_checkpoint
     from miles.train.args import parse_config
     from miles.train.backends import make_backend
     from miles.train.checks import probe_logprob_gap
     from miles.train.distributed import DistInfo
     from miles.train.model import load_causal_lm
+    from tests.support.ckpt import tiny_hf
 
-    path = make_tiny_checkpoint("qwen3", 2, tmp_path / "qwen3", dtype="float32")
+    path = tiny_hf("qwen3", 2, dtype="float32")
     config = parse_config(["--hf-checkpoint", str(path), "--rollout-temperature", "0.7"])
     backend = make_backend(config, DistInfo(0, 1, 0, "cpu", "gloo"))
     engine = SGLangGreedy(load_causal_lm(path, dtype=torch.float32, device="cpu"))
