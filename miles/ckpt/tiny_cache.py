@@ -164,3 +164,25 @@ def builder_fingerprint() -> str:
     for path in sorted(package.rglob("*.py")):
         h.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes())
     return h.hexdigest()
+
+
+def tiny_here(
+    family: str, layers: int, out_dir: str | Path, *, torch_dist: bool = False, **kwargs: Any
+) -> TinyCheckpoint:
+    """The tiny checkpoint (and with `torch_dist` its torch_dist form) from the cache when
+    $MILES_TINY_CACHE names one (a CI run's); else built in `out_dir` (its torch_dist form in
+    `<out_dir>_torch_dist`), as a tool run by hand on a fresh machine does."""
+    if os.environ.get(CACHE_ENV):
+        return tiny_checkpoint(family, layers, torch_dist=torch_dist, **kwargs)
+    from miles.ckpt.torch_dist import convert_to_torch_dist
+
+    out = Path(out_dir)
+    hf = make_tiny_checkpoint(family, layers, out, progress=False, **kwargs)
+    if not torch_dist:
+        return TinyCheckpoint(hf)
+    dist = out.with_name(f"{out.name}_torch_dist")
+    if not (dist / "latest_checkpointed_iteration.txt").is_file():
+        shutil.rmtree(dist, ignore_errors=True)
+        dist.mkdir(parents=True)
+        convert_to_torch_dist(hf, dist, family)
+    return TinyCheckpoint(hf, dist)

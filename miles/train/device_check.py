@@ -138,7 +138,7 @@ def _full_forward_gap(model, generations, temperature: float) -> float:
 def step_parity(cpu: bool, workdir: Path) -> str:
     import torch
 
-    from miles.ckpt.tiny import make_tiny_checkpoint
+    from miles.ckpt.tiny_cache import tiny_here
     from miles.train.config import SamplingConfig
     from miles.train.model import load_causal_lm
     from miles.train.rollout import TorchRolloutEngine
@@ -149,7 +149,7 @@ def step_parity(cpu: bool, workdir: Path) -> str:
     tol = PARITY_TOL["cpu" if cpu else "gpu"]
     gaps = {}
     for family in FAMILIES:
-        path = make_tiny_checkpoint(family, 2, workdir / "tiny" / family, dtype="float32")
+        path = tiny_here(family, 2, workdir / "tiny" / family, dtype="float32").hf
         model = load_causal_lm(path, dtype=torch.float32, device=device)
         sampling = SamplingConfig(temperature=0.9, top_p=1.0, top_k=-1, max_response_len=8)
         generations = TorchRolloutEngine(model).generate(PROMPTS, sampling, seed=7)
@@ -254,6 +254,7 @@ def train_tiny_recipe(
     """A recipe's tiny profile with `args` on `ranks` ranks (rendered for `train_backend` when
     given, so no flag of another backend's layout is passed); its metric series and seconds."""
     from miles.ckpt.pipeline import prepare
+    from miles.ckpt.tiny_cache import CACHE_ENV
     from miles.metrics.capture import RECORD_DIR_ENV, decode_value
     from miles.recipes import load
     from miles.recipes.launch import RunOptions, build_plan
@@ -264,7 +265,7 @@ def train_tiny_recipe(
     )  # fmt: skip
     form = load(recipe, platform="cpu")
     plan = build_plan(form.on_backend(train_backend) if train_backend else form, options, "cpu", base_env={})
-    prepare(plan.checkpoint, progress=False)
+    prepare(plan.checkpoint, progress=False, tiny_cache=os.environ.get(CACHE_ENV) or None)
     record = workdir / f"record-{run_id}"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                "-m", "miles.train", *plan.train_args]  # fmt: skip
@@ -350,8 +351,8 @@ def step_megatron_parity(cpu: bool, workdir: Path) -> str:
     """HF logits against the megatron GPTModel loaded from the torch_dist conversion, fp32."""
     import torch
 
-    from miles.ckpt.tiny import make_tiny_checkpoint
-    from miles.ckpt.torch_dist import RELEASE, convert_to_torch_dist
+    from miles.ckpt.tiny_cache import tiny_here
+    from miles.ckpt.torch_dist import RELEASE
     from miles.megatron.checkpoint import load_model, single_process_group
     from miles.megatron.model import hf_logit_gap
 
@@ -360,11 +361,8 @@ def step_megatron_parity(cpu: bool, workdir: Path) -> str:
     tol = PARITY_TOL["cpu" if cpu else "gpu"]
     gaps = {}
     for family in ("qwen3", "qwen3_moe"):
-        hf = make_tiny_checkpoint(family, 2, workdir / family / "hf")
-        dist = workdir / family / "torch_dist"
-        if not dist.exists():
-            dist.mkdir(parents=True)
-            convert_to_torch_dist(hf, dist, family)
+        made = tiny_here(family, 2, workdir / family / "hf", torch_dist=True)
+        hf, dist = made.hf, made.torch_dist
         config = json.loads((hf / "config.json").read_text())
         with single_process_group(), torch.random.fork_rng(devices=[]), _placed(cpu):
             model = load_model(config, dist / RELEASE, dtype=torch.float32, on_cpu=cpu)
