@@ -179,6 +179,7 @@ def execute_plan(
     out: IO[str] | None = None,
     checkpoint: Callable[[RunRecord], None] | None = None,
     folders: tuple[Folder, Folder] | None = None,
+    fold: bool = True,
 ) -> RunRecord:
     """Run the plan's tests in order; always returns a complete record (cancellation included).
 
@@ -186,12 +187,14 @@ def execute_plan(
     and the rest marked as not finished) and again the moment a cancel arrives, so reports
     on disk always describe the run even if the runner is killed without warning.
     `folders` is (report folder, attempts folder) from claim_report_dir; without it the
-    report folder is claimed here (PlanError when it holds what no run of miles made)."""
+    report folder is claimed here (PlanError when it holds what no run of miles made).
+    `fold=False` keeps GitHub's `::group::` folds out of the output (a job of a run with jobs:
+    its lines are relayed with a prefix, beside another job's)."""
     out = out if out is not None else sys.stdout
     owned = folders is None
     report_folder, attempts = _claim(plan.report_dir) if folders is None else folders
     try:
-        return _execute(plan, catalog, cancel, out, checkpoint, attempts)
+        return _execute(plan, catalog, cancel, out, checkpoint, attempts, fold)
     finally:
         if owned:
             attempts.close()
@@ -206,10 +209,10 @@ def _claim(report_dir: Path) -> tuple[Folder, Folder]:
         raise PlanError(str(exc)) from None
 
 
-def _execute(plan, catalog, cancel, out, checkpoint, attempt_folders: Folder) -> RunRecord:
+def _execute(plan, catalog, cancel, out, checkpoint, attempt_folders: Folder, fold: bool = True) -> RunRecord:
     commit = current_commit(plan.settings.root)
     started = time.time()
-    github = os.environ.get("GITHUB_ACTIONS") == "true"
+    github = fold and os.environ.get("GITHUB_ACTIONS") == "true"
     progress = Progress(plan.tests, out, github=github, streaming=plan.settings.echo is not None)
     attempts: list[Attempt] = []
     stop: str | None = None
@@ -392,6 +395,7 @@ def run(
                 out,
                 checkpoint=lambda partial: write_reports(partial, report_folder, step_summary=False),
                 folders=(report_folder, attempts),
+                fold=job_of is None,
             )
             paths = write_reports(record, report_folder, step_summary=job_of is None)
             _store_durations(record, plan, cancel)
