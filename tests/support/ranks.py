@@ -2,7 +2,8 @@
 
 `launch` starts a worker script or module on N ranks with one thread each and the project root on
 their path (so workers import `tests.support` like the tests do); `trainer` is the same for
-`python -m miles.train`, the command a user runs. Both return the finished process, output kept.
+`python -m miles.train`, the command a user runs. Both return the finished process, output kept,
+and count their timeout at the machine's load (`run`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TIMEOUT = 600
+LOAD_STRETCH = 10.0
+POLL_S = 2.0
 
 
 def torchrun(nproc: int) -> list[str]:
@@ -29,6 +32,29 @@ def rank_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(extra or {})}
 
 
+def run(
+    cmd: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float = DEFAULT_TIMEOUT
+) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True) with `timeout` counted at the machine's
+    load (miles.load.LoadClock: a shared 2-core machine makes ranks slow, not hung; a hung run
+    still ends, at 10 x the timeout): TimeoutExpired when it runs out, the process killed."""
+    import time
+
+    from miles.load import LoadClock
+
+    clock = LoadClock(timeout, LOAD_STRETCH, time.monotonic())
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    while True:
+        try:
+            out, err = proc.communicate(timeout=POLL_S)
+            return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        except subprocess.TimeoutExpired:
+            if clock.expired(time.monotonic()):
+                proc.kill()
+                out, err = proc.communicate()
+                raise subprocess.TimeoutExpired(cmd, clock.last - clock.started, out, err) from None
+
+
 def launch(
     target: str | Path,
     *args: str,
@@ -39,7 +65,7 @@ def launch(
 ) -> subprocess.CompletedProcess:
     """Run `target` (a script path, or a module with module=True) with `args` on `nproc` ranks."""
     cmd = [*torchrun(nproc), *(["-m", str(target)] if module else [str(target)]), *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=rank_env(env))
+    return run(cmd, env=rank_env(env), timeout=timeout)
 
 
 def trainer(

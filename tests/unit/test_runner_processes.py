@@ -162,7 +162,7 @@ def test_escapees_are_stopped_when_the_run_is_cancelled(tmp_path, mode):
 
 
 def test_a_loaded_machine_stretches_a_timeout_and_a_quiet_one_does_not():
-    from miles.ci.running.execute import LoadClock
+    from miles.load import LoadClock
 
     quiet = LoadClock(10.0, 10.0, 0.0, cores=2, load=lambda: 1.0)
     assert not quiet.expired(9.9) and quiet.expired(10.0)

@@ -30,6 +30,7 @@ from miles.ci.reports.record import CANCELLED, FAILED, Attempt
 from miles.ci.running.outcome import classify_attempt, read_junit, signal_name
 from miles.ci.running.processes import Containment
 from miles.files import Folder
+from miles.load import LoadClock
 from miles.phases import DIR_ENV as PHASE_DIR_ENV
 
 TAIL_LINES = 80
@@ -355,47 +356,6 @@ def _pump(stream: IO[bytes], log: IO[bytes], tail: Tail, echo: IO[str] | None) -
         pass  # the log was closed under us: a process the sweep could not stop held the pipe
     finally:
         stream.close()
-
-
-class LoadClock:
-    """A timeout that stretches while the machine is loaded, so a slow file on a busy machine is
-    not taken for a hung one: each wall second counts 1 / max(1, load average / cores) of the
-    limit, and at most `stretch` times the limit passes in wall time whatever the load (a hung
-    test still ends). A quiet machine counts every second in full."""
-
-    def __init__(
-        self, limit: float, stretch: float, started: float, cores: int | None = None, load=None
-    ) -> None:
-        self.limit, self.stretch, self.started = limit, max(1.0, stretch), started
-        self.load = load or _load
-        self.cores = cores or (
-            len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        )
-        self.counted, self.last, self.peak = 0.0, started, 0.0
-
-    def expired(self, now: float) -> bool:
-        step, self.last = now - self.last, now
-        if self.stretch == 1.0:
-            self.counted += step
-        else:
-            load = self.load()
-            self.peak = max(self.peak, load)
-            self.counted += step / min(self.stretch, max(1.0, load / self.cores))
-        return self.counted >= self.limit or now - self.started >= self.limit * self.stretch
-
-    def left(self, now: float) -> float:
-        return max(0.0, self.limit - self.counted)
-
-    @property
-    def stretched(self) -> bool:
-        return self.last - self.started > self.limit + 1
-
-
-def _load() -> float:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return 0.0
 
 
 def _wait(
