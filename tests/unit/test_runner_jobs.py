@@ -169,3 +169,31 @@ def test_the_cpu_lane_runs_and_reports_every_file_after_one_fails_or_times_out(m
         "tests/e2e/test_stage_b.py": "passed",
     }, status
     assert run["counts"]["skipped"] == 0
+
+
+def test_a_job_that_leaves_no_report_has_its_files_reported_as_not_finished(make_tree):
+    import subprocess as sp
+
+    from miles.ci.registry.catalog import load_catalog
+    from miles.ci.registry.discover import discover
+    from miles.ci.running.execute import CancelToken
+    from miles.ci.running.jobs import merge
+    from miles.ci.running.plan import RunOptions, build_plan
+
+    root = make_tree(
+        {
+            f"tests/e2e/test_{n}.py": PASSES.format(est=est, suite="stage-b-cpu")
+            for n, est in (("a", 9), ("b", 5))
+        }
+    )
+    catalog = load_catalog()
+    plan = build_plan(
+        RunOptions(root=root, suites=("stage-b-cpu",), jobs="2"), catalog, discover(root, catalog=catalog)
+    )
+    died = sp.CompletedProcess([], -9)
+    record = merge(plan, [None, None], [died, died], 0.0, CancelToken())
+    assert not record.complete and not record.passed
+    assert sorted((a.file, a.status) for a in record.attempts) == [
+        ("tests/e2e/test_a.py", "cancelled"), ("tests/e2e/test_b.py", "cancelled"),
+    ]  # fmt: skip
+    assert all("ended (exit code -9) without a report" in a.message for a in record.attempts)
