@@ -101,7 +101,15 @@ def mode(request) -> str:
     return request.param
 
 
-def _run(tmp_path: Path, mode: str, behaviour: str, *, timeout: float, cancel: CancelToken | None = None):
+def _run(
+    tmp_path: Path,
+    mode: str,
+    behaviour: str,
+    *,
+    timeout: float,
+    cancel: CancelToken | None = None,
+    attempt_dir: str = "attempt",
+):
     out = tmp_path / "out"
     for stale in out.glob("*") if out.exists() else ():
         stale.unlink()
@@ -113,7 +121,7 @@ def _run(tmp_path: Path, mode: str, behaviour: str, *, timeout: float, cancel: C
     env.update(ESCAPE_OUT=str(out), ESCAPE_PORT=str(port), ESCAPE_MODE=behaviour)
     settings = Settings(root=tmp_path, grace=0.5, base_env=env, use_cgroup=mode == "cgroup")
     test = TestRun("tests/test_escape.py", "cpu", "stage-b-cpu", "cpu", "1/1", 5.0, timeout)
-    attempt = run_attempt(test, tmp_path / "attempt", settings, cancel or CancelToken())
+    attempt = run_attempt(test, tmp_path / attempt_dir, settings, cancel or CancelToken())
     names = ("setsid", "daemon", "server")
     pids = {name: int((out / f"{name}.pid").read_text()) for name in names if (out / f"{name}.pid").exists()}
     return attempt, pids, port
@@ -137,8 +145,10 @@ def test_escapees_of_a_passing_test_are_stopped_after_it_and_named(tmp_path, mod
 
 def test_escapees_of_a_test_that_times_out_are_stopped(tmp_path, mode):
     # The limit doubles until pytest got far enough to start them (a busy machine is slow).
-    for timeout in (8.0, 16.0, 32.0, 64.0):
-        attempt, pids, port = _run(tmp_path, mode, "hang", timeout=timeout)
+    for timeout in (8.0, 16.0, 32.0, 64.0):  # each try in a folder of its own, as the runner's attempts are
+        attempt, pids, port = _run(
+            tmp_path, mode, "hang", timeout=timeout, attempt_dir=f"attempt-{timeout:g}"
+        )
         if (tmp_path / "out" / "ready").exists():
             break
     assert (attempt.status, attempt.classification) == ("timeout", "timeout")
