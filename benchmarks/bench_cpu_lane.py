@@ -1,12 +1,14 @@
 """The CPU lane's wall time per phase, before and after a change, side by side.
 
-    python benchmarks/bench_cpu_lane.py --before REV [--after REV] [--suite stage-b-cpu] [--keep DIR]
+    python benchmarks/bench_cpu_lane.py --before REV [--after REV] [--suite stage-b-cpu] [--keep DIR] [--together]
     python benchmarks/bench_cpu_lane.py --reports BEFORE_RUN_JSON AFTER_RUN_JSON
 
 Each side is a revision exported clean (`git archive`; the after side defaults to this working
 tree as it is), run with this interpreter as the lane runs it (`python -m miles.ci run --lane
 cpu`, with --continue-on-error so every file is measured), one side after the other on the same
-machine, each with its own report folder. Prints the lane's wall time, its seconds per phase
+machine (or with --together both at once, so a shared machine's load falls on both alike), each
+with its own report folder. Prints the lane's wall time and CPU seconds (of every process of the
+side, however loaded the machine: the work it costs), its seconds per phase
 (miles.ci.reports.phases: start-up and imports, checkpoints, initialisation, rollouts, steps,
 teardown, other), the files whose time changed most, and the load average during each side (this
 machine is shared: a side measured under more load is slower for that reason alone). A revision
@@ -74,9 +76,11 @@ class LoadSampler:
         return f"load average mean {mean:.1f}, max {max(self.samples):.1f} on {os.cpu_count()} cores"
 
 
-def run_lane(tree: Path, reports: Path, suites: list[str]) -> tuple[dict, str]:
-    """Run the cpu lane in `tree`; its run.json and the load while it ran."""
-    scope = [f"--suite={s}" for s in suites] or ["--lane", "cpu"]
+def start_lane(tree: Path, reports: Path, suites: list[str]) -> subprocess.Popen:
+    """The cpu lane of `tree` started, its output in `<reports>.log`."""
+    scope = ["--lane", "cpu", *(f"--suite={s}" for s in suites)]
+    if suites:
+        scope += ["--jobs", "cores"]  # the suites as the lane runs them
     cmd = [
         sys.executable,
         "-m",
@@ -88,9 +92,39 @@ def run_lane(tree: Path, reports: Path, suites: list[str]) -> tuple[dict, str]:
         str(reports),
     ]
     env = {**os.environ, "PYTHONPATH": str(tree)}  # the tree's miles, also in workers run as scripts
-    with LoadSampler() as load:
-        subprocess.run(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, check=False)
-    return json.loads((reports / "run.json").read_text()), load.describe()
+    log = open(reports.with_suffix(".log"), "w")
+    return subprocess.Popen(cmd, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_cpu(proc: subprocess.Popen) -> float:
+    """Wait for a side's runner; the CPU seconds of it and of every process below it."""
+    _, _, usage = os.wait4(proc.pid, 0)
+    proc.returncode = 0
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_sides(
+    trees: list[Path], keep: Path, suites: list[str], together: bool
+) -> list[tuple[dict, str, float]]:
+    """Each side's run.json, the load while it ran and its CPU seconds."""
+    sides = ("before", "after")
+    if together:
+        with LoadSampler() as load:
+            procs = [start_lane(tree, keep / side, suites) for side, tree in zip(sides, trees, strict=True)]
+            cpus = [wait_cpu(p) for p in procs]
+        return [(_read(keep / side), load.describe(), cpu) for side, cpu in zip(sides, cpus, strict=True)]
+    out = []
+    for side, tree in zip(sides, trees, strict=True):
+        started = time.time()
+        with LoadSampler() as load:
+            cpu = wait_cpu(start_lane(tree, keep / side, suites))
+        print(f"{side}: {tree} ran in {time.time() - started:.0f}s ({load.describe()})", flush=True)
+        out.append((_read(keep / side), load.describe(), cpu))
+    return out
+
+
+def _read(reports: Path) -> dict:
+    return json.loads((reports / "run.json").read_text())
 
 
 def final_attempts(run: dict) -> dict[str, dict]:
@@ -104,14 +138,19 @@ def _ratio(before: float, after: float) -> str:
     return f"{after / before:.2f}x" if before > 0 else "-"
 
 
-def compare(before: dict, after: dict, loads: tuple[str, str] = ("", "")) -> str:
-    """The side-by-side table of two run.json records."""
+def compare(
+    before: dict, after: dict, loads: tuple[str, str] = ("", ""), cpu: tuple[float, float] | None = None
+) -> str:
+    """The side-by-side table of two run.json records (and the sides' CPU seconds when measured)."""
     b, a = final_attempts(before), final_attempts(after)
     wall_b = before["finished_at"] - before["started_at"]
     wall_a = after["finished_at"] - after["started_at"]
+    if cpu is None:  # the records' own, where their runner counted it
+        cpu = tuple(sum(x.get("cpu", 0.0) for x in side.values()) for side in (b, a))
     out = [
         f"{'':<24}{'before':>12}{'after':>12}{'after/before':>14}",
         f"{'lane wall':<24}{wall_b:>11.0f}s{wall_a:>11.0f}s{_ratio(wall_b, wall_a):>14}",
+        f"{'lane cpu':<24}{cpu[0]:>11.0f}s{cpu[1]:>11.0f}s{_ratio(cpu[0], cpu[1]):>14}",
         f"{'files':<24}{len(b):>12}{len(a):>12}",
         f"{'not passed':<24}{sum(x['status'] not in ('passed', 'flaky') for x in b.values()):>12}"
         f"{sum(x['status'] not in ('passed', 'flaky') for x in a.values()):>12}",
@@ -149,6 +188,9 @@ def main() -> int:
     parser.add_argument(
         "--reports", nargs=2, type=Path, metavar=("BEFORE", "AFTER"), help="two run.json files"
     )
+    parser.add_argument(
+        "--together", action="store_true", help="run both sides at once (the same machine load)"
+    )
     args = parser.parse_args()
     if args.reports:
         before, after = (json.loads(p.read_text()) for p in args.reports)
@@ -161,14 +203,9 @@ def main() -> int:
         keep.mkdir(parents=True, exist_ok=True)
         trees = [export(args.before, Path(tmp) / "trees")]
         trees.append(export(args.after, Path(tmp) / "trees") if args.after else ROOT)
-        results = []
-        for side, tree in zip(("before", "after"), trees, strict=True):
-            started = time.time()
-            run, load = run_lane(tree, keep / side, args.suite)
-            print(f"{side}: {tree} ran in {time.time() - started:.0f}s ({load})", flush=True)
-            results.append((run, load))
+        (before, load_b, cpu_b), (after, load_a, cpu_a) = run_sides(trees, keep, args.suite, args.together)
         print()
-        print(compare(results[0][0], results[1][0], (results[0][1], results[1][1])))
+        print(compare(before, after, (load_b, load_a), (cpu_b, cpu_a)))
     return 0
 
 

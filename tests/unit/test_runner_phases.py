@@ -19,7 +19,8 @@ from miles.ci.cli import main
 from miles.ci.reports.phases import COLUMNS, attribute, read_intervals
 
 REPORTS = ".miles/reports/stage-b-cpu-1of1"
-# The test's own process converts for 0.4 s; a child process it starts (a rank) rolls out for 0.6 s.
+# The test's own process converts for 0.4 s; a child process it starts (a rank) rolls out for 0.6 s
+# and then works 0.8 s of CPU.
 TIMED = """
 import subprocess
 import sys
@@ -29,7 +30,10 @@ from miles import phases
 from miles.ci.register import register_cpu_ci
 
 register_cpu_ci(est_time=30, suite="stage-b-cpu")
-RANK = "from miles import phases; import time\\nwith phases.phase(phases.ROLLOUT): time.sleep(0.6)"
+RANK = (
+    "from miles import phases; import time\\nwith phases.phase(phases.ROLLOUT): time.sleep(0.6)\\n"
+    "while time.process_time() < 0.8: pass"  # and 0.8 s of CPU, whatever the machine's load
+)
 
 
 def test_timed():
@@ -86,6 +90,7 @@ def test_a_lane_run_shows_where_each_file_spent_its_time(make_tree, capsys):
     assert phases["checkpoint"] >= 0.35 and phases["rollout"] >= 0.55, phases
     assert phases["start"] > 0 and phases["teardown"] > 0, phases  # the pytest process's own
     assert sum(phases.values()) == pytest.approx(attempt["elapsed"], abs=0.5), (phases, attempt["elapsed"])
+    assert attempt["cpu"] >= 0.8, attempt["cpu"]  # the child's CPU counts in the file's
     summary = (root / REPORTS / "summary.md").read_text()
     assert "### Where the time went" in summary and "`tests/e2e/test_timed.py`" in summary
     console = capsys.readouterr().out

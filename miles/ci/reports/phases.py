@@ -116,9 +116,10 @@ def totals(rows: Iterable[Mapping[str, float]]) -> dict[str, float]:
 TOP_FILES = 15  # the slowest files a table names
 
 
-def slowest(attempts) -> list[tuple[str, float, dict[str, float]]]:
-    """(file, elapsed, seconds per column) of each attempt that recorded phases, slowest first."""
-    rows = [(a.file, a.elapsed, dict(a.phases)) for a in attempts if a.phases]
+def slowest(attempts) -> list[tuple[str, float, float, dict[str, float]]]:
+    """(file, elapsed, CPU seconds, seconds per column) of each attempt that recorded phases,
+    slowest first."""
+    rows = [(a.file, a.elapsed, a.cpu, dict(a.phases)) for a in attempts if a.phases]
     return sorted(rows, key=lambda r: -r[1])
 
 
@@ -127,16 +128,18 @@ def text_table(attempts) -> list[str]:
     rows = slowest(attempts)
     if not rows:
         return []
-    total = totals(r[2] for r in rows)
-    wall = sum(r[1] for r in rows)
-    width = max(len(f"all {len(rows)} files"), *(len(f) for f, _, _ in rows[:TOP_FILES]))
-    head = f"{'':<{width}}  {'elapsed':>8}" + "".join(f"{c:>11}" for c in COLUMNS)
-    out = ["where the time went (seconds per phase):", head]
+    total = totals(r[3] for r in rows)
+    wall, cpu = sum(r[1] for r in rows), sum(r[2] for r in rows)
+    width = max(len(f"all {len(rows)} files"), *(len(r[0]) for r in rows[:TOP_FILES]))
+    head = f"{'':<{width}}  {'elapsed':>8}{'cpu':>8}" + "".join(f"{c:>11}" for c in COLUMNS)
+    out = ["where the time went (seconds per phase; cpu: the file's processes' CPU seconds):", head]
     out.append(
-        f"{f'all {len(rows)} files':<{width}}  {wall:>8.0f}" + "".join(f"{total[c]:>11.0f}" for c in COLUMNS)
+        f"{f'all {len(rows)} files':<{width}}  {wall:>8.0f}{cpu:>8.0f}"
+        + "".join(f"{total[c]:>11.0f}" for c in COLUMNS)
     )
-    for file, elapsed, seconds in rows[:TOP_FILES]:
+    for file, elapsed, used, seconds in rows[:TOP_FILES]:
         out.append(
-            f"{file:<{width}}  {elapsed:>8.1f}" + "".join(f"{seconds.get(c, 0.0):>11.1f}" for c in COLUMNS)
+            f"{file:<{width}}  {elapsed:>8.1f}{used:>8.1f}"
+            + "".join(f"{seconds.get(c, 0.0):>11.1f}" for c in COLUMNS)
         )
     return out

@@ -82,6 +82,9 @@ class Attempt:
     killed: tuple[str, ...] = ()  # processes the runner stopped ("pid 12 (sleep 600)")
     # seconds per phase (miles.ci.reports.phases.COLUMNS), as the attempt's processes recorded them
     phases: tuple[tuple[str, float], ...] = ()
+    # CPU seconds (user + system) of the attempt's processes that ended and were reaped: the
+    # work a file costs, which a busy machine stretches far less than its wall time
+    cpu: float = 0.0
 
     @property
     def ok(self) -> bool:

@@ -175,18 +175,20 @@ def phase_table(attempts) -> list[str]:
     rows = slowest(attempts)
     if not rows:
         return []
-    total, wall = totals(r[2] for r in rows), sum(r[1] for r in rows)
+    total, wall, cpu = totals(r[3] for r in rows), sum(r[1] for r in rows), sum(r[2] for r in rows)
     share = " | ".join(f"{total[c]:.0f}s ({100 * total[c] / wall if wall else 0:.0f}%)" for c in COLUMNS)
     lines = [
         "### Where the time went",
         "",
-        f"| file | elapsed | {' | '.join(COLUMNS)} |",
-        f"| --- | ---: | {' | '.join('---:' for _ in COLUMNS)} |",
-        f"| all {len(rows)} files | {_duration(wall)} | {share} |",
+        "Seconds per phase of each file's wall time; cpu: the CPU seconds its processes used.",
+        "",
+        f"| file | elapsed | cpu | {' | '.join(COLUMNS)} |",
+        f"| --- | ---: | ---: | {' | '.join('---:' for _ in COLUMNS)} |",
+        f"| all {len(rows)} files | {_duration(wall)} | {_duration(cpu)} | {share} |",
     ]
-    for file, elapsed, seconds in rows[:TOP_FILES]:
+    for file, elapsed, used, seconds in rows[:TOP_FILES]:
         cells = " | ".join(f"{seconds.get(c, 0.0):.1f}s" for c in COLUMNS)
-        lines.append(f"| {code(file)} | {elapsed:.1f}s | {cells} |")
+        lines.append(f"| {code(file)} | {elapsed:.1f}s | {used:.1f}s | {cells} |")
     return [*lines, ""]
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import codecs
 import os
+import resource
 import select
 import shlex
 import signal
@@ -230,6 +231,7 @@ def _run_in(
     containment = Containment(use_cgroup=settings.use_cgroup)
     env = {**settings.base_env, **test.env(record_dir, phase_dir), **containment.env()}
     started = time.monotonic()
+    cpu_before = _children_cpu()
     try:
         try:
             proc = _start(argv, settings.root, env, containment)
@@ -271,6 +273,7 @@ def _run_in(
     finally:
         containment.close()
     returncode = proc.returncode
+    cpu = _children_cpu() - cpu_before
     text = tail.text()
     parsed = read_junit(junit_path)
     status, classification, message = classify_attempt(
@@ -285,6 +288,7 @@ def _run_in(
         message += f" of the machine's time: {elapsed:.0f}s of wall time at a load average up to {clock.peak:.1f} on {clock.cores} cores"
     return base.replace(
         phases=attempt_phases(phase_dir, base.started_at, elapsed),
+        cpu=round(cpu, 1),
         status=status,
         exit_code=returncode if returncode is not None and returncode >= 0 else None,
         signal=signal_name(returncode),
@@ -295,6 +299,13 @@ def _run_in(
         cases=parsed.cases if parsed.ok else (),
         killed=killed,
     )
+
+
+def _children_cpu() -> float:
+    """User + system CPU seconds of this process's reaped descendants (the runner reaps the test's
+    process, and as their subreaper its orphans; each process reaps its own children)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _start(argv: list[str], cwd: Path, env: dict[str, str], containment: Containment) -> subprocess.Popen:
