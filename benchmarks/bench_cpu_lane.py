@@ -79,8 +79,8 @@ class LoadSampler:
 def start_lane(tree: Path, reports: Path, suites: list[str]) -> subprocess.Popen:
     """The cpu lane of `tree` started, its output in `<reports>.log`."""
     scope = ["--lane", "cpu", *(f"--suite={s}" for s in suites)]
-    if suites:
-        scope += ["--jobs", "cores"]  # the suites as the lane runs them
+    if suites and (tree / "miles/ci/running/jobs.py").is_file():
+        scope += ["--jobs", "cores"]  # the suites as the lane runs them, where the lane has jobs
     cmd = [
         sys.executable,
         "-m",
@@ -201,8 +201,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="miles-bench-lane-") as tmp:
         keep = args.keep or Path(tmp)
         keep.mkdir(parents=True, exist_ok=True)
-        trees = [export(args.before, Path(tmp) / "trees")]
-        trees.append(export(args.after, Path(tmp) / "trees") if args.after else ROOT)
+        # under --keep, the trees stay too: each holds the durations its run stored (.miles/)
+        trees = [export(args.before, keep / "trees")]
+        trees.append(export(args.after, keep / "trees") if args.after else ROOT)
         (before, load_b, cpu_b), (after, load_a, cpu_a) = run_sides(trees, keep, args.suite, args.together)
         print()
         print(compare(before, after, (load_b, load_a), (cpu_b, cpu_a)))
