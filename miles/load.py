@@ -9,7 +9,11 @@ wall time whatever the load (a hung process still ends). Standard library only.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+_POLL_S = 2.0  # how often a counted wait looks at the load
 
 
 def _cores() -> int:
@@ -66,3 +70,27 @@ class LoadClock:
     def stretched(self) -> bool:
         """Whether more wall time than the limit passed (the load stretched it)."""
         return self.last - self.started > self.limit + 1
+
+
+def run_counted(
+    cmd: Sequence[str],
+    timeout: float,
+    *,
+    stretch: float = 10.0,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True) with `timeout` counted at the machine's
+    load (at most `stretch` x `timeout` in wall time): subprocess.TimeoutExpired, with the output
+    so far, when it runs out; the process is killed first."""
+    clock = LoadClock(timeout, stretch, time.monotonic())
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
+    while True:
+        try:
+            out, err = proc.communicate(timeout=_POLL_S)
+            return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        except subprocess.TimeoutExpired:
+            if clock.expired(time.monotonic()):
+                proc.kill()
+                out, err = proc.communicate()
+                raise subprocess.TimeoutExpired(cmd, clock.last - clock.started, out, err) from None

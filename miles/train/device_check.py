@@ -255,6 +255,7 @@ def train_tiny_recipe(
     given, so no flag of another backend's layout is passed); its metric series and seconds."""
     from miles.ckpt.pipeline import prepare
     from miles.ckpt.tiny_cache import CACHE_ENV
+    from miles.load import run_counted
     from miles.metrics.capture import RECORD_DIR_ENV, decode_value
     from miles.recipes import load
     from miles.recipes.launch import RunOptions, build_plan
@@ -270,16 +271,14 @@ def train_tiny_recipe(
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                "-m", "miles.train", *plan.train_args]  # fmt: skip
     started = time.perf_counter()
-    try:
-        done = subprocess.run(
-            command, env={**os.environ, RECORD_DIR_ENV: str(record)}, capture_output=True, text=True,
-            timeout=TRAIN_TIMEOUT_S,
-        )  # fmt: skip
+    try:  # counted at the machine's load: a busy CPU machine makes the run slow, not hung
+        done = run_counted(command, TRAIN_TIMEOUT_S, env={**os.environ, RECORD_DIR_ENV: str(record)})
     except subprocess.TimeoutExpired as e:
-        # TimeoutExpired carries bytes even with text=True
-        last = (e.stderr or b"").decode(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
+        stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        last = stderr.strip().splitlines()[-1:] or ["(no output)"]
         raise CheckFailed(
-            f"the tiny recipe ({run_id}) had not ended after {TRAIN_TIMEOUT_S}s, last line: {last[0]}; either "
+            f"the tiny recipe ({run_id}) had not ended after {e.timeout:.0f}s ({TRAIN_TIMEOUT_S}s at the "
+            f"machine's load), last line: {last[0]}; either "
             "the trainer hung or a process it started still holds its output open: look for leftover "
             "`miles.train` or multiprocessing processes (`ps -ef`) and stop them before a rerun"
         ) from None

@@ -17,7 +17,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TIMEOUT = 600
 LOAD_STRETCH = 10.0
-POLL_S = 2.0
 
 
 def torchrun(nproc: int) -> list[str]:
@@ -36,23 +35,11 @@ def run(
     cmd: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float = DEFAULT_TIMEOUT
 ) -> subprocess.CompletedProcess:
     """subprocess.run(cmd, capture_output=True, text=True) with `timeout` counted at the machine's
-    load (miles.load.LoadClock: a shared 2-core machine makes ranks slow, not hung; a hung run
+    load (miles.load.run_counted: a shared 2-core machine makes ranks slow, not hung; a hung run
     still ends, at 10 x the timeout): TimeoutExpired when it runs out, the process killed."""
-    import time
+    from miles.load import run_counted
 
-    from miles.load import LoadClock
-
-    clock = LoadClock(timeout, LOAD_STRETCH, time.monotonic())
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    while True:
-        try:
-            out, err = proc.communicate(timeout=POLL_S)
-            return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-        except subprocess.TimeoutExpired:
-            if clock.expired(time.monotonic()):
-                proc.kill()
-                out, err = proc.communicate()
-                raise subprocess.TimeoutExpired(cmd, clock.last - clock.started, out, err) from None
+    return run_counted(cmd, timeout, stretch=LOAD_STRETCH, env=env)
 
 
 def launch(
