@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -182,3 +184,14 @@ def test_a_loaded_machine_stretches_a_timeout_and_a_quiet_one_does_not():
     assert not swamped.expired(99.0) and swamped.expired(100.0)
     never = LoadClock(10.0, 1.0, 0.0, cores=2, load=lambda: 8.0)  # no stretch asked: wall time
     assert never.expired(10.0)
+
+
+def test_a_counted_run_returns_the_output_and_a_hung_one_is_killed_with_what_it_printed():
+    from miles.load import run_counted
+
+    done = run_counted([sys.executable, "-c", "print('hello')"], 60)
+    assert (done.returncode, done.stdout) == (0, "hello\n")
+    hung = [sys.executable, "-u", "-c", "import time; print('started', flush=True); time.sleep(600)"]
+    with pytest.raises(subprocess.TimeoutExpired) as err:
+        run_counted(hung, 0.5, stretch=1.0)  # no stretch: the plain wall-clock limit
+    assert err.value.output == "started\n"
