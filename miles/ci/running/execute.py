@@ -199,8 +199,16 @@ def run_attempt(
     finally:
         if folder is not attempt_dir and isinstance(folder, Folder):
             folder.close()
-    with log:
+    try:
         return _run_in(test, folder.path, log, settings, cancel, tick, on_cancel)
+    finally:
+        try:
+            log.close()
+        except OSError as exc:  # a full disk costs the log's tail, never the attempt's record
+            print(
+                f"warning: {test.file}: its output.log could not be written out: {exc.strerror or exc}",
+                file=sys.stderr,
+            )
 
 
 def _run_in(
