@@ -120,8 +120,8 @@ def test_every_lane_lock_pins_that_release():
 
 def test_importing_the_adapter_package_imports_nothing_heavy():
     code = (
-        "import sys, miles.megatron, miles.megatron.families, miles.megatron.hf_names, miles.megatron.proof; "
-        "miles.megatron.families.mappings(); "
+        "import sys, miles.megatron, miles.families, miles.families.weights, miles.megatron.proof; "
+        "miles.families.families(); miles.families.layout; "
         "print(sorted(m for m in ('torch', 'megatron', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)

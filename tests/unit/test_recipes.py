@@ -15,9 +15,10 @@ from miles.platform import PlatformMismatch
 from miles.recipes import GROUPS, load, names, shared, variants
 from miles.recipes.args import ArgsError, fill, merge, render
 from miles.recipes.diff import recipe_diff
+from miles.recipes.library.inkling import INKLING_SMALL
+from miles.recipes.library.qwen3_4b import QWEN3_4B
 from miles.recipes.models import UnknownModel, moe_layer_freq, resolve_model
 from miles.recipes.recipe import RecipeError, gpu_profile, groups
-from miles.recipes.specs import INKLING_SMALL, QWEN3_4B
 
 ROOT = Path(__file__).resolve().parents[2]
 
