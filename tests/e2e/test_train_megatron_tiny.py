@@ -1,6 +1,6 @@
 """The Megatron backend trains the recipes' tiny profiles on CPU, and learns a task that needs the prompt.
 
-Qwen3-4B's tiny profile trains with megatron-core at TP=2 with sequence parallelism,
+Qwen3-4B's and Qwen2.5-0.5B's tiny profiles train with megatron-core at TP=2 with sequence parallelism,
 Qwen3-30B-A3B's at EP=2 (ETP=1), GLM-5.2's at TP=2 with sequence parallelism and EP=2 (its
 MLA, DSA indexer with a shared layer, sigmoid-routed experts and shared expert split over both),
 Inkling-Small's at TP=2 with sequence parallelism and EP=2 (its short convolutions with the
@@ -45,6 +45,8 @@ ECHO = (
     "--n-samples-per-prompt", "32", "--global-batch-size", "64", "--micro-batch-size", "32", "--rollout-temperature", "1",
 )  # fmt: skip
 DENSE = {"recipe": "qwen3_4b", "rollouts": 40, "lr": "3e-3"}
+# Qwen2.5-0.5B's tiny (q/k/v biases, no q/k norms) at Qwen3's settings
+QWEN2 = {**DENSE, "recipe": "qwen2_5_0_5b"}
 MOE = {"recipe": "qwen3_30b_a3b", "rollouts": 48, "lr": "2e-3"}
 # The tiny GLM's policy turns deterministic (all of a group's samples alike: nothing left to learn
 # from) within ~15 rollouts at the others' settings, mostly on one answer for every prompt; an
@@ -148,6 +150,13 @@ def test_megatron_run_resumed_midway_reproduces_the_original(dense_run):
         assert sorted(again) == list(range(half, DENSE["rollouts"])), key
         for step, value in again.items():
             assert value == pytest.approx(original[step], rel=1e-5, abs=1e-7), f"{key} at rollout {step}"
+
+
+def test_megatron_qwen2_tp2_learns_a_task_that_needs_the_prompt(tmp_path):
+    _, record = train(tmp_path, QWEN2)
+    assert_learns_the_prompt(record, QWEN2["rollouts"])
+    gap = runs.series(record, "train/train_rollout_logprob_abs_diff")
+    assert max(gap.values()) < 1e-3, gap
 
 
 def test_megatron_ep2_moe_learns_a_task_that_needs_the_prompt(tmp_path):
@@ -402,7 +411,7 @@ def test_inkling_model_parallel_layouts_reproduce_the_data_parallel_gradients(in
 
 
 # --- DeepSeek-V4 ----------------------------------------------------------------------------
-# miles' own model (miles.megatron.dsv4): the tiny's layers are sliding, sliding, CSA, HCA, so PP=2
+# miles' own model (miles.families.deepseek_v4.model): the tiny's layers are sliding, sliding, CSA, HCA, so PP=2
 # splits them 2 + 2 and the 4 hyper-connection streams cross the stage boundary as [s, b*4, d]; the
 # interleaved schedule (one layer per virtual stage) sizes its buffers from the streams too.
 
