@@ -112,7 +112,7 @@ def test_megatron_glm_logits_match_hf_logits(variant, tmp_path):
 def test_every_checkpoint_tensor_has_one_place_and_shared_layers_have_no_indexer(tmp_path):
     from miles.ckpt.shards import read_weight_map
     from miles.ckpt.tiny import make_tiny_checkpoint
-    from miles.families.weights import layout
+    from miles.families import layout
 
     hf = make_tiny_checkpoint("glm_moe_dsa", LAYERS, tmp_path / "hf")
     config = json.loads((hf / "config.json").read_text())

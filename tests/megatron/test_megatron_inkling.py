@@ -132,7 +132,7 @@ def test_every_checkpoint_tensor_has_one_place(form, tmp_path):
     from miles.ckpt.shards import read_weight_map
     from miles.ckpt.tiny import make_tiny_checkpoint
     from miles.families import megatron_family, read_config
-    from miles.families.weights import layout
+    from miles.families import layout
 
     if form == "release":
         hf = make_release_checkpoint(tmp_path / "hf")
@@ -183,7 +183,7 @@ def test_configs_transformers_computes_otherwise_are_refused_by_name():
             transformer_config({**base, key: value})
     # a release's config.json as it is (its decoder under text_config) is not read as the decoder's
     release = {"model_type": "inkling_mm_model", "text_config": base}
-    with pytest.raises(UnmappedModel, match="text_config: the mapping reads the decoder's config"):
+    with pytest.raises(UnmappedModel, match="text_config: the family reads the decoder's config"):
         transformer_config(release)
 
 

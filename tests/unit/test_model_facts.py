@@ -119,9 +119,8 @@ def test_the_layout_checker_reads_a_tiny_config_through_its_family(family, tmp_p
         2, table.tiny_dims["num_attention_heads"], table.attention,
     )  # fmt: skip
     experts = value(config, "num_experts")
-    assert shape.num_experts == (value(config, "n_routed_experts") if experts is ABSENT else experts) or (
-        shape.num_experts is None and family == "qwen3"
-    )
+    experts = value(config, "n_routed_experts") if experts is ABSENT else experts
+    assert shape.num_experts == (None if experts is ABSENT else experts)  # a dense family has none
     assert shape.num_query_groups == (
         None if table.attention != "gqa" else table.tiny_dims["num_key_value_heads"]
     )
