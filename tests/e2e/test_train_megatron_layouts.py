@@ -65,7 +65,7 @@ INKLING_LAYOUTS = {
     "pp2": ("--pipeline-model-parallel-size", "2"),
 }
 INKLING_REL = 1e-5
-# DeepSeek-V4 (miles' own model, miles.megatron.dsv4): the tiny's layers are sliding, sliding, CSA,
+# DeepSeek-V4 (miles' own model, miles.families.deepseek_v4.model): the tiny's layers are sliding, sliding, CSA,
 # HCA, so PP=2 splits them 2 + 2 and the 4 hyper-connection streams cross the stage boundary as
 # [s, b*4, d]; the interleaved schedule (one layer per virtual stage) sizes its buffers from the
 # streams too.

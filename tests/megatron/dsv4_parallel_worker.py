@@ -1,5 +1,5 @@
-"""Run under `torch.distributed.run --nproc-per-node 2`: DeepSeek-V4 (miles.megatron.dsv4) split over
-two ranks (argv: checkpoint dir, then a JSON list of [layout, save dir or null] with layouts "tp2sp" |
+"""Run under `torch.distributed.run --nproc-per-node 2`: DeepSeek-V4 (miles.families.deepseek_v4.model) split
+over two ranks (argv: checkpoint dir, then a JSON list of [layout, save dir or null] with layouts "tp2sp" |
 "ep2" | "pp2", each run in turn in this one launch; a save dir gets the model's shards as the trainer
 saves them) computes transformers' logits and gradient norm: one `RESULT` line per layout. Each
 rank holds its part of the weights: the full tensors from the checkpoint through the family's
@@ -30,7 +30,7 @@ LAYOUTS = {  # initialize_model_parallel and TransformerConfig arguments
 
 def full_state(path, config) -> dict:
     from miles.ckpt.shards import CheckpointReader
-    from miles.megatron.families import deepseek_v4 as family
+    from miles.families.deepseek_v4 import FAMILY as family
 
     out = {}
     with CheckpointReader(path) as reader:
@@ -134,7 +134,7 @@ def run_layout(path: str, layout: str, saved: str | None) -> None:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from miles.megatron.families import deepseek_v4 as family
+    from miles.families.deepseek_v4 import FAMILY as family
 
     if ps.model_parallel_is_initialized():  # the previous layout's
         ps.destroy_model_parallel()
