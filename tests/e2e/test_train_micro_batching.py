@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from miles.ci.register import register_cpu_ci
-from miles.metrics.capture import decode_value
+from miles.metrics.records import MAX_RECORD_FILES, read_record
 from tests.support.ckpt import tiny
 from tests.support.trainer_cases import run_cases
 
@@ -65,10 +65,10 @@ def trained(tmp_path_factory) -> dict[str, dict[str, list[float]]]:
 
 def _metrics(record: Path) -> dict[str, list[float]]:
     out = {}
-    for path in record.glob("*.jsonl"):
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            out[row["metric"]] = [decode_value(v) for _, v in row["series"]]
+    for path in sorted(record.glob("*.jsonl"))[:MAX_RECORD_FILES]:  # read bounded, as the gate reads them
+        out.update(
+            {metric: [v for _, v in sorted(points.items())] for metric, points in read_record(path).items()}
+        )
     return out
 
 

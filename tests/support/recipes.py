@@ -8,12 +8,12 @@ exercise what a user's `python scripts/run_<model>.py full-train` does.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 
-from miles.metrics.capture import RECORD_DIR_ENV, decode_value
+from miles.metrics.capture import RECORD_DIR_ENV
+from miles.metrics.records import MAX_RECORD_FILES, read_record
 from tests.support.ckpt import cache_folder
 
 
@@ -48,13 +48,12 @@ def launch(plan, record_dir: Path) -> int:
 
 
 def series(record_dir: Path, key: str) -> dict[int, float]:
-    """One metric's {step: value} from the capture records in record_dir."""
+    """One metric's {step: value} from the capture records in record_dir, read as the gate reads
+    them (miles.metrics.records: regular files only, each at most MAX_RECORD_BYTES, at most
+    MAX_RECORD_FILES of them; a RecordError names anything else)."""
     points: dict[int, float] = {}
-    for record in record_dir.glob("*.jsonl"):
-        for line in record.read_text().splitlines():
-            row = json.loads(line)
-            if row["metric"] == key:
-                points.update({int(s): decode_value(v) for s, v in row["series"]})
+    for record in sorted(record_dir.glob("*.jsonl"))[:MAX_RECORD_FILES]:
+        points.update(read_record(record).get(key, {}))
     return points
 
 

@@ -197,3 +197,19 @@ def test_a_job_that_leaves_no_report_has_its_files_reported_as_not_finished(make
         ("tests/e2e/test_a.py", "cancelled"), ("tests/e2e/test_b.py", "cancelled"),
     ]  # fmt: skip
     assert all("ended (exit code -9) without a report" in a.message for a in record.attempts)
+
+
+def test_a_job_line_without_an_end_is_relayed_in_bounded_pieces():
+    """A job that prints megabytes with no newline costs the relay MAX_LINE_BYTES at a time, and
+    every byte still reaches the run's output with the job's prefix."""
+    import io
+    import threading
+
+    from miles.ci.running.jobs import MAX_LINE_BYTES, _relay
+
+    out = io.StringIO()
+    _relay(io.BytesIO(b"x" * (3 * MAX_LINE_BYTES + 5) + b"\nend\n"), "[1/2] ", out, threading.Lock())
+    lines = out.getvalue().splitlines()
+    assert all(line.startswith("[1/2] ") and len(line) <= len("[1/2] ") + MAX_LINE_BYTES for line in lines)
+    assert "".join(line.removeprefix("[1/2] ") for line in lines[:-1]) == "x" * (3 * MAX_LINE_BYTES + 5)
+    assert lines[-1] == "[1/2] end" and len(lines) == 5

@@ -27,6 +27,7 @@ from miles.ci.running.plan import RunOptions, RunPlan, test_run
 from miles.files import Folder, read_regular
 
 MAX_RECORD_BYTES = 256 << 20
+MAX_LINE_BYTES = 64 << 10  # a longer line (one without a newline, however long) is relayed in pieces
 
 
 def job_argv(options: RunOptions, plan: RunPlan, job: int, report_dir: Path) -> list[str]:
@@ -84,7 +85,7 @@ def run_jobs(
 
 
 def _relay(stream: IO[bytes], prefix: str, out: IO[str], lock: threading.Lock) -> None:
-    for raw in iter(stream.readline, b""):
+    for raw in iter(lambda: stream.readline(MAX_LINE_BYTES), b""):
         line = raw.decode("utf-8", "replace").rstrip("\n")
         with lock:
             out.write(f"{prefix}{line}\n")
