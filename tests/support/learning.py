@@ -26,29 +26,37 @@ MOE = {"recipe": "qwen3_30b_a3b", "rollouts": 48, "lr": "2e-3"}
 # Below lr 8e-3 a run may stay on one answer (chance, 0.25) or leave it only near rollout 30:
 # 6e-3 ended at 0.61 over the last 8 with the unfused logprob and at 0.48 with the fused one
 # (the same run to rollout 31), 4e-3 at 0.23; at 8e-3 it reads the prompt by rollout 22 (0.61).
+# At 8e-3 its exact match peaks near rollout 32 (0.86) and wavers after: the last 8 of 40 rollouts
+# average 0.51, of 32 0.69 (measured again with this setup: first 4 0.002, last 8 of 32 0.692, 267 s
+# on 2 shared cores), so 32 rollouts prove more, sooner.
 GLM = {
-    "recipe": "glm5_2_744b_a40b", "rollouts": 40, "lr": "8e-3",
+    "recipe": "glm5_2_744b_a40b", "rollouts": 32, "lr": "8e-3",
     "extra": ("--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--entropy-coef", "0.2"),
 }  # fmt: skip
 # The tiny Inkling (its logits divided by the width multiplier 16) leaves the one-answer policy
 # slowly and not for good: at GLM's settings (lr 8e-3) it stays near 0.03 over 40 rollouts; at
-# 2e-2 to 6e-2 it reads the prompt from about rollout 15, and over 60 rollouts the last 8 end
-# between chance and 0.46 (seven settings); at 5e-2 it reaches 0.8 by rollout 38 and falls back
-# to chance by rollout 50, at 4e-2 its last 8 of 80 reach 0.54. 40 rollouts at 5e-2 end at 0.57.
+# 2e-2 to 6e-2 it reads the prompt from about rollout 15 and falls back by turns. With GLM's 8
+# samples a prompt at 5e-2 the last 8 of 40 rollouts end at 0.40 (0.47 at rollout 28, 0.38 at 30,
+# the same curve here as on CI), of 56 at 0.45; an entropy bonus of 0.1 or 0.05 lets it turn
+# deterministic by rollout 20 (last 8 of 40: 0.23, 0.24), a linear decay to 5e-3 keeps it near
+# chance (0.22). 16 samples a prompt (each group's advantages less noisy, 4 steps a rollout) read
+# the prompt from rollout 28 (0.52) and rise to 0.90 at rollout 40: first 4 0.002, last 8 of 40
+# 0.78 (299 s on 2 cores shared with other work).
 INKLING = {
     "recipe": "inkling", "rollouts": 40, "lr": "5e-2",
-    "extra": ("--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--entropy-coef", "0.2"),
+    "extra": ("--rollout-batch-size", "16", "--n-samples-per-prompt", "16", "--entropy-coef", "0.2"),
 }  # fmt: skip
 # Qwen2.5-0.5B's tiny (q/k/v biases, no q/k norms): at Qwen3's settings (3e-3, 4 prompts x 32) it
 # ends at 0.19 over the last 8 of 40; at 1e-2 it reaches the prompt and falls back to one answer
 # by turns; at GLM's batches with an entropy bonus and 5e-3 it reads the prompt from about rollout
-# 14 and ends at 0.55 over the last 8 of 40, still rising (0.74 at rollout 39)
-QWEN2 = {**GLM, "recipe": "qwen2_5_0_5b", "lr": "5e-3", "rollouts": 44}
+# 14, passes 0.5 at rollout 32 and swings between 0.42 and 0.90 after: first 4 0.002, last 8 of 44
+# 0.60, of 48 0.63 (227 s on 2 shared cores); 16 samples a prompt stay near chance (0.21 of 40).
+QWEN2 = {**GLM, "recipe": "qwen2_5_0_5b", "lr": "5e-3", "rollouts": 48}
 
 
 # DeepSeek-V4's tiny at GLM's settings: exact match 0.0 over the first 4 rollouts, past 0.5 by
 # rollout 24, 0.92 over the last 8 (97 s on 2 CPU cores).
-DSV4 = {**GLM, "recipe": "deepseek_v4"}
+DSV4 = {**GLM, "recipe": "deepseek_v4", "rollouts": 40}
 CHANCE = 0.25  # the exact-match rate of the best policy that ignores its prompt
 
 
