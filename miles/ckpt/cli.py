@@ -256,7 +256,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from miles.ckpt.progress import Progress
 
     convert = convert_to_fp8 if args.direction == "fp8" else convert_from_fp8
-    with atomic_dir(args.dst) as tmp, Progress(args.direction, 0) as progress:
+    with (
+        atomic_dir(args.dst, reads=[args.src], replaces=(args.direction,)) as tmp,
+        Progress(args.direction, 0) as progress,
+    ):
         records = convert(args.src, tmp, workers=args.workers, progress=progress)
         write_manifest(tmp, args.direction, fingerprint(args.src), {}, records)
     print(args.dst)
