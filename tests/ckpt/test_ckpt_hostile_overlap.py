@@ -44,7 +44,9 @@ def _one_line(capsys, code: int, argv: list[str]) -> str:
     return lines[0]
 
 
-def _prepare(source: Path | str, model_dir: Path, *steps: str, model: str = MODEL, layers: int = 4) -> list[str]:
+def _prepare(
+    source: Path | str, model_dir: Path, *steps: str, model: str = MODEL, layers: int = 4
+) -> list[str]:
     argv = ["prepare", "--quiet", "--family", "qwen3", "--model", model, "--source", str(source),
             "--model-dir", str(model_dir), "--layers", str(layers), "--scan-nan", "0"]  # fmt: skip
     return argv + (["--plan-steps", ",".join(steps)] if steps else [])
@@ -187,7 +189,9 @@ def test_a_rerun_onto_the_steps_own_earlier_output_is_allowed(models, tmp_path, 
     assert read_manifest(out).step == "fp8"
 
 
-def test_a_rerun_over_hard_links_to_the_input_never_writes_into_the_input(models, tmp_path, capsys, tree_digest):
+def test_a_rerun_over_hard_links_to_the_input_never_writes_into_the_input(
+    models, tmp_path, capsys, tree_digest
+):
     """An output whose files were hard-linked to the input's is replaced file by file, by new
     files renamed into place: the input's bytes are never written through the shared inodes."""
     hf, out = models / MODEL, tmp_path / "fp8-copy"
@@ -198,7 +202,9 @@ def test_a_rerun_over_hard_links_to_the_input_never_writes_into_the_input(models
     before, links = tree_digest(hf), {s.name: os.stat(s).st_nlink for s in hf.glob("*.safetensors")}
     assert main(["fp8", str(hf), str(out)]) == 0, capsys.readouterr().err
     assert tree_digest(hf) == before
-    assert {s.name: os.stat(s).st_nlink for s in hf.glob("*.safetensors")} == {k: n - 1 for k, n in links.items()}
+    assert {s.name: os.stat(s).st_nlink for s in hf.glob("*.safetensors")} == {
+        k: n - 1 for k, n in links.items()
+    }
 
 
 def test_make_tiny_into_a_folder_holding_another_steps_output_is_refused(models, capsys, tree_digest):
@@ -214,7 +220,9 @@ def test_a_stage_dir_that_is_the_model_dir_is_refused_before_copying(models, tmp
     before = tree_digest(models)
     argv = _prepare(source, models, "fetch", "fp8", "stage") + ["--stage-dir", str(models)]
     line = _one_line(capsys, 1, argv)
-    assert line.startswith(f"error: stage of {MODEL}: its output {models / MODEL} is the input {models / MODEL}")
+    assert line.startswith(
+        f"error: stage of {MODEL}: its output {models / MODEL} is the input {models / MODEL}"
+    )
     assert tree_digest(models) == before
 
 
@@ -231,7 +239,9 @@ def test_a_model_dir_inside_the_local_source_is_refused(tiny_copy, capsys, tree_
     source = tiny_copy("qwen3")
     before = tree_digest(source)
     line = _one_line(capsys, 1, _prepare(source, source / "models", "fetch"))
-    assert line.startswith(f"error: fetch of {MODEL}: its output {source / 'models' / MODEL} lies inside the input")
+    assert line.startswith(
+        f"error: fetch of {MODEL}: its output {source / 'models' / MODEL} lies inside the input"
+    )
     assert tree_digest(source) == before
 
 
@@ -243,7 +253,9 @@ def test_trim_of_a_source_that_is_the_hf_folder_itself_is_refused(tiny, tmp_path
     (models / name / MANIFEST_NAME).unlink()  # a folder the user put there
     before = tree_digest(models / name)
     line = _one_line(capsys, 1, _prepare(models / name, models, "fetch", "trim", model=name, layers=2))
-    assert line.startswith(f"error: trim of {name}: its output {models / name} is the input {models / name}"), line
+    assert line.startswith(
+        f"error: trim of {name}: its output {models / name} is the input {models / name}"
+    ), line
     assert tree_digest(models / name) == before
 
 
