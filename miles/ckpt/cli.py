@@ -251,7 +251,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from miles.ckpt.fp8 import convert_from_fp8, convert_to_fp8
+    from miles.ckpt.dequantize import convert_from_fp8
+    from miles.ckpt.fp8 import convert_to_fp8
     from miles.ckpt.manifest import atomic_dir, fingerprint, write_manifest
     from miles.ckpt.progress import Progress
 
