@@ -14,6 +14,7 @@ from pathlib import Path
 
 from miles.ckpt.errors import CheckpointError, describe_os_error, os_error_in
 from miles.ckpt.plan import FAMILIES, STEPS, CheckpointPlan
+from miles.exits import OneLineParser
 
 MODEL_DIR_ENV = "MILES_MODEL_DIR"
 
@@ -79,7 +80,7 @@ def _steps(text: str | None) -> tuple[str, ...] | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m miles.ckpt", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m miles.ckpt", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser(

@@ -146,7 +146,7 @@ def check_quantization_config(src: Path, config: object) -> None:
     where = f"{Path(src) / 'config.json'}: quantization_config"
     q = config.get("quantization_config") if isinstance(config, dict) else None
     if q is not None and not isinstance(q, dict):
-        raise CheckpointError(f"{where} is {q!r}, not an object like {{\"quant_method\": \"fp8\", ...}}")
+        raise CheckpointError(f'{where} is {q!r}, not an object like {{"quant_method": "fp8", ...}}')
     if q is None or q.get("quant_method") != "fp8":
         method = None if q is None else q.get("quant_method")
         raise CheckpointError(

@@ -18,15 +18,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from miles.exits import OneLineParser
 from miles.recipes import names, shared, variants
 from miles.recipes.recipe import RecipeError
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """Usage errors as one line, not the whole usage text."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (--help lists the commands and flags)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
