@@ -23,7 +23,10 @@ EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 # Errors that mean the command was given something it cannot use, by class name, so that this
 # module imports none of the packages that define them.
-USAGE_ERRORS = ("UnknownName", "UsageError", "UnknownRecipe", "UnknownModel", "PlanError", "PolicyError")
+USAGE_ERRORS = (
+    "UnknownName", "UsageError", "UnknownRecipe", "UnknownModel", "PlanError", "PolicyError", "BadTag",
+    "BadSetting",
+)  # fmt: skip
 # Errors whose message already says what failed and why, in one line.
 FAILURES = ("ImageError", "LockFailed", "CheckpointError", "StoreError", "StoreUnreachable")
 

@@ -91,6 +91,10 @@ def validate_checkpoint(
         every value, 0 reads headers only.
     """
     root = Path(root)
+    if not 0 <= scan_fraction <= 1:  # NaN fails too: it would scan nothing and say nothing
+        raise CheckpointError(
+            f"scan_fraction {scan_fraction!r}: give a share from 0 (headers only) to 1 (every value)"
+        )
     findings: list[Finding] = []
     config = _check_config(root, family_name, expect_layers, min_layers, allow_auto_map, findings)
     keep = _kept(config, min_layers)
