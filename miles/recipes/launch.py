@@ -209,8 +209,7 @@ def check_command(
         else "Fix what the command line adds (--extra-args, --num-rollout)"
     )
     if extra:
-        found = [(flag, twice(values)) for flag, values in duplicates(pairs(extra))]
-        found += stack_problems(extra, platform) + backend_problems(
+        found = stack_problems(extra, platform) + backend_problems(
             extra, platform, recipe.backend_of(profile)
         )
         if found:
