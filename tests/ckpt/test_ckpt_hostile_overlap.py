@@ -265,3 +265,18 @@ def test_stage_dir_refuses_to_copy_a_folder_onto_itself(models, tree_digest):
     with pytest.raises(CheckpointError, match=f"stage copy {hf} is the input {hf}"):
         stage_dir(hf, hf)
     assert tree_digest(hf) == before
+
+
+@pytest.mark.parametrize("step", ["fp8", "torch_dist"])
+def test_a_steps_output_folder_planted_as_a_link_to_the_hf_folder_is_refused(
+    models, tmp_path, capsys, tree_digest, step
+):
+    """`<model>_fp8` (or `_torch_dist`) made a symlink to `<model>`: the step would read and replace one folder."""
+    hf, out = models / MODEL, models / f"{MODEL}_{step}"
+    if out.exists():
+        shutil.rmtree(out)
+    out.symlink_to(hf)
+    before = tree_digest(hf)
+    line = _one_line(capsys, 1, _prepare(tmp_path / "copy-qwen3-4", models, "fetch", step))
+    assert line.startswith(f"error: {step} of {MODEL}: its output {out} is the input {hf}"), line
+    assert tree_digest(hf) == before and out.is_symlink()
