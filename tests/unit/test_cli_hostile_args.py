@@ -7,7 +7,8 @@ traceback); MILES_HISTORY_TIMEOUT of abc, -1, 0, nan, inf or 1e20 and
 MILES_PREFLIGHT_MIN_FREE_GB=abc (exit 1 or a traceback); a sqlite: URL in a missing folder that
 created the folders; `--scan-nan` accepting -1, 2 and nan (nan hid a NaN weight); `record
 --run-json` with a missing, /dev/zero or garbage file (a traceback). Each test runs the command
-a user types, as a subprocess.
+a user types: the invoke tasks as a subprocess, `python -m miles.<package>` through its main
+in this process (argparse's exit included), with the variables set for the test.
 """
 
 from __future__ import annotations
@@ -31,6 +32,33 @@ def run(*argv: str, env: dict | None = None, cwd: Path = ROOT) -> subprocess.Com
 
 def invoke(*argv: str, **kwargs) -> subprocess.CompletedProcess:
     return run("-m", "invoke", "-r", str(ROOT), *argv, **kwargs)
+
+
+MAINS = {
+    "miles.ci": "miles.ci.cli",
+    "miles.ckpt": "miles.ckpt.cli",
+    "miles.recipes": "miles.recipes.__main__",
+    "miles.parallel": "miles.parallel.__main__",
+}
+
+
+@pytest.fixture
+def command(capsys, monkeypatch):
+    """command("miles.ci", *argv, env={...}) -> a finished `python -m miles.ci argv` (in process)."""
+    import importlib
+
+    def call(package: str, *argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+        for name, value in (env or {}).items():
+            monkeypatch.setenv(name, value)
+        capsys.readouterr()
+        try:
+            code = importlib.import_module(MAINS[package]).main(list(argv))
+        except SystemExit as exc:  # argparse's usage error
+            code = exc.code
+        said = capsys.readouterr()
+        return subprocess.CompletedProcess([package, *argv], code, said.out, said.err)
+
+    return call
 
 
 def one_line(done: subprocess.CompletedProcess, code: int = 2) -> str:
@@ -77,8 +105,8 @@ def test_check_image_with_shell_metacharacters(tmp_path, tag):
 
 
 @pytest.mark.parametrize("value", ["abc", "-1", "0", "nan", "inf", "1e20"])
-def test_a_history_timeout_that_is_no_number_of_seconds(tmp_path, value):
-    done = run("-m", "miles.ci", "history", "show", "--test", "tests/e2e/x.py", "--root", str(ROOT),
+def test_a_history_timeout_that_is_no_number_of_seconds(command, tmp_path, value):
+    done = command("miles.ci", "history", "show", "--test", "tests/e2e/x.py", "--root", str(ROOT),
                env={"MILES_HISTORY_TIMEOUT": value, "MILES_HISTORY_URL": f"sqlite:///{tmp_path}/h.sqlite"})  # fmt: skip
     line = one_line(done)
     assert (
@@ -86,22 +114,16 @@ def test_a_history_timeout_that_is_no_number_of_seconds(tmp_path, value):
     )
 
 
-def test_a_preflight_free_space_that_is_no_number():
-    done = run(
-        "-m",
-        "miles.ci",
-        "preflight",
-        "--lane",
-        "cpu",
-        "--machine-only",
-        env={"MILES_PREFLIGHT_MIN_FREE_GB": "abc"},
+def test_a_preflight_free_space_that_is_no_number(command):
+    done = command(
+        "miles.ci", "preflight", "--lane", "cpu", "--machine-only", env={"MILES_PREFLIGHT_MIN_FREE_GB": "abc"}
     )
     assert one_line(done) == "error: MILES_PREFLIGHT_MIN_FREE_GB='abc' must be a number of GB, at least 0"
 
 
-def test_a_sqlite_url_in_a_missing_folder_creates_nothing(tmp_path):
+def test_a_sqlite_url_in_a_missing_folder_creates_nothing(command, tmp_path):
     url = f"sqlite:///{tmp_path}/missing/deeper/history.sqlite"
-    done = run("-m", "miles.ci", "history", "show", "--test", "tests/e2e/x.py", "--store", url)
+    done = command("miles.ci", "history", "show", "--test", "tests/e2e/x.py", "--store", url)
     line = one_line(done, 1)
     assert f"history store unreachable: {url}: its folder {tmp_path}/missing/deeper does not exist" in line, (
         line
@@ -110,9 +132,9 @@ def test_a_sqlite_url_in_a_missing_folder_creates_nothing(tmp_path):
 
 
 @pytest.mark.parametrize("value", ["-1", "2", "nan", "inf", "half"])
-def test_scan_nan_outside_zero_to_one_is_refused(tmp_path, value):
+def test_scan_nan_outside_zero_to_one_is_refused(command, tmp_path, value):
     line = one_line(
-        run("-m", "miles.ckpt", "validate", str(tmp_path), "--family", "qwen3", "--scan-nan", value)
+        command("miles.ckpt", "validate", str(tmp_path), "--family", "qwen3", "--scan-nan", value)
     )
     assert (
         f"argument --scan-nan: {value!r}: give a fraction from 0 (headers only) to 1 (every value)" in line
@@ -120,7 +142,7 @@ def test_scan_nan_outside_zero_to_one_is_refused(tmp_path, value):
 
 
 @pytest.mark.parametrize("kind", ["missing", "/dev/zero", "garbage"])
-def test_record_with_a_run_json_that_is_missing_a_device_or_garbage(tmp_path, kind):
+def test_record_with_a_run_json_that_is_missing_a_device_or_garbage(command, tmp_path, kind):
     path = {
         "missing": tmp_path / "absent.json",
         "/dev/zero": Path("/dev/zero"),
@@ -128,8 +150,8 @@ def test_record_with_a_run_json_that_is_missing_a_device_or_garbage(tmp_path, ki
     }[kind]
     if kind == "garbage":
         path.write_bytes(b"\x00\xffnot json{")
-    done = run(
-        "-m", "miles.recipes", "record", "qwen3_4b", "--run-json", str(path), "--dir", str(tmp_path / "runs")
+    done = command(
+        "miles.recipes", "record", "qwen3_4b", "--run-json", str(path), "--dir", str(tmp_path / "runs")
     )
     line = one_line(done)
     said = {
@@ -186,59 +208,59 @@ def test_an_unknown_task_flag_is_exit_2(tmp_path):
     assert line == "error: No idea what '--bogus' is!", line
 
 
-def test_the_ckpt_command_points_a_recipe_at_the_recipes_command(tmp_path):
-    line = one_line(run("-m", "miles.ckpt", "prepare", "--recipe", "qwen3_4b", "--model", "tiny"))
+def test_the_ckpt_command_points_a_recipe_at_the_recipes_command(command, tmp_path):
+    line = one_line(command("miles.ckpt", "prepare", "--recipe", "qwen3_4b", "--model", "tiny"))
     assert "python -m miles.recipes prepare qwen3_4b --model tiny" in line, line
 
 
 @pytest.mark.parametrize(
     "argv",
     [
-        ("-m", "miles.ci", "history", "show", "--test", "x", "--limit", "abc"),
-        ("-m", "miles.ci", "list", "--sui", "stage-a-cpu"),
-        ("-m", "miles.ckpt", "validate", "/tmp", "--fam", "qwen3"),
-        ("-m", "miles.recipes", "show"),
-        ("-m", "miles.parallel", "check", "--world", "8"),
+        ("miles.ci", "history", "show", "--test", "x", "--limit", "abc"),
+        ("miles.ci", "list", "--sui", "stage-a-cpu"),
+        ("miles.ckpt", "validate", "/tmp", "--fam", "qwen3"),
+        ("miles.recipes", "show"),
+        ("miles.parallel", "check", "--world", "8"),
     ],
 )
-def test_a_usage_error_of_any_command_line_is_one_line_and_spelled_out(argv):
-    line = one_line(run(*argv))
+def test_a_usage_error_of_any_command_line_is_one_line_and_spelled_out(command, argv):
+    line = one_line(command(*argv))
     assert "error:" in line and line.endswith("(--help lists the commands and flags)"), line
 
 
 @pytest.mark.parametrize(
     ("variable", "value"), [("MILES_PREFLIGHT_MIN_FREE_GB", "-1"), ("MILES_PREFLIGHT_MIN_FREE_GB", "nan")]
 )
-def test_other_preflight_settings_that_are_not_a_size(variable, value):
+def test_other_preflight_settings_that_are_not_a_size(command, variable, value):
     line = one_line(
-        run("-m", "miles.ci", "preflight", "--lane", "cpu", "--machine-only", env={variable: value})
+        command("miles.ci", "preflight", "--lane", "cpu", "--machine-only", env={variable: value})
     )
     assert f"{variable}={value!r} must be a number of GB" in line, line
 
 
-def test_a_preflight_flag_that_is_not_a_size():
+def test_a_preflight_flag_that_is_not_a_size(command):
     line = one_line(
-        run("-m", "miles.ci", "preflight", "--lane", "cpu", "--machine-only", "--min-free-gb", "nan")
+        command("miles.ci", "preflight", "--lane", "cpu", "--machine-only", "--min-free-gb", "nan")
     )
     assert "--min-free-gb='nan' must be a number of GB" in line, line
 
 
-def test_a_history_url_variable_in_a_missing_folder_creates_nothing(tmp_path):
+def test_a_history_url_variable_in_a_missing_folder_creates_nothing(command, tmp_path):
     url = f"sqlite:///{tmp_path}/nope/history.sqlite"
-    done = run("-m", "miles.ci", "history", "show", "--test", "x", env={"MILES_HISTORY_URL": url})
+    done = command("miles.ci", "history", "show", "--test", "x", env={"MILES_HISTORY_URL": url})
     assert "does not exist" in one_line(done, 1)
     assert list(tmp_path.iterdir()) == []
 
 
-def test_record_with_a_run_json_that_is_a_fifo_does_not_hang(tmp_path):
+def test_record_with_a_run_json_that_is_a_fifo_does_not_hang(command, tmp_path):
     fifo = tmp_path / "run.json"
     os.mkfifo(fifo)
-    line = one_line(run("-m", "miles.recipes", "record", "qwen3_4b", "--run-json", str(fifo)))
+    line = one_line(command("miles.recipes", "record", "qwen3_4b", "--run-json", str(fifo)))
     assert "is a FIFO, not a regular file" in line, line
 
 
-def test_record_with_json_that_is_not_a_run_record(tmp_path):
+def test_record_with_json_that_is_not_a_run_record(command, tmp_path):
     path = tmp_path / "run.json"
     path.write_text('{"lane": "cpu", "attempts": 7}')
-    line = one_line(run("-m", "miles.recipes", "record", "qwen3_4b", "--run-json", str(path)))
+    line = one_line(command("miles.recipes", "record", "qwen3_4b", "--run-json", str(path)))
     assert "not a run record of the CI runner" in line, line

@@ -2,11 +2,12 @@
 in one line naming the bound it broke, never a hang, a crash or a machine out of memory.
 
 The issue's cases (a loop, a huge power, a catastrophic regex, unbounded recursion, list
-growth) and more of their kind, each a launcher committed on `main` of a small git repository
-and read by the function `python -m miles.recipes references --check --mirror PATH` runs for
-each reading (miles.recipes.reread.reread_one). Each reading runs in a child process with a
-timeout and a 3 GiB address-space limit, so a reading that does not end, or grows without
-bound, fails its test instead of hanging the suite or filling the machine's memory.
+growth), each a launcher committed on `main` of a small git repository and read by the
+function `python -m miles.recipes references --check --mirror PATH` runs for each reading
+(miles.recipes.reread.reread_one), in a child process with a timeout and a 3 GiB address-space
+limit, so a reading that does not end, or grows without bound, fails its test instead of
+hanging the suite or filling the machine's memory. More of their kind run the same evaluator
+on the same launcher text in this process, under the same bounds.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def read(tmp_path: Path, body: str, *, script: str | None = None) -> str:
     _git(repo, "commit", "-q", "-m", "crafted")
     done = subprocess.run(
         [sys.executable, "-c", READ, str(repo), _git(repo, "rev-parse", "HEAD")],
-        capture_output=True, text=True, timeout=60, check=False, preexec_fn=_limit_memory,
+        capture_output=True, text=True, timeout=240, check=False, preexec_fn=_limit_memory,
     )  # fmt: skip
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
     (problem,) = json.loads(done.stdout)
@@ -116,6 +117,25 @@ def test_a_list_that_grows_itself_stops_at_the_size_bound(tmp_path):
 # --- more of the same kind ------------------------------------------------------------------
 
 
+def evaluate(body: str, *, extra: str = "") -> str:
+    """The BoundExceeded (or other one-line SourceError) of running a launcher's `execute` body
+    with the evaluator in this process, as one reading (the bounds are the defaults)."""
+    import json as _json
+    import re as _re
+
+    from miles.recipes.pysource import Evaluator, Namespace, SourceError, parse
+
+    natives = {"re": Namespace("re", {n: getattr(_re, n) for n in ("search", "match", "fullmatch", "sub")}),
+               "json": Namespace("json", {"loads": _json.loads})}  # fmt: skip
+    text = SCRIPT.format(body=textwrap.indent(textwrap.dedent(body), "    ")) + extra
+    evaluator = Evaluator(lambda name: natives[name])
+    with pytest.raises(SourceError) as info, evaluator.bounded("scripts/run_evil.py"):
+        module = parse("scripts/run_evil.py", text)
+        evaluator.call(evaluator.lookup(module, "execute", module.tree), [None], {})
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
 @pytest.mark.parametrize(
     ("body", "said"),
     [
@@ -135,33 +155,30 @@ def test_a_list_that_grows_itself_stops_at_the_size_bound(tmp_path):
         ('re.fullmatch(r"(?:x+)*y", "x" * 40)\n', "repeats a repetition or an alternation"),
     ],
 )
-def test_growth_past_the_bounds_is_refused(tmp_path, body, said):
-    problem = read(tmp_path, body)
+def test_growth_past_the_bounds_is_refused(body, said):
+    problem = evaluate(body)
     assert said in problem, problem
 
 
-def test_mutual_recursion_stops_at_the_depth_bound(tmp_path):
-    script = (
-        SCRIPT.format(body="    f(0)\n") + "\n\ndef f(n):\n    return g(n)\n\n\ndef g(n):\n    return f(n)\n"
-    )
-    assert "calls nested 50 deep" in read(tmp_path, "", script=script)
+def test_mutual_recursion_stops_at_the_depth_bound():
+    extra = "\n\ndef f(n):\n    return g(n)\n\n\ndef g(n):\n    return f(n)\n"
+    assert "calls nested 50 deep" in evaluate("f(0)\n", extra=extra)
 
 
-def test_deep_json_in_the_read_code_is_a_refusal_not_a_crash(tmp_path):
-    problem = read(tmp_path, 'json.loads("[" * 200000 + "]" * 200000)\n')
+def test_deep_json_in_the_read_code_is_a_refusal_not_a_crash():
+    problem = evaluate('json.loads("[" * 200000 + "]" * 200000)\n')
     assert "RecursionError" in problem, problem
 
 
-def test_an_expression_nested_past_the_parser_is_one_line(tmp_path):
-    script = SCRIPT.format(body="    x = " + "-" * 200_000 + "1\n")
-    problem = read(tmp_path, "", script=script)
+def test_an_expression_nested_past_the_parser_is_one_line():
+    problem = evaluate("x = " + "-" * 200_000 + "1\n")
     assert "scripts/run_evil.py" in problem and ("not Python" in problem or "nested too deeply" in problem), (
         problem
     )
 
 
-def test_a_nul_byte_in_the_source_is_one_line(tmp_path):
-    problem = read(tmp_path, "", script=SCRIPT.format(body="    x = 1\n") + "\0\n")
+def test_a_nul_byte_in_the_source_is_one_line():
+    problem = evaluate("x = 1\n", extra="\0\n")
     assert "scripts/run_evil.py" in problem and "not Python" in problem, problem
 
 
