@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from miles.ci.commands import history, machine, registry, run
 from miles.ci.commands.usage import UsageError, check_root
 from miles.ci.registry.catalog import CatalogError, UnknownName
+from miles.exits import OneLineParser
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m miles.ci", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m miles.ci", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         command.add(sub.add_parser(command.name, help=command.help))

@@ -89,7 +89,7 @@ def fetch_dataset(dataset: Dataset, data_dir: Path | str, *, dry: bool = False) 
     if dry:
         return DataResult(dataset, "would run", out)
     blobs = {name: _download(dataset, name) for name in dataset.files}
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, reads=(), replaces=(STEP,)) as tmp:
         records = {}
         for name, blob in blobs.items():
             target = tmp / name

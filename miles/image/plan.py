@@ -25,6 +25,7 @@ from miles.image.inputs import (
     LABEL_VARIANT,
     InputHash,
     alias_tag,
+    check_reference,
     image_tag,
     input_hash,
     parse_tag,
@@ -299,6 +300,7 @@ def check_image(
 ) -> ImageCheck:
     """Run the image and diff its installed packages against its stack's lock."""
     config = load_images()
+    check_reference(tag)  # handed to docker as one argument: never shell text, whatever the variant
     variant_obj = config.variant(variant or parse_tag(tag).variant)
     lock = parse_lock(root / config.stack(variant_obj.stack).lock_path, root=root)
     code, out = run(["docker", "run", "--rm", "--entrypoint", "python", tag, "-c", _LIST_PACKAGES])

@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from miles.ckpt.plan import CheckpointPlan
+from miles.files import check_name
 from miles.parallel import DEVICE_MAX_CONNECTIONS, env_problems, validate
 from miles.platform import job_env, require
 from miles.recipes.args import render
+from miles.recipes.fidelity import duplicates, pairs, twice
 from miles.recipes.models import TINY
 from miles.recipes.recipe import SHARED, ParallelProfile, Recipe, RecipeError, lane_megatron_core
 from miles.recipes.status import profile_status
@@ -50,6 +53,19 @@ class RunOptions:
     extra_env: tuple[tuple[str, str], ...] = ()
     python: str = "python"
     head_address: str = "127.0.0.1"  # multi-node: the Ray head node
+
+    def __post_init__(self) -> None:
+        check_name(self.run_id, what="--run-id")  # the run's folder under output_dir, never elsewhere
+        for token in self.extra_args:
+            if not token.isprintable():
+                raise LaunchError(
+                    f"--extra-args: {token.encode('unicode_escape').decode('ascii')!r} holds a control "
+                    "character; a trainer flag or value is one printable word"
+                )
+        for flag, values in duplicates(pairs(self.extra_args)):  # which one is meant?
+            raise LaunchError(f"--extra-args: {flag} {twice(values)}; give it once")
+        for name, value in self.extra_env:
+            check_env(name, value)
 
 
 @dataclass(frozen=True)
@@ -138,7 +154,8 @@ def build_plan(
     groups = recipe.arg_groups(profile, fields, base)
     train_args = recipe.train_args(profile, fields, extra, base)
     if check:
-        check_command(recipe, profile, platform, train_args[: len(train_args) - len(extra)])
+        cut = len(train_args) - len(extra)
+        check_command(recipe, profile, platform, train_args[:cut], extra=train_args[cut:])
     env = _env(recipe, profile, platform, base, dict(options.extra_env))
     mode = "torchrun" if profile.nodes == 1 else "ray"
     command, prelude = _command(mode, profile, train_args, env, options)
@@ -165,12 +182,20 @@ def build_plan(
     )
 
 
-def check_command(recipe: Recipe, profile: ParallelProfile, platform: str, argv: tuple[str, ...]) -> None:
-    """The recipe's own flags (extra_args excluded: they are the caller's) against the stack
-    pinned for `platform`, then against what the run's backend and engine act on (a flag without
-    effect is refused, as the trainer would at start); one RecipeError lists every problem."""
-    from miles.recipes.stack import command_problems
-    from miles.train.args import parse_config
+def check_command(
+    recipe: Recipe,
+    profile: ParallelProfile,
+    platform: str,
+    argv: tuple[str, ...],
+    extra: tuple[str, ...] = (),
+) -> None:
+    """The recipe's own flags against the stack pinned for `platform`, then the whole command (the
+    caller's `extra` args appended last, which may override the recipe's values) as
+    `python -m miles.train` reads it: its own parser (exact spellings, every value by its rule)
+    and what the run's backend and engine act on (a flag without effect is refused, as the
+    trainer would at start). One RecipeError names every problem and whose it is."""
+    from miles.recipes.stack import backend_problems, command_problems, stack_problems
+    from miles.train.args import ArgsError, parse_config
     from miles.train.consumption import refusal
 
     where = f"{recipe.name} ({recipe.variant} form) {profile.describe()}"
@@ -178,10 +203,41 @@ def check_command(recipe: Recipe, profile: ParallelProfile, platform: str, argv:
     if problems:
         listed = "; ".join(f"{flag}: {problem}" for flag, problem in problems)
         raise RecipeError(f"{where}: {listed}. Fix the recipe in {recipe.defined_in}")
+    fix = (
+        f"Fix the recipe in {recipe.defined_in}"
+        if not extra
+        else "Fix what the command line adds (--extra-args, --num-rollout)"
+    )
+    if extra:
+        found = stack_problems(extra, platform) + backend_problems(
+            extra, platform, recipe.backend_of(profile)
+        )
+        if found:
+            listed = "; ".join(f"{flag}: {problem}" for flag, problem in found)
+            raise RecipeError(f"--extra-args of {where}: {listed}")
     # what python -m miles.train would refuse at start, said when the command is built
-    refused = refusal(parse_config(list(argv)), profile.rollout_engine)
+    try:
+        config = parse_config([*argv, *extra], raising=True)
+    except ArgsError as exc:
+        raise RecipeError(f"{where}: python -m miles.train refuses the command: {exc}. {fix}") from None
+    refused = refusal(config, profile.rollout_engine)
     if refused:
-        raise RecipeError(f"{where} on the {platform} lane: {refused}. Fix the recipe in {recipe.defined_in}")
+        raise RecipeError(f"{where} on the {platform} lane: {refused}. {fix}")
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def check_env(name: str, value: str) -> None:
+    """A job variable: a shell-safe name and a value of printable characters (a newline would split
+    the variable the dry run prints and hand the job another one)."""
+    if not _ENV_NAME.fullmatch(name):
+        raise LaunchError(f"--extra-env-vars: {name!r} is not a variable name (letters, digits and _)")
+    if not value.isprintable():
+        shown = value.encode("unicode_escape").decode("ascii")
+        raise LaunchError(
+            f"--extra-env-vars: {name}={shown!r} holds a control character; a job variable's value is one line"
+        )
 
 
 def _platform(recipe: Recipe, model: str | None) -> str:

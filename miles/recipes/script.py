@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from miles.ckpt.errors import CheckpointError
+from miles.exits import OneLineParser
 from miles.platform import PlatformError
 from miles.recipes.launch import LaunchError, RunOptions, build_plan, format_plan, run
 from miles.recipes.recipe import Recipe, RecipeError
@@ -88,7 +89,7 @@ def env_name(field: str) -> str:
 
 
 def build_parser(prog: str, fixed_platform: str | None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser = OneLineParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument(
         "command", choices=tuple(COMMANDS), help="; ".join(f"{k}: {v}" for k, v in COMMANDS.items())
     )

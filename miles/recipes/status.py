@@ -253,11 +253,40 @@ def _mismatch(record: dict, recipe: Recipe, profile: ParallelProfile, root: Path
     return None
 
 
+MAX_RUN_JSON_BYTES = 256 << 20  # one row per attempt; a nightly run's is a few MB
+
+
+def read_run_json(path: Path):
+    """The CI runner's run record at `path` (its run.json); a RecipeError naming the file and what
+    is wrong when it is missing, not a regular file, too large, not JSON or not a run record."""
+    from miles.ci.reports.record import RunRecord
+    from miles.files import FileRefused, read_regular
+
+    where = f"--run-json {path}"
+    try:
+        data = json.loads(read_regular(path, MAX_RUN_JSON_BYTES, what="run record"))
+        return RunRecord.from_json(data)
+    except FileNotFoundError:
+        raise RecipeError(
+            f"{where}: no such file; give the run.json in the CI runner's report folder"
+        ) from None
+    except FileRefused as exc:
+        raise RecipeError(f"{where}: {exc}") from None
+    except OSError as exc:
+        raise RecipeError(f"{where}: cannot be read ({exc.strerror or exc})") from None
+    except RecursionError:
+        raise RecipeError(f"{where}: nested too deeply to be a run record") from None
+    except ValueError as exc:  # bad JSON, bad UTF-8
+        raise RecipeError(f"{where}: not JSON ({str(exc)[:120]}); give the runner's run.json") from None
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise RecipeError(
+            f"{where}: not a run record of the CI runner ({type(exc).__name__}: {str(exc)[:80]})"
+        ) from None
+
+
 def record_run(recipe: Recipe, profile: ParallelProfile, run_json: Path, directory: Path = RUNS_DIR) -> Path:
     """Write the run record of `profile` from a runner run.json in which its test passed."""
-    from miles.ci.reports.record import RunRecord
-
-    run = RunRecord.from_json(json.loads(Path(run_json).read_text()))
+    run = read_run_json(run_json)
     wanted = test_files(recipe, profile)
     if not wanted:
         raise RecipeError(f"no test trains {recipe.name} {profile.describe()}, so no run can verify it")

@@ -38,21 +38,27 @@ def launched_rank() -> int:
 
 
 class _Parser(argparse.ArgumentParser):
+    raising = False  # True: a bad command is an ArgsError (a recipe checking what it renders)
+
     def error(self, message: str):
+        if self.raising:
+            raise ArgsError(message)
         # The full usage of ~235 flags would bury the one line that matters, and every rank parses
         # the same command, so only the first says it.
         text = f"{self.prog}: error: {message}\n(python -m miles.train --help lists every flag)\n"
         self.exit(2, text if launched_rank() == 0 else None)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The trainer's parser: one argument group per section, one argument per flag field."""
+def build_parser(*, raising: bool = False) -> argparse.ArgumentParser:
+    """The trainer's parser: one argument group per section, one argument per flag field; with
+    `raising`, a bad command raises ArgsError instead of exiting."""
     parser = _Parser(
         prog="python -m miles.train",
         description="GRPO/GSPO trainer: rollout, reward, advantage, clipped loss, step, weight sync.",
         epilog="--sglang-<name> [VALUE ...] is passed to the SGLang engine unchanged.",
         allow_abbrev=False,
     )
+    parser.raising = raising
     for section in SECTIONS:
         group = parser.add_argument_group(section.title)
         for flag in section.flags():
@@ -91,16 +97,18 @@ def split_sglang_args(
     return rest, passthrough
 
 
-def parse_config(argv: Sequence[str] | None = None) -> RunConfig:
-    """The run's configuration: every section, from validated flags (exits like parse_args)."""
-    return RunConfig.from_namespace(parse_args(argv))
+def parse_config(argv: Sequence[str] | None = None, *, raising: bool = False) -> RunConfig:
+    """The run's configuration: every section, from validated flags (exits like parse_args, or
+    with `raising` raises ArgsError)."""
+    return RunConfig.from_namespace(parse_args(argv, raising=raising))
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse and validate the trainer's flags; exits with argparse's message on a bad flag."""
+def parse_args(argv: Sequence[str] | None = None, *, raising: bool = False) -> argparse.Namespace:
+    """Parse and validate the trainer's flags; exits with argparse's message on a bad flag (with
+    `raising`: raises ArgsError with it)."""
     import sys
 
-    parser = build_parser()
+    parser = build_parser(raising=raising)
     argv = list(sys.argv[1:] if argv is None else argv)
     rest, sglang = split_sglang_args(argv, {f.option for f in FLAGS})
     args = parser.parse_args(rest)

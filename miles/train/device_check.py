@@ -19,7 +19,6 @@ smaller model), which is how CI keeps this script working between GPU runs.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -416,9 +415,9 @@ def _steps() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m miles.train.device_check", description=__doc__.split("\n")[0]
-    )
+    from miles.exits import OneLineParser
+
+    parser = OneLineParser(prog="python -m miles.train.device_check", description=__doc__.split("\n")[0])
     parser.add_argument("step", choices=list(_steps()))
     parser.add_argument("--cpu", action="store_true", help="the same step on CPU at CI size")
     parser.add_argument("--workdir", type=Path, default=Path(".miles/device-check"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from miles.metrics.capture import check_record_dir
 from miles.train import checkpoint, data, guards
 from miles.train.args import ArgsError, validate_world, world_note
 from miles.train.backends import TrainBackend, make_backend
@@ -74,9 +75,10 @@ class Run:
 
 def check_before_loading(config: RunConfig, dist_info: DistInfo, engine: str) -> None:
     """What a start checks before any model loads, each failing in seconds: the flags against the
-    world size and against what the run acts on with `engine`, the checkpoints it starts from
-    against their digests and config, and the load directory."""
+    world size and against what the run acts on with `engine`, the CI gate's record folder, the
+    checkpoints it starts from against their digests and config, and the load directory."""
     validate_world(config, dist_info.world_size)
+    check_record_dir()  # a CI gate record folder it could not write would fail after the first rollout
     refused = refusal(config, engine)
     if refused:  # a flag the run would not act on
         raise ArgsError(f"python -m miles.train: {refused}")

@@ -24,6 +24,7 @@ from dataclasses import replace
 import torch
 
 from miles import children
+from miles.metrics.capture import RecordDirError
 from miles.train import checkpoint, checks, evaluation, guards, report
 from miles.train.algorithm import LOSS_SUMS, group_advantages
 from miles.train.args import ArgsError, parse_config
@@ -48,6 +49,7 @@ from miles.train.sglang_engine import SGLangUnavailable
 # Errors whose message names the file or flag, the rule and the fix: one line and exit 1.
 FOR_PEOPLE = (
     ArgsError,
+    RecordDirError,
     BackendUnavailable,
     checkpoint.CheckpointError,
     CheckpointRefused,

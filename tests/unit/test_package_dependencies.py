@@ -33,8 +33,8 @@ PACKAGE_EDGES: dict[str, set[str]] = {
     # a family's own megatron-core modules are built from the adapter's blocks; its facts state
     # the layout limits miles.parallel checks
     "miles.families": {"miles.megatron", "miles.parallel"},
-    # ckpt's command line looks recipes' models up; recipes prepare checkpoints: a cycle
-    "miles.ckpt": {"miles.megatron", "miles.families", "miles.recipes"},
+    # a recipe's model is prepared by miles.recipes' own command, which runs ckpt's plan runner
+    "miles.ckpt": {"miles.megatron", "miles.families"},
     # recipes read the trainer's flag definitions; train's device check runs a recipe: a cycle
     "miles.recipes": {
         "miles.ci.registry",
