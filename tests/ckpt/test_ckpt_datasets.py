@@ -180,5 +180,6 @@ def test_bytes_that_do_not_match_the_hubs_checksum_are_refused(tmp_path):
 def test_data_the_recipes_name_is_data_something_fetches():
     assert dataset_of("{data_dir}/dapo-math-17k/dapo-math-17k.jsonl") is DAPO
     assert dataset_of("synthetic:fixed") is None
-    with pytest.raises(UnknownDataset, match=r"no fetch provides gsm8k/train.parquet"):
-        dataset_of("{data_dir}/gsm8k/train.parquet")
+    assert dataset_of("{data_dir}/gsm8k/test.parquet").name == "gsm8k"
+    with pytest.raises(UnknownDataset, match=r"no fetch provides gsm8k/validation.parquet"):
+        dataset_of("{data_dir}/gsm8k/validation.parquet")
