@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles.image.config import ImageConfig, Variant, load_images, normalize
+from miles.image.config import ImageConfig, Variant, load_images, normalize, stack_python
 from miles.image.inputs import (
     LABEL_HASH,
     LABEL_TAG,
@@ -104,7 +104,7 @@ def plan_refresh(
     # The stack's facts go in as build args, so the Dockerfile never restates them.
     for key, value in (
         ("STACK", stack.name),
-        ("PYTHON_VERSION", stack.python),
+        ("PYTHON_VERSION", stack_python(stack)),
         ("TORCH_INDEX", stack.torch_index),
     ):
         command += ["--build-arg", f"{key}={value}"]

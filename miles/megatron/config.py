@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from miles.megatron.families import UnmappedModel, mapping_of
+from miles.megatron.fusions import FUSIONS
 from miles.models import keys_of
 from miles.models.facts import flag_values, rope_parameters
 from miles.parallel import ParallelLayout
@@ -73,6 +74,9 @@ def checkpoint_dtype(config: Mapping[str, Any]):
     return dtype
 
 
+FUSION_FIELDS = tuple(f.field for f in FUSIONS)
+
+
 def transformer_config(
     config: Mapping[str, Any],
     parallel: ParallelLayout | None = None,
@@ -100,6 +104,9 @@ def transformer_config(
     dtype = dtype or checkpoint_dtype(config)
     fields = mapping.transformer_fields(config)
     fields.update((parallel or ParallelLayout()).transformer_config_kwargs())
+    for name in FUSION_FIELDS:  # a fusion the family's model cannot run (GLM-5.2's DSA rope) stays off
+        if fields.get(name) is False and name in overrides:
+            overrides = {**overrides, name: False}
     fields.update(overrides)
     if isinstance(fields.get("attention_backend"), str):  # a flag's value: megatron-core's enum member
         from megatron.core.transformer.enums import AttnBackend

@@ -134,6 +134,7 @@ def test_the_lanes_table_is_the_catalogs():
 def _facts():
     """(page, the sentence with one number in a group, that number as the code has it)."""
     from miles.ci.machine import preflight
+    from miles.ci.machine.device_check_train import TRAIN_TIMEOUT_S
     from miles.ci.registry.catalog import load_catalog
     from miles.ci.running import plan
     from miles.ckpt import fp8, fp8_rules
@@ -142,7 +143,6 @@ def _facts():
     from miles.metrics import gate, store
     from miles.train import algorithm
     from miles.train.config import OptimizerConfig
-    from miles.train.device_check import TRAIN_TIMEOUT_S
 
     implicit = load_catalog().implicit["tests/unit"]
     return [

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from miles.ci.machine.stacks import image_config
 from miles.image.config import load_images
 from miles.image.inputs import LABEL_HASH, LABEL_TAG, variant_inputs
 from miles.image.plan import ImageError, check_image, plan_refresh, refresh, subprocess_runner
@@ -71,7 +72,14 @@ def _publish(docker: Path, ref: str, labels: dict[str, str]) -> None:
 
 
 def _plan(project: Path, **kw):
-    return plan_refresh(project, "rocm720-mi35x", image="ghcr.io/x/miles", today=dt.date(2026, 3, 9), **kw)
+    return plan_refresh(
+        project,
+        "rocm720-mi35x",
+        image="ghcr.io/x/miles",
+        today=dt.date(2026, 3, 9),
+        config=image_config(),
+        **kw,
+    )
 
 
 def test_build_is_skipped_when_the_alias_carries_the_same_inputs(docker, project):
@@ -183,7 +191,7 @@ def test_refresh_dry_shows_each_rocm_source_build_for_the_variants_gpu(project):
     ):  # fmt: skip
         assert piece in mi35x, mi35x
     mi30x = plan_refresh(
-        project, "rocm720-mi30x", image="ghcr.io/x/miles", today=dt.date(2026, 3, 9)
+        project, "rocm720-mi30x", image="ghcr.io/x/miles", today=dt.date(2026, 3, 9), config=image_config()
     ).render()
     assert "@ 0.5.23, for GPU_ARCHS=gfx942" in mi30x
 
