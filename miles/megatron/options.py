@@ -260,6 +260,17 @@ def _rotary(value, tc, vocab, position="rope") -> str | None:
     return f"miles builds {built} for this model, not {value!r}"
 
 
+def _rotary_percent(value, tc, vocab, position="rope") -> str | None:
+    """Only MLA's TransformerConfig has rotary_percent; every other model is a GPTModel miles
+    builds without the argument, so with its default, rope over the whole head (1.0)."""
+    built = float(getattr(tc, "rotary_percent", 1.0))
+    return (
+        None
+        if built == float(value)
+        else f"miles builds rotary_percent={built!r}, the flag says {float(value)!r}"
+    )
+
+
 def _vocab_multiple(value, tc, vocab, position="rope") -> str | None:
     if vocab % int(value) == 0:
         return None
@@ -273,7 +284,7 @@ MODEL_CHECKS: Mapping[str, Callable] = {
     "--add-qkv-bias": _field("add_qkv_bias", bool),
     "--position-embedding-type": _rotary,
     "--use-rotary-position-embeddings": _rotary,
-    "--rotary-percent": _field("rotary_percent", float),
+    "--rotary-percent": _rotary_percent,
     "--multi-latent-attention": _field("multi_latent_attention", bool),
     "--experimental-attention-variant": _field("experimental_attention_variant"),
     "--moe-router-enable-expert-bias": _field("moe_router_enable_expert_bias", bool),

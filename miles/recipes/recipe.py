@@ -114,10 +114,10 @@ class Fallback:
         variable miles sets for Megatron jobs only."""
         megatron = tuple(dict.fromkeys(flag for flag, _ in model.model_args()))
         keys = (
-            "--train-backend",
-            "layout:*",
+            f"--train-backend={self.train_backend}",
+            "layout:*=* tp1·pp1·cp1·ep1·etp1, *",  # data parallel over the profile's GPUs
             "--megatron-*",
-            "--ref-load",
+            "--ref-load={model_dir}/*",  # the Hugging Face dir the fallback starts from
             "env:CUDA_DEVICE_MAX_CONNECTIONS",
             *megatron,
             *_megatron_only_options(self.train_backend),

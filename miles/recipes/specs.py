@@ -134,10 +134,13 @@ GLM5_2_744B_A40B = ModelSpec(
             ("index_topk_freq", 4), ("index_skip_topk_offset", 3), ("num_nextn_predict_layers", 1),
         ),
         sources=(
-            ("rope_theta", "radixark/miles scripts/run_glm5_2_744b_a40b.py@044f7c8c notes (GLM-5.2: rotary base 8000000)"),
-            ("index_topk_freq", "radixark/miles scripts/models/glm5.2-744B-A40B_7layer.sh@a3f6efc5 notes"),
+            ("rope_theta", "radixark/miles scripts/models/glm5.2-744B-A40B.py@31f1ca961a94 (--rotary-base 8000000)"),
             (
-                "index_skip_topk_offset", "radixark/miles scripts/run_glm5_2_744b_a40b.py@49f9aef1 notes "
+                "index_topk_freq", "radixark/miles scripts/run_glm5_2_744b_a40b.py@31f1ca961a94 notes "
+                "(index_topk_freq=4, index_skip_topk_offset=3: indexers on layers 1, 2, 3, 7, 11, ..., 75)",
+            ),
+            (
+                "index_skip_topk_offset", "radixark/miles scripts/run_glm5_2_744b_a40b.py@31f1ca961a94 notes "
                 "(index_topk_freq=4, index_skip_topk_offset=3: indexers on layers 1, 2, 3, 7, 11, ..., 75)",
             ),
         ),
@@ -192,7 +195,7 @@ DEEPSEEK_V4_FLASH = ModelSpec(
             ("vocab_size", 129280), ("tie_word_embeddings", False), ("rope_scaling_factor", 16),
         ),
         sources=(
-            ("rope_scaling_factor", "radixark/miles scripts/models/deepseek-v4-flash.py@12cab3e3 (YaRN factor 16 over 65536)"),
+            ("rope_scaling_factor", "radixark/miles scripts/models/deepseek-v4-flash.py@31f1ca961a94 (YaRN factor 16 over 65536)"),
         ),
     ),
     gaps=(

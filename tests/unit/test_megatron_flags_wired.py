@@ -244,3 +244,13 @@ def test_model_flags_are_checked_against_the_model_config_json_builds():
         "--normalization LayerNorm: config.json gives normalization='RMSNorm', the flag says 'LayerNorm'",
         "--multi-latent-attention: the model config.json describes has no multi_latent_attention (it would be True)",
     ]
+
+
+def test_rotary_percent_is_checked_against_the_gpt_model_miles_builds():
+    # only MLA's TransformerConfig has the field; a GPTModel is built with rope over the whole head
+    # (Qwen3-30B-A3B's GPU command passes --rotary-percent 1.0, as the reference does)
+    plain = SimpleNamespace(normalization="RMSNorm")
+    assert options.model_disagreements(_config("--rotary-percent", "1.0").model, plain, vocab=151936) == []
+    assert options.model_disagreements(_config("--rotary-percent", "0.5").model, plain, vocab=151936) == [
+        "--rotary-percent 0.5: miles builds rotary_percent=1.0, the flag says 0.5"
+    ]

@@ -108,8 +108,8 @@ RECIPE = Recipe(
     deviations=(
         *d.COMMON_DEVIATIONS,
         deviation(
-            "--hf-checkpoint",
-            "--ref-load",
+            "--hf-checkpoint={model_dir}/DeepSeek-V4-Flash-4layer_fp8",
+            "--ref-load={model_dir}/DeepSeek-V4-Flash-4layer_torch_dist",
             reason="miles trims DeepSeek-V4-Flash to 4 layers and converts it to FP8 and torch_dist itself "
             "(prepare-ckpt: DeepSeek-V4-Flash-4layer_fp8 and _torch_dist); the reference downloads an FP8 4-layer "
             "prune (DeepSeek-V4-Flash-FP8-4layer)",
@@ -155,7 +155,7 @@ RECIPE = Recipe(
         deviation(
             "--num-steps-per-rollout",
             "--apply-chat-template-kwargs",
-            "--global-batch-size",
+            "--global-batch-size=256",
             reason="one optimizer step per rollout is miles.train's only mode (global batch = 32 x 8); the "
             "template's thinking switch has no miles.train flag",
         ),

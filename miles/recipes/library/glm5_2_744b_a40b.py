@@ -125,8 +125,10 @@ RECIPE = Recipe(
         deviation(
             "--spec",
             "--enable-experimental",
-            "--experimental-attention-variant",
-            "--dsa-indexer-*",
+            "--experimental-attention-variant=dsa",
+            "--dsa-indexer-head-dim=128",
+            "--dsa-indexer-n-heads=32",
+            "--dsa-indexer-topk=2048",
             reason="the reference builds GLM-5.2's DSA with its own spec (miles_plugins.models.glm5); miles builds it "
             "with its own modules (miles.megatron.dsa: GLM's indexer and its cross-layer top-k sharing, read from "
             "config.json) and states the attention and the indexer's shape in megatron-core's flags, which its "
@@ -134,14 +136,14 @@ RECIPE = Recipe(
         ),
         deviation(
             "--moe-enable-deepep",
-            "--moe-token-dispatcher-type",
+            "--moe-token-dispatcher-type=alltoall",
             reason="megatron-core's DeepEP (flex) dispatcher needs the deep_ep kernels; miles dispatches all-to-all, "
             "as the reference does without DeepEP (its AMD script)",
             platforms=("cuda",),
         ),
         deviation(
-            "--hf-checkpoint",
-            "--ref-load",
+            "--hf-checkpoint={model_dir}/GLM-5.2-744B-A40B-5layer_fp8",
+            "--ref-load={model_dir}/GLM-5.2-744B-A40B-5layer_torch_dist",
             reason="miles names prepared checkpoints after the recipe's model (GLM-5.2-744B-A40B-5layer_fp8 and "
             "_torch_dist, trimmed and converted by prepare-ckpt); the reference downloads a 5-layer prune named "
             "GLM-5.2_5layer",
