@@ -154,9 +154,9 @@ class SourceBuildProblem:
 
 def pins_problems(
     root: Path, variant: Variant, config: ImageConfig | None = None
-) -> list[Mismatch | SourceBuildProblem]:
-    """Where the variant's Dockerfile states a version its lock does not pin, or leaves a source
-    build unpinned."""
+) -> list[Mismatch | SourceBuildProblem | str]:
+    """Where the variant's Dockerfile states a version its lock does not pin, leaves a source
+    build unpinned, or builds one otherwise than its pinned source needs (miles.image.source_builds)."""
     config = config or load_images()
     stack = config.stack(variant.stack)
     lock = parse_lock(root / stack.lock_path, root=root)
@@ -169,6 +169,10 @@ def pins_problems(
         for b in stack.source_builds
         if b.pin not in args
     ]
+    if not problems:  # what the pinned sources need, once every pin is stated
+        from miles.image.source_builds import source_build_problems
+
+        problems += source_build_problems(root, variant, config)
     return problems
 
 
