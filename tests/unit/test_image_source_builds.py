@@ -81,7 +81,9 @@ def test_the_kernels_tree_is_the_one_the_installed_sglang_names():
 
     (facts,) = [f for (name, _), f in load_facts().items() if name == "sglang-kernel"]
     assert facts["pin"] == importlib.metadata.version("sglang")
-    package = Path(importlib.util.find_spec("sglang").origin).parent  # read, not imported (it needs a GPU stack)
+    package = Path(
+        importlib.util.find_spec("sglang").origin
+    ).parent  # read, not imported (it needs a GPU stack)
     source = (package / "srt/mem_cache/pool_host/common.py").read_text()
     assert f"from {facts['source_tree']} ({facts['setup']})" in source
 
