@@ -143,8 +143,14 @@ def transformer_fields(
         if megatron.recompute_modules:
             out["recompute_modules"] = list(megatron.recompute_modules)
     # each --no-<fusion> turns its TransformerConfig field off; the stand-in spec has none of them
-    off = {f.field: bool(getattr(megatron, f.flag.lstrip("-").replace("-", "_"))) for f in FUSIONS}
-    out.update(fusion_fields(off, impl, imports))
+    off = {  # each fusion's --no-<fusion> flag (miles.megatron.fusions.FUSIONS names the same pairs)
+        "apply_rope_fusion": megatron.no_rope_fusion,
+        "bias_dropout_fusion": megatron.no_bias_dropout_fusion,
+        "masked_softmax_fusion": megatron.no_masked_softmax_fusion,
+        "bias_activation_fusion": megatron.no_bias_swiglu_fusion,
+        "gradient_accumulation_fusion": megatron.no_gradient_accumulation_fusion,
+    }
+    out.update(fusion_fields({field: bool(value) for field, value in off.items()}, impl, imports))
     return out
 
 

@@ -112,3 +112,9 @@ def test_the_te_specs_model_builds_on_cpu_up_to_the_layers_te_supplies(family, t
     )
     if family == "glm_moe_dsa":  # DSA refuses the rope fusion: the family's off wins over TE's default
         assert tc.apply_rope_fusion is False
+
+
+def test_each_no_fusion_flag_turns_off_the_field_the_table_pairs_it_with():
+    for fusion in fusions.FUSIONS:
+        fields = options.transformer_fields(_megatron(fusion.flag), "transformer_engine", imports=lambda m: True)
+        assert [f for f in fusions.BY_FIELD if not fields[f]] == [fusion.field], fusion.flag
