@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 from miles.ci.machine.preflight import python_available, split_lane_args  # noqa: E402
+from miles.ci.machine.stacks import stack_for_lane  # noqa: E402
 from miles.ci.registry.catalog import load_catalog  # noqa: E402
-from miles.image.config import stack_for_lane  # noqa: E402
 from miles.image.install import install_arguments, torch_source_warning  # noqa: E402
 from miles.image.pins import parse_lock  # noqa: E402
 

@@ -84,11 +84,11 @@ def lock(c, stack=None, upgrade=False):
     """Regenerate requirements/<stack>.txt from requirements/<stack>.in with uv (needs PyPI)."""
     from pathlib import Path
 
-    from miles.image.config import load_images
+    from miles.ci.machine.stacks import image_config
     from miles.image.lock import lock_stack
 
     root = Path(__file__).resolve().parent
-    config = load_images()
+    config = image_config()
     for name in stack or list(config.stacks):
         result = lock_stack(root, config.stack(name), upgrade=upgrade, lanes=config.lanes_of_stack(name))
         print(result.render())
@@ -110,15 +110,17 @@ def refresh_image(c, variant, push=False, dry=False, image=None, no_alias=False)
 
     from invoke import Exit
 
-    from miles.ci.registry.catalog import UnknownName
+    from miles.ci.machine.stacks import image_config
     from miles.ci.selection.policy import write_github_outputs
+    from miles.image.config import UnknownName
     from miles.image.plan import pins_problems, plan_refresh, refresh
 
     root = Path(__file__).resolve().parent
     try:
         plan = plan_refresh(
-            root, variant, push=push, image=image or os.environ.get("MILES_IMAGE"), move_alias=not no_alias
-        )
+            root, variant, push=push, image=image or os.environ.get("MILES_IMAGE"), move_alias=not no_alias,
+            config=image_config(),
+        )  # fmt: skip
     except UnknownName as exc:  # a mistyped --variant: one line, exit 2
         raise Exit(f"error: --variant: {exc}", code=2) from None
     print(plan.render())
@@ -217,7 +219,17 @@ def make_tiny_ckpt(c, family, out, layers=None, seed=None, dim=None, shard_bytes
 
     if family not in family_names():  # refused in one line, with --dry too
         raise Exit(f"error: --family {family!r} is not one of {', '.join(family_names())}", code=2)
-    argv = ["make-tiny", "--family", family, "--layers", str(layers or 4), "--out", out, "--seed", str(seed or 0)]
+    argv = [
+        "make-tiny",
+        "--family",
+        family,
+        "--layers",
+        str(layers or 4),
+        "--out",
+        out,
+        "--seed",
+        str(seed or 0),
+    ]
     argv += [x for d in dim or [] for x in ("--dim", d)]
     argv += ["--shard-bytes", str(shard_bytes)] if shard_bytes is not None else []
     build_parser().parse_args(argv)  # a value the command refuses is refused with --dry too (exit 2)

@@ -31,6 +31,9 @@ COMMANDS: tuple[Command, ...] = (
     Command("list", "list registrations (what runs where)", registry.add_list),
     Command("audit", "maintainer report: disabled tests, coverage gaps, unused suites", registry.add_audit),
     Command("manifest", "suites and their tests, for jobs outside this repository", registry.add_manifest),
+    Command(
+        "recipes", "which cpu-lane tests train each recipe, and every profile's suite", registry.add_recipes
+    ),
     Command("run", "run a lane's (or a suite's) tests: shard, timeouts, retries, reports", run.add_run),
     Command("plan", "print what `run` would do (same options), without running", run.add_plan),
     Command("matrix", "JSON shard matrix of a lane for GitHub's fromJSON", run.add_matrix),

@@ -310,7 +310,30 @@ def cmd_references(args: argparse.Namespace) -> int:
     bad = sum(not f.ok for f in findings)
     if bad:
         print(f"{bad} of {len(findings)} reference reading(s) differ from {args.mirror}", file=sys.stderr)
-    return 1 if bad else 0
+    cited = _check_citations(Mirror(args.mirror), args.branch) if not args.name else 0
+    return 1 if bad or cited else 0
+
+
+def _check_citations(mirror, branch: str) -> int:
+    """The model specs' citations of upstream files and the seed's ROCm image variables, each
+    read again from the mirror; the number that fail."""
+    from miles.recipes.reread import citation_problems, citations, image_env_problems
+
+    failed = 0
+    for citation in citations():
+        problems = citation_problems(mirror, citation, branch)
+        failed += bool(problems)
+        head = f"{citation.spec} {citation.key}: radixark/miles {citation.path}@{citation.commit}"
+        print("\n".join(f"FAIL {p}" for p in problems) or f"ok   {head} says {citation.value!r}")
+    problems = image_env_problems(mirror, branch)
+    failed += bool(problems)
+    print(
+        "\n".join(f"FAIL {p}" for p in problems)
+        or "ok   the seed's ROCm image variables (rocm_image_env.json)"
+    )
+    if failed:
+        print(f"{failed} citation(s) of upstream differ from {mirror.path}", file=sys.stderr)
+    return failed
 
 
 if __name__ == "__main__":

@@ -107,6 +107,13 @@ class RolloutEngine(abc.ABC):
         """Release processes or memory the engine holds."""
 
 
+def weights_for(engine: RolloutEngine, backend) -> Iterator[tuple[str, object]]:
+    """The training backend's full weights as `engine` takes them: under the names it asks for,
+    each cast to the dtype it holds (the one way every push, the trainer's and the device
+    check's, is made)."""
+    return backend.full_weights(names=engine.weight_names, dtype=engine.weight_dtype)
+
+
 class TorchRolloutEngine(RolloutEngine):
     """Samples from an in-process Hugging Face causal LM.
 

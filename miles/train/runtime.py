@@ -20,7 +20,7 @@ from miles.train.consumption import build, refusal
 from miles.train.distributed import DistInfo, init_distributed, seed_everything
 from miles.train.inputs import verify_checkpoints
 from miles.train.rewards import RewardFn, load_reward, score
-from miles.train.rollout import Generation, RolloutEngine
+from miles.train.rollout import Generation, RolloutEngine, weights_for
 
 
 @dataclass
@@ -73,15 +73,21 @@ class Run:
             print(message, flush=True)
 
 
-def check_before_loading(config: RunConfig, dist_info: DistInfo, engine: str) -> None:
-    """What a start checks before any model loads, each failing in seconds: the flags against the
-    world size and against what the run acts on with `engine`, the CI gate's record folder, the
-    checkpoints it starts from against their digests and config, and the load directory."""
-    validate_world(config, dist_info.world_size)
-    check_record_dir()  # a CI gate record folder it could not write would fail after the first rollout
+def check_flags(config: RunConfig, world_size: int, engine: str) -> None:
+    """The flags against the world size and against what the run acts on with `engine` (a flag
+    no component of the run consumes is refused); raises ArgsError."""
+    validate_world(config, world_size)
     refused = refusal(config, engine)
     if refused:  # a flag the run would not act on
         raise ArgsError(f"python -m miles.train: {refused}")
+
+
+def check_before_loading(config: RunConfig, dist_info: DistInfo, engine: str) -> None:
+    """What a start checks before any model loads, each failing in seconds: the flags
+    (`check_flags`), the CI gate's record folder, the checkpoints it starts from against their
+    digests and config, and the load directory."""
+    check_flags(config, dist_info.world_size, engine)
+    check_record_dir()  # a CI gate record folder it could not write would fail after the first rollout
     verify_checkpoints(config, dist_info)
     ckpt = config.checkpoint
     if ckpt.load:  # a mistyped --load
@@ -172,7 +178,7 @@ def push_initial_weights(run: Run) -> None:
     from miles.train.distributed import all_gather_objects
 
     engine, cfg = run.engine, run.config
-    stream = run.backend.full_weights(names=engine.weight_names, dtype=engine.weight_dtype)
+    stream = weights_for(engine, run.backend)
     against = cfg.checks.ci_test and run.start_rollout == 0
     comparison = None
     if against and run.dist.is_main:

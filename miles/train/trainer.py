@@ -42,7 +42,7 @@ from miles.train.distributed import (
 from miles.train.inputs import CheckpointRefused
 from miles.train.model import ModelLoadError
 from miles.train.rewards import RewardError
-from miles.train.rollout import RolloutEngineError
+from miles.train.rollout import RolloutEngineError, weights_for
 from miles.train.runtime import Run, build_run, dry_start
 from miles.train.sglang_engine import SGLangUnavailable
 
@@ -318,7 +318,7 @@ def sync_weights(run: Run, rollout_id: int) -> dict[str, float]:
         return {}
     started = time.perf_counter()
     check = run.config.checks.ci_test or run.config.checks.check_weight_update_equal
-    stream = run.backend.full_weights(names=run.engine.weight_names, dtype=run.engine.weight_dtype)
+    stream = weights_for(run.engine, run.backend)
     # Only a bit-exact check needs every tensor at once; otherwise they stream to the engine.
     weights = dict(stream) if check and run.engine.exact_weights else None
     run.engine.update_weights(weights.items() if weights is not None else stream)

@@ -159,6 +159,7 @@ def test_the_family_table_is_the_families_miles_finds():
 def _facts():
     """(page, the sentence with one number in a group, that number as the code has it)."""
     from miles.ci.machine import preflight
+    from miles.ci.machine.device_check_train import TRAIN_TIMEOUT_S
     from miles.ci.registry.catalog import load_catalog
     from miles.ci.running import plan
     from miles.ckpt import fp8, fp8_rules
@@ -167,7 +168,6 @@ def _facts():
     from miles.metrics import gate, store
     from miles.train import algorithm
     from miles.train.config import OptimizerConfig
-    from miles.train.device_check import TRAIN_TIMEOUT_S
 
     implicit = load_catalog().implicit["tests/unit"]
     return [

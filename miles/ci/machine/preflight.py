@@ -220,7 +220,7 @@ def check_python(lane: str, catalog: Catalog | None = None) -> list[str]:
 
 def check_pins(lane: str, installed: Mapping[str, str] | None = None, root: Path | None = None) -> list[str]:
     """The lane's lock against the running interpreter's packages, one line per difference."""
-    from miles.image.config import stack_for_lane
+    from miles.ci.machine.stacks import stack_for_lane
     from miles.image.pins import diff_installed, installed_versions, parse_lock
 
     root = root or ROOT
