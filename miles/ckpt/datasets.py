@@ -45,6 +45,8 @@ DATASETS = {
     for d in (
         Dataset("dapo-math-17k", "zhuzilin/dapo-math-17k", ("dapo-math-17k.jsonl",)),
         Dataset("aime-2024", "zhuzilin/aime-2024", ("aime-2024.jsonl",)),
+        # the seed's Qwen3-0.6B FSDP tests (tests/e2e/fsdp/test_qwen3_0.6B_fsdp_distributed.py) read these
+        Dataset("gsm8k", "zhuzilin/gsm8k", ("train.parquet", "test.parquet")),
     )
 }
 

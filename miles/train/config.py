@@ -390,9 +390,30 @@ class JobConfig(Section):
     actor_num_gpus_per_node: int = flag(type=_positive_int, default=1)
     rollout_num_gpus: int | None = flag(type=_positive_int)
     colocate: bool = flag(action="store_true", help="rollout and training share the GPUs")
-    offload: bool = _switch()
-    offload_train: bool = _switch()
+    offload: bool = flag(action="store_true", help="--offload-train and --offload-rollout")
+    offload_train: bool = flag(
+        action="store_true",
+        help="move the trainer's weights, gradients and optimizer state off the device while the engine generates",
+    )
     offload_rollout: bool = _switch()
+    offload_train_target: str = flag(
+        default="cpu",
+        choices=("cpu", "disk"),
+        help="where --offload-train puts the trainer's state: host memory or disk",
+    )
+    offload_train_disk_dir: str | None = flag(
+        help="(disk offload, optimizer streaming) a fast local directory, one rank<R>/ each; default "
+        "$SCRATCH/miles_train_offload_<uid>"
+    )
+    offload_train_disk_chunk_mb: int = flag(
+        type=_positive_int,
+        default=256,
+        help="(disk offload, optimizer streaming) MiB per chunk file / bucket",
+    )
+    stream_optimizer_state_to_disk: bool = flag(
+        action="store_true",
+        help="keep the optimizer state on disk, also during the step: the step reads and writes it bucket by bucket",
+    )
     seed: int = flag(type=int, default=1234)
     num_threads: int | None = flag(type=_positive_int, help="torch intra-op threads per rank (CPU)")
 
@@ -431,6 +452,15 @@ class TorchDPConfig(Section):
     title: ClassVar[str] = "fsdp/ddp backend"
 
     gradient_checkpointing: bool = flag(action="store_true", help="(fsdp/ddp) recompute activations")
+    dp_replicate_size: int = flag(
+        type=_positive_int,
+        default=1,
+        help="(fsdp) hybrid sharding: replicas of the model, each sharded over world/N ranks (a 2-D device mesh)",
+    )
+    fsdp_full_params: bool = flag(
+        action="store_true",
+        help="(fsdp) gather the whole state dict at once for the rollout engine, not one tensor at a time",
+    )
 
 
 @dataclass(frozen=True)
@@ -555,6 +585,10 @@ class MegatronConfig(Section):
     optimizer_cpu_offload: bool = _switch()
     overlap_cpu_optimizer_d2h_h2d: bool = _switch()
     use_precision_aware_optimizer: bool = _switch()
+    dist_ckpt_optim_fully_reshardable: bool = flag(
+        action="store_true",
+        help="save the optimizer state in megatron-core's fully_reshardable format (loads at another TP/PP/EP layout)",
+    )
     use_mcore_models: bool = _switch()
     no_load_rng: bool = _switch()
     no_save_rng: bool = _switch()
@@ -579,10 +613,29 @@ class ChecksConfig(Section):
         action="store_true",
         help="check the flags and the starting checkpoint: build the model at the layout, load its weights, stop",
     )
+    ci_save_model_hash: bool = flag(
+        action="store_true", help="write a SHA-256 of every weight beside each checkpoint (model_hash.json)"
+    )
+    ci_check_model_hash: bool = flag(
+        action="store_true", help="after --load, check the loaded weights against the checkpoint's hashes"
+    )
+    ci_save_grad_norm: str | None = flag(
+        help="write each optimizer step's grad norm and loss to this path (.format fields: rollout_id, step_id, role)"
+    )
+    ci_load_grad_norm: str | None = flag(
+        help="check each optimizer step's grad norm and loss against what --ci-save-grad-norm wrote there"
+    )
     debug_rollout_only: bool = _switch()
-    debug_train_only: bool = _switch()
-    save_debug_rollout_data: str | None = _text()
-    load_debug_rollout_data: str | None = _text()
+    debug_train_only: bool = flag(
+        action="store_true",
+        help="train on --load-debug-rollout-data's rollouts with no rollout engine (implied by it)",
+    )
+    save_debug_rollout_data: str | None = flag(
+        help="write each rollout's samples here (.format field: rollout_id), for --load-debug-rollout-data"
+    )
+    load_debug_rollout_data: str | None = flag(
+        help="train on the samples --save-debug-rollout-data wrote here instead of generating any"
+    )
 
 
 @dataclass(frozen=True)

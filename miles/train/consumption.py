@@ -178,13 +178,10 @@ _IN_PROCESS = (
     "the built-in engine samples inside the trainer's processes and holds no GPU memory of its own to place or "
     "release"
 )
-_TRAIN_OFFLOAD = "no backend moves its weights or optimizer state off the GPU between steps yet"
 WHY_NOT: Mapping[str, str] = {
     "--colocate": _IN_PROCESS,
     "--offload-rollout": _IN_PROCESS,
     "--rollout-num-gpus": "the SGLang engine always runs on the training GPUs: there is no separate rollout placement",
-    "--offload": _TRAIN_OFFLOAD,
-    "--offload-train": _TRAIN_OFFLOAD,
 }
 
 
