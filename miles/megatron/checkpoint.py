@@ -283,20 +283,10 @@ def load_training_state(
     state = model_state_template(chunks)
     if with_optimizer:
         saved = dist_checkpointing.load_common_state_dict(directory).get("schedule", {})
-        fmt = saved.get("format", OPTIMIZER_FORMAT)
-        was, now = saved.get("layout", {}), _layout_record(layout)
-        if fmt == OPTIMIZER_FORMAT and was and now and was != now:
-            changed = ", ".join(
-                f"{k} {was[k]} -> {now[k]}" for k in MODEL_PARALLEL if was.get(k) != now.get(k)
-            )
-            raise CheckpointMismatch(
-                f"{directory}: its optimizer state was saved in megatron-core's dp_reshardable format, which loads "
-                f"only at the model-parallel layout it was saved at ({changed}); resume at that layout, save the "
-                "checkpoint with --dist-ckpt-optim-fully-reshardable, or pass --no-load-optim to load the weights alone"
-            )
+        fmt = saved_optimizer_format(directory, saved, layout)
         _materialize_adam_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=fmt)
-        state["schedule"] = {"steps_done": 0, "format": fmt, "layout": was}
+        state["schedule"] = {"steps_done": 0, "format": fmt, "layout": saved.get("layout", {})}
     loaded = dist_checkpointing.load(state, directory)
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(loaded[f"model{i}"], strict=False)
@@ -336,6 +326,22 @@ def _materialize_adam_state(optimizer) -> None:
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def saved_optimizer_format(directory, saved: dict, layout) -> dict:
+    """The format a checkpoint's optimizer state was saved in (`saved`: its common.pt schedule
+    entry), once it is one that loads at `layout`: a dp_reshardable state saved at another
+    model-parallel layout is a CheckpointMismatch naming the degrees that changed and the fix."""
+    fmt = saved.get("format", OPTIMIZER_FORMAT)
+    was, now = saved.get("layout", {}), _layout_record(layout)
+    if fmt == OPTIMIZER_FORMAT and was and now and was != now:
+        changed = ", ".join(f"{k} {was[k]} -> {now[k]}" for k in MODEL_PARALLEL if was.get(k) != now.get(k))
+        raise CheckpointMismatch(
+            f"{directory}: its optimizer state was saved in megatron-core's dp_reshardable format, which loads "
+            f"only at the model-parallel layout it was saved at ({changed}); resume at that layout, save the "
+            "checkpoint with --dist-ckpt-optim-fully-reshardable, or pass --no-load-optim to load the weights alone"
+        )
+    return fmt
 
 
 def _load_reshardable(optimizer, state: dict) -> None:

@@ -34,6 +34,9 @@ _spec.loader.exec_module(runs)
 
 ROLLOUTS = 4
 RANKS = (0, 1)
+# answers long enough that the rollout phase (the state on disk) lasts to be killed in
+LONGER = ("--rollout-max-response-len", "16")
+SAVE = ("--save-interval", "2")
 
 
 def disk(directory: Path, *, stream: bool = True) -> tuple[str, ...]:
@@ -49,8 +52,8 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("offload")
     hf, dist = runs.tiny_qwen3(root)
 
-    def train(*args: str, name: str) -> runs.Run:
-        run = runs.train(root, hf, "--num-rollout", str(ROLLOUTS), *args, name=name)
+    def train(*args: str, name: str, rollouts: int = ROLLOUTS) -> runs.Run:
+        run = runs.train(root, hf, "--num-rollout", str(rollouts), *LONGER, *args, name=name)
         assert run.returncode == 0, run.tail()
         return run
 
@@ -62,12 +65,30 @@ def fsdp_baseline(setup):
     return setup[3]("--train-backend", "fsdp", name="fsdp")
 
 
+@pytest.fixture(scope="module")
+def disk_run(setup):
+    """FSDP with disk offload and streamed optimizer state, saving at rollout 2: also the kill
+    test's uninterrupted run."""
+    root, *_, train = setup
+    folder = root / "disk-fsdp"
+    run = train("--train-backend", "fsdp", *disk(folder), *SAVE, "--save", str(root / "whole"), name="disk")
+    return run, folder
+
+
 def offload_lines(run: runs.Run, where: str) -> dict[int, int]:
     """How many times each rank logged an offload of its state to `where`."""
-    out: dict[int, int] = {}
-    for rank in RANKS:
-        out[rank] = run.output.count(f"miles.train: rank {rank} offloaded the trainer state to {where}")
-    return out
+    return {
+        rank: run.output.count(f"miles.train: rank {rank} offloaded the trainer state to {where}")
+        for rank in RANKS
+    }
+
+
+def streamed_steps(run: runs.Run) -> dict[int, int]:
+    """How many optimizer steps each rank logged as streamed through disk."""
+    return {
+        rank: run.output.count(f"miles.train: rank {rank} streamed the optimizer state through disk")
+        for rank in RANKS
+    }
 
 
 def test_host_offload_trains_bit_for_bit_as_without(setup, fsdp_baseline):
@@ -76,18 +97,13 @@ def test_host_offload_trains_bit_for_bit_as_without(setup, fsdp_baseline):
     assert offload_lines(run, "host memory") == {r: ROLLOUTS for r in RANKS}, run.tail()
 
 
-def test_disk_offload_with_streamed_optimizer_state_trains_bit_for_bit_and_cleans_up(setup, fsdp_baseline):
-    root, *_, train = setup
-    folder = root / "disk-fsdp"
-    run = train("--train-backend", "fsdp", *disk(folder), name="disk")
+def test_disk_offload_with_streamed_optimizer_state_trains_bit_for_bit_and_cleans_up(fsdp_baseline, disk_run):
+    run, folder = disk_run
     runs.assert_same_metrics(fsdp_baseline, run, range(ROLLOUTS))
     for rank in RANKS:
         assert f"rank {rank}: train offload to disk armed for {folder / f'rank{rank}'}" in run.output
-        assert (
-            run.output.count(f"miles.train: rank {rank} streamed the optimizer state through disk")
-            == 2 * ROLLOUTS
-        )
     assert offload_lines(run, f"disk {folder}") == {r: ROLLOUTS for r in RANKS}
+    assert streamed_steps(run) == {r: 2 * ROLLOUTS for r in RANKS}  # two optimizer steps a rollout
     assert list(folder.iterdir()) == []
     # the rollout phase's peak resident memory is recorded (benchmarks/bench_offload.py measures the drop)
     assert sorted(run.series("perf/rollout_peak_rss_mb")) == list(range(ROLLOUTS))
@@ -96,16 +112,12 @@ def test_disk_offload_with_streamed_optimizer_state_trains_bit_for_bit_and_clean
 def test_megatron_disk_offload_with_streamed_optimizer_state_trains_bit_for_bit(setup):
     root, _, dist, train = setup
     megatron = ("--train-backend", "megatron", "--ref-load", str(dist), "--tensor-model-parallel-size", "2")
-    baseline = train(*megatron, name="megatron")
+    baseline = train(*megatron, name="megatron", rollouts=2)
     folder = root / "disk-megatron"
-    run = train(*megatron, *disk(folder), name="megatron-disk")
-    runs.assert_same_metrics(baseline, run, range(ROLLOUTS))
-    assert offload_lines(run, f"disk {folder}") == {r: ROLLOUTS for r in RANKS}, run.tail()
-    for rank in RANKS:
-        assert (
-            run.output.count(f"miles.train: rank {rank} streamed the optimizer state through disk")
-            == 2 * ROLLOUTS
-        )
+    run = train(*megatron, *disk(folder), name="megatron-disk", rollouts=2)
+    runs.assert_same_metrics(baseline, run, range(2))
+    assert offload_lines(run, f"disk {folder}") == {r: 2 for r in RANKS}, run.tail()
+    assert streamed_steps(run) == {r: 4 for r in RANKS}
     assert list(folder.iterdir()) == []
 
 
@@ -120,27 +132,20 @@ def _launch(root: Path, hf: Path, *args: str, record: Path) -> subprocess.Popen:
     )
 
 
-def test_a_run_killed_while_its_state_is_on_disk_resumes_and_cleans_up(setup, tmp_path):
-    root, hf, _, train = setup
+def test_a_run_killed_while_its_state_is_on_disk_resumes_and_cleans_up(setup, disk_run, tmp_path):
+    root, hf, _, _ = setup
+    whole, _ = disk_run
     folder, ckpt = tmp_path / "offload", tmp_path / "ckpt"
-    # longer answers: the rollout phase (the state on disk) lasts long enough to be killed in
-    common = (
-        "--train-backend",
-        "fsdp",
-        *disk(folder),
-        "--save-interval",
-        "2",
-        "--rollout-max-response-len",
-        "24",
-    )
-    whole = train(*common, "--save", str(tmp_path / "whole"), name="whole")
-    args = ("--num-rollout", str(ROLLOUTS), *common, "--save", str(ckpt), "--load", str(ckpt))
+    args = (
+        "--num-rollout", str(ROLLOUTS), *LONGER, "--train-backend", "fsdp", *disk(folder), *SAVE,
+        "--save", str(ckpt), "--load", str(ckpt),
+    )  # fmt: skip
     proc = _launch(root, hf, *args, record=tmp_path / "killed")
     try:
         deadline = time.monotonic() + 600
         saved = False
         for line in proc.stdout:
-            saved = saved or "saved" in line and "iter_0000002" in line
+            saved = saved or ("saved" in line and "iter_0000002" in line)
             if saved and "rank 0 offloaded the trainer state to disk" in line:
                 os.killpg(proc.pid, signal.SIGKILL)  # the whole job, as a scheduler's kill does
                 break

@@ -27,12 +27,9 @@ _spec = importlib.util.spec_from_file_location("trainer_runs", Path(__file__).wi
 runs = sys.modules.setdefault("trainer_runs", importlib.util.module_from_spec(_spec))
 _spec.loader.exec_module(runs)
 
-ROLLOUTS = 3
+ROLLOUTS = 2
 STEPS = [f"{r}/{s}" for r in range(ROLLOUTS) for s in range(2)]  # two optimizer steps per rollout
-MEGATRON_LAYOUTS = {
-    "dp2": (),  # the seed's layout: TP1, PP1, CP1 on two devices
-    "tp2-sp": ("--tensor-model-parallel-size", "2", "--sequence-parallel"),
-}
+MEGATRON_LAYOUTS = {"dp2": ()}  # the seed's layout: TP1, PP1, CP1 on two devices
 
 
 @pytest.fixture(scope="module")

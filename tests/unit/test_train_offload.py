@@ -170,3 +170,25 @@ def test_replayed_rollouts_imply_training_without_an_engine_and_scratch_names_th
     monkeypatch.setenv("SCRATCH", "/scratch")
     job = _args("--offload-train", "--offload-train-target", "disk").job
     assert job.offload_train_disk_dir.startswith("/scratch/miles_train_offload_")
+
+
+# --- the Megatron optimizer format a checkpoint loads in (miles.megatron.checkpoint) -----------
+
+
+def test_a_dp_reshardable_optimizer_state_refuses_another_model_parallel_layout():
+    from miles.megatron.checkpoint import (
+        OPTIMIZER_FORMAT,
+        RESHARDABLE_FORMAT,
+        CheckpointMismatch,
+        saved_optimizer_format,
+    )
+    from miles.parallel import ParallelLayout
+
+    at_tp2 = {"tp": 2, "pp": 1, "vpp": None, "ep": 1, "etp": 2, "cp": 1}
+    saved = {"steps_done": 4, "format": OPTIMIZER_FORMAT, "layout": at_tp2}
+    assert saved_optimizer_format("ckpt", saved, ParallelLayout(tp=2, sp=True)) == OPTIMIZER_FORMAT
+    with pytest.raises(CheckpointMismatch, match=r"ckpt: .*dp_reshardable format.*\(tp 2 -> 1, etp 2 -> 1\).*"
+                       r"--dist-ckpt-optim-fully-reshardable"):  # fmt: skip
+        saved_optimizer_format("ckpt", saved, ParallelLayout())
+    reshardable = {**saved, "format": RESHARDABLE_FORMAT}
+    assert saved_optimizer_format("ckpt", reshardable, ParallelLayout()) == RESHARDABLE_FORMAT
