@@ -23,8 +23,8 @@ are the model's own parameters, and its step copies them into the model after th
 update, unlike the seed's, which streams them too): the step walks
 the parameters bucket by bucket (consecutive parameters, in model order, up to the chunk size),
 reads a bucket's state, runs the optimizer's own step on that bucket alone, writes the state
-back and releases it (`StreamedOptimizer`). The update is the optimizer's own code, so it is
-bit-identical to keeping the state resident.
+back and releases it (miles.train.optimizer_stream). The update is the optimizer's own code, so
+it is bit-identical to keeping the state resident.
 
 Each rank owns `<dir>/rank<R>`: it is wiped when the run starts (a killed run leaves stale files
 behind, and a rerun resumes from its last checkpoint with `--load`) and removed when the run
@@ -85,10 +85,11 @@ def arm(settings: OffloadSettings, rank: int) -> Path:
     return path
 
 
-def setup(job, backend, rank: int, optimizers: Sequence = ()) -> list[StreamedOptimizer]:
+def setup(job, backend, rank: int, optimizers: Sequence = ()) -> list:
     """The offloading the job's flags ask of `backend` (a backend calls it once its model and
     optimizer exist): its `offloader` for --offload-train, and a StreamedOptimizer over each of
-    `optimizers` (torch optimizers) for --stream-optimizer-state-to-disk, returned."""
+    `optimizers` (torch optimizers) for --stream-optimizer-state-to-disk
+    (miles.train.optimizer_stream), returned."""
     settings = OffloadSettings.from_job(job)
     train = job.offload_train or job.offload
     if settings.target == "disk" or settings.stream_optimizer:
@@ -99,6 +100,8 @@ def setup(job, backend, rank: int, optimizers: Sequence = ()) -> list[StreamedOp
         )
     streamed = []
     if settings.stream_optimizer:
+        from miles.train.optimizer_stream import StreamedOptimizer
+
         root = rank_dir(settings, rank) / "optimizer_state"
         streamed = [
             StreamedOptimizer(opt, root / f"opt{i}", settings.chunk_bytes, rank)
@@ -141,6 +144,8 @@ def own_storage(tensors: Iterable[torch.Tensor]) -> None:
     """Give each tensor whose storage cannot be freed in place (transformers maps a checkpoint
     loaded in its own dtype from the file) a copy of its own."""
     for tensor in tensors:
+        if hasattr(tensor, "to_local"):
+            continue  # an FSDP2 shard: FSDP allocated its storage itself
         if not tensor.untyped_storage().resizable():
             tensor.data = tensor.data.clone()
 
@@ -361,120 +366,3 @@ class Offloader:
             storage.resize_(size)
             _bytes_of(storage).zero_()
         self.held, self.scratch = [], []
-
-
-# --- the optimizer state during the step ----------------------------------------------------
-
-
-class StreamedOptimizer:
-    """An optimizer whose state lives on disk, bucket by bucket, also during its step.
-
-    `optimizer` is a torch optimizer (torch's AdamW, or the inner optimizer of megatron-core's
-    distributed optimizer); its `step` is replaced by one that, for each bucket of parameters,
-    brings that bucket's state back, runs the optimizer's own step over those parameters alone
-    (the param groups narrowed to them, every hyperparameter as it is), writes the state back
-    and releases it. Per-parameter state is elementwise, so each parameter is updated exactly as
-    in one step over all of them. `resident()` brings everything back for a checkpoint."""
-
-    def __init__(self, optimizer, directory: Path, chunk_bytes: int, rank: int) -> None:
-        self.optimizer, self.directory, self.rank = optimizer, directory, rank
-        self.chunk_bytes = chunk_bytes
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        self.buckets = _buckets(params, chunk_bytes)
-        self.files = [
-            DiskChunks(directory / f"bucket_{i:05d}", chunk_bytes) for i in range(len(self.buckets))
-        ]
-        self.saved: list[list[tuple[torch.UntypedStorage, int]]] = [[] for _ in self.buckets]
-        self._step = optimizer.step
-        optimizer.step = self.step
-        self.steps = 0
-
-    def _state(self, bucket: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        out = []
-        for p in bucket:
-            out += [
-                v for v in self.optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor) and v.dim()
-            ]
-        return out
-
-    def _bring(self, i: int) -> int:
-        moved = 0
-        if self.saved[i]:
-            for storage, size in self.saved[i]:
-                storage.resize_(size)
-                moved += size
-            self.files[i].read_all([storage for storage, _ in self.saved[i]])
-            self.files[i].clear()
-            self.saved[i] = []
-        return moved
-
-    def _release(self, i: int) -> int:
-        held = storages(self._state(self.buckets[i]))
-        for storage in held:
-            self.files[i].write(storage)
-        self.files[i].finish()
-        self.saved[i] = [(s, s.nbytes()) for s in held]
-        for storage in held:
-            storage.resize_(0)
-        return sum(size for _, size in self.saved[i])
-
-    def step(self, closure=None):
-        started = time.perf_counter()
-        read = written = 0
-        groups = [group["params"] for group in self.optimizer.param_groups]
-        loss = None
-        try:
-            for i, bucket in enumerate(self.buckets):
-                read += self._bring(i)
-                members = {id(p) for p in bucket}
-                for group, params in zip(self.optimizer.param_groups, groups, strict=True):
-                    group["params"] = [p for p in params if id(p) in members]
-                loss = self._step(closure)
-                for group, params in zip(self.optimizer.param_groups, groups, strict=True):
-                    group["params"] = params
-                written += self._release(i)
-        finally:
-            for group, params in zip(self.optimizer.param_groups, groups, strict=True):
-                group["params"] = params
-        return_freed_memory()
-        self.steps += 1
-        print(
-            f"miles.train: rank {self.rank} streamed the optimizer state through disk: {len(self.buckets)} buckets, "
-            f"read {read / MB:.1f} MiB, wrote {written / MB:.1f} MiB in {time.perf_counter() - started:.2f}s",
-            flush=True,
-        )
-        return loss
-
-    def resident(self):
-        """A context in which every bucket's state is in memory (a checkpoint save or load), written
-        back and released after it."""
-        import contextlib
-
-        @contextlib.contextmanager
-        def held():
-            for i in range(len(self.buckets)):
-                self._bring(i)
-            try:
-                yield
-            finally:
-                for i in range(len(self.buckets)):
-                    self._release(i)
-                return_freed_memory()
-
-        return held()
-
-
-def _buckets(params: Sequence[torch.Tensor], chunk_bytes: int) -> list[list[torch.Tensor]]:
-    """Consecutive parameters (model order, so roughly layer by layer) whose Adam moments fit one
-    chunk; a larger parameter is a bucket of its own."""
-    out: list[list[torch.Tensor]] = []
-    size = 0
-    for p in params:
-        local = p.to_local() if hasattr(p, "to_local") else p
-        state_bytes = 2 * local.numel() * 4
-        if not out or size + state_bytes > chunk_bytes:
-            out.append([])
-            size = 0
-        out[-1].append(p)
-        size += state_bytes
-    return out

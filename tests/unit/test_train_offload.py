@@ -15,9 +15,9 @@ from miles.train.offload import (
     Offloader,
     OffloadError,
     OffloadSettings,
-    StreamedOptimizer,
     storages,
 )
+from miles.train.optimizer_stream import StreamedOptimizer
 
 
 class Holder:
