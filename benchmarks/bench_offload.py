@@ -9,7 +9,7 @@ resident memory every rollout (`perf/rollout_peak_rss_mb`: the peak is reset thr
 has no optimizer state yet, so each case reports the largest peak of the later ones; `plain`
 keeps the trainer's state resident, `disk` runs with `--offload-train --offload-train-target
 disk` (the state written to disk and its memory handed back to the system while the engine
-generates). The losses of the two are compared too: they must be equal.
+generates). The gradient norms and losses of the two are compared too: they must be equal.
 
     python benchmarks/bench_offload.py [--layers 6] [--hidden 1024] [--rollouts 3]
 """
@@ -59,7 +59,7 @@ def run_case(name: str, hf: Path, root: Path, rollouts: int) -> dict[str, dict[i
     for path in record.glob("*.jsonl"):
         for line in path.read_text().splitlines():
             row = json.loads(line)
-            if row["metric"] in ("perf/rollout_peak_rss_mb", "train/loss"):
+            if row["metric"] in ("perf/rollout_peak_rss_mb", "train/loss", "train/grad_norm"):
                 out.setdefault(row["metric"], {}).update({int(s): float(v) for s, v in row["series"]})
     return out
 
@@ -85,8 +85,11 @@ def main() -> None:
         series = ", ".join(f"{v:.0f}" for _, v in sorted(r["perf/rollout_peak_rss_mb"].items()))
         print(f"{name:<6} {series:<48} {peaks[name]:>17.0f} MiB")
     print(f"disk / plain: {peaks['disk'] / peaks['plain']:.2f}x (target <= 0.5x)")
-    same = results["plain"]["train/loss"] == results["disk"]["train/loss"]
-    print(f"losses equal: {same} ({results['disk']['train/loss']})")
+    for key in ("train/grad_norm", "train/loss"):
+        same = results["plain"][key] == results["disk"][key]
+        print(
+            f"{key} equal: {same} ({', '.join(f'{v:.6g}' for _, v in sorted(results['disk'][key].items()))})"
+        )
 
 
 if __name__ == "__main__":

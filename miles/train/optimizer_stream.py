@@ -41,6 +41,7 @@ class StreamedOptimizer:
         self._step = optimizer.step
         optimizer.step = self.step
         self.steps = 0
+        self._holding = False  # inside resident(): the state stays in memory
 
     def _state(self, bucket: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         out = []
@@ -72,6 +73,10 @@ class StreamedOptimizer:
         return sum(size for _, size in self.saved[i])
 
     def step(self, closure=None):
+        if self._holding:
+            # a step inside resident(): torch.distributed.checkpoint's get_state_dict runs one (at
+            # lr 0) to create a fresh optimizer's state, which must stay for the load to fill it
+            return self._step(closure)
         started = time.perf_counter()
         read = written = 0
         groups = [group["params"] for group in self.optimizer.param_groups]
@@ -106,9 +111,11 @@ class StreamedOptimizer:
         def held():
             for i in range(len(self.buckets)):
                 self._bring(i)
+            self._holding = True
             try:
                 yield
             finally:
+                self._holding = False
                 for i in range(len(self.buckets)):
                     self._release(i)
                 return_freed_memory()

@@ -132,6 +132,26 @@ def test_the_streamed_optimizer_updates_exactly_as_the_resident_one(tmp_path: Pa
     assert all(group["params"] for group in opt.param_groups)
 
 
+def test_a_step_inside_resident_keeps_the_state_it_creates_for_a_checkpoint_load(tmp_path: Path):
+    """torch.distributed.checkpoint's get_state_dict creates a fresh optimizer's state by a step at
+    lr 0 and then loads into those tensors; released by that step, the load would write into
+    freed memory (a resumed run crashed so)."""
+    params, grads = _model_and_grads(2)
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    streamed = StreamedOptimizer(opt, tmp_path, chunk_bytes=4096, rank=0)
+    for p, g in zip(params, grads[0], strict=True):
+        p.grad = g
+    with streamed.resident():
+        opt.step()
+        moments = [v for held in opt.state.values() for v in held.values() if v.dim()]
+        assert all(v.untyped_storage().nbytes() == v.numel() * 4 for v in moments)
+        for v in moments:
+            v.fill_(0.5)  # what a load writes
+    assert all(v.untyped_storage().nbytes() == 0 for v in moments)  # on disk again
+    with streamed.resident():
+        assert all(torch.equal(v, torch.full_like(v, 0.5)) for v in moments)
+
+
 def _args(*argv: str):
     return parse_config(["--hf-checkpoint", "m", *argv])
 
