@@ -334,6 +334,12 @@ ELSEWHERE = (
         "the layout's virtual pipeline (miles.parallel.ParallelLayout)",
     ),
     Option(
+        "--dist-ckpt-optim-fully-reshardable",
+        "the distributed optimizer's state is saved in megatron-core's fully_reshardable format (gathered on "
+        "data-parallel rank 0, one tensor per parameter), which loads at another TP, PP or EP layout; "
+        "without it, dp_reshardable (its own buffers, loads at another data-parallel size only)",
+    ),
+    Option(
         "--megatron-to-hf-mode",
         "raw: the weights come from the torch_dist checkpoint --ref-load names; bridge is refused when the "
         "backend starts (Megatron-Bridge is not part of miles)",

@@ -70,11 +70,14 @@ def train(run: Run) -> None:
     watched: dict[int, float] = {}  # --ci-metric-checker-key's values by rollout
     for rollout_id in range(run.start_rollout, cfg.rollout.num_rollout):
         started = time.perf_counter()
-        samples = generate_and_score(run, rollout_id)  # 1 rollout, 2 reward
+        run.backend.sleep()  # --offload-train: the trainer's state off the device while the engine generates
+        with report.peak_host_memory() as peak:
+            samples = generate_and_score(run, rollout_id)  # 1 rollout, 2 reward
         samples = with_advantages(run, samples)  # 3 advantage
         metrics = report.rollout_metrics(
             samples, time.perf_counter() - started, exact=cfg.data.prompt_data.startswith(SYNTHETIC_PREFIX)
         )
+        metrics |= peak
         if not checked.debug_rollout_only:
             metrics |= learn(run, rollout_id, samples)  # 4 loss and optimizer steps
             metrics |= sync_weights(run, rollout_id)  # 5 sync
@@ -146,8 +149,9 @@ def learn(run: Run, rollout_id: int, samples: Sequence[Sample]) -> dict[str, flo
     forward; --ci-test still runs the separate forward and checks the two against each other."""
     cfg, checked = run.config, run.config.checks
     started = time.perf_counter()
-    if run.engine.colocated:
+    if run.engine is not None and run.engine.colocated:
         run.engine.release_memory()  # it gives the GPU to the trainer until the sync
+    run.backend.wake_up()  # --offload-train: the trainer's state back, once the engine's memory is free
     local, plan = share_of_rank(run, samples)
     reuse = run.backend.forward_is_deterministic
     own_old = reuse and not cfg.algorithm.use_rollout_logprobs  # else the engine's are the old ones
@@ -163,6 +167,7 @@ def learn(run: Run, rollout_id: int, samples: Sequence[Sample]) -> dict[str, flo
         elif m == 0 and own_old:
             step |= first_step_against_scoring(run, batches, logprobs, [trainer_logp[rows] for rows in micro])
         steps.append(step)
+        run.step_record(rollout_id, m, step)
         run.skipped_streak.record(rollout_id, step["skipped"], step["loss"], step["grad_norm"], step["lr"])
         if m == 0:
             mismatch = rollout_mismatch(run, local, trainer_logp)
@@ -313,8 +318,9 @@ def _write_rows(out: torch.Tensor, micro: Sequence[Sequence[int]], values: Seque
 
 
 def sync_weights(run: Run, rollout_id: int) -> dict[str, float]:
-    """Step 5: the rollout engine gets the trainer's new weights; with --ci-test, verified."""
-    if (rollout_id + 1) % run.config.rollout.update_weights_interval:
+    """Step 5: the rollout engine gets the trainer's new weights; with --ci-test, verified (no
+    engine under --debug-train-only: the rollouts are replayed)."""
+    if run.engine is None or (rollout_id + 1) % run.config.rollout.update_weights_interval:
         return {}
     started = time.perf_counter()
     check = run.config.checks.ci_test or run.config.checks.check_weight_update_equal
@@ -364,7 +370,10 @@ def maybe_save(run: Run, rollout_id: int) -> None:
     if done != cfg.rollout.num_rollout and not (ckpt.save_interval and done % ckpt.save_interval == 0):
         return
     state = checkpoint.state_of(cfg, done)
-    path = checkpoint.save(run.backend, ckpt.save, state, is_main=run.dist.is_main, barrier=barrier)
+    hashes = checkpoint.model_hashes(run.backend) if cfg.checks.ci_save_model_hash else None
+    path = checkpoint.save(
+        run.backend, ckpt.save, state, is_main=run.dist.is_main, barrier=barrier, hashes=hashes
+    )
     run.log(f"miles.train: saved {path}")
 
 

@@ -181,3 +181,12 @@ class TorchDPConfig(Section):
     used_by: ClassVar[tuple[str, ...]] = DATA_PARALLEL
 
     gradient_checkpointing: bool = flag(action="store_true", help="(fsdp/ddp) recompute activations")
+    dp_replicate_size: int = flag(
+        type=_positive_int,
+        default=1,
+        help="(fsdp) hybrid sharding: replicas of the model, each sharded over world/N ranks (a 2-D device mesh)",
+    )
+    fsdp_full_params: bool = flag(
+        action="store_true",
+        help="(fsdp) gather the whole state dict at once for the rollout engine, not one tensor at a time",
+    )
