@@ -202,6 +202,10 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(list(c) for c in found)
 
 
+def test_the_packages_of_miles_form_no_cycle():
+    assert _cycles(_package_graph()) == []
+
+
 def test_a_cycle_between_packages_would_be_found():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycles(graph) == [["a", "b", "c", "a"]]
