@@ -29,6 +29,8 @@ TRAIN_BACKENDS = ("fsdp", "ddp", "megatron")
 ADVANTAGE_ESTIMATORS = ("grpo", "gspo")
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
 ROLLOUT_ENGINES = ("auto", "torch", "sglang")
+WEIGHT_TRANSFER_MODES = ("broadcast", "disk", "disk-delta")
+WEIGHT_CHECKSUMS = ("sha256", "adler32", "xxh3-128", "blake3")
 SGLANG_PREFIX = "--sglang-"
 FLAG = "miles.flag"  # field metadata key: the add_argument keywords of a field that is a flag
 
@@ -214,6 +216,10 @@ class RolloutConfig(Section):
     rollout_stop_token_ids: tuple[int, ...] = flag(type=int, nargs="*", default=[])
     rollout_seed: int | None = flag(type=int, help="sampling seed (default: --seed)")
     rollout_function_path: str | None = flag(help="(GPU lanes) custom rollout function, dotted path")
+    custom_generate_function_path: str | None = flag(
+        help="module.func(context, requests) -> pieces per request (miles.train.generate; e.g. "
+        "miles.train.generate_hub.compact_split)"
+    )
     over_sampling_batch_size: int | None = flag(type=_positive_int)
     dynamic_sampling_filter_path: str | None = _text()
     partial_rollout: bool = _switch()
@@ -278,6 +284,54 @@ class SGLangConfig(Section):
     def from_namespace(cls, namespace: argparse.Namespace) -> SGLangConfig:
         base = super().from_namespace(namespace)
         return cls(**{**vars(base), "server_args": dict(getattr(namespace, "sglang_args", {}))})
+
+
+@dataclass(frozen=True)
+class EnginesConfig(Section):
+    """Rollout engines in processes of their own (--rollout-num-gpus without --colocate), how the
+    trainer's weights reach them (miles.train.remote) and fully asynchronous rollouts
+    (miles.train.async_rollout). Flag names and defaults follow the seeds' framework."""
+
+    name: ClassVar[str] = "engines"
+    title: ClassVar[str] = "rollout engines in processes of their own"
+
+    update_weight_transfer_mode: str = flag(
+        default="broadcast",
+        choices=WEIGHT_TRANSFER_MODES,
+        help="broadcast over a collective group with the engines, or through --update-weight-disk-dir: disk "
+        "(every tensor) or disk-delta (changed bytes only)",
+    )
+    update_weight_disk_dir: str | None = flag(help="where disk and disk-delta syncs publish each version")
+    update_weight_local_checkpoint_dir: str | None = flag(
+        help="(disk-delta) the rollout host's own copy of the weights the deltas patch and the engines reload"
+    )
+    update_weight_delta_encoding: str = flag(default="xor", choices=("xor", "overwrite"))
+    update_weight_delta_checksum: str = flag(default="sha256", choices=WEIGHT_CHECKSUMS)
+    pause_generation_mode: str = flag(
+        default="retract",
+        choices=("abort", "retract", "in_place"),
+        help="what a weight update does to requests in flight: abort them, retract them (recomputed with the "
+        "new weights), or freeze them in place (their cache kept)",
+    )
+    fully_async: bool = flag(
+        action="store_true", help="a persistent rollout worker generates while the trainer trains"
+    )
+    max_weight_staleness: int | None = flag(
+        type=int, help="(fully async) most weight versions a trained group may lag the engines by"
+    )
+    async_data_buffer_capacity_factor: float = flag(
+        type=_non_negative_float,
+        default=2.0,
+        help="(fully async) finished groups held, x --rollout-batch-size",
+    )
+    async_unused_samples_handler: str = flag(
+        default="drop",
+        choices=("retry", "drop"),
+        help="(fully async) aborted or stale groups: regenerate or drop",
+    )
+    async_max_concurrent_samples: int | None = flag(
+        type=_positive_int, help="(fully async) samples generating at once (default: one rollout batch)"
+    )
 
 
 @dataclass(frozen=True)
@@ -610,6 +664,7 @@ SECTIONS: tuple[type[Section], ...] = (
     RolloutConfig,
     BatchConfig,
     SGLangConfig,
+    EnginesConfig,
     RewardConfig,
     AlgorithmConfig,
     OptimizerConfig,
@@ -648,6 +703,7 @@ class RunConfig:
     rollout: RolloutConfig
     batch: BatchConfig
     sglang: SGLangConfig
+    engines: EnginesConfig
     reward: RewardConfig
     algorithm: AlgorithmConfig
     optimizer: OptimizerConfig

@@ -38,6 +38,16 @@ ENGINES: Mapping[str, tuple[str, str]] = {
     "torch": ("miles.train.rollout", "TorchRolloutEngine"),
     "sglang": ("miles.train.sglang_engine", "SGLangRolloutEngine"),
 }
+# The engines in processes of their own (--rollout-num-gpus without --colocate), by --rollout-engine.
+REMOTE_ENGINES: Mapping[str, tuple[str, str]] = {
+    "torch": ("miles.train.remote.engine", "RemoteRolloutEngine"),
+    "sglang": ("miles.train.remote.sglang", "RemoteSGLangEngine"),
+}
+
+
+def disaggregated(config: RunConfig) -> bool:
+    """Training and rollout on devices of their own: --rollout-num-gpus without --colocate."""
+    return bool(config.job.rollout_num_gpus) and not config.job.colocate
 
 
 class DeclarationError(ValueError):
@@ -131,9 +141,14 @@ def engine(choice: str) -> Consumer:
     return Consumer(f"the {choice} rollout engine", "engine", choice, declared(*ENGINES[choice]))
 
 
+def remote_engine(choice: str) -> Consumer:
+    uses = declared(*REMOTE_ENGINES[choice])
+    return Consumer(f"the {choice} rollout engines in processes of their own", "remote", choice, uses)
+
+
 def component_class(kind: str, choice: str) -> type:
-    """The class of the backend or engine `choice` (imports its module)."""
-    module, cls = (BACKENDS if kind == "backend" else ENGINES)[choice]
+    """The class of the backend or engine `choice` (kind backend, engine or remote; imports its module)."""
+    module, cls = {"backend": BACKENDS, "engine": ENGINES, "remote": REMOTE_ENGINES}[kind][choice]
     return getattr(importlib.import_module(module), cls)
 
 
@@ -149,8 +164,10 @@ def build(kind: str, choice: str, config: RunConfig, dist_info, **options):
 
 def chosen(config: RunConfig, engine_choice: str) -> tuple[Consumer, ...]:
     """The run's components: the trainer, its backend, and `engine_choice` (the engine that
-    --rollout-engine resolves to on the machine: torch or sglang)."""
-    return trainer(), backend(config.job.train_backend), engine(engine_choice)
+    --rollout-engine resolves to on the machine: torch or sglang), in the trainer's processes or
+    in processes of their own (`disaggregated`)."""
+    rollout = remote_engine(engine_choice) if disaggregated(config) else engine(engine_choice)
+    return trainer(), backend(config.job.train_backend), rollout
 
 
 def set_flags(config: RunConfig) -> list[Flag]:
@@ -182,7 +199,7 @@ _TRAIN_OFFLOAD = "no backend moves its weights or optimizer state off the GPU be
 WHY_NOT: Mapping[str, str] = {
     "--colocate": _IN_PROCESS,
     "--offload-rollout": _IN_PROCESS,
-    "--rollout-num-gpus": "the SGLang engine always runs on the training GPUs: there is no separate rollout placement",
+    "--rollout-num-gpus": "with --colocate the rollout shares the training devices (drop --colocate to give it its own)",
     "--offload": _TRAIN_OFFLOAD,
     "--offload-train": _TRAIN_OFFLOAD,
 }
@@ -193,7 +210,8 @@ def refusal(config: RunConfig, engine_choice: str) -> str | None:
     on each and the fix; None when every flag acts."""
     run = f"--train-backend {config.job.train_backend} with the {engine_choice} rollout engine"
     others = [backend(c) for c in BACKENDS if c != config.job.train_backend]
-    others += [engine(c) for c in ENGINES if c != engine_choice]
+    others += [engine(c) for c in ENGINES if c != engine_choice or disaggregated(config)]
+    others += [remote_engine(c) for c in REMOTE_ENGINES if c != engine_choice or not disaggregated(config)]
     by_reader: dict[str, list[str]] = {}
     for flag in unconsumed(config, chosen(config, engine_choice)):
         readers = [c for c in others if c.consumes(flag)]
@@ -214,6 +232,12 @@ def _names(components: Sequence[Consumer]) -> str:
     """'--train-backend fsdp/ddp' or 'the sglang rollout engine': who else acts on a flag."""
     backends = [c.choice for c in components if c.kind == "backend"]
     engines = [c.choice for c in components if c.kind == "engine"]
+    remote = [c.choice for c in components if c.kind == "remote"]
     parts = [f"--train-backend {'/'.join(backends)}"] if backends else []
     parts += [f"the {'/'.join(engines)} rollout engine"] if engines else []
+    parts += (
+        [f"the {'/'.join(remote)} rollout engines in processes of their own (--rollout-num-gpus)"]
+        if remote
+        else []
+    )
     return " and ".join(parts)

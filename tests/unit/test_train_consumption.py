@@ -17,6 +17,12 @@ from miles.train.config import FLAGS, SECTIONS, Section
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPONENTS = [("backend", c) for c in consumption.BACKENDS] + [("engine", c) for c in consumption.ENGINES]
+COMPONENTS += [("remote", c) for c in consumption.REMOTE_ENGINES]
+DECLARED = {
+    "backend": consumption.BACKENDS,
+    "engine": consumption.ENGINES,
+    "remote": consumption.REMOTE_ENGINES,
+}
 
 
 def _config(*flags: str):
@@ -26,7 +32,7 @@ def _config(*flags: str):
 @pytest.mark.parametrize(("kind", "choice"), COMPONENTS)
 def test_the_declaration_read_from_source_is_the_class_attribute(kind, choice):
     cls = consumption.component_class(kind, choice)
-    module, name = (consumption.BACKENDS if kind == "backend" else consumption.ENGINES)[choice]
+    module, name = DECLARED[kind][choice]
     assert consumption.declared(module, name) == consumption.checked_declaration(cls.CONSUMES, name)
 
 
@@ -77,7 +83,13 @@ def _unread(uses, module: str) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    ("module", "name"), [consumption.TRAINER, *consumption.BACKENDS.values(), *consumption.ENGINES.values()]
+    ("module", "name"),
+    [
+        consumption.TRAINER,
+        *consumption.BACKENDS.values(),
+        *consumption.ENGINES.values(),
+        *consumption.REMOTE_ENGINES.values(),
+    ],
 )
 def test_every_field_a_component_declares_is_read_by_it(module, name):
     assert _unread(consumption.declared(module, name), module) == []
@@ -170,10 +182,11 @@ def test_the_flags_no_component_acts_on_yet_are_these():
     means declaring it where it is consumed, and this list shrinks."""
     everyone = [consumption.trainer()] + [consumption.backend(b) for b in consumption.BACKENDS]
     everyone += [consumption.engine(e) for e in consumption.ENGINES]
+    everyone += [consumption.remote_engine(e) for e in consumption.REMOTE_ENGINES]
     unread = {f.option for f in FLAGS if not any(c.consumes(f) for c in everyone)}
     refused = {"--rm-url", "--kl-coef", "--optimizer"}  # refused unless left at their default
     planned = {
-        "--offload", "--offload-train", "--rollout-num-gpus", "--partial-rollout",
+        "--offload", "--offload-train", "--partial-rollout",
         "--over-sampling-batch-size", "--dynamic-sampling-filter-path", "--rollout-function-path", "--num-epoch",
         "--tool-key", "--fp16", "--ckpt-format", "--keep-old-actor", "--finetune",
         "--debug-train-only", "--log-interval", "--log-passrate", "--use-wandb", "--wandb-project",
