@@ -66,7 +66,8 @@ class DataBuffer:
     _cond: threading.Condition = field(default_factory=threading.Condition)
     _aborted: int = 0
     _stale: int = 0
-    _consumed: list[int] = field(default_factory=list)
+    _consumed: list[int] = field(default_factory=list)  # staleness of every group taken
+    _trained: list[int] = field(default_factory=list)  # ... of those handed to training
 
     def room(self, wanted: int, stop: threading.Event) -> int:
         """Wait for space; how many groups (up to `wanted`) fit now (0 once `stop` is set)."""
@@ -98,6 +99,7 @@ class DataBuffer:
                 staleness = current_version - group.oldest_version
                 self._consumed.append(staleness)
                 if self.max_staleness is None or staleness <= self.max_staleness:
+                    self._trained.append(staleness)
                     return group
                 self._stale += 1
             self.unused(group)
@@ -110,15 +112,19 @@ class DataBuffer:
         prefix = "rollout/fully_async/"
         with self._cond:
             consumed, self._consumed = self._consumed, []
+            trained, self._trained = self._trained, []
             metrics = {
                 f"{prefix}queue_size": float(len(self._groups)),
                 f"{prefix}aborted_groups_filtered": float(self._aborted),
                 f"{prefix}stale_groups_filtered": float(self._stale),
             }
             self._aborted = self._stale = 0
-        if consumed:
+        if consumed:  # the seed framework's: every group taken, the stale ones it filtered included
             metrics[f"{prefix}avg_staleness"] = sum(consumed) / len(consumed)
             metrics[f"{prefix}max_staleness"] = float(max(consumed))
+        if trained:  # what the step trains on: within --max-weight-staleness
+            metrics[f"{prefix}trained_avg_staleness"] = sum(trained) / len(trained)
+            metrics[f"{prefix}trained_max_staleness"] = float(max(trained))
         return metrics
 
 

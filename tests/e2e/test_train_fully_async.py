@@ -55,15 +55,21 @@ def record(tmp_path_factory):
 
 
 def test_every_rollout_trains_within_the_staleness_bound_and_the_overlap_happens(record):
-    staleness = runs.series(record, "rollout/fully_async/max_staleness")
-    assert sorted(staleness) == list(range(ROLLOUTS))
-    assert max(staleness.values()) <= BOUND
-    assert staleness[0] == 0  # the cold start: the first groups come from the starting weights
-    assert any(v == 1 for v in staleness.values()), staleness  # later ones were made while a step trained
+    trained = runs.series(record, "rollout/fully_async/trained_max_staleness")
+    assert sorted(trained) == list(range(ROLLOUTS))
+    assert max(trained.values()) <= BOUND
+    assert trained[0] == 0  # the cold start: the first groups come from the starting weights
+    assert any(v == 1 for v in trained.values()), trained  # later ones were made while a step trained
+    # groups that fell beyond the bound were not trained but handed back (--async-unused-samples-handler retry)
+    stale = runs.series(record, "rollout/fully_async/stale_groups_filtered")
+    recycled = runs.series(record, "rollout/fully_async/recycled_groups")
+    assert sum(recycled.values()) == sum(stale.values()) + sum(
+        runs.series(record, "rollout/fully_async/aborted_groups_filtered").values()
+    )
 
 
 def test_stale_rollouts_train_on_the_behaviour_policys_logprobs(record):
-    staleness = runs.series(record, "rollout/fully_async/avg_staleness")
+    staleness = runs.series(record, "rollout/fully_async/trained_avg_staleness")
     gap = runs.series(record, "train/train_rollout_logprob_abs_diff")
     tis = runs.series(record, "train/tis_weight")
     stale = [r for r, s in staleness.items() if s > 0]

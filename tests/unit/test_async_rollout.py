@@ -30,6 +30,7 @@ def test_the_buffer_trains_groups_within_the_bound_and_hands_the_rest_back():
     assert unused == [4, 1]  # the aborted one on arrival, the stale one when taken
     metrics = buffer.metrics()
     assert metrics["rollout/fully_async/max_staleness"] == 2.0  # what was taken, the stale one included
+    assert metrics["rollout/fully_async/trained_max_staleness"] == 1.0  # what was handed to training
     assert metrics["rollout/fully_async/stale_groups_filtered"] == 1.0
     assert metrics["rollout/fully_async/aborted_groups_filtered"] == 1.0
     assert buffer.metrics()["rollout/fully_async/stale_groups_filtered"] == 0.0  # counters reset per step
