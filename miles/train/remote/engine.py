@@ -45,14 +45,6 @@ class RemoteRolloutEngine(RolloutEngine):
     exact_weights = False  # its tensors live in other processes: checked by checksum
     checksummed = True
     weight_names = "model"  # the server holds the transformers model's own names
-    CONSUMES = {
-        "engines": ("update_weight_transfer_mode", "update_weight_disk_dir", "update_weight_local_checkpoint_dir",
-                    "update_weight_delta_encoding", "update_weight_delta_checksum", "pause_generation_mode"),
-        "job": ("rollout_num_gpus",),
-        "sglang": ("rollout_num_gpus_per_engine", "update_weight_buffer_size"),
-        "checkpoint": ("hf_checkpoint",),
-        "optimizer": ("bf16",),
-    }  # fmt: skip
 
     def __init__(
         self,

@@ -28,14 +28,6 @@ class RemoteSGLangEngine(RemoteRolloutEngine):
     name = "sglang"
     checksummed = False
     weight_names = "checkpoint"  # SGLang's models load checkpoint names
-    CONSUMES = {
-        "engines": ("update_weight_transfer_mode", "update_weight_disk_dir", "update_weight_local_checkpoint_dir",
-                    "update_weight_delta_encoding", "update_weight_delta_checksum", "pause_generation_mode"),
-        "job": ("rollout_num_gpus", "actor_num_gpus_per_node", "actor_num_nodes"),
-        "sglang": "*",
-        "checkpoint": ("hf_checkpoint",),
-        "rollout": ("rollout_seed",),
-    }  # fmt: skip
 
     def __init__(
         self,
