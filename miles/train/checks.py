@@ -116,6 +116,24 @@ def check_weights_equal(
     return len(engine)
 
 
+def check_rollout_complete(rollout_id: int, samples, groups: int, group_size: int) -> None:
+    """The rollout holds every group, each with exactly `group_size` executions (an engine that
+    died mid-rollout lost none of its requests, and none was counted twice)."""
+    from miles.train.batch import executions
+
+    counts: dict[int, int] = {}
+    for execution in executions(samples):
+        group = samples[execution[0]].group
+        counts[group] = counts.get(group, 0) + 1
+    wrong = {g: n for g, n in counts.items() if n != group_size}
+    missing = sorted(set(range(groups)) - set(counts))
+    if wrong or missing or len(counts) != groups:
+        raise CheckFailed(
+            f"rollout {rollout_id}: the rollout is not {groups} groups of {group_size}: groups missing {missing[:5]}, "
+            f"groups of another size {dict(list(wrong.items())[:5])}: a request was lost or answered twice"
+        )
+
+
 def check_weight_checksums(
     rollout_id: int,
     engines: Mapping[str, Mapping[str, str]],

@@ -105,6 +105,10 @@ class RolloutEngine(abc.ABC):
         `checksummed`; this process may hold none of them (an empty dict)."""
         raise NotImplementedError(f"the {self.name} rollout engine does not checksum its weights")
 
+    def rollout_metrics(self) -> dict[str, float]:
+        """What the engine reports of the last rollout (requests retried, engines alive)."""
+        return {}
+
     def release_memory(self) -> None:  # noqa: B027 (an engine without its own memory pool frees nothing)
         """Free GPU memory the engine holds while the trainer steps (colocated engines)."""
 

@@ -80,6 +80,7 @@ def train(run: Run) -> None:
         metrics = report.rollout_metrics(
             samples, time.perf_counter() - started, exact=cfg.data.prompt_data.startswith(SYNTHETIC_PREFIX)
         )
+        metrics |= run.engine.rollout_metrics()
         if run.async_rollouts is not None:
             metrics |= run.async_rollouts.metrics()
         if not checked.debug_rollout_only:
@@ -114,6 +115,11 @@ def generate_and_score(run: Run, rollout_id: int) -> list[Sample]:
         gathered = [s for part in all_gather_objects(sample_share(run, rollout_id)) for s in part]
     if cfg.checks.save_debug_rollout_data and run.dist.is_main:
         save_samples(cfg.checks.save_debug_rollout_data.format(rollout_id=rollout_id), gathered)
+    if cfg.checks.ci_test:  # every request answered once, whichever engine answered it
+        rollout = cfg.rollout
+        checks.check_rollout_complete(
+            rollout_id, gathered, rollout.rollout_batch_size, rollout.n_samples_per_prompt
+        )
     return gathered
 
 

@@ -45,6 +45,22 @@ class EnginesConfig(Section):
         help="what a weight update does to requests in flight: abort them, retract them (recomputed with the "
         "new weights), or freeze them in place (their cache kept)",
     )
+    sglang_config: str | None = flag(
+        help="YAML of engine groups: models (update_weights or frozen), their server groups (miles.train.remote.groups)"
+    )
+    use_fault_tolerance: bool = flag(
+        action="store_true",
+        help="health-check the engines; a dead one is restarted and its requests go to the others",
+    )
+    rollout_health_check_interval: float = flag(
+        type=_non_negative_float, default=30.0, help="seconds between checks"
+    )
+    rollout_health_check_timeout: float = flag(
+        type=_non_negative_float, default=30.0, help="seconds an engine may take to answer /health_generate"
+    )
+    rollout_health_check_first_wait: float = flag(
+        type=_non_negative_float, default=0.0, help="seconds before the first check"
+    )
     # the persistent rollout worker is the trainer's (miles.train.async_rollout); its rules
     # (engines of their own, no abort pause) are the parser's
     fully_async: bool = flag(

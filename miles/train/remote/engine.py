@@ -19,6 +19,7 @@ from pathlib import Path
 
 from miles.train.config import (
     CheckpointConfig,
+    ChecksConfig,
     EnginesConfig,
     JobConfig,
     OptimizerConfig,
@@ -35,6 +36,7 @@ from miles.train.remote.fleet import (
     torch_server_args,
     wait_for_file,
 )
+from miles.train.remote.plan import plan_engines
 from miles.train.rollout import Generation, RolloutEngine, RolloutEngineError
 
 
@@ -54,16 +56,29 @@ class RemoteRolloutEngine(RolloutEngine):
         sglang: SGLangConfig,
         checkpoint: CheckpointConfig,
         optimizer: OptimizerConfig,
+        checks: ChecksConfig,
         dist_info,
     ):
-        self.hf_checkpoint = checkpoint.hf_checkpoint
         self.dtype = "bfloat16" if optimizer.bf16 else "float32"
-        self._connect(engines, sglang, dist_info, self._engine_count(job, sglang), backend="gloo")
+        specs = plan_engines(engines, job, sglang, checkpoint.hf_checkpoint)
+        if any(s.devices != 1 for s in specs):
+            raise RolloutEngineError(
+                "on the CPU each built-in engine is one process on one device: use --rollout-num-gpus-per-engine 1 "
+                "(and num_gpus_per_engine 1 in --sglang-config); the engine count is the rollout's devices"
+            )
+        if any(s.overrides for s in specs):
+            raise RolloutEngineError(
+                f"--sglang-config {engines.sglang_config}: a server group's overrides are SGLang server arguments, "
+                "which the built-in engine does not take"
+            )
+        self._connect(engines, sglang, dist_info, specs, backend="gloo", crash=checks.ci_test)
 
     def _connect(
-        self, engines: EnginesConfig, sglang: SGLangConfig, dist_info, count: int, *, backend: str
+        self, engines: EnginesConfig, sglang: SGLangConfig, dist_info, specs, *, backend: str, crash: bool
     ) -> None:
-        """Rank 0 starts `count` engines and the transfer; every rank waits until they serve."""
+        """Rank 0 starts the engines and the transfer; every rank waits until they serve. With
+        --use-fault-tolerance the fleet watches them, and with --ci-test too it kills one engine
+        while the second batch of requests is in flight (the seed framework's simulated crash)."""
         from miles.train.sglang_weights import EngineGroup
 
         self.rank, self.world_size = dist_info.rank, dist_info.world_size
@@ -72,40 +87,38 @@ class RemoteRolloutEngine(RolloutEngine):
         self.world = EngineGroup(tuple(range(self.world_size)), self.rank, _world_group(self.world_size))
         self.fleet: Fleet | None = None
         self.transfer = None
+        tolerance = None
+        if engines.use_fault_tolerance:
+            tolerance = FaultTolerance(
+                engines.rollout_health_check_interval,
+                engines.rollout_health_check_timeout,
+                engines.rollout_health_check_first_wait,
+            )
 
         def start(_):
-            self.fleet = Fleet(self._start_engines(count), fault_tolerance=None)
+            self.fleet = Fleet(self._start_engines(specs), fault_tolerance=tolerance, log=_log)
+            self.fleet.crash_at = 2 if crash and tolerance is not None else None
+            self.fleet.watch()
             self.transfer = make_transfer(engines, sglang, backend=backend, address="127.0.0.1")
 
         self.world.exchange(None, start)  # an engine that does not start stops every rank
 
-    def _engine_count(self, job: JobConfig, sglang: SGLangConfig) -> int:
-        if not job.rollout_num_gpus:
-            raise RolloutEngineError("engines in processes of their own need --rollout-num-gpus N")
-        if sglang.rollout_num_gpus_per_engine != 1:
-            raise RolloutEngineError(
-                f"--rollout-num-gpus-per-engine {sglang.rollout_num_gpus_per_engine}: on the CPU each built-in engine "
-                "is one process on one device; use 1 (--rollout-num-gpus sets how many engines)"
-            )
-        return job.rollout_num_gpus
-
-    def _start_engines(self, count: int) -> list[Engine]:
+    def _start_engines(self, specs) -> list[Engine]:
         """The built-in engine servers, started together, each waited for."""
         logs = log_dir()
         started = []
-        for i in range(count):
-            name = f"engine-{i}"
-            log, ready = logs / f"{name}.log", logs / f"{name}.url"
+        for spec in specs:
+            log, ready = logs / f"{spec.name}.log", logs / f"{spec.name}.url"
             ready.unlink(missing_ok=True)
-            args = torch_server_args(name, self.hf_checkpoint, self.dtype, ready)
-            process = spawn("miles.train.remote.server", args, log)
-            started.append((name, log, ready, process, args))
+            args = torch_server_args(spec.name, spec.model_path, self.dtype, ready)
+            started.append((spec, log, ready, args, spawn("miles.train.remote.server", args, log)))
         engines = []
-        for name, log, ready, process, args in started:
-            url = wait_for_file(ready, process, name, log)
+        for spec, log, ready, args, process in started:
+            url = wait_for_file(ready, process, spec.name, log)
             engines.append(
-                Engine(name, "default", True, True, EngineClient(url, name), process=process, log=log,
-                       start=_restarter(name, log, ready, args))
+                Engine(spec.name, spec.model, spec.updatable, spec.rollout, EngineClient(url, spec.name),
+                       process=process, log=log, start=_restarter(spec.name, log, ready, args),
+                       model_path=spec.model_path)
             )  # fmt: skip
         return engines
 
@@ -175,12 +188,28 @@ class RemoteRolloutEngine(RolloutEngine):
         self.fleet.mark_current(engines)
 
     def weight_checksums(self) -> dict[str, dict[str, str]]:
-        """Each updatable engine's checksum of every tensor it holds (rank 0; empty elsewhere)."""
+        """Each updatable engine's checksum of every tensor it holds (rank 0; empty elsewhere).
+        A frozen model's engines (--sglang-config update_weights false) must still hold their
+        checkpoint, tensor for tensor: one that does not is an error here."""
         if self.rank != 0:
             return {}
-        engines = [e for e in self.fleet.updatable() if e.kind == "torch"]
+        engines = [e for e in self.fleet.engines if e.alive and e.kind == "torch"]
         answers = self.fleet.call(engines, "/weights_checker", {"action": "checksum"})
-        return {e.name: a["ranks"][0]["checksums"] for e, a in zip(engines, answers, strict=True)}
+        sums = {e.name: a["ranks"][0]["checksums"] for e, a in zip(engines, answers, strict=True)}
+        for engine in engines:
+            if not engine.updatable:
+                _check_frozen(engine, sums.pop(engine.name), self.weight_dtype)
+        return sums
+
+    def rollout_metrics(self) -> dict[str, float]:
+        """Requests sent again since the last call, engines alive, restarts so far (rank 0)."""
+        if self.rank != 0:
+            return {}
+        retries, self.fleet.retries = self.fleet.retries, 0
+        alive = sum(e.alive for e in self.fleet.engines)
+        restarts = sum(e.restarts for e in self.fleet.engines)
+        return {"rollout/engine_retries": float(retries), "rollout/engines_alive": float(alive),
+                "rollout/engine_restarts": float(restarts)}  # fmt: skip
 
     def named_weights(self) -> Iterator[tuple[str, object]]:
         raise NotImplementedError("the engines' tensors live in their own processes; see weight_checksums()")
@@ -223,6 +252,29 @@ def make_transfer(engines: EnginesConfig, sglang: SGLangConfig, *, backend: str,
         bucket_bytes=bucket,
     )
     return DiskTransfer(publisher, engines.update_weight_local_checkpoint_dir)
+
+
+def _check_frozen(engine: Engine, sums: dict[str, str], dtype) -> None:
+    """A frozen engine's checksums against its checkpoint's files (the names the files hold), the
+    files' tensors in the engine's dtype."""
+    from miles.ckpt.shards import CheckpointReader
+    from miles.train.remote.checksums import tensor_checksum
+
+    reader = CheckpointReader(engine.model_path)
+    try:
+        names = [n for n in reader.files.weight_map if n in sums]
+        differing = [n for n in names if tensor_checksum(reader.read(n).to(dtype)) != sums[n]]
+    finally:
+        reader.close()
+    if not names or differing:
+        raise RolloutEngineError(
+            f"rollout engine {engine.name} of a frozen model no longer holds its checkpoint {engine.model_path}: "
+            f"{len(differing)} of {len(names)} tensor(s) differ ({', '.join(differing[:3])})"
+        )
+
+
+def _log(message: str) -> None:
+    print(message, flush=True)
 
 
 def _restarter(name: str, log: Path, ready: Path, args: list[str]):

@@ -53,6 +53,7 @@ class Engine:
     current: bool = True  # holds the trainer's latest weights
     restarts: int = 0
     log: Path | None = None
+    model_path: str = ""
 
 
 @dataclass
@@ -68,6 +69,8 @@ class Fleet:
     fault_tolerance: FaultTolerance | None = None
     log: Callable[[str], None] = print
     retries: int = 0  # requests sent again after their engine died
+    crash_at: int | None = None  # fault injection: kill an engine during this generate call (1-based)
+    _calls: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _monitor: threading.Thread | None = None
     _closed: threading.Event = field(default_factory=threading.Event)
@@ -96,10 +99,13 @@ class Fleet:
         chunks = [(i, list(prompts[i * size : (i + 1) * size])) for i in range(len(engines))]
         chunks = [(i, c) for i, c in chunks if c]
         results: dict[int, list[Output]] = {}
+        self._calls += 1
         with ThreadPoolExecutor(max_workers=len(chunks)) as pool:
             futures = {
                 i: pool.submit(self._chunk, engines[i], chunk, sampling, seed + i) for i, chunk in chunks
             }
+            if self._calls == self.crash_at:
+                self._crash(engines[chunks[0][0]])
             for i, future in futures.items():
                 results[i] = future.result()
         return [out for i, _ in chunks for out in results[i]]
@@ -119,6 +125,23 @@ class Fleet:
                 with self._lock:
                     self.retries += len(prompts)
                 self.log(f"miles.train: {len(prompts)} request(s) of the lost engine go to {engine.name}")
+
+    def _crash(self, engine: Engine, wait: float = 60.0) -> None:
+        """Fault injection: SIGKILL `engine`'s process once it holds requests (the built-in server
+        says so; another is killed at once), as an engine that dies mid-rollout."""
+        deadline = time.monotonic() + wait
+        while engine.kind == "torch" and time.monotonic() < deadline:
+            try:
+                if engine.client.get("/get_server_info", timeout=5)["running_requests"] > 0:
+                    break
+            except RolloutEngineError:
+                break
+            time.sleep(0.01)
+        pid = engine.process.pid if engine.process else "-"
+        self.log(
+            f"miles.train: fault injection: killing rollout engine {engine.name} (pid {pid}) mid-rollout"
+        )
+        stop_process(engine.process)
 
     def _another(self, dead: Engine) -> Engine:
         engines = self.serving()

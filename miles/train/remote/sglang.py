@@ -16,11 +16,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from miles.train.config import CheckpointConfig, EnginesConfig, JobConfig, RolloutConfig, SGLangConfig
+from miles.train.config import (
+    CheckpointConfig,
+    ChecksConfig,
+    EnginesConfig,
+    JobConfig,
+    RolloutConfig,
+    SGLangConfig,
+)
 from miles.train.remote.client import EngineClient
 from miles.train.remote.engine import RemoteRolloutEngine
 from miles.train.remote.fleet import Engine, log_dir, spawn, wait_for_health
 from miles.train.remote.group import free_port
+from miles.train.remote.plan import plan_engines
 from miles.train.rollout import RolloutEngineError
 
 
@@ -37,6 +45,7 @@ class RemoteSGLangEngine(RemoteRolloutEngine):
         sglang: SGLangConfig,
         checkpoint: CheckpointConfig,
         rollout: RolloutConfig,
+        checks: ChecksConfig,
         dist_info,
     ):
         from miles.train.fp8_export import Fp8ExportError, fp8_export_for
@@ -51,13 +60,8 @@ class RemoteSGLangEngine(RemoteRolloutEngine):
                 f"--actor-num-nodes {job.actor_num_nodes}: SGLang servers are placed on the trainer's node here; "
                 "a run of several nodes places them with Ray (python -m miles.recipes's Ray launch)"
             )
-        gpus = sglang.rollout_num_gpus_per_engine
-        if not job.rollout_num_gpus or job.rollout_num_gpus % gpus:
-            raise RolloutEngineError(
-                f"--rollout-num-gpus {job.rollout_num_gpus} must be a multiple of --rollout-num-gpus-per-engine {gpus}"
-            )
-        self.hf_checkpoint = checkpoint.hf_checkpoint
-        self.sglang, self.seed, self.first_gpu = sglang, rollout.rollout_seed, job.actor_num_gpus_per_node
+        specs = plan_engines(engines, job, sglang, checkpoint.hf_checkpoint)
+        self.seed, self.first_gpu = rollout.rollout_seed, job.actor_num_gpus_per_node
         self.server_args = server_cli_args(sglang)
         self.seeded = "--enable-deterministic-inference" in self.server_args
         try:
@@ -68,38 +72,46 @@ class RemoteSGLangEngine(RemoteRolloutEngine):
         self._weight_dtype = (
             None if self.fp8 is not None else served_dtype(checkpoint.hf_checkpoint, {"dtype": dtype})
         )
-        self._connect(engines, sglang, dist_info, job.rollout_num_gpus // gpus, backend="nccl")
+        self._connect(engines, sglang, dist_info, specs, backend="nccl", crash=checks.ci_test)
 
     @property
     def weight_dtype(self):
         return self._weight_dtype
 
-    def _start_engines(self, count: int) -> list[Engine]:
+    def _start_engines(self, specs) -> list[Engine]:
         logs = log_dir()
-        gpus = self.sglang.rollout_num_gpus_per_engine
         started = []
-        for i in range(count):
-            name, port = f"sglang-{i}", free_port()
+        for i, spec in enumerate(specs):
+            port = free_port()
+            overrides = [a for k, v in spec.overrides.items() for a in (f"--{k.replace('_', '-')}", str(v))]
             args = [
-                "--model-path", self.hf_checkpoint, "--host", "127.0.0.1", "--port", str(port),
-                "--tp-size", str(gpus), "--base-gpu-id", str(self.first_gpu + i * gpus),
-                "--random-seed", str(self.seed + i), *self.server_args,
+                "--model-path", spec.model_path, "--host", "127.0.0.1", "--port", str(port),
+                "--tp-size", str(spec.devices), "--base-gpu-id", str(self.first_gpu + spec.first_device),
+                "--random-seed", str(self.seed + i), *self.server_args, *overrides,
             ]  # fmt: skip
-            log = logs / f"{name}.log"
+            log = logs / f"{spec.name}.log"
             process = spawn("sglang.launch_server", args, log)
-            started.append((name, log, process, EngineClient(f"http://127.0.0.1:{port}", name)))
+            started.append((spec, log, process, EngineClient(f"http://127.0.0.1:{port}", spec.name), args))
         engines = []
-        for name, log, process, client in started:
+        for spec, log, process, client, args in started:
             wait_for_health(client, process, log)
             engines.append(
-                Engine(
-                    name, "default", True, True, client, kind="sglang", ranks=gpus, process=process, log=log
-                )
-            )
+                Engine(spec.name, spec.model, spec.updatable, spec.rollout, client, kind="sglang", ranks=spec.devices,
+                       process=process, log=log, model_path=spec.model_path, start=_restarter(client, log, args))
+            )  # fmt: skip
         return engines
 
     def update_weights(self, named_tensors: Iterable[tuple[str, object]]) -> None:
         super().update_weights(self.fp8(named_tensors) if self.fp8 is not None else named_tensors)
+
+
+def _restarter(client: EngineClient, log, args: list[str]):
+    def start():
+        process = spawn("sglang.launch_server", args, log)
+        wait_for_health(client, process, log)
+        return process, client.url
+
+    return start
 
 
 def server_cli_args(sglang: SGLangConfig) -> list[str]:
