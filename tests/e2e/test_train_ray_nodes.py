@@ -25,7 +25,7 @@ import pytest
 from miles.ci.register import register_cpu_ci
 from miles.train.remote.group import free_port
 
-register_cpu_ci(est_time=420, suite="stage-b-cpu")
+register_cpu_ci(est_time=480, suite="stage-b-cpu")
 
 _here = Path(__file__).with_name("recipe_runs.py")
 _spec = importlib.util.spec_from_file_location("recipe_runs", _here)
