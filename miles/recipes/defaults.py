@@ -151,14 +151,15 @@ TINY_OVERRIDES = groups(
 
 
 def cpu_tiny_profile(
-    parallel: ParallelLayout | None = None, train_backend: str | None = None
+    parallel: ParallelLayout | None = None, train_backend: str | None = None, *, nodes: int = 1
 ) -> ParallelProfile:
     """Two gloo ranks on one CPU machine with the trainer's own sampler: data-parallel FSDP, or
-    the Megatron backend at `parallel` when `train_backend` is "megatron"."""
+    the Megatron backend at `parallel` when `train_backend` is "megatron". `nodes` 2: the same
+    two ranks as two nodes of a Ray cluster, one each (miles.recipes.ray_job)."""
     return ParallelProfile(
         platform="cpu",
-        nodes=1,
-        gpus_per_node=2,
+        nodes=nodes,
+        gpus_per_node=2 // nodes,
         model=TINY,
         parallel=parallel or ParallelLayout(),
         rollout_engine="torch",

@@ -1,9 +1,11 @@
 """Build a launch plan from a recipe (command, environment, working directories) and run it.
 
 One node: `python -m torch.distributed.run --standalone` starts the trainer's ranks (gloo on
-CPU, NCCL/RCCL on GPUs). Several nodes: a Ray job submission, with the `ray start` commands
-each node runs first; miles prints that plan but does not start clusters. `--dry-run` in the
-scripts prints the plan and stops.
+CPU, NCCL/RCCL on GPUs). Several nodes: a Ray job submitted to an existing cluster (`ray job
+submit` to its dashboard address; miles.recipes.ray_job places the ranks with a placement
+group), whose log is streamed and whose exit code is the run's; the plan shows the `ray start`
+commands that bring such a cluster up, which miles does not run. `--dry-run` in the scripts
+prints the plan and stops.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from miles.recipes.recipe import SHARED, ParallelProfile, Recipe, RecipeError, l
 from miles.recipes.status import profile_status
 
 TRAINER_MODULE = "miles.train"
+RAY_JOB_MODULE = "miles.recipes.ray_job"
 RAY_DASHBOARD_PORT = 8265
 RAY_GCS_PORT = 6379
 
@@ -53,6 +56,8 @@ class RunOptions:
     extra_env: tuple[tuple[str, str], ...] = ()
     python: str = "python"
     head_address: str = "127.0.0.1"  # multi-node: the Ray head node
+    ray_address: str | None = None  # multi-node: its dashboard (default http://<head_address>:8265)
+    workdir: str | None = None  # multi-node: where the ranks run (the paths of the plan are relative to it)
 
     def __post_init__(self) -> None:
         check_name(self.run_id, what="--run-id")  # the run's folder under output_dir, never elsewhere
@@ -298,6 +303,11 @@ def _command(
     """The command that starts the job, and the commands each node runs first (Ray only)."""
     trainer = (options.python, "-m", TRAINER_MODULE, *train_args)
     if mode == "torchrun":
+        if options.ray_address:
+            raise LaunchError(
+                f"--ray-address {options.ray_address}: a one-node run starts under torchrun here, not on a Ray "
+                "cluster; drop --ray-address, or give --num-nodes above 1"
+            )
         launcher = (options.python, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1")
         return (
             *launcher,
@@ -314,11 +324,17 @@ def _command(
          "--disable-usage-stats"),
         ("ray", "start", "--address", f"{head}:{RAY_GCS_PORT}", "--num-gpus", gpus, "--disable-usage-stats"),
     )  # fmt: skip
+    address = options.ray_address or f"http://{head}:{RAY_DASHBOARD_PORT}"
     submit = (
-        "ray", "job", "submit", "--address", f"http://{head}:{RAY_DASHBOARD_PORT}",
+        "ray", "job", "submit", "--address", address,
         "--runtime-env-json", json.dumps({"env_vars": env}, sort_keys=True), "--",
     )  # fmt: skip
-    return (*submit, *trainer), prelude
+    job = (
+        options.python, "-m", RAY_JOB_MODULE, "--nodes", str(profile.nodes), "--procs-per-node", gpus,
+        "--gpus-per-node", "0" if profile.platform == "cpu" else gpus,
+        *(("--workdir", options.workdir) if options.workdir else ()), "--",
+    )  # fmt: skip
+    return (*submit, *job, *trainer), prelude
 
 
 def format_plan(plan: LaunchPlan) -> str:
@@ -360,14 +376,16 @@ def format_plan(plan: LaunchPlan) -> str:
 
 
 def run(plan: LaunchPlan, env: Mapping[str, str] | None = None) -> int:
-    """Run a one-node plan: check the machine and the pins, make the directories, start the
-    command with the plan's environment on top of `env`. Returns its exit status."""
+    """Run a plan: one node, check the machine and the pins, make the directories, start the
+    command with the plan's environment on top of `env`; several nodes, submit it to the Ray
+    cluster (miles.recipes.ray_submit). Returns its exit status."""
     base = dict(os.environ if env is None else env)
     if plan.mode != "torchrun":
-        raise LaunchError(
-            f"{plan.recipe}: a {plan.profile.nodes}-node run is planned, not started, by miles: run the node "
-            "setup commands of `--dry-run` on each node, then its `ray job submit` command on the head"
-        )
+        from miles.recipes.ray_submit import submit
+
+        for _, path in plan.workdirs:
+            os.makedirs(path, exist_ok=True)
+        return submit(plan, base)
     if plan.platform != "cpu":
         require(plan.platform, plan.profile.gpus_per_node, env=base)
     check_pins(plan.pins)

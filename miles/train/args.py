@@ -204,6 +204,7 @@ def validate(args: argparse.Namespace) -> None:
         raise ArgsError("--ci-save-model-hash writes beside each checkpoint, but no --save was given")
     if args.ci_check_model_hash and not args.load:
         raise ArgsError("--ci-check-model-hash checks the weights --load restores, but no --load was given")
+    _validate_async(args)
     if args.load_debug_rollout_data and args.debug_rollout_only:
         raise ArgsError("--load-debug-rollout-data and --debug-rollout-only exclude each other")
     if args.load_debug_rollout_data:
@@ -264,6 +265,46 @@ def _validate_offload(args: argparse.Namespace) -> None:
         raise ArgsError(
             "--stream-optimizer-state-to-disk streams the Adam state megatron-core's optimizer keeps in its own "
             "tensors; --optimizer-cpu-offload and --use-precision-aware-optimizer keep it elsewhere: drop one"
+        )
+
+
+ASYNC_FLAGS = (
+    "--max-weight-staleness", "--async-data-buffer-capacity-factor", "--async-unused-samples-handler",
+    "--async-max-concurrent-samples",
+)  # fmt: skip
+
+
+def _validate_async(args: argparse.Namespace) -> None:
+    """--fully-async needs engines that keep generating while the trainer trains (the seed
+    framework's rules, miles/utils/arguments.py at 31f1ca961)."""
+    given = [f for f in ASYNC_FLAGS if f in args.flags_set]
+    if given and not args.fully_async:
+        raise ArgsError(
+            f"{' '.join(given)} set the fully asynchronous rollout; add --fully-async or drop them"
+        )
+    if not args.fully_async:
+        return
+    if not args.rollout_num_gpus or args.colocate:
+        raise ArgsError(
+            "--fully-async needs engines on devices of their own (--rollout-num-gpus N without --colocate): "
+            "the rollout keeps generating while the trainer trains"
+        )
+    if args.custom_generate_function_path:
+        raise ArgsError(
+            f"--custom-generate-function-path {args.custom_generate_function_path} with --fully-async: the rollout "
+            "worker samples each group itself; drop one of them"
+        )
+    if args.pause_generation_mode == "abort":
+        raise ArgsError(
+            "--fully-async cannot use --pause-generation-mode abort: generation is always in flight, so every "
+            "weight sync would discard it; use retract or in_place"
+        )
+    if args.max_weight_staleness is not None and args.max_weight_staleness < 0:
+        raise ArgsError(f"--max-weight-staleness must be >= 0, got {args.max_weight_staleness}")
+    if args.async_data_buffer_capacity_factor * args.rollout_batch_size < 1:
+        raise ArgsError(
+            f"--async-data-buffer-capacity-factor {args.async_data_buffer_capacity_factor} x --rollout-batch-size "
+            f"{args.rollout_batch_size} holds no group; use a factor of at least {1 / args.rollout_batch_size:g}"
         )
 
 

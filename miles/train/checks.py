@@ -5,7 +5,8 @@
 2. The rollout engine and the trainer hold the same weights, so their logprobs of the
    sampled tokens agree within a tolerance (the numerics differ: KV cache vs full forward).
 3. After a weight sync the engine's weights equal the trainer's, bit for bit, except names
-   matching `--check-weight-update-skip-list`. An engine that cannot hand out its tensors
+   matching `--check-weight-update-skip-list` (engines in processes of their own: their
+   checksums of each tensor's bytes equal the trainer's). An engine that cannot hand out its tensors
    (SGLang) is checked instead by greedy continuations of fixed prompts: their logprobs
    under the engine and under the trainer agree within --ci-logprob-abs-diff-tol. Both sides
    score them at temperature 1: SGLang treats top_k 1 as greedy and returns the untempered
@@ -119,6 +120,56 @@ def check_weights_equal(
             f"{len(differing)} tensor(s): {', '.join(differing[:5])}"
         )
     return len(engine)
+
+
+def check_rollout_complete(rollout_id: int, samples, groups: int, group_size: int) -> None:
+    """The rollout holds every group, each with exactly `group_size` executions (an engine that
+    died mid-rollout lost none of its requests, and none was counted twice)."""
+    from miles.train.batch import executions
+
+    counts: dict[int, int] = {}
+    for execution in executions(samples):
+        group = samples[execution[0]].group
+        counts[group] = counts.get(group, 0) + 1
+    wrong = {g: n for g, n in counts.items() if n != group_size}
+    missing = sorted(set(range(groups)) - set(counts))
+    if wrong or missing or len(counts) != groups:
+        raise CheckFailed(
+            f"rollout {rollout_id}: the rollout is not {groups} groups of {group_size}: groups missing {missing[:5]}, "
+            f"groups of another size {dict(list(wrong.items())[:5])}: a request was lost or answered twice"
+        )
+
+
+def check_weight_checksums(
+    rollout_id: int,
+    engines: Mapping[str, Mapping[str, str]],
+    trainer_weights: Mapping[str, object],
+    skip_list: Sequence[str] = (),
+) -> int:
+    """Every engine's checksum of each trainer weight (in the engine's dtype) equals the trainer's
+    tensor's; returns how many were compared. Checksums of the bytes: equal means bit for bit."""
+    from miles.train.remote.checksums import tensor_checksum
+
+    compared = 0
+    for engine, sums in engines.items():
+        differing = []
+        for name, tensor in trainer_weights.items():
+            if skipped(name, skip_list):
+                continue
+            if name not in sums:
+                raise CheckFailed(
+                    f"rollout {rollout_id}: rollout engine {engine} lacks trainer weight {name}; add it to "
+                    "--check-weight-update-skip-list only if the engine legitimately does not hold it"
+                )
+            compared += 1
+            if tensor_checksum(tensor) != sums[name]:
+                differing.append(name)
+        if differing:
+            raise CheckFailed(
+                f"rollout {rollout_id}: after the weight update rollout engine {engine} differs from the trainer in "
+                f"{len(differing)} tensor(s) (checksums of their bytes): {', '.join(differing[:5])}"
+            )
+    return compared
 
 
 def probe_sampling(sampling):

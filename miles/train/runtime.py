@@ -16,7 +16,7 @@ from miles.train import checkpoint, checks, data, guards
 from miles.train.args import ArgsError, validate_world, world_note
 from miles.train.backends import TrainBackend, make_backend
 from miles.train.config import RunConfig, SamplingConfig
-from miles.train.consumption import build, refusal
+from miles.train.consumption import build, disaggregated, refusal
 from miles.train.distributed import DistInfo, init_distributed, seed_everything
 from miles.train.inputs import verify_checkpoints
 from miles.train.rewards import RewardFn, load_reward, score
@@ -34,6 +34,7 @@ class Run:
     engine: RolloutEngine | None  # None under --debug-train-only (replayed rollouts)
     sampling: SamplingConfig
     start_rollout: int = 0
+    async_rollouts: object | None = None  # --fully-async: miles.train.async_rollout.AsyncRollouts
     skipped_streak: guards.SkippedStreak = field(default_factory=lambda: guards.SkippedStreak(3))
     step_record: checks.StepRecord = field(default_factory=lambda: checks.StepRecord(None, None, False))
     _encoded: dict[int, list[int]] = field(default_factory=dict)
@@ -60,6 +61,14 @@ class Run:
                 )
             self._encoded[prompt.index] = ids
         return ids
+
+    def generate(self, requests: list[list[int]], seed: int) -> list:
+        """The pieces each request is trained as (miles.train.generate; --custom-generate-function-path)."""
+        from miles.train.generate import GenerateContext, checked, load_generate
+
+        path = self.config.rollout.custom_generate_function_path
+        context = GenerateContext(self.engine, self.sampling, seed, self.tokenizer)
+        return checked(path, requests, load_generate(path)(context, requests))
 
     def score(self, prompt: data.Prompt, generation: Generation, sample: int = 0) -> tuple[str, float]:
         """The decoded response and its reward under the run's rule (`sample`: its index in the group)."""
@@ -127,7 +136,7 @@ def build_run(config: RunConfig) -> Run:
     replay = config.checks.debug_train_only
     engine = None if replay else make_engine(config, dist_info)
     model = engine.local_model if engine is not None else None
-    sampling = config.rollout.sampling_config(eos_token_ids(model, tokenizer) if model is not None else ())
+    sampling = config.rollout.sampling_config(eos_token_ids(model or ckpt.hf_checkpoint, tokenizer))
     run = Run(config, dist_info, tokenizer, prompts, reward_fn, backend, engine, sampling)
     run.skipped_streak = guards.SkippedStreak(config.optimizer.max_skipped_steps)
     checked = config.checks
@@ -232,8 +241,9 @@ def warn_if_not_causal(run: Run) -> None:
 
 def make_engine(config: RunConfig, dist_info: DistInfo) -> RolloutEngine:
     """The --rollout-engine (auto: sglang on a GPU machine that has it, else the built-in one),
-    given the sections it consumes."""
-    return build("engine", engine_choice(config, dist_info), config, dist_info)
+    given the sections it consumes: in the trainer's processes, or in processes of its own."""
+    kind = "remote" if disaggregated(config) else "engine"
+    return build(kind, engine_choice(config, dist_info), config, dist_info)
 
 
 def engine_choice(config: RunConfig, dist_info: DistInfo) -> str:

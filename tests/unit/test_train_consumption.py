@@ -17,6 +17,7 @@ from miles.train.config import FLAGS, SECTIONS, Section
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPONENTS = [("backend", c) for c in consumption.BACKENDS] + [("engine", c) for c in consumption.ENGINES]
+COMPONENTS += [("remote", c) for c in consumption.REMOTE_ENGINES]
 
 
 def _config(*flags: str):
@@ -24,7 +25,7 @@ def _config(*flags: str):
 
 
 def _consumer(kind: str, choice: str) -> consumption.Consumer:
-    return consumption.backend(choice) if kind == "backend" else consumption.engine(choice)
+    return consumption.consumer(kind, choice)
 
 
 def test_a_flag_naming_an_unknown_component_is_refused_where_it_is_declared():
@@ -39,7 +40,9 @@ def test_a_sections_default_consumers_apply_to_the_fields_that_name_none():
     assert by["tensor_model_parallel_size"] == {"megatron"}  # ParallelFlags.used_by
     assert by["gradient_checkpointing"] == {"fsdp", "ddp"}  # TorchDPConfig.used_by
     assert by["eval_interval"] == {"trainer"}
-    assert by["hf_checkpoint"] == {"trainer", "fsdp", "ddp", "megatron", "torch", "sglang"}
+    assert by["hf_checkpoint"] == {
+        "trainer", "fsdp", "ddp", "megatron", "torch", "sglang", "torch-servers", "sglang-servers",
+    }  # fmt: skip
     assert by["use_wandb"] == frozenset()  # nothing acts on it yet: refused when set
 
 
@@ -61,13 +64,17 @@ def test_a_component_is_built_from_exactly_the_sections_of_the_flags_it_acts_on(
 COMPONENT_MODULES = {
     "trainer": (
         "miles.train.trainer", "miles.train.runtime", "miles.train.checkpoint", "miles.train.evaluation",
-        "miles.train.inputs",
+        "miles.train.inputs", "miles.train.async_rollout",
     ),
     "fsdp": ("miles.train.backends.torch_dp",),
     "ddp": ("miles.train.backends.torch_dp",),
     "megatron": ("miles.train.backends.megatron", "miles.megatron.options"),
     "torch": ("miles.train.rollout",),
     "sglang": ("miles.train.sglang_engine", "miles.train.sglang_server"),
+    "torch-servers": ("miles.train.remote.engine",),
+    # its base class (miles.train.remote.engine) reads the engines and sglang sections for both; the
+    # torch servers' own constructor there reads --bf16, which SGLang's servers do not
+    "sglang-servers": ("miles.train.remote.sglang",),
 }  # fmt: skip
 SECTION_FIELDS = {s.name: {f.dest for f in s.flags()} for s in SECTIONS if s.name != "layout"}
 SECTION_FIELDS["sglang"].add("server_args")
@@ -297,10 +304,11 @@ def test_the_flags_no_component_acts_on_yet_are_these():
     means declaring it where it is consumed, and this list shrinks."""
     everyone = [consumption.trainer()] + [consumption.backend(b) for b in consumption.BACKENDS]
     everyone += [consumption.engine(e) for e in consumption.ENGINES]
+    everyone += [consumption.remote_engine(e) for e in consumption.REMOTE_ENGINES]
     unread = {f.option for f in FLAGS if not any(c.consumes(f) for c in everyone)}
     refused = {"--rm-url", "--kl-coef", "--optimizer"}  # refused unless left at their default
     planned = {
-        "--rollout-num-gpus", "--partial-rollout",
+        "--partial-rollout",
         "--over-sampling-batch-size", "--dynamic-sampling-filter-path", "--rollout-function-path", "--num-epoch",
         "--tool-key", "--fp16", "--ckpt-format", "--keep-old-actor", "--finetune",
         "--log-interval", "--log-passrate", "--use-wandb", "--wandb-project",

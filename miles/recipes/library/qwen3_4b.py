@@ -80,6 +80,7 @@ RECIPE = Recipe(
         gpu_profile("cuda", 1, 4, MODEL, TP2_CP2, rollout_gpus_per_engine=1, suite="stage-c-4-gpu-h200"),
         gpu_profile("cuda", 1, 8, MODEL, TP2_CP4, rollout_gpus_per_engine=1, suite="stage-c-8-gpu-h200"),
         d.cpu_tiny_profile(TP2, "megatron"),
+        d.cpu_tiny_profile(TP2, "megatron", nodes=2),  # the same run on two Ray nodes
     ),
     overlays=(ROCM,),
     references=references.load("qwen3_4b"),

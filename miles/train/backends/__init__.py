@@ -158,6 +158,7 @@ def batch_loss(logp, entropy, batch: TokenBatch, cfg) -> LossTerms:
         cfg,
         ref_logp=None if batch.ref_logp is None else batch.ref_logp.to(device),
         rollout_logp=batch.rollout_logp.to(device),
+        sample_weight=None if batch.weights is None else batch.weights.to(device),
     )
 
 

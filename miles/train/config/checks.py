@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from miles.train.config.flags import (
+    SGLANG_SERVERS,
+    TORCH_SERVERS,
     TRAINER,
     Section,
     _non_negative_float,
@@ -22,7 +24,12 @@ class ChecksConfig(Section):
     title: ClassVar[str] = "checks and CI"
     used_by: ClassVar[tuple[str, ...]] = (TRAINER,)
 
-    ci_test: bool = flag(action="store_true", help="assert the in-loop checks (see miles.train.checks)")
+    # engines in their own processes with --use-fault-tolerance: --ci-test kills one mid-rollout
+    ci_test: bool = flag(
+        by=(TRAINER, TORCH_SERVERS, SGLANG_SERVERS),
+        action="store_true",
+        help="assert the in-loop checks (see miles.train.checks)",
+    )
     ci_disable_kl_checker: bool = flag(action="store_true", help="skip the step-0 ppo_kl check")
     check_weight_update_equal: bool = flag(action="store_true", help="check weight sync every step")
     check_weight_update_skip_list: tuple[str, ...] = flag(

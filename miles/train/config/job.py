@@ -10,6 +10,8 @@ from miles.train.config.flags import (
     EVERY_BACKEND,
     MEGATRON,
     SGLANG,
+    SGLANG_SERVERS,
+    TORCH_SERVERS,
     TRAINER,
     Section,
     _positive_int,
@@ -38,12 +40,14 @@ class JobConfig(Section):
     train_backend: str = flag(by=(TRAINER, *DATA_PARALLEL), default="fsdp", choices=TRAIN_BACKENDS)
     rollout_engine: str = flag(default="auto", choices=ROLLOUT_ENGINES, help="auto: sglang on GPU")
     distributed_backend: str | None = flag(choices=("gloo", "nccl"), help="default: nccl on GPU, else gloo")
-    actor_num_nodes: int = flag(type=_positive_int, default=1)
-    actor_num_gpus_per_node: int = flag(type=_positive_int, default=1)
+    # SGLang servers are placed on the GPUs after the training ones of the trainer's node
+    actor_num_nodes: int = flag(by=(TRAINER, SGLANG_SERVERS), type=_positive_int, default=1)
+    actor_num_gpus_per_node: int = flag(by=(TRAINER, SGLANG_SERVERS), type=_positive_int, default=1)
     rollout_num_gpus: int | None = flag(
-        by=(),
-        why_not="the SGLang engine always runs on the training GPUs: there is no separate rollout placement",
+        by=(TORCH_SERVERS, SGLANG_SERVERS),
+        why_not="with --colocate the rollout shares the training devices (drop --colocate to give it its own)",
         type=_positive_int,
+        help="devices of the rollout's own (engines in processes of their own, without --colocate)",
     )
     colocate: bool = flag(
         by=SGLANG, why_not=_IN_PROCESS, action="store_true", help="rollout and training share the GPUs"

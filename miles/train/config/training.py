@@ -9,6 +9,7 @@ from miles.train.config.flags import (
     DATA_PARALLEL,
     EVERY_BACKEND,
     TORCH,
+    TORCH_SERVERS,
     TRAINER,
     TRAINER_AND_BACKENDS,
     Section,
@@ -151,7 +152,7 @@ class OptimizerConfig(Section):
     )
     # the built-in engine samples in the trainer's compute dtype, so it scores what the trainer does
     bf16: bool = flag(
-        by=(*EVERY_BACKEND, TORCH),
+        by=(*EVERY_BACKEND, TORCH, TORCH_SERVERS),
         action="store_true",
         help="bfloat16 compute with float32 master weights, gradient reduction and optimizer state",
     )
