@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 from miles.ci.machine.preflight import python_available, split_lane_args  # noqa: E402
+from miles.ci.machine.stacks import stack_for_lane  # noqa: E402
 from miles.ci.registry.catalog import load_catalog  # noqa: E402
-from miles.image.config import stack_for_lane  # noqa: E402
 from miles.image.install import install_arguments, torch_source_warning  # noqa: E402
 from miles.image.pins import parse_lock  # noqa: E402
 
@@ -72,7 +72,9 @@ def gpu_lane_transformers() -> list[str]:
 def tests(session: nox.Session) -> None:
     """Run the test suite: unit tests and every CPU-registered test (GPU-only ones skip)."""
     install_lane_stack(session, "cpu")
-    session.run("pytest", *(session.posargs or ["tests"]), env=REQUIRE_SGLANG)
+    # a worker per core, each test file whole on one worker (its module fixtures built once)
+    default = ["-n", "auto", "--dist", "loadfile", "--durations", "30", "tests"]
+    session.run("pytest", *(session.posargs or default), env=REQUIRE_SGLANG)
 
 
 @nox.session(name="rollout-transformers", python=CATALOG.lanes["cpu"].python, default=False)

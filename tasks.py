@@ -14,6 +14,30 @@ from invoke import task as invoke_task
 from miles.families import names as family_names
 
 
+def _bad_arguments_exit_2() -> None:
+    """Bad input is exit 2 in one line for every miles command; invoke itself ends a task line it
+    cannot parse (a missing argument, an unknown flag, a value that is not a number) with exit 1
+    or a traceback. Its parsing of the tasks runs after this file is loaded, so it is wrapped here."""
+    from invoke.exceptions import ParseError
+    from invoke.program import Program
+
+    parse = Program.parse_tasks
+    if getattr(parse, "ends_in_one_line", False):
+        return
+
+    def parse_tasks(self) -> None:
+        try:
+            parse(self)
+        except (ParseError, ValueError) as exc:
+            raise Exit(f"error: {str(exc).strip()}", code=2) from None
+
+    parse_tasks.ends_in_one_line = True
+    Program.parse_tasks = parse_tasks
+
+
+_bad_arguments_exit_2()
+
+
 def task(*args, **kwargs):
     """invoke's @task, with the task's errors ended as miles.exits describes them."""
 
@@ -60,11 +84,11 @@ def lock(c, stack=None, upgrade=False):
     """Regenerate requirements/<stack>.txt from requirements/<stack>.in with uv (needs PyPI)."""
     from pathlib import Path
 
-    from miles.image.config import load_images
+    from miles.ci.machine.stacks import image_config
     from miles.image.lock import lock_stack
 
     root = Path(__file__).resolve().parent
-    config = load_images()
+    config = image_config()
     for name in stack or list(config.stacks):
         result = lock_stack(root, config.stack(name), upgrade=upgrade, lanes=config.lanes_of_stack(name))
         print(result.render())
@@ -86,15 +110,17 @@ def refresh_image(c, variant, push=False, dry=False, image=None, no_alias=False)
 
     from invoke import Exit
 
-    from miles.ci.registry.catalog import UnknownName
+    from miles.ci.machine.stacks import image_config
     from miles.ci.selection.policy import write_github_outputs
+    from miles.image.config import UnknownName
     from miles.image.plan import pins_problems, plan_refresh, refresh
 
     root = Path(__file__).resolve().parent
     try:
         plan = plan_refresh(
-            root, variant, push=push, image=image or os.environ.get("MILES_IMAGE"), move_alias=not no_alias
-        )
+            root, variant, push=push, image=image or os.environ.get("MILES_IMAGE"), move_alias=not no_alias,
+            config=image_config(),
+        )  # fmt: skip
     except UnknownName as exc:  # a mistyped --variant: one line, exit 2
         raise Exit(f"error: --variant: {exc}", code=2) from None
     print(plan.render())
@@ -156,14 +182,19 @@ def prepare_ckpt(
     source=None, family=None, layers=None, scan_nan=None, data_dir=None,
 ):  # fmt: skip
     """Prepare a model's checkpoints (fetch, validate, trim, FP8, torch_dist, stage) and its data; resumable."""
-    from miles.ckpt.cli import main
-
     options = {
-        "--recipe": recipe, "--platform": platform, "--steps": steps, "--model-dir": model_dir,
-        "--stage-dir": stage_dir, "--source": source, "--family": family, "--layers": layers,
-        "--scan-nan": scan_nan, "--data-dir": data_dir,
+        "--platform": platform, "--steps": steps, "--model-dir": model_dir, "--stage-dir": stage_dir,
+        "--source": source, "--family": family, "--layers": layers, "--scan-nan": scan_nan, "--data-dir": data_dir,
     }  # fmt: skip
-    argv = ["prepare", "--model", model]
+    # a recipe's model: the recipe's plan (options it has no use for are refused there, exit 2)
+    if recipe is not None:
+        from miles.recipes.__main__ import main
+
+        argv = ["prepare", recipe, "--model", model]
+    else:
+        from miles.ckpt.cli import main
+
+        argv = ["prepare", "--model", model]
     argv += [str(x) for k, v in options.items() if v is not None for x in (k, v)]
     code = main(argv + (["--dry"] if dry or c.config.run.dry else []))
     if code:
@@ -173,24 +204,35 @@ def prepare_ckpt(
 @task(
     help={
         "family": "one of: " + ", ".join(family_names()),
-        "layers": "number of decoder layers",
+        "layers": "number of decoder layers (default 4)",
         "out": "directory to create",
-        "seed": "random seed of the weights",
+        "seed": "random seed of the weights (default 0)",
         "dim": "config override KEY=VALUE, repeatable (--dim hidden_size=2048, 0/1 for a switch: --dim tie_word_embeddings=0)",
         "shard_bytes": "largest shard size in bytes",
         "dry": "print what would be built; build nothing",
     },
     iterable=["dim"],
 )
-def make_tiny_ckpt(c, family, out, layers=4, seed=0, dim=None, shard_bytes=None, dry=False):
+def make_tiny_ckpt(c, family, out, layers=None, seed=None, dim=None, shard_bytes=None, dry=False):
     """Build a tiny random checkpoint of a family's real architecture, with a local tokenizer."""
-    from miles.ckpt.cli import main
+    from miles.ckpt.cli import build_parser, main
 
     if family not in family_names():  # refused in one line, with --dry too
         raise Exit(f"error: --family {family!r} is not one of {', '.join(family_names())}", code=2)
-    argv = ["make-tiny", "--family", family, "--layers", str(layers), "--out", out, "--seed", str(seed)]
+    argv = [
+        "make-tiny",
+        "--family",
+        family,
+        "--layers",
+        str(layers or 4),
+        "--out",
+        out,
+        "--seed",
+        str(seed or 0),
+    ]
     argv += [x for d in dim or [] for x in ("--dim", d)]
-    argv += ["--shard-bytes", str(shard_bytes)] if shard_bytes else []
+    argv += ["--shard-bytes", str(shard_bytes)] if shard_bytes is not None else []
+    build_parser().parse_args(argv)  # a value the command refuses is refused with --dry too (exit 2)
     if dry or c.config.run.dry:
         print("would run: python -m miles.ckpt " + " ".join(argv))
         return

@@ -57,6 +57,13 @@ def die_with_parent() -> None:
         _ask_for_death_signal(parent.pid)
 
 
+def die_with(parent_pid: int) -> None:
+    """In a program another process started (subprocess): SIGKILL when the thread of
+    `parent_pid` that started it ends (Linux; start such programs from a long-lived thread)."""
+    if sys.platform.startswith("linux"):
+        _ask_for_death_signal(parent_pid)
+
+
 def _ask_for_death_signal(parent_pid: int) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:

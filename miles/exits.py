@@ -9,6 +9,7 @@ with 141, as SIGPIPE ends any other tool. Standard library only.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import signal
@@ -22,9 +23,25 @@ EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 # Errors that mean the command was given something it cannot use, by class name, so that this
 # module imports none of the packages that define them.
-USAGE_ERRORS = ("UnknownName", "UsageError", "UnknownRecipe", "UnknownModel", "PlanError", "PolicyError")
+USAGE_ERRORS = (
+    "UnknownName", "UsageError", "UnknownRecipe", "UnknownModel", "PlanError", "PolicyError", "BadTag",
+    "BadSetting",
+)  # fmt: skip
 # Errors whose message already says what failed and why, in one line.
 FAILURES = ("ImageError", "LockFailed", "CheckpointError", "StoreError", "StoreUnreachable")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A command line whose usage errors are one line and exit 2: the flag and what is wrong,
+    not the whole usage text. Flags are matched by their exact spelling (no abbreviations: a
+    `--coloc` is refused, not taken for `--colocate`); subcommands' parsers are the same."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (--help lists the commands and flags)\n")
 
 
 def quiet_broken_pipe() -> int:

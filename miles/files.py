@@ -1,11 +1,15 @@
 """Files and folders someone else may control: names read from a file, folders a test writes to.
 
-Three rules, each one function (or class) every reader and writer shares:
+The rules, each one function (or class) every reader and writer shares:
 
 - `resolve_inside(folder, entry)`: a relative name read from a file (a checkpoint index, a
   manifest, a dataset listing) is a path inside `folder`: never absolute, never `..`, and
   never a symlink whose target leaves the folder (`links_within` widens where a link may
   point, e.g. a Hugging Face snapshot's links into its repository's blob store).
+  `check_name(name)`: a name a user gives for one entry of a folder (a model, a run) is one
+  plain name, so it never leaves the folder either.
+- `refuse_overlap(output, inputs)`: a step never writes an output that is, lies inside or
+  contains one of its inputs, by resolved path and by folder identity (device, inode).
 - `read_regular(path, limit)`: another program's output is read only from a regular file
   and never past `limit` bytes; a FIFO, a device (/dev/zero), a socket or, with
   follow=False, a symlink is refused at once instead of blocking or filling memory.
@@ -76,6 +80,80 @@ def resolve_inside(
 
 def _within(path: str, folder: str) -> bool:
     return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+def check_name(name: object, *, what: str = "name") -> str:
+    """`name` if it is one plain folder or file name (no '/', not '.', '..' or hidden, no
+    control character); else FileRefused. For names a user gives that become one entry of a
+    folder (a model name, a run id), so they can never leave it or shadow its bookkeeping."""
+    check_relative(name, what=what)
+    shown = str(name).encode("unicode_escape").decode("ascii")
+    if "/" in str(name):
+        raise FileRefused(
+            f"{what} {shown!r} holds a '/'; it names one entry of its folder, give a plain name"
+        )
+    if str(name).startswith("."):
+        raise FileRefused(
+            f"{what} {shown!r} starts with '.'; hidden names are the tools' own, give a plain name"
+        )
+    if not str(name).isprintable():
+        raise FileRefused(f"{what} {shown!r} holds a control character; give a plain name")
+    return str(name)
+
+
+def overlap(output: Path | str, source: Path | str) -> str | None:
+    """How `output` and `source` share files: "is", "lies inside", "contains", or None.
+
+    Compared by resolved path (symlinks followed) and by the (device, inode) of each existing
+    folder on the way up, so a second name for the same folder (a bind mount) is caught too."""
+    out, src = os.path.realpath(output), os.path.realpath(source)
+    if out == src:
+        return "is"
+    if _within(out, src):
+        return "lies inside"
+    if _within(src, out):
+        return "contains"
+    out_self, out_chain = _identities(out)
+    src_self, src_chain = _identities(src)
+    if out_self is not None and out_self == src_self:
+        return "is"
+    if src_self is not None and src_self in out_chain:
+        return "lies inside"
+    if out_self is not None and out_self in src_chain:
+        return "contains"
+    return None
+
+
+def _identities(real: str) -> tuple[tuple[int, int] | None, list[tuple[int, int]]]:
+    """(device, inode) of `real` (None when it does not exist), and of it and every existing
+    folder above it."""
+    chain: list[tuple[int, int]] = []
+    own, path = None, real
+    while True:
+        try:
+            info = os.stat(path)
+            chain.append((info.st_dev, info.st_ino))
+            if path == real:
+                own = chain[-1]
+        except OSError:
+            pass
+        parent = os.path.dirname(path)
+        if parent == path:
+            return own, chain
+        path = parent
+
+
+def refuse_overlap(output: Path | str, sources, *, what: str = "output") -> None:
+    """FileRefused when `output` is, lies inside or contains one of `sources` (see overlap):
+    writing it could replace or delete what is being read."""
+    for source in sources:
+        how = overlap(output, source)
+        if how is not None:
+            raise FileRefused(
+                f"{what} {output} {how} the input {source} (resolved: {os.path.realpath(output)} and "
+                f"{os.path.realpath(source)}); writing it would replace what it reads: choose an output "
+                "outside its input"
+            )
 
 
 def read_regular(path: Path | str, limit: int, *, follow: bool = True, what: str = "file") -> bytes:

@@ -193,10 +193,12 @@ RAY_NOSET_VARS = (
     "RAY_EXPERIMENTAL_NOSET_ROCR_VISIBLE_DEVICES",
     "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES",
 )
-# ROCm runtime settings a colocated rollout engine needs; the job's own values win. The seed
-# framework's ROCm image sets the same (radixark/miles docker/Dockerfile.rocm at
-# 31f1ca961a94cb860cec3b2dea34ec332bfa8f76), and so does docker/Dockerfile.rocm (a test keeps
-# them equal).
+# ROCm runtime settings of the jobs; the job's own values win. They are the runtime variables the
+# seed framework's ROCm image sets (miles/recipes/references/rocm_image_env.json, read from
+# radixark/miles docker/Dockerfile.rocm at 31f1ca961a94cb860cec3b2dea34ec332bfa8f76), but
+# MILES_HARDWARE_PLATFORM (the image's fact about itself, never a job's) and SGLANG_USE_ROCM700A
+# (a switch for ROCm 7.0 builds, 0 there; miles' image is ROCm 7.2). docker/Dockerfile.rocm sets
+# the same (tests/unit/test_platform.py keeps the three equal).
 ROCM_RUNTIME_ENV = {
     # ROCm 7.2's dma-buf IPC leaks the memory a process exports, which every weight push to
     # the engine does; legacy IPC releases it (sglang docker/rocm.Dockerfile, ROCM-21485)
@@ -207,6 +209,28 @@ ROCM_RUNTIME_ENV = {
     "HIP_FORCE_DEV_KERNARG": "1",
     # enough RCCL channels for MI300/MI350 collective bandwidth
     "NCCL_MIN_NCHANNELS": "112",
+    # SGLang's aiter kernels (its default attention backend on ROCm)
+    "SGLANG_USE_AITER": "1",
+    # a --context-length past the checkpoint's derived one is taken with a warning, not refused
+    # (sglang 0.5.23 srt/configs/model_config.py)
+    "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1",
+    # triton fused-MoE weights padded for the ROCm kernels (srt/layers/moe/utils.py)
+    "SGLANG_MOE_PADDING": "1",
+    # each scheduler process pinned to its GPU's cores (srt/managers/scheduler.py)
+    "SGLANG_SET_CPU_AFFINITY": "1",
+    # the fused MLA decode with rope on ROCm (deepseek_common/forward_mla_fused_rope_rocm.py)
+    "SGLANG_ROCM_FUSED_DECODE_MLA": "1",
+    # torch.compile's inductor autotunes its kernels, pointwise ones too
+    "TORCHINDUCTOR_MAX_AUTOTUNE": "1",
+    "TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE": "1",
+    # Ray leaves the device variables of a num_gpus=0 actor alone (the seed's image: so Megatron's
+    # device checks find the GPUs)
+    "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
+}
+# What the seed's image sets that ROCm jobs do not get, and why.
+NOT_A_JOB_SETTING = {
+    "MILES_HARDWARE_PLATFORM": "the image's fact about itself: a job started outside the image is not ROCm by fiat",
+    "SGLANG_USE_ROCM700A": "a switch for ROCm 7.0 builds (0 in the seed's image by default); miles' image is ROCm 7.2",
 }
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from miles.ci.commands import history, machine, registry, run
 from miles.ci.commands.usage import UsageError, check_root
 from miles.ci.registry.catalog import CatalogError, UnknownName
+from miles.exits import OneLineParser
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ COMMANDS: tuple[Command, ...] = (
     Command("list", "list registrations (what runs where)", registry.add_list),
     Command("audit", "maintainer report: disabled tests, coverage gaps, unused suites", registry.add_audit),
     Command("manifest", "suites and their tests, for jobs outside this repository", registry.add_manifest),
+    Command(
+        "recipes", "which cpu-lane tests train each recipe, and every profile's suite", registry.add_recipes
+    ),
     Command("run", "run a lane's (or a suite's) tests: shard, timeouts, retries, reports", run.add_run),
     Command("plan", "print what `run` would do (same options), without running", run.add_plan),
     Command("matrix", "JSON shard matrix of a lane for GitHub's fromJSON", run.add_matrix),
@@ -73,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m miles.ci", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m miles.ci", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         command.add(sub.add_parser(command.name, help=command.help))

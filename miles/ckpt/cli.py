@@ -1,6 +1,7 @@
 """`python -m miles.ckpt`: prepare, make-tiny, validate, fp8, dequantize.
 
-The invoke tasks `prepare-ckpt` and `make-tiny-ckpt` call these commands. Exit codes:
+The invoke tasks `prepare-ckpt` and `make-tiny-ckpt` call these commands (a recipe's model is
+prepared by `python -m miles.recipes prepare`, which runs its plan here). Exit codes:
 0 fine, 1 the checkpoint or a step failed (the message says which file and why), 2 bad
 usage. Heavy imports happen inside the commands.
 """
@@ -8,12 +9,15 @@ usage. Heavy imports happen inside the commands.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from miles.ckpt.errors import CheckpointError, describe_os_error, os_error_in
 from miles.ckpt.plan import FAMILIES, STEPS, CheckpointPlan
+from miles.exits import OneLineParser
 
 MODEL_DIR_ENV = "MILES_MODEL_DIR"
 
@@ -23,12 +27,20 @@ class UsageError(Exception):
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return handled(
+        lambda: args.handler(args), args.command, f"python -m miles.ckpt {args.command}", _write_target(args)
+    )
+
+
+def handled(run: Callable[[], int], step: str, command: str, target: Path) -> int:
+    """`run()`'s exit code, with every error a person can act on said in one line: bad usage 2,
+    a failed step 1, an interrupt 130 (nothing unfinished was marked done), a missing package
+    or a failed write (naming `target` when the error names no file) 1."""
     from miles.exits import missing_package, quiet_broken_pipe
 
-    parser = build_parser()
-    args = parser.parse_args(argv)
     try:
-        return args.handler(args)
+        return run()
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -38,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away: stop quietly
         return quiet_broken_pipe()
     except ModuleNotFoundError as exc:  # torch, safetensors or huggingface_hub not installed
-        line = missing_package(exc, f"python -m miles.ckpt {args.command}")
+        line = missing_package(exc, command)
         if line is None:
             raise
         print(line, file=sys.stderr)
@@ -46,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         # every step writes into a temp sibling renamed into place last, so nothing is half-done
         print(
-            f"interrupted: {args.command} stopped; nothing unfinished was marked done, rerun to resume",
+            f"interrupted: {step} stopped; nothing unfinished was marked done, rerun to resume",
             file=sys.stderr,
         )
         return 130
@@ -56,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         cause = os_error_in(exc)
         if cause is None:
             raise
-        print(f"error: {describe_os_error(cause, _write_target(args))}", file=sys.stderr)
+        print(f"error: {describe_os_error(cause, target)}", file=sys.stderr)
         return 1
 
 
@@ -66,6 +78,53 @@ def _write_target(args: argparse.Namespace) -> Path:
         if getattr(args, name, None):
             return Path(getattr(args, name))
     return Path(os.environ.get(MODEL_DIR_ENV) or ".")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: give a whole number of at least 1")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value}: give a whole number of at least 0")
+    return value
+
+
+def _fraction(text: str) -> float:
+    """--scan-nan: a share from 0 (headers only) to 1 (every value); NaN would scan nothing."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give a fraction from 0 (headers only) to 1 (every value)"
+        )
+    return value
+
+
+def _dim(text: str) -> tuple[str, int | float]:
+    """--dim KEY=VALUE: a config key and a finite number of at least 0 (0/1 for a switch)."""
+    key, _, value = text.partition("=")
+    try:
+        number = int(value) if value.lstrip("-").isdigit() else float(value)
+    except ValueError:
+        number = math.nan
+    if not key or not key.isidentifier() or not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=NUMBER (0/1 for a switch)")
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size or switch is at least 0")
+    return key, number
 
 
 def _steps(text: str | None) -> tuple[str, ...] | None:
@@ -79,49 +138,35 @@ def _steps(text: str | None) -> tuple[str, ...] | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m miles.ckpt", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m miles.ckpt", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser(
         "prepare", help="run a model's checkpoint plan (resumable; a rerun skips finished steps)"
     )
-    p.add_argument("--recipe", help="take the plan from miles.recipes (with --model)")
-    p.add_argument("--platform", help="recipe platform overlay (cuda, rocm, cpu)")
-    p.add_argument("--model", required=True, help="model name, e.g. Inkling-Small-4layer")
-    p.add_argument("--family", choices=FAMILIES, help="without --recipe: the model family")
-    p.add_argument("--source", help="without --recipe: tiny:<family>, a local dir, or org/name[@revision]")
+    p.add_argument("--recipe", help=argparse.SUPPRESS)  # refused with the command that takes it
     p.add_argument(
-        "--model-dir", help=f"without --recipe: parent of the prepared dirs (default ${MODEL_DIR_ENV})"
+        "--model", required=True, help="model name, e.g. Qwen3-4B-4layer (the prepared dirs' name)"
     )
-    p.add_argument(
-        "--data-dir",
-        help="with --recipe: where the fetch step puts the recipe's prompt datasets (default .miles/data)",
-    )
-    p.add_argument("--layers", type=int, help="without --recipe: N of the N-layer slice")
-    p.add_argument("--plan-steps", help="without --recipe: the plan's steps (default: all but stage)")
-    p.add_argument("--stage-dir", help="without --recipe: node-local directory for the stage step")
+    p.add_argument("--family", choices=FAMILIES, help="the model family")
+    p.add_argument("--source", help="tiny:<family>, a local dir, or org/name[@revision]")
+    p.add_argument("--model-dir", help=f"parent of the prepared dirs (default ${MODEL_DIR_ENV})")
+    p.add_argument("--layers", type=_positive_int, help="N of the N-layer slice")
+    p.add_argument("--plan-steps", help="the plan's steps (default: all but stage)")
+    p.add_argument("--stage-dir", help="node-local directory for the stage step")
     p.add_argument("--allow-auto-map", action="store_true", help="accept config.json auto_map (remote code)")
-    p.add_argument("--steps", help="run only these of the plan's steps, comma-separated")
-    p.add_argument("--dry", action="store_true", help="print what would run; change nothing")
-    p.add_argument("--workers", type=int, help="FP8 worker threads (default: all CPUs)")
-    p.add_argument(
-        "--scan-nan",
-        type=float,
-        default=1.0,
-        metavar="FRACTION",
-        help="validate: share of every float tensor read for NaN/Inf (default 1: all; 0: headers only)",
-    )
-    p.add_argument("--quiet", action="store_true", help="no progress display")
+    add_run_options(p)
     p.set_defaults(handler=cmd_prepare)
 
     p = sub.add_parser("make-tiny", help="build a tiny random checkpoint of a family's real architecture")
     p.add_argument("--family", required=True, choices=FAMILIES)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--layers", type=_positive_int, default=4)
     p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--shard-bytes", type=int, help="largest shard size in bytes")
+    p.add_argument("--seed", type=_count, default=0)
+    p.add_argument("--shard-bytes", type=_positive_int, help="largest shard size in bytes")
     p.add_argument(
         "--dim",
+        type=_dim,
         action="append",
         default=[],
         metavar="KEY=VALUE",
@@ -132,10 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="check a checkpoint directory against its family's rules")
     p.add_argument("path", type=Path)
     p.add_argument("--family", required=True, choices=FAMILIES)
-    p.add_argument("--layers", type=int, help="expected num_hidden_layers")
+    p.add_argument("--layers", type=_positive_int, help="expected num_hidden_layers")
     p.add_argument("--allow-auto-map", action="store_true")
     p.add_argument(
-        "--scan-nan", type=float, default=1.0, metavar="FRACTION",
+        "--scan-nan", type=_fraction, default=1.0, metavar="FRACTION",
         help="share of every float tensor read for NaN/Inf (default 1: all; 0: headers only)",
     )  # fmt: skip
     p.set_defaults(handler=cmd_validate)
@@ -147,39 +192,56 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=helptext)
         p.add_argument("src", type=Path)
         p.add_argument("dst", type=Path)
-        p.add_argument("--workers", type=int)
+        p.add_argument("--workers", type=_positive_int)
         p.set_defaults(handler=cmd_convert, direction=name)
     return parser
 
 
+def add_run_options(p: argparse.ArgumentParser) -> None:
+    """How a plan runs, the same whoever made the plan (this command, or a recipe's)."""
+    p.add_argument("--steps", help="run only these of the plan's steps, comma-separated")
+    p.add_argument("--dry", action="store_true", help="print what would run; change nothing")
+    p.add_argument("--workers", type=_positive_int, help="FP8 worker threads (default: all CPUs)")
+    p.add_argument(
+        "--scan-nan",
+        type=_fraction,
+        default=1.0,
+        metavar="FRACTION",
+        help="validate: share of every float tensor read for NaN/Inf (default 1: all; 0: headers only)",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress display")
+
+
+def run_prepare(plan: CheckpointPlan, args: argparse.Namespace) -> int:
+    """Run `plan` as add_run_options' flags say and print its table."""
+    from miles.ckpt.pipeline import prepare
+
+    result = prepare(
+        plan,
+        steps=_steps(args.steps),
+        dry=args.dry,
+        progress=not args.quiet,
+        workers=args.workers,
+        scan_fraction=args.scan_nan,
+    )
+    print(result.table())
+    return 0
+
+
 def plan_from_args(args: argparse.Namespace) -> CheckpointPlan:
-    if args.recipe:
-        try:
-            from miles import recipes
-            from miles.recipes.models import UnknownModel
-        except ImportError as exc:
-            raise UsageError(
-                f"--recipe needs miles.recipes ({exc}); use --family/--source/--model-dir"
-            ) from exc
-        given = {
-            "model_dir": args.model_dir or os.environ.get(MODEL_DIR_ENV),
-            "source": args.source,
-            "stage_dir": args.stage_dir,
-            "data_dir": args.data_dir,
-        }
-        try:
-            recipe = recipes.load(args.recipe, platform=args.platform)
-            return recipe.checkpoint_plan(args.model, **{k: v for k, v in given.items() if v})
-        except (recipes.RecipeError, UnknownModel) as exc:  # an unknown recipe, model or platform
-            raise UsageError(str(exc)) from None
-    if args.data_dir:
-        raise UsageError("--data-dir names where a recipe's datasets go; it needs --recipe")
+    if args.recipe:  # a recipe's plan comes from the recipes, which build on this package
+        raise UsageError(
+            f"--recipe: a recipe's plan is prepared by `python -m miles.recipes prepare {args.recipe} --model "
+            f"{args.model}` (or `invoke prepare-ckpt --recipe {args.recipe} --model {args.model}`)"
+        )
     missing = [f"--{n}" for n in ("family", "source") if not getattr(args, n)]
     model_dir = args.model_dir or os.environ.get(MODEL_DIR_ENV)
     if not model_dir:
         missing.append(f"--model-dir (or ${MODEL_DIR_ENV})")
     if missing:
-        raise UsageError(f"without --recipe, prepare needs {', '.join(missing)}")
+        raise UsageError(
+            f"prepare needs {', '.join(missing)} (a recipe's model: python -m miles.recipes prepare)"
+        )
     steps = _steps(args.plan_steps) or tuple(s for s in STEPS if s != "stage" or args.stage_dir)
     try:
         return CheckpointPlan(
@@ -197,37 +259,13 @@ def plan_from_args(args: argparse.Namespace) -> CheckpointPlan:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from miles.ckpt.pipeline import prepare
-
-    plan = plan_from_args(args)
-    result = prepare(
-        plan,
-        steps=_steps(args.steps),
-        dry=args.dry,
-        progress=not args.quiet,
-        workers=args.workers,
-        scan_fraction=args.scan_nan,
-    )
-    print(result.table())
-    return 0
+    return run_prepare(plan_from_args(args), args)
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
     from miles.ckpt.tiny import make_tiny_checkpoint
 
-    if args.layers < 1:
-        raise UsageError(f"--layers {args.layers}: a checkpoint needs at least 1 layer")
-    if args.shard_bytes is not None and args.shard_bytes < 1:
-        raise UsageError(f"--shard-bytes {args.shard_bytes}: give a positive number of bytes")
-    dims = {}
-    for item in args.dim:
-        key, _, value = item.partition("=")
-        try:
-            dims[key] = int(value) if value.lstrip("-").isdigit() else float(value)
-        except ValueError:
-            raise UsageError(f"--dim {item!r}: expected KEY=NUMBER (0/1 for a switch)") from None
-        if not key:
-            raise UsageError(f"--dim {item!r}: expected KEY=NUMBER (0/1 for a switch)")
+    dims = dict(args.dim)
     extra = {"shard_bytes": args.shard_bytes} if args.shard_bytes else {}
     out = make_tiny_checkpoint(args.family, args.layers, args.out, seed=args.seed, **extra, **dims)
     print(out)
@@ -251,12 +289,16 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from miles.ckpt.fp8 import convert_from_fp8, convert_to_fp8
+    from miles.ckpt.dequantize import convert_from_fp8
+    from miles.ckpt.fp8 import convert_to_fp8
     from miles.ckpt.manifest import atomic_dir, fingerprint, write_manifest
     from miles.ckpt.progress import Progress
 
     convert = convert_to_fp8 if args.direction == "fp8" else convert_from_fp8
-    with atomic_dir(args.dst) as tmp, Progress(args.direction, 0) as progress:
+    with (
+        atomic_dir(args.dst, reads=[args.src], replaces=(args.direction,)) as tmp,
+        Progress(args.direction, 0) as progress,
+    ):
         records = convert(args.src, tmp, workers=args.workers, progress=progress)
         write_manifest(tmp, args.direction, fingerprint(args.src), {}, records)
     print(args.dst)

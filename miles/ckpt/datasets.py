@@ -46,6 +46,7 @@ DATASETS = {
         Dataset("dapo-math-17k", "zhuzilin/dapo-math-17k", ("dapo-math-17k.jsonl",)),
         Dataset("aime-2024", "zhuzilin/aime-2024", ("aime-2024.jsonl",)),
         # radixark/miles tests/e2e/long/test_qwen2.5_0.5B_gsm8k.py@31f1ca961: hf_download_dataset("zhuzilin/gsm8k")
+        # the seed's Qwen3-0.6B FSDP tests (tests/e2e/fsdp/test_qwen3_0.6B_fsdp_distributed.py) read these
         Dataset("gsm8k", "zhuzilin/gsm8k", ("train.parquet", "test.parquet")),
     )
 }
@@ -89,7 +90,7 @@ def fetch_dataset(dataset: Dataset, data_dir: Path | str, *, dry: bool = False) 
     if dry:
         return DataResult(dataset, "would run", out)
     blobs = {name: _download(dataset, name) for name in dataset.files}
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, reads=(), replaces=(STEP,)) as tmp:
         records = {}
         for name, blob in blobs.items():
             target = tmp / name

@@ -45,7 +45,6 @@ from miles.ckpt.fp8_rules import (
 from miles.ckpt.manifest import FileRecord
 from miles.ckpt.progress import Progress
 from miles.ckpt.shards import (
-    DTYPE_OF_TORCH_NAME,
     DTYPE_SIZES,
     FLOAT_DTYPES,
     ShardHeader,
@@ -63,7 +62,7 @@ from miles.ckpt.shards import write_index as _write_index
 from miles.files import replace_file
 
 __all__ = [
-    "BLOCK", "E4M3_MAX", "SCALE_SUFFIX", "convert_from_fp8", "convert_to_fp8", "dequantize_blockwise", "dequantize_tensor",
+    "BLOCK", "E4M3_MAX", "SCALE_SUFFIX", "convert_to_fp8", "dequantize_blockwise", "dequantize_tensor",
     "quantization_config", "quantize_blockwise", "should_quantize",
 ]  # fmt: skip
 
@@ -191,7 +190,7 @@ def _strips(g: Geometry, item: int) -> list[tuple[int, int, int, int]]:
     ] or [(0, 0, 0, 0)]  # fmt: skip
 
 
-def _read_rows(fd: int, header: ShardHeader, info: TensorInfo, r0: int, r1: int):
+def read_rows(fd: int, header: ShardHeader, info: TensorInfo, r0: int, r1: int):
     """Rows r0:r1 of the tensor viewed as 2-D [all leading dims, last dim]."""
     import torch
 
@@ -207,28 +206,14 @@ def _read_rows(fd: int, header: ShardHeader, info: TensorInfo, r0: int, r1: int)
 
 def _read_whole(fd: int, header: ShardHeader, info: TensorInfo):
     rows = info.numel // (info.shape[-1] if info.shape else 1) if info.numel else 0
-    return _read_rows(fd, header, info, 0, rows).clone().reshape(info.shape)
+    return read_rows(fd, header, info, 0, rows).clone().reshape(info.shape)
 
 
 def convert_to_fp8(src: Path, dst: Path, *, workers: int | None = None, progress: Progress | None = None):
     """Write the FP8 form of checkpoint `src` into the empty directory `dst`; return shard records."""
     names = read_weight_map(src).weight_map
     keep = family_keep(read_json_file(src / "config.json"))
-    return _convert(src, dst, _QuantizePlan(scale_fmt_for(names), keep), workers, progress)
-
-
-def convert_from_fp8(
-    src: Path,
-    dst: Path,
-    *,
-    dtype: str = "bfloat16",
-    workers: int | None = None,
-    progress: Progress | None = None,
-):
-    """Write the `dtype` form of FP8 checkpoint `src` into `dst` (weights dequantized, scales dropped)."""
-    if dtype not in _DEQUANT_DTYPES:
-        raise CheckpointError(f"dequantize to {dtype!r}: choose one of {', '.join(_DEQUANT_DTYPES)}")
-    return _convert(src, dst, _DequantizePlan(dtype), workers, progress)
+    return convert(src, dst, _QuantizePlan(scale_fmt_for(names), keep), workers, progress)
 
 
 class _QuantizePlan:
@@ -246,11 +231,11 @@ class _QuantizePlan:
         fd, header, info, (r0, r1, _, _) = job
         try:
             q, scales = _quantize_strip(
-                _read_rows(fd, header, info, r0, r1), BLOCK, self.scale_fmt == SCALE_FMT_UE8M0
+                read_rows(fd, header, info, r0, r1), BLOCK, self.scale_fmt == SCALE_FMT_UE8M0
             )
         except _NonFinite as bad:
             lead = info.shape[:-1]
-            index = [*_unravel(r0 + bad.row, lead), bad.col]
+            index = [*unravel(r0 + bad.row, lead), bad.col]
             raise CheckpointError(
                 f"{header.path}: tensor {info.name}: {_kind(bad.value)} at index {index}; FP8 has no form "
                 "for a non-finite weight and the source checkpoint is broken: fetch or repair it "
@@ -262,7 +247,8 @@ class _QuantizePlan:
         return {**config, "quantization_config": quantization_config(not_converted, self.scale_fmt)}
 
 
-def _unravel(flat: int, shape: tuple[int, ...]) -> list[int]:
+def unravel(flat: int, shape: tuple[int, ...]) -> list[int]:
+    """The index of element `flat` of a row-major tensor of `shape`."""
     index = []
     for dim in reversed(shape):
         flat, rest = divmod(flat, dim)
@@ -270,45 +256,12 @@ def _unravel(flat: int, shape: tuple[int, ...]) -> list[int]:
     return index[::-1]
 
 
-_DEQUANT_DTYPES = ("bfloat16", "float16", "float32")
-
-
-class _DequantizePlan:
-    def __init__(self, dtype: str):
-        self.dtype = dtype
-
-    def layout(self, info: TensorInfo, header: ShardHeader, names: set[str]):
-        if info.name.endswith(SCALE_SUFFIX) and info.name.removesuffix(SCALE_SUFFIX) in names:
-            return [], None  # folded into its weight
-        if info.dtype != "F8_E4M3" or info.name + SCALE_SUFFIX not in names:
-            return None
-        scale = header.tensors.get(info.name + SCALE_SUFFIX)
-        if scale is None:
-            raise CheckpointError(
-                f"{header.path}: {info.name}{SCALE_SUFFIX} must sit in the same shard as {info.name}"
-            )
-        g = geometry_of_scale(info.name, info.shape, scale.shape)
-        if g is None:
-            raise CheckpointError(
-                f"{header.path}: tensor {info.name}{SCALE_SUFFIX} has shape {list(scale.shape)}, which does "
-                f"not tile {info.name} {list(info.shape)} in {BLOCK}x{BLOCK} blocks"
-            )
-        return [(info.name, DTYPE_OF_TORCH_NAME[self.dtype], info.shape)], g
-
-    def work(self, job):
-        import torch
-
-        fd, header, info, (r0, r1, s0, s1), scale = job
-        rows = _read_rows(fd, header, info, r0, r1)
-        return [tensor_bytes(dequantize_blockwise(rows, scale[s0:s1], getattr(torch, self.dtype)))], None
-
-    def config(self, config: dict, not_converted: list[str]) -> dict:
-        return {k: v for k, v in config.items() if k != "quantization_config"}
-
-
-def _convert(
+def convert(
     src: Path, dst: Path, plan, workers: int | None, progress: Progress | None
 ) -> dict[str, FileRecord]:
+    """Stream checkpoint `src` into the empty `dst` shard by shard, each tensor through `plan`
+    (its layout, then its work per strip; one that `reads_scales` gets each weight's scale);
+    config.json, the index and the side files follow. Returns the shards' records."""
     import torch
 
     src, dst = Path(src), Path(dst)
@@ -371,11 +324,12 @@ def _convert_shard(header: ShardHeader, out: Path, plan, names: set[str], pool, 
     fd = os.open(header.path, os.O_RDONLY)
     try:
         scales = {}
-        if isinstance(plan, _DequantizePlan):
+        if getattr(plan, "reads_scales", False):
             for info in infos:
                 entry = plans[info.name]
                 if entry is not None and entry[1] is not None:
                     s = _read_whole(fd, header, header.tensors[info.name + SCALE_SUFFIX])
+                    plan.check_scale(header, info.name + SCALE_SUFFIX, s)
                     scales[info.name] = s.reshape(-1, s.shape[-1])
 
         def strips(info: TensorInfo):

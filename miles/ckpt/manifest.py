@@ -17,17 +17,21 @@ import os
 import re
 import shutil
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from miles.ckpt.digests import DigestCache
 from miles.ckpt.errors import CheckpointError, remember_free_space
 from miles.ckpt.shards import sha256_file
-from miles.files import check_relative, read_regular, replace_file
+from miles.files import FileRefused, check_relative, read_regular, refuse_overlap, replace_file
 
 MANIFEST_NAME = ".miles-ckpt.json"
+TINY_STEP = "tiny"  # the step that builds a tiny random checkpoint (miles.ckpt.tiny)
+# The steps whose output is a model's Hugging Face folder (a rerun may make it another way).
+HF_STEPS = ("fetch", "trim", TINY_STEP)
 MANIFEST_FORMAT = 1
 SMALL_FILE_BYTES = 1 << 20  # inputs up to this size are fingerprinted by content
 MAX_MANIFEST_BYTES = 256 << 20  # a few hundred bytes per file it lists
@@ -51,6 +55,11 @@ class Manifest:
         body = {"format": MANIFEST_FORMAT, "step": self.step, "inputs": self.inputs, "params": self.params}
         return json.dumps({**body, "files": files}, indent=1, sort_keys=True) + "\n"
 
+    @property
+    def digest(self) -> str:
+        """sha256 of the manifest as written: what the digest cache remembers a folder by."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
+
     @classmethod
     def from_json(cls, text: str) -> Manifest:
         data = json.loads(text)
@@ -65,10 +74,39 @@ class Manifest:
 def read_manifest(directory: Path) -> Manifest | None:
     """The directory's manifest, or None when it has none (or one this version cannot read)."""
     try:
-        raw = read_regular(Path(directory) / MANIFEST_NAME, MAX_MANIFEST_BYTES)
-        return Manifest.from_json(raw.decode())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return load_manifest(directory)
+    except CheckpointError:
         return None
+
+
+def load_manifest(directory: Path) -> Manifest | None:
+    """The directory's manifest; None when it has none; a CheckpointError naming the file when
+    one is there but cannot be read (truncated, not JSON, not a manifest, not a regular file)."""
+    path = Path(directory) / MANIFEST_NAME
+    if not os.path.lexists(path):
+        return None
+    try:
+        raw = read_regular(path, MAX_MANIFEST_BYTES, what="manifest")
+        return Manifest.from_json(raw.decode())
+    except FileRefused as exc:
+        raise CheckpointError(str(exc)) from None
+    except OSError as exc:
+        raise CheckpointError(f"manifest {path} cannot be read ({exc.strerror or exc})") from None
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else f"{type(exc).__name__}: {exc}"
+        raise CheckpointError(
+            f"manifest {path} is damaged ({reason[:200]}): truncated or edited, it is no manifest miles wrote"
+        ) from None
+
+
+def remember_written(directory: Path) -> None:
+    """Tell the digest cache that `directory` was just written with its manifest, so that losing
+    the manifest later is noticed (miles.ckpt.verify.manifest_problems)."""
+    manifest = read_manifest(directory)
+    if manifest is not None:
+        cache = DigestCache(directory)
+        cache.remember_manifest(manifest.digest)
+        cache.save()
 
 
 def is_complete(directory: Path, manifest: Manifest) -> bool:
@@ -157,13 +195,22 @@ def clean_stale(final: Path, keep: Path | None = None) -> None:
 
 
 @contextmanager
-def atomic_dir(final: Path) -> Iterator[Path]:
+def atomic_dir(final: Path, *, reads: Iterable[Path | str], replaces: Iterable[str]) -> Iterator[Path]:
     """Yield an empty temp sibling; on success rename it over `final`, on any failure delete it.
 
+    reads: the step's inputs; `final` must not be, lie inside or contain one of them.
+    replaces: the steps whose finished output `final` may already hold; any other step's
+        output, or a folder without a manifest, is refused before anything is written.
     The caller writes the manifest inside the temp dir as its last act. An old `final` is
     moved aside first and deleted after the rename, so no moment shows a mixed directory.
     """
     final = Path(final)
+    replaceable = tuple(replaces)
+    try:
+        refuse_overlap(final, reads)
+    except FileRefused as exc:
+        raise CheckpointError(str(exc)) from None
+    _check_replaceable(final, replaceable)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = partial_path(final)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -174,12 +221,11 @@ def atomic_dir(final: Path) -> Iterator[Path]:
         remember_free_space(exc, tmp)  # before the partial output goes and the disk looks roomy again
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if (final.exists() or final.is_symlink()) and not read_manifest(final):
+    try:
+        _check_replaceable(final, replaceable)
+    except CheckpointError:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(
-            f"{final} exists and was not written by miles (no {MANIFEST_NAME}); "
-            "move it away, or make it the plan's source"
-        )
+        raise
     if final.exists():
         stale = final.parent / f".{final.name}.stale-{os.getpid()}"
         final.rename(stale)
@@ -188,6 +234,24 @@ def atomic_dir(final: Path) -> Iterator[Path]:
     else:
         tmp.rename(final)
     _fsync_dir(final.parent)
+    remember_written(final)
+
+
+def _check_replaceable(final: Path, replaces: tuple[str, ...]) -> None:
+    """A CheckpointError when `final` exists and is not a finished output of one of `replaces`."""
+    if not (final.exists() or final.is_symlink()):
+        return
+    held = read_manifest(final)
+    if held is None:
+        raise CheckpointError(
+            f"{final} exists and was not written by miles (no {MANIFEST_NAME}); "
+            "move it away, or make it the plan's source"
+        )
+    if held.step not in replaces:
+        raise CheckpointError(
+            f"{final} holds the finished output of another step ({held.step!r}), which this step "
+            f"({' or '.join(repr(s) for s in replaces)}) does not replace; choose another output folder"
+        )
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -30,6 +30,7 @@ from miles.ckpt.errors import (
 from miles.ckpt.families import layers_in_name, num_layers
 from miles.ckpt.hub import Source, materialize, parse_source, resolve_hub, resolve_local
 from miles.ckpt.manifest import (
+    HF_STEPS,
     MANIFEST_NAME,
     Manifest,
     atomic_dir,
@@ -45,7 +46,7 @@ from miles.ckpt.progress import Progress, say
 from miles.ckpt.shards import MAX_JSON_BYTES, read_json_file
 from miles.ckpt.tiny import DEFAULT_SHARD_BYTES, TINY_STEP, make_tiny_checkpoint, tiny_params
 from miles.ckpt.verify import file_problems
-from miles.files import read_regular, replace_file
+from miles.files import FileRefused, overlap, read_regular, refuse_overlap, replace_file
 
 STATE_DIR = ".miles-ckpt"
 DEFAULT_TINY_LAYERS = 4
@@ -100,6 +101,7 @@ def prepare(
     run = _Run(
         plan, dry=dry, progress=progress, workers=workers, scan_fraction=scan_fraction, tiny_cache=tiny_cache
     )
+    run.check_model_dir()
     if dry:
         return PrepareResult(plan, tuple(run.step(step) for step in chosen))
     with phases.phase(phases.CHECKPOINT):
@@ -176,6 +178,19 @@ class _Run:
 
     # -- helpers -------------------------------------------------------------------------
 
+    def check_model_dir(self) -> None:
+        """Before anything is written (the plan's lock included): the model's folders must not lie
+        inside a local source (the source may be the HF folder itself: then nothing is fetched)."""
+        if self.source.kind != "local":
+            return
+        src = Path(self.source.value)
+        how = overlap(self.hf, src)
+        if how in ("lies inside", "contains"):
+            raise StepFailed(
+                f"fetch of {self.plan.model_name}: its output {self.hf} {how} the input {src}; writing it would "
+                "change the source it reads: choose a --model-dir outside the source"
+            )
+
     def _with_progress(self, label: str, fn: Callable, *args, **kwargs):
         """Call fn(*args, progress=...) with a progress line closed when it returns."""
         with Progress(f"{label} {self.plan.model_name}", 0, 0, enabled=self.show) as progress:
@@ -249,13 +264,15 @@ class _Run:
         self,
         step: str,
         out: Path,
+        reads: Path,
         inputs: str,
         params: dict,
         make: Callable[[Path], dict | None],
         check: Callable[[Path], list[str]] | None = None,
     ):
         """Skip when `out` already holds this step's result for these inputs and its files are
-        still the ones written (and pass `check`), else build it atomically."""
+        still the ones written (and pass `check`), else build it atomically from `reads`."""
+        _separate(out, reads)
         damaged = self._damaged(out, step, inputs, params, check)
         if damaged is None:
             return StepResult(step, "skipped", "up to date, files verified", str(out))
@@ -263,7 +280,8 @@ class _Run:
             reason = damaged or ("missing" if read_manifest(out) is None else "inputs or parameters changed")
             return StepResult(step, "would run", reason, str(out))
         say(f"[ckpt] {step}: writing {out}" + (f" ({damaged})" if damaged else ""), self.show)
-        with atomic_dir(out) as tmp:
+        replaces = HF_STEPS if out == self.hf else (step,)
+        with atomic_dir(out, reads=[reads], replaces=replaces) as tmp:
             records = make(tmp)
             write_manifest(tmp, step, inputs, params, records)
         return StepResult(step, "ran", f"redone: {damaged}" if damaged else "", str(out))
@@ -345,6 +363,7 @@ class _Run:
         return self._produce(
             "fetch",
             self.hf,
+            src,
             fingerprint(src),
             {},
             lambda tmp: self._with_progress("fetch", materialize, src, tmp),
@@ -404,7 +423,7 @@ class _Run:
             )
             return records
 
-        return self._produce("trim", self.hf, fingerprint(src), {"layers": self.layers}, make)
+        return self._produce("trim", self.hf, src, fingerprint(src), {"layers": self.layers}, make)
 
     def _fp8(self) -> StepResult:
         from miles.ckpt.fp8 import BLOCK, convert_to_fp8
@@ -421,7 +440,7 @@ class _Run:
             )
             return records
 
-        return self._produce("fp8", self.fp8, self._need(self.hf, "fp8"), {"block": BLOCK}, make)
+        return self._produce("fp8", self.fp8, self.hf, self._need(self.hf, "fp8"), {"block": BLOCK}, make)
 
     def _torch_dist(self) -> StepResult:
         from miles.ckpt.torch_dist import convert_to_torch_dist
@@ -443,6 +462,7 @@ class _Run:
         return self._produce(
             "torch_dist",
             self.torch_dist,
+            self.hf,
             self._need(self.hf, "torch_dist"),
             {"vocab_multiple": 1},
             make,
@@ -475,8 +495,12 @@ class _Run:
                 f"stage needs finished {[str(d) for d in pending]}; run the steps that make them first"
             )
         targets = [(d, Path(self.plan.stage_dir) / d.name) for d in dirs]
-        if all(read_manifest(t) == read_manifest(d) for d, t in targets):
-            return StepResult("stage", "skipped", "staged copies up to date", self.plan.stage_dir)
+        for _, target in targets:  # a stage dir inside (or around) what it copies
+            _separate(target, dirs)
+        if all(_staged(d, t) for d, t in targets):
+            return StepResult(
+                "stage", "skipped", "staged copies up to date, files verified", self.plan.stage_dir
+            )
         if self.dry:
             return StepResult("stage", "would run", f"{len(targets)} dirs", self.plan.stage_dir)
         copied = sum(self._with_progress("stage", stage_dir, d, t) for d, t in targets)
@@ -485,7 +509,7 @@ class _Run:
 
 def _copy_into(entry: Path, final: Path) -> None:
     """A writable copy of a cached folder at `final`, replacing it atomically."""
-    with atomic_dir(final) as tmp:
+    with atomic_dir(final, reads=[entry], replaces=HF_STEPS) as tmp:
         shutil.copytree(entry, tmp, dirs_exist_ok=True)
         _writable(tmp)
 
@@ -493,6 +517,20 @@ def _copy_into(entry: Path, final: Path) -> None:
 def _writable(folder: Path) -> None:
     for path in folder.rglob("*"):
         path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+def _separate(out: Path, sources: Path | Sequence[Path]) -> None:
+    """A CheckpointError when a step would write `out` over, into or around one of its inputs."""
+    try:
+        refuse_overlap(out, [sources] if isinstance(sources, Path) else sources, what="its output")
+    except FileRefused as exc:
+        raise CheckpointError(str(exc)) from None
+
+
+def _staged(source: Path, copy: Path) -> bool:
+    """`copy` is a staged copy of the finished `source` whose files are verified as written."""
+    manifest = read_manifest(copy)
+    return manifest is not None and manifest == read_manifest(source) and not file_problems(copy, manifest)
 
 
 def _read_record(path: Path) -> Manifest | None:

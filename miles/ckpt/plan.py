@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from miles.families import FAMILIES
+from miles.files import check_name
 
 __all__ = ["FAMILIES", "STEPS", "TINY_SOURCE_PREFIX", "CheckpointPlan"]
 
@@ -37,6 +38,7 @@ class CheckpointPlan:
         order = [STEPS.index(s) for s in self.steps]
         if order != sorted(order):
             raise ValueError(f"steps {list(self.steps)} are out of order; the order is {', '.join(STEPS)}")
+        check_name(self.model_name, what="model name")  # the prepared dirs are named after it
         if self.family not in FAMILIES:
             raise ValueError(f"family '{self.family}' is not one of {', '.join(FAMILIES)}")
         if "stage" in self.steps and not self.stage_dir:

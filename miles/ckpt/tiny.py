@@ -19,7 +19,7 @@ from miles import phases
 from miles.ckpt.errors import CheckpointError
 from miles.ckpt.families import LAYER_LIST_KEYS, LAYER_RE, mtp_layers
 from miles.ckpt.families import family as get_family
-from miles.ckpt.manifest import atomic_dir, finished, read_manifest, write_manifest
+from miles.ckpt.manifest import HF_STEPS, TINY_STEP, atomic_dir, finished, read_manifest, write_manifest
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)  # ids 0, 1, 2
@@ -30,7 +30,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-TINY_STEP = "tiny"
 
 
 def tiny_params(family: str, layers: int, seed: int, dtype: str, shard_bytes: int, dims: Mapping[str, Any]):
@@ -73,7 +72,11 @@ def make_tiny_checkpoint(
     params = tiny_params(family, layers, seed, dtype, shard_bytes, dims)
     if finished(out, TINY_STEP, f"tiny:{family}", params) and not _damaged(out):
         return out
-    with phases.phase(phases.CHECKPOINT), atomic_dir(out) as tmp, _transformers_progress(progress):
+    with (
+        phases.phase(phases.CHECKPOINT),
+        atomic_dir(out, reads=(), replaces=HF_STEPS) as tmp,
+        _transformers_progress(progress),
+    ):
         _save_model(spec, layers, seed, dtype, shard_bytes, dims, tmp)
         build_tokenizer(
             int(dims.get("max_position_embeddings", spec.tiny_dims["max_position_embeddings"]))

@@ -100,7 +100,7 @@ def copy_of(entry: Path, into: Path) -> Path:
 def _convert(hf: Path, out: Path, family: str, source: str) -> None:
     from miles.ckpt.torch_dist import convert_to_torch_dist
 
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, reads=[hf], replaces=(TORCH_DIST_STEP,)) as tmp:
         convert_to_torch_dist(hf, tmp, family)
         write_manifest(tmp, TORCH_DIST_STEP, source, {"family": family})
 

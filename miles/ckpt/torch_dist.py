@@ -30,7 +30,7 @@ from miles import phases
 from miles.ckpt.errors import CheckpointError, full_disk_error
 from miles.ckpt.families import writes_megatron_keys
 from miles.ckpt.progress import Progress, say
-from miles.ckpt.shards import CheckpointReader, torch_dtype
+from miles.ckpt.shards import FLOAT_DTYPES, CheckpointReader, torch_dtype
 from miles.families.transformer import megatron_lm_args
 from miles.megatron.checkpoint import RELEASE, SHARDED_METADATA, TRACKER, single_process_group
 
@@ -144,9 +144,11 @@ def _refuse_quantized(src: Path, config: Mapping[str, Any], reader: CheckpointRe
     """An FP8 checkpoint holds float8 blocks and their scales, not weights: megatron's parameters
     (and an HF-named torch_dist) would get the float8 values cast without their scales. Refused
     before anything is written, with the step that makes a convertible copy."""
-    method = (config.get("quantization_config") or {}).get("quant_method")
+    qconfig = config.get("quantization_config")
+    method = qconfig.get("quant_method") if isinstance(qconfig, Mapping) else qconfig
     quantized = sorted(n for n in reader.files.weight_map if reader.info(n)[1].dtype.startswith("F8_"))
     if method is None and not quantized:
+        _refuse_integer_weights(src, reader)
         return
     held = f"quantization_config quant_method {method!r}" if method else "no quantization_config"
     example = f"; {quantized[0]} is {reader.info(quantized[0])[1].dtype}" if quantized else ""
@@ -155,6 +157,19 @@ def _refuse_quantized(src: Path, config: Mapping[str, Any], reader: CheckpointRe
         f"the weights themselves, not float8 blocks and their scales: write a bf16 copy with "
         f"`python -m miles.ckpt dequantize {src} <dir>` and convert that"
     )
+
+
+def _refuse_integer_weights(src: Path, reader: CheckpointReader) -> None:
+    """A weight or bias is a float tensor: one stored as integers (FP8 or other quantized bytes
+    relabelled as U8, a corrupt header) would be cast value by value into megatron's parameters."""
+    for name in sorted(reader.files.weight_map):
+        dtype = reader.info(name)[1].dtype
+        if name.endswith((".weight", ".bias")) and dtype not in FLOAT_DTYPES:
+            raise CheckpointError(
+                f"{reader.info(name)[0].path}: tensor {name} is {dtype}, but a weight is a float tensor "
+                "(quantized bytes relabelled as integers, or a corrupt header); torch_dist would cast its "
+                f"integer values into megatron's parameters: fetch {src} again, or dequantize an FP8 source"
+            )
 
 
 def _padded_vocab(config: Mapping[str, Any], multiple: int) -> int:
@@ -188,6 +203,7 @@ def _fill_gpt(model, config, reader: CheckpointReader, vocab: int, progress: Pro
             target = _target(params, name, pieces, reader)
             for piece in pieces:
                 dst = target[piece.at : piece.at + piece.rows]
+                _same_kind(dst, reader, piece.hf_name, name)
                 if piece.index is not None or piece.step != 1:  # a stacked sub-tensor's or strided rows
                     dst.copy_(_read_piece(reader, piece))
                 elif dst.dtype == torch_dtype(reader.info(piece.hf_name)[1].dtype):
@@ -225,6 +241,17 @@ def left_out(config, names: list[str]) -> str:
         groups[what] = groups.get(what, 0) + 1
     parts = ", ".join(f"{what}: {count} tensor(s)" for what, count in groups.items())
     return f"left out of the megatron checkpoint (not part of the decoder it builds): {parts}"
+
+
+def _same_kind(dst, reader: CheckpointReader, hf_name: str, name: str) -> None:
+    """A float parameter is filled from a float tensor, an integer buffer from an integer one."""
+    header, info = reader.info(hf_name)
+    if torch_dtype(info.dtype).is_floating_point != dst.is_floating_point():
+        kind = "a float" if dst.is_floating_point() else "an integer"
+        raise CheckpointError(
+            f"{header.path}: tensor {hf_name} is {info.dtype}, but megatron's {name} is {kind} tensor; "
+            "the checkpoint's dtypes are not the model's (a relabelled or corrupt tensor)"
+        )
 
 
 def _target(params, name: str, pieces, reader: CheckpointReader):

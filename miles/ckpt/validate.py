@@ -5,7 +5,8 @@ Rules, each reported with the file, the tensor and a fix:
   transformers registers for it; num_hidden_layers matches the slice; no auto_map unless
   the plan allows remote code.
 - files: every shard the index names exists; each shard's header agrees with its own size
-  (truncation) and its offsets with its shapes; index and shards list the same tensors.
+  (truncation) and its offsets with its shapes; index and shards list the same tensors; no
+  weights file lies beside them that the index does not name (a loader could read it instead).
 - tensors: names and shapes are exactly what the family's transformers class, built on the
   meta device from this config, saves (plus the MTP layers the config declares, which the
   classes do not build); dtypes fit the config (fp32 and fp8 allowed where used).
@@ -30,6 +31,9 @@ from miles.ckpt.fp8_rules import SCALE_SUFFIX, geometry_of_scale
 from miles.ckpt.shards import (
     DTYPE_OF_TORCH_NAME,
     FLOAT_DTYPES,
+    INDEX_NAME,
+    SINGLE_SHARD,
+    WEIGHT_SUFFIXES,
     ShardHeader,
     checkpoint_file,
     pread_into,
@@ -87,6 +91,10 @@ def validate_checkpoint(
         every value, 0 reads headers only.
     """
     root = Path(root)
+    if not 0 <= scan_fraction <= 1:  # NaN fails too: it would scan nothing and say nothing
+        raise CheckpointError(
+            f"scan_fraction {scan_fraction!r}: give a share from 0 (headers only) to 1 (every value)"
+        )
     findings: list[Finding] = []
     config = _check_config(root, family_name, expect_layers, min_layers, allow_auto_map, findings)
     keep = _kept(config, min_layers)
@@ -194,6 +202,17 @@ def _check_files(root: Path, out: list[Finding], keep) -> dict[str, ShardHeader]
     except CheckpointError as exc:
         out.append(Finding(str(root), "index", str(exc)))
         return None
+    listed = set(files.shards)
+    for extra in sorted(p.name for p in root.iterdir() if p.name.endswith(WEIGHT_SUFFIXES)):
+        if extra not in listed:  # a loader may take it for the checkpoint's weights
+            where = f"the index {INDEX_NAME} does not list it" if files.indexed else f"beside {SINGLE_SHARD}"
+            findings.append(
+                Finding(
+                    str(root / extra),
+                    "unlisted weights",
+                    f"weights the checkpoint does not name ({where}); a loader may read them instead: remove it",
+                )
+            )
     headers: dict[str, ShardHeader] = {}
     needed = {shard for name, shard in files.weight_map.items() if keep(name)}
     for shard in sorted(needed):

@@ -2,94 +2,73 @@
 
 prepare-ckpt records each output file's size and sha256 in the directory's manifest
 (miles.ckpt.manifest). `file_problems(directory, manifest)` checks every listed file: there,
-of the recorded size, with the recorded sha256. A rerun of prepare-ckpt redoes a step whose
-output fails (pipeline.py), and the trainer refuses a --hf-checkpoint or --ref-load that fails
-(miles.train.inputs), each naming the file.
+of the recorded size, with the recorded sha256; and it refuses every file the manifest does
+not list (a `model.safetensors` planted beside the index is what a loader would read).
+`manifest_problems(directory)` is the check before a folder is used: a manifest that is there
+but cannot be read is refused (a truncated one vouches for nothing), and so is a folder that
+lost its manifest after it was written or verified with one on this machine (the digest
+cache remembers which); a folder that never had one is left to the checks of its own files.
+A rerun of prepare-ckpt redoes a step whose output fails (pipeline.py), and the trainer
+refuses a --hf-checkpoint or --ref-load that fails (miles.train.inputs), each naming the file.
 
 Hashing is the cost (sha256 reads every byte; benchmarks/bench_ckpt_verify.py measures it). A
-file is hashed in full on first use and its digest kept in a cache keyed by the file's identity:
-device, inode, size, and modification and change times in nanoseconds. Writing into a file
-changes both times, and the change time cannot be set back by the user, so a file overwritten in
-place (same size or not) is hashed again; an unchanged one costs a stat. What the cache cannot
-see is a file whose bytes change without a write through the file system (bit rot on the disk):
-that is checked only on first use. The cache lives in `$MILES_CACHE_DIR/digests/` (default
-`~/.cache/miles`), one JSON file per directory; a cache that cannot be read or written means
-hashing in full, never an error. Files are hashed on up to four threads at once (hashlib
-releases the GIL while it hashes a large buffer).
+file is hashed in full on first use and its digest kept in the digest cache (miles.ckpt.digests:
+keyed by the file's identity, sampled and MAC'd, so a forged entry vouches for nothing); an
+unchanged file then costs a stat and a few small reads. Files are hashed on up to four threads
+at once (hashlib releases the GIL while it hashes a large buffer).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from miles.ckpt.manifest import FileRecord, Manifest
+from miles.ckpt.digests import CACHE_ENV, DigestCache, cache_dir, identity
+from miles.ckpt.errors import CheckpointError
+from miles.ckpt.manifest import MANIFEST_NAME, FileRecord, Manifest, load_manifest
 from miles.ckpt.shards import sha256_file
-from miles.files import replace_file
 
-CACHE_ENV = "MILES_CACHE_DIR"
+__all__ = [
+    "CACHE_ENV",
+    "DigestCache",
+    "cache_dir",
+    "dcp_problems",
+    "file_problems",
+    "identity",
+    "manifest_problems",
+]
+
 HASH_THREADS = 4
-_CACHE_FORMAT = 1
+_MAX_UNLISTED = 5  # named in a problem; the rest are counted
 
 
-def cache_dir() -> Path:
-    """Where digests are cached: $MILES_CACHE_DIR, else $XDG_CACHE_HOME/miles, else ~/.cache/miles."""
-    given = os.environ.get(CACHE_ENV)
-    if given:
-        return Path(given)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "miles"
-
-
-def identity(st: os.stat_result) -> list[int]:
-    """What must be unchanged for a cached digest to stand for a file's bytes."""
-    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-
-
-class DigestCache:
-    """sha256 digests of one directory's files, reused while a file's identity is unchanged."""
-
-    def __init__(self, directory: Path, root: Path | None = None):
-        key = hashlib.sha256(str(Path(directory).resolve()).encode()).hexdigest()[:32]
-        self.path = (root or cache_dir()) / "digests" / f"{key}.json"
-        self.entries: dict[str, dict] = {}
-        try:
-            data = json.loads(self.path.read_text())
-            if data.get("format") == _CACHE_FORMAT and isinstance(data.get("files"), dict):
-                self.entries = data["files"]
-        except (OSError, ValueError, AttributeError):
-            pass
-        self.changed = False
-
-    def lookup(self, rel: str, st: os.stat_result) -> str | None:
-        entry = self.entries.get(rel)
-        if isinstance(entry, dict) and entry.get("id") == identity(st):
-            digest = entry.get("sha256")
-            return digest if isinstance(digest, str) else None
-        return None
-
-    def store(self, rel: str, st: os.stat_result, digest: str) -> None:
-        self.entries[rel] = {"id": identity(st), "sha256": digest}
-        self.changed = True
-
-    def save(self) -> None:
-        if not self.changed:
-            return
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            body = json.dumps({"format": _CACHE_FORMAT, "files": self.entries}, sort_keys=True)
-            replace_file(self.path, body.encode())
-        except OSError:
-            pass  # an unwritable cache only means hashing in full next time
+def manifest_problems(directory: Path) -> list[str]:
+    """One line per problem of a folder a run is about to load: its manifest damaged, lost
+    after it was written or verified here, or a file it lists or does not list (file_problems);
+    [] for an intact folder, or one that never had a manifest."""
+    directory = Path(directory)
+    try:
+        manifest = load_manifest(directory)
+    except CheckpointError as exc:
+        return [f"{exc}; without it the folder's files cannot be checked"]
+    if manifest is not None:
+        return file_problems(directory, manifest)
+    cache = DigestCache(directory)
+    if cache.remembered_manifest() is None:
+        return []
+    return [
+        f"{directory / MANIFEST_NAME} is missing, but {directory} was written or verified with it on this "
+        "machine: without it nothing vouches for its files (if the folder was replaced on purpose, delete "
+        f"the record {cache.path})"
+    ]
 
 
 def file_problems(directory: Path, manifest: Manifest, *, use_cache: bool = True) -> list[str]:
     """One line per listed file that is missing, of another size than recorded, or whose sha256
-    is not the recorded one (each names the file); [] when every file is as written."""
+    is not the recorded one, and per file the manifest does not list (each names the file);
+    [] when every file is as written."""
     directory = Path(directory)
     problems: dict[str, str] = {}
     to_hash: dict[str, tuple[FileRecord, os.stat_result]] = {}
@@ -109,7 +88,7 @@ def file_problems(directory: Path, manifest: Manifest, *, use_cache: bool = True
                 f"{path} is {st.st_size} bytes, but {record.size} were written (truncated or replaced)"
             )
             continue
-        known = cache.lookup(rel, st) if cache is not None else None
+        known = cache.lookup(rel, st, path) if cache is not None else None
         if known is None:
             to_hash[rel] = (record, st)
         elif known != record.sha256:
@@ -121,12 +100,36 @@ def file_problems(directory: Path, manifest: Manifest, *, use_cache: bool = True
             problems[rel] = f"{directory / rel} cannot be read ({digest.strerror or digest})"
             continue
         if cache is not None:
-            cache.store(rel, st, digest)
+            cache.store(rel, st, directory / rel, digest)
         if digest != record.sha256:
             problems[rel] = _changed(directory / rel)
+    unlisted = _unlisted(directory, manifest)
+    if unlisted:
+        shown = ", ".join(str(directory / rel) for rel in unlisted[:_MAX_UNLISTED])
+        more = f" and {len(unlisted) - _MAX_UNLISTED} more" if len(unlisted) > _MAX_UNLISTED else ""
+        problems["\U0010ffff"] = (
+            f"{shown}{more}: not in {directory / MANIFEST_NAME}, so not what the step wrote (a loader may read "
+            "it instead of the listed files); remove it"
+        )
     if cache is not None:
+        if not problems:
+            cache.remember_manifest(manifest.digest)
         cache.save()
     return [problems[rel] for rel in sorted(problems)]
+
+
+def _unlisted(directory: Path, manifest: Manifest) -> list[str]:
+    """Files (and links) under `directory` that are neither listed nor the manifest itself."""
+    found = []
+    for root, dirs, files in os.walk(directory):
+        rel_root = Path(root).relative_to(directory)
+        links = [d for d in dirs if os.path.islink(os.path.join(root, d))]  # never followed
+        dirs[:] = sorted(d for d in dirs if d not in links)
+        for name in sorted([*files, *links]):
+            rel = (rel_root / name).as_posix()
+            if rel != MANIFEST_NAME and rel not in manifest.files:
+                found.append(rel)
+    return found
 
 
 def _changed(path: Path) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 
 from miles.families.facts import Key, flag_values, rope_parameters
 from miles.families.family import UnmappedModel
+from miles.megatron.fusions import FUSIONS
 from miles.parallel import ParallelLayout
 
 __all__ = [
@@ -75,6 +76,9 @@ def checkpoint_dtype(config: Mapping[str, Any]):
     return dtype
 
 
+FUSION_FIELDS = tuple(f.field for f in FUSIONS)
+
+
 def transformer_config(
     config: Mapping[str, Any],
     parallel: ParallelLayout | None = None,
@@ -103,6 +107,9 @@ def transformer_config(
     dtype = dtype or checkpoint_dtype(config)
     fields = family.transformer_fields(config)
     fields.update((parallel or ParallelLayout()).transformer_config_kwargs())
+    for name in FUSION_FIELDS:  # a fusion the family's model cannot run (GLM-5.2's DSA rope) stays off
+        if fields.get(name) is False and name in overrides:
+            overrides = {**overrides, name: False}
     fields.update(overrides)
     if isinstance(fields.get("attention_backend"), str):  # a flag's value: megatron-core's enum member
         from megatron.core.transformer.enums import AttnBackend

@@ -1,12 +1,16 @@
 """Stacks and image variants, loaded from images.toml.
 
 A stack is the pinned package set of one backend's lanes (`requirements/<stack>.txt`); a
-variant is one container image built for a stack. Lanes come from the CI catalog: a lane runs
-the stack of its backend, and a stack's Python is the one of the lane that bears its name.
+variant is one container image built for a stack. The lanes are the CI's (its catalog): the
+caller passes them in (`load_images(lanes=...)`, miles.ci.machine.stacks builds them from the
+catalog), and then a lane runs the stack of its backend and a stack's Python is the one of the
+lane that bears its name. Loaded without lanes, a stack knows no Python and nothing is checked
+against the lanes. Standard library only; this package imports nothing of miles.ci.
 """
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import re
 import tomllib
@@ -16,14 +20,35 @@ from functools import lru_cache
 from pathlib import Path
 from types import MappingProxyType
 
-from miles.ci.registry.catalog import Catalog, UnknownName, load_catalog, unknown_name_message
-
 IMAGES_PATH = Path(__file__).with_name("images.toml")
 REQUIREMENTS_DIR = "requirements"
 
 
 class ImageConfigError(ValueError):
-    """images.toml breaks one of its own rules or disagrees with the catalog."""
+    """images.toml breaks one of its own rules or disagrees with the lanes it was loaded with."""
+
+
+class UnknownName(KeyError):
+    """A stack or variant images.toml does not define (bad input: exit 2, miles.exits)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def unknown_name_message(kind: str, name: str, known) -> str:
+    known = sorted(known)
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+    hint = f"; did you mean '{close[0]}'?" if close else ";"
+    return f"{kind} '{name}' is not in {IMAGES_PATH.name}{hint} known: {', '.join(known)}"
+
+
+@dataclass(frozen=True)
+class LaneFacts:
+    """What images.toml needs of one CI lane: its name, backend and Python."""
+
+    name: str
+    backend: str
+    python: str
 
 
 def normalize(name: str) -> str:
@@ -46,7 +71,7 @@ class SourceBuild:
 class Stack:
     name: str
     backend: str
-    python: str  # from the catalog lane of the same name
+    python: str | None  # from the lane of the same name; None when loaded without the lanes
     platform: str  # wheel platform the lock is resolved for
     torch_index: str
     torch_build: str = ""  # local version tag added to `retag` packages, e.g. rocm7.2
@@ -86,6 +111,7 @@ class ImageConfig:
     build_scripts: tuple[str, ...]
     stacks: Mapping[str, Stack]
     variants: Mapping[str, Variant]
+    lanes: tuple[LaneFacts, ...] = ()  # the lanes it was loaded with
 
     def stack(self, name: str) -> Stack:
         if name not in self.stacks:
@@ -103,39 +129,32 @@ class ImageConfig:
                 return stack
         raise UnknownName(f"no stack in {self.path.name} serves backend '{backend}'")
 
-    def lanes_of_stack(self, stack: str, catalog: Catalog | None = None) -> tuple[str, ...]:
-        catalog = catalog or load_catalog()
+    def lanes_of_stack(self, stack: str) -> tuple[str, ...]:
+        """The lanes (of those it was loaded with) that run `stack`: the lanes of its backend."""
         backend = self.stack(stack).backend
-        return tuple(lane.name for lane in catalog.lanes.values() if lane.backend == backend)
-
-
-def stack_for_lane(lane: str, config: ImageConfig | None = None, catalog: Catalog | None = None) -> Stack:
-    """The pinned stack a lane runs: the one of the lane's backend."""
-    catalog = catalog or load_catalog()
-    config = config or load_images()
-    return config.stack_of_backend(catalog.lane(lane).backend)
+        return tuple(lane.name for lane in self.lanes if lane.backend == backend)
 
 
 @lru_cache(maxsize=4)
-def load_images(path: Path | str | None = None) -> ImageConfig:
-    """Read images.toml and check it against the catalog; raises ImageConfigError."""
+def load_images(path: Path | str | None = None, lanes: tuple[LaneFacts, ...] | None = None) -> ImageConfig:
+    """Read images.toml and, given the CI's `lanes`, check it against them; raises ImageConfigError."""
     path = Path(path) if path is not None else IMAGES_PATH
     with open(path, "rb") as fh:
         raw = tomllib.load(fh)
-    catalog = load_catalog()
+    by_name = {lane.name: lane for lane in lanes or ()}
     problems: list[str] = []
     stacks = {}
     for name, entry in raw.get("stacks", {}).items():
-        lane = catalog.lanes.get(name)
-        if lane is None:
+        lane = by_name.get(name)
+        if lanes is not None and lane is None:
             problems.append(f"[stacks.{name}]: no catalog lane is called '{name}'; a stack takes its name")
             continue
-        if entry.get("backend") != lane.backend:
+        if lane is not None and entry.get("backend") != lane.backend:
             problems.append(f"[stacks.{name}]: backend {entry.get('backend')!r} but lane runs {lane.backend}")
         stacks[name] = Stack(
             name=name,
-            backend=lane.backend,
-            python=lane.python,
+            backend=lane.backend if lane is not None else entry.get("backend", ""),
+            python=lane.python if lane is not None else None,
             platform=entry["platform"],
             torch_index=entry["torch_index"],
             torch_build=entry.get("torch_build", ""),
@@ -150,7 +169,8 @@ def load_images(path: Path | str | None = None) -> ImageConfig:
         )
         if stacks[name].retag and not stacks[name].torch_build:
             problems.append(f"[stacks.{name}]: `retag` needs `torch_build`")
-    for backend in {lane.backend for lane in catalog.lanes.values()}:
+    backends = {lane.backend for lane in by_name.values()} or {s.backend for s in stacks.values()}
+    for backend in sorted(backends):
         serving = [s.name for s in stacks.values() if s.backend == backend]
         if len(serving) != 1:
             problems.append(f"backend '{backend}' needs exactly one stack, has {serving or 'none'}")
@@ -175,4 +195,15 @@ def load_images(path: Path | str | None = None) -> ImageConfig:
         build_scripts=tuple(raw.get("build_scripts", ())),
         stacks=MappingProxyType(stacks),
         variants=MappingProxyType(variants),
+        lanes=tuple(lanes or ()),
     )
+
+
+def stack_python(stack: Stack) -> str:
+    """The stack's Python version; a config loaded without the lanes has none."""
+    if stack.python is None:
+        raise ImageConfigError(
+            f"stack '{stack.name}' has no Python here: load images.toml with the CI's lanes "
+            "(miles.ci.machine.stacks.image_config())"
+        )
+    return stack.python

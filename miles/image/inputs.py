@@ -90,8 +90,26 @@ class ParsedTag:
     hash8: str
 
 
+class BadTag(ValueError):
+    """An image tag that is not a container image reference, or not one miles writes; bad input."""
+
+
+# A container image reference as docker reads it: registry/path:tag or @digest, no spaces or shell text.
+_REFERENCE = re.compile(r"[a-z0-9][a-z0-9._/-]*(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[0-9a-f]{64})?")
+
+
+def check_reference(tag: str) -> str:
+    """`tag` if it is a container image reference (lowercase path, an optional :tag and @digest)."""
+    if not _REFERENCE.fullmatch(tag):
+        raise BadTag(
+            f"image tag {tag!r} is not an image reference (registry/name:tag, lowercase path, no spaces or "
+            "shell characters)"
+        )
+    return tag
+
+
 def parse_tag(tag: str) -> ParsedTag:
-    match = _TAG.match(tag)
+    match = _TAG.match(check_reference(tag))
     if not match:
-        raise ValueError(f"image tag {tag!r} is not <image>:<variant>-<YYYYMMDD>-<hash8>")
+        raise BadTag(f"image tag {tag!r} is not <image>:<variant>-<YYYYMMDD>-<hash8>")
     return ParsedTag(match["image"], match["variant"], match["date"], match["hash8"])

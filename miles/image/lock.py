@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles.image.config import Stack, normalize
+from miles.image.config import Stack, normalize, stack_python
 from miles.image.install import find_links_arguments
 from miles.image.pins import parse_lock
 
@@ -85,7 +85,7 @@ def compile_command(
     extra: Sequence[str],
 ) -> list[str]:
     command = [*uv_executable(), "pip", "compile", *map(str, inputs)]
-    command += ["--python-version", stack.python, "--python-platform", stack.platform]
+    command += ["--python-version", stack_python(stack), "--python-platform", stack.platform]
     command += ["--no-header", "--no-annotate", "--quiet", "--output-file", str(output)]
     if upgrade:
         command.append("--upgrade")
@@ -201,7 +201,7 @@ def _for_build(stack: Stack, pins: list[tuple[str, str]]) -> list[tuple[str, str
 def render_lock(
     stack: Stack, pins: Sequence[tuple[str, str]], *, lanes: Sequence[str] = (), excluded: Sequence[str] = ()
 ) -> str:
-    head = [f"# Pinned stack '{stack.name}': Python {stack.python}, {stack.platform}."]
+    head = [f"# Pinned stack '{stack.name}': Python {stack_python(stack)}, {stack.platform}."]
     if lanes:
         head.append(f"# Lanes: {', '.join(lanes)}.")
     head += [

@@ -18,13 +18,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles.image.config import ImageConfig, Variant, load_images, normalize
+from miles.image.config import ImageConfig, Variant, load_images, normalize, stack_python
 from miles.image.inputs import (
     LABEL_HASH,
     LABEL_TAG,
     LABEL_VARIANT,
     InputHash,
     alias_tag,
+    check_reference,
     image_tag,
     input_hash,
     parse_tag,
@@ -104,7 +105,7 @@ def plan_refresh(
     # The stack's facts go in as build args, so the Dockerfile never restates them.
     for key, value in (
         ("STACK", stack.name),
-        ("PYTHON_VERSION", stack.python),
+        ("PYTHON_VERSION", stack_python(stack)),
         ("TORCH_INDEX", stack.torch_index),
     ):
         command += ["--build-arg", f"{key}={value}"]
@@ -154,9 +155,9 @@ class SourceBuildProblem:
 
 def pins_problems(
     root: Path, variant: Variant, config: ImageConfig | None = None
-) -> list[Mismatch | SourceBuildProblem]:
-    """Where the variant's Dockerfile states a version its lock does not pin, or leaves a source
-    build unpinned."""
+) -> list[Mismatch | SourceBuildProblem | str]:
+    """Where the variant's Dockerfile states a version its lock does not pin, leaves a source
+    build unpinned, or builds one otherwise than its pinned source needs (miles.image.source_builds)."""
     config = config or load_images()
     stack = config.stack(variant.stack)
     lock = parse_lock(root / stack.lock_path, root=root)
@@ -169,6 +170,10 @@ def pins_problems(
         for b in stack.source_builds
         if b.pin not in args
     ]
+    if not problems:  # what the pinned sources need, once every pin is stated
+        from miles.image.source_builds import source_build_problems
+
+        problems += source_build_problems(root, variant, config)
     return problems
 
 
@@ -299,6 +304,7 @@ def check_image(
 ) -> ImageCheck:
     """Run the image and diff its installed packages against its stack's lock."""
     config = load_images()
+    check_reference(tag)  # handed to docker as one argument: never shell text, whatever the variant
     variant_obj = config.variant(variant or parse_tag(tag).variant)
     lock = parse_lock(root / config.stack(variant_obj.stack).lock_path, root=root)
     code, out = run(["docker", "run", "--rm", "--entrypoint", "python", tag, "-c", _LIST_PACKAGES])

@@ -7,7 +7,9 @@ version, named by its `version_arg`. ROCm: AMD's build from `source` at the rele
 `ref`, which the Dockerfile's `ref_arg` and `version_arg` must state. `te_problems` lists
 every disagreement (`invoke refresh-image` refuses to build on one; `--dry` prints them),
 `te_summary` is the line `refresh-image --dry` shows, and the lane's preflight imports TE
-against `expected_version` (miles.ci.machine.te_preflight). Standard library only.
+against `expected_version` (miles.ci.machine.te_preflight). A stack's TE must also be one the
+pinned megatron-core supports (`support_problems`, miles.image.te_support). Standard library
+only.
 """
 
 from __future__ import annotations
@@ -130,7 +132,29 @@ def te_problems(root: Path, variant: Variant, config: ImageConfig | None = None)
             f"transformer-engine: {variant.dockerfile} does not build {source.extension}==${{{source.version_arg}}} "
             "(the torch extension, an sdist, at the lock's version)"
         )
-    return problems
+    return problems + support_problems(wanted, where, with_facts=source.source == "lock")
+
+
+def support_problems(version: str, where: str, *, with_facts: bool) -> list[str]:
+    """Where megatron-core does not support the stack's TE: outside its tested range (its
+    Requires-Dist), or (`with_facts`: a release whose source miles has read, miles/image/facts)
+    a name it imports missing in that release. Empty where megatron-core is not installed."""
+    from miles.image import te_support
+
+    specifier = te_support.tested_range()
+    if specifier is None:
+        return []
+    out = [p for p in (te_support.range_problem(version, where, specifier),) if p]
+    if with_facts:
+        imports = te_support.te_imports(te_support.installed_megatron_core())
+        try:
+            out += [f"transformer-engine: {u}" for u in te_support.unsupported(version, imports)]
+        except FileNotFoundError:
+            out.append(
+                f"transformer-engine {version}: no facts file says which of megatron-core's TE imports it has; run "
+                f"`python -m miles.image.te_support --wheel transformer_engine-{version}-py3-none-any.whl`"
+            )
+    return out
 
 
 def te_summary(root: Path, variant: Variant, config: ImageConfig | None = None) -> str:

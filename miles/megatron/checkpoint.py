@@ -23,6 +23,11 @@ SHARDED_METADATA: dict = {}
 # The distributed optimizer's shards as they are: a run resumes at the same model-parallel
 # layout with any number of data-parallel replicas (weights alone load at any layout).
 OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
+# One tensor per parameter, gathered on data-parallel rank 0 at save: loads at any layout
+# megatron-core can reshard the model to (--dist-ckpt-optim-fully-reshardable).
+RESHARDABLE_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+# The model-parallel degrees a dp_reshardable optimizer state is tied to.
+MODEL_PARALLEL = ("tp", "pp", "vpp", "ep", "etp", "cp")
 
 
 class CheckpointMismatch(ValueError):
@@ -164,10 +169,25 @@ def save_release(sharded: dict, common: dict, out: Path) -> None:
 # --- a run's training state ----------------------------------------------------------------
 
 
-def save_training_state(chunks: Sequence, optimizer, directory: str, *, steps_done: int | None) -> None:
+def optimizer_format(fully_reshardable: bool) -> dict:
+    """The sharding metadata the distributed optimizer's state is saved with."""
+    return dict(RESHARDABLE_FORMAT if fully_reshardable else OPTIMIZER_FORMAT)
+
+
+def _layout_record(layout) -> dict:
+    """The model-parallel degrees of `layout` (a miles.parallel.ParallelLayout), as saved."""
+    if layout is None:
+        return {}
+    return {name: layout.expert_tp if name == "etp" else getattr(layout, name) for name in MODEL_PARALLEL}
+
+
+def save_training_state(
+    chunks: Sequence, optimizer, directory: str, *, steps_done: int | None, layout=None, optimizer_format=None
+) -> None:
     """Model chunks (and, with `steps_done`, the distributed optimizer and the schedule step) into
-    `directory`, every rank its shards. The writer processes megatron-core starts for it end with
-    this process, even when it is killed mid-save (miles.children)."""
+    `directory`, every rank its shards; the layout's model-parallel degrees and the optimizer's
+    format are kept in common.pt for the load. The writer processes megatron-core starts for it
+    end with this process, even when it is killed mid-save (miles.children)."""
     from megatron.core import dist_checkpointing
 
     from miles.megatron.compat import writers_die_with_this_process
@@ -175,29 +195,40 @@ def save_training_state(chunks: Sequence, optimizer, directory: str, *, steps_do
     writers_die_with_this_process()
     state = model_state_template(chunks)
     if steps_done is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False, metadata=OPTIMIZER_FORMAT)
-        state["schedule"] = {"steps_done": steps_done}  # plain values: kept once, in common.pt
+        fmt = optimizer_format or OPTIMIZER_FORMAT
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False, metadata=fmt)
+        # plain values: kept once, in common.pt
+        state["schedule"] = {"steps_done": steps_done, "format": fmt, "layout": _layout_record(layout)}
     dist_checkpointing.save(state, directory)
 
 
-def load_training_state(chunks: Sequence, optimizer, directory: str, *, with_optimizer: bool) -> int | None:
+def load_training_state(
+    chunks: Sequence, optimizer, directory: str, *, with_optimizer: bool, layout=None
+) -> int | None:
     """What `save_training_state` wrote, back into the chunks (and optimizer); returns the
-    schedule step saved with the optimizer (None without it)."""
+    schedule step saved with the optimizer (None without it). The optimizer state loads in the
+    format it was saved in; a dp_reshardable one at another model-parallel layout is a
+    CheckpointMismatch naming both layouts and the flag that saves a reshardable one."""
     import torch
     from megatron.core import dist_checkpointing
 
     state = model_state_template(chunks)
     if with_optimizer:
+        saved = dist_checkpointing.load_common_state_dict(directory).get("schedule", {})
+        fmt = saved_optimizer_format(directory, saved, layout)
         _materialize_adam_state(optimizer)
-        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=OPTIMIZER_FORMAT)
-        state["schedule"] = {"steps_done": 0}
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=fmt)
+        state["schedule"] = {"steps_done": 0, "format": fmt, "layout": saved.get("layout", {})}
     loaded = dist_checkpointing.load(state, directory)
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(loaded[f"model{i}"], strict=False)
     if not with_optimizer:
         return None
     with torch.no_grad():  # fp32 main parameters are views of the model's own
-        optimizer.load_state_dict(loaded["optimizer"])
+        if fmt == RESHARDABLE_FORMAT:
+            _load_reshardable(optimizer, loaded["optimizer"])
+        else:
+            optimizer.load_state_dict(loaded["optimizer"])
     steps = int(loaded["schedule"]["steps_done"])
     _set_adam_steps(optimizer, steps)
     return steps
@@ -229,6 +260,44 @@ def _materialize_adam_state(optimizer) -> None:
                     state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
 
+def saved_optimizer_format(directory, saved: dict, layout) -> dict:
+    """The format a checkpoint's optimizer state was saved in (`saved`: its common.pt schedule
+    entry), once it is one that loads at `layout`: a dp_reshardable state saved at another
+    model-parallel layout is a CheckpointMismatch naming the degrees that changed and the fix."""
+    fmt = saved.get("format", OPTIMIZER_FORMAT)
+    was, now = saved.get("layout", {}), _layout_record(layout)
+    if fmt == OPTIMIZER_FORMAT and was and now and was != now:
+        changed = ", ".join(f"{k} {was[k]} -> {now[k]}" for k in MODEL_PARALLEL if was.get(k) != now.get(k))
+        raise CheckpointMismatch(
+            f"{directory}: its optimizer state was saved in megatron-core's dp_reshardable format, which loads "
+            f"only at the model-parallel layout it was saved at ({changed}); resume at that layout, save the "
+            "checkpoint with --dist-ckpt-optim-fully-reshardable, or pass --no-load-optim to load the weights alone"
+        )
+    return fmt
+
+
+def _load_reshardable(optimizer, state: dict) -> None:
+    """A fully_reshardable optimizer state into the distributed optimizer(s), as its
+    load_state_dict does, except for torch's Adam: megatron-core 0.16.1 gives each parameter's
+    state a "step" first (distrib_optimizer.py, load_state_dict: "Native PyTorch state dict
+    requires step") and then copies every state entry from the checkpoint, which saves no step
+    (_set_main_param_and_optimizer_states: KeyError 'step'). The steps are taken out for the copy
+    (_set_adam_steps puts them back)."""
+    import torch
+
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    parts = [state] if len(chained) == 1 else [v for _, v in sorted(state.items())]
+    for opt, part in zip(chained, parts, strict=True):
+        part = dict(part)
+        params = part.pop("param_state")
+        part.pop("param_state_sharding_type")
+        opt.load_state_dict(part)
+        if isinstance(opt.optimizer, torch.optim.Adam | torch.optim.AdamW):
+            for entry in opt.optimizer.state.values():
+                entry.pop("step", None)
+        opt.load_parameter_state_from_fully_reshardable(params)
+
+
 def _set_adam_steps(optimizer, steps: int) -> None:
     """AdamW's per-parameter step count (its bias correction) after a load.
 
@@ -239,6 +308,8 @@ def _set_adam_steps(optimizer, steps: int) -> None:
     import torch
 
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt.optimizer, torch.optim.Adam | torch.optim.AdamW):
+            continue  # TE's FusedAdam keeps its step in param_groups
         for state in opt.optimizer.state.values():
-            if "step" in state:
+            if "exp_avg" in state:
                 state["step"] = torch.tensor(float(steps))

@@ -21,7 +21,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from miles.megatron.fusions import FUSIONS, fusion_fields, module_imports
+
 TE = "te"  # needs megatron-core's Transformer Engine layer spec (TE installed, on a GPU)
+_FUSED = "off; with the TE spec on where what it runs imports (miles.megatron.fusions), otherwise off"
 GPU = "gpu"
 TE_ATTENTION = ("flash", "fused", "unfused")  # --attention-backend values TE's attention picks from
 
@@ -88,28 +91,9 @@ TRANSFORMER = (
     Option("--recompute-num-layers", "", ("--recompute-method",), fields=(_TC + "recompute_num_layers",)),
     Option("--recompute-modules", "", ("--recompute-granularity",), fields=(_TC + "recompute_modules",)),
     # Megatron-LM turns these fusions on by default (its arguments.py leaves them out of the
-    # dataclass defaults); they are TE's or Apex's kernels, so the stand-in spec runs unfused.
-    Option("--no-rope-fusion", "off; on with the TE spec otherwise", fields=(_TC + "apply_rope_fusion",)),
-    Option(
-        "--no-bias-dropout-fusion",
-        "off; on with the TE spec otherwise",
-        fields=(_TC + "bias_dropout_fusion",),
-    ),
-    Option(
-        "--no-masked-softmax-fusion",
-        "off; on with the TE spec otherwise",
-        fields=(_TC + "masked_softmax_fusion",),
-    ),
-    Option(
-        "--no-bias-swiglu-fusion",
-        "off; on with the TE spec otherwise",
-        fields=(_TC + "bias_activation_fusion",),
-    ),
-    Option(
-        "--no-gradient-accumulation-fusion",
-        "off; on with the TE spec otherwise",
-        fields=(_TC + "gradient_accumulation_fusion",),
-    ),
+    # dataclass defaults); they are TE's, Apex's or Megatron-LM's kernels, so the stand-in spec
+    # runs unfused, and TE's spec runs each only where what it needs imports (miles.megatron.fusions)
+    *(Option(f.flag, _FUSED, fields=(_TC + f.field,)) for f in FUSIONS),
     Option(
         "--use-flash-attn",
         "",
@@ -119,11 +103,13 @@ TRANSFORMER = (
 )
 
 
-def transformer_fields(megatron, impl: str) -> dict[str, Any]:
+def transformer_fields(
+    megatron, impl: str, imports: Callable[[str], bool] = module_imports
+) -> dict[str, Any]:
     """The TransformerConfig fields the `megatron` section (miles.train.config.MegatronConfig)
     sets, for spec `impl` ("transformer_engine" or "local"); the attention backend is an
-    AttnBackend member's name (the caller converts it)."""
-    te = impl == "transformer_engine"
+    AttnBackend member's name (the caller converts it). A fusion is on with TE's spec where
+    every module it runs imports (`imports(name)`, tried for real by default)."""
     out: dict[str, Any] = {}
     if megatron.attention_backend:
         out["attention_backend"] = megatron.attention_backend
@@ -157,11 +143,14 @@ def transformer_fields(megatron, impl: str) -> dict[str, Any]:
         if megatron.recompute_modules:
             out["recompute_modules"] = list(megatron.recompute_modules)
     # each --no-<fusion> turns its TransformerConfig field off; the stand-in spec has none of them
-    out["apply_rope_fusion"] = te and not megatron.no_rope_fusion
-    out["bias_dropout_fusion"] = te and not megatron.no_bias_dropout_fusion
-    out["masked_softmax_fusion"] = te and not megatron.no_masked_softmax_fusion
-    out["bias_activation_fusion"] = te and not megatron.no_bias_swiglu_fusion
-    out["gradient_accumulation_fusion"] = te and not megatron.no_gradient_accumulation_fusion
+    off = {  # each fusion's --no-<fusion> flag (miles.megatron.fusions.FUSIONS names the same pairs)
+        "apply_rope_fusion": megatron.no_rope_fusion,
+        "bias_dropout_fusion": megatron.no_bias_dropout_fusion,
+        "masked_softmax_fusion": megatron.no_masked_softmax_fusion,
+        "bias_activation_fusion": megatron.no_bias_swiglu_fusion,
+        "gradient_accumulation_fusion": megatron.no_gradient_accumulation_fusion,
+    }
+    out.update(fusion_fields({field: bool(value) for field, value in off.items()}, impl, imports))
     return out
 
 
@@ -277,6 +266,17 @@ def _rotary(value, tc, vocab, position="rope") -> str | None:
     return f"miles builds {built} for this model, not {value!r}"
 
 
+def _rotary_percent(value, tc, vocab, position="rope") -> str | None:
+    """Only MLA's TransformerConfig has rotary_percent; every other model is a GPTModel miles
+    builds without the argument, so with its default, rope over the whole head (1.0)."""
+    built = float(getattr(tc, "rotary_percent", 1.0))
+    return (
+        None
+        if built == float(value)
+        else f"miles builds rotary_percent={built!r}, the flag says {float(value)!r}"
+    )
+
+
 def _vocab_multiple(value, tc, vocab, position="rope") -> str | None:
     if vocab % int(value) == 0:
         return None
@@ -290,7 +290,7 @@ MODEL_CHECKS: Mapping[str, Callable] = {
     "--add-qkv-bias": _field("add_qkv_bias", bool),
     "--position-embedding-type": _rotary,
     "--use-rotary-position-embeddings": _rotary,
-    "--rotary-percent": _field("rotary_percent", float),
+    "--rotary-percent": _rotary_percent,
     "--multi-latent-attention": _field("multi_latent_attention", bool),
     "--experimental-attention-variant": _field("experimental_attention_variant"),
     "--moe-router-enable-expert-bias": _field("moe_router_enable_expert_bias", bool),
@@ -332,6 +332,12 @@ ELSEWHERE = (
     Option(
         "--num-layers-per-virtual-pipeline-stage",
         "the layout's virtual pipeline (miles.parallel.ParallelLayout)",
+    ),
+    Option(
+        "--dist-ckpt-optim-fully-reshardable",
+        "the distributed optimizer's state is saved in megatron-core's fully_reshardable format (gathered on "
+        "data-parallel rank 0, one tensor per parameter), which loads at another TP, PP or EP layout; "
+        "without it, dp_reshardable (its own buffers, loads at another data-parallel size only)",
     ),
     Option(
         "--megatron-to-hf-mode",

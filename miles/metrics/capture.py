@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -57,7 +58,12 @@ class MetricRecorder:
 
     def __init__(self, directory: Path | str):
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            raise _refused(self.directory, "is a file, not a folder") from None
+        except OSError as exc:
+            raise _refused(self.directory, f"cannot be made ({exc.strerror or exc})") from None
         self.path = self.directory / f"{os.getpid()}-{uuid.uuid4().hex}.jsonl"
         self._series: dict[str, dict[int, float]] = {}
         self._encoded: dict[str, list[str]] = {}  # the points' JSON text, in step order
@@ -87,8 +93,43 @@ class MetricRecorder:
         # Same directory as the record, so the rename is atomic: a reader (or a process
         # killed mid-write) only ever sees the previous complete record or the new one.
         tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text("".join(lines), encoding="utf-8")
-        os.replace(tmp, self.path)
+        try:
+            tmp.write_text("".join(lines), encoding="utf-8")
+            os.replace(tmp, self.path)
+        except OSError as exc:  # the folder went away or filled up while the run went on
+            raise _refused(self.directory, f"cannot take the record ({exc.strerror or exc})") from None
+
+
+class RecordDirError(ValueError):
+    """$MILES_CI_GATE_RECORD_DIR names no folder this process can write its record into; the same
+    on every rank of a job, said once, before anything is loaded."""
+
+    same_on_every_rank = True
+
+
+def check_record_dir() -> Path | None:
+    """The record folder of $MILES_CI_GATE_RECORD_DIR (made if missing), once a file can be
+    written in it; None when the variable is unset. A RecordDirError names the folder and why."""
+    directory = os.environ.get(RECORD_DIR_ENV)
+    if not directory:
+        return None
+    path = Path(directory)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except FileExistsError:
+        raise _refused(path, "is a file, not a folder") from None
+    except OSError as exc:
+        raise _refused(path, f"cannot take a file ({exc.strerror or exc})") from None
+    return path
+
+
+def _refused(path: Path, why: str) -> RecordDirError:
+    return RecordDirError(
+        f"{RECORD_DIR_ENV}={path} {why}: the CI gate's metric record cannot be written there; point it "
+        "at a folder this user can write (the runner sets it for each attempt), or unset it"
+    )
 
 
 def _point(step: int, value: float) -> str:

@@ -37,6 +37,10 @@ class StoreError(RuntimeError):
     """The store refused an operation (bad schema version, bad argument)."""
 
 
+class BadSetting(StoreError):
+    """A store setting in the environment that is not a value the store can use; bad input."""
+
+
 class StoreUnreachable(StoreError):
     """The store could not be reached or did not answer; the message masks credentials."""
 
@@ -303,7 +307,7 @@ def statement_timeout() -> float:
     except ValueError:
         value = math.nan
     if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
-        raise StoreError(
+        raise BadSetting(
             f"{TIMEOUT_ENV}={text[:40]!r} must be a number of seconds above 0 and at most {MAX_TIMEOUT_S:g}"
         )
     return value

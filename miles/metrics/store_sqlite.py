@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from miles.metrics.store import StoreError, StoreUnreachable, statement_timeout
+from miles.metrics.store import DEFAULT_SQLITE_PATH, StoreError, StoreUnreachable, statement_timeout
 from miles.metrics.store_sql import SqlStore
 
 T = TypeVar("T")
@@ -29,10 +29,17 @@ class SqliteStore(SqlStore):
         self.path = Path(path)
         self.url = f"sqlite:///{self.path.as_posix()}"
         self.timeout = statement_timeout()
+        folder = self.path.parent
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if (folder.name, self.path.name) == (DEFAULT_SQLITE_PATH.parent.name, DEFAULT_SQLITE_PATH.name):
+                folder.mkdir(exist_ok=True)  # the default store's own folder, in an existing project
         except OSError as exc:
             raise StoreUnreachable(f"history store unreachable: {self.url}: {exc}") from exc
+        if not folder.is_dir():  # a URL's folders are never made: a typo would become a tree
+            raise StoreUnreachable(
+                f"history store unreachable: {self.url}: its folder {folder} does not exist (or is not a "
+                "folder); create it, or correct the URL"
+            )
         self._enable_wal()
         self.migrate()
 

@@ -14,16 +14,10 @@ import argparse
 import json
 import sys
 
+from miles.exits import OneLineParser
 from miles.megatron.proof import ProofError, check_proof_size
 from miles.parallel.layout import ATTENTION_KINDS, CP_COMM_TYPES, ModelShape, ParallelLayout
 from miles.parallel.verdict import Verdict, validate
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """Usage errors as one line (the flag and what is wrong), not the whole usage text."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

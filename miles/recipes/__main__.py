@@ -6,6 +6,7 @@
     python -m miles.recipes facts inkling           # the model's config.json beside the Megatron flags
     python -m miles.recipes check [NAME] [--megatron]
     python -m miles.recipes record NAME --run-json .miles/reports/<lane>/run.json [--platform P --gpus N]
+    python -m miles.recipes prepare inkling --model Inkling-Small-4layer [--steps fetch,validate] [--dry]
     python -m miles.recipes snapshot [--update]
     python -m miles.recipes references [--check | --update] --mirror PATH [--branch main]
 
@@ -18,15 +19,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from miles.ckpt.cli import add_run_options
+from miles.exits import OneLineParser
 from miles.recipes import names, shared, variants
 from miles.recipes.recipe import RecipeError
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """Usage errors as one line, not the whole usage text."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (--help lists the commands and flags)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +62,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--dir", type=Path, default=None, help="snapshot folder (default: tests/snapshots/recipes)"
     )
     p.set_defaults(handler=cmd_snapshot)
+    p = sub.add_parser(
+        "prepare",
+        help="prepare a model's checkpoints and data on the recipe's plan (python -m miles.ckpt runs it)",
+    )
+    p.add_argument("name")
+    p.add_argument("--model", required=True, help="the recipe's model, an -Nlayer slice of it, or tiny")
+    p.add_argument("--platform", help="the recipe's form: cpu | cuda | rocm (default: this machine's)")
+    p.add_argument(
+        "--model-dir", help="parent of the prepared dirs (default: the recipe's, or $MILES_MODEL_DIR)"
+    )
+    p.add_argument(
+        "--source", help="instead of the model's repo: tiny:<family>, a local dir, or org/name[@revision]"
+    )
+    p.add_argument("--stage-dir", help="node-local directory for the stage step")
+    p.add_argument(
+        "--data-dir", help="where the fetch step puts the recipe's prompt datasets (default .miles/data)"
+    )
+    add_run_options(p)
+    p.set_defaults(handler=cmd_prepare)
     p = sub.add_parser(
         "references", help="list the reference readings; --check re-reads every one from a mirror of upstream"
     )
@@ -238,6 +253,27 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+def cmd_prepare(args: argparse.Namespace) -> int:
+    """The recipe's checkpoint plan for the model, run by the checkpoint command's own runner."""
+    import os
+
+    from miles.ckpt.cli import MODEL_DIR_ENV, handled, run_prepare
+    from miles.recipes import load
+
+    given = {
+        "model_dir": args.model_dir or os.environ.get(MODEL_DIR_ENV),
+        "source": args.source,
+        "stage_dir": args.stage_dir,
+        "data_dir": args.data_dir,
+    }
+    plan = load(args.name, platform=args.platform).checkpoint_plan(
+        args.model, **{k: v for k, v in given.items() if v}
+    )
+    return handled(
+        lambda: run_prepare(plan, args), "prepare", "python -m miles.recipes prepare", Path(plan.model_dir)
+    )
+
+
 def cmd_references(args: argparse.Namespace) -> int:
     from miles.recipes import references
     from miles.recipes.reread import reread
@@ -274,7 +310,30 @@ def cmd_references(args: argparse.Namespace) -> int:
     bad = sum(not f.ok for f in findings)
     if bad:
         print(f"{bad} of {len(findings)} reference reading(s) differ from {args.mirror}", file=sys.stderr)
-    return 1 if bad else 0
+    cited = _check_citations(Mirror(args.mirror), args.branch) if not args.name else 0
+    return 1 if bad or cited else 0
+
+
+def _check_citations(mirror, branch: str) -> int:
+    """The model specs' citations of upstream files and the seed's ROCm image variables, each
+    read again from the mirror; the number that fail."""
+    from miles.recipes.reread import citation_problems, citations, image_env_problems
+
+    failed = 0
+    for citation in citations():
+        problems = citation_problems(mirror, citation, branch)
+        failed += bool(problems)
+        head = f"{citation.spec} {citation.key}: radixark/miles {citation.path}@{citation.commit}"
+        print("\n".join(f"FAIL {p}" for p in problems) or f"ok   {head} says {citation.value!r}")
+    problems = image_env_problems(mirror, branch)
+    failed += bool(problems)
+    print(
+        "\n".join(f"FAIL {p}" for p in problems)
+        or "ok   the seed's ROCm image variables (rocm_image_env.json)"
+    )
+    if failed:
+        print(f"{failed} citation(s) of upstream differ from {mirror.path}", file=sys.stderr)
+    return failed
 
 
 if __name__ == "__main__":

@@ -151,14 +151,15 @@ TINY_OVERRIDES = groups(
 
 
 def cpu_tiny_profile(
-    parallel: ParallelLayout | None = None, train_backend: str | None = None
+    parallel: ParallelLayout | None = None, train_backend: str | None = None, *, nodes: int = 1
 ) -> ParallelProfile:
     """Two gloo ranks on one CPU machine with the trainer's own sampler: data-parallel FSDP, or
-    the Megatron backend at `parallel` when `train_backend` is "megatron"."""
+    the Megatron backend at `parallel` when `train_backend` is "megatron". `nodes` 2: the same
+    two ranks as two nodes of a Ray cluster, one each (miles.recipes.ray_job)."""
     return ParallelProfile(
         platform="cpu",
-        nodes=1,
-        gpus_per_node=2,
+        nodes=nodes,
+        gpus_per_node=2 // nodes,
         model=TINY,
         parallel=parallel or ParallelLayout(),
         rollout_engine="torch",
@@ -194,6 +195,13 @@ SGLANG_RENAMES = (
     ),
 )  # fmt: skip
 
+# What proves a layout of our own (one no upstream run states): megatron-core's own rank grids at
+# its world size, for every GPU profile, and a dry start on CPU ranks scaled from it.
+OWN_LAYOUT_EVIDENCE = (
+    "tests/parallel/test_megatron_agreement.py",
+    "tests/megatron/test_megatron_own_layouts.py",
+)
+
 # Differences every recipe has from its reference, and why.
 COMMON_DEVIATIONS = (
     *SGLANG_RENAMES,
@@ -223,28 +231,36 @@ COMMON_DEVIATIONS = (
         "does not have (a CI run keeps all three of its rollouts' checkpoints)",
     ),
     deviation(
-        "--train-backend",
+        "--train-backend=megatron",
         reason="miles.train chooses its backend by flag; the reference's train.py is Megatron only",
     ),
     deviation(
-        "--seed", reason="Megatron-LM's default seed (1234), stated so every form draws the same batches"
+        "--seed=1234", reason="Megatron-LM's default seed (1234), stated so every form draws the same batches"
     ),
     deviation(
-        "--bf16",
+        "--bf16=on",
         reason="the reference's Megatron backend trains in bf16 unless told --fp16 (megatron_utils/arguments.py "
         "there); miles.train keeps fp32 weights unless told --bf16, so the GPU recipes say it",
     ),
     deviation(
-        "env:RAY_EXPERIMENTAL_NOSET_*",
+        "env:RAY_EXPERIMENTAL_NOSET_*=1",
         reason="miles sets Ray's NOSET variables (HIP, ROCR, CUDA) for every ROCm job so Ray keeps the runner's "
         "devices (miles.platform.job_env); the reference scripts set some of them, in some paths",
         platforms=("rocm",),
     ),
     deviation(
-        "env:HSA_ENABLE_IPC_MODE_LEGACY",
-        "env:HSA_NO_SCRATCH_RECLAIM",
-        "env:HIP_FORCE_DEV_KERNARG",
-        "env:NCCL_MIN_NCHANNELS",
+        "env:HSA_ENABLE_IPC_MODE_LEGACY=1",
+        "env:HSA_NO_SCRATCH_RECLAIM=1",
+        "env:HIP_FORCE_DEV_KERNARG=1",
+        "env:NCCL_MIN_NCHANNELS=112",
+        "env:SGLANG_USE_AITER=1",
+        "env:SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1",
+        "env:SGLANG_MOE_PADDING=1",
+        "env:SGLANG_SET_CPU_AFFINITY=1",
+        "env:SGLANG_ROCM_FUSED_DECODE_MLA=1",
+        "env:TORCHINDUCTOR_MAX_AUTOTUNE=1",
+        "env:TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE=1",
+        "env:RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0",
         reason="the reference's ROCm image sets these runtime variables (radixark/miles docker/Dockerfile.rocm@"
         "31f1ca961a94); miles' image sets the same values, and miles.platform.job_env puts them in every ROCm job "
         "so a job started outside the image has them too",

@@ -87,14 +87,45 @@ class Reference:
 
 @dataclass(frozen=True)
 class Deviation:
-    """Where a recipe is deliberately different from its reference, and why (one line)."""
+    """Where a recipe is deliberately different from its reference, and why (one line).
 
-    keys: tuple[str, ...]  # flags or fnmatch patterns, env:NAME, layout:<GPUs>
+    Each key names what differs and pins the value it explains: `--flag=value`, `env:NAME=value`,
+    `layout:<GPUs>=<our layout>` (fnmatch patterns, on the name and on the value as the comparison
+    shows it: `on` for a switch). A key without `=value` explains only a reference-only
+    difference (a flag or variable miles does not pass), whose value the reference pins: a
+    changed value of ours is drift no reason covers. `evidence` names the tests that prove a
+    layout of our own (one no upstream run states): the rank grid at its world size and a
+    dry start on CPU ranks scaled from it."""
+
+    keys: tuple[str, ...]  # flag or fnmatch pattern, env:NAME, layout:<GPUs>; each =value where it pins
     reason: str
     platforms: tuple[str, ...] = ("cuda", "rocm")
+    evidence: tuple[str, ...] = ()  # test files, for a layout of our own
 
-    def explains(self, key: str, platform: str) -> bool:
-        return platform in self.platforms and any(fnmatch.fnmatchcase(key, k) for k in self.keys)
+    def explains(self, key: str, platform: str, ours: str | None = None, theirs: str | None = None) -> bool:
+        """Whether it explains `key` on `platform`, where ours is `ours` (None: we do not pass it)
+        and the reference's is `theirs`."""
+        return self.spec_for(key, platform, ours, theirs) is not None
+
+    def spec_for(self, key: str, platform: str, ours: str | None, theirs: str | None) -> str | None:
+        """The key spec that explains the difference, or None. A pinned value is compared as the
+        comparison shows it, and as a pattern only where it holds `*` or `?`."""
+        if platform not in self.platforms:
+            return None
+        for spec in self.keys:
+            name, pinned, value = spec.partition("=")
+            if not fnmatch.fnmatchcase(key, name):
+                continue
+            if not pinned:  # a bare name: only what the reference alone passes
+                if ours is None:
+                    return spec
+                continue
+            shown_value = ours if ours is not None else theirs or ""
+            if shown_value == value or (
+                any(c in value for c in "*?") and fnmatch.fnmatchcase(shown_value, value)
+            ):
+                return spec
+        return None
 
 
 @dataclass(frozen=True)
@@ -107,8 +138,10 @@ class Rename:
     platforms: tuple[str, ...] = ("cuda", "rocm")
 
 
-def deviation(*keys: str, reason: str, platforms: tuple[str, ...] = ("cuda", "rocm")) -> Deviation:
-    return Deviation(tuple(keys), reason, platforms)
+def deviation(
+    *keys: str, reason: str, platforms: tuple[str, ...] = ("cuda", "rocm"), evidence: tuple[str, ...] = ()
+) -> Deviation:
+    return Deviation(tuple(keys), reason, platforms, evidence)
 
 
 def renamed(theirs: str, ours: str, *, reason: str, platforms: tuple[str, ...] = ("cuda", "rocm")) -> Rename:
@@ -243,8 +276,8 @@ def compare(
     explained = [d for d in deviations if isinstance(d, Deviation)]
     renames = {r.theirs: r for r in deviations if isinstance(r, Rename) and platform in r.platforms}
 
-    def why(key: str) -> str | None:
-        return next((d.reason for d in explained if d.explains(key, platform)), None)
+    def why(key: str, ours: str | None, theirs: str | None) -> str | None:
+        return next((d.reason for d in explained if d.explains(key, platform, ours, theirs)), None)
 
     ours_args = pairs(ours_argv)
     lines = [Line("!", flag, twice(values), "", None) for flag, values in duplicates(ours_args)]
@@ -262,28 +295,30 @@ def compare(
             if ours[flag] == theirs[flag]:
                 agree += 1
             else:
-                lines.append(Line("~", flag, ours[flag], theirs[flag], why(flag)))
+                lines.append(Line("~", flag, ours[flag], theirs[flag], why(flag, ours[flag], theirs[flag])))
         elif flag in ours:
-            lines.append(Line("+", flag, ours[flag], "", why(flag)))
+            lines.append(Line("+", flag, ours[flag], "", why(flag, ours[flag], None)))
         else:
-            lines.append(Line("-", flag, "", theirs[flag], why(flag)))
+            lines.append(Line("-", flag, "", theirs[flag], why(flag, None, theirs[flag])))
     ref_env = dict(reference.env)
     for name in (*ours_env, *(n for n in ref_env if n not in ours_env)):
         key = f"env:{name}"
         if ours_env.get(name) == ref_env.get(name):
             agree += 1
         elif name in ours_env and name in ref_env:
-            lines.append(Line("~", key, ours_env[name], ref_env[name], why(key)))
+            lines.append(
+                Line("~", key, ours_env[name], ref_env[name], why(key, ours_env[name], ref_env[name]))
+            )
         elif name in ours_env:
-            lines.append(Line("+", key, f"={ours_env[name]}", "", why(key)))
+            lines.append(Line("+", key, f"={ours_env[name]}", "", why(key, ours_env[name], None)))
         else:
-            lines.append(Line("-", key, "", f"={ref_env[name]}", why(key)))
+            lines.append(Line("-", key, "", f"={ref_env[name]}", why(key, None, ref_env[name])))
     mine, theirs_layout = _layout_text(ours_layout), _layout_text(reference.layout)
     if mine == theirs_layout:
         agree += 1
     else:
         key = f"layout:{ours_layout.gpus}"
-        lines.append(Line("~", key, mine, theirs_layout, why(key)))
+        lines.append(Line("~", key, mine, theirs_layout, why(key, mine, theirs_layout)))
     return Comparison(reference, agree, tuple(lines))
 
 

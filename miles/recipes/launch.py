@@ -1,29 +1,35 @@
 """Build a launch plan from a recipe (command, environment, working directories) and run it.
 
 One node: `python -m torch.distributed.run --standalone` starts the trainer's ranks (gloo on
-CPU, NCCL/RCCL on GPUs). Several nodes: a Ray job submission, with the `ray start` commands
-each node runs first; miles prints that plan but does not start clusters. `--dry-run` in the
-scripts prints the plan and stops.
+CPU, NCCL/RCCL on GPUs). Several nodes: a Ray job submitted to an existing cluster (`ray job
+submit` to its dashboard address; miles.recipes.ray_job places the ranks with a placement
+group), whose log is streamed and whose exit code is the run's; the plan shows the `ray start`
+commands that bring such a cluster up, which miles does not run. `--dry-run` in the scripts
+prints the plan and stops.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from miles.ckpt.plan import CheckpointPlan
+from miles.files import check_name
 from miles.parallel import DEVICE_MAX_CONNECTIONS, env_problems, validate
 from miles.platform import job_env, require
 from miles.recipes.args import render
+from miles.recipes.fidelity import duplicates, pairs, twice
 from miles.recipes.models import TINY
 from miles.recipes.recipe import SHARED, ParallelProfile, Recipe, RecipeError, lane_megatron_core
 from miles.recipes.status import profile_status
 
 TRAINER_MODULE = "miles.train"
+RAY_JOB_MODULE = "miles.recipes.ray_job"
 RAY_DASHBOARD_PORT = 8265
 RAY_GCS_PORT = 6379
 
@@ -50,6 +56,21 @@ class RunOptions:
     extra_env: tuple[tuple[str, str], ...] = ()
     python: str = "python"
     head_address: str = "127.0.0.1"  # multi-node: the Ray head node
+    ray_address: str | None = None  # multi-node: its dashboard (default http://<head_address>:8265)
+    workdir: str | None = None  # multi-node: where the ranks run (the paths of the plan are relative to it)
+
+    def __post_init__(self) -> None:
+        check_name(self.run_id, what="--run-id")  # the run's folder under output_dir, never elsewhere
+        for token in self.extra_args:
+            if not token.isprintable():
+                raise LaunchError(
+                    f"--extra-args: {token.encode('unicode_escape').decode('ascii')!r} holds a control "
+                    "character; a trainer flag or value is one printable word"
+                )
+        for flag, values in duplicates(pairs(self.extra_args)):  # which one is meant?
+            raise LaunchError(f"--extra-args: {flag} {twice(values)}; give it once")
+        for name, value in self.extra_env:
+            check_env(name, value)
 
 
 @dataclass(frozen=True)
@@ -138,7 +159,8 @@ def build_plan(
     groups = recipe.arg_groups(profile, fields, base)
     train_args = recipe.train_args(profile, fields, extra, base)
     if check:
-        check_command(recipe, profile, platform, train_args[: len(train_args) - len(extra)])
+        cut = len(train_args) - len(extra)
+        check_command(recipe, profile, platform, train_args[:cut], extra=train_args[cut:])
     env = _env(recipe, profile, platform, base, dict(options.extra_env))
     mode = "torchrun" if profile.nodes == 1 else "ray"
     command, prelude = _command(mode, profile, train_args, env, options)
@@ -165,12 +187,20 @@ def build_plan(
     )
 
 
-def check_command(recipe: Recipe, profile: ParallelProfile, platform: str, argv: tuple[str, ...]) -> None:
-    """The recipe's own flags (extra_args excluded: they are the caller's) against the stack
-    pinned for `platform`, then against what the run's backend and engine act on (a flag without
-    effect is refused, as the trainer would at start); one RecipeError lists every problem."""
-    from miles.recipes.stack import command_problems
-    from miles.train.args import parse_config
+def check_command(
+    recipe: Recipe,
+    profile: ParallelProfile,
+    platform: str,
+    argv: tuple[str, ...],
+    extra: tuple[str, ...] = (),
+) -> None:
+    """The recipe's own flags against the stack pinned for `platform`, then the whole command (the
+    caller's `extra` args appended last, which may override the recipe's values) as
+    `python -m miles.train` reads it: its own parser (exact spellings, every value by its rule)
+    and what the run's backend and engine act on (a flag without effect is refused, as the
+    trainer would at start). One RecipeError names every problem and whose it is."""
+    from miles.recipes.stack import backend_problems, command_problems, stack_problems
+    from miles.train.args import ArgsError, parse_config
     from miles.train.consumption import refusal
 
     where = f"{recipe.name} ({recipe.variant} form) {profile.describe()}"
@@ -178,10 +208,41 @@ def check_command(recipe: Recipe, profile: ParallelProfile, platform: str, argv:
     if problems:
         listed = "; ".join(f"{flag}: {problem}" for flag, problem in problems)
         raise RecipeError(f"{where}: {listed}. Fix the recipe in {recipe.defined_in}")
+    fix = (
+        f"Fix the recipe in {recipe.defined_in}"
+        if not extra
+        else "Fix what the command line adds (--extra-args, --num-rollout)"
+    )
+    if extra:
+        found = stack_problems(extra, platform) + backend_problems(
+            extra, platform, recipe.backend_of(profile)
+        )
+        if found:
+            listed = "; ".join(f"{flag}: {problem}" for flag, problem in found)
+            raise RecipeError(f"--extra-args of {where}: {listed}")
     # what python -m miles.train would refuse at start, said when the command is built
-    refused = refusal(parse_config(list(argv)), profile.rollout_engine)
+    try:
+        config = parse_config([*argv, *extra], raising=True)
+    except ArgsError as exc:
+        raise RecipeError(f"{where}: python -m miles.train refuses the command: {exc}. {fix}") from None
+    refused = refusal(config, profile.rollout_engine)
     if refused:
-        raise RecipeError(f"{where} on the {platform} lane: {refused}. Fix the recipe in {recipe.defined_in}")
+        raise RecipeError(f"{where} on the {platform} lane: {refused}. {fix}")
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def check_env(name: str, value: str) -> None:
+    """A job variable: a shell-safe name and a value of printable characters (a newline would split
+    the variable the dry run prints and hand the job another one)."""
+    if not _ENV_NAME.fullmatch(name):
+        raise LaunchError(f"--extra-env-vars: {name!r} is not a variable name (letters, digits and _)")
+    if not value.isprintable():
+        shown = value.encode("unicode_escape").decode("ascii")
+        raise LaunchError(
+            f"--extra-env-vars: {name}={shown!r} holds a control character; a job variable's value is one line"
+        )
 
 
 def _platform(recipe: Recipe, model: str | None) -> str:
@@ -242,6 +303,11 @@ def _command(
     """The command that starts the job, and the commands each node runs first (Ray only)."""
     trainer = (options.python, "-m", TRAINER_MODULE, *train_args)
     if mode == "torchrun":
+        if options.ray_address:
+            raise LaunchError(
+                f"--ray-address {options.ray_address}: a one-node run starts under torchrun here, not on a Ray "
+                "cluster; drop --ray-address, or give --num-nodes above 1"
+            )
         launcher = (options.python, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1")
         return (
             *launcher,
@@ -258,11 +324,17 @@ def _command(
          "--disable-usage-stats"),
         ("ray", "start", "--address", f"{head}:{RAY_GCS_PORT}", "--num-gpus", gpus, "--disable-usage-stats"),
     )  # fmt: skip
+    address = options.ray_address or f"http://{head}:{RAY_DASHBOARD_PORT}"
     submit = (
-        "ray", "job", "submit", "--address", f"http://{head}:{RAY_DASHBOARD_PORT}",
+        "ray", "job", "submit", "--address", address,
         "--runtime-env-json", json.dumps({"env_vars": env}, sort_keys=True), "--",
     )  # fmt: skip
-    return (*submit, *trainer), prelude
+    job = (
+        options.python, "-m", RAY_JOB_MODULE, "--nodes", str(profile.nodes), "--procs-per-node", gpus,
+        "--gpus-per-node", "0" if profile.platform == "cpu" else gpus,
+        *(("--workdir", options.workdir) if options.workdir else ()), "--",
+    )  # fmt: skip
+    return (*submit, *job, *trainer), prelude
 
 
 def format_plan(plan: LaunchPlan) -> str:
@@ -304,14 +376,16 @@ def format_plan(plan: LaunchPlan) -> str:
 
 
 def run(plan: LaunchPlan, env: Mapping[str, str] | None = None) -> int:
-    """Run a one-node plan: check the machine and the pins, make the directories, start the
-    command with the plan's environment on top of `env`. Returns its exit status."""
+    """Run a plan: one node, check the machine and the pins, make the directories, start the
+    command with the plan's environment on top of `env`; several nodes, submit it to the Ray
+    cluster (miles.recipes.ray_submit). Returns its exit status."""
     base = dict(os.environ if env is None else env)
     if plan.mode != "torchrun":
-        raise LaunchError(
-            f"{plan.recipe}: a {plan.profile.nodes}-node run is planned, not started, by miles: run the node "
-            "setup commands of `--dry-run` on each node, then its `ray job submit` command on the head"
-        )
+        from miles.recipes.ray_submit import submit
+
+        for _, path in plan.workdirs:
+            os.makedirs(path, exist_ok=True)
+        return submit(plan, base)
     if plan.platform != "cpu":
         require(plan.platform, plan.profile.gpus_per_node, env=base)
     check_pins(plan.pins)

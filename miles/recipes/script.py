@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from miles.ckpt.errors import CheckpointError
+from miles.exits import OneLineParser
 from miles.platform import PlatformError
 from miles.recipes.launch import LaunchError, RunOptions, build_plan, format_plan, run
 from miles.recipes.recipe import Recipe, RecipeError
@@ -58,6 +59,9 @@ FIELDS = (
     Field("output_dir", str, ".miles/runs", "where runs write checkpoints and logs"),
     Field("run_id", str, None, "run directory name (default: time and a random suffix)"),
     Field("source", str, None, "checkpoint source instead of the model's repo (repo id or local path)"),
+    Field(
+        "ray_address", str, None, "several nodes: the Ray cluster's dashboard (default http://127.0.0.1:8265)"
+    ),
     Field("stage_dir", str, None, "node-local directory to stage the checkpoint to"),
     Field("num_rollout", int, None, "training rollouts (default: the recipe's)"),
     Field(
@@ -88,7 +92,7 @@ def env_name(field: str) -> str:
 
 
 def build_parser(prog: str, fixed_platform: str | None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser = OneLineParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument(
         "command", choices=tuple(COMMANDS), help="; ".join(f"{k}: {v}" for k, v in COMMANDS.items())
     )
@@ -230,6 +234,8 @@ def _main(name: str, fixed: str | None, command: str, cli: dict, env: Mapping[st
         extra_args=tuple(shlex.split(value["extra_args"])),
         extra_env=parse_env_vars(value["extra_env_vars"]),
         python=sys.executable,
+        ray_address=value["ray_address"],
+        workdir=os.getcwd(),  # a Ray job's ranks run here: the plan's relative paths are this directory's
     )
     profile = recipe.profile(options.model, platform, options.nodes, options.gpus_per_node)
     resolved = {"platform": platform, "model": profile.model, "num_nodes": profile.nodes}

@@ -6,8 +6,9 @@
   generates. A record whose fingerprint no longer matches (the recipe changed since) does not
   count.
 - **trained on the CPU lane**: a test file registered on a suite of the cpu lane (and not
-  disabled) builds this recipe's CPU plan (`tiny_plan("<recipe>", ...)`) and trains it; read
-  from the test files' syntax trees (`cpu_lane_trainings`), never from a list kept here.
+  disabled) builds this recipe's CPU plan and trains it; read from the tests by the CI
+  (`python -m miles.ci recipes --write`) into `miles/recipes/runs/cpu-lane.json`, the evidence
+  read here, which a test holds to what the tests say.
 - **cannot build**: a GPU profile whose train backend is Megatron and whose model's config
   types that backend's own mapping does not build (`megatron_model_types`).
 - **FSDP fallback, untested on GPU**: a GPU profile of a recipe that declares a `Fallback`
@@ -18,7 +19,6 @@
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import json
 import time
@@ -30,12 +30,12 @@ from miles.recipes.recipe import ParallelProfile, Recipe, RecipeError
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNS_DIR = Path(__file__).with_name("runs")
+CPU_LANE_EVIDENCE = RUNS_DIR / "cpu-lane.json"  # written by `python -m miles.ci recipes --write`
 SCHEMA = 1
 VERIFIED, CPU_LANE, CANNOT_BUILD = "verified", "trained on the CPU lane", "cannot build"
 FALLBACK = "FSDP fallback, untested on GPU"
 UNTESTED_GPU, UNTESTED = "untested on GPU", "untested"
 CPU_LANE_NAME = "cpu"
-CPU_PLAN_FUNCTION = "tiny_plan"  # tests/e2e/recipe_runs.py: builds and prepares a recipe's CPU plan
 
 
 @dataclass(frozen=True)
@@ -58,93 +58,30 @@ def megatron_model_types() -> tuple[str, ...]:
 
 
 @cache
-def cpu_lane_trainings(root: Path = ROOT) -> dict[str, tuple[tuple[str, str], ...]]:
-    """recipe -> ((test file, suite), ...) for the enabled cpu-backend registrations on suites
-    of the cpu lane whose file builds the recipe's CPU plan; empty without a tests/ tree."""
-    if not (root / "tests").is_dir():
-        return {}
-    from miles.ci.registry.catalog import load_catalog
-    from miles.ci.registry.discover import discover
-
-    lane_suites = {s.name for s in load_catalog().suites_of_lane(CPU_LANE_NAME)}
-    found: dict[str, list[tuple[str, str]]] = {}
-    for reg in discover(root, cache=False).registrations:
-        if reg.backend != "cpu" or reg.suite not in lane_suites or reg.disabled is not None:
-            continue
-        for recipe in sorted(_recipes_trained(root / reg.file)):
-            found.setdefault(recipe, []).append((reg.file, reg.suite))
-    return {k: tuple(v) for k, v in found.items()}
-
-
-def _recipes_trained(path: Path) -> set[str]:
-    """Recipe names reaching the first argument of a `tiny_plan(...)` call in the file: a string
-    literal, a module constant, a parameter of the test's `pytest.mark.parametrize`, or
-    `x["recipe"]` of the file's dict literals with a "recipe" key."""
+def cpu_lane_trainings(evidence: Path = CPU_LANE_EVIDENCE) -> dict[str, tuple[tuple[str, str], ...]]:
+    """recipe -> ((test file, suite), ...) of the cpu-lane tests that train its CPU plan, as the
+    evidence file says; empty without one."""
     try:
-        tree = ast.parse(path.read_text(), filename=str(path))
-    except (OSError, SyntaxError):
-        return set()
-    constants = {
-        t.id: node.value.value
-        for node in tree.body
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
-        for t in node.targets
-        if isinstance(t, ast.Name) and isinstance(node.value.value, str)
-    }
-    recipe_values = {
-        v.value
-        for d in ast.walk(tree)
-        if isinstance(d, ast.Dict)
-        for k, v in zip(d.keys, d.values, strict=True)
-        if isinstance(k, ast.Constant) and k.value == "recipe" and isinstance(v, ast.Constant)
-    }
-    out: set[str] = set()
-    for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
-        params = _parametrized(fn)
-        for call in (n for n in ast.walk(fn) if isinstance(n, ast.Call) and _called(n) == CPU_PLAN_FUNCTION):
-            if not call.args:
-                continue
-            first = call.args[0]
-            if isinstance(first, ast.Constant) and isinstance(first.value, str):
-                out.add(first.value)
-            elif isinstance(first, ast.Name) and first.id in params:
-                out |= params[first.id]
-            elif isinstance(first, ast.Name) and first.id in constants:
-                out.add(constants[first.id])
-            elif isinstance(first, ast.Subscript) and isinstance(first.slice, ast.Constant):
-                if first.slice.value == "recipe":
-                    out |= recipe_values
-    return out
-
-
-def _called(call: ast.Call) -> str:
-    func = call.func
-    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
-
-
-def _parametrized(fn: ast.FunctionDef) -> dict[str, set[str]]:
-    """{argument: its string values} of the function's `@pytest.mark.parametrize("arg", [...])`."""
-    out: dict[str, set[str]] = {}
-    for deco in fn.decorator_list:
-        if not (isinstance(deco, ast.Call) and _called(deco) == "parametrize" and len(deco.args) >= 2):
-            continue
-        name, values = deco.args[0], deco.args[1]
-        if isinstance(name, ast.Constant) and isinstance(values, ast.List | ast.Tuple):
-            strings = {
-                v.value for v in values.elts if isinstance(v, ast.Constant) and isinstance(v.value, str)
-            }
-            out[str(name.value)] = strings
-    return out
+        data = json.loads(Path(evidence).read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise RecipeError(
+            f"{evidence}: unreadable ({exc}); rewrite it with `python -m miles.ci recipes --write`"
+        ) from None
+    return {recipe: tuple((f, s) for f, s in pairs) for recipe, pairs in data.get("trainings", {}).items()}
 
 
 # --- status -------------------------------------------------------------------------------
 
 
-def test_files(recipe: Recipe, profile: ParallelProfile, root: Path = ROOT) -> tuple[str, ...]:
+def test_files(
+    recipe: Recipe, profile: ParallelProfile, evidence: Path = CPU_LANE_EVIDENCE
+) -> tuple[str, ...]:
     """The tests that train this profile: on GPUs the recipe's e2e test; on CPU the cpu-lane
     tests that build its CPU plan."""
     if profile.platform == "cpu":
-        return tuple(dict.fromkeys(f for f, _ in cpu_lane_trainings(root).get(recipe.name, ())))
+        return tuple(dict.fromkeys(f for f, _ in cpu_lane_trainings(evidence).get(recipe.name, ())))
     return (f"tests/e2e/recipes/test_{recipe.name}_recipe.py",)
 
 
@@ -175,14 +112,14 @@ _FIELDS = ("hf_checkpoint", "hf_dir", "ref_load", "torch_dist_dir", "save_dir", 
 
 
 def profile_status(
-    recipe: Recipe, profile: ParallelProfile, directory: Path = RUNS_DIR, root: Path = ROOT
+    recipe: Recipe, profile: ParallelProfile, directory: Path = RUNS_DIR, evidence: Path = CPU_LANE_EVIDENCE
 ) -> Status:
-    """The profile's status; `root` is the project whose tests/ say what the CPU lane trains."""
+    """The profile's status, from the run records in `directory` and the CPU lane's `evidence`."""
     path = record_path(recipe, profile, directory)
     stale = ""
     if path.is_file():
         record = json.loads(path.read_text())
-        problem = _mismatch(record, recipe, profile, root)
+        problem = _mismatch(record, recipe, profile, evidence)
         if problem is None:
             when = time.strftime("%Y-%m-%d", time.gmtime(record.get("started_at", 0)))
             fallback = (
@@ -198,7 +135,7 @@ def profile_status(
         stale = f"; {_shown(path)} does not count: {problem}"
     backend = recipe.backend_of(profile)
     if profile.platform == "cpu":
-        trained = cpu_lane_trainings(root).get(recipe.name, ())
+        trained = cpu_lane_trainings(evidence).get(recipe.name, ())
         if trained:
             where = ", ".join(f"{file} in {suite}" for file, suite in trained)
             return Status(
@@ -233,7 +170,7 @@ def _model_types(recipe: Recipe) -> tuple[str, ...]:
     return family(recipe.model.family).model_types
 
 
-def _mismatch(record: dict, recipe: Recipe, profile: ParallelProfile, root: Path) -> str | None:
+def _mismatch(record: dict, recipe: Recipe, profile: ParallelProfile, evidence: Path) -> str | None:
     expected = {
         "recipe": recipe.name,
         "variant": recipe.variant,
@@ -246,31 +183,62 @@ def _mismatch(record: dict, recipe: Recipe, profile: ParallelProfile, root: Path
     for key, value in expected.items():
         if record.get(key) != value:
             return f"its {key} is {record.get(key)!r}, not {value!r}"
-    if record.get("test") not in test_files(recipe, profile, root):
+    if record.get("test") not in test_files(recipe, profile, evidence):
         return f"its test {record.get('test')!r} does not train this profile"
     if record.get("fingerprint") != fingerprint(recipe, profile):
         return "it was recorded for another command or environment (the recipe changed since)"
     return None
 
 
+MAX_RUN_JSON_BYTES = 256 << 20  # one row per attempt; a nightly run's is a few MB
+
+
+def read_run_json(path: Path) -> dict:
+    """The CI runner's run record at `path` (its run.json, read as data: the runner's documented
+    report is the contract, not its classes); a RecipeError naming the file and what is wrong
+    when it is missing, not a regular file, too large, not JSON or not a run record."""
+    from miles.files import FileRefused, read_regular
+
+    where = f"--run-json {path}"
+    try:
+        data = json.loads(read_regular(path, MAX_RUN_JSON_BYTES, what="run record"))
+    except FileNotFoundError:
+        raise RecipeError(
+            f"{where}: no such file; give the run.json in the CI runner's report folder"
+        ) from None
+    except FileRefused as exc:
+        raise RecipeError(f"{where}: {exc}") from None
+    except OSError as exc:
+        raise RecipeError(f"{where}: cannot be read ({exc.strerror or exc})") from None
+    except RecursionError:
+        raise RecipeError(f"{where}: nested too deeply to be a run record") from None
+    except ValueError as exc:  # bad JSON, bad UTF-8
+        raise RecipeError(f"{where}: not JSON ({str(exc)[:120]}); give the runner's run.json") from None
+    rows = data.get("attempts") if isinstance(data, dict) else None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise RecipeError(
+            f"{where}: not a run record of the CI runner (no list of attempts); give the runner's run.json"
+        )
+    return data
+
+
 def record_run(recipe: Recipe, profile: ParallelProfile, run_json: Path, directory: Path = RUNS_DIR) -> Path:
     """Write the run record of `profile` from a runner run.json in which its test passed."""
-    from miles.ci.reports.record import RunRecord
-
-    run = RunRecord.from_json(json.loads(Path(run_json).read_text()))
+    run = read_run_json(run_json)
+    attempts = _final_attempts(run)
     wanted = test_files(recipe, profile)
     if not wanted:
         raise RecipeError(f"no test trains {recipe.name} {profile.describe()}, so no run can verify it")
-    attempts = [a for a in run.final_attempts if a.file in wanted and a.suite == profile.suite]
+    attempts = [a for a in attempts if a.get("file") in wanted and a.get("suite") == profile.suite]
     if not attempts:
         raise RecipeError(
             f"{run_json}: no attempt of {' or '.join(wanted)} in suite {profile.suite}; a record needs the run "
             f"that trained {recipe.name} {profile.describe()}"
         )
     attempt = attempts[-1]
-    if attempt.status != "passed":
+    if attempt.get("status") != "passed":
         raise RecipeError(
-            f"{run_json}: {attempt.file} {attempt.status} in {profile.suite}; only a passed run verifies"
+            f"{run_json}: {attempt.get('file')} {attempt.get('status')} in {profile.suite}; only a passed run verifies"
         )
     record = {
         "schema": SCHEMA,
@@ -280,17 +248,25 @@ def record_run(recipe: Recipe, profile: ParallelProfile, run_json: Path, directo
         "profile": f"{profile.nodes}x{profile.gpus_per_node}",
         "model": profile.model,
         "suite": profile.suite,
-        "test": attempt.file,
-        "status": attempt.status,
-        "commit": attempt.commit or run.commit,
-        "started_at": attempt.started_at,
-        "elapsed_s": round(attempt.elapsed, 1),
+        "test": attempt["file"],
+        "status": attempt["status"],
+        "commit": attempt.get("commit") or run.get("commit", ""),
+        "started_at": attempt.get("started_at", 0.0),
+        "elapsed_s": round(float(attempt.get("elapsed", 0.0)), 1),
         "fingerprint": fingerprint(recipe, profile),
     }
     directory.mkdir(parents=True, exist_ok=True)
     path = record_path(recipe, profile, directory)
     path.write_text(json.dumps(record, indent=1) + "\n")
     return path
+
+
+def _final_attempts(run: dict) -> list[dict]:
+    """The last attempt of every (suite, file) of a runner's run record."""
+    last: dict[tuple, dict] = {}
+    for row in run["attempts"]:
+        last[(row.get("suite"), row.get("file"))] = row
+    return list(last.values())
 
 
 def _shown(path: Path) -> str:

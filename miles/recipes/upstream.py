@@ -40,6 +40,7 @@ MODEL_SCRIPTS = "scripts/models"
 REPO_ROOT = "{repo}"  # where the launcher's checkout is, as the readings write it
 # Where the launcher's checkout and the Ray head are: not facts of a recipe.
 MACHINE_ENV = ("PYTHONPATH", "MASTER_ADDR", "no_proxy")
+MAX_SOURCE_CHARS = 4 << 20  # the launchers and model scripts are a few KB each
 
 
 class MirrorError(ValueError):
@@ -253,6 +254,10 @@ class _Reading:
             text = self.mirror.show(self.source.commit, path)
             if text is None:
                 raise MirrorError(f"{self.mirror.path}: {path} is not in commit {self.source.commit[:12]}")
+            if len(text) > MAX_SOURCE_CHARS:
+                raise SourceError(
+                    f"{path}: {len(text)} characters, over the {MAX_SOURCE_CHARS} a launcher file has"
+                )
             self.modules[path] = parse(path, text, natives)
         return self.modules[path]
 
@@ -291,19 +296,20 @@ class _Reading:
         return " ".join(str(text).split())
 
     def launch(self) -> Launch:
-        script = self.read(self.source.script)
-        script.natives.setdefault("__file__", f"{REPO_ROOT}/{self.source.script}")
-        entry = self.evaluator.lookup(script, self.source.entry, script.tree)
-        if not _defines(script, "ScriptArgs"):  # a test file: its entry reads the module's own constants
-            if self.source.settings:
-                raise SourceError(
-                    f"{self.source.script}: no ScriptArgs to take the settings {dict(self.source.settings)}"
-                )
-            self.evaluator.call(entry, [], {})
-            return self._job()
-        config = self.evaluator.lookup(script, "ScriptArgs", script.tree)
-        args = self.evaluator.instantiate(config, dict(self.source.settings))
-        self.evaluator.call(entry, [args], {})
+        with self.evaluator.bounded(self.source.cite()):  # a crafted launcher ends in one line
+            script = self.read(self.source.script)
+            script.natives.setdefault("__file__", f"{REPO_ROOT}/{self.source.script}")
+            entry = self.evaluator.lookup(script, self.source.entry, script.tree)
+            if not _defines(script, "ScriptArgs"):  # a test file: its entry reads the module's own constants
+                if self.source.settings:
+                    raise SourceError(
+                        f"{self.source.script}: no ScriptArgs to take the settings {dict(self.source.settings)}"
+                    )
+                self.evaluator.call(entry, [], {})
+                return self._job()
+            config = self.evaluator.lookup(script, "ScriptArgs", script.tree)
+            args = self.evaluator.instantiate(config, dict(self.source.settings))
+            self.evaluator.call(entry, [args], {})
         return self._job()
 
     def _job(self) -> Launch:

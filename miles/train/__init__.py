@@ -4,5 +4,6 @@ config (the flags as typed sections) -> args (parse, validate) -> runtime (setup
 backend and engine gets the sections it declares in consumption) -> trainer (the loop) over
 data, rollout engines, rewards, algorithm (losses), backends (FSDP2/DDP, Megatron), checks,
 checkpoint and report.
-Nothing here is imported by miles.ci; torch and transformers load only when a run starts.
+It imports nothing of miles.recipes or miles.ci (the device check, miles.ci.machine, drives it);
+torch and transformers load only when a run starts.
 """

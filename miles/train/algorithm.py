@@ -119,12 +119,14 @@ def policy_loss(
     *,
     ref_logp: torch.Tensor | None = None,
     rollout_logp: torch.Tensor | None = None,
+    sample_weight: torch.Tensor | None = None,
 ) -> LossTerms:
     """The GRPO/GSPO objective of one micro-batch.
 
     Per-sample mode (default) averages each sample's tokens and sums samples; per-token mode
-    sums tokens. `advantages` is per sample ([samples]) and is broadcast over tokens.
-    """
+    sums tokens. `advantages` is per sample ([samples]) and is broadcast over tokens;
+    `sample_weight` ([samples]) scales each sample's part of the loss (an execution split into k
+    samples weighs 1/k each, miles.train.generate)."""
     mask = mask.float()
     adv = advantages.float().unsqueeze(1).expand_as(logp)
     log_ratio = importance_log_ratio(logp.float(), old_logp.float(), mask, cfg.advantage_estimator)
@@ -142,7 +144,7 @@ def policy_loss(
             raise ValueError("--use-kl-loss needs reference logprobs")
         kl = kl_penalty(logp, ref_logp, cfg.kl_loss_type)
         per_token = per_token + cfg.kl_loss_coef * kl
-    loss = _aggregate(per_token, mask, cfg.per_token_loss)
+    loss = _aggregate(per_token, mask, cfg.per_token_loss, sample_weight)
     ppo_kl = (old_logp.float() - logp.float()).detach()
     total = lambda x: float((x.detach() * mask).sum())  # noqa: E731
     return LossTerms(
@@ -157,10 +159,14 @@ def policy_loss(
     )
 
 
-def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, per_token_loss: bool) -> torch.Tensor:
+def _aggregate(
+    per_token: torch.Tensor, mask: torch.Tensor, per_token_loss: bool, weight: torch.Tensor | None = None
+) -> torch.Tensor:
     if per_token_loss:
-        return (per_token * mask).sum()
-    return ((per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum()
+        per_sample = (per_token * mask).sum(dim=1)
+    else:
+        per_sample = (per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+    return (per_sample if weight is None else per_sample * weight.to(per_sample)).sum()
 
 
 def token_logprobs_and_entropy(

@@ -38,21 +38,27 @@ def launched_rank() -> int:
 
 
 class _Parser(argparse.ArgumentParser):
+    raising = False  # True: a bad command is an ArgsError (a recipe checking what it renders)
+
     def error(self, message: str):
+        if self.raising:
+            raise ArgsError(message)
         # The full usage of ~235 flags would bury the one line that matters, and every rank parses
         # the same command, so only the first says it.
         text = f"{self.prog}: error: {message}\n(python -m miles.train --help lists every flag)\n"
         self.exit(2, text if launched_rank() == 0 else None)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The trainer's parser: one argument group per section, one argument per flag field."""
+def build_parser(*, raising: bool = False) -> argparse.ArgumentParser:
+    """The trainer's parser: one argument group per section, one argument per flag field; with
+    `raising`, a bad command raises ArgsError instead of exiting."""
     parser = _Parser(
         prog="python -m miles.train",
         description="GRPO/GSPO trainer: rollout, reward, advantage, clipped loss, step, weight sync.",
         epilog="--sglang-<name> [VALUE ...] is passed to the SGLang engine unchanged.",
         allow_abbrev=False,
     )
+    parser.raising = raising
     for section in SECTIONS:
         group = parser.add_argument_group(section.title)
         for flag in section.flags():
@@ -91,16 +97,18 @@ def split_sglang_args(
     return rest, passthrough
 
 
-def parse_config(argv: Sequence[str] | None = None) -> RunConfig:
-    """The run's configuration: every section, from validated flags (exits like parse_args)."""
-    return RunConfig.from_namespace(parse_args(argv))
+def parse_config(argv: Sequence[str] | None = None, *, raising: bool = False) -> RunConfig:
+    """The run's configuration: every section, from validated flags (exits like parse_args, or
+    with `raising` raises ArgsError)."""
+    return RunConfig.from_namespace(parse_args(argv, raising=raising))
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse and validate the trainer's flags; exits with argparse's message on a bad flag."""
+def parse_args(argv: Sequence[str] | None = None, *, raising: bool = False) -> argparse.Namespace:
+    """Parse and validate the trainer's flags; exits with argparse's message on a bad flag (with
+    `raising`: raises ArgsError with it)."""
     import sys
 
-    parser = build_parser()
+    parser = build_parser(raising=raising)
     argv = list(sys.argv[1:] if argv is None else argv)
     rest, sglang = split_sglang_args(argv, {f.option for f in FLAGS})
     args = parser.parse_args(rest)
@@ -173,6 +181,17 @@ def validate(args: argparse.Namespace) -> None:
                 f"--train-backend {args.train_backend} is data-parallel only, but {shown} was given; "
                 "use --train-backend megatron for model parallelism or set them to 1"
             )
+    _validate_offload(args)
+    sharded_only = {
+        "--dp-replicate-size": args.dp_replicate_size > 1,
+        "--fsdp-full-params": args.fsdp_full_params,
+    }
+    given = [flag for flag, on in sharded_only.items() if on]
+    if given and args.train_backend != "fsdp":
+        raise ArgsError(
+            f"{' and '.join(given)} shape(s) how FSDP shards the model, but --train-backend is {args.train_backend}; "
+            "use --train-backend fsdp"
+        )
     args.layout = _megatron_layout(args) if args.train_backend == "megatron" else ParallelLayout()
     if (args.ci_metric_checker_key is None) != (args.ci_metric_checker_threshold is None):
         raise ArgsError("--ci-metric-checker-key and --ci-metric-checker-threshold go together")
@@ -181,8 +200,112 @@ def validate(args: argparse.Namespace) -> None:
             f"--eval-prompt-data takes NAME PATH pairs, got {len(args.eval_prompt_data)} value(s): "
             f"{' '.join(args.eval_prompt_data)}"
         )
+    if args.ci_save_model_hash and not args.save:
+        raise ArgsError("--ci-save-model-hash writes beside each checkpoint, but no --save was given")
+    if args.ci_check_model_hash and not args.load:
+        raise ArgsError("--ci-check-model-hash checks the weights --load restores, but no --load was given")
+    _validate_async(args)
     if args.load_debug_rollout_data and args.debug_rollout_only:
         raise ArgsError("--load-debug-rollout-data and --debug-rollout-only exclude each other")
+    if args.load_debug_rollout_data:
+        args.debug_train_only = True  # as in the seed framework: replayed rollouts need no engine
+    if args.debug_train_only and not args.load_debug_rollout_data:
+        raise ArgsError(
+            "--debug-train-only trains with no rollout engine, so it needs saved rollouts: add "
+            "--load-debug-rollout-data PATH (written by a run with --save-debug-rollout-data PATH)"
+        )
+    if args.debug_train_only and args.eval_prompt_data:
+        raise ArgsError(
+            "--eval-prompt-data needs the rollout engine, which --debug-train-only (or --load-debug-rollout-data) "
+            "does not start; drop the evaluation from the replay"
+        )
+    if args.ci_save_grad_norm and args.ci_save_grad_norm == args.ci_load_grad_norm:
+        raise ArgsError(
+            f"--ci-save-grad-norm and --ci-load-grad-norm both name {args.ci_save_grad_norm}: the run would check "
+            "its steps against what it writes; give the file it writes another name"
+        )
+
+
+def _validate_offload(args: argparse.Namespace) -> None:
+    """--offload-train's companions act only with it (or with optimizer streaming); the disk forms
+    need a directory (--offload-train-disk-dir, or $SCRATCH)."""
+    import os
+
+    train = args.offload_train or args.offload
+    disk = args.offload_train_target == "disk"
+    if disk and not train:
+        raise ArgsError(
+            "--offload-train-target disk says where --offload-train puts the trainer's state; add --offload-train"
+        )
+    if args.stream_optimizer_state_to_disk and train and not disk:
+        raise ArgsError(
+            "--stream-optimizer-state-to-disk with --offload-train needs --offload-train-target disk: a run whose "
+            "optimizer state does not fit the device during the step will not hold a host copy of the whole trainer"
+        )
+    uses_disk = disk or args.stream_optimizer_state_to_disk
+    dangling = [
+        f for f in ("--offload-train-disk-dir", "--offload-train-disk-chunk-mb") if f in args.flags_set
+    ]
+    if dangling and not uses_disk:
+        raise ArgsError(
+            f"{' '.join(dangling)} shape(s) the disk offload, which this command does not ask for; add "
+            "--offload-train --offload-train-target disk or --stream-optimizer-state-to-disk, or drop them"
+        )
+    if uses_disk and not args.offload_train_disk_dir:
+        scratch = os.environ.get("SCRATCH")
+        if not scratch:
+            raise ArgsError(
+                "the disk offload needs a directory: pass --offload-train-disk-dir (a fast local disk; a tmpfs "
+                "such as /tmp on many hosts keeps the bytes in memory and defeats it), or set $SCRATCH"
+            )
+        args.offload_train_disk_dir = os.path.join(scratch, f"miles_train_offload_{os.getuid()}")
+    if args.stream_optimizer_state_to_disk and (
+        args.optimizer_cpu_offload or args.use_precision_aware_optimizer
+    ):
+        raise ArgsError(
+            "--stream-optimizer-state-to-disk streams the Adam state megatron-core's optimizer keeps in its own "
+            "tensors; --optimizer-cpu-offload and --use-precision-aware-optimizer keep it elsewhere: drop one"
+        )
+
+
+ASYNC_FLAGS = (
+    "--max-weight-staleness", "--async-data-buffer-capacity-factor", "--async-unused-samples-handler",
+    "--async-max-concurrent-samples",
+)  # fmt: skip
+
+
+def _validate_async(args: argparse.Namespace) -> None:
+    """--fully-async needs engines that keep generating while the trainer trains (the seed
+    framework's rules, miles/utils/arguments.py at 31f1ca961)."""
+    given = [f for f in ASYNC_FLAGS if f in args.flags_set]
+    if given and not args.fully_async:
+        raise ArgsError(
+            f"{' '.join(given)} set the fully asynchronous rollout; add --fully-async or drop them"
+        )
+    if not args.fully_async:
+        return
+    if not args.rollout_num_gpus or args.colocate:
+        raise ArgsError(
+            "--fully-async needs engines on devices of their own (--rollout-num-gpus N without --colocate): "
+            "the rollout keeps generating while the trainer trains"
+        )
+    if args.custom_generate_function_path:
+        raise ArgsError(
+            f"--custom-generate-function-path {args.custom_generate_function_path} with --fully-async: the rollout "
+            "worker samples each group itself; drop one of them"
+        )
+    if args.pause_generation_mode == "abort":
+        raise ArgsError(
+            "--fully-async cannot use --pause-generation-mode abort: generation is always in flight, so every "
+            "weight sync would discard it; use retract or in_place"
+        )
+    if args.max_weight_staleness is not None and args.max_weight_staleness < 0:
+        raise ArgsError(f"--max-weight-staleness must be >= 0, got {args.max_weight_staleness}")
+    if args.async_data_buffer_capacity_factor * args.rollout_batch_size < 1:
+        raise ArgsError(
+            f"--async-data-buffer-capacity-factor {args.async_data_buffer_capacity_factor} x --rollout-batch-size "
+            f"{args.rollout_batch_size} holds no group; use a factor of at least {1 / args.rollout_batch_size:g}"
+        )
 
 
 def _megatron_layout(args: argparse.Namespace) -> ParallelLayout:
@@ -212,6 +335,12 @@ def validate_world(config: RunConfig, world_size: int) -> None:
         raise ArgsError(
             f"--global-batch-size ({batch.global_batch_size}) must split evenly over {dp} "
             f"data-parallel ranks; e.g. --global-batch-size {batch.global_batch_size + dp - rest}"
+        )
+    replicas = config.fsdp.dp_replicate_size
+    if world_size % replicas:
+        raise ArgsError(
+            f"--dp-replicate-size {replicas} must divide the {world_size} ranks (each replica shards the model over "
+            f"world / replicas ranks); e.g. --dp-replicate-size {max(d for d in range(1, replicas + 1) if world_size % d == 0)}"
         )
     if config.rollout.rollout_batch_size % world_size:
         raise ArgsError(

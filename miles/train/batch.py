@@ -24,10 +24,27 @@ class Sample:
     label: str
     reward: float
     advantage: float = 0.0
+    # Its execution (a request of the rollout) and how many samples that execution was split
+    # into (miles.train.generate); the tokens it trains on (None: its whole response).
+    execution: int | None = None
+    siblings: int = 1
+    loss_mask: tuple[int, ...] | None = None
 
     @property
     def truncated(self) -> bool:
         return self.generation.finish_reason == "length"
+
+
+def executions(samples: Sequence[Sample]) -> list[list[int]]:
+    """The samples' indices by execution, in order: consecutive samples of one execution
+    (`execution` set and equal) together, every other sample alone."""
+    out: list[list[int]] = []
+    for i, s in enumerate(samples):
+        if out and s.execution is not None and samples[out[-1][0]].execution == s.execution:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
 
 
 @dataclass(frozen=True)
@@ -39,6 +56,7 @@ class TokenBatch:
     rollout_logp: torch.Tensor  # [B, T-1]
     old_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
+    weights: torch.Tensor | None = None  # [B] per-sample loss weight (1 / siblings); None: all 1
 
     @property
     def size(self) -> int:
@@ -100,7 +118,11 @@ def collate(samples: Sequence[Sample], pad_token_id: int = 0) -> TokenBatch:
         input_ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
         attention[i, : len(row)] = 1
         start, n = len(s.generation.prompt_ids) - 1, len(s.generation.response_ids)
-        loss_mask[i, start : start + n] = 1.0
-        rollout_logp[i, start : start + n] = torch.tensor(s.generation.logprobs, dtype=torch.float32)
+        mask = torch.ones(n) if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=torch.float32)
+        loss_mask[i, start : start + n] = mask
+        rollout_logp[i, start : start + n] = torch.tensor(s.generation.logprobs, dtype=torch.float32) * mask
     advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-    return TokenBatch(input_ids, attention, loss_mask, advantages, rollout_logp)
+    weights = None
+    if any(s.siblings != 1 for s in samples):
+        weights = torch.tensor([1.0 / s.siblings for s in samples], dtype=torch.float32)
+    return TokenBatch(input_ids, attention, loss_mask, advantages, rollout_logp, weights=weights)

@@ -5,6 +5,7 @@ Layout (the same done-marker convention as Megatron's):
     <save>/iter_0000007/          model and optimizer state (torch.distributed.checkpoint,
                                   sharded; loads at any world size) + trainer_state.json
     <save>/latest_checkpointed_iteration.txt   "7", written last
+    <save>/iter_0000007/model_hash.json   with --ci-save-model-hash: a SHA-256 per weight
 
 `iter_N` holds the state after N completed rollouts. A checkpoint is written into a
 temporary sibling and renamed into place by rank 0 only when every rank has finished, and
@@ -24,6 +25,7 @@ from miles.train.config import RunConfig
 
 MARKER = "latest_checkpointed_iteration.txt"
 STATE_FILE = "trainer_state.json"
+HASH_FILE = "model_hash.json"
 
 
 class CheckpointError(RuntimeError):
@@ -76,8 +78,11 @@ def latest_iteration(root: str | Path) -> int | None:
     return step
 
 
-def save(backend, root: str | Path, state: TrainerState, *, is_main: bool, barrier) -> Path:
-    """Write the checkpoint of `state.rollouts_done` rollouts (every rank calls this)."""
+def save(
+    backend, root: str | Path, state: TrainerState, *, is_main: bool, barrier, hashes: dict | None = None
+) -> Path:
+    """Write the checkpoint of `state.rollouts_done` rollouts (every rank calls this); `hashes`
+    (rank 0's `model_hashes`) go beside it as model_hash.json."""
     root = Path(root)
     final = iteration_dir(root, state.rollouts_done)
     tmp = final.with_name(final.name + ".tmp")
@@ -90,6 +95,8 @@ def save(backend, root: str | Path, state: TrainerState, *, is_main: bool, barri
     barrier()
     if is_main:
         (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2) + "\n")
+        if hashes is not None:
+            (tmp / HASH_FILE).write_text(json.dumps(hashes, indent=1, sort_keys=True) + "\n")
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -179,3 +186,44 @@ def check_compatible(state: TrainerState, config: RunConfig) -> None:
             f"--load {config.checkpoint.load}: the checkpoint was written with different flags ({'; '.join(changed)}); "
             "resume with the original flags, or start a new run with --save elsewhere"
         )
+
+
+def model_hashes(backend) -> dict[str, str] | None:
+    """A SHA-256 of every weight the backend holds, by Hugging Face name, over its unsharded bytes
+    (shape and dtype included): the same at any layout and on either backend. Every rank takes
+    part in the gathers; rank 0 gets the hashes, the others None."""
+    import hashlib
+
+    import torch
+    import torch.distributed as dist
+
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    out = {}
+    for name, tensor in backend.full_weights(names="model"):
+        if main:
+            data = tensor.detach().cpu().contiguous()
+            digest = hashlib.sha256(f"{tuple(data.shape)} {data.dtype} ".encode())
+            digest.update(data.reshape(-1).view(torch.uint8).clone().numpy())  # a copy: numpy pins a storage
+            out[name] = digest.hexdigest()
+    return out if main else None
+
+
+def hash_problem(directory: Path, hashes: dict[str, str]) -> str | None:
+    """What is wrong with the loaded weights against the checkpoint's recorded hashes
+    (--ci-check-model-hash), or None when every weight hashes as saved."""
+    path = Path(directory) / HASH_FILE
+    if not path.is_file():
+        return (
+            f"--ci-check-model-hash: {path} does not exist; the checkpoint was saved without "
+            "--ci-save-model-hash, so there is nothing to check the loaded weights against"
+        )
+    saved = json.loads(path.read_text())
+    missing, extra = sorted(set(saved) - set(hashes)), sorted(set(hashes) - set(saved))
+    changed = sorted(k for k in saved.keys() & hashes.keys() if saved[k] != hashes[k])
+    if not (missing or extra or changed):
+        return None
+    return (
+        f"--ci-check-model-hash: the weights loaded from {directory} are not the ones saved there "
+        f"({len(changed)} changed: {changed[:3]}; {len(missing)} missing: {missing[:3]}; "
+        f"{len(extra)} not saved: {extra[:3]})"
+    )

@@ -5,13 +5,17 @@
 2. The rollout engine and the trainer hold the same weights, so their logprobs of the
    sampled tokens agree within a tolerance (the numerics differ: KV cache vs full forward).
 3. After a weight sync the engine's weights equal the trainer's, bit for bit, except names
-   matching `--check-weight-update-skip-list`. An engine that cannot hand out its tensors
+   matching `--check-weight-update-skip-list` (engines in processes of their own: their
+   checksums of each tensor's bytes equal the trainer's). An engine that cannot hand out its tensors
    (SGLang) is checked instead by greedy continuations of fixed prompts: their logprobs
    under the engine and under the trainer agree within --ci-logprob-abs-diff-tol. Both sides
    score them at temperature 1: SGLang treats top_k 1 as greedy and returns the untempered
    logprobs (sglang 0.5.23 sampling_batch_info.py: is_all_greedy = top_k <= 1 for every
    request; sampler.py, Sampler.forward: log_softmax(logits) without the temperature there).
 4. With --ci-metric-checker-key, the metric's last value reaches --ci-metric-checker-threshold.
+   With --ci-load-grad-norm, each optimizer step's gradient norm and loss are those another run
+   wrote with --ci-save-grad-norm (a replay of its saved rollouts, on another backend or layout)
+   within the seed's bound (`STEP_TOL`).
 5. Before the first rollout of a fresh run, what the rollout engine holds is the HF checkpoint the
    run names (--hf-checkpoint), tensor by tensor in the files' dtype, not only the trainer's
    copy: trainer and engine both loaded from --ref-load, a damaged or foreign one would pass
@@ -26,6 +30,9 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 
 PROBE_PROMPTS = 4  # fixed prompts of the logprob weight check
+# --ci-load-grad-norm's bound, the seed's: radixark/miles 31f1ca961
+# miles/backends/training_utils/ci_utils.py, check_grad_norm (rel_tol 0.03, abs_tol 0.03).
+STEP_TOL = 0.03
 PROBE_TOKENS = 8  # greedy tokens generated for each
 
 
@@ -113,6 +120,56 @@ def check_weights_equal(
             f"{len(differing)} tensor(s): {', '.join(differing[:5])}"
         )
     return len(engine)
+
+
+def check_rollout_complete(rollout_id: int, samples, groups: int, group_size: int) -> None:
+    """The rollout holds every group, each with exactly `group_size` executions (an engine that
+    died mid-rollout lost none of its requests, and none was counted twice)."""
+    from miles.train.batch import executions
+
+    counts: dict[int, int] = {}
+    for execution in executions(samples):
+        group = samples[execution[0]].group
+        counts[group] = counts.get(group, 0) + 1
+    wrong = {g: n for g, n in counts.items() if n != group_size}
+    missing = sorted(set(range(groups)) - set(counts))
+    if wrong or missing or len(counts) != groups:
+        raise CheckFailed(
+            f"rollout {rollout_id}: the rollout is not {groups} groups of {group_size}: groups missing {missing[:5]}, "
+            f"groups of another size {dict(list(wrong.items())[:5])}: a request was lost or answered twice"
+        )
+
+
+def check_weight_checksums(
+    rollout_id: int,
+    engines: Mapping[str, Mapping[str, str]],
+    trainer_weights: Mapping[str, object],
+    skip_list: Sequence[str] = (),
+) -> int:
+    """Every engine's checksum of each trainer weight (in the engine's dtype) equals the trainer's
+    tensor's; returns how many were compared. Checksums of the bytes: equal means bit for bit."""
+    from miles.train.remote.checksums import tensor_checksum
+
+    compared = 0
+    for engine, sums in engines.items():
+        differing = []
+        for name, tensor in trainer_weights.items():
+            if skipped(name, skip_list):
+                continue
+            if name not in sums:
+                raise CheckFailed(
+                    f"rollout {rollout_id}: rollout engine {engine} lacks trainer weight {name}; add it to "
+                    "--check-weight-update-skip-list only if the engine legitimately does not hold it"
+                )
+            compared += 1
+            if tensor_checksum(tensor) != sums[name]:
+                differing.append(name)
+        if differing:
+            raise CheckFailed(
+                f"rollout {rollout_id}: after the weight update rollout engine {engine} differs from the trainer in "
+                f"{len(differing)} tensor(s) (checksums of their bytes): {', '.join(differing[:5])}"
+            )
+    return compared
 
 
 def probe_sampling(sampling):
@@ -213,3 +270,66 @@ class CheckpointComparison:
             "trainer's starting weights (--ref-load on the Megatron backend) are damaged or another model's: "
             "convert --hf-checkpoint again with `invoke prepare-ckpt` and load that"
         )
+
+
+class StepRecord:
+    """--ci-save-grad-norm PATH / --ci-load-grad-norm PATH: each optimizer step's gradient norm and
+    loss written to, or checked against, PATH.format(role="actor", rollout_id=R, step_id=S) (a
+    JSON object keyed "R/S", so a PATH without fields holds every step of the run). Every rank
+    calls it with the step's (rank-reduced) values; rank 0 reads and writes, and a mismatch
+    stops every rank."""
+
+    def __init__(self, save: str | None, load: str | None, is_main: bool):
+        self.save, self.load, self.is_main = save, load, is_main
+        self.written: dict[str, dict] = {}  # what this run wrote, by file
+
+    def __call__(self, rollout_id: int, step_id: int, step: Mapping[str, float]) -> None:
+        values = {"grad_norm": float(step["grad_norm"]), "loss": float(step["loss"])}
+        key = f"{rollout_id}/{step_id}"
+        if self.save and self.is_main:
+            self._write(self._path(self.save, rollout_id, step_id), key, values)
+        if self.load:
+            from miles.train.distributed import all_gather_objects
+
+            problem = self._compare(rollout_id, step_id, key, values) if self.is_main else None
+            found = [p for p in all_gather_objects(problem) if p]
+            if found:
+                raise CheckFailed(found[0])
+
+    @staticmethod
+    def _path(pattern: str, rollout_id: int, step_id: int) -> str:
+        return pattern.format(role="actor", rollout_id=rollout_id, step_id=step_id)
+
+    def _write(self, path: str, key: str, values: dict) -> None:
+        import json
+        import os
+
+        held = self.written.setdefault(path, {})
+        held[key] = values
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(held, f, indent=1)
+        os.replace(tmp, path)
+
+    def _compare(self, rollout_id: int, step_id: int, key: str, values: dict) -> str | None:
+        import json
+
+        path = self._path(self.load, rollout_id, step_id)
+        try:
+            with open(path, encoding="utf-8") as f:
+                saved = json.load(f)
+        except (OSError, ValueError) as exc:
+            return f"--ci-load-grad-norm {self.load}: cannot read {path} ({exc}); write it with --ci-save-grad-norm"
+        if key not in saved:
+            return (
+                f"--ci-load-grad-norm {self.load}: {path} holds no step {key} (rollout/step); it has "
+                f"{', '.join(sorted(saved)[:6]) or 'none'}: the replayed run's batches do not match the saved one's"
+            )
+        for metric, value in values.items():
+            want = saved[key][metric]
+            if not math.isclose(value, want, rel_tol=STEP_TOL, abs_tol=STEP_TOL):
+                return (
+                    f"rollout {rollout_id}, step {step_id}: train/{metric} = {value:.6g}, but the saved run's "
+                    f"({path}) is {want:.6g} (beyond rel/abs {STEP_TOL}): the two runs do not train alike"
+                )
+        return None

@@ -1,7 +1,9 @@
 """Which flags a run's components act on, and which flags a command sets that none of them do.
 
 A run has three components: the trainer (miles.train.trainer), the training backend chosen by
-`--train-backend` and the rollout engine chosen by `--rollout-engine`. Which of them act on a
+`--train-backend` and the rollout engine chosen by `--rollout-engine`, in the trainer's processes
+or, with --rollout-num-gpus and no --colocate, in processes of their own (miles.train.remote:
+the components `torch-servers` and `sglang-servers`). Which of them act on a
 flag is declared once, on its field (`flag(by=...)`, miles.train.config.flags); a component is
 built from exactly the sections holding a field it acts on. A flag has no effect in a run when
 it is set and no chosen component acts on it: that follows from the declarations, with no list
@@ -18,7 +20,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 
-from miles.train.config import FLAGS, SECTION_NAMES, TRAINER, Flag, RunConfig, SGLangConfig, flag_of
+from miles.train.config import (
+    FLAGS,
+    SECTION_NAMES,
+    SERVERS,
+    TRAINER,
+    Flag,
+    RunConfig,
+    SGLangConfig,
+    flag_of,
+)
 
 # Where each component's class lives: (module, class), by its --train-backend / --rollout-engine value.
 BACKENDS: Mapping[str, tuple[str, str]] = {
@@ -30,6 +41,16 @@ ENGINES: Mapping[str, tuple[str, str]] = {
     "torch": ("miles.train.rollout", "TorchRolloutEngine"),
     "sglang": ("miles.train.sglang_engine", "SGLangRolloutEngine"),
 }
+# The engines in processes of their own, by --rollout-engine (their component: SERVERS[choice]).
+REMOTE_ENGINES: Mapping[str, tuple[str, str]] = {
+    "torch": ("miles.train.remote.engine", "RemoteRolloutEngine"),
+    "sglang": ("miles.train.remote.sglang", "RemoteSGLangEngine"),
+}
+
+
+def disaggregated(config: RunConfig) -> bool:
+    """Training and rollout on devices of their own: --rollout-num-gpus without --colocate."""
+    return bool(config.job.rollout_num_gpus) and not config.job.colocate
 
 
 @dataclass(frozen=True)
@@ -37,7 +58,7 @@ class Consumer:
     """One component of a run, as the flags' `by` names it."""
 
     name: str  # as a note names it: "the trainer", "--train-backend megatron", "the sglang rollout engine"
-    kind: str  # trainer | backend | engine
+    kind: str  # trainer | backend | engine | remote
     choice: str  # the --train-backend / --rollout-engine value that selects it ("trainer" for the trainer)
 
     def consumes(self, flag: Flag) -> bool:
@@ -79,9 +100,18 @@ def engine(choice: str) -> Consumer:
     return Consumer(f"the {choice} rollout engine", "engine", choice)
 
 
+def remote_engine(choice: str) -> Consumer:
+    """The --rollout-engine `choice` in processes of its own."""
+    return Consumer(f"the {choice} rollout engines in processes of their own", "remote", SERVERS[choice])
+
+
+def consumer(kind: str, choice: str) -> Consumer:
+    return {"backend": backend, "engine": engine, "remote": remote_engine}[kind](choice)
+
+
 def component_class(kind: str, choice: str) -> type:
-    """The class of the backend or engine `choice` (imports its module)."""
-    module, cls = (BACKENDS if kind == "backend" else ENGINES)[choice]
+    """The class of the backend or engine `choice` (kind backend, engine or remote; imports its module)."""
+    module, cls = {"backend": BACKENDS, "engine": ENGINES, "remote": REMOTE_ENGINES}[kind][choice]
     return getattr(importlib.import_module(module), cls)
 
 
@@ -91,15 +121,17 @@ def build(kind: str, choice: str, config: RunConfig, dist_info, **options):
     than its sections (the built-in engine wraps a model) is built by its `from_sections`."""
     cls = component_class(kind, choice)
     factory = getattr(cls, "from_sections", cls)
-    component = backend(choice) if kind == "backend" else engine(choice)
+    component = consumer(kind, choice)
     sections = {name: config.section(name) for name in component.sections}
     return factory(**sections, dist_info=dist_info, **options)
 
 
 def chosen(config: RunConfig, engine_choice: str) -> tuple[Consumer, ...]:
     """The run's components: the trainer, its backend, and `engine_choice` (the engine that
-    --rollout-engine resolves to on the machine: torch or sglang)."""
-    return trainer(), backend(config.job.train_backend), engine(engine_choice)
+    --rollout-engine resolves to on the machine: torch or sglang), in the trainer's processes or
+    in processes of their own (`disaggregated`)."""
+    rollout = remote_engine(engine_choice) if disaggregated(config) else engine(engine_choice)
+    return trainer(), backend(config.job.train_backend), rollout
 
 
 def flag_named(option: str) -> Flag:
@@ -131,8 +163,10 @@ def refusal(config: RunConfig, engine_choice: str) -> str | None:
     """One line naming every flag the command sets that its run would not act on, who would act
     on each and the fix; None when every flag acts."""
     run = f"--train-backend {config.job.train_backend} with the {engine_choice} rollout engine"
+    remote = disaggregated(config)
     others = [backend(c) for c in BACKENDS if c != config.job.train_backend]
-    others += [engine(c) for c in ENGINES if c != engine_choice]
+    others += [engine(c) for c in ENGINES if c != engine_choice or remote]
+    others += [remote_engine(c) for c in REMOTE_ENGINES if c != engine_choice or not remote]
     by_reader: dict[str, list[str]] = {}
     for flag in unconsumed(config, chosen(config, engine_choice)):
         readers = [c for c in others if c.consumes(flag)]
@@ -153,6 +187,12 @@ def _names(components: Sequence[Consumer]) -> str:
     """'--train-backend fsdp/ddp' or 'the sglang rollout engine': who else acts on a flag."""
     backends = [c.choice for c in components if c.kind == "backend"]
     engines = [c.choice for c in components if c.kind == "engine"]
+    remote = [c.name.split()[1] for c in components if c.kind == "remote"]
     parts = [f"--train-backend {'/'.join(backends)}"] if backends else []
     parts += [f"the {'/'.join(engines)} rollout engine"] if engines else []
+    parts += (
+        [f"the {'/'.join(remote)} rollout engines in processes of their own (--rollout-num-gpus)"]
+        if remote
+        else []
+    )
     return " and ".join(parts)

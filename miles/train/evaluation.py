@@ -3,7 +3,8 @@
 `--eval-prompt-data NAME PATH [NAME PATH ...]` names the sets; each is loaded like
 --prompt-data (same keys, same reward rule). Ranks split the prompts, sample
 --n-samples-per-eval-prompt responses each with the eval sampling settings (temperature 0
-is greedy), and the mean reward is logged as `eval/<NAME>`.
+is greedy), and the mean reward is logged as `eval/<NAME>`. In a fully asynchronous run the
+rollout worker submits nothing while evaluation runs on the same engines.
 """
 
 from __future__ import annotations
@@ -46,6 +47,13 @@ def due(evaluation: EvalConfig, rollout_id: int) -> bool:
 
 def evaluate(run, sets: dict[str, list[data.Prompt]], rollout_id: int) -> dict[str, float]:
     """`eval/<name>`: mean reward over every prompt of each set and its samples, all ranks."""
+    if run.async_rollouts is not None:  # fully async: the worker submits nothing meanwhile
+        with run.async_rollouts.paused():
+            return _evaluate(run, sets, rollout_id)
+    return _evaluate(run, sets, rollout_id)
+
+
+def _evaluate(run, sets: dict[str, list[data.Prompt]], rollout_id: int) -> dict[str, float]:
     evaluation, rank, world = run.config.eval, run.dist.rank, run.dist.world_size
     sampling = eval_sampling(evaluation, run.sampling)
     n = evaluation.n_samples_per_eval_prompt

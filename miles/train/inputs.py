@@ -1,8 +1,9 @@
 """The checkpoints a run starts from, checked before any model is built from them.
 
 - A directory prepare-ckpt made (--hf-checkpoint, --ref-load) carries a manifest: every file it
-  lists must be there, of its recorded size and sha256 (miles.ckpt.verify; a digest is computed
-  once per file and kept while the file is unchanged).
+  lists must be there, of its recorded size and sha256, and no other file may be (miles.ckpt.verify;
+  a digest is computed once per file and kept while the file is unchanged). A manifest that cannot
+  be read is refused, and so is a folder that lost the manifest it was written or verified with.
 - A torch_dist --ref-load (the Megatron backend's starting weights) must hold the model of
   --hf-checkpoint: its common.pt records the model type and shape of config.json, and, where
   both directories carry manifests, it was converted from that very checkpoint (its manifest's
@@ -30,8 +31,7 @@ class CheckpointRefused(RuntimeError):
 
 def checkpoint_problems(config: RunConfig) -> list[str]:
     """One line per refused input checkpoint (each names the file and the fix); [] when all pass."""
-    from miles.ckpt.manifest import read_manifest
-    from miles.ckpt.verify import file_problems
+    from miles.ckpt.verify import manifest_problems
 
     ckpt = config.checkpoint
     hf = Path(ckpt.hf_checkpoint)
@@ -40,8 +40,7 @@ def checkpoint_problems(config: RunConfig) -> list[str]:
     if ckpt.ref_load and Path(ckpt.ref_load).resolve() != hf.resolve():
         inputs.append(("--ref-load", Path(ckpt.ref_load)))
     for flag, directory in inputs:
-        manifest = read_manifest(directory)
-        found = file_problems(directory, manifest) if manifest is not None else []
+        found = manifest_problems(directory)
         if found:
             more = f" (and {len(found) - 1} more file(s))" if len(found) > 1 else ""
             problems.append(

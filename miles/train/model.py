@@ -83,9 +83,17 @@ def load_tokenizer(path: str | Path):
 
 
 def eos_token_ids(model, tokenizer) -> tuple[int, ...]:
-    """Every id that ends a response: the tokenizer's eos and the generation config's."""
+    """Every id that ends a response: the tokenizer's eos and the generation config's (of a
+    loaded model, or of the checkpoint directory `model` names)."""
+    if isinstance(model, (str, Path)):
+        from transformers import GenerationConfig
+
+        has_config = (Path(model) / "generation_config.json").is_file()
+        generation = GenerationConfig.from_pretrained(model) if has_config else None
+    else:
+        generation = model.generation_config
     ids: list[int] = []
-    for value in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+    for value in (tokenizer.eos_token_id, getattr(generation, "eos_token_id", None)):
         if isinstance(value, int):
             ids.append(value)
         elif isinstance(value, (list, tuple)):

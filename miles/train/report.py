@@ -8,7 +8,8 @@ Keys follow the seeds' framework so the CI metric gates read them unchanged:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 
 from miles.metrics import capture
 from miles.train.algorithm import LOSS_SUMS
@@ -83,3 +84,22 @@ def console_line(rollout_id: int, num_rollout: int, metrics: Mapping[str, float]
         timing += f" (rollout {metrics['perf/rollout_time']:.2f}s, train {metrics['perf/train_time']:.2f}s)"
     parts.append(timing)
     return " | ".join(parts)
+
+
+@contextlib.contextmanager
+def peak_host_memory() -> Iterator[dict[str, float]]:
+    """The process's peak resident memory over the block, as `perf/rollout_peak_rss_mb` in the
+    dict it yields (filled when the block ends), on Linux, which can reset the peak
+    (/proc/self/clear_refs, 5); elsewhere the dict stays empty."""
+    out: dict[str, float] = {}
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        yield out
+        return
+    yield out
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                out["perf/rollout_peak_rss_mb"] = int(line.split()[1]) / 1024

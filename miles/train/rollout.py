@@ -22,7 +22,7 @@ class Generation:
     prompt_ids: tuple[int, ...]
     response_ids: tuple[int, ...]
     logprobs: tuple[float, ...]  # one per response token
-    finish_reason: str  # "stop" (a stop token was sampled, and kept) or "length"
+    finish_reason: str  # "stop" (a stop token was sampled, and kept), "length", or "abort" (cut short)
 
 
 class RolloutEngineError(RuntimeError):
@@ -61,6 +61,9 @@ class RolloutEngine(abc.ABC):
     # named_weights() returns the engine's own tensors, so the weight check can be bit-exact;
     # an engine that cannot expose them is checked by the logprobs of fixed sequences.
     exact_weights = True
+    # weight_checksums() returns the engine's own checksums of its tensors (engines in other
+    # processes), so the weight check is bit-exact without moving the tensors.
+    checksummed = False
     # The names update_weights takes: "model", those of the installed transformers class's
     # state dict (transformers 5 keeps a layer's experts fused); "checkpoint", those of the
     # checkpoint files (one tensor per expert), as SGLang's loaders read them.
@@ -97,6 +100,15 @@ class RolloutEngine(abc.ABC):
     def named_weights(self) -> Iterator[tuple[str, object]]:
         """The weights the engine samples with, for the weight-update check."""
 
+    def weight_checksums(self) -> dict[str, dict[str, str]]:
+        """Each engine's checksum of every tensor it holds (miles.train.remote.checksums), where
+        `checksummed`; this process may hold none of them (an empty dict)."""
+        raise NotImplementedError(f"the {self.name} rollout engine does not checksum its weights")
+
+    def rollout_metrics(self) -> dict[str, float]:
+        """What the engine reports of the last rollout (requests retried, engines alive)."""
+        return {}
+
     def release_memory(self) -> None:  # noqa: B027 (an engine without its own memory pool frees nothing)
         """Free GPU memory the engine holds while the trainer steps (colocated engines)."""
 
@@ -105,6 +117,13 @@ class RolloutEngine(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 (engines without resources need no cleanup)
         """Release processes or memory the engine holds."""
+
+
+def weights_for(engine: RolloutEngine, backend) -> Iterator[tuple[str, object]]:
+    """The training backend's full weights as `engine` takes them: under the names it asks for,
+    each cast to the dtype it holds (the one way every push, the trainer's and the device
+    check's, is made)."""
+    return backend.full_weights(names=engine.weight_names, dtype=engine.weight_dtype)
 
 
 class TorchRolloutEngine(RolloutEngine):
@@ -144,8 +163,10 @@ class TorchRolloutEngine(RolloutEngine):
         return next(self.model.parameters()).dtype
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, seed: int
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, seed: int, control=None
     ) -> list[Generation]:
+        """`control()`, when given, is asked between decoding steps: it may block (a pause), or
+        answer a finish reason ("abort", "retract") that ends every unfinished row there."""
         import torch
 
         if not prompts:
@@ -155,9 +176,11 @@ class TorchRolloutEngine(RolloutEngine):
         device = next(self.model.parameters()).device
         generator = torch.Generator(device=device).manual_seed(seed)
         with torch.inference_mode():
-            return self._generate(prompts, sampling, generator, device)
+            return self._generate(prompts, sampling, generator, device, control)
 
-    def _generate(self, prompts, sampling: SamplingConfig, generator, device) -> list[Generation]:
+    def _generate(
+        self, prompts, sampling: SamplingConfig, generator, device, control=None
+    ) -> list[Generation]:
         import torch
         from transformers import DynamicCache
 
@@ -188,6 +211,11 @@ class TorchRolloutEngine(RolloutEngine):
                     finish[row] = "stop"
             keep = (~done).nonzero().squeeze(1)
             if keep.numel() == 0 or step == sampling.max_response_len - 1:
+                break
+            stopped = control() if control is not None else None
+            if stopped:
+                for row in active[keep].tolist():
+                    finish[row] = stopped
                 break
             if keep.numel() < active.numel():
                 # Finished rows leave the batch and the cache: no compute is spent on padding.

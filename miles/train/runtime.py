@@ -11,15 +11,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from miles.train import checkpoint, data, guards
+from miles.metrics.capture import check_record_dir
+from miles.train import checkpoint, checks, data, guards
 from miles.train.args import ArgsError, validate_world, world_note
 from miles.train.backends import TrainBackend, make_backend
 from miles.train.config import RunConfig, SamplingConfig
-from miles.train.consumption import build, refusal
+from miles.train.consumption import build, disaggregated, refusal
 from miles.train.distributed import DistInfo, init_distributed, seed_everything
 from miles.train.inputs import verify_checkpoints
 from miles.train.rewards import RewardFn, load_reward, score
-from miles.train.rollout import Generation, RolloutEngine
+from miles.train.rollout import Generation, RolloutEngine, weights_for
 
 
 @dataclass
@@ -30,10 +31,12 @@ class Run:
     prompts: list[data.Prompt]
     reward_fn: RewardFn
     backend: TrainBackend
-    engine: RolloutEngine
+    engine: RolloutEngine | None  # None under --debug-train-only (replayed rollouts)
     sampling: SamplingConfig
     start_rollout: int = 0
+    async_rollouts: object | None = None  # --fully-async: miles.train.async_rollout.AsyncRollouts
     skipped_streak: guards.SkippedStreak = field(default_factory=lambda: guards.SkippedStreak(3))
+    step_record: checks.StepRecord = field(default_factory=lambda: checks.StepRecord(None, None, False))
     _encoded: dict[int, list[int]] = field(default_factory=dict)
 
     def prompt_ids(self, prompt: data.Prompt) -> list[int]:
@@ -59,6 +62,14 @@ class Run:
             self._encoded[prompt.index] = ids
         return ids
 
+    def generate(self, requests: list[list[int]], seed: int) -> list:
+        """The pieces each request is trained as (miles.train.generate; --custom-generate-function-path)."""
+        from miles.train.generate import GenerateContext, checked, load_generate
+
+        path = self.config.rollout.custom_generate_function_path
+        context = GenerateContext(self.engine, self.sampling, seed, self.tokenizer)
+        return checked(path, requests, load_generate(path)(context, requests))
+
     def score(self, prompt: data.Prompt, generation: Generation, sample: int = 0) -> tuple[str, float]:
         """The decoded response and its reward under the run's rule (`sample`: its index in the group)."""
         text = self.tokenizer.decode(list(generation.response_ids), skip_special_tokens=True)
@@ -72,14 +83,21 @@ class Run:
             print(message, flush=True)
 
 
-def check_before_loading(config: RunConfig, dist_info: DistInfo, engine: str) -> None:
-    """What a start checks before any model loads, each failing in seconds: the flags against the
-    world size and against what the run acts on with `engine`, the checkpoints it starts from
-    against their digests and config, and the load directory."""
-    validate_world(config, dist_info.world_size)
+def check_flags(config: RunConfig, world_size: int, engine: str) -> None:
+    """The flags against the world size and against what the run acts on with `engine` (a flag
+    no component of the run consumes is refused); raises ArgsError."""
+    validate_world(config, world_size)
     refused = refusal(config, engine)
     if refused:  # a flag the run would not act on
         raise ArgsError(f"python -m miles.train: {refused}")
+
+
+def check_before_loading(config: RunConfig, dist_info: DistInfo, engine: str) -> None:
+    """What a start checks before any model loads, each failing in seconds: the flags
+    (`check_flags`), the CI gate's record folder, the checkpoints it starts from against their
+    digests and config, and the load directory."""
+    check_flags(config, dist_info.world_size, engine)
+    check_record_dir()  # a CI gate record folder it could not write would fail after the first rollout
     verify_checkpoints(config, dist_info)
     ckpt = config.checkpoint
     if ckpt.load:  # a mistyped --load
@@ -115,28 +133,35 @@ def build_run(config: RunConfig) -> Run:
     reward = config.reward.custom_rm_path or config.reward.rm_type
     reward_fn = load_reward(reward)
     backend = make_backend(config, dist_info)
-    engine = make_engine(config, dist_info)
-    model = engine.local_model
-    sampling = config.rollout.sampling_config(eos_token_ids(model, tokenizer) if model is not None else ())
+    replay = config.checks.debug_train_only
+    engine = None if replay else make_engine(config, dist_info)
+    model = engine.local_model if engine is not None else None
+    sampling = config.rollout.sampling_config(eos_token_ids(model or ckpt.hf_checkpoint, tokenizer))
     run = Run(config, dist_info, tokenizer, prompts, reward_fn, backend, engine, sampling)
     run.skipped_streak = guards.SkippedStreak(config.optimizer.max_skipped_steps)
+    checked = config.checks
+    run.step_record = checks.StepRecord(
+        checked.ci_save_grad_norm, checked.ci_load_grad_norm, dist_info.is_main
+    )
     if model is not None:
         warn_if_not_causal(run)
     run.start_rollout = resume(run)
-    push_initial_weights(run)
+    if engine is not None:
+        push_initial_weights(run)
     algorithm = config.algorithm
     kl = f", KL {algorithm.kl_loss_type} x {algorithm.kl_loss_coef} vs {backend.ref_source or '-'}"
+    rollout = f"replayed from {checked.load_debug_rollout_data}" if replay else engine.name
     run.log(
         f"miles.train: {algorithm.advantage_estimator} on {ckpt.hf_checkpoint} | {job.train_backend} x "
-        f"{dist_info.world_size} ({dist_info.backend}, {dist_info.device}) | rollout {engine.name}"
-        f"{' (colocated)' if engine.colocated else ''} | data {d.prompt_data} ({len(prompts)} prompts) | "
+        f"{dist_info.world_size} ({dist_info.backend}, {dist_info.device}) | rollout {rollout}"
+        f"{' (colocated)' if engine is not None and engine.colocated else ''} | data {d.prompt_data} ({len(prompts)} prompts) | "
         f"reward {reward}{kl if algorithm.use_kl_loss else ''} | rollouts {run.start_rollout}..{config.rollout.num_rollout}"
     )
     notes = []
     world = world_note(config, dist_info.world_size)
     if world:
         notes.append(world)
-    if not engine.seeded:
+    if engine is not None and not engine.seeded:
         notes.append(
             "SGLang samples with --rollout-seed only under --sglang-enable-deterministic-inference; "
             "without it the seed reaches the server (random_seed) and rollouts are not reproducible"
@@ -170,7 +195,7 @@ def push_initial_weights(run: Run) -> None:
     from miles.train.distributed import all_gather_objects
 
     engine, cfg = run.engine, run.config
-    stream = run.backend.full_weights(names=engine.weight_names, dtype=engine.weight_dtype)
+    stream = weights_for(engine, run.backend)
     against = cfg.checks.ci_test and run.start_rollout == 0
     comparison = None
     if against and run.dist.is_main:
@@ -216,8 +241,9 @@ def warn_if_not_causal(run: Run) -> None:
 
 def make_engine(config: RunConfig, dist_info: DistInfo) -> RolloutEngine:
     """The --rollout-engine (auto: sglang on a GPU machine that has it, else the built-in one),
-    given the sections it consumes."""
-    return build("engine", engine_choice(config, dist_info), config, dist_info)
+    given the sections it consumes: in the trainer's processes, or in processes of its own."""
+    kind = "remote" if disaggregated(config) else "engine"
+    return build(kind, engine_choice(config, dist_info), config, dist_info)
 
 
 def engine_choice(config: RunConfig, dist_info: DistInfo) -> str:
@@ -241,13 +267,26 @@ def resume(run: Run) -> int:
         return 0
     state = checkpoint.read_state(ckpt.load, ckpt.ckpt_step)
     if state is None:
+        if run.config.checks.ci_check_model_hash:
+            raise checkpoint.CheckpointError(
+                f"--ci-check-model-hash: --load {ckpt.load} holds no checkpoint, so no loaded weights to check"
+            )
         run.log(f"miles.train: no checkpoint in --load {ckpt.load}; starting from --hf-checkpoint")
         return 0
     checkpoint.check_compatible(state, run.config)
     checkpoint.check_files(ckpt.load, state.rollouts_done)
     with_optimizer = state.with_optimizer and not ckpt.no_load_optim
-    run.backend.load(
-        str(checkpoint.iteration_dir(ckpt.load, state.rollouts_done)), with_optimizer=with_optimizer
-    )
-    run.log(f"miles.train: resumed from {checkpoint.iteration_dir(ckpt.load, state.rollouts_done)}")
+    directory = checkpoint.iteration_dir(ckpt.load, state.rollouts_done)
+    run.backend.load(str(directory), with_optimizer=with_optimizer)
+    if run.config.checks.ci_check_model_hash:
+        from miles.train.checks import CheckFailed
+        from miles.train.distributed import all_gather_objects
+
+        hashes = checkpoint.model_hashes(run.backend)
+        verdict = checkpoint.hash_problem(directory, hashes) if hashes is not None else None
+        found = [v for v in all_gather_objects(verdict) if v]  # every rank stops together
+        if found:
+            raise CheckFailed(found[0])
+        run.log(f"miles.train: the loaded weights hash as {directory / checkpoint.HASH_FILE} records")
+    run.log(f"miles.train: resumed from {directory}")
     return state.rollouts_done

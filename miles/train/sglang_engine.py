@@ -143,7 +143,8 @@ class SGLangRolloutEngine(RolloutEngine):
         # It always runs on the training GPUs (miles has no separate rollout placement). With
         # --colocate, which turns --offload-rollout on as upstream's does, or --offload-rollout,
         # it frees its weights and KV cache while the trainer steps; without, it keeps them.
-        self.colocated = job.colocate or job.offload_rollout
+        # --offload is --offload-train (the training backend's) and --offload-rollout.
+        self.colocated = job.colocate or job.offload_rollout or job.offload
         self.group = engine_groups(dist_info.world_size, gpus, self.rank)
         self.engine = self._start(engine_cls) if self.slot.leader else None
 

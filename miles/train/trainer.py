@@ -9,6 +9,10 @@
         5. sync       push the new weights to the rollout engine
         evaluate every --eval-interval rollouts; log the metrics; save every --save-interval
 
+With --fully-async, steps 1-2 run in a persistent worker (miles.train.async_rollout) that
+generates rollout k+1 while step 4 of rollout k trains; the loss's truncated importance ratio
+(--use-tis) corrects for the behaviour policy's older weights.
+
 Ranks split the prompts for step 1-2, gather the samples, and split them again for step 4
 (data parallel, FSDP2 or DDP). The machinery lives in runtime.py (setup), checks.py,
 checkpoint.py and report.py; this file is the algorithm.
@@ -24,11 +28,13 @@ from dataclasses import replace
 import torch
 
 from miles import children, phases
+from miles.metrics.capture import RecordDirError
 from miles.train import checkpoint, checks, evaluation, guards, report
 from miles.train.algorithm import LOSS_SUMS, group_advantages
 from miles.train.args import ArgsError, parse_config
+from miles.train.async_rollout import AsyncRollouts
 from miles.train.backends import BackendUnavailable
-from miles.train.batch import Sample, TokenBatch, collate, load_samples, save_samples
+from miles.train.batch import Sample, TokenBatch, collate, executions, load_samples, save_samples
 from miles.train.data import SYNTHETIC_PREFIX, DataError, batch_for_rollout
 from miles.train.distributed import (
     all_gather_objects,
@@ -41,13 +47,14 @@ from miles.train.distributed import (
 from miles.train.inputs import CheckpointRefused
 from miles.train.model import ModelLoadError
 from miles.train.rewards import RewardError
-from miles.train.rollout import RolloutEngineError
+from miles.train.rollout import RolloutEngineError, weights_for
 from miles.train.runtime import Run, build_run, dry_start
 from miles.train.sglang_engine import SGLangUnavailable
 
 # Errors whose message names the file or flag, the rule and the fix: one line and exit 1.
 FOR_PEOPLE = (
     ArgsError,
+    RecordDirError,
     BackendUnavailable,
     checkpoint.CheckpointError,
     CheckpointRefused,
@@ -66,14 +73,22 @@ def train(run: Run) -> None:
     cfg, checked = run.config, run.config.checks
     eval_sets = evaluation.eval_sets(cfg.eval, cfg.data)
     watched: dict[int, float] = {}  # --ci-metric-checker-key's values by rollout
+    # --fully-async: a persistent worker generates step k+1 while step k trains
+    run.async_rollouts = AsyncRollouts(run) if cfg.engines.fully_async else None
     for rollout_id in range(run.start_rollout, cfg.rollout.num_rollout):
         started = time.perf_counter()
-        with phases.phase(phases.ROLLOUT):
+        run.backend.sleep()  # --offload-train: the trainer's state off the device while the engine generates
+        with phases.phase(phases.ROLLOUT), report.peak_host_memory() as peak:
             samples = generate_and_score(run, rollout_id)  # 1 rollout, 2 reward
         samples = with_advantages(run, samples)  # 3 advantage
         metrics = report.rollout_metrics(
             samples, time.perf_counter() - started, exact=cfg.data.prompt_data.startswith(SYNTHETIC_PREFIX)
         )
+        metrics |= peak
+        if run.engine is not None:  # --debug-train-only replays rollouts: no engine generated them
+            metrics |= run.engine.rollout_metrics()
+        if run.async_rollouts is not None:
+            metrics |= run.async_rollouts.metrics()
         if not checked.debug_rollout_only:
             with phases.phase(phases.TRAIN):
                 metrics |= learn(run, rollout_id, samples)  # 4 loss and optimizer steps
@@ -88,6 +103,8 @@ def train(run: Run) -> None:
             watched[rollout_id] = metrics[checked.ci_metric_checker_key]
         with phases.phase(phases.TRAIN):
             maybe_save(run, rollout_id)
+    if run.async_rollouts is not None:
+        run.async_rollouts.close()
     if checked.ci_metric_checker_key:
         checks.check_metric_threshold(
             checked.ci_metric_checker_key, watched, checked.ci_metric_checker_threshold
@@ -95,10 +112,28 @@ def train(run: Run) -> None:
 
 
 def generate_and_score(run: Run, rollout_id: int) -> list[Sample]:
-    """This rank's share of the prompts, G samples each, scored; then every rank's, in order."""
-    cfg, rank, world = run.config, run.dist.rank, run.dist.world_size
+    """The rollout's samples, scored, on every rank: each rank's share of the prompts, G samples
+    each, gathered in order; or, fully async, the groups the persistent worker finished."""
+    cfg = run.config
     if cfg.checks.load_debug_rollout_data:
         return load_samples(cfg.checks.load_debug_rollout_data.format(rollout_id=rollout_id))
+    if run.async_rollouts is not None:
+        gathered = run.async_rollouts.batch(rollout_id)
+    else:
+        gathered = [s for part in all_gather_objects(sample_share(run, rollout_id)) for s in part]
+    if cfg.checks.save_debug_rollout_data and run.dist.is_main:
+        save_samples(cfg.checks.save_debug_rollout_data.format(rollout_id=rollout_id), gathered)
+    if cfg.checks.ci_test:  # every request answered once, whichever engine answered it
+        rollout = cfg.rollout
+        checks.check_rollout_complete(
+            rollout_id, gathered, rollout.rollout_batch_size, rollout.n_samples_per_prompt
+        )
+    return gathered
+
+
+def sample_share(run: Run, rollout_id: int) -> list[Sample]:
+    """This rank's share of the rollout's prompts, G samples each, scored."""
+    cfg, rank, world = run.config, run.dist.rank, run.dist.world_size
     prompts = batch_for_rollout(
         run.prompts,
         rollout_id,
@@ -110,30 +145,34 @@ def generate_and_score(run: Run, rollout_id: int) -> list[Sample]:
     mine = prompts[rank * per_rank : (rank + 1) * per_rank]
     group_size = cfg.rollout.n_samples_per_prompt
     requests = [run.encode(p) for p in mine for _ in range(group_size)]
-    generations = run.engine.generate(
-        requests, run.sampling, seed=sampling_seed(cfg.rollout.rollout_seed, rollout_id, rank)
-    )
+    seed = sampling_seed(cfg.rollout.rollout_seed, rollout_id, rank)
+    executions = run.generate(requests, seed)  # the pieces each request is trained as (usually one)
     samples = []
-    for i, generation in enumerate(generations):
-        prompt = mine[i // group_size]
-        text, reward = run.score(prompt, generation, i % group_size)
-        samples.append(
-            Sample(prompt.index, rank * per_rank + i // group_size, generation, text, prompt.label, reward)
-        )
-    gathered = [s for part in all_gather_objects(samples) for s in part]
-    if cfg.checks.save_debug_rollout_data and run.dist.is_main:
-        save_samples(cfg.checks.save_debug_rollout_data.format(rollout_id=rollout_id), gathered)
-    return gathered
+    for i, pieces in enumerate(executions):
+        prompt, group = mine[i // group_size], rank * per_rank + i // group_size
+        text, reward = run.score(prompt, pieces[-1].generation, i % group_size)  # the whole execution's
+        for piece in pieces:
+            samples.append(
+                Sample(prompt.index, group, piece.generation, text, prompt.label, reward,
+                       execution=rank * len(requests) + i, siblings=len(pieces), loss_mask=piece.loss_mask)
+            )  # fmt: skip
+    return samples
 
 
 def with_advantages(run: Run, samples: Sequence[Sample]) -> list[Sample]:
-    """Step 3: each sample's advantage within its group of --n-samples-per-prompt."""
-    rewards = torch.tensor([s.reward for s in samples])
+    """Step 3: each execution's advantage within its group of --n-samples-per-prompt (the samples
+    an execution was split into share it)."""
+    by_execution = executions(samples)
+    rewards = torch.tensor([samples[e[0]].reward for e in by_execution])
     normalize_std = not run.config.algorithm.disable_grpo_std_normalization
     advantages = group_advantages(
         rewards, run.config.rollout.n_samples_per_prompt, normalize_std=normalize_std
     ).tolist()
-    return [replace(s, advantage=a) for s, a in zip(samples, advantages, strict=True)]
+    out = list(samples)
+    for execution, advantage in zip(by_execution, advantages, strict=True):
+        for i in execution:
+            out[i] = replace(samples[i], advantage=advantage)
+    return out
 
 
 def learn(run: Run, rollout_id: int, samples: Sequence[Sample]) -> dict[str, float]:
@@ -147,8 +186,9 @@ def learn(run: Run, rollout_id: int, samples: Sequence[Sample]) -> dict[str, flo
     forward; --ci-test still runs the separate forward and checks the two against each other."""
     cfg, checked = run.config, run.config.checks
     started = time.perf_counter()
-    if run.engine.colocated:
+    if run.engine is not None and run.engine.colocated:
         run.engine.release_memory()  # it gives the GPU to the trainer until the sync
+    run.backend.wake_up()  # --offload-train: the trainer's state back, once the engine's memory is free
     local, plan = share_of_rank(run, samples)
     reuse = run.backend.forward_is_deterministic
     own_old = reuse and not cfg.algorithm.use_rollout_logprobs  # else the engine's are the old ones
@@ -164,6 +204,7 @@ def learn(run: Run, rollout_id: int, samples: Sequence[Sample]) -> dict[str, flo
         elif m == 0 and own_old:
             step |= first_step_against_scoring(run, batches, logprobs, [trainer_logp[rows] for rows in micro])
         steps.append(step)
+        run.step_record(rollout_id, m, step)
         run.skipped_streak.record(rollout_id, step["skipped"], step["loss"], step["grad_norm"], step["lr"])
         if m == 0:
             mismatch = rollout_mismatch(run, local, trainer_logp)
@@ -178,17 +219,18 @@ def share_of_rank(run: Run, samples: Sequence[Sample]) -> tuple[TokenBatch, list
     """This data-parallel rank's rows of every minibatch, minibatch after minibatch, and each
     minibatch's micro-batches (lists of rows of the returned batch) as the backend cuts them;
     model-parallel peers get the same rows and micro-batches."""
-    gbs = run.config.batch.global_batch_size
+    gbs = run.config.batch.global_batch_size  # executions per step: an execution's samples stay in one
+    by_execution = executions(samples)
     mine: list[int] = []
     plan = []
-    for m in range(len(samples) // gbs):
+    for m in range(len(by_execution) // gbs):
+        members = [i for execution in by_execution[m * gbs : (m + 1) * gbs] for i in execution]
         lengths = [
-            len(s.generation.prompt_ids) + len(s.generation.response_ids)
-            for s in samples[m * gbs : (m + 1) * gbs]
+            len(samples[i].generation.prompt_ids) + len(samples[i].generation.response_ids) for i in members
         ]
         rows, micro = run.backend.split_minibatch(lengths)
         plan.append([[len(mine) + i for i in part] for part in micro])
-        mine += [m * gbs + i for i in rows]
+        mine += [members[i] for i in rows]
     return collate([samples[i] for i in mine], run.tokenizer.pad_token_id or 0), plan
 
 
@@ -230,7 +272,9 @@ def checked_first_step(run: Run, rollout_id: int, step: dict[str, float], mismat
     cfg, checked = run.config, run.config.checks
     if not checked.ci_test:
         return
-    if not cfg.algorithm.use_rollout_logprobs:
+    # a fully-async batch made (in part) by older weights differs from the trainer's by design
+    fresh = run.async_rollouts is None or run.async_rollouts.fresh
+    if not cfg.algorithm.use_rollout_logprobs and fresh:
         checks.check_logprob_agreement(
             rollout_id, mismatch["train/train_rollout_logprob_abs_diff"], checked.ci_logprob_abs_diff_tol
         )
@@ -269,7 +313,8 @@ def optimizer_step(
     """One AdamW step on this rank's micro-batches of a minibatch; loss terms summed over the
     data-parallel ranks. Also each micro-batch's logprobs from the training forward."""
     _, replicas, group = run.backend.data_parallel
-    size = sum(mb.size for mb in micro)
+    # executions, not samples: an execution split into k samples weighs 1/k each
+    size = sum(mb.size if mb.weights is None else float(mb.weights.sum()) for mb in micro)
     # Each rank's loss is divided so that the data-parallel gradient average is the mean over
     # the global minibatch: per sample by default, per token with --calculate-per-token-loss.
     if run.config.algorithm.calculate_per_token_loss:
@@ -314,14 +359,16 @@ def _write_rows(out: torch.Tensor, micro: Sequence[Sequence[int]], values: Seque
 
 
 def sync_weights(run: Run, rollout_id: int) -> dict[str, float]:
-    """Step 5: the rollout engine gets the trainer's new weights; with --ci-test, verified."""
-    if (rollout_id + 1) % run.config.rollout.update_weights_interval:
+    """Step 5: the rollout engine gets the trainer's new weights; with --ci-test, verified (no
+    engine under --debug-train-only: the rollouts are replayed)."""
+    if run.engine is None or (rollout_id + 1) % run.config.rollout.update_weights_interval:
         return {}
     started = time.perf_counter()
     check = run.config.checks.ci_test or run.config.checks.check_weight_update_equal
-    stream = run.backend.full_weights(names=run.engine.weight_names, dtype=run.engine.weight_dtype)
+    stream = weights_for(run.engine, run.backend)
     # Only a bit-exact check needs every tensor at once; otherwise they stream to the engine.
-    weights = dict(stream) if check and run.engine.exact_weights else None
+    exact = run.engine.exact_weights or run.engine.checksummed
+    weights = dict(stream) if check and exact else None
     run.engine.update_weights(weights.items() if weights is not None else stream)
     elapsed = time.perf_counter() - started
     if check:
@@ -334,13 +381,11 @@ def verify_weight_sync(run: Run, rollout_id: int, weights: dict[str, torch.Tenso
     bit where the engine exposes its tensors, else by the logprobs of fixed sequences."""
     failure = None
     try:
+        skip = run.config.checks.check_weight_update_skip_list
         if run.engine.exact_weights:
-            checks.check_weights_equal(
-                rollout_id,
-                run.engine.named_weights(),
-                weights,
-                run.config.checks.check_weight_update_skip_list,
-            )
+            checks.check_weights_equal(rollout_id, run.engine.named_weights(), weights, skip)
+        elif run.engine.checksummed:
+            checks.check_weight_checksums(rollout_id, run.engine.weight_checksums(), weights, skip)
         else:
             gap = checks.probe_logprob_gap(run.engine, run.backend, probe_prompts(run), run.sampling)
             checks.check_probe_logprobs(rollout_id, gap, run.config.checks.ci_logprob_abs_diff_tol)
@@ -365,7 +410,10 @@ def maybe_save(run: Run, rollout_id: int) -> None:
     if done != cfg.rollout.num_rollout and not (ckpt.save_interval and done % ckpt.save_interval == 0):
         return
     state = checkpoint.state_of(cfg, done)
-    path = checkpoint.save(run.backend, ckpt.save, state, is_main=run.dist.is_main, barrier=barrier)
+    hashes = checkpoint.model_hashes(run.backend) if cfg.checks.ci_save_model_hash else None
+    path = checkpoint.save(
+        run.backend, ckpt.save, state, is_main=run.dist.is_main, barrier=barrier, hashes=hashes
+    )
     run.log(f"miles.train: saved {path}")
 
 

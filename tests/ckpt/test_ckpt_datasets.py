@@ -4,7 +4,7 @@ The Hugging Face Hub is the one thing that cannot be reached from a test, so eac
 the dataset from a small hub on 127.0.0.1 that answers the two requests huggingface_hub makes
 for a file (HEAD and GET on /datasets/<repo>/resolve/<revision>/<file>, with Range for a
 resumed download) and points HF_ENDPOINT at it. Everything else is the command an operator
-types: `python -m miles.ckpt prepare --recipe qwen3_4b ... --steps fetch`, with the model's own
+types: `python -m miles.recipes prepare qwen3_4b ... --steps fetch`, with the model's own
 fetch reading a local source directory.
 """
 
@@ -112,7 +112,7 @@ def _prepare(tmp_path: Path, hub_url: str, *extra_env: tuple[str, str]) -> subpr
     env.pop("HF_HUB_CACHE", None)
     env.update(dict(extra_env))
     argv = [
-        sys.executable, "-m", "miles.ckpt", "prepare", "--recipe", "qwen3_4b", "--platform", "cuda",
+        sys.executable, "-m", "miles.recipes", "prepare", "qwen3_4b", "--platform", "cuda",
         "--model", "Qwen3-4B", "--source", str(source), "--model-dir", str(tmp_path / "models"),
         "--data-dir", str(tmp_path / "data"), "--steps", "fetch", "--quiet",
     ]  # fmt: skip
@@ -180,5 +180,6 @@ def test_bytes_that_do_not_match_the_hubs_checksum_are_refused(tmp_path):
 def test_data_the_recipes_name_is_data_something_fetches():
     assert dataset_of("{data_dir}/dapo-math-17k/dapo-math-17k.jsonl") is DAPO
     assert dataset_of("synthetic:fixed") is None
-    with pytest.raises(UnknownDataset, match=r"no fetch provides gsm8k/train.parquet"):
-        dataset_of("{data_dir}/gsm8k/train.parquet")
+    assert dataset_of("{data_dir}/gsm8k/test.parquet").name == "gsm8k"
+    with pytest.raises(UnknownDataset, match=r"no fetch provides gsm8k/validation.parquet"):
+        dataset_of("{data_dir}/gsm8k/validation.parquet")

@@ -107,4 +107,6 @@ def test_cli_usage_errors_exit_2_with_one_line(tmp_path):
         capture_output=True, text=True, timeout=120, env={**os.environ, "MILES_MODEL_DIR": ""}, cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 2
-    assert done.stderr.strip() == "error: without --recipe, prepare needs --model-dir (or $MILES_MODEL_DIR)"
+    assert done.stderr.strip() == (
+        "error: prepare needs --model-dir (or $MILES_MODEL_DIR) (a recipe's model: python -m miles.recipes prepare)"
+    )

@@ -10,9 +10,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from miles.ci.register import register_cpu_ci
+from miles.ckpt.dequantize import convert_from_fp8
 from miles.ckpt.errors import CheckpointError
 from miles.ckpt.families import family
-from miles.ckpt.fp8 import SCALE_SUFFIX, convert_from_fp8, convert_to_fp8, dequantize_tensor, should_quantize
+from miles.ckpt.fp8 import SCALE_SUFFIX, convert_to_fp8, dequantize_tensor, should_quantize
 from miles.ckpt.plan import FAMILIES
 from miles.ckpt.shards import CheckpointReader, read_header, read_weight_map
 from miles.ckpt.validate import validate_checkpoint

@@ -65,7 +65,7 @@ def test_the_platform_line_says_sglang_only_where_it_imports(tmp_path):
         subprocess.run([sys.executable, "-c", "import sglang"], capture_output=True, env=env).returncode == 0
     )
     done = subprocess.run(
-        [sys.executable, "-m", "miles.train.device_check", "platform", "--cpu", "--workdir", str(tmp_path)],
+        [sys.executable, "-m", "miles.ci.machine.device_check", "platform", "--cpu", "--workdir", str(tmp_path)],
         capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
     )  # fmt: skip
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("PASS platform")]

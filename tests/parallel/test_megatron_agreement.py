@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from miles.ci.register import register_cpu_ci
+from miles.families import family
 from miles.megatron.proof import Case, prove
 from miles.parallel import ModelShape, ParallelLayout, stage_sizes, validate
 from miles.recipes import names, variants
@@ -29,6 +30,11 @@ E12 = ModelShape("moe12", 4, 8, 8, 12)
 D8 = ModelShape("dense8", 8, 8)
 BIASED = ModelShape("biased-moe8", 4, 8, 8, 8, bias=True)
 ODD = ModelShape("moe8-ffn35", 4, 8, 8, 8, moe_ffn_hidden_size=35)
+# the shipped families' own limits (miles.families), on small shapes: Inkling builds no context
+# parallelism, DeepSeek-V4 splits its grouped output projection (o_groups 3 here) over tp
+INKLING = ModelShape("inkling4", 4, 8, 8, limits=family("inkling").limits({}))
+DSV4 = ModelShape("dsv4-o3", 4, 8, 8, limits=family("deepseek_v4").limits({"o_groups": 3}))
+VOCAB151 = ModelShape("vocab151", 4, 8, 8, vocab_size=151)  # an unpadded vocabulary of odd rows
 P = ParallelLayout
 
 EP_DENSE = "ValueError: num_moe_experts must be non None to use expert-parallel."
@@ -114,6 +120,11 @@ TABLE = [
         "ValueError: During training, performance may degrade if MoE and tensor parallelismare enabled without also enabling sequence parallelism.",
     ),
     (2, P(tp=2, sp=True), E8, None, None),
+    (2, P(tp=2, sp=True), VOCAB151, "vocab-tp", "AssertionError: 151 is not divisible by 2"),
+    (1, P(), VOCAB151, None, None),
+    (2, P(cp=2), INKLING, "family-cp", "ValueError: " + INKLING.limits.cp_problem(2)),
+    (2, P(tp=2, sp=True), INKLING, None, None),
+    (2, P(tp=2, sp=True), DSV4, "family-tp", "ValueError: " + DSV4.limits.tp_problem(2)),
     (
         2,
         P(tp=2, sp=True, etp=2),

@@ -20,29 +20,58 @@ TWO_RANKS = {
 }
 
 
-def gpu_command(recipe_name: str, tmp_path: Path) -> tuple[list[str], Path, Path]:
-    """The train command the recipe renders for 1 node of 4 CUDA GPUs, and its --hf-checkpoint and
-    --ref-load (the tiny checkpoint goes under the names the plan gives the prepared ones)."""
-    from miles.recipes import shared
+def gpu_command(recipe_name: str, tmp_path: Path, platform: str = "cuda") -> tuple[list[str], Path, Path]:
+    """The train command the recipe renders for 1 node of 4 GPUs of `platform` (its ROCm form
+    on rocm), and its --hf-checkpoint and --ref-load (the tiny checkpoint goes under the names
+    the plan gives the prepared ones)."""
+    from miles.recipes import load, shared
     from miles.recipes.launch import RunOptions, build_plan
 
-    recipe = shared(recipe_name)
-    profile = recipe.profile(None, "cuda", 1, 4)
+    recipe = shared(recipe_name) if platform == "cuda" else load(recipe_name, platform=platform)
+    profile = recipe.profile(None, platform, 1, 4)
     options = RunOptions(
         model=profile.model, model_dir=str(tmp_path / "models"), output_dir=str(tmp_path / "runs")
     )
-    argv = list(build_plan(recipe, options, "cuda", base_env={}).train_args)
+    argv = list(build_plan(recipe, options, platform, base_env={}).train_args)
     assert argv[argv.index("--train-backend") + 1] == "megatron"
     hf, ref = (Path(argv[argv.index(flag) + 1]) for flag in ("--hf-checkpoint", "--ref-load"))
     return argv, hf, ref
 
 
-def scale(argv: list[str], family_name: str, config: Mapping[str, Any], **extra: Any) -> None:
-    """The model flags at the tiny config's sizes and the layout at two ranks, in place."""
+LAYOUT = {
+    "tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size", "cp": "--context-parallel-size",
+    "ep": "--expert-model-parallel-size", "etp": "--expert-tensor-parallel-size",
+}  # fmt: skip
+
+
+def scaled_to_two(argv: list[str]) -> dict[str, int]:
+    """The command's layout scaled to 2 ranks: context, then pipeline, then tensor parallelism
+    halved until the dense grid fits, then expert parallelism until the expert grid does; each
+    flag the command gives, at its scaled value (and two GPUs per node)."""
+    given = {k: int(argv[argv.index(f) + 1]) for k, f in LAYOUT.items() if f in argv}
+    d = {k: given.get(k, 1) for k in LAYOUT} | {"etp": given.get("etp", given.get("tp", 1))}
+    for degree in ("cp", "pp", "tp"):
+        while d["tp"] * d["pp"] * d["cp"] > 2 and d[degree] > 1:
+            d[degree] //= 2
+    d["etp"] = min(d["etp"], d["tp"])
+    while d["etp"] * d["ep"] * d["pp"] > 2 and d["ep"] > 1:
+        d["ep"] //= 2
+    return {LAYOUT[k]: d[k] for k in given} | {"--actor-num-gpus-per-node": 2}
+
+
+def scale(
+    argv: list[str],
+    family_name: str,
+    config: Mapping[str, Any],
+    layout: Mapping[str, int] | None = None,
+    **extra: Any,
+) -> None:
+    """The model flags at the tiny config's sizes and the layout at two ranks (`layout`, default
+    TP 2 and EP 2), in place."""
     from miles.families import family
     from miles.families.facts import flag_values
 
-    values = {**flag_values(family(family_name).keys, config), **TWO_RANKS, **extra}
+    values = {**flag_values(family(family_name).keys, config), **(layout or TWO_RANKS), **extra}
     for flag, value in values.items():
         if flag in argv and not isinstance(value, bool):
             argv[argv.index(flag) + 1] = str(value)

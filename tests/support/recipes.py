@@ -18,10 +18,16 @@ from tests.support.ckpt import cache_folder
 
 
 def tiny_plan(
-    recipe_name: str, workdir: Path, *extra_args: str, run_id: str = "run", train_backend: str | None = None
+    recipe_name: str,
+    workdir: Path,
+    *extra_args: str,
+    run_id: str = "run",
+    train_backend: str | None = None,
+    nodes: int | None = None,
+    ray_address: str | None = None,
 ):
-    """The recipe's CPU `tiny` launch plan (rendered for `train_backend` when given), its tiny
-    checkpoint prepared under workdir/models."""
+    """The recipe's CPU `tiny` launch plan (rendered for `train_backend` when given; on `nodes`
+    Ray nodes when given), its tiny checkpoint prepared under workdir/models."""
     from miles.ckpt.pipeline import prepare
     from miles.recipes import load
     from miles.recipes.launch import RunOptions, build_plan
@@ -33,6 +39,10 @@ def tiny_plan(
         run_id=run_id,
         python=sys.executable,
         extra_args=tuple(extra_args),
+        nodes=nodes,
+        gpus_per_node=2 // nodes if nodes else None,
+        ray_address=ray_address,
+        workdir=os.getcwd(),
     )
     form = load(recipe_name, platform="cpu")
     plan = build_plan(form.on_backend(train_backend) if train_backend else form, options, "cpu", base_env={})

@@ -22,7 +22,7 @@ from miles.ckpt.trim import trim_config, trimmed_name
 
 def test_atomic_dir_appears_only_complete_and_with_its_manifest(tmp_path: Path):
     final = tmp_path / "out"
-    with atomic_dir(final) as tmp:
+    with atomic_dir(final, reads=(), replaces=("fp8",)) as tmp:
         (tmp / "a.txt").write_text("x")
         assert not final.exists()
         write_manifest(tmp, "fp8", "in", {"block": 128})
@@ -34,10 +34,10 @@ def test_atomic_dir_appears_only_complete_and_with_its_manifest(tmp_path: Path):
 
 def test_a_failing_step_leaves_nothing_and_keeps_the_previous_output(tmp_path: Path):
     final = tmp_path / "out"
-    with atomic_dir(final) as tmp:
+    with atomic_dir(final, reads=(), replaces=("s",)) as tmp:
         (tmp / "old").write_text("1")
         write_manifest(tmp, "s", "i", {})
-    with pytest.raises(RuntimeError), atomic_dir(final) as tmp:
+    with pytest.raises(RuntimeError), atomic_dir(final, reads=(), replaces=("s",)) as tmp:
         (tmp / "new").write_text("2")
         raise RuntimeError("disk full")
     assert sorted(p.name for p in final.iterdir()) == [".miles-ckpt.json", "old"]
@@ -49,7 +49,7 @@ def test_a_directory_not_written_by_miles_is_never_replaced(tmp_path: Path):
     (tmp_path / "out" / "mine").write_text("keep")
     with (
         pytest.raises(CheckpointError, match="was not written by miles"),
-        atomic_dir(tmp_path / "out") as tmp,
+        atomic_dir(tmp_path / "out", reads=(), replaces=("s",)) as tmp,
     ):
         write_manifest(tmp, "s", "i", {})
     assert (tmp_path / "out" / "mine").read_text() == "keep"

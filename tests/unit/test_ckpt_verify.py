@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -57,14 +56,14 @@ def test_a_truncated_and_a_missing_file_are_each_named(prepared):
 
 def test_an_unchanged_file_is_not_read_again(prepared):
     """The cache is trusted while the file's identity (inode, size, mtime, ctime) is unchanged:
-    a wrong digest planted in it is believed, and one touch of the file makes it hash again."""
+    a wrong digest stored through the cache itself (keyed, so only this user can) is believed,
+    and one touch of the file makes it hash again."""
     assert problems(prepared) == []
-    cache = DigestCache(prepared)
-    data = json.loads(cache.path.read_text())
-    data["files"]["release/weights.bin"]["sha256"] = "0" * 64
-    cache.path.write_text(json.dumps(data))
-    assert len(problems(prepared)) == 1  # believed: nothing was read
     target = prepared / "release" / "weights.bin"
+    cache = DigestCache(prepared)
+    cache.store("release/weights.bin", target.stat(), target, "0" * 64)
+    cache.save()
+    assert len(problems(prepared)) == 1  # believed: nothing was read
     st = target.stat()
     os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))  # same times, but the change time moves
     assert problems(prepared) == []

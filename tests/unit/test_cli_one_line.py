@@ -22,7 +22,7 @@ def test_refresh_image_with_an_unknown_variant_is_one_line_exit_2():
     )  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [
-        "error: --variant: image variant 'rocm999-nope' is not in the catalog; known: "
+        "error: --variant: image variant 'rocm999-nope' is not in images.toml; known: "
         "cu13, rocm720-mi30x, rocm720-mi35x"
     ]
     assert done.stdout == ""

@@ -159,6 +159,7 @@ def test_the_family_table_is_the_families_miles_finds():
 def _facts():
     """(page, the sentence with one number in a group, that number as the code has it)."""
     from miles.ci.machine import preflight
+    from miles.ci.machine.device_check_train import TRAIN_TIMEOUT_S
     from miles.ci.registry.catalog import load_catalog
     from miles.ci.running import plan
     from miles.ckpt import fp8, fp8_rules
@@ -166,8 +167,8 @@ def _facts():
     from miles.megatron import compat, proof
     from miles.metrics import gate, store
     from miles.train import algorithm
-    from miles.train.config import OptimizerConfig
-    from miles.train.device_check import TRAIN_TIMEOUT_S
+    from miles.train.checks import STEP_TOL
+    from miles.train.config import JobConfig, OptimizerConfig
 
     implicit = load_catalog().implicit["tests/unit"]
     return [
@@ -191,6 +192,12 @@ def _facts():
         ("docs/training.md", r"`--max-skipped-steps N` \(default (\d+)", OptimizerConfig().max_skipped_steps),
         ("docs/training.md", r"clamped to \[-(\d+), \d+\]", algorithm.LOG_RATIO_LIMIT),
         ("docs/training.md", r"has not ended after (\d+) s fails", TRAIN_TIMEOUT_S),
+        (
+            "docs/training.md",
+            r"`--offload-train-disk-chunk-mb`\s+\(default (\d+)\)",
+            JobConfig().offload_train_disk_chunk_mb,
+        ),
+        ("docs/training.md", r"the seed's bound of (\d+)% \(rel and abs\)", STEP_TOL * 100),
         ("docs/megatron.md", r"- (\d+) redirects \(`REDIRECTS`\)", len(compat.REDIRECTS)),
         ("docs/megatron.md", r"- (\d+) patches \(`PATCHES`\)", len(compat.PATCHES)),
         ("docs/megatron.md", r"- (\d+) names megatron-core binds only", len(compat.MISSING_SYMBOLS)),

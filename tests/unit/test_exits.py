@@ -177,5 +177,8 @@ def test_make_tiny_ckpt_refuses_an_unknown_family_even_when_dry_and_zero_layers(
         "qwen3",
     )
     done = _invoke("make-tiny-ckpt", "--family", "qwen3", "--out", "unused", "--layers", "0")
-    _one_error_line(done, 2, "--layers 0: a checkpoint needs at least 1 layer")
+    assert done.returncode == 2 and done.stderr.splitlines() == [  # the command's own parser says it
+        "python -m miles.ckpt make-tiny: error: argument --layers: 0: give a whole number of at least 1 "
+        "(--help lists the commands and flags)"
+    ], done.stderr
     assert not (ROOT / "unused").exists()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from miles.ci.machine.stacks import image_config
 from miles.image.config import load_images
 from miles.image.inputs import LABEL_HASH, LABEL_TAG, variant_inputs
 from miles.image.plan import ImageError, check_image, plan_refresh, refresh, subprocess_runner
@@ -71,7 +72,14 @@ def _publish(docker: Path, ref: str, labels: dict[str, str]) -> None:
 
 
 def _plan(project: Path, **kw):
-    return plan_refresh(project, "rocm720-mi35x", image="ghcr.io/x/miles", today=dt.date(2026, 3, 9), **kw)
+    return plan_refresh(
+        project,
+        "rocm720-mi35x",
+        image="ghcr.io/x/miles",
+        today=dt.date(2026, 3, 9),
+        config=image_config(),
+        **kw,
+    )
 
 
 def test_build_is_skipped_when_the_alias_carries_the_same_inputs(docker, project):
@@ -132,7 +140,7 @@ def test_check_image_diffs_installed_packages_against_the_lock(docker):
     assert not result.ok
     assert [m.name for m in result.mismatches] == ["numba", "torch"]
     assert "sgl-kernel" in result.render()
-    assert result.missing_builds == ("sglang-kernel", "amd-aiter", "mori", "torch-memory-saver")
+    assert result.missing_builds == ("sglang-kernel", "amd-aiter", "amd-mori", "torch-memory-saver")
 
 
 def _rocm_image_packages(**changes) -> dict[str, str]:
@@ -145,7 +153,7 @@ def _rocm_image_packages(**changes) -> dict[str, str]:
     installed |= {
         "sglang-kernel": "0.4.10",
         "amd-aiter": "0.1.13",
-        "mori": "0.0.0",
+        "amd-mori": "0.0.0",
         "torch-memory-saver": "0.0.10",
     }
     return {k: v for k, v in (installed | changes).items() if v is not None}
@@ -156,34 +164,34 @@ def test_a_complete_rocm_image_agrees_with_its_lock_and_lists_its_source_builds(
     result = check_image(ROOT, "ghcr.io/x/miles:rocm720-mi35x-20260309-0123abcd", run=subprocess_runner)
     assert result.ok, result.render()
     assert (
-        "not in the lock (built in the image): amd-aiter, mori, sglang-kernel, torch-memory-saver"
+        "not in the lock (built in the image): amd-aiter, amd-mori, sglang-kernel, torch-memory-saver"
         in result.render()
     )
 
 
 def test_check_image_names_a_source_build_the_image_lacks(docker):
     (docker / "packages.json").write_text(
-        json.dumps(_rocm_image_packages(**{"amd-aiter": None, "mori": None}))
+        json.dumps(_rocm_image_packages(**{"amd-aiter": None, "amd-mori": None}))
     )
     result = check_image(ROOT, "ghcr.io/x/miles:rocm720-mi35x-20260309-0123abcd", run=subprocess_runner)
     assert not result.ok and result.mismatches == ()
     assert (
         "  amd-aiter: missing; the image builds it from source (images.toml source_builds)" in result.render()
     )
-    assert "  mori: missing;" in result.render()
+    assert "  amd-mori: missing;" in result.render()
 
 
 def test_refresh_dry_shows_each_rocm_source_build_for_the_variants_gpu(project):
     mi35x = _plan(project).render()
     for piece in (
-        "builds      sglang-kernel (import sgl_kernel) from sgl-project/sglang (sgl-kernel) @ 0.5.23, for GPU_ARCHS=gfx950",
+        "builds      sglang-kernel (import sgl_kernel) from sgl-project/sglang (python/sglang/kernels/aot) @ 0.5.23, for GPU_ARCHS=gfx950",
         "builds      amd-aiter (import aiter) from ROCm/aiter @ c16d44b93a528b2a4bfd6d8d3409116d465872a9, for GPU_ARCHS=gfx950",
-        "builds      mori (import mori) from ROCm/mori @ 12d1bc32d0c93dcd5062e74f4e0f772e36e1aac4, for GPU_ARCHS=gfx950",
+        "builds      amd-mori (import mori) from ROCm/mori @ 12d1bc32d0c93dcd5062e74f4e0f772e36e1aac4, for GPU_ARCHS=gfx950",
         "builds      torch-memory-saver (import torch_memory_saver) from fzyzcjy/torch_memory_saver @ f05a8754",
     ):  # fmt: skip
         assert piece in mi35x, mi35x
     mi30x = plan_refresh(
-        project, "rocm720-mi30x", image="ghcr.io/x/miles", today=dt.date(2026, 3, 9)
+        project, "rocm720-mi30x", image="ghcr.io/x/miles", today=dt.date(2026, 3, 9), config=image_config()
     ).render()
     assert "@ 0.5.23, for GPU_ARCHS=gfx942" in mi30x
 
@@ -193,7 +201,7 @@ def test_a_source_build_without_its_pin_stops_the_build(docker, project):
     text = dockerfile.read_text()
     dockerfile.write_text(text.replace("ARG MORI_COMMIT=", "ARG MORI_REF="))
     with pytest.raises(
-        ImageError, match=r"mori: docker/Dockerfile.rocm has no `ARG MORI_COMMIT=<release or commit>`"
+        ImageError, match=r"amd-mori: docker/Dockerfile.rocm has no `ARG MORI_COMMIT=<release or commit>`"
     ):
         refresh(project, _plan(project), subprocess_runner)
     assert _calls(docker) == []
@@ -216,7 +224,8 @@ def test_the_rocm_image_builds_its_kernels_for_the_variants_gpu():
     assert "AMDGPU_TARGET=${GPU_ARCHS} python setup_rocm.py install" in step("setup_rocm.py")
     assert "GPU_ARCHS=${GPU_ARCHS}" in step("/opt/aiter")
     assert "MORI_GPU_ARCHS=${GPU_ARCHS}" in step("/opt/mori")
-    assert "TMS_PLATFORM=hip" in step("torch_memory_saver.git")
+    # torch-memory-saver's setup.py builds for HIP only with hipcc on PATH (miles/image/facts/)
+    assert "export PATH=/opt/rocm/bin:${PATH}" in step("torch_memory_saver.git")
 
 
 def test_the_rocm_image_says_which_gpu_its_kernels_are_built_for():

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import datetime as dt
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from miles.image.config import load_images, stack_for_lane
+from miles.ci.machine.stacks import image_config, stack_for_lane
+from miles.image.config import load_images
 from miles.image.inputs import InputsError, image_tag, input_hash, parse_tag, variant_inputs
 from miles.image.plan import plan_refresh
 
@@ -83,7 +86,7 @@ def test_an_undated_tag_is_refused():
 
 
 def test_dry_plan_prints_the_complete_buildx_command():
-    plan = plan_refresh(ROOT, "rocm720-mi35x", image="ghcr.io/x/miles", today=DAY)
+    plan = plan_refresh(ROOT, "rocm720-mi35x", image="ghcr.io/x/miles", today=DAY, config=image_config())
     digest = _hash(ROOT)
     assert plan.tag == f"ghcr.io/x/miles:rocm720-mi35x-20260309-{digest[:8]}"
     command = " ".join(plan.build)
@@ -106,7 +109,7 @@ def test_dry_plan_prints_the_complete_buildx_command():
 
 
 def test_push_adds_the_rolling_alias_beside_the_dated_tag():
-    plan = plan_refresh(ROOT, "cu13", image="ghcr.io/x/miles", push=True, today=DAY)
+    plan = plan_refresh(ROOT, "cu13", image="ghcr.io/x/miles", push=True, today=DAY, config=image_config())
     tags = [plan.build[i + 1] for i, arg in enumerate(plan.build) if arg == "--tag"]
     assert tags == [plan.tag, "ghcr.io/x/miles:cu13"]
     assert "--push" in plan.build
@@ -116,3 +119,23 @@ def test_every_lane_has_a_stack_of_its_backend():
     assert stack_for_lane("nightly-mi350-8gpu").name == "rocm-mi350"
     assert stack_for_lane("cuda-h200").python == "3.12"
     assert stack_for_lane("cpu").python == "3.11"
+
+
+def test_images_toml_is_checked_against_the_lanes_the_ci_passes_in(tmp_path):
+    from miles.image.config import ImageConfigError, LaneFacts
+
+    assert image_config().lanes_of_stack("rocm-mi350") == (
+        "rocm-mi350", "nightly-mi350-2gpu", "nightly-mi350-4gpu", "nightly-mi350-8gpu",
+    )  # fmt: skip
+    lanes = (LaneFacts("cpu", "cpu", "3.11"), LaneFacts("cuda-h200", "cuda", "3.12"))
+    with pytest.raises(
+        ImageConfigError, match=r"\[stacks.rocm-mi350\]: no catalog lane is called 'rocm-mi350'"
+    ):
+        load_images(lanes=lanes)
+    # read alone, a stack has no Python and nothing of miles.ci is imported
+    code = (
+        "import sys; from miles.image.config import load_images; import miles.image.plan, miles.image.te, "
+        "miles.image.lock; s = load_images().stack('cpu'); "
+        "assert s.python is None and not [m for m in sys.modules if m.startswith('miles.ci')], sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -118,9 +118,9 @@ def test_a_stack_without_a_torch_build_pins_the_public_version_of_a_local_build(
 def test_the_cpu_lock_leaves_out_the_cuda_libraries_of_pypis_torch(tmp_path, index):
     """Where only PyPI's torch (which depends on CUDA libraries) is on offer, the cpu stack's
     lock still holds none of them: the CPU build it installs needs none."""
-    from miles.image.config import load_images
+    from miles.ci.machine.stacks import image_config
 
-    stack = load_images().stack("cpu")
+    stack = image_config().stack("cpu")
     assert stack.excluded("nvidia-nccl-cu13") and stack.excluded("triton") and not stack.excluded("torch")
     root = tmp_path / "project"
     (root / "requirements").mkdir(parents=True)

@@ -159,7 +159,9 @@ def test_the_values_reach_megatron_cores_own_configs():
 def test_the_stand_in_spec_runs_unfused_and_the_te_spec_takes_megatron_lms_fusion_defaults():
     megatron = _config("--no-rope-fusion").megatron
     local = options.transformer_fields(megatron, "local")
-    te = options.transformer_fields(megatron, "transformer_engine")
+    # as on a GPU machine where every kernel a fusion runs imports (miles.megatron.fusions
+    # decides where they do; tests/unit/test_megatron_fusions.py)
+    te = options.transformer_fields(megatron, "transformer_engine", imports=lambda module: True)
     assert not any(local[f] for f in ("apply_rope_fusion", "bias_dropout_fusion", "masked_softmax_fusion"))
     assert te["apply_rope_fusion"] is False and te["bias_dropout_fusion"] and te["masked_softmax_fusion"]
 
@@ -241,4 +243,14 @@ def test_model_flags_are_checked_against_the_model_config_json_builds():
     assert options.model_disagreements(model, tc, vocab=151936) == [
         "--normalization LayerNorm: config.json gives normalization='RMSNorm', the flag says 'LayerNorm'",
         "--multi-latent-attention: the model config.json describes has no multi_latent_attention (it would be True)",
+    ]
+
+
+def test_rotary_percent_is_checked_against_the_gpt_model_miles_builds():
+    # only MLA's TransformerConfig has the field; a GPTModel is built with rope over the whole head
+    # (Qwen3-30B-A3B's GPU command passes --rotary-percent 1.0, as the reference does)
+    plain = SimpleNamespace(normalization="RMSNorm")
+    assert options.model_disagreements(_config("--rotary-percent", "1.0").model, plain, vocab=151936) == []
+    assert options.model_disagreements(_config("--rotary-percent", "0.5").model, plain, vocab=151936) == [
+        "--rotary-percent 0.5: miles builds rotary_percent=1.0, the flag says 0.5"
     ]

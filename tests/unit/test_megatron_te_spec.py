@@ -27,9 +27,9 @@ def test_spec_choice_follows_transformer_impl_and_megatron_cores_own_te_import()
     # TE cannot exist here: its status is passed in, as te_status() would report it on a GPU
     absent, present = (
         TEStatus(False, None, "transformer_engine is not installed"),
-        TEStatus(True, "2.20.2", ""),
+        TEStatus(True, "2.9.0", ""),
     )
-    assert choose_impl(None, "cuda:0", present) == (TE, "transformer-engine 2.20.2")
+    assert choose_impl(None, "cuda:0", present) == (TE, "transformer-engine 2.9.0")
     assert choose_impl(None, "cuda:0", absent) == (
         LOCAL,
         "no Transformer Engine: transformer_engine is not installed",
@@ -59,7 +59,7 @@ def test_the_first_line_names_the_modules_built_and_a_conversion_builds_the_stan
     from miles.megatron.compat import cpu_placed
 
     # even where TE would load, a model built without a spec choice (the conversion's) is the stand-in
-    monkeypatch.setattr(spec, "te_status", lambda: spec.TEStatus(True, "2.20.2", ""))
+    monkeypatch.setattr(spec, "te_status", lambda: spec.TEStatus(True, "2.9.0", ""))
     with single_process_group(), cpu_placed():
         model = build_model(CONFIG)
     line = spec.built_spec_line([model], None, spec.LOCAL, "on the CPU")

@@ -252,7 +252,7 @@ def test_a_store_timeout_that_is_not_a_number_is_one_line(project, tmp_path, mon
     monkeypatch.setenv("MILES_HISTORY_TIMEOUT", "soon")
     line = _one_error_line(
         capsys,
-        1,
+        2,  # bad input, like a malformed store URL
         ["history", "show", "--root", str(project), "--test", TEST, "--store", f"sqlite:///{tmp_path}/h.db"],
     )
     assert "MILES_HISTORY_TIMEOUT='soon' must be a number of seconds" in line

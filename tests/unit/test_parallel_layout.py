@@ -409,7 +409,7 @@ def test_a_usage_error_is_one_line():
     proc = _cli("check", "--world-size", "4", "--tpp", "2")
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [
-        "python -m miles.parallel: error: unrecognized arguments: --tpp 2 (--help lists the flags)"
+        "python -m miles.parallel: error: unrecognized arguments: --tpp 2 (--help lists the commands and flags)"
     ]
 
 

@@ -169,3 +169,17 @@ def test_importing_the_module_does_not_import_torch():
     code = "import sys, miles.platform; sys.exit('torch' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ}, check=False)
     assert proc.returncode == 0
+
+
+def test_rocm_jobs_get_every_runtime_variable_the_seeds_image_sets():
+    from miles.platform import NOT_A_JOB_SETTING, ROCM_RUNTIME_ENV
+    from miles.recipes.references import rocm_image_env
+
+    seed = rocm_image_env()["env"]  # radixark/miles docker/Dockerfile.rocm, re-read by `references --check`
+    out = job_env("rocm", {})
+    missing = {k: v for k, v in seed.items() if k not in NOT_A_JOB_SETTING and out.get(k) != v}
+    assert missing == {}
+    assert set(NOT_A_JOB_SETTING) <= set(seed)
+    assert {"SGLANG_MOE_PADDING", "SGLANG_ROCM_FUSED_DECODE_MLA", "SGLANG_SET_CPU_AFFINITY",
+            "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "TORCHINDUCTOR_MAX_AUTOTUNE",
+            "TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"} <= set(ROCM_RUNTIME_ENV)  # fmt: skip

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from miles.parallel import ParallelLayout
-from miles.recipes import names, shared, variants
+from miles.recipes import load, names, shared, variants
 from miles.recipes.diff import reference_comparisons, rendered
 from miles.recipes.facts import rows
 from miles.recipes.fidelity import Deviation, Placement, Reference, compare, deviation, flags, renamed, shown
@@ -330,3 +330,105 @@ _FIELDS = {
         "run_id",
     )
 } | {"rollout_gpus_per_engine": 4}
+
+
+def _spec_args(recipe, flag: str, value):
+    """The recipe with its model's architecture flag `flag` set to `value` (a mutation on a copy)."""
+    arch = tuple((f, value if f == flag else v) for f, v in recipe.model.arch_args)
+    assert arch != recipe.model.arch_args
+    return replace(recipe, model=replace(recipe.model, arch_args=arch))
+
+
+def _profile(recipe, platform: str, gpus: int, parallel: ParallelLayout):
+    profiles = tuple(
+        replace(p, parallel=parallel) if (p.platform, p.world_size) == (platform, gpus) else p
+        for p in recipe.profiles
+    )
+    return replace(recipe, profiles=profiles)
+
+
+# Each mutation once passed `diff`: a deviation named the flag, never the value, so a changed value
+# was explained by a reason written for another one.
+MUTATIONS = {
+    "Qwen3-30B-A3B rolls out in BF16": (
+        lambda: replace(shared("qwen3_30b_a3b"), fp8_rollout=False), "cuda", "--hf-checkpoint",
+    ),
+    "an added NCCL_NVLS_ENABLE=0": (
+        lambda: replace(shared("qwen3_4b"), env=(*shared("qwen3_4b").env, ("NCCL_NVLS_ENABLE", "0"))),
+        "cuda", "env:NCCL_NVLS_ENABLE",
+    ),
+    "Qwen3-30B-A3B's ROCm 4-GPU layout at pp4": (
+        lambda: _profile(load("qwen3_30b_a3b", platform="rocm"), "rocm", 4, ParallelLayout(pp=4, ep=1, etp=1)),
+        "rocm", "layout:4",
+    ),
+    "GLM-5.2's dispatcher set to allgather": (
+        lambda: _spec_args(shared("glm5_2_744b_a40b"), "--moe-token-dispatcher-type", "allgather"),
+        "cuda", "--moe-token-dispatcher-type",
+    ),
+    "Qwen3-4B at tp4·cp1 on 4 GPUs": (
+        lambda: _profile(shared("qwen3_4b"), "cuda", 4, ParallelLayout(tp=4, sp=True)), "cuda", "layout:4",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
+def test_a_changed_value_is_drift_no_reason_explains(mutation):
+    make, platform, key = MUTATIONS[mutation]
+    lines = [line for item in reference_comparisons(make(), platform) for line in item.unexplained]
+    assert key in {line.key for line in lines}, [line.render() for line in lines]
+
+
+def test_a_bare_name_explains_only_what_the_reference_alone_passes():
+    reference = _reference("--lr 1e-6 --dump-details /x")
+    reasons = (Deviation(("--lr", "--dump-details"), "because"),)
+    result = compare(["--lr", "2e-6"], {}, reference.layout, reference, reasons)
+    assert [(line.key, line.reason) for line in result.lines] == [
+        ("--lr", None),
+        ("--dump-details", "because"),
+    ]
+    pinned = (Deviation(("--lr=2e-06",), "pinned"),)
+    assert compare(["--lr", "2e-6"], {}, reference.layout, reference, pinned).lines[0].reason == "pinned"
+    assert compare(["--lr", "3e-6"], {}, reference.layout, reference, pinned).lines[0].reason is None
+
+
+def test_every_key_of_every_deviation_explains_a_difference():
+    """A pinned value no form renders any more (the recipe changed) is removed or re-pinned."""
+    used, offered = set(), set()
+    for name in names():
+        for form in variants(name):
+            platform = "cuda" if form.variant == "shared" else form.variant
+            devs = [d for d in form.deviations if isinstance(d, Deviation) and platform in d.platforms]
+            offered |= {(d.reason, spec) for d in devs for spec in d.keys}
+            for item in reference_comparisons(form, platform):
+                for line in item.comparison.lines:
+                    ours = None if line.kind == "-" else line.ours.lstrip("=")
+                    theirs = line.theirs.lstrip("=") or None
+                    for d in devs:
+                        spec = d.spec_for(line.key, platform, ours, theirs)
+                        if spec:
+                            used.add((d.reason, spec))
+                            break
+    assert not offered - used, sorted(spec for _, spec in offered - used)
+
+
+def test_a_layout_of_our_own_pins_it_and_names_the_tests_that_prove_it():
+    own = [
+        (form.name, platform, d)
+        for name in names()
+        for form in variants(name)
+        for d in form.deviations
+        if isinstance(d, Deviation) and any(k.startswith("layout:") for k in d.keys)
+        for platform in d.platforms
+        if platform == ("cuda" if form.variant == "shared" else form.variant)
+    ]
+    assert {(n, p) for n, p, _ in own} == {
+        ("qwen3_4b", "cuda"),
+        ("qwen3_30b_a3b", "cuda"),
+        ("qwen3_30b_a3b", "rocm"),
+    }
+    for name, platform, d in own:
+        assert all("=" in k for k in d.keys if k.startswith("layout:")), d.keys
+        assert d.evidence, f"{name} {platform}: a layout of our own names its proof"
+        texts = [(ROOT / path).read_text() for path in d.evidence]
+        assert "RECIPE_PROFILES" in texts[0]  # megatron-core's rank grids at every GPU profile's world size
+        assert f'("{name}", "{platform}")' in texts[1]  # a dry start of this form, scaled to CPU ranks

@@ -69,16 +69,16 @@ def test_the_render_refuses_a_megatron_option_on_an_fsdp_profile(inkling_unbuilt
         _plan(recipe, cpu)
 
 
-def test_the_trainer_refuses_offload_at_start_in_one_line(tmp_path):
+def test_the_trainer_refuses_a_flag_without_effect_at_start_in_one_line(tmp_path):
     """The command a user runs; it stops before any model or data loads (the checkpoint need not exist)."""
     done = subprocess.run(
-        [sys.executable, "-m", "miles.train", "--hf-checkpoint", str(tmp_path / "absent"), "--offload-train"],
+        [sys.executable, "-m", "miles.train", "--hf-checkpoint", str(tmp_path / "absent"), "--offload-rollout"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode != 0
     lines = (done.stdout + done.stderr).strip().splitlines()
     assert len(lines) == 1, lines
-    assert "--offload-train (no backend moves its weights or optimizer state off the GPU" in lines[0]
+    assert "--offload-rollout (the built-in engine samples inside the trainer's processes" in lines[0]
     assert "no effect on --train-backend fsdp with the torch rollout engine, so refused" in lines[0]
 
 

@@ -78,7 +78,35 @@ def test_several_nodes_plan_a_ray_job_with_node_setup(monkeypatch):
     runtime_env = json.loads(plan.command[plan.command.index("--runtime-env-json") + 1])
     assert runtime_env["env_vars"]["NCCL_NVLS_ENABLE"] == "0"
     assert plan.prelude[0][:3] == ("ray", "start", "--head")
-    with pytest.raises(LaunchError, match="planned, not started"):
+    entrypoint = plan.command[plan.command.index("--") + 1 :]
+    assert entrypoint[:9] == (
+        "python", "-m", "miles.recipes.ray_job", "--nodes", "2", "--procs-per-node", "4", "--gpus-per-node", "4",
+    )  # fmt: skip
+    assert entrypoint[entrypoint.index("--") + 1 :] == ("python", "-m", "miles.train", *plan.train_args)
+
+
+def test_a_ray_address_on_one_node_is_refused():
+    recipe = load("qwen3_4b", platform="cpu")
+    options = replace(FIXED, model="tiny", ray_address="http://127.0.0.1:8265")
+    with pytest.raises(LaunchError, match="drop --ray-address, or give --num-nodes above 1"):
+        build_plan(recipe, options, "cpu", base_env={})
+
+
+def test_a_ray_run_without_a_cluster_is_one_line(tmp_path):
+    """The launcher submits a plan of several nodes to the cluster's dashboard; none answers here."""
+    import importlib.util
+
+    from miles.train.remote.group import free_port
+
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("ray is not installed")
+    recipe = load("qwen3_4b", platform="cpu")
+    address = f"http://127.0.0.1:{free_port()}"
+    options = replace(
+        FIXED, model="tiny", nodes=2, gpus_per_node=1, ray_address=address, output_dir=str(tmp_path)
+    )
+    plan = build_plan(recipe, options, "cpu", base_env={})
+    with pytest.raises(LaunchError, match=f"no Ray cluster answers at {address}"):
         run(plan, env={})
 
 

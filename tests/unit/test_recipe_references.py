@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -347,3 +348,50 @@ def test_update_rewrites_the_quotes_and_keeps_the_configuration(upstream, tmp_pa
     (fresh,) = read_file(file)
     assert (fresh.argv, fresh.env, fresh.source) == (EXPECTED_ARGV, EXPECTED_ENV, stale.source)
     assert json.loads(file.read_text())["readings"][0]["argv"][:2] == ["--num-layers 6", "--hidden-size 64"]
+
+
+def test_a_spec_citation_must_show_its_value_at_a_commit_on_main(upstream):
+    from miles.recipes.reread import Citation, citation_problems, citations
+
+    repo, on_main, side = upstream
+    mirror = Mirror(repo)
+    ok = Citation("Tiny", "hidden_size", 64, "scripts/models/tiny-moe.py", on_main[:8])
+    assert citation_problems(mirror, ok) == []
+    assert citation_problems(mirror, replace(ok, commit="044f7c8c")) == [
+        f"Tiny hidden_size: radixark/miles scripts/models/tiny-moe.py@044f7c8c: commit 044f7c8c is not in {repo}"
+    ]
+    off = citation_problems(mirror, replace(ok, commit=side[:8]))
+    assert off == [
+        f"Tiny hidden_size: radixark/miles scripts/models/tiny-moe.py@{side[:8]}: commit {side[:12]} is not on main "
+        "(an unmerged branch's commit is no source)"
+    ]
+    assert citation_problems(mirror, replace(ok, value=96))[0].endswith(f"at {on_main[:12]} does not say 96")
+    assert citation_problems(mirror, replace(ok, path="scripts/models/gone.py"))[0].endswith(
+        f"scripts/models/gone.py does not exist at {on_main[:12]}"
+    )
+    # every citation in the specs is read (the check cannot pass by finding none)
+    assert {(c.spec, c.key) for c in citations()} >= {
+        ("GLM-5.2-744B-A40B", "rope_theta"), ("DeepSeek-V4-Flash", "rope_scaling_factor"),
+    }  # fmt: skip
+
+
+def test_the_seed_images_variables_are_read_again_from_its_dockerfile(upstream, monkeypatch):
+    from miles.recipes import references
+    from miles.recipes.reread import image_env_problems
+
+    repo, _, _ = upstream
+    (repo / "docker").mkdir()
+    (repo / "docker/Dockerfile.rocm").write_text(
+        "ENV GPU_ARCH=gfx950\nENV SGLANG_MOE_PADDING=1\nENV HSA_X=1\n"
+    )
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-q", "-m", "image")
+    commit = _git(repo, "rev-parse", "HEAD")
+    quoted = {"repo": "radixark/miles", "path": "docker/Dockerfile.rocm", "commit": commit}
+    monkeypatch.setattr(
+        references, "rocm_image_env", lambda: {**quoted, "env": {"SGLANG_MOE_PADDING": "1", "HSA_X": "1"}}
+    )
+    assert image_env_problems(Mirror(repo)) == []
+    monkeypatch.setattr(references, "rocm_image_env", lambda: {**quoted, "env": {"SGLANG_MOE_PADDING": "1"}})
+    (problem,) = image_env_problems(Mirror(repo))
+    assert "differ from the file's ENV lines: [('HSA_X', '1')]" in problem

@@ -1,6 +1,7 @@
 """A profile is "verified" only when a run record says a lane trained it; "trained on the CPU lane" when a
-cpu-lane test trains it (read from the tests' registrations and code); "cannot build" when the Megatron
-backend's own mapping refuses its model; otherwise untested.
+cpu-lane test trains it (read by the CI from the tests' registrations and code into the evidence file
+the recipes read); "cannot build" when the Megatron backend's own mapping refuses its model; otherwise
+untested.
 
 The run records here are real `miles.ci.reports.record.RunRecord`s written as the runner writes its
 run.json; only the GPU that would have produced them is missing.
@@ -14,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from miles.ci.registry.catalog import load_catalog
+from miles.ci.reports.recipes import cpu_lane_trainings, evidence_drift, evidence_text, profile_suite_problems
 from miles.ci.reports.record import Attempt, RunRecord
 from miles.recipes import load, shared
 from miles.recipes.launch import RunOptions, build_plan, format_plan
@@ -21,11 +24,11 @@ from miles.recipes.recipe import RecipeError
 from miles.recipes.status import (
     CANNOT_BUILD,
     CPU_LANE,
+    CPU_LANE_EVIDENCE,
     FALLBACK,
     UNTESTED,
     UNTESTED_GPU,
     VERIFIED,
-    cpu_lane_trainings,
     megatron_model_types,
     profile_status,
     record_run,
@@ -115,13 +118,52 @@ def test_what_the_cpu_lane_trains_is_read_from_its_tests(make_tree):
     )  # fmt: skip
     trained = cpu_lane_trainings(root)
     assert trained == {
-        "inkling": (("tests/e2e/test_one.py", "stage-b-cpu"),),
         "deepseek_v4": (("tests/e2e/test_one.py", "stage-b-cpu"),),
+        "inkling": (("tests/e2e/test_one.py", "stage-b-cpu"),),
         "qwen3_30b_a3b": (("tests/e2e/test_two.py", "stage-b-cpu"),),
     }
+    # handed to the recipes as data, which is all they read
+    evidence = root / "cpu-lane.json"
+    evidence.write_text(evidence_text(trained))
     recipe = shared("qwen3_4b")
-    status = profile_status(recipe, recipe.profile("tiny", "cpu"), root / "runs", root=root)
+    status = profile_status(recipe, recipe.profile("tiny", "cpu"), root / "runs", evidence)
     assert (status.kind, status.detail) == (UNTESTED, "no test of the cpu lane builds its CPU plan")
+    status = profile_status(
+        shared("inkling"), shared("inkling").profile("tiny", "cpu"), root / "runs", evidence
+    )
+    assert status.kind == CPU_LANE and "tests/e2e/test_one.py in stage-b-cpu" in status.detail
+
+
+def test_the_committed_cpu_lane_evidence_is_what_the_tests_say():
+    root = Path(__file__).resolve().parents[2]
+    assert evidence_drift(CPU_LANE_EVIDENCE, cpu_lane_trainings(root)) is None
+
+
+def test_a_stale_evidence_file_is_named_with_the_command_that_rewrites_it(tmp_path):
+    path = tmp_path / "cpu-lane.json"
+    path.write_text(evidence_text({"qwen3_4b": (("tests/e2e/test_gone.py", "stage-b-cpu"),)}))
+    drift = evidence_drift(path, {"qwen3_4b": (("tests/e2e/test_new.py", "stage-b-cpu"),)})
+    assert drift.endswith("run `python -m miles.ci recipes --write` and review the diff")
+
+
+def test_every_gpu_profile_names_a_suite_of_its_platform_with_its_gpu_count():
+    from miles.recipes import names, variants
+
+    forms = [form for name in names() for form in variants(name)]
+    assert profile_suite_problems(forms, load_catalog()) == []
+    recipe = shared("qwen3_4b")
+    typo = replace(recipe, profiles=(replace(recipe.profiles[0], suite="stage-c-4-gpu-h20"),))
+    wrong = replace(recipe, profiles=(replace(recipe.profiles[0], suite="stage-c-8-gpu-h200"),))
+    (typo_problem,) = profile_suite_problems([typo])
+    assert (
+        "profile suite: suite 'stage-c-4-gpu-h20' is not in the catalog for cuda; did you mean"
+        in typo_problem
+    )
+    assert profile_suite_problems([wrong]) == [
+        "miles/recipes/library/qwen3_4b.py: qwen3_4b (shared) cuda 1x4 Qwen3-4B: tp2·pp1·cp2(a2a)·ep1·etp1+sp: a profile of 4 "
+        "GPU(s) names suite "
+        "stage-c-8-gpu-h200, whose runners have 8"
+    ]
 
 
 def test_a_passed_run_of_the_profiles_test_verifies_it(tmp_path, inkling_unbuilt):

@@ -225,3 +225,15 @@ def test_the_unit_directory_is_implicitly_stage_a_cpu():
     implicit = load_catalog().implicit_for("tests/unit/test_x.py")
     assert (implicit.directory, implicit.suite, implicit.est_time) == ("tests/unit", "stage-a-cpu", 15.0)
     assert load_catalog().implicit_for("tests/unitary/test_x.py") is None
+
+
+def test_a_suite_declared_empty_needs_a_reason_that_says_why(tmp_path):
+    def edit(raw):
+        raw["suites"]["stage-c-4-gpu-mi350"]["empty"] = "FIXME"
+
+    assert "[suites.\"stage-c-4-gpu-mi350\"]: `empty`: empty = 'FIXME' gives no diagnosis" in _problems(
+        tmp_path, edit
+    )
+    catalog = load_catalog()
+    assert catalog.suites["stage-c-4-gpu-mi350"].empty is None
+    assert "not yet ported" in catalog.suites["nightly-stage-c-8-gpu-mi350"].empty

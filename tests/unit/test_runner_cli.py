@@ -117,7 +117,7 @@ def test_bad_input_is_one_line_and_exit_2(make_tree, capsys, args, message):
     assert message in err and err.count("\n") == 1
 
 
-def test_registration_on_an_unknown_suite_stops_only_the_lanes_of_its_suite(make_tree, capsys):
+def test_a_registration_on_an_unknown_suite_fails_only_its_own_row(make_tree, capsys):
     root = make_tree(
         {
             "tests/e2e/test_typo.py": ROCM
@@ -125,17 +125,69 @@ def test_registration_on_an_unknown_suite_stops_only_the_lanes_of_its_suite(make
             **GPU_TREE,
         }
     )
-    assert main(["run", "--root", str(root), "--lane", "rocm-mi350", "--plan"]) == 2
-    assert "tests/e2e/test_typo.py:2" in capsys.readouterr().err
-    # the CUDA matrix, the cpu lane and the other ROCm lanes plan, naming it as a warning
-    for argv in (["matrix", "--lane", "cuda-h200"], ["run", "--lane", "cpu", "--plan"],
-                 ["matrix", "--lane", "nightly-mi350-4gpu"]):  # fmt: skip
-        assert main([argv[0], "--root", str(root), *argv[1:]]) == 0
-        captured = capsys.readouterr()
-        if argv[0] == "run":
-            assert "warning: 1 registration problem(s) in other suites" in captured.out
-            assert "tests/e2e/test_typo.py:2" in captured.out
+    # its lane plans: the typo is the failing row of its own file, the other six tests still run
+    assert main(["run", "--root", str(root), "--lane", "rocm-mi350", "--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "fails (registration refused): tests/e2e/test_typo.py:2: " in out
+    plan = _plan(root, lane="rocm-mi350")
+    assert [(r.file, r.suite) for r in plan.refused] == [("tests/e2e/test_typo.py", "stage-c-4-gpu-mi350")]
+    assert len(plan.tests) == 6
+    # the matrix runs the first shard, which reports it; the other ROCm lanes name it as a warning
+    assert main(["matrix", "--root", str(root), "--lane", "rocm-mi350"]) == 0
+    assert [e["shard"] for e in json.loads(capsys.readouterr().out)["include"]] == ["1/2", "2/2"]
+    assert main(["run", "--root", str(root), "--lane", "cpu", "--plan"]) == 1  # stage-a/b-cpu are empty here
+    capsys.readouterr()
     assert main(["audit", "--root", str(root), "--strict"]) == 1
+
+
+def test_a_refused_registration_fails_the_run_while_the_rest_of_its_suite_runs(make_tree, capsys):
+    typo = (
+        CPU_PASS["tests/e2e/test_ok.py"]
+        .replace("stage-b-cpu", "stage-b-cpux")
+        .replace("test_ok", "test_typo")
+    )
+    root = make_tree({"tests/e2e/test_typo.py": typo, **CPU_PASS})
+    assert main(["run", "--root", str(root), "--suite", "stage-b-cpu"]) == 1
+    assert "FAILED: 1 passed, 1 failed" in capsys.readouterr().out
+    run = json.loads((root / ".miles/reports/stage-b-cpu-1of1/run.json").read_text())
+    rows = {a["file"]: (a["status"], a["classification"]) for a in run["attempts"]}
+    assert rows == {
+        "tests/e2e/test_typo.py": ("failed", "registration"),
+        "tests/e2e/test_ok.py": ("passed", "passed"),
+    }
+    (typo_row,) = [a for a in run["attempts"] if a["file"] == "tests/e2e/test_typo.py"]
+    assert typo_row["message"].startswith("registration refused: tests/e2e/test_typo.py:2: register_cpu_ci: ")
+    assert "stage-b-cpux" in typo_row["message"]
+    junit = (root / ".miles/reports/stage-b-cpu-1of1/junit.xml").read_text()
+    assert 'file="tests/e2e/test_typo.py"' in junit and "<failure" in junit
+
+
+def test_a_suite_with_no_enabled_test_fails_its_lane_in_one_line(make_tree, capsys):
+    root = make_tree(GPU_TREE)  # nothing on the CUDA suites
+    for argv in (
+        ["run", "--lane", "cuda-h200", "--plan"],
+        ["run", "--lane", "cuda-h200"],
+        ["matrix", "--lane", "cuda-h200"],
+    ):
+        assert main([argv[0], "--root", str(root), *argv[1:]]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: suites stage-b-2-gpu-h200, stage-c-4-gpu-h200 of ")
+        assert "have no enabled test" in err[0] and 'empty = "..."' in err[0]
+    # a suite the catalog declares empty (with its reason) passes with nothing run, and says why
+    assert main(["run", "--root", str(root), "--lane", "nightly-mi350-8gpu", "--plan"]) == 0
+    assert (
+        "declared empty in the catalog: the seed framework's nightly 8-GPU MI350" in capsys.readouterr().out
+    )
+
+
+def test_a_suite_whose_only_test_is_disabled_is_empty(make_tree, capsys):
+    off = (
+        ROCM
+        + 'register_rocm_ci(est_time=60, suite="stage-c-4-gpu-mi350", labels=["amd"], disabled="needs 8 GPUs")\n'
+    )
+    root = make_tree({"tests/e2e/test_off.py": off})
+    assert main(["run", "--root", str(root), "--lane", "rocm-mi350", "--plan"]) == 1
+    assert "suite stage-c-4-gpu-mi350 of rocm-mi350 has no enabled test" in capsys.readouterr().err
 
 
 def test_run_exits_0_when_all_pass_and_prints_where_reports_went(make_tree, capsys):
@@ -216,7 +268,8 @@ def test_terminal_progress_shows_position_share_and_eta(make_tree):
 
 
 def test_a_run_narrowed_to_one_suite_of_a_lane_reports_under_the_suite_name(make_tree):
-    root = make_tree(GPU_TREE)
+    cuda = {name: text.replace("rocm", "cuda").replace("mi350", "h200") for name, text in GPU_TREE.items()}
+    root = make_tree(cuda)
     plan = _plan(root, lane="cuda-h200", suites=("stage-c-4-gpu-h200",), shard="1/2")
     assert plan.report_dir.name == "stage-c-4-gpu-h200-1of2"
 
@@ -271,18 +324,27 @@ def test_a_test_of_the_markers_themselves_blocks_no_lane(make_tree, capsys):
     assert [(r.backend, r.suite) for r in discovery.file("tests/ci/test_markers.py").registrations] == [
         ("cpu", "stage-a-cpu")
     ]
-    for suite in ("stage-c-4-gpu-h200", "stage-c-4-gpu-mi350", "stage-a-cpu"):
+    for suite in ("stage-c-4-gpu-mi350", "stage-a-cpu"):
         assert main(["plan", "--root", str(root), "--suite", suite]) == 0, capsys.readouterr().err
+        assert _plan(root, suites=(suite,)).refused == ()
 
 
-def test_a_problem_of_a_file_stops_only_the_suites_that_file_registers_for(make_tree, capsys):
+def test_a_problem_of_a_file_fails_that_file_in_the_suites_it_registers_for(make_tree, capsys):
     bad_gate = (
         "from miles.ci.register import register_ci_gate, register_cuda_ci\n"
         'register_cuda_ci(est_time=60, suite="stage-c-4-gpu-h200", labels=["megatron"])\n'
         'register_ci_gate(metric_key="")\n'
     )
-    root = make_tree({"tests/e2e/test_bad_gate.py": bad_gate})
-    assert main(["plan", "--root", str(root), "--suite", "stage-c-4-gpu-h200"]) == 2
-    assert "tests/e2e/test_bad_gate.py:3: register_ci_gate: metric_key=''" in capsys.readouterr().err
+    other = (
+        ROCM.replace("rocm", "cuda")
+        + 'register_cuda_ci(est_time=60, suite="stage-b-2-gpu-h200", labels=["fsdp"])\n'
+    )
+    root = make_tree({"tests/e2e/test_bad_gate.py": bad_gate, "tests/e2e/test_other.py": other})
+    plan = _plan(root, suites=("stage-c-4-gpu-h200",))
+    # the file does not run with a broken gate: its row is the failure
+    assert [r.message for r in plan.refused] == [
+        "register_ci_gate: metric_key='' must be a non-empty string such as 'train/grad_norm'"
+    ]
+    assert plan.tests == ()
     assert main(["plan", "--root", str(root), "--suite", "stage-b-2-gpu-h200"]) == 0
     assert "warning: 1 registration problem(s) in other suites" in capsys.readouterr().out

@@ -179,8 +179,8 @@ def test_flags_the_chosen_stack_ignores_are_refused_in_one_line_not_dropped():
     assert "--colocate (the built-in engine samples inside the trainer's processes" in refused
     assert "--num-layers --hidden-size (read by --train-backend megatron)" in refused
     assert (
-        "--sglang-mem-fraction-static --sglang-enable-dp-attention (read by the sglang rollout engine)"
-        in refused
+        "--sglang-mem-fraction-static --sglang-enable-dp-attention (read by the sglang rollout engine and the "
+        "sglang rollout engines in processes of their own (--rollout-num-gpus))" in refused
     )
     assert "no effect on --train-backend fsdp with the torch rollout engine, so refused; drop them" in refused
     assert refusal(parse_config(["--hf-checkpoint", "m"]), "torch") is None

@@ -17,6 +17,7 @@ from miles.train.config import FLAGS, SECTIONS, Section
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPONENTS = [("backend", c) for c in consumption.BACKENDS] + [("engine", c) for c in consumption.ENGINES]
+COMPONENTS += [("remote", c) for c in consumption.REMOTE_ENGINES]
 
 
 def _config(*flags: str):
@@ -24,7 +25,7 @@ def _config(*flags: str):
 
 
 def _consumer(kind: str, choice: str) -> consumption.Consumer:
-    return consumption.backend(choice) if kind == "backend" else consumption.engine(choice)
+    return consumption.consumer(kind, choice)
 
 
 def test_a_flag_naming_an_unknown_component_is_refused_where_it_is_declared():
@@ -39,7 +40,9 @@ def test_a_sections_default_consumers_apply_to_the_fields_that_name_none():
     assert by["tensor_model_parallel_size"] == {"megatron"}  # ParallelFlags.used_by
     assert by["gradient_checkpointing"] == {"fsdp", "ddp"}  # TorchDPConfig.used_by
     assert by["eval_interval"] == {"trainer"}
-    assert by["hf_checkpoint"] == {"trainer", "fsdp", "ddp", "megatron", "torch", "sglang"}
+    assert by["hf_checkpoint"] == {
+        "trainer", "fsdp", "ddp", "megatron", "torch", "sglang", "torch-servers", "sglang-servers",
+    }  # fmt: skip
     assert by["use_wandb"] == frozenset()  # nothing acts on it yet: refused when set
 
 
@@ -61,13 +64,17 @@ def test_a_component_is_built_from_exactly_the_sections_of_the_flags_it_acts_on(
 COMPONENT_MODULES = {
     "trainer": (
         "miles.train.trainer", "miles.train.runtime", "miles.train.checkpoint", "miles.train.evaluation",
-        "miles.train.inputs",
+        "miles.train.inputs", "miles.train.async_rollout",
     ),
     "fsdp": ("miles.train.backends.torch_dp",),
     "ddp": ("miles.train.backends.torch_dp",),
     "megatron": ("miles.train.backends.megatron", "miles.megatron.options"),
     "torch": ("miles.train.rollout",),
     "sglang": ("miles.train.sglang_engine", "miles.train.sglang_server"),
+    "torch-servers": ("miles.train.remote.engine",),
+    # its base class (miles.train.remote.engine) reads the engines and sglang sections for both; the
+    # torch servers' own constructor there reads --bf16, which SGLang's servers do not
+    "sglang-servers": ("miles.train.remote.sglang",),
 }  # fmt: skip
 SECTION_FIELDS = {s.name: {f.dest for f in s.flags()} for s in SECTIONS if s.name != "layout"}
 SECTION_FIELDS["sglang"].add("server_args")
@@ -263,21 +270,26 @@ def test_the_engine_that_reads_a_flag_decides_whether_it_has_effect():
     ]
 
 
-def test_colocate_and_offload_are_refused_on_the_built_in_engine_with_why():
-    config = _config("--colocate", "--offload-train", "--use-wandb", "--train-backend", "ddp")
+def test_colocate_and_offload_rollout_are_refused_on_the_built_in_engine_with_why():
+    config = _config("--colocate", "--offload-rollout", "--use-wandb", "--train-backend", "ddp")
     assert consumption.refusal(config, "torch") == (
-        "--colocate (the built-in engine samples inside the trainer's processes and holds no GPU memory of its "
-        "own to place or release, read by the sglang rollout engine); --offload-train (no backend moves its "
-        "weights or optimizer state off the GPU between steps yet); --use-wandb (read by no component): no "
-        "effect on --train-backend ddp with the torch rollout engine, so refused; drop them, or run with the "
-        "backend or engine that reads them"
+        "--colocate --offload-rollout (the built-in engine samples inside the trainer's processes and holds no "
+        "GPU memory of its own to place or release, read by the sglang rollout engine); --use-wandb (read by no "
+        "component): no effect on --train-backend ddp with the torch rollout engine, so refused; drop them, or "
+        "run with the backend or engine that reads them"
     )
 
 
 def test_the_sglang_engine_acts_on_colocate_and_offload_rollout():
     """It frees its memory while the trainer steps with either (untested on GPU here)."""
     assert consumption.refusal(_config("--colocate", "--offload-rollout"), "sglang") is None
-    assert consumption.refusal(_config("--offload-train"), "sglang").startswith("--offload-train (no backend")
+
+
+def test_every_backend_acts_on_offload_train_with_either_engine():
+    for backend in consumption.BACKENDS:
+        for engine in consumption.ENGINES:
+            config = _config("--train-backend", backend, "--offload", "--offload-train")
+            assert consumption.refusal(config, engine) is None, (backend, engine)
 
 
 def test_flags_set_to_their_default_are_not_reported():
@@ -292,13 +304,14 @@ def test_the_flags_no_component_acts_on_yet_are_these():
     means declaring it where it is consumed, and this list shrinks."""
     everyone = [consumption.trainer()] + [consumption.backend(b) for b in consumption.BACKENDS]
     everyone += [consumption.engine(e) for e in consumption.ENGINES]
+    everyone += [consumption.remote_engine(e) for e in consumption.REMOTE_ENGINES]
     unread = {f.option for f in FLAGS if not any(c.consumes(f) for c in everyone)}
     refused = {"--rm-url", "--kl-coef", "--optimizer"}  # refused unless left at their default
     planned = {
-        "--offload", "--offload-train", "--rollout-num-gpus", "--partial-rollout",
+        "--partial-rollout",
         "--over-sampling-batch-size", "--dynamic-sampling-filter-path", "--rollout-function-path", "--num-epoch",
         "--tool-key", "--fp16", "--ckpt-format", "--keep-old-actor", "--finetune",
-        "--debug-train-only", "--log-interval", "--log-passrate", "--use-wandb", "--wandb-project",
+        "--log-interval", "--log-passrate", "--use-wandb", "--wandb-project",
         "--wandb-group", "--wandb-key", "--wandb-host", "--wandb-mode", "--wandb-team",
         "--disable-wandb-random-suffix", "--use-tensorboard",
     }  # fmt: skip
@@ -310,11 +323,11 @@ def test_the_flags_no_component_acts_on_yet_are_these():
 def test_asking_which_flags_have_no_effect_imports_no_heavy_package():
     code = (
         "import sys; from miles.train.args import parse_config; from miles.train.consumption import "
-        "flags_without_effect; print(flags_without_effect(parse_config(['--hf-checkpoint', 'm', '--offload']), "
+        "flags_without_effect; print(flags_without_effect(parse_config(['--hf-checkpoint', 'm', '--use-wandb']), "
         "'sglang')); print(sorted(m for m in ('torch', 'transformers', 'megatron', 'sglang') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split("\n")[:2] == ["['--offload']", "[]"]
+    assert out.split("\n")[:2] == ["['--use-wandb']", "[]"]
 
 
 # --- no module reads argparse's internals or tells components apart by class name ----------

@@ -21,10 +21,11 @@ from pathlib import Path
 
 import pytest
 
+from miles.ci.machine.stacks import image_config
 from miles.image.config import load_images
 from miles.image.pins import parse_lock
 from miles.image.plan import ImageError, plan_refresh, refresh
-from miles.image.te import te_problems, te_sources
+from miles.image.te import expected_version, te_problems, te_sources
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_VARIANTS = ("cu13", "rocm720-mi35x", "rocm720-mi30x")
@@ -71,12 +72,12 @@ def test_a_dockerfile_arg_that_is_not_the_locks_version_is_reported(tmp_path):
     root = _project(tmp_path)
     line = _edit(
         root / "docker/Dockerfile",
-        "ARG TRANSFORMER_ENGINE_VERSION=2.20.2",
+        "ARG TRANSFORMER_ENGINE_VERSION=2.9.0",
         "ARG TRANSFORMER_ENGINE_VERSION=2.19.0",
     )
     pin = parse_lock(root / "requirements/cuda-h200.txt").pins["transformer-engine"]
     assert te_problems(root, load_images().variant("cu13")) == [
-        f"transformer-engine: docker/Dockerfile:{line} says 2.19.0, requirements/cuda-h200.txt:{pin.line} pins 2.20.2"
+        f"transformer-engine: docker/Dockerfile:{line} says 2.19.0, requirements/cuda-h200.txt:{pin.line} pins 2.9.0"
     ]
 
 
@@ -87,7 +88,7 @@ def test_an_image_building_the_torch_extension_at_another_version_is_refused_bef
         '"transformer-engine-torch==${TRANSFORMER_ENGINE_VERSION}"',
         '"transformer-engine-torch"',
     )
-    plan = plan_refresh(root, "cu13", image="ghcr.io/x/miles")
+    plan = plan_refresh(root, "cu13", image="ghcr.io/x/miles", config=image_config())
     calls = []
     with pytest.raises(
         ImageError, match="does not build transformer-engine-torch==\\$\\{TRANSFORMER_ENGINE_VERSION\\}"
@@ -116,7 +117,7 @@ def test_refresh_image_dry_shows_where_transformer_engine_comes_from():
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     lines = {line[:12].strip(): line[12:] for line in done.stdout.splitlines() if line[:1] != " "}
-    assert lines["te"].startswith("transformer-engine 2.20.2 (requirements/cuda-h200.txt:")
+    assert lines["te"].startswith("transformer-engine 2.9.0 (requirements/cuda-h200.txt:")
     assert "transformer-engine-torch built in the image against torch 2.14.1" in lines["te"]
     assert lines["te pins"] == "lock, Dockerfile and images.toml agree"
 
@@ -150,5 +151,43 @@ def test_preflight_names_installed_versions_that_are_not_the_locks(tmp_path):
     pin = parse_lock(ROOT / "requirements/cuda-h200.txt").pins["transformer-engine"]
     assert problems[1] == (
         "transformer-engine: installed transformer-engine 2.19.0, transformer-engine-cu13 2.19.0, "
-        f"transformer-engine-torch missing; requirements/cuda-h200.txt:{pin.line} pins 2.20.2"
+        f"transformer-engine-torch missing; requirements/cuda-h200.txt:{pin.line} pins 2.9.0"
+    )
+
+
+def test_every_gpu_stacks_te_is_one_megatron_core_supports():
+    from miles.image import te_support
+
+    # megatron-core 0.16.1 names the range it is tested with in its own Requires-Dist
+    spec = te_support.tested_range()
+    assert te_support.in_range("2.9.0", spec) and te_support.in_range("2.11.0", spec)
+    assert not te_support.in_range("2.20.2", spec) and not te_support.in_range("2.8.0", spec)
+    for variant in ("cu13", "rocm720-mi35x"):
+        assert te_problems(ROOT, load_images().variant(variant)) == []
+    # every TE name megatron-core imports resolves in the CUDA stack's release, but those whose
+    # absence is explained (and each of those is really absent there)
+    version, _ = expected_version(ROOT, "cuda-h200")
+    imports = te_support.te_imports(te_support.installed_megatron_core())
+    assert te_support.unsupported(version, imports) == []
+    missing = te_support.load_facts(version)["missing"]
+    assert set(te_support.ACCEPTED_MISSING) <= set(missing)
+    assert {i.key for i in imports} == set(missing) | set(te_support.load_facts(version)["resolved"])
+
+
+def test_a_te_past_megatron_cores_range_is_reported_with_what_it_loses(tmp_path):
+    root = _project(tmp_path)
+    _edit(
+        root / "docker/Dockerfile",
+        "ARG TRANSFORMER_ENGINE_VERSION=2.9.0",
+        "ARG TRANSFORMER_ENGINE_VERSION=2.20.2",
+    )
+    lock = root / "requirements/cuda-h200.txt"
+    lock.write_text(lock.read_text().replace("==2.9.0\n", "==2.20.2\n"))
+    problems = te_problems(root, load_images().variant("cu13"))
+    assert problems[0].startswith("transformer-engine 2.20.2 (requirements/cuda-h200.txt:")
+    assert "is outside megatron-core 0.16.1's tested range" in problems[0]
+    assert problems[1].startswith(
+        "transformer-engine: transformer_engine.pytorch.module.base:get_workspace (megatron/core/extensions/"
+        "transformer_engine.py:2446): missing in transformer-engine 2.20.2, so megatron-core falls back "
+        "(te_general_gemm = None)"
     )

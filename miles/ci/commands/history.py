@@ -90,11 +90,19 @@ def _store_errors_exit_1(handler: Callable[[argparse.Namespace], int]) -> Callab
 
 def _store_url(args: argparse.Namespace) -> str:
     """The store URL in effect (--store, else $MILES_HISTORY_URL, else the SQLite file),
-    checked: a malformed one is bad input (exit 2), not a store that failed (exit 1)."""
-    from miles.metrics.store import HISTORY_URL_ENV, StoreError, check_store_url, resolve_url
+    checked with $MILES_HISTORY_TIMEOUT: a malformed one is bad input (exit 2), not a store that
+    failed (exit 1)."""
+    from miles.metrics.store import (
+        HISTORY_URL_ENV,
+        StoreError,
+        check_store_url,
+        resolve_url,
+        statement_timeout,
+    )
 
     name = "--store" if args.store is not None else HISTORY_URL_ENV
     try:
+        statement_timeout()  # $MILES_HISTORY_TIMEOUT, read by every store: bad input too
         return check_store_url(resolve_url(args.store, root=args.root), name=name)
     except StoreError as exc:
         raise UsageError(str(exc)) from None

@@ -6,7 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from miles.ci.machine.preflight import EXIT_PREFLIGHT, MIN_FREE_ENV, MODEL_DIR_ENV, preflight
+from miles.ci.commands.usage import UsageError
+from miles.ci.machine.preflight import EXIT_PREFLIGHT, MIN_FREE_ENV, MODEL_DIR_ENV, BadSetting, preflight
 
 
 def add_preflight(p: argparse.ArgumentParser) -> None:
@@ -24,14 +25,17 @@ def add_preflight(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
-    problems, notes = preflight(
-        args.lane,
-        suites=args.suite,
-        machine_only=args.machine_only,
-        clean=args.clean,
-        model_dir=args.model_dir,
-        min_free_gb=args.min_free_gb,
-    )
+    try:
+        problems, notes = preflight(
+            args.lane,
+            suites=args.suite,
+            machine_only=args.machine_only,
+            clean=args.clean,
+            model_dir=args.model_dir,
+            min_free_gb=args.min_free_gb,
+        )
+    except BadSetting as exc:
+        raise UsageError(str(exc)) from None
     for note in notes:
         print(f"preflight: {note}")
     for problem in problems:

@@ -1,4 +1,5 @@
-"""`python -m miles.ci list|audit|manifest`: what is registered where, what is off, what no lane runs."""
+"""`python -m miles.ci list|audit|manifest|recipes`: what is registered where, what is off, what no lane
+runs, and what the lanes say about the recipes."""
 
 from __future__ import annotations
 
@@ -156,3 +157,44 @@ def cmd_manifest(args: argparse.Namespace) -> int:
     for problem in discovery.problems:
         print(problem, file=sys.stderr)
     return 1 if discovery.problems else 0
+
+
+def add_recipes(p: argparse.ArgumentParser) -> None:
+    add_root_argument(p)
+    p.add_argument(
+        "--write",
+        action="store_true",
+        help="rewrite miles/recipes/runs/cpu-lane.json from the cpu-lane tests",
+    )
+    p.set_defaults(handler=cmd_recipes)
+
+
+def cmd_recipes(args: argparse.Namespace) -> int:
+    """Which cpu-lane tests train each recipe (the evidence miles.recipes reads), and every GPU
+    profile's suite against the catalog; exit 1 on a stale evidence file or a wrong suite."""
+    from miles.ci.reports.recipes import (
+        cpu_lane_trainings,
+        every_form,
+        evidence_drift,
+        evidence_text,
+        profile_suite_problems,
+    )
+    from miles.files import replace_file
+    from miles.recipes.status import CPU_LANE_EVIDENCE, ROOT
+
+    evidence = args.root / CPU_LANE_EVIDENCE.relative_to(ROOT)  # the tree whose tests are read
+    catalog = load_catalog()
+    trainings = cpu_lane_trainings(args.root, catalog, _discover(args.root))
+    for recipe, pairs in trainings.items():
+        print(f"{recipe}: trained on the cpu lane by {', '.join(f'{f} ({s})' for f, s in pairs)}")
+    problems = profile_suite_problems(every_form(), catalog)
+    if args.write:
+        evidence.parent.mkdir(parents=True, exist_ok=True)
+        replace_file(evidence, evidence_text(trainings).encode())
+        print(f"wrote {evidence}")
+    else:
+        drift = evidence_drift(evidence, trainings)
+        problems += [drift] if drift else []
+    for problem in problems:
+        print(f"error: {printable(problem)}", file=sys.stderr)
+    return 1 if problems else 0

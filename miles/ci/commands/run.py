@@ -128,12 +128,18 @@ def _usage_errors():
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from miles.ci.running.plan import EmptySuite
     from miles.ci.running.runner import run
 
     try:
         return run(_options(args), plan_only=args.plan, job_of=getattr(args, "job_of", None))
     except _usage_errors() as exc:
         raise UsageError(str(exc)) from None
+    except (
+        EmptySuite
+    ) as exc:  # the lane fails in one line: a green run with nothing in it hides lost coverage
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -144,7 +150,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_matrix(args: argparse.Namespace) -> int:
     from miles.ci.registry.catalog import load_catalog
     from miles.ci.registry.discover import discover
-    from miles.ci.running.plan import DEFAULT_TIMEOUT_FLOOR, RunOptions, build_plan
+    from miles.ci.running.plan import DEFAULT_TIMEOUT_FLOOR, EmptySuite, RunOptions, build_plan
     from miles.ci.selection.policy import write_github_outputs
 
     catalog = load_catalog()
@@ -162,16 +168,21 @@ def cmd_matrix(args: argparse.Namespace) -> int:
         plan = build_plan(options, catalog, discover(args.root, catalog=catalog))
     except _usage_errors() as exc:
         raise UsageError(str(exc)) from None
+    except EmptySuite as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    refused = {r.suite for r in plan.refused}
     timeouts = {(t.registration.suite, t.registration.file): t.timeout for t in plan.tests}
     include = []
     for sp in plan.suites:
         setup = MATRIX_SETUP_MINUTES["gpu" if sp.suite.is_gpu else "cpu"]
         for index, shard in enumerate(sp.partition.shards, start=1):
-            if not shard:
+            # a refused registration is reported by its suite's first shard, which must then run
+            if not shard and not (index == 1 and sp.suite.name in refused):
                 continue
             limits = [timeouts[(sp.suite.name, job.key)] for job in shard]
             # every file at its limit, one retry of the longest, plus machine setup
-            worst = sum(limits) + (plan.max_attempts - 1) * max(limits)
+            worst = sum(limits) + (plan.max_attempts - 1) * max(limits, default=0.0)
             include.append(
                 {
                     "suite": sp.suite.name,

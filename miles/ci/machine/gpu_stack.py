@@ -193,7 +193,7 @@ def gpu_stack_problems(lane: str, backend: str, env: Mapping[str, str], *, machi
     stack is installed (not with --machine-only)."""
     if backend not in ("cuda", "rocm"):
         return []
-    from miles.image.config import stack_for_lane
+    from miles.ci.machine.stacks import stack_for_lane
 
     stack = stack_for_lane(lane)
     found = probe([] if machine_only else stack.engine_modules, env=env if env is not os.environ else None)

@@ -17,6 +17,7 @@ through miles.platform when it is installed.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
 import shutil
@@ -219,7 +220,7 @@ def check_python(lane: str, catalog: Catalog | None = None) -> list[str]:
 
 def check_pins(lane: str, installed: Mapping[str, str] | None = None, root: Path | None = None) -> list[str]:
     """The lane's lock against the running interpreter's packages, one line per difference."""
-    from miles.image.config import stack_for_lane
+    from miles.ci.machine.stacks import stack_for_lane
     from miles.image.pins import diff_installed, installed_versions, parse_lock
 
     root = root or ROOT
@@ -385,6 +386,26 @@ def check_leftovers(
     ], notes
 
 
+class BadSetting(ValueError):
+    """A preflight setting (flag or variable) that is not a value it can use; bad input."""
+
+
+def free_space_needed(given: float | None, env: Mapping[str, str], backend: str) -> float:
+    """GB of free disk the lane needs: --min-free-gb, else $MILES_PREFLIGHT_MIN_FREE_GB, else the
+    backend's; a value that is not a finite number of at least 0 is a BadSetting."""
+    text = str(given) if given is not None else env.get(MIN_FREE_ENV, "").strip()
+    where = "--min-free-gb" if given is not None else MIN_FREE_ENV
+    if not text:
+        return MIN_FREE_GB[backend]
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise BadSetting(f"{where}={text[:40]!r} must be a number of GB, at least 0")
+    return value
+
+
 def preflight(
     lane: str,
     *,
@@ -402,9 +423,7 @@ def preflight(
     if not machine_only:
         problems += check_pins(lane)
     problems += engine_stack_problems(need, env, machine_only=machine_only)
-    threshold = (
-        min_free_gb if min_free_gb is not None else float(env.get(MIN_FREE_ENV, MIN_FREE_GB[need.backend]))
-    )
+    threshold = free_space_needed(min_free_gb, env, need.backend)
     problems += check_disk(model_dir or Path(env.get(MODEL_DIR_ENV, ".")).resolve(), threshold)
     if not machine_only and need.gpus:
         problems += transformer_engine_problems(lane)

@@ -45,7 +45,7 @@ print(json.dumps(out))
 
 def check_transformer_engine(lane: str, root: Path, python: str = sys.executable) -> list[str]:
     """One line per problem with the lane's Transformer Engine; [] for a stack without TE."""
-    from miles.image.config import stack_for_lane
+    from miles.ci.machine.stacks import stack_for_lane
     from miles.image.pins import versions_match
     from miles.image.te import expected_version, te_sources
 

@@ -98,6 +98,9 @@ class Suite:
     runner_labels: tuple[str, ...]
     consumers: tuple[Consumer, ...]
     description: str
+    # Why the suite has no enabled test yet (`empty = "..."`); a suite without one whose tests
+    # are all missing or disabled fails its lane instead of passing with nothing run.
+    empty: str | None = None
 
     @property
     def tier(self) -> str:
@@ -322,6 +325,7 @@ def _build(path: Path, raw: dict, problems: list[str]) -> Catalog:
             runner_labels=tuple(field(where, entry, "runner_labels", list, [])),
             consumers=tuple(consumers),
             description=field(where, entry, "description", str, ""),
+            empty=_empty_reason(where, entry, problems),
         )
     implicit = {}
     for directory, entry in table("implicit").items():
@@ -347,6 +351,22 @@ def _build(path: Path, raw: dict, problems: list[str]) -> Catalog:
         implicit=MappingProxyType(implicit),
         schedules=MappingProxyType(schedules),
     )
+
+
+def _empty_reason(where: str, entry: dict, problems: list[str]) -> str | None:
+    """A suite's `empty` declaration: a reason held to the rules of a `disabled=` reason."""
+    if "empty" not in entry:
+        return None
+    from miles.ci.registry.reasons import disabled_reason_problem
+
+    value = entry["empty"]
+    if not isinstance(value, str):
+        problems.append(f"{where}: `empty` = {value!r} should be a sentence saying why the suite has no test")
+        return None
+    problem = disabled_reason_problem(value)
+    if problem:
+        problems.append(f"{where}: `empty`: {problem.replace('disabled=', 'empty = ', 1)}")
+    return value
 
 
 def validate_catalog(catalog: Catalog) -> list[str]:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from miles.ci.registry.catalog import Catalog
 from miles.ci.registry.discover import Discovery, Registration
+from miles.ci.registry.registration import Problem
 from miles.ci.reports.summary import cell, printable
 from miles.metrics.store import BASELINE_CADENCES
 
@@ -61,6 +62,8 @@ class AuditReport:
     disabled: tuple[DisabledEntry, ...]
     coverage: tuple[CoverageRow, ...]
     suite_counts: tuple[tuple[str, int, int], ...]  # suite, enabled, disabled
+    # registration problems, each the failing row its test file gets in the runs of its suites
+    refused: tuple[Problem, ...] = ()
 
     @property
     def errors(self) -> tuple[Finding, ...]:
@@ -73,11 +76,24 @@ class AuditReport:
             "disabled": [d.to_json() for d in self.disabled],
             "coverage": [{"file": c.file, "cuda": c.cuda, "rocm": c.rocm} for c in self.coverage],
             "suites": [{"suite": s, "enabled": e, "disabled": d} for s, e, d in self.suite_counts],
+            "refused": [
+                {"file": p.file, "line": p.line, "suites": list(_suites_of(p)), "rule": p.message}
+                for p in self.refused
+            ],
         }
 
     def to_markdown(self) -> str:
         out = ["# CI audit", "", "## Suites", "", "| suite | enabled | disabled |", "| --- | ---: | ---: |"]
         out += [f"| {s} | {e} | {d} |" for s, e, d in self.suite_counts]
+        out += ["", "## Refused registrations (each fails its file's row in its suites' runs)", ""]
+        if self.refused:
+            out += ["| suite | file | rule |", "| --- | --- | --- |"]
+            out += [
+                f"| {cell(', '.join(_suites_of(p)) or '-')} | {cell(f'{p.file}:{p.line}')} | {cell(p.message)} |"
+                for p in self.refused
+            ]
+        else:
+            out.append("None.")
         out += ["", "## Disabled tests", ""]
         if self.disabled:
             out += [
@@ -107,6 +123,30 @@ class AuditReport:
         return "\n".join(out) + "\n"
 
 
+def _suites_of(problem: Problem) -> tuple[str, ...]:
+    return (problem.suite,) if problem.suite is not None else problem.suites
+
+
+def _empty_findings(catalog: Catalog, counts, discovery: Discovery) -> list[Finding]:
+    """A suite with no enabled test fails its lane (error) unless the catalog declares it empty
+    with a reason (info); a declaration the suite outgrew is a warning."""
+    out = []
+    charged = {s for p in discovery.problems for s in _suites_of(p)}
+    for name, enabled, off in counts:
+        declared = catalog.suites[name].empty
+        if enabled and declared:
+            out.append(Finding(WARNING, "stale-empty", f"suite '{name}' has {enabled} enabled test(s) but the "
+                               "catalog declares it empty; remove its `empty` line"))  # fmt: skip
+        elif not enabled and declared:
+            out.append(Finding(INFO, "declared-empty", f"suite '{name}' is empty: {declared}"))
+        elif not enabled and name not in charged:
+            note = f" ({off} disabled)" if off else ""
+            out.append(Finding(ERROR, "empty-suite", f"suite '{name}' has no enabled test{note}, so its lane "
+                               f"'{catalog.suites[name].lane}' fails; register one, or declare it empty with "
+                               "its reason in miles/ci/catalog.toml (empty = \"...\")"))  # fmt: skip
+    return out
+
+
 def audit(catalog: Catalog, discovery: Discovery, *, root: Path | None = None) -> AuditReport:
     root = root if root is not None else discovery.root
     findings: list[Finding] = [Finding(ERROR, "registration", str(p)) for p in discovery.problems]
@@ -123,15 +163,16 @@ def audit(catalog: Catalog, discovery: Discovery, *, root: Path | None = None) -
         (name, sum(r.enabled for r in per_suite[name]), sum(not r.enabled for r in per_suite[name]))
         for name in catalog.suites
     )
-    for name, enabled, off in suite_counts:
-        if enabled == 0:
-            note = f" ({off} disabled)" if off else ""
-            findings.append(Finding(WARNING, "empty-suite", f"suite '{name}' has nothing to run{note}"))
+    findings.extend(_empty_findings(catalog, suite_counts, discovery))
     enabled_in = {name: enabled for name, enabled, _ in suite_counts}
     for lane in catalog.lanes.values():
-        if not any(enabled_in[s.name] for s in catalog.suites_of_lane(lane.name)):
-            findings.append(Finding(WARNING, "empty-lane", f"lane '{lane.name}' has nothing to run"))
+        suites = catalog.suites_of_lane(lane.name)
+        if not any(enabled_in[s.name] for s in suites) and all(s.empty for s in suites):
+            findings.append(
+                Finding(INFO, "empty-lane", f"lane '{lane.name}' runs no test: its suites are declared empty")
+            )
 
+    refused = tuple(p for p in discovery.problems if p.backends)
     # A suite without consumers never gets this far: the catalog refuses to load.
     for suite in catalog.suites.values():
         for consumer in suite.consumers:
@@ -168,7 +209,7 @@ def audit(catalog: Catalog, discovery: Discovery, *, root: Path | None = None) -
 
     order = {ERROR: 0, WARNING: 1, INFO: 2}
     findings.sort(key=lambda f: order[f.severity])
-    return AuditReport(tuple(findings), disabled, coverage, suite_counts)
+    return AuditReport(tuple(findings), disabled, coverage, suite_counts, refused)
 
 
 def _coverage(discovery: Discovery) -> tuple[CoverageRow, ...]:

@@ -43,6 +43,29 @@ class PlanError(ValueError):
     """The run cannot be planned from this input (exit 2)."""
 
 
+class EmptySuite(RuntimeError):
+    """A suite of the run has no enabled test and the catalog does not declare it empty: the
+    lane fails (exit 1) instead of passing with nothing run."""
+
+
+@dataclass(frozen=True)
+class RefusedTest:
+    """A registration problem of one of the run's suites, charged to its own test file: the run
+    reports it as that file's failed row and runs the rest of the suite."""
+
+    file: str
+    line: int
+    suite: str
+    lane: str
+    message: str
+
+    def record(self, backend: str, commit: str):
+        """Its failed attempt: the registration never ran, and says why."""
+        run = TestRun(self.file, backend, self.suite, self.lane, "1/1", 0.0, 0.0, commit=commit)
+        text = printable(f"{self.file}:{self.line}: {self.message}")
+        return run.record("failed", "registration", message=f"registration refused: {text}", output_tail=text)
+
+
 @dataclass(frozen=True)
 class RunOptions:
     root: Path = Path(".")
@@ -101,6 +124,7 @@ class RunPlan:
     history_reason: str = ""  # why (policy.history_decision)
     warnings: tuple[Problem, ...] = ()  # registration problems of other suites: not this run's
     jobs: int = 1  # runner processes side by side, job j running shard j of every suite
+    refused: tuple[RefusedTest, ...] = ()  # this run's suites' problems, each a failed row of its file
 
     @property
     def predicted_wall(self) -> float:
@@ -214,10 +238,7 @@ def build_plan(options: RunOptions, catalog: Catalog, discovery: Discovery) -> R
     """Everything the run will do, computed without running anything."""
     check_options(options)
     scope = resolve_scope(catalog, lane=options.lane, backend=options.backend, suites=options.suites)
-    own = [p for p in discovery.problems if blocks(p, scope, catalog)]
-    if own:
-        lines = "\n".join(f"  {p}" for p in own)
-        raise PlanError(f"{len(own)} registration problem(s) in this run's suites; fix them first:\n{lines}")
+    refused = refused_tests(discovery, scope, catalog)
     labels = parse_labels(options.labels, catalog) if options.labels is not None else None
     base_cadence = options.cadence or default_cadence(scope)
     cadence = effective_cadence(base_cadence, labels)
@@ -238,9 +259,11 @@ def build_plan(options: RunOptions, catalog: Catalog, discovery: Discovery) -> R
         n_requested = parse_shards(options.shards)
         explicit = n_requested is not None
 
+    check_not_empty(scope, discovery, refused)  # after the input's checks: bad input is exit 2 first
     suite_plans, tests = [], []
     for suite in scope.suites:
-        regs = {r.file: r for r in selection.of_suite(suite.name)}
+        failing = {r.file for r in refused if r.suite == suite.name}  # their row is the failure
+        regs = {r.file: r for r in selection.of_suite(suite.name) if r.file not in failing}
         jobs = [Job(r.file, r.est_time) for r in regs.values()]
         try:
             n, how = shard_count(suite, jobs, n_requested, explicit)
@@ -249,6 +272,8 @@ def build_plan(options: RunOptions, catalog: Catalog, discovery: Discovery) -> R
             raise PlanError(f"suite {suite.name} cannot be sharded: {exc}") from None
         run_shards = tuple(range(1, n + 1)) if k is None else ((k,) if k <= n else ())
         suite_plans.append(SuitePlan(suite, n, how, partition, run_shards))
+        if 1 not in run_shards:  # a suite's refused registrations fail its first shard only
+            refused = tuple(r for r in refused if r.suite != suite.name)
         for index in run_shards:
             # Shortest first: quick feedback, and fast-fail spares the expensive tests.
             for job in sorted(partition.shards[index - 1], key=lambda j: (j.weight, j.key)):
@@ -299,7 +324,49 @@ def build_plan(options: RunOptions, catalog: Catalog, discovery: Discovery) -> R
         history_reason,
         tuple(p for p in discovery.problems if not blocks(p, scope, catalog)),
         n_jobs,
+        refused,
     )
+
+
+def refused_tests(discovery: Discovery, scope: Scope, catalog: Catalog) -> tuple[RefusedTest, ...]:
+    """The registration problems of the run's suites, one row per (file, line, suite): a refused
+    call in the suite it named (or, for a name no suite has, the run's suite it is closest to),
+    a problem of a whole file in each of the run's suites the file registers for."""
+    names = [s.name for s in scope.suites]
+    out: dict[tuple[str, int, str], RefusedTest] = {}
+    for problem in discovery.problems:
+        if not blocks(problem, scope, catalog):
+            continue
+        named = (problem.suite,) if problem.suite is not None else problem.suites
+        suites = [s for s in named if s in names] or [_closest(named, names)]
+        for suite in suites:
+            lane = scope.lane_of(catalog.suites[suite])
+            out.setdefault((problem.file, problem.line, suite),
+                           RefusedTest(problem.file, problem.line, suite, lane, problem.message))  # fmt: skip
+    return tuple(out.values())
+
+
+def _closest(named: tuple[str, ...], names: list[str]) -> str:
+    for name in named:
+        close = difflib.get_close_matches(name, names, n=1, cutoff=0.75)
+        if close:
+            return close[0]
+    return names[0]
+
+
+def check_not_empty(scope: Scope, discovery: Discovery, refused: tuple[RefusedTest, ...]) -> None:
+    """EmptySuite when a suite of the run has no enabled registration, no refused one to report,
+    and no `empty` reason in the catalog."""
+    enabled = {r.suite for r in discovery.registrations if r.enabled and r.backend == scope.backend}
+    failing = {r.suite for r in refused}
+    empty = [s for s in scope.suites if s.name not in enabled | failing and s.empty is None]
+    if empty:
+        shown = ", ".join(s.name for s in empty)
+        raise EmptySuite(
+            f"suite{'s' if len(empty) > 1 else ''} {shown} of {scope.name} {'have' if len(empty) > 1 else 'has'} "
+            "no enabled test: register one, or declare the suite empty with its reason in "
+            f'miles/ci/catalog.toml ([suites."{empty[0].name}"] empty = "...")'
+        )
 
 
 def blocks(problem: Problem, scope: Scope, catalog: Catalog) -> bool:
@@ -419,6 +486,10 @@ def format_plan(plan: RunPlan) -> str:
             )
         for e in (e for e in sel.excluded if e.suite == sp.suite.name):
             out.append(f"  not run ({e.kind}): {e.file}: {e.reason}")
+        for r in (r for r in plan.refused if r.suite == sp.suite.name):
+            out.append(f"  fails (registration refused): {r.file}:{r.line}: {r.message}")
+        if not n_tests and sp.suite.empty:
+            out.append(f"  declared empty in the catalog: {sp.suite.empty}")
     if plan.tests:
         out += ["", _prediction(plan, every_suite_loads)]
     if plan.warnings:
@@ -433,7 +504,7 @@ def format_plan(plan: RunPlan) -> str:
             junit = folder / "junit.xml"
             env = run.env(folder / "metrics", folder / "phases")
             out.append(f"  {format_command(pytest_command(plan.settings, run.file, junit), env)}")
-    else:
+    elif not plan.refused:
         out += ["", "nothing to run in this shard."]
     out.append(f"reports: {plan.report_dir}/{{{','.join(REPORT_FILES)}}}")
     # file names and reasons are anyone's text: a newline in one must not start a line (a

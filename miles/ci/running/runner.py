@@ -226,6 +226,8 @@ def _execute(plan, catalog, cancel, out, checkpoint, attempt_folders: Folder, fo
         rest = [_not_run(plan, t, CANCELLED, rest_message, commit) for t in plan.tests[index + 1 :]]
         checkpoint(record([*attempts, current, *rest], complete=False))
 
+    # a refused registration is its own test's failed row; the suite's other tests still run
+    attempts += [r.record(plan.selection.scope.backend, commit) for r in plan.refused]
     for index, test in enumerate(plan.tests):
         if cancel.cancelled:
             attempts.append(

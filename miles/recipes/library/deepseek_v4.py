@@ -47,7 +47,7 @@ DEEPSEEK_V4_FLASH = ModelSpec(
             ("vocab_size", 129280), ("tie_word_embeddings", False), ("rope_scaling_factor", 16),
         ),
         sources=(
-            ("rope_scaling_factor", "radixark/miles scripts/models/deepseek-v4-flash.py@12cab3e3 (YaRN factor 16 over 65536)"),
+            ("rope_scaling_factor", "radixark/miles scripts/models/deepseek-v4-flash.py@31f1ca961a94 (YaRN factor 16 over 65536)"),
         ),
     ),
     gaps=(
@@ -96,6 +96,9 @@ ROCM = Overlay(
             ("--sglang-mem-fraction-static", 0.5),
             ("--sglang-watchdog-timeout", 1800),
         ),
+        # as the reference: ROCm's TE has no fused weight-gradient accumulation (and neither image
+        # carries Apex's), so the fusion stays off whatever is installed
+        misc=(("--no-gradient-accumulation-fusion", True),),
     ),
     env=(
         ("SGLANG_DG_CACHE_DIR_PER_PROCESS", None),
@@ -112,9 +115,8 @@ ROCM = Overlay(
     ),
     deviations=(
         deviation(
-            "--no-gradient-accumulation-fusion",
             "--train-env-vars",
-            reason="switches of the reference's ROCm FP8 training, which miles.train does not do",
+            reason="a switch of the reference's ROCm FP8 training, which miles.train does not do",
         ),
     ),
 )
@@ -170,8 +172,8 @@ RECIPE = Recipe(
     deviations=(
         *d.COMMON_DEVIATIONS,
         deviation(
-            "--hf-checkpoint",
-            "--ref-load",
+            "--hf-checkpoint={model_dir}/DeepSeek-V4-Flash-4layer_fp8",
+            "--ref-load={model_dir}/DeepSeek-V4-Flash-4layer_torch_dist",
             reason="miles trims DeepSeek-V4-Flash to 4 layers and converts it to FP8 and torch_dist itself "
             "(prepare-ckpt: DeepSeek-V4-Flash-4layer_fp8 and _torch_dist); the reference downloads an FP8 4-layer "
             "prune (DeepSeek-V4-Flash-FP8-4layer)",
@@ -217,7 +219,7 @@ RECIPE = Recipe(
         deviation(
             "--num-steps-per-rollout",
             "--apply-chat-template-kwargs",
-            "--global-batch-size",
+            "--global-batch-size=256",
             reason="one optimizer step per rollout is miles.train's only mode (global batch = 32 x 8); the "
             "template's thinking switch has no miles.train flag",
         ),

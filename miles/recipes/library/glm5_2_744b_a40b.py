@@ -45,10 +45,13 @@ GLM5_2_744B_A40B = ModelSpec(
             ("index_topk_freq", 4), ("index_skip_topk_offset", 3), ("num_nextn_predict_layers", 1),
         ),
         sources=(
-            ("rope_theta", "radixark/miles scripts/run_glm5_2_744b_a40b.py@044f7c8c notes (GLM-5.2: rotary base 8000000)"),
-            ("index_topk_freq", "radixark/miles scripts/models/glm5.2-744B-A40B_7layer.sh@a3f6efc5 notes"),
+            ("rope_theta", "radixark/miles scripts/models/glm5.2-744B-A40B.py@31f1ca961a94 (--rotary-base 8000000)"),
             (
-                "index_skip_topk_offset", "radixark/miles scripts/run_glm5_2_744b_a40b.py@49f9aef1 notes "
+                "index_topk_freq", "radixark/miles scripts/run_glm5_2_744b_a40b.py@31f1ca961a94 notes "
+                "(index_topk_freq=4, index_skip_topk_offset=3: indexers on layers 1, 2, 3, 7, 11, ..., 75)",
+            ),
+            (
+                "index_skip_topk_offset", "radixark/miles scripts/run_glm5_2_744b_a40b.py@31f1ca961a94 notes "
                 "(index_topk_freq=4, index_skip_topk_offset=3: indexers on layers 1, 2, 3, 7, 11, ..., 75)",
             ),
         ),
@@ -183,8 +186,10 @@ RECIPE = Recipe(
         deviation(
             "--spec",
             "--enable-experimental",
-            "--experimental-attention-variant",
-            "--dsa-indexer-*",
+            "--experimental-attention-variant=dsa",
+            "--dsa-indexer-head-dim=128",
+            "--dsa-indexer-n-heads=32",
+            "--dsa-indexer-topk=2048",
             reason="the reference builds GLM-5.2's DSA with its own spec (miles_plugins.models.glm5); miles builds it "
             "with its own modules (miles.families.glm_moe_dsa.dsa: GLM's indexer and its cross-layer top-k sharing, read from "
             "config.json) and states the attention and the indexer's shape in megatron-core's flags, which its "
@@ -192,14 +197,14 @@ RECIPE = Recipe(
         ),
         deviation(
             "--moe-enable-deepep",
-            "--moe-token-dispatcher-type",
+            "--moe-token-dispatcher-type=alltoall",
             reason="megatron-core's DeepEP (flex) dispatcher needs the deep_ep kernels; miles dispatches all-to-all, "
             "as the reference does without DeepEP (its AMD script)",
             platforms=("cuda",),
         ),
         deviation(
-            "--hf-checkpoint",
-            "--ref-load",
+            "--hf-checkpoint={model_dir}/GLM-5.2-744B-A40B-5layer_fp8",
+            "--ref-load={model_dir}/GLM-5.2-744B-A40B-5layer_torch_dist",
             reason="miles names prepared checkpoints after the recipe's model (GLM-5.2-744B-A40B-5layer_fp8 and "
             "_torch_dist, trimmed and converted by prepare-ckpt); the reference downloads a 5-layer prune named "
             "GLM-5.2_5layer",

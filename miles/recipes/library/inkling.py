@@ -127,10 +127,10 @@ RECIPE = Recipe(
     deviations=(
         *d.COMMON_DEVIATIONS,
         deviation(
-            "--load",
-            "--ref-load",
-            "--save",
-            "--save-interval",
+            "--load={output_dir}/{run_id}/checkpoints",
+            "--ref-load={model_dir}/Inkling-Small-4layer_torch_dist",
+            "--save={output_dir}/{run_id}/checkpoints",
+            "--save-interval=20",
             "--finetune",
             "--no-load-optim",
             "--no-load-rng",
@@ -145,11 +145,11 @@ RECIPE = Recipe(
         ),
         deviation(
             "--custom-model-provider-path",
-            "--ffn-hidden-size",
-            "--moe-shared-expert-intermediate-size",
-            "--moe-layer-freq",
-            "--window-size",
-            "--window-attn-skip-freq",
+            "--ffn-hidden-size=16384",
+            "--moe-shared-expert-intermediate-size=4096",
+            "--moe-layer-freq=[0,0,1,1]",
+            "--window-size=511,0",
+            "--window-attn-skip-freq=6",
             reason="the reference builds Inkling with its own provider from the checkpoint's config; so does miles "
             "(miles.families.inkling.layers, read from config.json), and it passes config.json's shape in megatron-core's "
             "terms, which its backend checks against config.json (dense width 16384 in layers 0-1, 2 shared experts "

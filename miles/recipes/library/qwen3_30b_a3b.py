@@ -66,9 +66,10 @@ ROCM = Overlay(
     ),
     deviations=(
         deviation(
-            "layout:4",
+            "layout:4=4 GPU(s) tp2·pp2·cp1·ep2·etp1+sp, 2 GPU(s) per rollout engine",
             reason="the reference states whole MI355X nodes (tp1·pp2·cp2·ep4); a 4-GPU runner trains the 4-layer "
             "slice on the layout the seeds verified there (EP4 would need 8 ranks under PP2)",
+            evidence=d.OWN_LAYOUT_EVIDENCE,
         ),
     ),
 )  # fmt: skip
@@ -100,17 +101,20 @@ RECIPE = Recipe(
     deviations=(
         *d.COMMON_DEVIATIONS,
         deviation(
-            "--hf-checkpoint",
-            "--ref-load",
+            "--hf-checkpoint={model_dir}/Qwen3-30B-A3B-4layer_fp8",
+            "--hf-checkpoint={model_dir}/Qwen3-30B-A3B_fp8",
+            "--hf-checkpoint={model_dir}/Qwen3-30B-A3B-4layer",
+            "--ref-load={model_dir}/Qwen3-30B-A3B-4layer_torch_dist",
             reason="miles prepares its own checkpoints (prepare-ckpt): a slice is trimmed into <model>-4layer and "
             "converted from there, and the FP8 rollout copy is its own 128x128-block e4m3 conversion (<model>_fp8), "
             "where the reference downloads Qwen's -FP8 release (the same block format) and runs the full checkpoint",
         ),
         deviation(
-            "layout:4",
+            "layout:4=4 GPU(s) tp4·pp1·cp1·ep4·etp1+sp, 2 GPU(s) per rollout engine",
             reason="the reference runs tp4·ep4 with 2-GPU FP8 engines on 4 GPUs only as a GB200/GB300 command (its "
             "trtllm_mha attention needs Blackwell); a 4-GPU H200 runner runs that layout with the H100 command",
             platforms=("cuda",),
+            evidence=d.OWN_LAYOUT_EVIDENCE,
         ),
         deviation(
             "--moe-token-drop-policy",

@@ -56,8 +56,8 @@ ROCM = Overlay(
     ),
     deviations=(
         deviation(
-            "--load",
-            "--save",
+            "--load={output_dir}/{run_id}/checkpoints",
+            "--save={output_dir}/{run_id}/checkpoints",
             reason="miles keeps each run's checkpoints under its run id ({output_dir}/{run_id}/checkpoints), as the "
             "CUDA reference does; the AMD reference writes every run to {output_dir}/checkpoints",
         ),
@@ -80,23 +80,25 @@ RECIPE = Recipe(
         gpu_profile("cuda", 1, 4, MODEL, TP2_CP2, rollout_gpus_per_engine=1, suite="stage-c-4-gpu-h200"),
         gpu_profile("cuda", 1, 8, MODEL, TP2_CP4, rollout_gpus_per_engine=1, suite="stage-c-8-gpu-h200"),
         d.cpu_tiny_profile(TP2, "megatron"),
+        d.cpu_tiny_profile(TP2, "megatron", nodes=2),  # the same run on two Ray nodes
     ),
     overlays=(ROCM,),
     references=references.load("qwen3_4b"),
     deviations=(
         *d.COMMON_DEVIATIONS,
         deviation(
-            "--position-embedding-type",
+            "--position-embedding-type=rope",
             "--use-rotary-position-embeddings",
             reason="one switch: Megatron-LM reads --use-rotary-position-embeddings as --position-embedding-type rope",
         ),
         deviation(
-            "layout:4",
+            "layout:4=4 GPU(s) tp2·pp1·cp2(a2a)·ep1·etp1+sp, 1 GPU(s) per rollout engine",
             reason="the reference states only 8 GPUs (tp2·cp4); the 4-GPU runner keeps tp2 and halves cp",
             platforms=("cuda",),
+            evidence=d.OWN_LAYOUT_EVIDENCE,
         ),
         deviation(
-            "--load",
+            "--load={output_dir}/{run_id}/checkpoints",
             reason="a rerun resumes from the run's own --save in miles, as in the AMD reference; the CUDA reference "
             "--loads the torch_dist every time (both start from the same weights: miles' --ref-load)",
             platforms=("cuda",),

@@ -9,9 +9,11 @@ calls of functions and lambdas defined in the read files, dataclass instances wi
 defaults, `__post_init__` and properties, assignments, `if`, `match`, `for`, `try`,
 `assert`, `raise`, `return`. Calls leave the read files only for the natives it is given
 (modelled library functions, whitelisted builtins and methods of plain values). Anything
-else is a `SourceError` naming the file and line, never a guess.
+else is a `SourceError` naming the file and line, never a guess. A reading runs under step,
+call-depth, size and time bounds (`Bounds`), so crafted source ends in one line too.
 """
 
+from miles.recipes.pysource.bounds import BoundExceeded, Bounds
 from miles.recipes.pysource.evaluator import Evaluator
 from miles.recipes.pysource.values import (
     DataClass,
@@ -25,6 +27,8 @@ from miles.recipes.pysource.values import (
 )
 
 __all__ = [
+    "BoundExceeded",
+    "Bounds",
     "DataClass",
     "Evaluator",
     "Function",

@@ -6,6 +6,7 @@ import ast
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from miles.recipes.pysource.bounds import Bounds, Budget, check_native, check_size
 from miles.recipes.pysource.expressions import _EXCEPTIONS, _GETATTR, _HASATTR, BUILTINS, Expressions
 from miles.recipes.pysource.values import (
     DataClass,
@@ -29,10 +30,17 @@ class _Return(Exception):  # control flow of `return`, not an error
 
 class Evaluator(Expressions):
     """Evaluates functions of `Module`s; `importer(name)` gives the Module or Namespace an
-    import statement names (or raises SourceError)."""
+    import statement names (or raises SourceError). A reading runs inside `bounded()`, under
+    `bounds` (miles.recipes.pysource.bounds)."""
 
-    def __init__(self, importer: Callable[[str], Module | Namespace]):
+    def __init__(self, importer: Callable[[str], Module | Namespace], bounds: Bounds | None = None):
         self.importer = importer
+        self.bounds = bounds or Bounds()
+        self.budget = Budget(self.bounds)
+
+    def bounded(self, what: str):
+        """A context for one reading of `what`, under the bounds (Budget.reading)."""
+        return self.budget.reading(what)
 
     # --- names ---------------------------------------------------------------------------
 
@@ -113,15 +121,24 @@ class Evaluator(Expressions):
         if isinstance(fn, type) and issubclass(fn, Exception):
             return fn(*args)
         if callable(fn) and not isinstance(fn, Module | Namespace | Instance):
+            check_native(self.bounds, fn, args, kwargs, where)
             try:
-                return fn(*args, **kwargs)
+                result = fn(*args, **kwargs)
             except SourceError:
                 raise
-            except Exception as exc:
+            except Exception as exc:  # RecursionError and MemoryError of a native's own included
                 raise Native(exc) from exc
+            owner = getattr(fn, "__self__", None)
+            if isinstance(owner, list | dict | set):  # a container a method grew
+                check_size(self.bounds, owner, where)
+            return check_size(self.bounds, result, where)
         raise SourceError(f"{where}: {fn!r} is not callable here")
 
     def _call_function(self, fn: Function, args: list, kwargs: dict) -> Any:
+        with self.budget.call(f"{fn.module.where(fn.node)}: {fn.name}()"):
+            return self._run_function(fn, args, kwargs)
+
+    def _run_function(self, fn: Function, args: list, kwargs: dict) -> Any:
         node, module = fn.node, fn.module
         params = node.args
         scope: dict[str, Any] = {}
@@ -203,6 +220,7 @@ class Evaluator(Expressions):
             self.stmt(module, scope, stmt)
 
     def stmt(self, module: Module, scope: dict, node: ast.stmt) -> None:
+        self.budget.tick(module, node)
         if isinstance(node, ast.Expr):
             if not isinstance(node.value, ast.Constant):  # docstrings
                 self.expr(module, scope, node.value)

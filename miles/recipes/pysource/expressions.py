@@ -9,6 +9,7 @@ import operator
 import re
 from typing import Any
 
+from miles.recipes.pysource.bounds import check_binop, check_size, check_widths
 from miles.recipes.pysource.values import (
     Function,
     Instance,
@@ -59,7 +60,8 @@ class Expressions:
         method = getattr(self, f"_e_{type(node).__name__}", None)
         if method is None:
             raise SourceError(f"{module.where(node)}: {type(node).__name__} expressions are not read")
-        return method(module, scope, node)
+        self.budget.tick(module, node)
+        return check_size(self.bounds, method(module, scope, node), module.where(node))
 
     def _e_Constant(self, module, scope, node):
         return node.value
@@ -77,6 +79,7 @@ class Expressions:
         elif node.conversion == ord("s"):
             value = str(value)
         spec = "" if node.format_spec is None else self.expr(module, scope, node.format_spec)
+        check_widths(self.bounds, str(spec), module.where(node))
         return format(value, spec)
 
     def _e_BinOp(self, module, scope, node):
@@ -88,9 +91,10 @@ class Expressions:
         fn = _BINOPS.get(type(op))
         if fn is None:
             raise SourceError(f"{module.where(node)}: operator {type(op).__name__} is not read")
+        check_binop(self.bounds, type(op).__name__, left, right, module.where(node))
         try:
             return fn(left, right)
-        except (TypeError, ZeroDivisionError) as exc:
+        except (TypeError, ZeroDivisionError, OverflowError, ValueError) as exc:
             raise Raised(f"{module.where(node)}: {exc}") from exc
 
     def _e_UnaryOp(self, module, scope, node):

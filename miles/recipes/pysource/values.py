@@ -149,4 +149,6 @@ def parse(path: str, text: str, natives: Mapping[str, Any] | None = None) -> Mod
         tree = ast.parse(text, filename=path)
     except SyntaxError as exc:
         raise SourceError(f"{path}:{exc.lineno}: not Python: {exc.msg}") from None
+    except (RecursionError, MemoryError, ValueError) as exc:  # nested past the parser, NUL bytes
+        raise SourceError(f"{path}: not Python this reader can parse ({type(exc).__name__})") from None
     return Module(path, tree, dict(natives or {}))

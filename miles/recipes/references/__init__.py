@@ -33,6 +33,13 @@ def path(recipe: str) -> Path:
 
 
 @cache
+def rocm_image_env() -> dict:
+    """The seed framework's ROCm image variables as quoted (rocm_image_env.json): repo, path,
+    commit and env."""
+    return json.loads((DIR / "rocm_image_env.json").read_text())
+
+
+@cache
 def load(recipe: str) -> tuple[Reference, ...]:
     """The readings of `recipe` (an empty tuple when it has no reference file)."""
     file = path(recipe)

@@ -49,6 +49,24 @@ class TrainBackend(abc.ABC):
     # does (no dropout or router noise): then the first minibatch's old logprobs are its own
     # training forward's (miles.train.trainer.learn).
     forward_is_deterministic: bool = False
+    # --offload-train: moves the state off the device between phases (miles.train.offload), or None
+    offloader = None
+
+    def offload_tensors(self) -> tuple[list, list]:
+        """(state, scratch) for --offload-train: the tensors holding the trainer's state between steps
+        (parameters, the reference model's, the optimizer's), written out and brought back bit for
+        bit, and the gradient buffers, released and brought back as zeros (every step overwrites them)."""
+        raise NotImplementedError
+
+    def sleep(self) -> None:
+        """--offload-train: the state off the device until `wake_up` (while the engine generates)."""
+        if self.offloader is not None:
+            self.offloader.away()
+
+    def wake_up(self) -> None:
+        """The state back on the device, as it was, before a training phase."""
+        if self.offloader is not None:
+            self.offloader.back()
 
     @property
     def data_parallel(self) -> tuple[int, int, object]:
@@ -140,6 +158,7 @@ def batch_loss(logp, entropy, batch: TokenBatch, cfg) -> LossTerms:
         cfg,
         ref_logp=None if batch.ref_logp is None else batch.ref_logp.to(device),
         rollout_logp=batch.rollout_logp.to(device),
+        sample_weight=None if batch.weights is None else batch.weights.to(device),
     )
 
 

@@ -124,9 +124,14 @@ class MegatronBackend(TrainBackend):
             self.ref_chunks = [
                 c.to(self.device).eval().requires_grad_(False) for c in self._load_chunks(ref_tc)
             ]
+        self.optimizer_format = ckpt.optimizer_format(megatron.dist_ckpt_optim_fully_reshardable)
         self.fused_experts = _hf_fuses_experts(hf)
         self.total_steps = optimizer_steps(rollout, batch)
         self.steps_done = 0
+        from miles.train import offload
+
+        inner = [opt.optimizer for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
+        self.streamed = offload.setup(job, self, dist_info.rank, inner)
 
     def _load_chunks(self, tc) -> list:
         from miles.families import UnmappedModel
@@ -223,15 +228,49 @@ class MegatronBackend(TrainBackend):
         for name, tensor in exporter:
             yield name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
 
+    def offload_tensors(self) -> tuple[list, list]:
+        buffers = [b for chunk in self.model for b in (*chunk.buffers, *chunk.expert_parallel_buffers)]
+        # parameters are views of their DDP buffer's param_data (frozen ones are not in a buffer)
+        state = [b.param_data for b in buffers if b.param_data is not None]
+        state += [
+            p for chunks in (self.chunks, self.ref_chunks or []) for c in chunks for p in c.parameters()
+        ]
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            held = opt.optimizer.state.values()
+            state += [v for entry in held for v in entry.values() if torch.is_tensor(v) and v.dim()]
+            # bf16 runs keep fp32 main parameters apart from the model's (fp32 runs: views of them)
+            state += [p for group in getattr(opt, "shard_fp32_from_float16_groups", []) for p in group]
+        return state, [b.grad_data for b in buffers]
+
+    def _optimizer_resident(self):
+        """--stream-optimizer-state-to-disk: the optimizer state in memory inside the block."""
+        import contextlib
+
+        stack = contextlib.ExitStack()
+        for streamed in self.streamed:
+            stack.enter_context(streamed.resident())
+        return stack
+
     def save(self, directory: str, *, with_optimizer: bool) -> None:
+        with self._optimizer_resident():
+            self._save(directory, with_optimizer=with_optimizer)
+
+    def _save(self, directory: str, *, with_optimizer: bool) -> None:
         self._gather_params()
         steps = self.steps_done if with_optimizer else None
-        ckpt.save_training_state(self.chunks, self.optimizer, directory, steps_done=steps)
+        ckpt.save_training_state(
+            self.chunks, self.optimizer, directory, steps_done=steps, layout=self.layout,
+            optimizer_format=self.optimizer_format,
+        )  # fmt: skip
 
     def load(self, directory: str, *, with_optimizer: bool) -> None:
-        steps = ckpt.load_training_state(
-            self.chunks, self.optimizer, directory, with_optimizer=with_optimizer
-        )
+        try:
+            with self._optimizer_resident():
+                steps = ckpt.load_training_state(
+                    self.chunks, self.optimizer, directory, with_optimizer=with_optimizer, layout=self.layout
+                )
+        except ckpt.CheckpointMismatch as exc:
+            raise MegatronSetupError(str(exc)) from exc
         if steps is not None:
             self.steps_done = steps
         dist.barrier()

@@ -2,7 +2,12 @@
 
 Works on any torch.distributed backend: gloo on CPU (the CPU lane trains tiny models of
 the recipes' architectures this way), NCCL/RCCL on GPUs. Each decoder layer is its own
-FSDP2 unit, so parameters are gathered one layer at a time.
+FSDP2 unit, so parameters are gathered one layer at a time. `--dp-replicate-size R` is hybrid
+sharding (HSDP): a 2-D device mesh of R replicas x world/R shards, parameters sharded within a
+replica and gradients all-reduced across replicas (FSDP2's own mesh form). Every rank is still
+its own data-parallel rank. `--fsdp-full-params` gathers the whole state dict at once for the
+rollout engine (the seed's full-params mode: fewer, larger gathers; the whole model in memory
+for the hand-off) where the default gathers and hands over one tensor at a time.
 
 `--bf16` is mixed precision, the same on CPU and GPU: parameters, gradients and AdamW state
 stay float32 (master weights), the forward and backward compute in bfloat16. Sharded FSDP2
@@ -62,6 +67,8 @@ class TorchDPBackend(TrainBackend):
         self.loss_cfg = algorithm.loss_config(rollout.rollout_temperature)
         self.optim_cfg = optimizer.optim_config()
         self.compute_dtype = train_dtype(optimizer.bf16)
+        self.replicas, self.full_params = fsdp.dp_replicate_size, fsdp.fsdp_full_params
+        self._mesh = None
         self._groups: dict[str, frozenset[str]] | None = None
         self.model = self._load(
             checkpoint.hf_checkpoint, torch.float32, trainable=True, checkpointing=fsdp.gradient_checkpointing
@@ -84,6 +91,10 @@ class TorchDPBackend(TrainBackend):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, self.optim_cfg, total_steps)
         )
+        from miles.train import offload
+
+        streamed = offload.setup(job, self, dist_info.rank, [self.optimizer])
+        self.streamed = streamed[0] if streamed else None
 
     def _load(self, path: str, dtype, *, trainable: bool, checkpointing: bool = False):
         """The model of `path` in `dtype`, wrapped. Sharded, no rank holds it whole on its device:
@@ -135,11 +146,33 @@ class TorchDPBackend(TrainBackend):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        mesh = self._device_mesh()
         layer_classes = set(getattr(model, "_no_split_modules", None) or ())
         for module in model.modules():
             if type(module).__name__ in layer_classes:
-                fully_shard(module, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+                fully_shard(module, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+
+    def _device_mesh(self):
+        """The 2-D (replicate, shard) mesh of --dp-replicate-size, built once; None for plain FSDP
+        (FSDP2 then shards over every rank). Ranks r*S..r*S+S-1 hold replica r's shards."""
+        if self.replicas == 1:
+            return None
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            shards = self.dist.world_size // self.replicas
+            device = torch.device(self.dist.device).type
+            self._mesh = init_device_mesh(
+                device, (self.replicas, shards), mesh_dim_names=("dp_replicate", "dp_shard")
+            )
+            if self.dist.is_main:
+                print(
+                    f"miles.train: fsdp hybrid sharding: {self.replicas} replicas x {shards} shards "
+                    "(device mesh dp_replicate x dp_shard)",
+                    flush=True,
+                )
+        return self._mesh
 
     def _wrap(self, model, *, trainable: bool):
         if self.dist.world_size == 1:
@@ -224,18 +257,16 @@ class TorchDPBackend(TrainBackend):
 
     def full_weights(self, names: str = "model", dtype=None) -> Iterator[tuple[str, torch.Tensor]]:
         """One tensor at a time: sharded, each is gathered (all ranks take part), cast to `dtype`
-        and handed out before the next is gathered, so no rank holds the whole model at once.
-        Checkpoint names are given tensor by tensor too, except where transformers split one
+        and handed out before the next is gathered, so no rank holds the whole model at once
+        (with --fsdp-full-params every tensor is gathered first, then handed out). Checkpoint names are given tensor by tensor too, except where transformers split one
         checkpoint tensor into several model tensors (hrm_text's gate_up_proj): those are held
         until the last of their group is gathered, then reverted together."""
         groups = self._revert_groups() if names == "checkpoint" else {}
         pending: dict[frozenset[str], dict[str, torch.Tensor]] = {}
-        for name, tensor in self._inner.state_dict().items():
-            if hasattr(tensor, "full_tensor"):
-                tensor = tensor.full_tensor()
-            tensor = tensor.detach()
-            if dtype is not None and tensor.is_floating_point():
-                tensor = tensor.to(dtype)
+        gathered = self._gathered(dtype)
+        if self.full_params:
+            gathered = list(gathered)  # every tensor gathered before the first is handed over
+        for name, tensor in gathered:
             if names != "checkpoint":
                 yield name, tensor
             elif name not in groups:
@@ -245,6 +276,16 @@ class TorchDPBackend(TrainBackend):
                 held[name] = tensor
                 if len(held) == len(groups[name]):
                     yield from checkpoint_names(self._inner, pending.pop(groups[name])).items()
+
+    def _gathered(self, dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each tensor of the state dict unsharded (all ranks take part), detached, in `dtype`."""
+        for name, tensor in self._inner.state_dict().items():
+            if hasattr(tensor, "full_tensor"):
+                tensor = tensor.full_tensor()
+            tensor = tensor.detach()
+            if dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(dtype)
+            yield name, tensor
 
     def _revert_groups(self) -> dict[str, frozenset[str]]:
         """The model tensors whose checkpoint tensor only they together give back, each mapped to
@@ -270,7 +311,26 @@ class TorchDPBackend(TrainBackend):
                     self._groups[name] = frozenset(m for n in made for m in makers[n])
         return self._groups
 
+    def offload_tensors(self) -> tuple[list, list]:
+        models = [self.model] + ([self.ref_model] if self.ref_model is not None else [])
+        state = [p for model in models for p in model.parameters()]
+        state += [
+            v
+            for held in self.optimizer.state.values()
+            for v in held.values()
+            if torch.is_tensor(v) and v.dim()
+        ]
+        return state, [p.grad for p in self.model.parameters() if p.grad is not None]
+
+    def _optimizer_resident(self):
+        """--stream-optimizer-state-to-disk: the optimizer state in memory inside the block."""
+        return self.streamed.resident() if self.streamed is not None else contextlib.nullcontext()
+
     def save(self, directory: str, *, with_optimizer: bool) -> None:
+        with self._optimizer_resident():
+            self._save(directory, with_optimizer=with_optimizer)
+
+    def _save(self, directory: str, *, with_optimizer: bool) -> None:
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         state = {"model": model_state}
         if with_optimizer:
@@ -279,6 +339,11 @@ class TorchDPBackend(TrainBackend):
         dcp.save(state, checkpoint_id=directory)
 
     def load(self, directory: str, *, with_optimizer: bool) -> None:
+        with self._optimizer_resident():
+            self._load_state(directory, with_optimizer=with_optimizer)
+        dist.barrier()
+
+    def _load_state(self, directory: str, *, with_optimizer: bool) -> None:
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         state = {"model": model_state}
         if with_optimizer:
@@ -293,7 +358,6 @@ class TorchDPBackend(TrainBackend):
         )
         if with_optimizer:
             self._restore_schedule(int(state["scheduler"]["last_epoch"]))
-        dist.barrier()
 
     def _restore_schedule(self, steps_done: int) -> None:
         self.scheduler.last_epoch = steps_done

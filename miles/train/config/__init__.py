@@ -19,14 +19,18 @@ tests parse commands without importing torch.
 from miles.train.config.checkpoint import CheckpointConfig
 from miles.train.config.checks import ChecksConfig, LoggingConfig
 from miles.train.config.data import DataConfig, EvalConfig
+from miles.train.config.engines import WEIGHT_CHECKSUMS, WEIGHT_TRANSFER_MODES, EnginesConfig
 from miles.train.config.flags import (
     COMPONENTS,
     DATA_PARALLEL,
     EVERY_BACKEND,
     FLAG,
     MEGATRON,
+    SERVERS,
     SGLANG,
+    SGLANG_SERVERS,
     TORCH,
+    TORCH_SERVERS,
     TRAINER,
     Flag,
     Section,
@@ -69,9 +73,15 @@ __all__ = [
     "ROLLOUT_ENGINES",
     "SECTIONS",
     "SECTION_NAMES",
+    "SERVERS",
     "SGLANG",
     "SGLANG_PREFIX",
+    "SGLANG_SERVERS",
     "TORCH",
+    "TORCH_SERVERS",
+    "WEIGHT_CHECKSUMS",
+    "WEIGHT_TRANSFER_MODES",
+    "EnginesConfig",
     "TRAINER",
     "TRAIN_BACKENDS",
     "AlgorithmConfig",

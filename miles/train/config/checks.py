@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from miles.train.config.flags import (
+    SGLANG_SERVERS,
+    TORCH_SERVERS,
     TRAINER,
     Section,
     _non_negative_float,
@@ -22,7 +24,12 @@ class ChecksConfig(Section):
     title: ClassVar[str] = "checks and CI"
     used_by: ClassVar[tuple[str, ...]] = (TRAINER,)
 
-    ci_test: bool = flag(action="store_true", help="assert the in-loop checks (see miles.train.checks)")
+    # engines in their own processes with --use-fault-tolerance: --ci-test kills one mid-rollout
+    ci_test: bool = flag(
+        by=(TRAINER, TORCH_SERVERS, SGLANG_SERVERS),
+        action="store_true",
+        help="assert the in-loop checks (see miles.train.checks)",
+    )
     ci_disable_kl_checker: bool = flag(action="store_true", help="skip the step-0 ppo_kl check")
     check_weight_update_equal: bool = flag(action="store_true", help="check weight sync every step")
     check_weight_update_skip_list: tuple[str, ...] = flag(
@@ -36,10 +43,29 @@ class ChecksConfig(Section):
         action="store_true",
         help="check the flags and the starting checkpoint: build the model at the layout, load its weights, stop",
     )
+    ci_save_model_hash: bool = flag(
+        action="store_true", help="write a SHA-256 of every weight beside each checkpoint (model_hash.json)"
+    )
+    ci_check_model_hash: bool = flag(
+        action="store_true", help="after --load, check the loaded weights against the checkpoint's hashes"
+    )
+    ci_save_grad_norm: str | None = flag(
+        help="write each optimizer step's grad norm and loss to this path (.format fields: rollout_id, step_id, role)"
+    )
+    ci_load_grad_norm: str | None = flag(
+        help="check each optimizer step's grad norm and loss against what --ci-save-grad-norm wrote there"
+    )
     debug_rollout_only: bool = _switch()
-    debug_train_only: bool = _switch(by=())
-    save_debug_rollout_data: str | None = _text()
-    load_debug_rollout_data: str | None = _text()
+    debug_train_only: bool = flag(
+        action="store_true",
+        help="train on --load-debug-rollout-data's rollouts with no rollout engine (implied by it)",
+    )
+    save_debug_rollout_data: str | None = flag(
+        help="write each rollout's samples here (.format field: rollout_id), for --load-debug-rollout-data"
+    )
+    load_debug_rollout_data: str | None = flag(
+        help="train on the samples --save-debug-rollout-data wrote here instead of generating any"
+    )
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,14 @@ WHY_NOT = "miles.flag.why_not"  # field metadata key: why a component of a run m
 TRAINER = "trainer"
 FSDP, DDP, MEGATRON = "fsdp", "ddp", "megatron"
 TORCH, SGLANG = "torch", "sglang"
+# The rollout engines in processes of their own (--rollout-num-gpus without --colocate):
+# built-in engine servers, SGLang servers (miles.train.remote).
+TORCH_SERVERS, SGLANG_SERVERS = "torch-servers", "sglang-servers"
+SERVERS = {TORCH: TORCH_SERVERS, SGLANG: SGLANG_SERVERS}  # by --rollout-engine
 DATA_PARALLEL = (FSDP, DDP)  # one class, miles.train.backends.torch_dp
 EVERY_BACKEND = (FSDP, DDP, MEGATRON)
 TRAINER_AND_BACKENDS = (TRAINER, *EVERY_BACKEND)
-COMPONENTS = (TRAINER, *EVERY_BACKEND, TORCH, SGLANG)
+COMPONENTS = (TRAINER, *EVERY_BACKEND, TORCH, SGLANG, TORCH_SERVERS, SGLANG_SERVERS)
 
 
 # --- flag value types (argparse `type=`) ---------------------------------------------------

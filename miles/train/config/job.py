@@ -7,8 +7,11 @@ from typing import ClassVar
 
 from miles.train.config.flags import (
     DATA_PARALLEL,
+    EVERY_BACKEND,
     MEGATRON,
     SGLANG,
+    SGLANG_SERVERS,
+    TORCH_SERVERS,
     TRAINER,
     Section,
     _positive_int,
@@ -24,7 +27,6 @@ _IN_PROCESS = (
     "the built-in engine samples inside the trainer's processes and holds no GPU memory of its own to place or "
     "release"
 )
-_TRAIN_OFFLOAD = "no backend moves its weights or optimizer state off the GPU between steps yet"
 
 
 @dataclass(frozen=True)
@@ -38,19 +40,49 @@ class JobConfig(Section):
     train_backend: str = flag(by=(TRAINER, *DATA_PARALLEL), default="fsdp", choices=TRAIN_BACKENDS)
     rollout_engine: str = flag(default="auto", choices=ROLLOUT_ENGINES, help="auto: sglang on GPU")
     distributed_backend: str | None = flag(choices=("gloo", "nccl"), help="default: nccl on GPU, else gloo")
-    actor_num_nodes: int = flag(type=_positive_int, default=1)
-    actor_num_gpus_per_node: int = flag(type=_positive_int, default=1)
+    # SGLang servers are placed on the GPUs after the training ones of the trainer's node
+    actor_num_nodes: int = flag(by=(TRAINER, SGLANG_SERVERS), type=_positive_int, default=1)
+    actor_num_gpus_per_node: int = flag(by=(TRAINER, SGLANG_SERVERS), type=_positive_int, default=1)
     rollout_num_gpus: int | None = flag(
-        by=(),
-        why_not="the SGLang engine always runs on the training GPUs: there is no separate rollout placement",
+        by=(TORCH_SERVERS, SGLANG_SERVERS),
+        why_not="with --colocate the rollout shares the training devices (drop --colocate to give it its own)",
         type=_positive_int,
+        help="devices of the rollout's own (engines in processes of their own, without --colocate)",
     )
     colocate: bool = flag(
         by=SGLANG, why_not=_IN_PROCESS, action="store_true", help="rollout and training share the GPUs"
     )
-    offload: bool = _switch(by=(), why_not=_TRAIN_OFFLOAD)
-    offload_train: bool = _switch(by=(), why_not=_TRAIN_OFFLOAD)
+    offload: bool = flag(
+        by=(*EVERY_BACKEND, SGLANG), action="store_true", help="--offload-train and --offload-rollout"
+    )
+    offload_train: bool = flag(
+        by=EVERY_BACKEND,
+        action="store_true",
+        help="move the trainer's weights, gradients and optimizer state off the device while the engine generates",
+    )
     offload_rollout: bool = _switch(by=SGLANG, why_not=_IN_PROCESS)
+    offload_train_target: str = flag(
+        by=EVERY_BACKEND,
+        default="cpu",
+        choices=("cpu", "disk"),
+        help="where --offload-train puts the trainer's state: host memory or disk",
+    )
+    offload_train_disk_dir: str | None = flag(
+        by=EVERY_BACKEND,
+        help="(disk offload, optimizer streaming) a fast local directory, one rank<R>/ each; default "
+        "$SCRATCH/miles_train_offload_<uid>",
+    )
+    offload_train_disk_chunk_mb: int = flag(
+        by=EVERY_BACKEND,
+        type=_positive_int,
+        default=256,
+        help="(disk offload, optimizer streaming) MiB per chunk file / bucket",
+    )
+    stream_optimizer_state_to_disk: bool = flag(
+        by=EVERY_BACKEND,
+        action="store_true",
+        help="keep the optimizer state on disk, also during the step: the step reads and writes it bucket by bucket",
+    )
     seed: int = flag(by=(TRAINER, MEGATRON), type=int, default=1234)
     num_threads: int | None = flag(type=_positive_int, help="torch intra-op threads per rank (CPU)")
 

@@ -132,6 +132,11 @@ class MegatronConfig(Section):
     optimizer_cpu_offload: bool = _switch(by=MEGATRON)
     overlap_cpu_optimizer_d2h_h2d: bool = _switch(by=MEGATRON)
     use_precision_aware_optimizer: bool = _switch(by=MEGATRON)
+    dist_ckpt_optim_fully_reshardable: bool = flag(
+        by=MEGATRON,
+        action="store_true",
+        help="save the optimizer state in megatron-core's fully_reshardable format (loads at another TP/PP/EP layout)",
+    )
     use_mcore_models: bool = _switch()
     no_load_rng: bool = _switch()
     no_save_rng: bool = _switch()

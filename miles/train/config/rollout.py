@@ -9,6 +9,8 @@ from typing import ClassVar
 
 from miles.train.config.flags import (
     SGLANG,
+    SGLANG_SERVERS,
+    TORCH_SERVERS,
     TRAINER,
     TRAINER_AND_BACKENDS,
     Section,
@@ -50,12 +52,18 @@ class RolloutConfig(Section):
     rollout_top_p: float = flag(type=_fraction, default=1.0)
     rollout_top_k: int = flag(type=int, default=-1, help="-1 = off")
     rollout_stop_token_ids: tuple[int, ...] = flag(type=int, nargs="*", default=[])
-    rollout_seed: int | None = flag(by=(TRAINER, SGLANG), type=int, help="sampling seed (default: --seed)")
+    rollout_seed: int | None = flag(
+        by=(TRAINER, SGLANG, SGLANG_SERVERS), type=int, help="sampling seed (default: --seed)"
+    )
     rollout_function_path: str | None = flag(by=(), help="(GPU lanes) custom rollout function, dotted path")
     over_sampling_batch_size: int | None = flag(by=(), type=_positive_int)
     dynamic_sampling_filter_path: str | None = _text(by=())
     partial_rollout: bool = _switch(by=())
     update_weights_interval: int = flag(type=_positive_int, default=1)
+    custom_generate_function_path: str | None = flag(
+        help="module.func(context, requests) -> pieces per request (miles.train.generate; e.g. "
+        "miles.train.generate_hub.compact_split)"
+    )
 
     @property
     def samples(self) -> int:
@@ -80,11 +88,15 @@ class SGLangConfig(Section):
 
     name: ClassVar[str] = "sglang"
     title: ClassVar[str] = "SGLang rollout engine"
-    used_by: ClassVar[tuple[str, ...]] = (SGLANG,)
+    used_by: ClassVar[tuple[str, ...]] = (SGLANG, SGLANG_SERVERS)
 
-    rollout_num_gpus_per_engine: int = flag(type=_positive_int, default=1)
+    rollout_num_gpus_per_engine: int = flag(
+        by=(SGLANG, SGLANG_SERVERS, TORCH_SERVERS), type=_positive_int, default=1
+    )
     update_weight_buffer_size: int | None = flag(
-        type=_positive_int, help="bytes per weight push to SGLang (512 MiB)"
+        by=(SGLANG, SGLANG_SERVERS, TORCH_SERVERS),
+        type=_positive_int,
+        help="bytes per weight push to the engines (512 MiB)",
     )
     sglang_mem_fraction_static: float | None = flag(type=_fraction, help="SGLang KV-cache memory share")
     server_args: Mapping[str, str | bool | list[str]] = field(default_factory=dict)

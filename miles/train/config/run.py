@@ -10,6 +10,7 @@ from miles.parallel import ParallelLayout
 from miles.train.config.checkpoint import CheckpointConfig
 from miles.train.config.checks import ChecksConfig, LoggingConfig
 from miles.train.config.data import DataConfig, EvalConfig
+from miles.train.config.engines import EnginesConfig
 from miles.train.config.flags import Flag, Section
 from miles.train.config.job import JobConfig, ParallelFlags
 from miles.train.config.megatron import MegatronConfig, ModelConfig
@@ -26,6 +27,7 @@ SECTIONS: tuple[type[Section], ...] = (
     RolloutConfig,
     BatchConfig,
     SGLangConfig,
+    EnginesConfig,
     RewardConfig,
     AlgorithmConfig,
     OptimizerConfig,
@@ -64,6 +66,7 @@ class RunConfig:
     rollout: RolloutConfig
     batch: BatchConfig
     sglang: SGLangConfig
+    engines: EnginesConfig
     reward: RewardConfig
     algorithm: AlgorithmConfig
     optimizer: OptimizerConfig

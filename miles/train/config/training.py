@@ -9,6 +9,7 @@ from miles.train.config.flags import (
     DATA_PARALLEL,
     EVERY_BACKEND,
     TORCH,
+    TORCH_SERVERS,
     TRAINER,
     TRAINER_AND_BACKENDS,
     Section,
@@ -151,7 +152,7 @@ class OptimizerConfig(Section):
     )
     # the built-in engine samples in the trainer's compute dtype, so it scores what the trainer does
     bf16: bool = flag(
-        by=(*EVERY_BACKEND, TORCH),
+        by=(*EVERY_BACKEND, TORCH, TORCH_SERVERS),
         action="store_true",
         help="bfloat16 compute with float32 master weights, gradient reduction and optimizer state",
     )
@@ -181,3 +182,12 @@ class TorchDPConfig(Section):
     used_by: ClassVar[tuple[str, ...]] = DATA_PARALLEL
 
     gradient_checkpointing: bool = flag(action="store_true", help="(fsdp/ddp) recompute activations")
+    dp_replicate_size: int = flag(
+        type=_positive_int,
+        default=1,
+        help="(fsdp) hybrid sharding: replicas of the model, each sharded over world/N ranks (a 2-D device mesh)",
+    )
+    fsdp_full_params: bool = flag(
+        action="store_true",
+        help="(fsdp) gather the whole state dict at once for the rollout engine, not one tensor at a time",
+    )

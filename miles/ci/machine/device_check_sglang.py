@@ -18,8 +18,11 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from miles.ci.machine import device_check
+from miles.ci.machine.device_check import CheckFailed, Skipped, import_problem, require, visible_gpus
+from miles.ci.machine.device_check_train import train_tiny_recipe
 from miles.megatron import CORE_MODULE
-from miles.train.device_check import CheckFailed, Skipped, import_problem, require, train_tiny_recipe
+from miles.train.rollout import weights_for
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41], [70, 71, 72], [100, 101, 102, 103], [7], [200, 3, 9, 44]]
 NEW_TOKENS = 16
@@ -34,6 +37,8 @@ def sglang_ready(cpu: bool) -> None:
             "the SGLang engine needs a GPU (on CPU its adapter runs against sglang's own code in "
             "tests/unit/test_train_sglang_engine.py)"
         )
+    if device_check.dry():
+        raise Skipped(f"{device_check.dry_note()}: the SGLang engine needs a GPU to start")
     require("transformers", "safetensors")
     for module in ("sglang", "torch_memory_saver"):
         problem = import_problem(module)
@@ -133,7 +138,7 @@ def check_weights(engine, backend) -> str:
         for p in backend.model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     stale = probe_logprob_gap(engine, backend, PROMPTS, sampling())
-    engine.update_weights(backend.full_weights(names=engine.weight_names))
+    engine.update_weights(weights_for(engine, backend))
     pushed = probe_logprob_gap(engine, backend, PROMPTS, sampling())
     summary = (
         f"probe gap {synced:.2g} synced, {stale:.2g} after the trainer moved, {pushed:.2g} after the session"
@@ -154,7 +159,7 @@ def check_memory(engine, backend) -> str:
         held = torch.cuda.mem_get_info()[0]
         engine.release_memory()
         released = torch.cuda.mem_get_info()[0]
-        engine.update_weights(backend.full_weights(names=engine.weight_names))
+        engine.update_weights(weights_for(engine, backend))
         engine.generate(PROMPTS[:2], sampling(), seed=0)
         torch.cuda.synchronize()
         cycles.append((held, released, torch.cuda.mem_get_info()[0]))
@@ -181,7 +186,8 @@ def check_logprob_gap(engine, backend) -> str:
 
 
 def step_sglang_grpo(cpu: bool, workdir: Path) -> str:
-    sglang_ready(cpu)
+    if cpu or not device_check.dry():  # the dry form checks the command, which needs no engine
+        sglang_ready(cpu)
     require(CORE_MODULE)
     rollouts = 3
     series, elapsed = train_tiny_recipe(workdir, "sglang", (
@@ -213,18 +219,19 @@ def step_megatron_moe(cpu: bool, workdir: Path) -> str:
 
 
 def step_multi_gpu(cpu: bool, workdir: Path) -> str:
-    import torch
-
     if cpu:
         raise Skipped("needs two GPUs (the CPU lane trains on two gloo ranks in tests/e2e)")
-    if torch.cuda.device_count() < 2:
-        raise Skipped(f"needs two GPUs, {torch.cuda.device_count()} visible")
+    gpus = visible_gpus()
+    if gpus < 2:
+        faked = f" ({device_check.dry_note()})" if device_check.dry() else ""
+        raise Skipped(f"needs two GPUs, {gpus} visible{faked}")
     require("transformers", "safetensors")
     rollouts = 4
+    # rendered for FSDP (train_backend), so the tiny profile's Megatron layout flags are left out
     series, elapsed = train_tiny_recipe(workdir, "two-gpus", (
-        "--num-rollout", str(rollouts), "--rollout-engine", "torch", "--train-backend", "fsdp", "--bf16",
+        "--num-rollout", str(rollouts), "--rollout-engine", "torch", "--bf16",
         "--ci-logprob-abs-diff-tol", str(BF16_TOL), "--save-interval", str(rollouts), "--distributed-backend", "nccl",
-    ), ranks=2)  # fmt: skip
+    ), ranks=2, train_backend="fsdp")  # fmt: skip
     gap = max(series["train/train_rollout_logprob_abs_diff"].values())
     return (
         f"qwen3_4b tiny profile on 2 GPUs over NCCL, FSDP --bf16, {rollouts} rollouts with --ci-test in "

@@ -1,27 +1,27 @@
-"""The steps of the one-GPU device check (`scripts/gpu_check.sh` runs them in order).
+"""The steps of the device check (`scripts/gpu_check.sh` runs them in order).
 
-    python -m miles.train.device_check STEP [--cpu] [--workdir DIR]
+    python -m miles.ci.machine.device_check STEP [--cpu | --dry-gpus N] [--workdir DIR]
 
 Steps: `platform` (what the machine and the stack are), `parity` (the rollout engine's
 per-token logprobs against one full forward, every recipe family, fp32), `generate` (the
 rollout engine's greedy decoding against transformers' generate() on a ~0.2B random Qwen3 in
-bf16), `grpo` (the qwen3_4b recipe's tiny profile on one rank over NCCL with --ci-test,
-16 rollouts that must learn, FSDP), `megatron-parity` (HF logits against the megatron GPTModel
-loaded from the torch_dist conversion, Qwen3 and Qwen3-MoE, fp32), `megatron-grpo` (the same
-tiny profile on the Megatron backend, learning synthetic:echo), and the steps of
-miles.train.device_check_sglang: the SGLang engine (formats, a weight-update session, memory
-release cycles, its logprob gap to the trainer), a bf16 Megatron run with SGLang rollouts, a
-bf16 MoE run, and two GPUs. Each prints `PASS <step>: ...`, `FAIL <step>: ...` or `SKIP
-<step>: <why>` (a package it needs is missing, or it needs a GPU or a second one) and exits 1
-only on a failure. `--cpu` runs the same code on CPU at CI size (gloo, fewer rollouts, a
-smaller model), which is how CI keeps this script working between GPU runs.
+bf16), the training steps of miles.ci.machine.device_check_train (`grpo`, `megatron-parity`,
+`megatron-grpo`) and those of miles.ci.machine.device_check_sglang (the SGLang engine, a bf16
+Megatron run with SGLang rollouts, a bf16 MoE run, two GPUs). Each prints `PASS <step>: ...`,
+`FAIL <step>: ...` or `SKIP <step>: <why>` (a package it needs is missing, or it needs a GPU or
+a second one) and exits 1 only on a failure.
+
+`--cpu` runs the same code on CPU at CI size (gloo, fewer rollouts, a smaller model). `--dry-gpus
+N` is the GPU form on a machine without one, N GPUs faked (the one place GPU visibility is
+faked): nothing runs on a device, every package check runs for real, and each training step
+renders the exact command its GPU form runs and puts it through the trainer's start checks
+(the flags against the world size and against what the run's components consume, the Megatron
+options against the platform) before it is skipped for want of a GPU, saying so. CI runs both
+forms, so a change that breaks the script fails before the next GPU machine.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import subprocess
 import sys
 import time
@@ -38,6 +38,28 @@ NEAR_TIE = 0.05  # bf16: two tokens whose logprobs differ by less are a tie eith
 
 class CheckFailed(RuntimeError):
     pass
+
+
+# --dry-gpus N: the GPU form with N GPUs faked, nothing run on a device (set by main)
+DRY_GPUS: int | None = None
+
+
+def dry() -> bool:
+    """Whether this is the dry form (read at call time: main sets it)."""
+    return DRY_GPUS is not None
+
+
+def dry_note() -> str:
+    return f"dry form, {DRY_GPUS} GPU(s) faked by --dry-gpus"
+
+
+def visible_gpus() -> int:
+    """The GPUs this check may use: torch's count, or the dry form's faked one."""
+    if DRY_GPUS is not None:
+        return DRY_GPUS
+    import torch
+
+    return torch.cuda.device_count()
 
 
 class Skipped(RuntimeError):
@@ -83,6 +105,8 @@ def device_of(cpu: bool) -> str:
 
     if cpu:
         return "cpu"
+    if DRY_GPUS is not None:
+        raise Skipped(f"{dry_note()}: needs a GPU to run")
     if not torch.cuda.is_available():
         raise CheckFailed(f"no GPU visible to torch {torch.__version__}; run with --cpu for the CPU form")
     return "cuda:0"
@@ -94,7 +118,7 @@ def step_platform(cpu: bool, workdir: Path) -> str:
     from miles.platform import resolve
 
     info = resolve()
-    if not cpu and info.platform == "cpu":
+    if not cpu and DRY_GPUS is None and info.platform == "cpu":
         raise CheckFailed(f"expected a GPU, found {info.describe()}")
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
     try:
@@ -113,6 +137,8 @@ def step_platform(cpu: bool, workdir: Path) -> str:
     found = {
         m: import_problem(m) for m in ("sglang", "torch_memory_saver", "transformer_engine", CORE_MODULE)
     }
+    if DRY_GPUS is not None:
+        gpu = f"none used ({dry_note()})"
     return f"{info.describe()}; device {gpu}; torch {torch.__version__}; {stack}; " + ", ".join(
         f"{m} {'yes' if problem is None else f'no ({problem})'}" for m, problem in found.items()
     )
@@ -239,187 +265,37 @@ def step_generate(cpu: bool, workdir: Path) -> str:
     return summary
 
 
-TRAIN_TIMEOUT_S = 600  # for a hung run, not a slow one: the CPU check's runs end in seconds
-
-
-def train_tiny_recipe(
-    workdir: Path,
-    run_id: str,
-    args: tuple[str, ...],
-    *,
-    recipe: str = "qwen3_4b",
-    ranks: int = 1,
-    train_backend: str | None = None,
-) -> tuple[dict, float]:
-    """A recipe's tiny profile with `args` on `ranks` ranks (rendered for `train_backend` when
-    given, so no flag of another backend's layout is passed); its metric series and seconds."""
-    from miles.ckpt.pipeline import prepare
-    from miles.ckpt.tiny_cache import CACHE_ENV
-    from miles.load import run_counted
-    from miles.metrics.capture import RECORD_DIR_ENV, decode_value
-    from miles.recipes import load
-    from miles.recipes.launch import RunOptions, build_plan
-
-    options = RunOptions(
-        model="tiny", model_dir=str(workdir / "models"), output_dir=str(workdir / "runs"), run_id=run_id,
-        python=sys.executable, extra_args=(*args, "--tensor-model-parallel-size", "1", "--actor-num-gpus-per-node", str(ranks)),
-    )  # fmt: skip
-    form = load(recipe, platform="cpu")
-    plan = build_plan(form.on_backend(train_backend) if train_backend else form, options, "cpu", base_env={})
-    prepare(plan.checkpoint, progress=False, tiny_cache=os.environ.get(CACHE_ENV) or None)
-    record = workdir / f"record-{run_id}"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-               "-m", "miles.train", *plan.train_args]  # fmt: skip
-    started = time.perf_counter()
-    try:  # counted at the machine's load: a busy CPU machine makes the run slow, not hung
-        done = run_counted(command, TRAIN_TIMEOUT_S, env={**os.environ, RECORD_DIR_ENV: str(record)})
-    except subprocess.TimeoutExpired as e:
-        stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        last = stderr.strip().splitlines()[-1:] or ["(no output)"]
-        raise CheckFailed(
-            f"the tiny recipe ({run_id}) had not ended after {e.timeout:.0f}s ({TRAIN_TIMEOUT_S}s at the "
-            f"machine's load), last line: {last[0]}; either "
-            "the trainer hung or a process it started still holds its output open: look for leftover "
-            "`miles.train` or multiprocessing processes (`ps -ef`) and stop them before a rerun"
-        ) from None
-    elapsed = time.perf_counter() - started
-    if done.returncode != 0:
-        tail = [
-            line for line in done.stderr.splitlines() if line.startswith("miles.train:")
-        ] or done.stderr.splitlines()
-        raise CheckFailed(f"the tiny recipe exited {done.returncode}: {' | '.join(tail[-3:])}")
-    series = {}
-    for path in record.glob("*.jsonl"):
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            series[row["metric"]] = {int(s): decode_value(v) for s, v in row["series"]}
-    return series, elapsed
-
-
-def step_grpo(cpu: bool, workdir: Path) -> str:
-    rollouts = 2 if cpu else 16
-    series, elapsed = train_tiny_recipe(
-        workdir,
-        "grpo",
-        (
-            "--num-rollout",
-            str(rollouts),
-            "--n-samples-per-prompt",
-            "8",
-            "--rollout-max-response-len",
-            "6",
-            "--micro-batch-size",
-            "8",
-            "--lr",
-            "5e-3",
-            "--weight-decay",
-            "0",
-            "--save-interval",
-            str(rollouts),
-            "--rollout-engine",
-            "torch",
-            "--distributed-backend",
-            "gloo" if cpu else "nccl",
-        ),
-        train_backend="fsdp",
-    )  # fmt: skip  (the recipe's tiny profile is Megatron; this step is the FSDP backend's)
-    reward = series["rollout/raw_reward"]
-    gap = max(series["train/train_rollout_logprob_abs_diff"].values())
-    first, last = (
-        sum(reward[s] for s in steps) / len(steps) for steps in (range(2), range(rollouts - 2, rollouts))
-    )
-    summary = (
-        f"qwen3_4b tiny profile, 1 rank over {'gloo' if cpu else 'NCCL'}, {rollouts} rollouts with --ci-test in "
-        f"{elapsed:.0f}s: reward {first:.2f} -> {last:.2f}, max train/train_rollout_logprob_abs_diff {gap:.1e}"
-    )
-    if not cpu and last - first <= 0.3:
-        raise CheckFailed(f"{summary}: no learning (the CPU lane's run gains more than 0.3)")
-    return summary
-
-
-def _placed(cpu: bool):
-    """megatron-core's CPU redirects around CPU work; a GPU run uses megatron-core as it is."""
-    import contextlib
-
-    from miles.megatron.compat import cpu_placed
-
-    return cpu_placed() if cpu else contextlib.nullcontext()
-
-
-def step_megatron_parity(cpu: bool, workdir: Path) -> str:
-    """HF logits against the megatron GPTModel loaded from the torch_dist conversion, fp32."""
-    import torch
-
-    from miles.ckpt.tiny_cache import tiny_here
-    from miles.ckpt.torch_dist import RELEASE
-    from miles.families.model import hf_logit_gap, load_model
-    from miles.megatron.checkpoint import single_process_group
-
-    device = device_of(cpu)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    tol = PARITY_TOL["cpu" if cpu else "gpu"]
-    gaps = {}
-    for family in ("qwen3", "qwen3_moe"):
-        made = tiny_here(family, 2, workdir / family / "hf", torch_dist=True)
-        hf, dist = made.hf, made.torch_dist
-        config = json.loads((hf / "config.json").read_text())
-        with single_process_group(), torch.random.fork_rng(devices=[]), _placed(cpu):
-            model = load_model(config, dist / RELEASE, dtype=torch.float32, on_cpu=cpu)
-            gaps[family] = hf_logit_gap(hf, model.to(device), config, device)
-    report = ", ".join(f"{f} {g:.1e}" for f, g in gaps.items())
-    if max(gaps.values()) > tol:
-        raise CheckFailed(f"HF vs Megatron max |logit gap| over {tol:g}: {report}")
-    return f"HF vs Megatron GPTModel from the torch_dist conversion, max |logit gap| (fp32, tol {tol:g}): {report}"
-
-
-def step_megatron_grpo(cpu: bool, workdir: Path) -> str:
-    """The tiny Qwen3 recipe with the Megatron backend on one rank, learning the echo task."""
-    rollouts = 2 if cpu else 40
-    series, elapsed = train_tiny_recipe(workdir, "megatron", (
-        "--num-rollout", str(rollouts), "--prompt-data", "synthetic:echo", "--rollout-max-response-len", "1",
-        "--rollout-batch-size", "4", "--n-samples-per-prompt", "32", "--global-batch-size", "64",
-        "--micro-batch-size", "32", "--rollout-temperature", "1", "--lr", "3e-3", "--save-interval", str(rollouts),
-        "--rollout-engine", "torch", "--distributed-backend", "gloo" if cpu else "nccl",
-    ))  # fmt: skip
-    exact = series["rollout/exact_match"]
-    gap = max(series["train/train_rollout_logprob_abs_diff"].values())
-    window = min(8, rollouts)
-    first = sum(exact[s] for s in range(min(4, rollouts))) / min(4, rollouts)
-    last = sum(exact[s] for s in range(rollouts - window, rollouts)) / window
-    summary = (
-        f"qwen3_4b tiny profile on --train-backend megatron, 1 rank over {'gloo' if cpu else 'NCCL'}, {rollouts} "
-        f"rollouts of synthetic:echo with --ci-test in {elapsed:.0f}s: exact match {first:.2f} -> {last:.2f}, "
-        f"max train/train_rollout_logprob_abs_diff {gap:.1e}"
-    )
-    if not cpu and last < 0.5:
-        raise CheckFailed(
-            f"{summary}: the policy did not learn to read its prompt (the CPU lane's runs reach 0.7)"
-        )
-    return summary
-
-
 def _steps() -> dict:
-    from miles.train import device_check_sglang as more
+    from miles.ci.machine import device_check_sglang, device_check_train
 
     return {
         "platform": step_platform,
         "parity": step_parity,
         "generate": step_generate,
-        "grpo": step_grpo,
-        "megatron-parity": step_megatron_parity,
-        "megatron-grpo": step_megatron_grpo,
-        **more.STEPS,
+        **device_check_train.STEPS,
+        **device_check_sglang.STEPS,
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m miles.train.device_check", description=__doc__.split("\n")[0]
-    )
+    from miles.exits import OneLineParser
+
+    parser = OneLineParser(prog="python -m miles.ci.machine.device_check", description=__doc__.split("\n")[0])
     parser.add_argument("step", choices=list(_steps()))
-    parser.add_argument("--cpu", action="store_true", help="the same step on CPU at CI size")
+    form = parser.add_mutually_exclusive_group()
+    form.add_argument("--cpu", action="store_true", help="the same step on CPU at CI size")
+    form.add_argument(
+        "--dry-gpus",
+        type=int,
+        metavar="N",
+        help="the GPU form with N GPUs faked: checks commands, runs nothing",
+    )
     parser.add_argument("--workdir", type=Path, default=Path(".miles/device-check"))
     args = parser.parse_args(argv)
+    if args.dry_gpus is not None and args.dry_gpus < 1:
+        parser.error(f"--dry-gpus {args.dry_gpus}: fake at least one GPU")
+    global DRY_GPUS
+    DRY_GPUS = args.dry_gpus
     args.workdir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     try:
@@ -451,6 +327,6 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     # the steps in device_check_sglang import this module by name: run its copy, not __main__'s,
     # so the exceptions they raise are the ones main() catches
-    from miles.train import device_check
+    from miles.ci.machine import device_check
 
     sys.exit(device_check.main())

@@ -1,0 +1,162 @@
+"""What the CI knows about the recipes: which cpu-lane tests train each recipe, and whether
+every profile names a suite its runners can run.
+
+`python -m miles.ci recipes [--write]` prints both. The first is handed to the recipes as data,
+`miles/recipes/runs/cpu-lane.json` (read by miles.recipes.status, which never imports miles.ci):
+`--write` rewrites it, and the command (and tests/unit/test_recipe_status.py) fails while the
+committed file says otherwise than the tests do. Read from the test files' syntax trees and
+their registrations, never from a list kept by hand.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from miles.ci.registry.catalog import Catalog, UnknownName, load_catalog
+from miles.ci.registry.discover import Discovery, discover
+
+CPU_LANE_NAME = "cpu"
+CPU_PLAN_FUNCTION = "tiny_plan"  # tests/e2e/recipe_runs.py: builds and prepares a recipe's CPU plan
+SCHEMA = 1
+WRITE_COMMAND = "python -m miles.ci recipes --write"
+
+Trainings = Mapping[str, tuple[tuple[str, str], ...]]
+
+
+def cpu_lane_trainings(
+    root: Path, catalog: Catalog | None = None, discovery: Discovery | None = None
+) -> Trainings:
+    """recipe -> ((test file, suite), ...) for the enabled cpu-backend registrations on suites
+    of the cpu lane whose file builds the recipe's CPU plan."""
+    catalog = catalog or load_catalog()
+    discovery = discovery or discover(root, catalog=catalog, cache=False)
+    lane_suites = {s.name for s in catalog.suites_of_lane(CPU_LANE_NAME)}
+    found: dict[str, list[tuple[str, str]]] = {}
+    for reg in discovery.registrations:
+        if reg.backend != "cpu" or reg.suite not in lane_suites or reg.disabled is not None:
+            continue
+        for recipe in sorted(recipes_trained(root / reg.file)):
+            found.setdefault(recipe, []).append((reg.file, reg.suite))
+    return {k: tuple(v) for k, v in sorted(found.items())}
+
+
+def evidence_json(trainings: Trainings) -> dict:
+    """The committed evidence file's content."""
+    return {
+        "schema": SCHEMA,
+        "lane": CPU_LANE_NAME,
+        "written_by": WRITE_COMMAND,
+        "trainings": {recipe: [list(pair) for pair in pairs] for recipe, pairs in sorted(trainings.items())},
+    }
+
+
+def evidence_text(trainings: Trainings) -> str:
+    return json.dumps(evidence_json(trainings), indent=1) + "\n"
+
+
+def evidence_drift(path: Path, trainings: Trainings) -> str | None:
+    """Why the committed evidence at `path` is not what the tests say, or None."""
+    try:
+        committed = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        return f"{path}: cannot be read ({exc}); run `{WRITE_COMMAND}`"
+    if committed != evidence_json(trainings):
+        return (
+            f"{path} says otherwise than the cpu-lane tests do about which recipes they train; "
+            f"run `{WRITE_COMMAND}` and review the diff"
+        )
+    return None
+
+
+def recipes_trained(path: Path) -> set[str]:
+    """Recipe names reaching the first argument of a `tiny_plan(...)` call in the file: a string
+    literal, a module constant, a parameter of the test's `pytest.mark.parametrize`, or
+    `x["recipe"]` of the file's dict literals with a "recipe" key."""
+    try:
+        tree = ast.parse(path.read_text(), filename=str(path))
+    except (OSError, SyntaxError, ValueError):
+        return set()
+    constants = {
+        t.id: node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+        for t in node.targets
+        if isinstance(t, ast.Name) and isinstance(node.value.value, str)
+    }
+    recipe_values = {
+        v.value
+        for d in ast.walk(tree)
+        if isinstance(d, ast.Dict)
+        for k, v in zip(d.keys, d.values, strict=True)
+        if isinstance(k, ast.Constant) and k.value == "recipe" and isinstance(v, ast.Constant)
+    }
+    out: set[str] = set()
+    for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+        params = _parametrized(fn)
+        for call in (n for n in ast.walk(fn) if isinstance(n, ast.Call) and _called(n) == CPU_PLAN_FUNCTION):
+            if not call.args:
+                continue
+            first = call.args[0]
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                out.add(first.value)
+            elif isinstance(first, ast.Name) and first.id in params:
+                out |= params[first.id]
+            elif isinstance(first, ast.Name) and first.id in constants:
+                out.add(constants[first.id])
+            elif isinstance(first, ast.Subscript) and isinstance(first.slice, ast.Constant):
+                if first.slice.value == "recipe":
+                    out |= recipe_values
+    return out
+
+
+def _called(call: ast.Call) -> str:
+    func = call.func
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+
+
+def _parametrized(fn: ast.FunctionDef) -> dict[str, set[str]]:
+    """{argument: its string values} of the function's `@pytest.mark.parametrize("arg", [...])`."""
+    out: dict[str, set[str]] = {}
+    for deco in fn.decorator_list:
+        if not (isinstance(deco, ast.Call) and _called(deco) == "parametrize" and len(deco.args) >= 2):
+            continue
+        name, values = deco.args[0], deco.args[1]
+        if isinstance(name, ast.Constant) and isinstance(values, ast.List | ast.Tuple):
+            strings = {
+                v.value for v in values.elts if isinstance(v, ast.Constant) and isinstance(v.value, str)
+            }
+            out[str(name.value)] = strings
+    return out
+
+
+def profile_suite_problems(forms: Iterable, catalog: Catalog | None = None) -> list[str]:
+    """Every GPU profile of the recipe forms must name a catalog suite of its platform whose
+    runners have its GPU count (a profile trained in no suite is trained nowhere)."""
+    catalog = catalog or load_catalog()
+    out = []
+    for form in forms:
+        for profile in form.profiles:
+            if profile.platform == "cpu":
+                continue
+            where = f"{form.defined_in}: {form.name} ({form.variant}) {profile.describe()}"
+            try:
+                suite = catalog.suite(profile.suite, profile.platform)
+            except UnknownName as exc:
+                out.append(f"{where}: profile suite: {exc}")
+                continue
+            if suite.gpus != profile.world_size:
+                out.append(
+                    f"{where}: a profile of {profile.world_size} GPU(s) names suite {suite.name}, whose runners "
+                    f"have {suite.gpus}"
+                )
+    return out
+
+
+def every_form() -> list:
+    """Every recipe in every form (shared and per-platform overlays)."""
+    from miles.recipes import names, variants
+
+    return [form for name in names() for form in variants(name)]

@@ -1,0 +1,59 @@
+"""The seed's Qwen3-30B-A3B case flags (radixark/miles 31f1ca961,
+tests/e2e/megatron/test_qwen3_30B_A3B/_common.py build_train_args), for the GPU twins here.
+
+Not a test module. `run(workdir, extra, num_rollout)` prepares Qwen3-30B-A3B with the
+qwen3_30b_a3b recipe's checkpoint plan and trains it with the case's flags on 6 GPUs, 2 more
+serving the rollout (the seed's num_gpus_per_node 6 + rollout_num_gpus 2). Left out, with why:
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+_spec = importlib.util.spec_from_file_location("seed_flags", Path(__file__).parents[2] / "seed_flags.py")
+twins = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(twins)
+
+LEFT_OUT = {
+    # the seed's MILES_TEST_TIGHT_HOST_MEMORY default: Megatron-LM's precision-aware optimizer
+    # state in fp16; miles' Megatron backend keeps fp32 AdamW state
+    "--exp-avg-dtype": "fp32 optimizer state",
+    "--exp-avg-sq-dtype": "fp32 optimizer state",
+    "--main-params-dtype": "fp32 master weights",
+    "--use-routing-replay": "MoE routing replay (R3) is not in miles",
+    "--eval-top-k": "miles evaluates greedily with --eval-temperature 0; evaluation is off in this case",
+}
+
+FLAGS = """
+--hf-checkpoint {model} --ref-load {ref}
+--prompt-data {data}/dapo-math-17k/dapo-math-17k.jsonl --input-key prompt --label-key label --apply-chat-template
+--rollout-shuffle --rm-type deepscaler --num-rollout {num_rollout} --rollout-batch-size 8 --n-samples-per-prompt 8
+--rollout-max-response-len 8192 --rollout-temperature 1 --global-batch-size 32 --balance-data
+--eval-prompt-data aime24 {data}/aime-2024/aime-2024.jsonl --n-samples-per-eval-prompt 1 --eval-max-response-len 16384
+--eval-top-k 1
+--tensor-model-parallel-size 1 --sequence-parallel --pipeline-model-parallel-size 3 --context-parallel-size 2
+--expert-model-parallel-size 2 --expert-tensor-parallel-size 1 --recompute-granularity full --recompute-method uniform
+--recompute-num-layers 1 --use-dynamic-batch-size --max-tokens-per-gpu 8192
+--exp-avg-dtype fp16 --exp-avg-sq-dtype fp16 --main-params-dtype fp16
+--advantage-estimator gspo --use-kl-loss --kl-loss-coef 0.00 --kl-loss-type low_var_kl --kl-coef 0.00
+--entropy-coef 0.00 --eps-clip 4e-4 --use-tis --use-routing-replay
+--optimizer adam --lr 1e-6 --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98
+--optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d --use-precision-aware-optimizer
+--rollout-num-gpus-per-engine 2 --sglang-mem-fraction-static 0.7 --sglang-max-running-requests 512
+--sglang-enable-metrics
+--ci-test
+--attention-dropout 0.0 --hidden-dropout 0.0 --accumulate-allreduce-grads-in-fp32 --attention-softmax-in-fp32
+--attention-backend flash --actor-num-nodes 1 --actor-num-gpus-per-node 6 --rollout-num-gpus 2
+--update-weight-transfer-mode broadcast --moe-token-dispatcher-type alltoall
+--train-backend megatron --rollout-engine sglang
+"""
+
+DISAGG_BROADCAST = ""  # the case as test_disagg_broadcast.py sets it: FLAGS alone
+FULLY_ASYNC = " --fully-async"  # test_fully_async.py: fully_async=True
+
+
+def run(workdir: Path, extra: str, num_rollout: int) -> Path:
+    plan = twins.prepared("qwen3_30b_a3b", "Qwen3-30B-A3B", datasets=("aime-2024",))
+    argv = twins.command(FLAGS + extra, plan, LEFT_OUT, num_rollout=str(num_rollout))
+    return twins.train(argv, nproc=6, workdir=workdir)
