@@ -107,7 +107,10 @@ def test_the_plan_predicts_the_longest_job(make_tree, capsys):
 def test_a_lane_asks_for_its_jobs_and_a_sharded_run_uses_one(make_tree, capsys):
     from miles.ci.registry.catalog import load_catalog
 
-    root = make_tree({"tests/e2e/test_a.py": MEETS.format(est=5, name="a", wait_for=1)})
+    root = make_tree({  # both of the lane's suites have a test: an empty one fails the plan
+        "tests/e2e/test_a.py": MEETS.format(est=5, name="a", wait_for=1),
+        "tests/unit/test_u.py": PASSES.format(est=5, suite="stage-a-cpu"),
+    })  # fmt: skip
     assert load_catalog().lanes["cpu"].jobs == "cores" and load_catalog().lanes["cpu"].fast_fail is False
     assert main(["plan", "--root", str(root), "--lane", "cpu"]) == 0
     out = capsys.readouterr().out
