@@ -225,7 +225,9 @@ def check_command(
         config = parse_config([*argv, *extra], raising=True)
     except ArgsError as exc:
         raise RecipeError(f"{where}: python -m miles.train refuses the command: {exc}. {fix}") from None
-    refused = refusal(config, profile.rollout_engine)
+    # the engine the command runs: an --extra-args --rollout-engine overrides the profile's
+    chosen = config.job.rollout_engine
+    refused = refusal(config, profile.rollout_engine if chosen == "auto" else chosen)
     if refused:
         raise RecipeError(f"{where} on the {platform} lane: {refused}. {fix}")
 

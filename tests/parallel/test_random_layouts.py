@@ -16,6 +16,7 @@ import random
 import pytest
 
 from miles.ci.register import register_cpu_ci
+from miles.families import family
 from miles.megatron.proof import Case, prove
 from miles.parallel import RULE_IDS, ModelShape, ParallelLayout, stage_sizes, validate
 from miles.parallel.numbers import divisors
@@ -23,7 +24,7 @@ from miles.parallel.rules import middle
 
 register_cpu_ci(est_time=90, suite="stage-b-cpu")
 
-SEED = 1012
+SEED = 1212  # the first seed from 1000 whose layouts meet every rule first (the families and vocabulary included)
 COUNT = 160
 WORLDS = (1, 2, 3, 4, 6, 8)
 # Each layout costs a process-group build on every rank: the big worlds are drawn less often.
@@ -40,6 +41,11 @@ MODELS = (
     ModelShape("dsa5", 5, 16, 16, 8, "dsa"),
     # GLM-5.2's first 8 layers: 3, 4, 5 and 7 reuse the top-k of layers 2 and 6
     ModelShape("glm8", 8, 16, 16, 8, "dsa", shared_index_layers=(3, 4, 5, 7)),
+    # the families' own limits (miles.families): Inkling builds no context parallelism,
+    # DeepSeek-V4 splits o_groups 4 over tp; and an unpadded vocabulary of odd rows
+    ModelShape("inkling4", 4, 8, 8, 8, limits=family("inkling").limits({})),
+    ModelShape("dsv4-o4", 4, 24, 24, 8, limits=family("deepseek_v4").limits({"o_groups": 4})),
+    ModelShape("vocab151", 4, 8, 8, vocab_size=151),
 )
 
 

@@ -157,3 +157,14 @@ def test_a_valid_override_still_renders_last(capsys):
     code, lines, out = _render(capsys, "--extra-args=--lr 2e-6 --num-rollout 3")
     assert code == 0, lines
     assert "extra_args     --lr 2e-6 --num-rollout 3" in out, out
+
+
+def test_the_engine_extra_args_choose_is_the_one_the_flags_are_checked_against(capsys):
+    # the device check's sglang step renders the CPU tiny profile with --rollout-engine sglang:
+    # its sglang flags act there, so the render passes them; on the profile's torch engine they
+    # are refused (above)
+    code, lines, out = _render(
+        capsys, "--extra-args=--rollout-engine sglang --sglang-mem-fraction-static 0.3 --colocate"
+    )
+    assert code == 0 and lines == [], lines
+    assert out.rstrip().endswith("--rollout-engine sglang --sglang-mem-fraction-static 0.3 --colocate"), out[-200:]
