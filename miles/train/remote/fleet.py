@@ -100,12 +100,14 @@ class Fleet:
         chunks = [(i, c) for i, c in chunks if c]
         results: dict[int, list[Output]] = {}
         self._calls += 1
+        if self._calls == self.crash_at:
+            # killed as this call's requests go out (not once they are seen running: on a busy
+            # machine an engine can answer before a poll sees its requests, and none is lost)
+            self._crash(engines[chunks[0][0]])
         with ThreadPoolExecutor(max_workers=len(chunks)) as pool:
             futures = {
                 i: pool.submit(self._chunk, engines[i], chunk, sampling, seed + i) for i, chunk in chunks
             }
-            if self._calls == self.crash_at:
-                self._crash(engines[chunks[0][0]])
             for i, future in futures.items():
                 results[i] = future.result()
         return [out for i, _ in chunks for out in results[i]]
@@ -126,17 +128,9 @@ class Fleet:
                     self.retries += len(prompts)
                 self.log(f"miles.train: {len(prompts)} request(s) of the lost engine go to {engine.name}")
 
-    def _crash(self, engine: Engine, wait: float = 60.0) -> None:
-        """Fault injection: SIGKILL `engine`'s process once it holds requests (the built-in server
-        says so; another is killed at once), as an engine that dies mid-rollout."""
-        deadline = time.monotonic() + wait
-        while engine.kind == "torch" and time.monotonic() < deadline:
-            try:
-                if engine.client.get("/get_server_info", timeout=5)["running_requests"] > 0:
-                    break
-            except RolloutEngineError:
-                break
-            time.sleep(0.01)
+    def _crash(self, engine: Engine) -> None:
+        """Fault injection: SIGKILL `engine`'s process during a rollout, as an engine that dies
+        mid-rollout: the requests sent to it fail and go to the others."""
         pid = engine.process.pid if engine.process else "-"
         self.log(
             f"miles.train: fault injection: killing rollout engine {engine.name} (pid {pid}) mid-rollout"
