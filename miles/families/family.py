@@ -19,7 +19,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar
 
 from miles.families.facts import ATTENTION_KINDS, Fixed, Key, text_config
-from miles.families.schema import COMMON_SCHEMA, Rule, check_config
+from miles.families.schema import COMMON_SCHEMA, ConfigRefused, Rule, check_config
 from miles.families.weights import OUTER_NAMES, Weights, whole
 from miles.parallel import FamilyLimits
 
@@ -100,6 +100,10 @@ class Family:
     def check_config(self, config: Mapping[str, Any]) -> None:
         """Raise miles.families.schema.ConfigRefused ('<key> = <value>: <rule>; <fix>') for the
         first rule of the family's schema that config.json (as written) breaks."""
+        if not isinstance(config, Mapping):
+            raise ConfigRefused(
+                "config.json", config, "must be a JSON object", "write the model's config.json"
+            )
         check_config(self.schema, self.schema_view(config))
 
     def schema_view(self, config: Mapping[str, Any]) -> Mapping[str, Any]:

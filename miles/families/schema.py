@@ -30,7 +30,7 @@ def shown(found: object) -> str:
     if found is _MISSING:
         return "(missing)"
     text = repr(found)
-    return text if len(text) <= _SHOWN else f"{text[:_SHOWN]}... ({type(found).__name__} of {len(found)})"  # type: ignore[arg-type]
+    return text if len(text) <= _SHOWN else f"{text[:_SHOWN]}... ({len(text)} characters)"
 
 
 _MISSING = object()
