@@ -396,3 +396,30 @@ def test_make_tiny_refuses_a_dim_the_schema_refuses(tmp_path, capsys):
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "num_experts_per_tok = 9: exceeds n_routed_experts = 8" in line, line
     assert not (tmp_path / "t").exists()
+
+
+TORCH_DIST = [
+    ("hidden_size a string", _set("hidden_size", "128"), "hidden_size = '128': must be a whole number >= 1"),
+    ("top-k above the experts", _set("num_experts_per_tok", 9), "num_experts_per_tok = 9: exceeds n_routed_experts = 8"),
+    ("layer_types short", _short("layer_types"), "layer_types = ["),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", NEW)
+@pytest.mark.parametrize("case, edit, said", TORCH_DIST, ids=[c[0] for c in TORCH_DIST])
+def test_the_torch_dist_step_refuses_the_same_config_before_building(
+    tiny, tmp_path, capsys, monkeypatch, name, case, edit, said
+):
+    """`prepare --plan-steps fetch,torch_dist` (validate left out of the plan, as a user may):
+    the conversion checks the same schema before megatron-core builds anything."""
+    monkeypatch.setenv("MILES_CACHE_DIR", str(tmp_path / "digest-cache"))
+    source = _with_config(tiny(name), tmp_path / "src", edit)
+    models = tmp_path / "models"
+    argv = ["prepare", "--quiet", "--family", name, "--model", "m", "--source", str(source), "--layers",
+            str(LAYERS), "--model-dir", str(models), "--plan-steps", "fetch,torch_dist"]  # fmt: skip
+    assert main(argv) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: torch_dist of m: ") and "config.json: " + said in line, line
+    if case == "layer_types short":
+        assert "has 1 entries for num_hidden_layers = 2; write one entry per decoder layer" in line, line
+    assert not (models / "m_torch_dist").exists()
