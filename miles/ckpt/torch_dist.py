@@ -88,17 +88,19 @@ def convert_to_torch_dist(
     (dst / TRACKER).write_text(RELEASE)
 
 
-def _config(hf_dir: Path, gpt: bool, family_name: str) -> dict:
-    """config.json of `hf_dir`, checked against the family's schema before any arithmetic on it;
-    for a family megatron-core builds, the decoder's config as the family reads it
-    (miles.families.decoder_config)."""
-    from miles.families import decoder_config
+def _config(hf_dir: Path, gpt: bool, family_name: str | None = None) -> dict:
+    """config.json of `hf_dir`, checked against the schema of `family_name` (default: the family
+    its model_type names) before any arithmetic on it; for a family megatron-core builds, the
+    decoder's config as the family reads it (miles.families.decoder_config)."""
+    from miles.families import decoder_config, family_of
     from miles.families.schema import ConfigRefused
 
     path = Path(hf_dir) / "config.json"
     raw = read_json_file(path)
+    spec = family(family_name) if family_name else family_of(raw) if isinstance(raw, Mapping) else None
     try:
-        family(family_name).check_config(raw)
+        if spec is not None:
+            spec.check_config(raw)
     except ConfigRefused as exc:
         raise CheckpointError(f"{path}: {exc}") from None
     return decoder_config(raw) if gpt else raw
@@ -422,6 +424,8 @@ def shape_problems(torch_dist_dir: Path, hf_dir: Path) -> list[str]:
         config = _config(hf_dir, recorded.get("layout") == "megatron-gpt")
     except ValueError as exc:  # a config the mapping refuses (UnmappedModel)
         return [f"{Path(hf_dir) / 'config.json'}: {exc}"]
+    except CheckpointError as exc:  # one the family's schema refuses (it names the file)
+        return [str(exc)]
     differences = []
     if recorded.get("model_type") not in (None, config.get("model_type")):
         differences.append(f"model_type {recorded['model_type']} (config.json: {config.get('model_type')})")
