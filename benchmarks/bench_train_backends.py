@@ -35,6 +35,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from miles.metrics.records import MAX_RECORD_FILES, read_record
+
 PROMPT_TOKENS = 10  # "code 1234:" in the tiny checkpoints' byte-level tokenizer
 # The GPU mode's models, bf16. dense-1b: a 16-layer Qwen3 of 1.12B parameters (tied embeddings);
 # moe: a 4-layer Qwen3-MoE slice with Qwen3-30B-A3B's expert shape (128 experts, top 8).
@@ -83,10 +85,9 @@ def run(workdir: Path, hf: Path, rollouts: int, samples: int, response: int, *ba
     if proc.returncode:
         sys.exit(f"{' '.join(backend)}: miles.train exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     series: dict[str, dict[int, float]] = {}
-    for path in record.glob("*.jsonl"):
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            series.setdefault(row["metric"], {}).update({int(s): float(v) for s, v in row["series"]})
+    for path in sorted(record.glob("*.jsonl"))[:MAX_RECORD_FILES]:  # read bounded, as the gate reads them
+        for metric, points in read_record(path).items():
+            series.setdefault(metric, {}).update(points)
     steps = sorted(series["perf/train_time"])[1:]  # rollout 0 warms up
     train_time = statistics.median(series["perf/train_time"][s] for s in steps)
     length = statistics.median(series["rollout/response_len"][s] for s in steps)
@@ -164,11 +165,8 @@ def gpu_run(work: Path, hf: Path, dist: Path, rollouts: int, samples: int, respo
         tail = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
         return {"error": (said or tail or [f"exit {proc.returncode}"])[-1], "first_line": first}
     times = {}
-    for path in record.glob("*.jsonl"):
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            if row["metric"] == "perf/train_time":
-                times.update({int(s): float(v) for s, v in row["series"]})
+    for path in sorted(record.glob("*.jsonl"))[:MAX_RECORD_FILES]:
+        times.update(read_record(path).get("perf/train_time", {}))
     return {"train_s": statistics.median(times[s] for s in sorted(times)[1:]), "first_line": first}
 
 

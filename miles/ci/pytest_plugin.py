@@ -6,20 +6,29 @@ names the hardware it needs, without importing it (its imports may need a GPU st
 file whose registration breaks a rule is a collection error carrying discovery's message.
 The backend is `MILES_CI_BACKEND` (the runner sets it on GPU machines), else cpu.
 
-Enable with `pytest_plugins = ("miles.ci.pytest_plugin",)` in the top conftest.py.
+Enable with `pytest_plugins = ("miles.ci.pytest_plugin",)` in the top conftest.py. Under the
+runner it also records the session's phases (miles.phases): start-up until the tests are
+collected, teardown from the end of the session until the process is gone. And it makes that
+teardown short: at exit the objects left are frozen out of the garbage collector, which would
+otherwise walk the whole of torch's and transformers' object graph on the way out (seconds per
+file: most of a short file's time).
 """
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 from pathlib import Path
 
 import pytest
 
+from miles import phases
 from miles.ci.registry.catalog import load_catalog
 from miles.ci.registry.discover import Registration, parse_test_file
 
 BACKEND_ENV = "MILES_CI_BACKEND"
+atexit.register(gc.freeze)  # see the docstring: the interpreter frees them at exit regardless
 
 
 def current_backend() -> str:
@@ -85,3 +94,22 @@ def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector):
         reason = "; ".join(f"disabled on {r.backend} ({r.suite}): {r.disabled}" for r in here)
         return RegisteredElsewhere.from_parent(parent, path=Path(module_path), reason=reason, error=False)
     return None
+
+
+_sessions: list[pytest.Session] = []  # the process's own session first; a test's inner ones (pytester) after
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _sessions.append(session)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if _sessions and session is _sessions[0]:
+        phases.started()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _sessions and session is _sessions[0]:
+        phases.teardown_until_the_end()
+    if session in _sessions:
+        _sessions.remove(session)

@@ -12,11 +12,13 @@ Directories (DESIGN.md): <model_dir>/<model_name> (HF), <model_name>_fp8,
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from miles import phases
 from miles.ckpt.datasets import fetch_for_plan
 from miles.ckpt.errors import (
     CheckpointError,
@@ -29,6 +31,7 @@ from miles.ckpt.families import layers_in_name, num_layers
 from miles.ckpt.hub import Source, materialize, parse_source, resolve_hub, resolve_local
 from miles.ckpt.manifest import (
     HF_STEPS,
+    MANIFEST_NAME,
     Manifest,
     atomic_dir,
     clean_stale,
@@ -85,17 +88,27 @@ def prepare(
     progress: bool = True,
     workers: int | None = None,
     scan_fraction: float = 1.0,
+    tiny_cache: str | Path | None = None,
 ) -> PrepareResult:
     """Run the plan's steps (or the subset `steps`, which must belong to the plan) in order.
 
     scan_fraction: share of every float tensor validate reads for NaN/Inf (1 = all, 0 = none).
+    tiny_cache: for a tiny source, a cache folder (miles.ckpt.tiny_cache) whose tiny checkpoint and
+    torch_dist form the fetch and torch_dist steps copy instead of building them again.
     Every failure, a full or read-only disk included, is a StepFailed with a one-line message.
     """
     chosen = _chosen_steps(plan, steps)
-    run = _Run(plan, dry=dry, progress=progress, workers=workers, scan_fraction=scan_fraction)
+    run = _Run(
+        plan, dry=dry, progress=progress, workers=workers, scan_fraction=scan_fraction, tiny_cache=tiny_cache
+    )
     run.check_model_dir()
     if dry:
         return PrepareResult(plan, tuple(run.step(step) for step in chosen))
+    with phases.phase(phases.CHECKPOINT):
+        return _run_locked(plan, chosen, run)
+
+
+def _run_locked(plan: CheckpointPlan, chosen: list[str], run: _Run) -> PrepareResult:
     lock = run.state / f"{plan.model_name}.lock"
     try:
         held = plan_lock(lock)
@@ -139,7 +152,14 @@ def _chosen_steps(plan: CheckpointPlan, steps: Sequence[str] | None) -> list[str
 
 class _Run:
     def __init__(
-        self, plan: CheckpointPlan, *, dry: bool, progress: bool, workers, scan_fraction: float = 1.0
+        self,
+        plan: CheckpointPlan,
+        *,
+        dry: bool,
+        progress: bool,
+        workers,
+        scan_fraction: float = 1.0,
+        tiny_cache: str | Path | None = None,
     ):
         self.plan = plan
         self.dry = dry
@@ -154,6 +174,7 @@ class _Run:
         self.layers = plan.num_layers or layers_in_name(plan.model_name)
         self._source_dir: Path | None = None
         self._downloaded = False
+        self.tiny_cache = None if tiny_cache is None else Path(tiny_cache)
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -316,8 +337,15 @@ class _Run:
                     damaged or f"build a tiny {self.source.value} ({layers} layers)",
                     str(self.hf),
                 )
-            make_tiny_checkpoint(self.source.value, layers, self.hf, progress=self.show)
             redone = f" (redone: {damaged})" if damaged else ""
+            if self.tiny_cache is not None:
+                from miles.ckpt.tiny_cache import tiny_checkpoint
+
+                _copy_into(tiny_checkpoint(self.source.value, layers, root=self.tiny_cache).hf, self.hf)
+                return StepResult(
+                    "fetch", "ran", f"copied tiny {self.source.value} from the cache{redone}", str(self.hf)
+                )
+            make_tiny_checkpoint(self.source.value, layers, self.hf, progress=self.show)
             return StepResult("fetch", "ran", f"built tiny {self.source.value}{redone}", str(self.hf))
         src = self.source_dir()
         if src is None:
@@ -418,6 +446,11 @@ class _Run:
         from miles.ckpt.torch_dist import convert_to_torch_dist
 
         def make(tmp: Path):
+            cached = self._cached_torch_dist()
+            if cached is not None:
+                shutil.copytree(cached, tmp, dirs_exist_ok=True, ignore=shutil.ignore_patterns(MANIFEST_NAME))
+                _writable(tmp)
+                return None
             self._with_progress("torch_dist", convert_to_torch_dist, self.hf, tmp, self.plan.family)
             return None
 
@@ -435,6 +468,17 @@ class _Run:
             make,
             check=same_model,
         )
+
+    def _cached_torch_dist(self) -> Path | None:
+        """The tiny cache's torch_dist form of exactly this plan's HF checkpoint, when there is one
+        (a tiny source whose family converts under its own name, the HF copy unchanged)."""
+        if self.tiny_cache is None or self.source.kind != "tiny" or self.source.value != self.plan.family:
+            return None
+        from miles.ckpt.tiny_cache import tiny_checkpoint
+
+        layers = self.layers or DEFAULT_TINY_LAYERS
+        entry = tiny_checkpoint(self.source.value, layers, torch_dist=True, root=self.tiny_cache)
+        return entry.torch_dist if fingerprint(entry.hf) == fingerprint(self.hf) else None
 
     def _stage(self) -> StepResult:
         from miles.ckpt.stage import stage_dir
@@ -461,6 +505,18 @@ class _Run:
             return StepResult("stage", "would run", f"{len(targets)} dirs", self.plan.stage_dir)
         copied = sum(self._with_progress("stage", stage_dir, d, t) for d, t in targets)
         return StepResult("stage", "ran", f"copied {copied} bytes", self.plan.stage_dir)
+
+
+def _copy_into(entry: Path, final: Path) -> None:
+    """A writable copy of a cached folder at `final`, replacing it atomically."""
+    with atomic_dir(final, reads=[entry], replaces=HF_STEPS) as tmp:
+        shutil.copytree(entry, tmp, dirs_exist_ok=True)
+        _writable(tmp)
+
+
+def _writable(folder: Path) -> None:
+    for path in folder.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
 
 
 def _separate(out: Path, sources: Path | Sequence[Path]) -> None:

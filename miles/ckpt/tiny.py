@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from miles import phases
 from miles.ckpt.errors import CheckpointError
 from miles.ckpt.families import LAYER_LIST_KEYS, LAYER_RE, mtp_layers
 from miles.ckpt.families import family as get_family
@@ -72,7 +73,11 @@ def make_tiny_checkpoint(
     params = tiny_params(family, layers, seed, dtype, shard_bytes, dims)
     if finished(out, TINY_STEP, f"tiny:{family}", params) and not _damaged(out):
         return out
-    with atomic_dir(out, reads=(), replaces=HF_STEPS) as tmp, _transformers_progress(progress):
+    with (
+        phases.phase(phases.CHECKPOINT),
+        atomic_dir(out, reads=(), replaces=HF_STEPS) as tmp,
+        _transformers_progress(progress),
+    ):
         _save_model(spec, layers, seed, dtype, shard_bytes, dims, tmp)
         build_tokenizer(
             int(dims.get("max_position_embeddings", spec.tiny_dims["max_position_embeddings"]))

@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from miles import phases
 from miles.ckpt.errors import CheckpointError, full_disk_error
 from miles.ckpt.families import family, writes_megatron_keys
 from miles.ckpt.progress import Progress, say
@@ -52,6 +53,13 @@ def convert_to_torch_dist(
     vocab_multiple pads the embedding and output rows (with zeros) to a multiple, as
     Megatron-LM's --make-vocab-size-divisible-by x TP does; 1 keeps the HF vocabulary.
     """
+    with phases.phase(phases.CHECKPOINT):
+        _convert(src, dst, family_name, vocab_multiple=vocab_multiple, verify=verify, progress=progress)
+
+
+def _convert(
+    src, dst, family_name: str, *, vocab_multiple: int, verify: bool, progress: Progress | None
+) -> None:
     src, dst = Path(src), Path(dst)
     gpt = writes_megatron_keys(family_name)
     with _mapped({}):

@@ -14,12 +14,14 @@ import sys
 import traceback
 from pathlib import Path
 
+from miles.load import LoadClock
 from miles.megatron.proof import FAMILY_STAGE, STAGES, ProofError
 from miles.parallel.layout import ModelShape, ParallelLayout
 
 _GROUPS = ("tp", "pp", "cp", "dp", "ep", "etp", "edp")
 _HIDDEN_PER_HEAD = 8  # tiny widths: only the shapes' divisibility matters here
-_RANK_TIMEOUT_S = 120
+_RANK_TIMEOUT_S = 120  # without progress, counted at the machine's load (miles.load)
+_LOAD_STRETCH = 10.0
 
 
 def _helper(inp: Path, out: Path) -> int:
@@ -89,12 +91,13 @@ def _collect(queue, procs, world: int) -> dict[int, list[dict]]:
 
     per_rank: dict[int, list[dict]] = {}
     # The deadline counts from the last sign of progress, so a long batch of layouts on a busy
-    # machine is not cut short while every layout still finishes in time.
-    deadline = time.monotonic() + _RANK_TIMEOUT_S
+    # machine is not cut short while every layout still finishes in time; and at the machine's
+    # load: eight ranks on a shared 2-core machine are slow, not hung.
+    clock = LoadClock(_RANK_TIMEOUT_S, _LOAD_STRETCH, time.monotonic())
     while len(per_rank) < world:
         try:
             rank, verdicts = queue.get(timeout=1)
-            deadline = time.monotonic() + _RANK_TIMEOUT_S
+            clock.restart(time.monotonic())
             if verdicts is not None:  # None: one more layout done
                 per_rank[rank] = verdicts
             continue
@@ -105,9 +108,11 @@ def _collect(queue, procs, world: int) -> dict[int, list[dict]]:
             raise ProofError(
                 f"gloo rank(s) {dead} of world size {world} died (exit {procs[dead[0]].exitcode})"
             )
-        if time.monotonic() > deadline:
+        if clock.expired(time.monotonic()):
+            waited = clock.last - clock.started
             raise ProofError(
-                f"gloo ranks of world size {world} made no progress in {_RANK_TIMEOUT_S} s (a layout hung)"
+                f"gloo ranks of world size {world} made no progress in {waited:.0f} s ({_RANK_TIMEOUT_S} s at the "
+                f"machine's load, peak load average {clock.peak:.1f} on {clock.cores} cores): a layout hung"
             )
     return per_rank
 

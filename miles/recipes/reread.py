@@ -93,7 +93,7 @@ _CITATION = re.compile(r"radixark/miles (?P<path>\S+)@(?P<commit>[0-9a-f]{7,40})
 
 @dataclass(frozen=True)
 class Citation:
-    """A published value of a model spec (miles/recipes/specs.py) read from a file of upstream."""
+    """A published value of a model spec (a recipe module's ModelSpec) read from a file of upstream."""
 
     spec: str  # the model
     key: str
@@ -104,11 +104,15 @@ class Citation:
 
 def citations() -> list[Citation]:
     """Every `radixark/miles <path>@<commit>` citation of a published value in the model specs."""
-    from miles.recipes import specs
+    import importlib
+
+    from miles.recipes import names
     from miles.recipes.models import ModelSpec
 
+    modules = [importlib.import_module(f"miles.recipes.library.{name}") for name in names()]
+    specs = {id(v): v for m in modules for v in vars(m).values() if isinstance(v, ModelSpec)}
     out = []
-    for spec in (v for v in vars(specs).values() if isinstance(v, ModelSpec)):
+    for spec in specs.values():
         published = spec.published
         for key, text in published.sources if published else ():
             for match in _CITATION.finditer(text):

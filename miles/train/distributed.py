@@ -57,10 +57,13 @@ def init_distributed(requested_backend: str | None = None) -> DistInfo:
     global _collective_device
     _collective_device = device if backend == "nccl" else "cpu"
     if not dist.is_initialized():
-        if "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend)
-        else:
-            dist.init_process_group(backend, rank=0, world_size=1, store=dist.HashStore())
+        from miles import phases
+
+        with phases.phase(phases.INIT):
+            if "WORLD_SIZE" in os.environ:
+                dist.init_process_group(backend)
+            else:
+                dist.init_process_group(backend, rank=0, world_size=1, store=dist.HashStore())
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
 
 
@@ -127,7 +130,10 @@ def exit_process(code: int) -> None:
     ranks), turning a finished run into a failed one. Call it only once everything the run
     writes is complete and closed.
     """
-    atexit._run_exitfuncs()
+    from miles import phases
+
+    with phases.phase(phases.TEARDOWN):
+        atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

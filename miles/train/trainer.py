@@ -27,7 +27,7 @@ from dataclasses import replace
 
 import torch
 
-from miles import children
+from miles import children, phases
 from miles.metrics.capture import RecordDirError
 from miles.train import checkpoint, checks, evaluation, guards, report
 from miles.train.algorithm import LOSS_SUMS, group_advantages
@@ -78,7 +78,7 @@ def train(run: Run) -> None:
     for rollout_id in range(run.start_rollout, cfg.rollout.num_rollout):
         started = time.perf_counter()
         run.backend.sleep()  # --offload-train: the trainer's state off the device while the engine generates
-        with report.peak_host_memory() as peak:
+        with phases.phase(phases.ROLLOUT), report.peak_host_memory() as peak:
             samples = generate_and_score(run, rollout_id)  # 1 rollout, 2 reward
         samples = with_advantages(run, samples)  # 3 advantage
         metrics = report.rollout_metrics(
@@ -90,8 +90,9 @@ def train(run: Run) -> None:
         if run.async_rollouts is not None:
             metrics |= run.async_rollouts.metrics()
         if not checked.debug_rollout_only:
-            metrics |= learn(run, rollout_id, samples)  # 4 loss and optimizer steps
-            metrics |= sync_weights(run, rollout_id)  # 5 sync
+            with phases.phase(phases.TRAIN):
+                metrics |= learn(run, rollout_id, samples)  # 4 loss and optimizer steps
+                metrics |= sync_weights(run, rollout_id)  # 5 sync
         metrics["perf/step_time"] = time.perf_counter() - started
         if evaluation.due(cfg.eval, rollout_id):
             metrics |= evaluation.evaluate(run, eval_sets, rollout_id)
@@ -100,7 +101,8 @@ def train(run: Run) -> None:
             run.log(report.console_line(rollout_id, cfg.rollout.num_rollout, metrics))
         if checked.ci_metric_checker_key in metrics:
             watched[rollout_id] = metrics[checked.ci_metric_checker_key]
-        maybe_save(run, rollout_id)
+        with phases.phase(phases.TRAIN):
+            maybe_save(run, rollout_id)
     if run.async_rollouts is not None:
         run.async_rollouts.close()
     if checked.ci_metric_checker_key:
@@ -417,12 +419,15 @@ def maybe_save(run: Run, rollout_id: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     children.arm()  # what the run forks (checkpoint writers) dies with it, even on SIGKILL
+    phases.started()
     config = parse_config(argv)
     try:
         if config.checks.dry_start:
-            dry_start(config)
+            with phases.phase(phases.INIT):
+                dry_start(config)
             return 0
-        run = build_run(config)
+        with phases.phase(phases.INIT):
+            run = build_run(config)
         train(run)
     except FOR_PEOPLE as exc:
         # An error every rank raises alike is said once, by rank 0.
@@ -430,5 +435,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"miles.train: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
-        shutdown()
+        with phases.phase(phases.TEARDOWN):
+            shutdown()
     return 0

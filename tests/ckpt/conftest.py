@@ -1,9 +1,8 @@
-"""Tiny checkpoints shared by the checkpoint tests (built once per session, a few MB each)."""
+"""Tiny checkpoints shared by the checkpoint tests (from the shared cache: built once per lane run)."""
 
 from __future__ import annotations
 
 import hashlib
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,16 +10,11 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def tiny(tmp_path_factory) -> Callable[..., Path]:
-    """tiny(family, layers=4) -> a finished tiny checkpoint dir; treat it as read-only."""
-    from miles.ckpt.tiny import make_tiny_checkpoint
+def tiny() -> Callable[..., Path]:
+    """tiny(family, layers=4) -> a finished tiny checkpoint dir (tests.support.ckpt); read-only."""
+    from tests.support.ckpt import tiny_hf
 
-    root = tmp_path_factory.mktemp("tiny")
-
-    def get(family: str, layers: int = 4) -> Path:
-        return make_tiny_checkpoint(family, layers, root / f"{family}-{layers}")
-
-    return get
+    return lambda family, layers=4: tiny_hf(family, layers)
 
 
 @pytest.fixture(scope="session")
@@ -46,10 +40,10 @@ def fp8_of(tiny, tmp_path_factory) -> Callable[[str], Path]:
 def tiny_copy(tiny, tmp_path) -> Callable[..., Path]:
     """tiny_copy(family, layers=4) -> a private copy the test may damage."""
 
+    from tests.support.ckpt import private
+
     def get(family: str, layers: int = 4) -> Path:
-        dst = tmp_path / f"copy-{family}-{layers}"
-        shutil.copytree(tiny(family, layers), dst)
-        return dst
+        return private(tiny(family, layers), tmp_path / f"copy-{family}-{layers}")
 
     return get
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ from miles.ci.register import register_cpu_ci
 from miles.ckpt.manifest import read_manifest
 from miles.ckpt.pipeline import prepare
 from miles.ckpt.plan import CheckpointPlan
+from tests.support.ckpt import private
 
 register_cpu_ci(est_time=60, suite="stage-b-cpu")
 
@@ -108,7 +108,7 @@ def reference(tiny, tmp_path_factory):
     """A qwen3 source outside the test disks, and the outputs of a run that never failed."""
     root = tmp_path_factory.mktemp("disk-ref")
     source = root / "source"
-    shutil.copytree(tiny("qwen3"), source)
+    private(tiny("qwen3"), source)
     plan = _plan(root / "models", source, root / "stage")
     prepare(plan, progress=False)
     return source, plan

@@ -26,6 +26,7 @@ from miles.ckpt.manifest import MANIFEST_NAME, read_manifest
 from miles.ckpt.shards import INDEX_NAME, ShardWriter, read_weight_map
 from miles.ckpt.stage import stage_dir
 from miles.files import FileRefused, resolve_inside
+from tests.support.ckpt import private
 
 register_cpu_ci(est_time=45, suite="stage-b-cpu")
 
@@ -268,7 +269,7 @@ def test_a_full_disk_while_building_a_tiny_source_is_one_line(tmp_path):
 
 def test_ctrl_c_during_prepare_is_one_line_and_a_rerun_finishes(tiny, tmp_path):
     source = tmp_path / "source"
-    shutil.copytree(tiny("qwen3"), source)
+    private(tiny("qwen3"), source)
     models = tmp_path / "models"
     argv = [sys.executable, "-m", "miles.ckpt", *_prepare(source, models)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -52,9 +52,10 @@ def test_torch_dist_has_megatrons_layout_and_loads_back_equal(tiny, torch_dist_o
     assert {"common.pt", ".metadata"} <= {p.name for p in release.iterdir()}
     assert any(p.suffix == ".distcp" for p in release.iterdir())
     with single_process_group(), CheckpointReader(tiny(name)) as hf:
-        if name in ("qwen3", "qwen3_moe"):
+        if name in ("qwen2", "qwen3", "qwen3_moe"):  # GPTModel's keys, layers stacked
             keys = {k for k in dist_checkpointing.load_tensors_metadata(str(release))}
             assert "decoder.layers.self_attention.linear_qkv.weight" in keys
+            assert ("decoder.layers.self_attention.linear_qkv.bias" in keys) is (name == "qwen2")
             assert "embedding.word_embeddings.weight" in keys
             tied = json.loads((tiny(name) / "config.json").read_text())["tie_word_embeddings"]
             # Qwen3-4B ties its output layer to the embedding; Qwen3-30B-A3B has its own

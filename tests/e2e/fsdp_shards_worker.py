@@ -1,6 +1,6 @@
 """One rank of the FSDP load/export comparison (run by torchrun from test_train_fsdp_shards.py).
 
-    python -m torch.distributed.run --nproc-per-node 2 fsdp_shards_worker.py HF_DIR OUT_DIR
+    python -m torch.distributed.run --nproc-per-node 2 fsdp_shards_worker.py '[[HF_DIR, OUT_DIR], ...]'
 
 Builds the FSDP backend from a trainer command (its sharded load: empty model, rank 0 reads,
 tensor by tensor broadcast) and, beside it, the model as the backend built it before: every
@@ -11,6 +11,7 @@ tensor, the old one as the whole gathered state dict cast afterwards.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -20,16 +21,23 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 
 def main() -> None:
-    hf, out = sys.argv[1], Path(sys.argv[2])
+    from miles.train.distributed import init_distributed
+
+    dist_info = init_distributed("gloo")
+    for hf, out in json.loads(sys.argv[1]):
+        compare(hf, Path(out), dist_info)
+    dist.destroy_process_group()
+
+
+def compare(hf: str, out: Path, dist_info) -> None:
     from miles.train.args import parse_config
     from miles.train.backends import make_backend
     from miles.train.backends.torch_dp import checkpoint_names
-    from miles.train.distributed import init_distributed
     from miles.train.model import load_causal_lm
 
     config = parse_config(["--hf-checkpoint", hf, "--train-backend", "fsdp", "--actor-num-gpus-per-node", "2",
                            "--rollout-batch-size", "2", "--n-samples-per-prompt", "2"])  # fmt: skip
-    backend = make_backend(config, init_distributed("gloo"))
+    backend = make_backend(config, dist_info)
     before = load_causal_lm(hf, dtype=torch.float32)  # the earlier load: whole on every rank, then sharded
     backend._shard(before)
     full = StateDictOptions(full_state_dict=True)
@@ -51,7 +59,6 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     torch.save(result, out / f"state-{dist.get_rank()}.pt")
     dist.barrier()
-    dist.destroy_process_group()
 
 
 def _streamed(stream) -> dict:

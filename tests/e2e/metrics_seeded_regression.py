@@ -16,7 +16,6 @@ run on CPU).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import os
 import subprocess
@@ -27,11 +26,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+if __package__ in (None, ""):  # run as a script: the project root on the path, as the tests have it
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 from miles.ci.registry.catalog import load_catalog
 from miles.ci.registry.discover import discover
 from miles.metrics.capture import RECORD_DIR_ENV, STANDARD_METRICS
 from miles.metrics.gate import ERROR, FAIL
 from miles.metrics.gating import GateOutcome, GateRun, gate_attempt
+from tests.support.ranks import torchrun
 
 HERE = Path(__file__).resolve().parent
 GATED_TEST = "tests/e2e/test_seeded_recipe.py"
@@ -133,19 +136,12 @@ def format_table(rows: list[Row]) -> str:
 # -- trainers ---------------------------------------------------------------------------------
 
 
-def _load_toy():
-    spec = importlib.util.spec_from_file_location("metrics_toy_trainer", HERE / "metrics_toy_trainer.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def toy_trainer() -> Trainer:
     """Each run in a forked child of a process that imported torch once (a real, separate
     process with its own record, without paying torch's import for every run)."""
-    toy = _load_toy()
     import torch
+
+    from tests.e2e import metrics_toy_trainer as toy
 
     # Warm torch up once (kernels, allocator) so every child starts from a ready process.
     # Children train single-threaded, so a thread pool the parent may hold is never entered
@@ -200,7 +196,7 @@ def miles_trainer(workdir: Path) -> Trainer:
     def train(case: Case, records: Path) -> int:
         flags = [*MILES_FLAGS, "--seed", str(case.seed), "--lr", str(MILES_LR * case.lr_scale)]
         flags += ["--rollout-temperature", str(case.temperature)]
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
+        launcher = torchrun(1)
         env = {**os.environ, RECORD_DIR_ENV: str(records), "OMP_NUM_THREADS": "1"}
         command = [*launcher, "-m", "miles.train", "--hf-checkpoint", str(model), *flags]
         result = subprocess.run(command, env=env, capture_output=True, text=True, cwd=workdir, timeout=600)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from miles.ci.register import register_cpu_ci, register_cuda_ci, register_rocm_ci
+from miles.load import run_counted
 
 register_cpu_ci(est_time=150, suite="stage-b-cpu")
 register_cuda_ci(est_time=540, suite="stage-b-2-gpu-h200", labels=["fsdp", "short"])
@@ -31,11 +32,14 @@ ON_GPU = os.environ.get("MILES_CI_BACKEND", "cpu") != "cpu"
 def test_every_step_of_the_device_check_passes(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "MILES_DEVICE_CHECK_DIR": str(tmp_path)}
     env.pop("MILES_CI_GATE_RECORD_DIR", None)
-    # 900 s: above the check's own 600 s limit per training run, so a hung run shows as its FAIL line
-    done = subprocess.run(
+    # 900 s: above the check's own 600 s limit per training run, so a hung run shows as its FAIL line;
+    # both counted at the machine's load (a shared 2-core machine makes the check slow, not hung)
+    done = run_counted(
         ["bash", str(ROOT / "scripts/gpu_check.sh"), *([] if ON_GPU else ["--cpu"])],
-        capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path,
-    )  # fmt: skip
+        900,
+        env=env,
+        cwd=str(tmp_path),
+    )
     verdicts = [line for line in done.stdout.splitlines() if line.startswith(("PASS", "FAIL", "SKIP"))]
     assert done.returncode == 0, "\n".join(verdicts) + done.stderr[-2000:]
     sglang = (

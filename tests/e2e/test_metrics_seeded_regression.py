@@ -6,30 +6,17 @@ gated against it; see metrics_seeded_regression.py for the protocol and the trai
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from miles.ci.register import register_cpu_ci
 from miles.metrics.gate import INACTIVE
+from tests.e2e import metrics_seeded_regression as protocol
 
 register_cpu_ci(est_time=30, suite="stage-b-cpu")
 
 
-def _protocol():
-    path = Path(__file__).with_name("metrics_seeded_regression.py")
-    spec = importlib.util.spec_from_file_location("metrics_seeded_regression", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory) -> dict:
-    protocol = _protocol()
     workdir = tmp_path_factory.mktemp("seeded")
     found = protocol.run_protocol(protocol.toy_trainer(), workdir, f"sqlite:///{workdir / 'history.sqlite'}")
     print("\n" + protocol.format_table(found))  # the numbers, with pytest -s

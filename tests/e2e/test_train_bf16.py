@@ -11,7 +11,6 @@ probe holds a bf16 engine to bf16's rounding noise, not float32's.
 from __future__ import annotations
 
 import glob
-import importlib.util
 import os
 import subprocess
 import sys
@@ -20,12 +19,12 @@ from pathlib import Path
 import pytest
 
 from miles.ci.register import register_cpu_ci
+from tests.support import ranks as support_ranks
+from tests.support import recipes as runs
+from tests.support.ckpt import tiny_hf
 
 register_cpu_ci(est_time=60, suite="stage-b-cpu")
 
-_spec = importlib.util.spec_from_file_location("recipe_runs", Path(__file__).with_name("recipe_runs.py"))
-runs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(runs)
 
 RUN = (
     "--prompt-data synthetic:fixed --rm-type synthetic --num-rollout 3 --rollout-batch-size 4 "
@@ -34,17 +33,13 @@ RUN = (
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    from miles.ckpt.tiny import make_tiny_checkpoint
-
-    return make_tiny_checkpoint("qwen3", 2, tmp_path_factory.mktemp("bf16") / "qwen3")
+def model() -> Path:
+    return tiny_hf("qwen3", 2)
 
 
 def trained_weights(model: Path, save: Path, *flags: str, ranks: int = 1) -> tuple[dict, float]:
     """The weights after 3 rollouts, and the largest rollout-vs-trainer logprob gap seen."""
-    launcher = (
-        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] if ranks > 1 else []
-    )
+    launcher = support_ranks.torchrun(ranks)[1:] if ranks > 1 else []
     record = save.with_name("record")
     env = {**os.environ, "MILES_CI_GATE_RECORD_DIR": str(record)}
     done = subprocess.run(

@@ -12,7 +12,6 @@ the model with itself.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -22,12 +21,11 @@ from pathlib import Path
 import pytest
 
 from miles.ci.register import register_cpu_ci
+from tests.support import ranks as support_ranks
+from tests.support import recipes as runs
 
 register_cpu_ci(est_time=75, suite="stage-b-cpu")
 
-_spec = importlib.util.spec_from_file_location("recipe_runs", Path(__file__).with_name("recipe_runs.py"))
-runs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(runs)
 
 RUN = (
     "--prompt-data synthetic:fixed --rm-type synthetic --num-rollout 1 --rollout-batch-size 2 "
@@ -44,11 +42,11 @@ def prepared(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def train(hf: Path, ref_load: Path, *extra: str, ranks: int = 1, logs: Path | None = None):
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+    launcher = support_ranks.torchrun(ranks) if ranks > 1 else [sys.executable]
     if logs is not None:  # each rank's own output in its own file (torchrun adds a summary of its own)
         launcher += ["--log-dir", str(logs), "--redirects", "3"]
     cmd = [
-        sys.executable, *(launcher if ranks > 1 else []), "-m", "miles.train", "--hf-checkpoint", str(hf),
+        *launcher, "-m", "miles.train", "--hf-checkpoint", str(hf),
         "--ref-load", str(ref_load), *RUN, "--actor-num-gpus-per-node", str(ranks), *extra,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

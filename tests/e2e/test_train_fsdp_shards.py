@@ -1,6 +1,6 @@
 """FSDP loads shard by shard and exports tensor by tensor, with the weights and names of before.
 
-Two gloo ranks build the FSDP backend from a trainer command (fsdp_shards_worker.py): every
+Two gloo ranks (one launch for all three models) build the FSDP backend from a trainer command (fsdp_shards_worker.py): every
 rank builds the model empty and shards it, rank 0 reads the checkpoint, and each tensor is
 broadcast with each rank keeping its shard. Beside it the worker builds the model the way
 the backend did before (whole on every rank, then sharded). Both must hold the same
@@ -17,14 +17,14 @@ its rows, so they are held and reverted together.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import json
 from pathlib import Path
 
 import pytest
 
 from miles.ci.register import register_cpu_ci
+from tests.support import ranks
+from tests.support.ckpt import tiny_hf
 
 register_cpu_ci(est_time=50, suite="stage-b-cpu")
 
@@ -46,25 +46,27 @@ def _hrm_text(out: Path) -> Path:
     return out
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe", "hrm_text"])
-def exported(request, tmp_path_factory):
+MODELS = ("qwen3", "qwen3_moe", "hrm_text")
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """Every model's checkpoint and the folder of its ranks' results: one launch of the worker."""
+    root = tmp_path_factory.mktemp("fsdp-shards")
+    models = {name: tiny_hf(name, 2) for name in MODELS[:2]}
+    models["hrm_text"] = _hrm_text(root / "hrm_text")
+    cases = {name: (hf, root / "out" / name) for name, hf in models.items()}
+    ranks.succeeded(ranks.launch(WORKER, json.dumps([[str(hf), str(out)] for hf, out in cases.values()])))
+    return cases
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def exported(request, launched):
     """Each rank's results of the worker on the parameter's model."""
     import torch
 
-    root = tmp_path_factory.mktemp(request.param)
-    if request.param == "hrm_text":
-        hf = _hrm_text(root / "hf")
-    else:
-        from miles.ckpt.tiny import make_tiny_checkpoint
-
-        hf = make_tiny_checkpoint(request.param, 2, root / "hf", progress=False)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
-           str(hf), str(root / "out")]  # fmt: skip
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    return request.param, hf, [torch.load(root / "out" / f"state-{r}.pt", weights_only=False) for r in (0, 1)]
+    hf, out = launched[request.param]
+    return request.param, hf, [torch.load(out / f"state-{r}.pt", weights_only=False) for r in (0, 1)]
 
 
 def _same(a: dict, b: dict) -> None:

@@ -15,7 +15,6 @@ record directory when it sets one, so the rollout/raw_reward gate sees them.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import pytest
 
 from miles.ci.register import register_ci_gate, register_cpu_ci, register_cuda_ci, register_rocm_ci
 from miles.metrics.capture import RECORD_DIR_ENV
+from tests.support import recipes as runs
 
 register_cpu_ci(est_time=100, suite="stage-b-cpu")
 register_cuda_ci(est_time=120, suite="stage-b-2-gpu-h200", labels=["fsdp", "short"])
@@ -31,10 +31,6 @@ register_rocm_ci(est_time=150, suite="stage-c-4-gpu-mi350", labels=["fsdp", "sho
 register_rocm_ci(est_time=150, suite="nightly-stage-c-2-gpu-mi350", labels=["fsdp", "short", "amd"])
 register_ci_gate(metric_key="rollout/raw_reward")
 
-_here = Path(__file__).with_name("recipe_runs.py")
-_spec = importlib.util.spec_from_file_location("recipe_runs", _here)
-runs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(runs)
 
 NUM_ROLLOUT = 16
 SAVE_AT = 12

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from miles.ci.register import register_cpu_ci
+from tests.support.ckpt import tiny_hf
 
 register_cpu_ci(est_time=60, suite="stage-b-cpu")
 
@@ -25,10 +26,8 @@ SMALL = (
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    from miles.ckpt.tiny import make_tiny_checkpoint
-
-    return make_tiny_checkpoint("qwen3", 2, tmp_path_factory.mktemp("guards") / "qwen3")
+def model() -> Path:
+    return tiny_hf("qwen3", 2)
 
 
 def train(model: Path, *flags: str, pythonpath: str = "") -> subprocess.CompletedProcess:

@@ -6,23 +6,18 @@ with the KL reference, weight sync, --ci-test checks, checkpoint) on every PR. e
 it to 2 rollouts of 4-token answers; DeepSeek-V4's tiny profile trains with Megatron at TP 2 with
 sequence parallelism and EP 2. The qwen3_4b recipe has its own, longer test
 (test_train_grpo_tiny.py), and GLM-5.2's tiny profile (Megatron at TP 2 and EP 2) learns a task
-in tests/e2e/test_train_megatron_tiny.py.
+in tests/e2e/test_train_megatron_families.py.
 """
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from miles.ci.register import register_cpu_ci
+from tests.support import recipes as runs
 
 register_cpu_ci(est_time=120, suite="stage-b-cpu")
 
-_spec = importlib.util.spec_from_file_location("recipe_runs", Path(__file__).with_name("recipe_runs.py"))
-runs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(runs)
 
 ROLLOUTS = 2
 

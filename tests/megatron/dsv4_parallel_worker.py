@@ -1,6 +1,7 @@
-"""Run under `torch.distributed.run --nproc-per-node 2`: DeepSeek-V4 (miles.families.deepseek_v4.model) split over
-two ranks (argv: checkpoint dir, layout "tp2sp" | "ep2" | "pp2", optionally a directory to save the
-model's shards in as the trainer saves them) computes transformers' logits and gradient norm. Each
+"""Run under `torch.distributed.run --nproc-per-node 2`: DeepSeek-V4 (miles.families.deepseek_v4.model) split
+over two ranks (argv: checkpoint dir, then a JSON list of [layout, save dir or null] with layouts "tp2sp" |
+"ep2" | "pp2", each run in turn in this one launch; a save dir gets the model's shards as the trainer
+saves them) computes transformers' logits and gradient norm: one `RESULT` line per layout. Each
 rank holds its part of the weights: the full tensors from the checkpoint through the family's
 mapping, cut as megatron-core marks each parameter (tensor-parallel dimension, [gate; up] halves of
 a SwiGLU's fc1, the rank's experts, its pipeline stage's layers). Not a test module;
@@ -15,6 +16,8 @@ import warnings
 
 import torch
 import torch.distributed as dist
+
+from tests.support.results import emit
 
 SEQ, BATCH, SEED = 320, 2, 0
 LAYOUTS = {  # initialize_model_parallel and TransformerConfig arguments
@@ -113,8 +116,17 @@ def grad_norms(model, tc, config, path, tokens, positions) -> dict:
 
 def main() -> None:
     warnings.simplefilter("ignore")
-    path, layout = sys.argv[1], sys.argv[2]
+    path, layouts = sys.argv[1], json.loads(sys.argv[2])
     dist.init_process_group("gloo")
+    from miles.megatron import compat
+
+    compat.install()
+    for layout, saved in layouts:
+        run_layout(path, layout, saved)
+    dist.destroy_process_group()
+
+
+def run_layout(path: str, layout: str, saved: str | None) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer import MLATransformerConfig
@@ -123,9 +135,9 @@ def main() -> None:
     from transformers.utils import logging as hf_logging
 
     from miles.families.deepseek_v4 import FAMILY as family
-    from miles.megatron import compat
 
-    compat.install()
+    if ps.model_parallel_is_initialized():  # the previous layout's
+        ps.destroy_model_parallel()
     ps.initialize_model_parallel(**LAYOUTS[layout])
     model_parallel_cuda_manual_seed(1234)  # the weight initialisation marks the tensor-parallel parameters
     config = json.loads(open(f"{path}/config.json").read())
@@ -151,10 +163,10 @@ def main() -> None:
                     f"{name}: the rank's part is {list(part.shape)}, the parameter {list(param.shape)}"
                 )
             param.copy_(part)
-    if len(sys.argv) > 3:  # the trainer's save of the model's shards, for a load at another layout
+    if saved:  # the trainer's save of the model's shards, for a load at another layout
         from miles.megatron.checkpoint import save_training_state
 
-        save_training_state([model], None, sys.argv[3], steps_done=None)
+        save_training_state([model], None, saved, steps_done=None)
     tokens = torch.randint(3, 500, (BATCH, SEQ), generator=torch.Generator().manual_seed(SEED))
     positions = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
     streams = int(config["hc_mult"]) * BATCH
@@ -179,8 +191,7 @@ def main() -> None:
     results = [None, None]
     dist.all_gather_object(results, result)
     if dist.get_rank() == 0:
-        print("RESULT " + json.dumps([r for r in results if r is not None]), flush=True)
-    dist.destroy_process_group()
+        emit({"layout": layout, "ranks": [r for r in results if r is not None]})
 
 
 if __name__ == "__main__":

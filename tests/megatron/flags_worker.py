@@ -11,12 +11,11 @@ from __future__ import annotations
 import json
 import sys
 import warnings
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from schedule_worker import a_batch
+from tests.megatron.schedule_worker import a_batch
+from tests.support.results import emit
 
 STEPS = 3
 
@@ -75,7 +74,7 @@ def main() -> None:
             "recompute": [tc.recompute_granularity, tc.recompute_method, tc.recompute_num_layers],
         })  # fmt: skip
     if dist_info.is_main:
-        print("RESULT " + json.dumps(results), flush=True)
+        emit(results)
     torch.distributed.destroy_process_group()
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from tests.support.results import emit
+
 # megatron-core's three schedules (megatron/core/pipeline_parallel/schedules.py)
 SCHEDULES = (
     "forward_backward_no_pipelining",
@@ -92,7 +94,7 @@ def main() -> None:
             **outcome,
         })  # fmt: skip
     if dist_info.is_main:
-        print("RESULT " + json.dumps(results), flush=True)
+        emit(results)
     torch.distributed.destroy_process_group()
 
 

@@ -21,15 +21,15 @@ flips on a last-bit difference would make the comparison meaningless, not the mo
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from miles.ci.register import register_cpu_ci
+from tests.support import ranks
+from tests.support.ckpt import tiny_hf
+from tests.support.results import results
 
 register_cpu_ci(est_time=150, suite="stage-b-cpu")
 
@@ -125,14 +125,12 @@ def indexer_margin(hf, tokens) -> float:
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_logits_equal_transformers(megatron, tmp_path, variant):
+def test_logits_equal_transformers(megatron, variant):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from miles.ckpt.tiny import make_tiny_checkpoint
-
     dims, says = VARIANTS[variant]
-    path = make_tiny_checkpoint("deepseek_v4", 4, tmp_path / "hf", dtype="float32", progress=False, **dims)
+    path = tiny_hf("deepseek_v4", 4, dtype="float32", **dims)
     config = json.loads((path / "config.json").read_text())
     for key, want in says.items():
         assert config[key] == want, (key, config[key])
@@ -157,22 +155,26 @@ def test_logits_equal_transformers(megatron, tmp_path, variant):
     assert gap <= TOL, f"{variant}: logits {gap:.3g} apart (|logits| up to {float(want.abs().max()):.3g})"
 
 
-@pytest.mark.parametrize("layout", ["tp2sp", "ep2", "pp2"])
-def test_two_ranks_give_transformers_logits_and_gradient_norm(megatron, tmp_path, layout):
-    from miles.ckpt.tiny import make_tiny_checkpoint
+PARALLEL = ("tp2sp", "ep2", "pp2")
 
-    path = make_tiny_checkpoint("deepseek_v4", 4, tmp_path / "hf", dtype="float32", progress=False)
-    (tmp_path / "saved").mkdir()
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
-         str(path), layout, str(tmp_path / "saved")],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    results = json.loads(lines[-1].removeprefix("RESULT "))
-    assert any("gap" in r for r in results)  # the last pipeline stage compared the logits
-    for result in results:
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> tuple[Path, dict[str, tuple[list[dict], Path]]]:
+    """Each layout's ranks' results and the folder its model's shards were saved in (one launch)."""
+    path = tiny_hf("deepseek_v4", 4, dtype="float32")
+    saved = {layout: tmp_path_factory.mktemp(f"saved-{layout}") for layout in PARALLEL}
+    launched = results(ranks.launch(WORKER, str(path), json.dumps([[k, str(v)] for k, v in saved.items()])))
+    by_layout = {r["layout"]: r["ranks"] for r in launched}
+    assert sorted(by_layout) == sorted(PARALLEL), by_layout
+    return path, {layout: (by_layout[layout], saved[layout]) for layout in PARALLEL}
+
+
+@pytest.mark.parametrize("layout", PARALLEL)
+def test_two_ranks_give_transformers_logits_and_gradient_norm(megatron, two_ranks, layout):
+    path, by_layout = two_ranks
+    found, saved = by_layout[layout]
+    assert any("gap" in r for r in found)  # the last pipeline stage compared the logits
+    for result in found:
         if "gap" in result:
             assert result["gap"] <= TOL, result
         assert result["grad_norm_rel"] <= GRAD_REL, result
@@ -187,7 +189,7 @@ def test_two_ranks_give_transformers_logits_and_gradient_norm(megatron, tmp_path
     with torch.no_grad():
         for param in want:
             model.state_dict(keep_vars=True)[param].zero_()
-    loaded = dist_checkpointing.load(model_state_template([model]), str(tmp_path / "saved"))["model0"]
+    loaded = dist_checkpointing.load(model_state_template([model]), str(saved))["model0"]
     model.load_state_dict(loaded, strict=False)
     for name, value in model.state_dict().items():
         if name in want:
@@ -221,10 +223,9 @@ def test_published_names_load_the_same_weights(megatron, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from miles.ckpt.shards import INDEX_NAME
-    from miles.ckpt.tiny import make_tiny_checkpoint
     from miles.families.deepseek_v4 import published_name
 
-    saved = make_tiny_checkpoint("deepseek_v4", 4, tmp_path / "hf", dtype="float32", progress=False)
+    saved = tiny_hf("deepseek_v4", 4, dtype="float32")
     published = tmp_path / "published"
     published.mkdir()
     index = json.loads((saved / INDEX_NAME).read_text())

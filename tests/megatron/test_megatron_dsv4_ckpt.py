@@ -14,18 +14,14 @@ to the same release.
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from miles.ci.register import register_cpu_ci
+from tests.support import dry_start as dry
 
 register_cpu_ci(est_time=40, suite="stage-b-cpu")
-
-sys.path.insert(0, str(Path(__file__).parent))
-import dry_start as dry  # noqa: E402  (this directory's helper)
 
 
 @pytest.fixture(scope="module")

@@ -22,18 +22,16 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from miles.ci.register import register_cpu_ci
+from tests.support import dry_start as dry
 
 register_cpu_ci(est_time=60, suite="stage-b-cpu")
 
-sys.path.insert(0, str(Path(__file__).parent))
-import dry_start as dry  # noqa: E402  (this directory's helper)
 
 TOL = 1e-5
 LAYERS = 4
@@ -111,10 +109,10 @@ def test_megatron_glm_logits_match_hf_logits(variant, tmp_path):
 
 def test_every_checkpoint_tensor_has_one_place_and_shared_layers_have_no_indexer(tmp_path):
     from miles.ckpt.shards import read_weight_map
-    from miles.ckpt.tiny import make_tiny_checkpoint
     from miles.families import layout
+    from tests.support.ckpt import tiny_hf
 
-    hf = make_tiny_checkpoint("glm_moe_dsa", LAYERS, tmp_path / "hf")
+    hf = tiny_hf("glm_moe_dsa", LAYERS)
     config = json.loads((hf / "config.json").read_text())
     assert config["indexer_types"] == ["full", "full", "full", "shared"]
     placed = [(name, piece.hf_name) for name, pieces in layout(config) for piece in pieces]

@@ -19,20 +19,16 @@ acts at test lengths: a variant sets it to 2 (and its alpha to 0.5, so tau reach
 from __future__ import annotations
 
 import json
-import shutil
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from miles.ci.register import register_cpu_ci
+from tests.support import dry_start as dry
+from tests.support.inkling import make_release_checkpoint, perturbed_checkpoint
 
 register_cpu_ci(est_time=85, suite="stage-b-cpu")
 
-sys.path.insert(0, str(Path(__file__).parent))
-import dry_start as dry  # noqa: E402  (this directory's helpers)
-from inkling_release import make_release_checkpoint  # noqa: E402
 
 TOL = 1e-5
 LENGTHS = (24, 80)
@@ -50,38 +46,6 @@ VARIANTS = {
         "head_dim": 16, "rel_extent": 16,
     },
 }  # fmt: skip
-
-
-def perturbed_checkpoint(root: Path, **dims) -> Path:
-    """A float32 tiny Inkling whose norms, scales, convolutions, bias bank and expert bias are not
-    at their initial values."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    from miles.ckpt.tiny import make_tiny_checkpoint
-
-    source = make_tiny_checkpoint("inkling", 2, root / "source", dtype="float32", **dims)
-    hf_logging.set_verbosity_error()
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or "global_scale" in name:
-                param.add_(torch.randn(param.shape, generator=gen) * 0.3)
-            elif "sconv" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
-            elif "rel_logits_proj" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
-            elif name == "lm_head.weight":  # logits of order 1, not 0.06: a relative error of 1e-5 shows
-                param.mul_(30.0)
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.05)
-    out = root / "hf"
-    model.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(source / name, out / name)
-    return out
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -130,13 +94,13 @@ def test_every_checkpoint_tensor_has_one_place(form, tmp_path):
     from safetensors import safe_open
 
     from miles.ckpt.shards import read_weight_map
-    from miles.ckpt.tiny import make_tiny_checkpoint
     from miles.families import layout, megatron_family, read_config
+    from tests.support.ckpt import tiny_hf
 
     if form == "release":
         hf = make_release_checkpoint(tmp_path / "hf")
     else:
-        hf = make_tiny_checkpoint("inkling", 2, tmp_path / "hf")
+        hf = tiny_hf("inkling", 2)
     config = read_config(hf)
     assert config["layer_types"] == ["hybrid_sliding", "hybrid"]
     assert config["mlp_layer_types"] == ["dense", "sparse"]

@@ -12,15 +12,13 @@ them before the export.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from miles.ci.register import register_cpu_ci
+from tests.support import ranks
+from tests.support.ckpt import tiny
 
 register_cpu_ci(est_time=40, suite="stage-b-cpu")
 
@@ -41,23 +39,9 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, dict]:
-    from miles.ckpt.tiny import make_tiny_checkpoint
-    from miles.ckpt.torch_dist import convert_to_torch_dist
-
-    root = tmp_path_factory.mktemp("qwen3")
-    hf = make_tiny_checkpoint("qwen3", 2, root / "hf")
-    dst = root / "torch_dist"
-    dst.mkdir()
-    convert_to_torch_dist(hf, dst, "qwen3")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
-           str(hf), str(dst), json.dumps(list(CASES.values()))]  # fmt: skip
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, (proc.stdout + proc.stderr)[-3000:]
-    return dict(zip(CASES, json.loads(lines[0].removeprefix("RESULT ")), strict=True))
+def runs() -> dict[str, dict]:
+    qwen3 = tiny("qwen3", 2, torch_dist=True)
+    return ranks.case_results(WORKER, CASES, str(qwen3.hf), str(qwen3.torch_dist))
 
 
 def test_overlapped_reduce_and_gather_are_megatrons_and_export_the_plain_runs_weights(runs):

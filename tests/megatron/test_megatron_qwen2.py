@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from miles.ci.register import register_cpu_ci
+from tests.support.ckpt import tiny as cached
 
 register_cpu_ci(est_time=90, suite="stage-b-cpu")
 
@@ -29,11 +30,14 @@ WORKER = Path(__file__).with_name("layout_logits_worker.py")
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from miles.ckpt.tiny import make_tiny_checkpoint
+def made():
+    """The tiny checkpoint and its torch_dist form, from the lane run's cache (tests.support.ckpt)."""
+    return cached("qwen2", LAYERS, dtype="float32", torch_dist=True)
 
-    root = tmp_path_factory.mktemp("qwen2")
-    return make_tiny_checkpoint("qwen2", LAYERS, root / "hf", dtype="float32", progress=False)
+
+@pytest.fixture(scope="module")
+def tiny(made):
+    return made.hf
 
 
 def test_the_tiny_checkpoint_has_the_published_switches(tiny):
@@ -50,15 +54,13 @@ def test_the_tiny_checkpoint_has_the_published_switches(tiny):
     assert all(float(t.abs().max()) > 0 for t in biases.values())  # seeded, not transformers' zeros
 
 
-def test_megatron_logits_match_hf_logits_on_one_rank(tiny, tmp_path):
-    from miles.ckpt.torch_dist import RELEASE, convert_to_torch_dist
+def test_megatron_logits_match_hf_logits_on_one_rank(made):
+    from miles.ckpt.torch_dist import RELEASE
     from miles.families.model import hf_logit_gap, load_model
     from miles.megatron.checkpoint import single_process_group
     from miles.megatron.compat import cpu_placed
 
-    dst = tmp_path / "torch_dist"
-    dst.mkdir()
-    convert_to_torch_dist(tiny, dst, "qwen2", verify=False)  # compared here, at a tighter tolerance
+    tiny, dst = made.hf, made.torch_dist  # converted with the converter's own check, compared here tighter
     config = json.loads((tiny / "config.json").read_text())
     with single_process_group(), torch.random.fork_rng(devices=[]), cpu_placed():
         model = load_model(config, dst / RELEASE, dtype=torch.float32)

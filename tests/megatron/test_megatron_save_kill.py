@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from miles.ci.register import register_cpu_ci
+from tests.support import ranks
 
 register_cpu_ci(est_time=45, suite="stage-b-cpu")
 
@@ -31,13 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and relies on PR_SET_PDEATHSIG")
 def test_no_writer_process_outlives_a_trainer_killed_mid_save(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, str(WORKER), "12", str(tmp_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = ranks.run([sys.executable, str(WORKER), "12", str(tmp_path)], env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["killed_mid_save"] == 12, result  # every kill came while a writer was alive

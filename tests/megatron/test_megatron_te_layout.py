@@ -23,15 +23,10 @@ MIXED = {"mlp_only_layers": [0]}
 
 @pytest.fixture(scope="module")
 def mixed_moe(tmp_path_factory):
-    from miles.ckpt.tiny import make_tiny_checkpoint
-    from miles.ckpt.torch_dist import convert_to_torch_dist
+    from tests.support.ckpt import tiny
 
-    root = tmp_path_factory.mktemp("te-layout")
-    hf = make_tiny_checkpoint("qwen3_moe", 3, root / "hf", **MIXED)
-    dst = root / "torch_dist"
-    dst.mkdir()
-    convert_to_torch_dist(hf, dst, "qwen3_moe")
-    return json.loads((hf / "config.json").read_text()), dst / "release"
+    made = tiny("qwen3_moe", 3, torch_dist=True, **MIXED)
+    return json.loads((made.hf / "config.json").read_text()), made.torch_dist / "release"
 
 
 def _te_spec_layers(config):

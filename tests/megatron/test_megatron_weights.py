@@ -9,7 +9,7 @@ global indices. GLM-5.2's tiny has 4 layers, the last reusing the DSA top-k of l
 PP=2 split (2 + 2) starts each stage on a layer with its own indexer. Inkling's tiny (a sliding
 and a global layer, dense then MoE) exports its stacked experts and shared experts, its
 convolutions (split over TP on k and v) and its embedding norm. Inkling's release form
-(inkling_mm_model, tests/megatron/inkling_release.py) exports under the release's names, gate and
+(inkling_mm_model, tests/support/inkling.py) exports under the release's names, gate and
 up interleaved again, equal to its checkpoint's decoder tensors: what SGLang's
 InklingForConditionalGeneration loads (the built-in engine's AutoModelForCausalLM loads no release).
 """
@@ -17,87 +17,69 @@ InklingForConditionalGeneration loads (the built-in engine's AutoModelForCausalL
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from miles.ci.register import register_cpu_ci
+from tests.support import ranks
+from tests.support.ckpt import tiny
+from tests.support.inkling import make_release_checkpoint
+from tests.support.results import results
 
 register_cpu_ci(est_time=200, suite="stage-b-cpu")
 
 WORKER = Path(__file__).with_name("weights_worker.py")
-sys.path.insert(0, str(Path(__file__).parent))
-from inkling_release import make_release_checkpoint  # noqa: E402  (this directory's helper)
+
+
+CASES = {
+    "dense-tp2": ("qwen3", 2, 1, 1),
+    "dense-pp2": ("qwen3", 1, 2, 1),
+    "moe-ep2": ("qwen3_moe", 1, 1, 2),
+    "moe-tp2-ep2": ("qwen3_moe", 2, 1, 2),
+    "glm-tp2-ep2": ("glm_moe_dsa", 2, 1, 2),
+    "glm-pp2": ("glm_moe_dsa", 1, 2, 1),
+    "inkling-tp2-ep2": ("inkling", 2, 1, 2),
+    "inkling-pp2": ("inkling", 1, 2, 1),
+    "inkling-release-tp2-ep2": ("release", 2, 1, 2),
+    "dsv4-tp2-ep2": ("deepseek_v4", 2, 1, 2),
+    "dsv4-pp2": ("deepseek_v4", 1, 2, 1),
+}
+LAYERS = {"qwen3": 2, "qwen3_moe": 2, "glm_moe_dsa": 4, "inkling": 2, "deepseek_v4": 4}
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    from miles.ckpt.tiny import make_tiny_checkpoint
+def exported(tmp_path_factory) -> dict[str, dict]:
+    """Every case's export against its checkpoint, from one launch of the two ranks."""
     from miles.ckpt.torch_dist import convert_to_torch_dist
 
-    made = {}
-    for family, layers in (
-        ("qwen3", 2),
-        ("qwen3_moe", 2),
-        ("glm_moe_dsa", 4),
-        ("inkling", 2),
-        ("release", 2),
-        ("deepseek_v4", 4),
-    ):
-        root = tmp_path_factory.mktemp(family)
-        if family == "release":
-            hf = make_release_checkpoint(root / "hf")
-        else:
-            hf = make_tiny_checkpoint(family, layers, root / "hf")
-        dist = root / "torch_dist"
-        dist.mkdir()
-        convert_to_torch_dist(hf, dist, "inkling" if family == "release" else family)
-        made[family] = (hf, dist)
-    return made
+    made = {family: tiny(family, layers, torch_dist=True) for family, layers in LAYERS.items()}
+    made = {family: (entry.hf, entry.torch_dist) for family, entry in made.items()}
+    root = tmp_path_factory.mktemp("release")
+    release = make_release_checkpoint(root / "hf")
+    (root / "torch_dist").mkdir()
+    convert_to_torch_dist(release, root / "torch_dist", "inkling")
+    made["release"] = (release, root / "torch_dist")
+    cases = [
+        {
+            "id": case,
+            "hf": str(made[family][0]),
+            "torch_dist": str(made[family][1]),
+            "tp": tp,
+            "pp": pp,
+            "ep": ep,
+        }
+        for case, (family, tp, pp, ep) in CASES.items()
+    ]
+    found = {r["case"]: r for r in results(ranks.launch(WORKER, json.dumps(cases), timeout=900))}
+    assert sorted(found) == sorted(CASES), sorted(found)
+    return found
 
 
-@pytest.mark.parametrize(
-    ("family", "tp", "pp", "ep"),
-    [
-        ("qwen3", 2, 1, 1),
-        ("qwen3", 1, 2, 1),
-        ("qwen3_moe", 1, 1, 2),
-        ("qwen3_moe", 2, 1, 2),
-        ("glm_moe_dsa", 2, 1, 2),
-        ("glm_moe_dsa", 1, 2, 1),
-        ("inkling", 2, 1, 2),
-        ("inkling", 1, 2, 1),
-        ("release", 2, 1, 2),
-        ("deepseek_v4", 2, 1, 2),
-        ("deepseek_v4", 1, 2, 1),
-    ],
-    ids=[
-        "dense-tp2",
-        "dense-pp2",
-        "moe-ep2",
-        "moe-tp2-ep2",
-        "glm-tp2-ep2",
-        "glm-pp2",
-        "inkling-tp2-ep2",
-        "inkling-pp2",
-        "inkling-release-tp2-ep2",
-        "dsv4-tp2-ep2",
-        "dsv4-pp2",
-    ],
-)
-def test_exported_weights_equal_the_checkpoint_under_both_name_sets(converted, family, tp, pp, ep):
-    hf, dist = converted[family]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
-           str(hf), str(dist), str(tp), str(pp), str(ep)]  # fmt: skip
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, (proc.stdout + proc.stderr)[-3000:]
-    result = json.loads(lines[0].removeprefix("RESULT "))
+@pytest.mark.parametrize("case", list(CASES))
+def test_exported_weights_equal_the_checkpoint_under_both_name_sets(exported, case):
+    family = CASES[case][0]
+    result = exported[case]
     if family == "glm_moe_dsa":  # the MTP layer is handed over under its checkpoint names
         assert "model.layers.4.eh_proj.weight" in result["checkpoint_names"], result
     if family == "deepseek_v4":  # its MTP layer too, and the hash-routing tables under both name sets

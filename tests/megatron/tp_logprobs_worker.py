@@ -4,11 +4,12 @@ gradients. Not a test module; tests/megatron/test_megatron_loss.py launches it."
 
 from __future__ import annotations
 
-import json
 import warnings
 
 import torch
 import torch.distributed as dist
+
+from tests.support.results import emit
 
 
 def main() -> None:
@@ -62,7 +63,7 @@ def main() -> None:
         ),
     }
     if rank == 0:
-        print("RESULT " + json.dumps(result), flush=True)
+        emit(result)
     dist.destroy_process_group()
 
 

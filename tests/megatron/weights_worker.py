@@ -1,7 +1,9 @@
-"""Run under `torch.distributed.run --nproc-per-node 2 weights_worker.py HF_DIR TORCH_DIST TP PP EP`:
-the Megatron backend's weight export against the checkpoint it was loaded from, in both name
-formats (the checkpoint's with the carried MTP layers, the transformers class's without).
-Not a test module; tests/megatron/test_megatron_weights.py launches it."""
+"""Run under `torch.distributed.run --nproc-per-node 2 weights_worker.py CASES_JSON`: for each case
+{id, hf, torch_dist, tp, pp, ep}, the Megatron backend's weight export against the checkpoint it was
+loaded from, in both name formats (the checkpoint's with the carried MTP layers, the transformers
+class's without); one `RESULT` line per case from rank 0, all cases in one launch of the ranks
+(megatron-core's parallel state rebuilt for each case's layout). tests/megatron/test_megatron_weights.py
+launches it."""
 
 from __future__ import annotations
 
@@ -13,24 +15,34 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tests.support.results import emit
+
 
 def main() -> None:
     warnings.simplefilter("ignore")
-    hf, torch_dist, tp, pp, ep = Path(sys.argv[1]), sys.argv[2], *map(int, sys.argv[3:6])
     dist.init_process_group("gloo")
+    from miles.megatron import compat
+
+    compat.install()
+    for case in json.loads(sys.argv[1]):
+        result = export_case(Path(case["hf"]), case["torch_dist"], case["tp"], case["pp"], case["ep"])
+        if dist.get_rank() == 0:
+            emit({"case": case["id"], **result})
+    dist.destroy_process_group()
+
+
+def export_case(hf: Path, torch_dist: str, tp: int, pp: int, ep: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from miles.ckpt.shards import CheckpointReader
     from miles.families import megatron_family, read_config
     from miles.families.model import build_chunks
     from miles.families.transformer import transformer_config
-    from miles.megatron import compat
     from miles.megatron.checkpoint import load_weights
     from miles.megatron.export import WeightExporter
     from miles.megatron.training import init_parallel_state
     from miles.parallel import ParallelLayout
 
-    compat.install()
     config = read_config(hf)
     layout = ParallelLayout(tp=tp, pp=pp, ep=ep, etp=1 if ep > 1 else None, sp=tp > 1)
     init_parallel_state(layout, seed=0)
@@ -59,12 +71,8 @@ def main() -> None:
     worst["checkpoint_max_diff"] = max(
         float((exported[n] - files[n]).abs().max()) for n in files if n in exported
     )
-
     if config["model_type"] == "inkling_mm_model":  # AutoModelForCausalLM does not load a release
-        if dist.get_rank() == 0:
-            print("RESULT " + json.dumps(worst), flush=True)
-        dist.destroy_process_group()
-        return
+        return worst
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).state_dict()
     rename = family.model_name if family.renames_on_load else None
     fused = {
@@ -74,9 +82,7 @@ def main() -> None:
     worst["model_names_missing"] = sorted(set(model) - set(fused) - tied)[:5]
     worst["model_names_extra"] = sorted(set(fused) - set(model))[:5]
     worst["model_max_diff"] = max(float((fused[n] - model[n]).abs().max()) for n in model if n in fused)
-    if dist.get_rank() == 0:
-        print("RESULT " + json.dumps(worst), flush=True)
-    dist.destroy_process_group()
+    return worst
 
 
 if __name__ == "__main__":

@@ -23,8 +23,10 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from sglang_imports import install as _import_sglang
+if __package__ in (None, ""):  # run as a script: the project root on the path, as the tests have it
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.unit.sglang_imports import install as _import_sglang
 
 
 def fields() -> str:

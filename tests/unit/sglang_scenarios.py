@@ -22,13 +22,14 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+if __package__ in (None, ""):  # run as a script: the project root on the path, as the tests have it
+    sys.path.insert(0, str(HERE.parents[1]))
 
-import sglang_imports  # noqa: E402
+from tests.unit import sglang_imports  # noqa: E402
 
 sglang_imports.install()
 
-from sglang_local import LocalEngine  # noqa: E402
+from tests.unit.sglang_local import LocalEngine  # noqa: E402
 
 
 def tiny(workdir: Path, fp8: bool = False) -> Path:

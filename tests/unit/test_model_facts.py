@@ -56,7 +56,9 @@ def test_a_recipes_own_flags_pass_the_backends_check_against_its_published_confi
     argv = ["--hf-checkpoint", str(tmp_path)]
     for flag, val in spec.model_args():
         argv += [flag] if val is True else [flag, str(val)]
-    check_model_flags(parse_config(argv).model, config, str(tmp_path))
+    assert (
+        check_model_flags(parse_config(argv).model, config, str(tmp_path)) is None
+    )  # raises on a disagreement
 
 
 def test_the_backend_names_every_flag_that_describes_another_model(tmp_path):

@@ -16,7 +16,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 # Modules every package may use; they import nothing of miles themselves.
-SHARED = {"miles.exits", "miles.files", "miles.text", "miles.platform", "miles.children"}
+SHARED = {
+    "miles.exits",
+    "miles.files",
+    "miles.text",
+    "miles.platform",
+    "miles.children",
+    "miles.phases",
+    "miles.load",
+}
 
 # Between the packages of miles (the parts of miles.ci count as miles.ci). A target is a
 # package, or one module of it where a package reaches in for that module only.

@@ -229,3 +229,23 @@ def test_the_dry_run_plan_states_the_status():
         in format_plan(plan)
     )
     assert plan.to_json()["status"].startswith("untested on GPU")
+
+
+def test_a_recipe_trained_through_a_support_helper_is_found_from_the_settings_it_passes(tmp_path):
+    from miles.ci.reports.recipes import recipes_trained
+
+    support = tmp_path / "tests" / "support"
+    support.mkdir(parents=True)
+    (support / "learning.py").write_text(
+        'A = {"recipe": "qwen3_4b", "lr": "1e-3"}\nB = {**A, "lr": "2e-3"}\nC = {**A, "recipe": "inkling"}\n'
+        "def train(workdir, setup):\n    return runs.tiny_plan(setup['recipe'], workdir)\n"
+        "def other(setup):\n    return setup\n"
+    )
+    test = tmp_path / "tests" / "e2e" / "test_x.py"
+    test.parent.mkdir()
+    test.write_text(
+        "from tests.support.learning import B, C, other, train\n"
+        "def test_b(tmp_path):\n    train(tmp_path, B)\n"
+        "def test_c(tmp_path):\n    other(C)\n"  # C only reaches a helper that trains nothing
+    )
+    assert recipes_trained(test) == {"qwen3_4b"}

@@ -4,7 +4,6 @@ broken input is a problem with file:line and the rule, never a traceback or a ha
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import pytest
@@ -12,9 +11,7 @@ import pytest
 from miles.ci.cli import main
 from miles.ci.registry.catalog import CatalogError, load_catalog
 from miles.ci.registry.discover import discover, parse_test_file
-
-sys.path.insert(0, os.path.dirname(__file__))
-from test_registry_catalog import _problems, _write_catalog
+from tests.unit.test_registry_catalog import _problems, _write_catalog
 
 CATALOG = load_catalog()
 

@@ -92,11 +92,11 @@ def test_no_proposal_from_fewer_than_three_passed_runs(project, tmp_path):
     assert row.proposed is None and "needs 3 passed runs" in row.note
 
 
-def test_proposal_is_high_quantile_times_one_and_a_quarter_rounded_up(project, tmp_path):
+def test_proposal_is_the_high_quantile_rounded_up(project, tmp_path):
     store = tmp_path / "d.sqlite"
-    record_durations([_attempt(s) for s in (30, 31, 33, 40)] + [_attempt(400, "failed")], store)
+    record_durations([_attempt(s) for s in (30, 31, 33, 42)] + [_attempt(400, "failed")], store)
     (row,) = propose(discover(project, catalog=CATALOG, cache=False), store, backend="cpu").rows
-    assert row.measured == 40 and row.proposed == 50  # 40 x 1.25 = 50, already on a 5 s step
+    assert row.measured == 42 and row.proposed == 45  # up to the 5 s step; the timeout is 1.25 x that
 
 
 def test_write_changes_only_the_numbers_and_prints_a_diff(project, tmp_path):
@@ -107,11 +107,11 @@ def test_write_changes_only_the_numbers_and_prints_a_diff(project, tmp_path):
     )
     proposals = propose(discover(project, catalog=CATALOG, cache=False), store)
     diff = apply_proposals(project, proposals.changes)
-    expected = SOURCE.replace("est_time=60,", "est_time=50,").replace("est_time=900.0,", "est_time=1500,")
+    expected = SOURCE.replace("est_time=60,", "est_time=40,").replace("est_time=900.0,", "est_time=1200,")
     assert (project / FILE).read_text(encoding="utf-8") == expected
-    assert "-register_cpu_ci(est_time=60," in diff and "+    est_time=1500," in diff
+    assert "-register_cpu_ci(est_time=60," in diff and "+    est_time=1200," in diff
     reread = {r.backend: r.est_time for r in discover(project, catalog=CATALOG, cache=False).registrations}
-    assert reread == {"cpu": 50, "rocm": 1500}
+    assert reread == {"cpu": 40, "rocm": 1200}
 
 
 def test_calibrate_command_lists_proposals_and_writes_on_request(project, capsys, monkeypatch):
@@ -122,4 +122,35 @@ def test_calibrate_command_lists_proposals_and_writes_on_request(project, capsys
     assert "1 change(s) proposed" in out and FILE in out
     assert (project / FILE).read_text(encoding="utf-8") == SOURCE
     assert main(["calibrate", "--root", str(project), "--suite", "stage-b-cpu", "--write"]) == 0
-    assert "+register_cpu_ci(est_time=50," in capsys.readouterr().out
+    assert "+register_cpu_ci(est_time=40," in capsys.readouterr().out
+
+
+UNIT = "tests/unit/test_slow_on_a_busy_machine.py"
+UNIT_SOURCE = (
+    '"""A unit file: implicitly stage-a-cpu."""\n\nimport time\n\n\ndef test_x():\n    assert time.time()\n'
+)
+
+
+def test_an_implicitly_registered_file_gets_its_own_measured_est_time_and_timeout(make_tree, tmp_path):
+    from miles.ci.running.plan import RunOptions, build_plan
+
+    root = make_tree({UNIT: UNIT_SOURCE})
+    before = discover(root, catalog=CATALOG, cache=False)
+    (reg,) = before.registrations
+    assert reg.implicit and reg.est_time == 15  # the directory's flat value: a 60 s timeout
+    store = tmp_path / "d.sqlite"
+    # 7.7 s on a quiet machine, 57.7 s on a busy one (the run whose 60 s timeout stopped the lane)
+    record_durations([_attempt(s, suite="stage-a-cpu").replace(file=UNIT) for s in (7.7, 9.0, 57.7)], store)
+    proposals = propose(before, store, backend="cpu")
+    (row,) = proposals.rows
+    assert row.proposed == 60 and row.changes  # 57.7, up to the 5 s step
+    apply_proposals(root, proposals.changes)
+    text = (root / UNIT).read_text()
+    assert 'register_cpu_ci(est_time=60, suite="stage-a-cpu")' in text
+    assert "from miles.ci.register import register_cpu_ci" in text
+    (after,) = discover(root, catalog=CATALOG, cache=False).registrations
+    assert not after.implicit and after.suite == "stage-a-cpu" and after.est_time == 60
+    plan = build_plan(
+        RunOptions(root=root, suites=("stage-a-cpu",)), CATALOG, discover(root, catalog=CATALOG, cache=False)
+    )
+    assert plan.tests[0].timeout == 75  # above the busy machine's 57.7 s, and counted at its load

@@ -293,7 +293,7 @@ def test_calibrate_write_never_follows_a_planted_temp_link(make_tree, tmp_path):
     )  # fmt: skip
     assert main(["calibrate", "--root", str(root), "--write"]) == 0
     assert victim.read_text() == "keep me"
-    assert "est_time=135" in path.read_text() and not path.is_symlink()
+    assert "est_time=105" in path.read_text() and not path.is_symlink()
 
 
 # -- SIGTERM ends the runner within its grace period ------------------------------------------

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -101,7 +103,15 @@ def mode(request) -> str:
     return request.param
 
 
-def _run(tmp_path: Path, mode: str, behaviour: str, *, timeout: float, cancel: CancelToken | None = None):
+def _run(
+    tmp_path: Path,
+    mode: str,
+    behaviour: str,
+    *,
+    timeout: float,
+    cancel: CancelToken | None = None,
+    attempt_dir: str = "attempt",
+):
     out = tmp_path / "out"
     for stale in out.glob("*") if out.exists() else ():
         stale.unlink()
@@ -113,7 +123,7 @@ def _run(tmp_path: Path, mode: str, behaviour: str, *, timeout: float, cancel: C
     env.update(ESCAPE_OUT=str(out), ESCAPE_PORT=str(port), ESCAPE_MODE=behaviour)
     settings = Settings(root=tmp_path, grace=0.5, base_env=env, use_cgroup=mode == "cgroup")
     test = TestRun("tests/test_escape.py", "cpu", "stage-b-cpu", "cpu", "1/1", 5.0, timeout)
-    attempt = run_attempt(test, tmp_path / "attempt", settings, cancel or CancelToken())
+    attempt = run_attempt(test, tmp_path / attempt_dir, settings, cancel or CancelToken())
     names = ("setsid", "daemon", "server")
     pids = {name: int((out / f"{name}.pid").read_text()) for name in names if (out / f"{name}.pid").exists()}
     return attempt, pids, port
@@ -137,8 +147,10 @@ def test_escapees_of_a_passing_test_are_stopped_after_it_and_named(tmp_path, mod
 
 def test_escapees_of_a_test_that_times_out_are_stopped(tmp_path, mode):
     # The limit doubles until pytest got far enough to start them (a busy machine is slow).
-    for timeout in (8.0, 16.0, 32.0, 64.0):
-        attempt, pids, port = _run(tmp_path, mode, "hang", timeout=timeout)
+    for timeout in (8.0, 16.0, 32.0, 64.0):  # each try in a folder of its own, as the runner's attempts are
+        attempt, pids, port = _run(
+            tmp_path, mode, "hang", timeout=timeout, attempt_dir=f"attempt-{timeout:g}"
+        )
         if (tmp_path / "out" / "ready").exists():
             break
     assert (attempt.status, attempt.classification) == ("timeout", "timeout")
@@ -159,3 +171,27 @@ def test_escapees_are_stopped_when_the_run_is_cancelled(tmp_path, mode):
     attempt, pids, port = _run(tmp_path, mode, "hang", timeout=300, cancel=cancel)
     assert (attempt.status, attempt.classification) == ("cancelled", "cancelled")
     _assert_all_stopped(attempt, pids, port)
+
+
+def test_a_loaded_machine_stretches_a_timeout_and_a_quiet_one_does_not():
+    from miles.load import LoadClock
+
+    quiet = LoadClock(10.0, 10.0, 0.0, cores=2, load=lambda: 1.0)
+    assert not quiet.expired(9.9) and quiet.expired(10.0)
+    busy = LoadClock(10.0, 10.0, 0.0, cores=2, load=lambda: 8.0)  # 4 runnable per core: a second counts 1/4
+    assert not busy.expired(39.0) and busy.expired(40.0) and busy.stretched
+    swamped = LoadClock(10.0, 10.0, 0.0, cores=2, load=lambda: 1000.0)  # a hang still ends: at 10x the limit
+    assert not swamped.expired(99.0) and swamped.expired(100.0)
+    never = LoadClock(10.0, 1.0, 0.0, cores=2, load=lambda: 8.0)  # no stretch asked: wall time
+    assert never.expired(10.0)
+
+
+def test_a_counted_run_returns_the_output_and_a_hung_one_is_killed_with_what_it_printed():
+    from miles.load import run_counted
+
+    done = run_counted([sys.executable, "-c", "print('hello')"], 60)
+    assert (done.returncode, done.stdout) == (0, "hello\n")
+    hung = [sys.executable, "-u", "-c", "import time; print('started', flush=True); time.sleep(600)"]
+    with pytest.raises(subprocess.TimeoutExpired) as err:
+        run_counted(hung, 0.5, stretch=1.0)  # no stretch: the plain wall-clock limit
+    assert err.value.output == "started\n"

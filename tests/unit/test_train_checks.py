@@ -168,11 +168,16 @@ def test_the_logprob_weight_check_passes_a_synced_engine_and_catches_a_stale_one
 
 
 def test_load_equal_to_save_starts_fresh_when_missing_or_empty(tmp_path):
-    checkpoint.check_load_dir(tmp_path / "new" / "ckpt", tmp_path / "new" / "ckpt")
     (tmp_path / "empty").mkdir()
-    checkpoint.check_load_dir(tmp_path / "empty", None)
     (tmp_path / "interrupted" / "iter_0000004.tmp").mkdir(parents=True)  # killed during the first save
-    checkpoint.check_load_dir(tmp_path / "interrupted", None)
+    accepted = [
+        (tmp_path / "new" / "ckpt", tmp_path / "new" / "ckpt"),
+        (tmp_path / "empty", None),
+        (tmp_path / "interrupted", None),
+    ]
+    for load, save in accepted:
+        assert checkpoint.check_load_dir(load, save) is None, load  # it raises on a load it refuses
+    assert not (tmp_path / "new").exists()  # a fresh start creates nothing before the first save
 
 
 def test_a_load_elsewhere_that_does_not_exist_is_refused(tmp_path):
@@ -233,14 +238,14 @@ def test_sglang_returns_untempered_logprobs_for_greedy_requests():
 def test_the_logprob_weight_probe_agrees_with_a_greedy_engine_at_any_rollout_temperature(tmp_path):
     import torch
 
-    from miles.ckpt.tiny import make_tiny_checkpoint
     from miles.train.args import parse_config
     from miles.train.backends import make_backend
     from miles.train.checks import probe_logprob_gap
     from miles.train.distributed import DistInfo
     from miles.train.model import load_causal_lm
+    from tests.support.ckpt import tiny_hf
 
-    path = make_tiny_checkpoint("qwen3", 2, tmp_path / "qwen3", dtype="float32")
+    path = tiny_hf("qwen3", 2, dtype="float32")
     config = parse_config(["--hf-checkpoint", str(path), "--rollout-temperature", "0.7"])
     backend = make_backend(config, DistInfo(0, 1, 0, "cpu", "gloo"))
     engine = SGLangGreedy(load_causal_lm(path, dtype=torch.float32, device="cpu"))

@@ -55,3 +55,4 @@ def test_a_limit_of_zero_never_stops():
     streak = SkippedStreak(limit=0)
     for _ in range(10):
         streak.record(0, True, math.nan, math.nan, 1.0)
+    assert streak.count == 10  # every skipped step counted, none stopped the run

@@ -22,13 +22,13 @@ STOP_TOKENS = [str(t) for t in range(100, 140)]
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from miles.ckpt.tiny import make_tiny_checkpoint
     from miles.train.args import parse_config
     from miles.train.distributed import shutdown
     from miles.train.runtime import build_run
+    from tests.support.ckpt import tiny_hf
 
     root = tmp_path_factory.mktemp("old-logprobs")
-    hf = make_tiny_checkpoint("qwen3", 2, root / "hf")
+    hf = tiny_hf("qwen3", 2)
     rng = random.Random(1)
     prompts = root / "prompts.jsonl"
     with prompts.open("w") as f:

@@ -27,13 +27,12 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40] * 1, [70, 71, 72]] + [[100, 101, 102, 1
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from miles.ckpt.tiny import make_tiny_checkpoint
     from miles.train.model import load_causal_lm
+    from tests.support.ckpt import tiny_hf
 
-    root = tmp_path_factory.mktemp("parity")
     built = {}
     for family in FAMILIES:
-        path = make_tiny_checkpoint(family, 2, root / family, dtype="float32")
+        path = tiny_hf(family, 2, dtype="float32")
         built[family] = load_causal_lm(path, dtype=torch.float32)
     return built
 

@@ -43,8 +43,7 @@ if SPEC is None:
 SGLANG = Path(SPEC.origin).parent
 SCENARIOS = Path(__file__).with_name("sglang_scenarios.py")
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).parent))
-from sglang_imports import missing_requirements  # noqa: E402
+from tests.unit.sglang_imports import missing_requirements  # noqa: E402
 
 MISSING = missing_requirements()
 if MISSING:

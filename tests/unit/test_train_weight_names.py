@@ -15,10 +15,10 @@ def test_checkpoint_names_are_the_files_names_with_the_files_values(family, tmp_
     from transformers import AutoModelForCausalLM
 
     from miles.ckpt.shards import CheckpointReader
-    from miles.ckpt.tiny import make_tiny_checkpoint
     from miles.train.backends.torch_dp import checkpoint_names
+    from tests.support.ckpt import tiny_hf
 
-    path = make_tiny_checkpoint(family, 2, tmp_path / family)
+    path = tiny_hf(family, 2)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     state = checkpoint_names(model, model.state_dict())
     with CheckpointReader(path) as reader:

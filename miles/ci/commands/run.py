@@ -65,6 +65,7 @@ def add_calibrate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suite")
     p.add_argument("--write", action="store_true", help="rewrite the est_time numbers and print the diff")
     p.add_argument("--quantile", type=float, default=None, help="quantile of passed durations (default 0.9)")
+    p.add_argument("--min-runs", type=int, default=None, help="passed runs a proposal needs (default 3)")
     p.set_defaults(handler=cmd_calibrate)
 
 
@@ -88,6 +89,11 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     )
     stream.add_argument("--no-stream", dest="stream", action="store_false")
     p.add_argument("--pytest-arg", action="append", default=[], help="extra pytest argument (repeatable)")
+    p.add_argument(
+        "--jobs", help='runner processes side by side: N or "cores" (default: the lane\'s, in a --lane run)'
+    )
+    # set by a run with jobs for each job it starts: the plan and the final tables are the parent's
+    p.add_argument("--job-of", help=argparse.SUPPRESS)
 
 
 def _options(args: argparse.Namespace):
@@ -109,6 +115,7 @@ def _options(args: argparse.Namespace):
         report_dir=args.report_dir,
         stream=args.stream,
         pytest_args=tuple(args.pytest_arg),
+        jobs=args.jobs,
     )
 
 
@@ -125,7 +132,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from miles.ci.running.runner import run
 
     try:
-        return run(_options(args), plan_only=args.plan)
+        return run(_options(args), plan_only=args.plan, job_of=getattr(args, "job_of", None))
     except _usage_errors() as exc:
         raise UsageError(str(exc)) from None
     except (
@@ -155,6 +162,7 @@ def cmd_matrix(args: argparse.Namespace) -> int:
         labels=args.labels,
         shards=args.shards,
         timeout_floor=DEFAULT_TIMEOUT_FLOOR if args.timeout_floor is None else args.timeout_floor,
+        jobs="1",  # the matrix lists machines; a lane's jobs share one
     )
     try:
         plan = build_plan(options, catalog, discover(args.root, catalog=catalog))
@@ -257,7 +265,7 @@ def cmd_affected(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from miles.ci.registry.catalog import load_catalog
     from miles.ci.registry.discover import discover
-    from miles.ci.reports.calibrate import DEFAULT_QUANTILE, apply_proposals, propose
+    from miles.ci.reports.calibrate import DEFAULT_QUANTILE, MIN_PASSED_RUNS, apply_proposals, propose
     from miles.ci.reports.durations import durations_path
 
     catalog = load_catalog()
@@ -266,12 +274,20 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     quantile = DEFAULT_QUANTILE if args.quantile is None else args.quantile
     if not 0 < quantile <= 1:
         raise UsageError(f"--quantile {quantile} must be in (0, 1]")
+    min_runs = MIN_PASSED_RUNS if args.min_runs is None else args.min_runs
+    if min_runs < 1:
+        raise UsageError(f"--min-runs {min_runs} must be at least 1")
     discovery = discover(args.root, catalog=catalog)
     from miles.metrics.store import StoreError
 
     try:
         proposals = propose(
-            discovery, durations_path(args.root), backend=args.backend, suite=args.suite, quantile=quantile
+            discovery,
+            durations_path(args.root),
+            backend=args.backend,
+            suite=args.suite,
+            quantile=quantile,
+            min_runs=min_runs,
         )
     except OSError as exc:  # the store is down: the reason, password masked, and exit 1
         print(f"error: {exc}", file=sys.stderr)

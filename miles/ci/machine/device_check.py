@@ -164,7 +164,7 @@ def _full_forward_gap(model, generations, temperature: float) -> float:
 def step_parity(cpu: bool, workdir: Path) -> str:
     import torch
 
-    from miles.ckpt.tiny import make_tiny_checkpoint
+    from miles.ckpt.tiny_cache import tiny_here
     from miles.train.config import SamplingConfig
     from miles.train.model import load_causal_lm
     from miles.train.rollout import TorchRolloutEngine
@@ -175,7 +175,7 @@ def step_parity(cpu: bool, workdir: Path) -> str:
     tol = PARITY_TOL["cpu" if cpu else "gpu"]
     gaps = {}
     for family in family_names():
-        path = make_tiny_checkpoint(family, 2, workdir / "tiny" / family, dtype="float32")
+        path = tiny_here(family, 2, workdir / "tiny" / family, dtype="float32").hf
         model = load_causal_lm(path, dtype=torch.float32, device=device)
         sampling = SamplingConfig(temperature=0.9, top_p=1.0, top_k=-1, max_response_len=8)
         generations = TorchRolloutEngine(model).generate(PROMPTS, sampling, seed=7)

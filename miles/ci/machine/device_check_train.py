@@ -35,6 +35,8 @@ def train_tiny_recipe(
     """A recipe's tiny profile with `args` on `ranks` ranks (rendered for `train_backend` when
     given, so no flag of another backend's layout is passed); its metric series and seconds."""
     from miles.ckpt.pipeline import prepare
+    from miles.ckpt.tiny_cache import CACHE_ENV
+    from miles.load import run_counted
     from miles.metrics.capture import RECORD_DIR_ENV, decode_value
     from miles.recipes import load
     from miles.recipes.launch import RunOptions, build_plan
@@ -50,21 +52,19 @@ def train_tiny_recipe(
     if device_check.dry():
         checked = start_checks(plan.train_args, ranks)
         raise Skipped(f"{device_check.dry_note()}: needs {ranks} GPU(s) to run; {checked}")
-    prepare(plan.checkpoint, progress=False)
+    prepare(plan.checkpoint, progress=False, tiny_cache=os.environ.get(CACHE_ENV) or None)
     record = workdir / f"record-{run_id}"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                "-m", "miles.train", *plan.train_args]  # fmt: skip
     started = time.perf_counter()
-    try:
-        done = subprocess.run(
-            command, env={**os.environ, RECORD_DIR_ENV: str(record)}, capture_output=True, text=True,
-            timeout=TRAIN_TIMEOUT_S,
-        )  # fmt: skip
+    try:  # counted at the machine's load: a busy CPU machine makes the run slow, not hung
+        done = run_counted(command, TRAIN_TIMEOUT_S, env={**os.environ, RECORD_DIR_ENV: str(record)})
     except subprocess.TimeoutExpired as e:
-        # TimeoutExpired carries bytes even with text=True
-        last = (e.stderr or b"").decode(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
+        stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        last = stderr.strip().splitlines()[-1:] or ["(no output)"]
         raise CheckFailed(
-            f"the tiny recipe ({run_id}) had not ended after {TRAIN_TIMEOUT_S}s, last line: {last[0]}; either "
+            f"the tiny recipe ({run_id}) had not ended after {e.timeout:.0f}s ({TRAIN_TIMEOUT_S}s at the "
+            f"machine's load), last line: {last[0]}; either "
             "the trainer hung or a process it started still holds its output open: look for leftover "
             "`miles.train` or multiprocessing processes (`ps -ef`) and stop them before a rerun"
         ) from None
@@ -165,8 +165,8 @@ def step_megatron_parity(cpu: bool, workdir: Path) -> str:
     """HF logits against the megatron GPTModel loaded from the torch_dist conversion, fp32."""
     import torch
 
-    from miles.ckpt.tiny import make_tiny_checkpoint
-    from miles.ckpt.torch_dist import RELEASE, convert_to_torch_dist
+    from miles.ckpt.tiny_cache import tiny_here
+    from miles.ckpt.torch_dist import RELEASE
     from miles.families.model import hf_logit_gap, load_model
     from miles.megatron.checkpoint import single_process_group
 
@@ -175,11 +175,8 @@ def step_megatron_parity(cpu: bool, workdir: Path) -> str:
     tol = PARITY_TOL["cpu" if cpu else "gpu"]
     gaps = {}
     for family in ("qwen3", "qwen3_moe"):
-        hf = make_tiny_checkpoint(family, 2, workdir / family / "hf")
-        dist = workdir / family / "torch_dist"
-        if not dist.exists():
-            dist.mkdir(parents=True)
-            convert_to_torch_dist(hf, dist, family)
+        made = tiny_here(family, 2, workdir / family / "hf", torch_dist=True)
+        hf, dist = made.hf, made.torch_dist
         config = json.loads((hf / "config.json").read_text())
         with single_process_group(), torch.random.fork_rng(devices=[]), _placed(cpu):
             model = load_model(config, dist / RELEASE, dtype=torch.float32, on_cpu=cpu)

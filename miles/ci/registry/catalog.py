@@ -20,6 +20,8 @@ from types import MappingProxyType
 
 CATALOG_PATH = Path(__file__).resolve().parents[1] / "catalog.toml"  # miles/ci/catalog.toml
 CATALOG_SCHEMA = 1  # the `schema = N` this miles reads
+JOBS_PER_CORE = "cores"  # a lane's `jobs`: one runner process per CPU core of the machine
+MAX_JOBS = 64
 
 CADENCES = ("regular", "nightly", "weekly", "release")
 GATE_MODES = ("shadow", "enforce")
@@ -71,6 +73,8 @@ class Lane:
     cadence: str
     gate_mode: str
     max_attempts: int
+    jobs: int | str = 1  # files run at once, each by a runner process of its own; "cores": one per core
+    fast_fail: bool = True  # False: a failing file does not stop the lane, every file runs
 
 
 @dataclass(frozen=True)
@@ -292,6 +296,8 @@ def _build(path: Path, raw: dict, problems: list[str]) -> Catalog:
             cadence=field(where, entry, "cadence", str, ""),
             gate_mode=field(where, entry, "gate_mode", str, ""),
             max_attempts=field(where, entry, "max_attempts", int, 0),
+            jobs=entry.get("jobs", 1),
+            fast_fail=entry.get("fast_fail", True),
         )
 
     suites = {}
@@ -384,6 +390,11 @@ def validate_catalog(catalog: Catalog) -> list[str]:
             problems.append(f"{where}: gate_mode '{lane.gate_mode}' is not one of {list(GATE_MODES)}")
         if lane.max_attempts < 1:
             problems.append(f"{where}: max_attempts must be >= 1")
+        if lane.jobs != JOBS_PER_CORE and not (isinstance(lane.jobs, int) and not isinstance(lane.jobs, bool)
+                                               and 1 <= lane.jobs <= MAX_JOBS):  # fmt: skip
+            problems.append(f'{where}: jobs = {lane.jobs!r} must be 1 to {MAX_JOBS} or "{JOBS_PER_CORE}"')
+        if not isinstance(lane.fast_fail, bool):
+            problems.append(f"{where}: fast_fail = {lane.fast_fail!r} must be true or false")
         if not catalog.suites_of_lane(lane.name):
             problems.append(f"{where}: no suite names this lane; remove it or point a suite at it")
     for suite in catalog.suites.values():

@@ -1,10 +1,13 @@
 """Propose est_time values from measured durations, and write them into the test files.
 
 A proposal needs at least MIN_PASSED_RUNS passed runs of that file on that backend and
-suite: est_time = the `quantile` (default 0.9, nearest rank) of the passed durations x 1.25,
+suite: est_time = the `quantile` (default 0.9, nearest rank) of the passed durations,
 rounded up to a bucket (5 s below a minute, 15 s below 5 minutes, a minute below half an
 hour, 5 minutes above), so the numbers do not churn run to run. `--write` replaces only the
-number inside the `register_*_ci(...)` call; every other byte of the file stays as it was.
+number inside the `register_*_ci(...)` call; every other byte of the file stays as it was. A
+file that registers implicitly (a directory of the catalog's [implicit] table, tests/unit) gets
+its own call instead, `register_cpu_ci(est_time=N, suite="<the directory's suite>")` after its
+imports, and the marker's import among them: the same suite, its own measured est_time.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ from miles.text import printable
 
 DEFAULT_QUANTILE = 0.9
 MIN_PASSED_RUNS = 3
-MARGIN = 1.25
+# est_time is what a file takes, so the plan predicts a run's wall time; the headroom is the
+# timeout's (1.25 x est_time, counted at the machine's load: miles.ci.running.execute.LoadClock)
+MARGIN = 1.0
 BUCKETS = ((60.0, 5.0), (300.0, 15.0), (1800.0, 60.0), (math.inf, 300.0))  # (below, step)
 MARKER_OF_BACKEND = {backend: name for name, backend in BACKEND_OF_MARKER.items()}
 MAX_SOURCE_BYTES = 64 << 20
@@ -113,11 +118,7 @@ def propose(
             continue
         measured = nearest_rank_quantile(passed, quantile)
         proposed = round_up_to_bucket(measured * MARGIN)
-        note = ""
-        if reg.implicit:
-            note = f'implicit: add register_cpu_ci(est_time={proposed:g}, suite="{reg.suite}") to set it'
-            rows.append(Proposal(reg, len(passed), measured, None, note))
-            continue
+        note = f"implicit: --write adds {MARKER_OF_BACKEND[reg.backend]}(...)" if reg.implicit else ""
         rows.append(Proposal(reg, len(passed), measured, proposed, note))
     return Proposals(tuple(rows), quantile)
 
@@ -157,6 +158,44 @@ def _offset(lines: list[str], lineno: int, col: int) -> int:
     return before + len(lines[lineno - 1].encode("utf-8")[:col].decode("utf-8"))
 
 
+def registered(text: str, reg: Registration, est_time: float, rel: str) -> str:
+    """`text` with its own registration for what `reg` (an implicit one) gave it: the marker's
+    import among the file's imports, the call after them."""
+    marker = MARKER_OF_BACKEND[reg.backend]
+    tree = ast.parse(text, rel)
+    body = list(tree.body)
+    start = 1 if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) else 0
+    imports = []
+    for stmt in body[start:]:
+        if not isinstance(stmt, ast.Import | ast.ImportFrom):
+            break
+        imports.append(stmt)
+    lines = _LINE.findall(text)
+    call = f'{marker}(est_time={format_seconds(est_time)}, suite="{reg.suite}")'
+    at_call = imports[-1].end_lineno if imports else (body[0].end_lineno if start else 0)
+    has_marker = any(isinstance(s, ast.ImportFrom) and s.module == "miles.ci.register" for s in imports)
+    import_line = None if has_marker else f"from miles.ci.register import {marker}"
+    newline = "\r\n" if lines and lines[0].endswith("\r\n") else "\n"
+    ours = [i for i in imports if _module_of(i).split(".")[0] == "miles"]
+    later = [i for i in ours if _module_of(i) > "miles.ci.register" and isinstance(i, ast.ImportFrom)]
+    out = list(lines)
+    if lines and not lines[-1].endswith(("\n", "\r")):
+        out[-1] += newline
+    out.insert(at_call, f"{newline}{call}{newline}")
+    if import_line is not None:
+        if later:
+            out.insert(later[0].lineno - 1, import_line + newline)
+        elif ours:
+            out.insert(ours[-1].end_lineno, import_line + newline)
+        else:
+            out.insert(at_call, (newline if imports else "") + import_line + newline)
+    return "".join(out)
+
+
+def _module_of(stmt: ast.Import | ast.ImportFrom) -> str:
+    return stmt.module or "" if isinstance(stmt, ast.ImportFrom) else stmt.names[0].name
+
+
 def _replace_spans(source: str, edits: list[tuple[tuple[int, int], str]]) -> str:
     out = source
     for (start, end), text in sorted(edits, key=lambda e: e[0][0], reverse=True):
@@ -178,9 +217,13 @@ def apply_proposals(root: Path | str, proposals: Sequence[Proposal]) -> str:
         # the file's own encoding (a BOM, a PEP 263 cookie) in and out: only the number changes
         encoding, _ = tokenize.detect_encoding(io.BytesIO(raw).readline)
         before = raw.decode(encoding)
+        explicit = [p for p in items if not p.registration.implicit]
         after = _replace_spans(
-            before, [(_est_time_span(before, p.registration), format_seconds(p.proposed)) for p in items]
+            before, [(_est_time_span(before, p.registration), format_seconds(p.proposed)) for p in explicit]
         )
+        for p in items:
+            if p.registration.implicit:
+                after = registered(after, p.registration, p.proposed, rel)
         ast.parse(after, rel)  # never leave a file that no longer parses
         # a new file renamed over the test file: a link planted at a temp name is never followed
         replace_file(path, after.encode(encoding), mode=stat.S_IMODE(os.stat(path).st_mode))

@@ -94,6 +94,11 @@ def recipes_trained(path: Path) -> set[str]:
         if isinstance(k, ast.Constant) and k.value == "recipe" and isinstance(v, ast.Constant)
     }
     out: set[str] = set()
+    settings, forwards = _support_helpers(tree, path)
+    for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call) and _called(n) in forwards):
+        at = forwards[_called(call)]
+        if at < len(call.args) and isinstance(call.args[at], ast.Name) and call.args[at].id in settings:
+            out.add(settings[call.args[at].id])
     for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
         params = _parametrized(fn)
         for call in (n for n in ast.walk(fn) if isinstance(n, ast.Call) and _called(n) == CPU_PLAN_FUNCTION):
@@ -109,6 +114,67 @@ def recipes_trained(path: Path) -> set[str]:
             elif isinstance(first, ast.Subscript) and isinstance(first.slice, ast.Constant):
                 if first.slice.value == "recipe":
                     out |= recipe_values
+    return out
+
+
+def _support_helpers(tree: ast.Module, path: Path) -> tuple[dict[str, str], dict[str, int]]:
+    """What the file imports from tests/support modules: ({name: recipe} of their settings dicts
+    (a dict literal with a "recipe" key, `{**OTHER, ...}` inheriting OTHER's), {function: the
+    index of its argument whose ["recipe"] reaches a `tiny_plan(...)` call}), read from the
+    support modules' own syntax trees."""
+    settings: dict[str, str] = {}
+    forwards: dict[str, int] = {}
+    for node in tree.body:
+        if not (isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tests.support")):
+            continue
+        relative = Path(*node.module.split(".")).with_suffix(".py")
+        source = next((p / relative for p in path.parents if (p / relative).is_file()), None)
+        try:
+            module = ast.parse(source.read_text(), filename=str(source)) if source else None
+        except (OSError, SyntaxError, ValueError):
+            module = None
+        if module is None:
+            continue
+        theirs, their_forwards = _settings_of(module), _forwards_of(module)
+        for alias in node.names:
+            local = alias.asname or alias.name
+            if alias.name in theirs:
+                settings[local] = theirs[alias.name]
+            if alias.name in their_forwards:
+                forwards[local] = their_forwards[alias.name]
+    return settings, forwards
+
+
+def _settings_of(module: ast.Module) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for node in module.body:
+        if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)):
+            continue
+        recipe = None
+        for key, value in zip(node.value.keys, node.value.values, strict=True):
+            if key is None and isinstance(value, ast.Name):  # {**OTHER, ...}
+                recipe = out.get(value.id, recipe)
+            elif isinstance(key, ast.Constant) and key.value == "recipe" and isinstance(value, ast.Constant):
+                recipe = value.value
+        if isinstance(recipe, str):
+            out |= {t.id: recipe for t in node.targets if isinstance(t, ast.Name)}
+    return out
+
+
+def _forwards_of(module: ast.Module) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for fn in (n for n in module.body if isinstance(n, ast.FunctionDef)):
+        names = [a.arg for a in fn.args.args]
+        for call in (n for n in ast.walk(fn) if isinstance(n, ast.Call) and _called(n) == CPU_PLAN_FUNCTION):
+            first = call.args[0] if call.args else None
+            if (
+                isinstance(first, ast.Subscript)
+                and isinstance(first.value, ast.Name)
+                and first.value.id in names
+                and isinstance(first.slice, ast.Constant)
+                and first.slice.value == "recipe"
+            ):
+                out[fn.name] = names.index(first.value.id)
     return out
 
 

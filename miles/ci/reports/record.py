@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-SCHEMA = 2  # 2: attempts name the processes they stopped; `flaky`; `complete`
+SCHEMA = 3  # 2: attempts name the processes they stopped; `flaky`; `complete`. 3: `phases`
 
 # Attempt statuses. `error` means the runner could not tell what happened (no or corrupt
 # JUnit); `skipped` means the test was selected but not started (fast-fail); `flaky` is a
@@ -80,6 +80,11 @@ class Attempt:
     message: str = ""  # one line a person reads first: why it failed, or why it did not run
     cases: tuple[CaseResult, ...] = ()
     killed: tuple[str, ...] = ()  # processes the runner stopped ("pid 12 (sleep 600)")
+    # seconds per phase (miles.ci.reports.phases.COLUMNS), as the attempt's processes recorded them
+    phases: tuple[tuple[str, float], ...] = ()
+    # CPU seconds (user + system) of the attempt's processes that ended and were reaped: the
+    # work a file costs, which a busy machine stretches far less than its wall time
+    cpu: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -97,6 +102,7 @@ class Attempt:
         data["gate_verdicts"] = [dict(v) for v in self.gate_verdicts]
         data["cases"] = [c.to_json() for c in self.cases]
         data["killed"] = list(self.killed)
+        data["phases"] = dict(self.phases)
         return data
 
     @classmethod
@@ -105,6 +111,7 @@ class Attempt:
         data["gate_verdicts"] = tuple(data.get("gate_verdicts", ()))
         data["cases"] = tuple(CaseResult.from_json(c) for c in data.get("cases", ()))
         data["killed"] = tuple(data.get("killed", ()))
+        data["phases"] = tuple((str(k), float(v)) for k, v in dict(data.get("phases") or {}).items())
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 

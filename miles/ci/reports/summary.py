@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 import re
 
+from miles.ci.reports.phases import COLUMNS, TOP_FILES, slowest, totals
 from miles.ci.reports.record import CANCELLED, ERROR, FAILED, FLAKY, PASSED, SKIPPED, TIMEOUT, RunRecord
 from miles.text import ANSI, CONTROL, escape_char, printable
 
@@ -70,7 +71,8 @@ def run_title(run: RunRecord) -> str:
 
 def render_markdown(run: RunRecord) -> str:
     """The step summary: counts, then failed, flaky, retried, stopped-process, gate,
-    disabled and passed tables, then a mermaid gantt of the shard's timeline."""
+    disabled and passed tables, where the time went (per phase), then a mermaid gantt of the
+    shard's timeline."""
     counts = run.counts()
     if not run.complete:
         verdict = "⚠️ incomplete"
@@ -162,8 +164,32 @@ def render_markdown(run: RunRecord) -> str:
         ],  # fmt: skip
         align=("---", "---", "---:", "---:", "---:"),
     )
+    out += phase_table(run.final_attempts)
     out += _gantt(run)
     return "\n".join(out) + "\n"
+
+
+def phase_table(attempts) -> list[str]:
+    """Where the time went: the run's seconds per phase, then its slowest files' (see
+    miles.ci.reports.phases); nothing when no attempt recorded phases."""
+    rows = slowest(attempts)
+    if not rows:
+        return []
+    total, wall, cpu = totals(r[3] for r in rows), sum(r[1] for r in rows), sum(r[2] for r in rows)
+    share = " | ".join(f"{total[c]:.0f}s ({100 * total[c] / wall if wall else 0:.0f}%)" for c in COLUMNS)
+    lines = [
+        "### Where the time went",
+        "",
+        "Seconds per phase of each file's wall time; cpu: the CPU seconds its processes used.",
+        "",
+        f"| file | elapsed | cpu | {' | '.join(COLUMNS)} |",
+        f"| --- | ---: | ---: | {' | '.join('---:' for _ in COLUMNS)} |",
+        f"| all {len(rows)} files | {_duration(wall)} | {_duration(cpu)} | {share} |",
+    ]
+    for file, elapsed, used, seconds in rows[:TOP_FILES]:
+        cells = " | ".join(f"{seconds.get(c, 0.0):.1f}s" for c in COLUMNS)
+        lines.append(f"| {code(file)} | {elapsed:.1f}s | {used:.1f}s | {cells} |")
+    return [*lines, ""]
 
 
 def _table(title: str, header: tuple[str, ...], rows: list[tuple[str, ...]], align=None) -> list[str]:

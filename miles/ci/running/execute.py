@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import codecs
 import os
+import resource
 import select
 import shlex
 import signal
@@ -25,10 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from miles.ci.reports.phases import attempt_phases
 from miles.ci.reports.record import CANCELLED, FAILED, Attempt
 from miles.ci.running.outcome import classify_attempt, read_junit, signal_name
 from miles.ci.running.processes import Containment
 from miles.files import Folder
+from miles.load import LoadClock
+from miles.phases import DIR_ENV as PHASE_DIR_ENV
 
 TAIL_LINES = 80
 TAIL_CHARS = 12_000
@@ -118,9 +122,9 @@ class TestRun:
             **outcome,
         )
 
-    def env(self, record_dir: Path) -> dict[str, str]:
+    def env(self, record_dir: Path, phase_dir: Path | None = None) -> dict[str, str]:
         """The variables every test process gets (the contract with tests and trainers)."""
-        return {
+        env = {
             "MILES_CI_BACKEND": self.backend,
             "MILES_CI_SUITE": self.suite,
             "MILES_CI_LANE": self.lane,
@@ -128,6 +132,9 @@ class TestRun:
             "MILES_CI_ATTEMPT": str(self.attempt),
             "MILES_CI_GATE_RECORD_DIR": str(record_dir),
         }
+        if phase_dir is not None:
+            env[PHASE_DIR_ENV] = str(phase_dir)
+        return env
 
 
 @dataclass(frozen=True)
@@ -139,6 +146,8 @@ class Settings:
     echo: IO[str] | None = None  # where to stream the test's output live, if anywhere
     base_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
     use_cgroup: bool = True  # track the test's processes in a cgroup of its own where possible
+    # how far a timeout stretches while the machine is loaded (LoadClock); 1: never
+    load_stretch: float = 1.0
 
 
 def pytest_command(settings: Settings, file: str, junit_path: Path | str) -> list[str]:
@@ -179,8 +188,9 @@ def run_attempt(
     try:
         if not isinstance(folder, Folder):
             folder = Folder.open(attempt_dir, create=True)
-        with folder.subfolder("metrics"):
-            pass
+        for name in ("metrics", "phases"):
+            with folder.subfolder(name):
+                pass
         log = folder.create("output.log")
     except (OSError, ValueError) as exc:  # FileRefused is a ValueError
         path = getattr(folder, "path", attempt_dir)
@@ -189,8 +199,16 @@ def run_attempt(
     finally:
         if folder is not attempt_dir and isinstance(folder, Folder):
             folder.close()
-    with log:
+    try:
         return _run_in(test, folder.path, log, settings, cancel, tick, on_cancel)
+    finally:
+        try:
+            log.close()
+        except OSError as exc:  # a full disk costs the log's tail, never the attempt's record
+            print(
+                f"warning: {test.file}: its output.log could not be written out: {exc.strerror or exc}",
+                file=sys.stderr,
+            )
 
 
 def _run_in(
@@ -203,6 +221,7 @@ def _run_in(
     on_cancel: Callable[[Attempt], None] | None,
 ) -> Attempt:
     record_dir = attempt_dir / "metrics"
+    phase_dir = attempt_dir / "phases"
     junit_path = attempt_dir / "junit.xml"
     base = test.record(FAILED, "", record_dir=str(record_dir))
     if cancel.cancelled:
@@ -218,8 +237,9 @@ def _run_in(
 
     argv = pytest_command(settings, test.file, junit_path)
     containment = Containment(use_cgroup=settings.use_cgroup)
-    env = {**settings.base_env, **test.env(record_dir), **containment.env()}
+    env = {**settings.base_env, **test.env(record_dir, phase_dir), **containment.env()}
     started = time.monotonic()
+    cpu_before = _children_cpu()
     try:
         try:
             proc = _start(argv, settings.root, env, containment)
@@ -230,7 +250,8 @@ def _run_in(
         tail = Tail()
         reader = threading.Thread(target=_pump, args=(proc.stdout, log, tail, settings.echo), daemon=True)
         reader.start()
-        outcome = _wait(proc, started + test.timeout, cancel, tick, started)
+        clock = LoadClock(test.timeout, settings.load_stretch, started)
+        outcome = _wait(proc, clock, cancel, tick, started)
         elapsed = time.monotonic() - started
         if outcome == "cancelled" and on_cancel is not None:
             on_cancel(
@@ -260,6 +281,7 @@ def _run_in(
     finally:
         containment.close()
     returncode = proc.returncode
+    cpu = _children_cpu() - cpu_before
     text = tail.text()
     parsed = read_junit(junit_path)
     status, classification, message = classify_attempt(
@@ -270,7 +292,11 @@ def _run_in(
         timeout=test.timeout,
         est_time=test.est_time,
     )
+    if outcome == "timeout" and clock.stretched:
+        message += f" of the machine's time: {elapsed:.0f}s of wall time at a load average up to {clock.peak:.1f} on {clock.cores} cores"
     return base.replace(
+        phases=attempt_phases(phase_dir, base.started_at, elapsed),
+        cpu=round(cpu, 1),
         status=status,
         exit_code=returncode if returncode is not None and returncode >= 0 else None,
         signal=signal_name(returncode),
@@ -281,6 +307,13 @@ def _run_in(
         cases=parsed.cases if parsed.ok else (),
         killed=killed,
     )
+
+
+def _children_cpu() -> float:
+    """User + system CPU seconds of this process's reaped descendants (the runner reaps the test's
+    process, and as their subreaper its orphans; each process reaps its own children)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _start(argv: list[str], cwd: Path, env: dict[str, str], containment: Containment) -> subprocess.Popen:
@@ -346,12 +379,12 @@ def _pump(stream: IO[bytes], log: IO[bytes], tail: Tail, echo: IO[str] | None) -
 
 def _wait(
     proc: subprocess.Popen,
-    deadline: float,
+    clock: LoadClock,
     cancel: CancelToken,
     tick: Callable[[float], None] | None,
     started: float,
 ) -> str:
-    """Block until the process exits ("exited"), the deadline passes ("timeout") or the run
+    """Block until the process exits ("exited"), its time runs out ("timeout") or the run
     is cancelled ("cancelled"). A pidfd makes the exit visible at once and the cancel
     token's pipe the cancel; polling is the fallback where the kernel has no pidfd."""
     pidfd = None
@@ -367,9 +400,9 @@ def _wait(
             if cancel.cancelled:
                 return "cancelled"
             now = time.monotonic()
-            if now >= deadline:
+            if clock.expired(now):
                 return "timeout"
-            step = min(deadline - now, POLL_S)
+            step = min(clock.left(now), POLL_S)
             if pidfd is not None:
                 select.select([pidfd, cancel], [], [], step)
             else:

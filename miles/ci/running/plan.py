@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from miles.ci.registry.catalog import MAX_SHARDS, Catalog, Suite
+from miles.ci.registry.catalog import JOBS_PER_CORE, MAX_JOBS, MAX_SHARDS, Catalog, Suite
 from miles.ci.registry.discover import Discovery
 from miles.ci.registry.registration import GateDeclaration, Problem, Registration
 from miles.ci.reports.report import REPORT_FILES
@@ -28,6 +28,10 @@ from miles.text import printable
 DEFAULT_TIMEOUT_FLOOR = 60.0  # seconds; short tests still get time to import torch
 DEFAULT_GRACE = 10.0  # seconds between SIGTERM and SIGKILL
 TIMEOUT_FACTOR = 1.25
+# A file's timeout stretches while the load average exceeds the cores (execute.LoadClock), up to
+# this many times its limit in wall time: a shared 2-core machine runs a file several times slower
+# than a quiet one, and that is not a hang.
+LOAD_STRETCH = 10.0
 # Bounds of the numbers a person passes: beyond them a run hangs on one signal (an infinite
 # grace), never times out (a NaN floor) or plans millions of empty shards.
 MAX_TIMEOUT_FLOOR = 86_400.0  # a day, the longest est_time a registration may state
@@ -79,6 +83,7 @@ class RunOptions:
     report_dir: Path | None = None
     stream: bool | None = None  # echo test output live; default: on under GitHub Actions
     pytest_args: tuple[str, ...] = ()
+    jobs: str | None = None  # "N" or "cores": files at once; default: the lane's `jobs` (a --lane run)
 
 
 @dataclass(frozen=True)
@@ -118,7 +123,53 @@ class RunPlan:
     store_history: bool = False  # passing gated attempts are stored as trusted history
     history_reason: str = ""  # why (policy.history_decision)
     warnings: tuple[Problem, ...] = ()  # registration problems of other suites: not this run's
+    jobs: int = 1  # runner processes side by side, job j running shard j of every suite
     refused: tuple[RefusedTest, ...] = ()  # this run's suites' problems, each a failed row of its file
+
+    @property
+    def predicted_wall(self) -> float:
+        """The run's predicted wall time from the est_times: its shards one after another, or with
+        jobs, the longest job (each job runs its shard of every suite in turn)."""
+        return predicted_wall(self, [sp.partition.loads for sp in self.suites])
+
+
+def predicted_wall(plan: RunPlan, loads: list[tuple[float, ...]]) -> float:
+    """`plan.predicted_wall` from each suite's shard loads (read once: they are computed)."""
+    if plan.jobs > 1:
+        return max(_job_loads(plan, loads))
+    return sum(
+        shard_loads[k - 1] for sp, shard_loads in zip(plan.suites, loads, strict=True) for k in sp.run_shards
+    )
+
+
+def _job_loads(plan: RunPlan, loads: list[tuple[float, ...]]) -> list[float]:
+    return [sum(shard_loads[j] for shard_loads in loads) for j in range(plan.jobs)]
+
+
+def resolve_jobs(options: RunOptions, scope: Scope) -> int:
+    """How many jobs the run uses: --jobs, else the lane's `jobs` in a run of a lane; 1 with an
+    explicit shard (a CI matrix splits the suite already), where --jobs is refused."""
+    asked = (
+        options.jobs
+        if options.jobs is not None
+        else (scope.lane.jobs if scope.lane and not scope.narrowed else 1)
+    )
+    if str(asked) == JOBS_PER_CORE:
+        jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    else:
+        try:
+            jobs = int(asked)
+        except ValueError:
+            raise PlanError(f'--jobs {asked!r} must be a number or "{JOBS_PER_CORE}"') from None
+        if not 1 <= jobs <= MAX_JOBS:
+            raise PlanError(f"--jobs {jobs} must be between 1 and {MAX_JOBS}")
+    if options.shard is not None or options.shards is not None:
+        if options.jobs is not None and jobs > 1:
+            raise PlanError(
+                "--jobs runs a whole run's shards side by side; it cannot be given with --shard/--shards"
+            )
+        return 1
+    return min(jobs, MAX_JOBS)
 
 
 def timeout_for(est_time: float, floor: float) -> float:
@@ -195,8 +246,11 @@ def build_plan(options: RunOptions, catalog: Catalog, discovery: Discovery) -> R
     store_history, history_reason = history_decision(CiEvent.from_env(os.environ), base_cadence, catalog)
     selection = select(discovery, scope, cadence=cadence, labels=labels)
 
+    n_jobs = resolve_jobs(options, scope)
     k, n_requested, explicit = None, None, False
-    if options.shard is not None:
+    if n_jobs > 1:  # each suite split into one shard per job
+        n_requested, explicit = n_jobs, True
+    elif options.shard is not None:
         k, n_requested = parse_shard(options.shard)
         explicit = n_requested is not None
         if options.shards is not None and parse_shards(options.shards) != n_requested:
@@ -230,7 +284,7 @@ def build_plan(options: RunOptions, catalog: Catalog, discovery: Discovery) -> R
 
     if options.shard is not None:
         shard = options.shard
-    elif all(p.n_shards == 1 for p in suite_plans):
+    elif n_jobs > 1 or all(p.n_shards == 1 for p in suite_plans):
         shard = "1/1"
     else:
         shard = "all"
@@ -244,13 +298,17 @@ def build_plan(options: RunOptions, catalog: Catalog, discovery: Discovery) -> R
         else max((catalog.lanes[s.lane].max_attempts for s in scope.suites), default=1)
     )
     max_attempts = options.max_attempts if options.max_attempts is not None else lane_attempts
-    continue_on_error = options.continue_on_error or bool(labels and labels.bypass_fastfail)
+    lane_runs_every_file = scope.lane is not None and not scope.narrowed and not scope.lane.fast_fail
+    continue_on_error = (
+        options.continue_on_error or bool(labels and labels.bypass_fastfail) or lane_runs_every_file
+    )
     stream = options.stream if options.stream is not None else os.environ.get("GITHUB_ACTIONS") == "true"
     settings = Settings(
         root=root,
         grace=options.grace,
         pytest_args=options.pytest_args,
         echo=sys.stdout if stream else None,
+        load_stretch=LOAD_STRETCH,
     )
     return RunPlan(
         selection,
@@ -265,6 +323,7 @@ def build_plan(options: RunOptions, catalog: Catalog, discovery: Discovery) -> R
         store_history,
         history_reason,
         tuple(p for p in discovery.problems if not blocks(p, scope, catalog)),
+        n_jobs,
         refused,
     )
 
@@ -371,6 +430,14 @@ def test_run(
     )
 
 
+def _prediction(plan: RunPlan, loads: list[tuple[float, ...]]) -> str:
+    wall = predicted_wall(plan, loads)
+    if plan.jobs > 1:
+        each = ", ".join(f"job {j + 1}: {load:g}s" for j, load in enumerate(_job_loads(plan, loads)))
+        return f"predicted wall {wall:g}s: {plan.jobs} jobs side by side, job j runs shard j of every suite ({each})"
+    return f"predicted wall {wall:g}s: the shards above, one after another"
+
+
 def format_plan(plan: RunPlan) -> str:
     """The plan as people read it: shards, predicted totals, bounds, timeouts, commands."""
     sel = plan.selection
@@ -378,12 +445,17 @@ def format_plan(plan: RunPlan) -> str:
     out = [
         f"plan · {sel.scope.name} · backend {sel.scope.backend} · cadence {sel.cadence} · labels {labels} · "
         f"shard {plan.shard} · max attempts {plan.max_attempts} · "
-        f"{'continue on error' if plan.continue_on_error else 'fast-fail'}",
+        f"{'continue on error' if plan.continue_on_error else 'fast-fail'}"
+        + (f" · {plan.jobs} jobs at once" if plan.jobs > 1 else ""),
         f"metric history is {'stored' if plan.store_history else 'not stored'}: {plan.history_reason}",
+        f"timeouts: max(floor {plan.timeout_floor:g}s, {TIMEOUT_FACTOR:g} x est_time), counted at the machine's "
+        f"load (up to {plan.settings.load_stretch:g}x in wall time while the load average exceeds the cores)",
     ]
+    every_suite_loads = []
     for sp in plan.suites:
         p = sp.partition
         loads = p.loads  # a computed property: read once, not once per shard line
+        every_suite_loads.append(loads)
         running = set(sp.run_shards)
         total = sum(loads)
         longest = max((j.weight for s in p.shards for j in s), default=0.0)
@@ -418,6 +490,8 @@ def format_plan(plan: RunPlan) -> str:
             out.append(f"  fails (registration refused): {r.file}:{r.line}: {r.message}")
         if not n_tests and sp.suite.empty:
             out.append(f"  declared empty in the catalog: {sp.suite.empty}")
+    if plan.tests:
+        out += ["", _prediction(plan, every_suite_loads)]
     if plan.warnings:
         out += ["", f"warning: {len(plan.warnings)} registration problem(s) in other suites (not run here; "
                 "`audit --strict` fails on them):"]  # fmt: skip
@@ -426,8 +500,9 @@ def format_plan(plan: RunPlan) -> str:
         out += ["", "commands (attempt 1; cwd = project root):"]
         for test in plan.tests:
             run = test_run(plan, test, 1, None, "")
-            junit = attempt_dir(plan, test, 1) / "junit.xml"
-            env = run.env(attempt_dir(plan, test, 1) / "metrics")
+            folder = attempt_dir(plan, test, 1)
+            junit = folder / "junit.xml"
+            env = run.env(folder / "metrics", folder / "phases")
             out.append(f"  {format_command(pytest_command(plan.settings, run.file, junit), env)}")
     elif not plan.refused:
         out += ["", "nothing to run in this shard."]

@@ -15,10 +15,12 @@ afresh for each run (miles.ci.reports.report.claim_report_dir), each file create
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +30,7 @@ from typing import IO, TypeVar
 
 from miles.ci.registry.catalog import Catalog, Lane
 from miles.ci.registry.registration import GateDeclaration
+from miles.ci.reports.phases import text_table as phase_table
 from miles.ci.reports.record import CANCELLED, FAILED, FLAKY, PASSED, SKIPPED, Attempt, RunRecord
 from miles.ci.reports.report import ReportDirError, claim_report_dir, write_reports
 from miles.ci.running.execute import POLL_S, CancelToken, TestRun, run_attempt
@@ -44,6 +47,7 @@ from miles.ci.running.plan import (
 )
 from miles.ci.running.progress import Progress
 from miles.files import Folder
+from miles.text import printable
 
 T = TypeVar("T")
 
@@ -175,6 +179,7 @@ def execute_plan(
     out: IO[str] | None = None,
     checkpoint: Callable[[RunRecord], None] | None = None,
     folders: tuple[Folder, Folder] | None = None,
+    fold: bool = True,
 ) -> RunRecord:
     """Run the plan's tests in order; always returns a complete record (cancellation included).
 
@@ -182,12 +187,14 @@ def execute_plan(
     and the rest marked as not finished) and again the moment a cancel arrives, so reports
     on disk always describe the run even if the runner is killed without warning.
     `folders` is (report folder, attempts folder) from claim_report_dir; without it the
-    report folder is claimed here (PlanError when it holds what no run of miles made)."""
+    report folder is claimed here (PlanError when it holds what no run of miles made).
+    `fold=False` keeps GitHub's `::group::` folds out of the output (a job of a run with jobs:
+    its lines are relayed with a prefix, beside another job's)."""
     out = out if out is not None else sys.stdout
     owned = folders is None
     report_folder, attempts = _claim(plan.report_dir) if folders is None else folders
     try:
-        return _execute(plan, catalog, cancel, out, checkpoint, attempts)
+        return _execute(plan, catalog, cancel, out, checkpoint, attempts, fold)
     finally:
         if owned:
             attempts.close()
@@ -202,10 +209,10 @@ def _claim(report_dir: Path) -> tuple[Folder, Folder]:
         raise PlanError(str(exc)) from None
 
 
-def _execute(plan, catalog, cancel, out, checkpoint, attempt_folders: Folder) -> RunRecord:
+def _execute(plan, catalog, cancel, out, checkpoint, attempt_folders: Folder, fold: bool = True) -> RunRecord:
     commit = current_commit(plan.settings.root)
     started = time.time()
-    github = os.environ.get("GITHUB_ACTIONS") == "true"
+    github = fold and os.environ.get("GITHUB_ACTIONS") == "true"
     progress = Progress(plan.tests, out, github=github, streaming=plan.settings.echo is not None)
     attempts: list[Attempt] = []
     stop: str | None = None
@@ -312,6 +319,24 @@ def _run_record(
     )
 
 
+# Read by miles.ckpt.tiny_cache (which the CI package does not import): the folder of tiny
+# checkpoints and torch_dist forms every file of a run shares (tests/unit/test_runner_phases.py
+# holds the two names equal).
+TINY_CACHE_ENV = "MILES_TINY_CACHE"
+
+
+@contextmanager
+def shared_tiny_cache(plan: RunPlan) -> Iterator[RunPlan]:
+    """The plan with one fresh tiny-checkpoint cache for all its files, deleted when the run ends;
+    a cache the caller's environment names already is used as it is (and kept)."""
+    if plan.settings.base_env.get(TINY_CACHE_ENV):
+        yield plan
+        return
+    with tempfile.TemporaryDirectory(prefix="miles-tiny-") as folder:
+        env = {**plan.settings.base_env, TINY_CACHE_ENV: folder}
+        yield dataclasses.replace(plan, settings=dataclasses.replace(plan.settings, base_env=env))
+
+
 @contextmanager
 def cancel_on_signals(cancel: CancelToken) -> Iterator[None]:
     """SIGTERM/SIGINT set the token instead of killing the runner, so it can clean up."""
@@ -333,8 +358,12 @@ def cancel_on_signals(cancel: CancelToken) -> Iterator[None]:
             signal.signal(s, old)
 
 
-def run(options: RunOptions, *, plan_only: bool = False, out: IO[str] | None = None) -> int:
-    """Plan, print the plan, and (unless plan_only) run it; returns the exit code."""
+def run(
+    options: RunOptions, *, plan_only: bool = False, out: IO[str] | None = None, job_of: str | None = None
+) -> int:
+    """Plan, print the plan, and (unless plan_only) run it; returns the exit code. `job_of`
+    ("j/N") marks a job of a run with jobs (miles.ci.running.jobs): that run prints the plan and
+    the totals, the job only its progress."""
     out = out if out is not None else sys.stdout
     from miles.ci.registry.catalog import load_catalog
     from miles.ci.registry.discover import discover
@@ -347,42 +376,64 @@ def run(options: RunOptions, *, plan_only: bool = False, out: IO[str] | None = N
         raise PlanError(str(exc)) from None
     catalog = load_catalog()
     plan = build_plan(options, catalog, discover(options.root, catalog=catalog))
-    out.write(format_plan(plan))
-    out.flush()
+    if job_of is None:
+        out.write(format_plan(plan))
+        out.flush()
     if plan_only:
         return 0
-    from miles.ci.reports.durations import durations_path, record_durations
-
     report_folder, attempts = _claim(plan.report_dir)
     cancel = CancelToken()
-    with cancel_on_signals(cancel), report_folder, attempts:
-        record = execute_plan(
-            plan,
-            catalog,
-            cancel,
-            out,
-            checkpoint=lambda partial: write_reports(partial, report_folder, step_summary=False),
-            folders=(report_folder, attempts),
-        )
-        paths = write_reports(record, report_folder)
-        try:
-            call_bounded(
-                lambda: record_durations(record.attempts, durations_path(plan.settings.root)),
+    with cancel_on_signals(cancel), report_folder, attempts, shared_tiny_cache(plan) as plan:
+        if plan.jobs > 1:
+            from miles.ci.running.jobs import run_jobs
+
+            record = run_jobs(options, plan, attempts, cancel, out)  # each job stored its durations
+            paths = write_reports(record, report_folder)
+        else:
+            record = execute_plan(
+                plan,
+                catalog,
                 cancel,
-                plan.settings.grace,
+                out,
+                checkpoint=lambda partial: write_reports(partial, report_folder, step_summary=False),
+                folders=(report_folder, attempts),
+                fold=job_of is None,
             )
-        except Abandoned:
-            print(f"warning: durations not stored: {cancel.name} arrived while storing them", file=sys.stderr)
-        except (OSError, ValueError, TimeoutError, StoreError) as exc:
-            print(f"warning: durations not stored: {exc}", file=sys.stderr)
+            paths = write_reports(record, report_folder, step_summary=job_of is None)
+            _store_durations(record, plan, cancel)
+    if job_of is None:
+        _print_totals(record, paths, out)
+    return record.exit_code
+
+
+def _store_durations(record: RunRecord, plan: RunPlan, cancel: CancelToken) -> None:
+    from miles.ci.reports.durations import durations_path, record_durations
+    from miles.metrics.store import StoreError
+
+    try:
+        call_bounded(
+            lambda: record_durations(record.attempts, durations_path(plan.settings.root)),
+            cancel,
+            plan.settings.grace,
+        )
+    except Abandoned:
+        print(f"warning: durations not stored: {cancel.name} arrived while storing them", file=sys.stderr)
+    except (OSError, ValueError, TimeoutError, StoreError) as exc:
+        print(f"warning: durations not stored: {exc}", file=sys.stderr)
+
+
+def _print_totals(record: RunRecord, paths: dict[str, Path], out: IO[str]) -> None:
     counts = record.counts()
     summary = ", ".join(
         f"{counts[k]} {k}"
         for k in ("passed", "flaky", "failed", "timeout", "error", "cancelled", "skipped")
         if counts[k]
     )
-    out.write(f"\n{'PASSED' if record.passed else 'FAILED'}: {summary or 'nothing ran'}\n")
+    table = phase_table(record.final_attempts)
+    if table:
+        out.write("\n" + "\n".join(printable(line) for line in table) + "\n")
+    wall = record.finished_at - record.started_at
+    out.write(f"\n{'PASSED' if record.passed else 'FAILED'}: {summary or 'nothing ran'} in {wall:.0f}s\n")
     for name, path in paths.items():
         out.write(f"{name:>10}: {path}\n")
     out.flush()
-    return record.exit_code

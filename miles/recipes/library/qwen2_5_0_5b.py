@@ -38,7 +38,8 @@ QWEN2_5_0_5B = ModelSpec(
 )  # fmt: skip
 
 MODEL = "Qwen2.5-0.5B-Instruct"
-TP1 = ParallelLayout()
+# the reference's layout as it writes it: --sequence-parallel at tp 1, which Megatron-LM turns off
+TP1 = ParallelLayout(sp=True)
 # The reference's training run, as its test passes it: no checkpoints of its own, no recomputation.
 ARGS = d.args_with(
     checkpoint=(("--load", None), ("--save", None), ("--save-interval", None)),
@@ -78,9 +79,9 @@ RECIPE = Recipe(
     deviations=(
         *d.COMMON_DEVIATIONS,
         deviation(
-            "--hf-checkpoint",
-            "--ref-load",
-            "--prompt-data",
+            "--hf-checkpoint={model_dir}/Qwen2.5-0.5B-Instruct",
+            "--ref-load={model_dir}/Qwen2.5-0.5B-Instruct_torch_dist",
+            "--prompt-data={data_dir}/gsm8k/train.parquet",
             "--megatron-to-hf-mode",
             reason="the test downloads to /root/models and /root/datasets and trains from the HF folder through "
             "Megatron-Bridge; miles trains from the torch_dist prepare-ckpt writes (raw mode) in its own folders",
@@ -102,11 +103,6 @@ RECIPE = Recipe(
             "--ci-metric-checker-threshold",
             reason="the test's own checks (an eval/gsm8k threshold after 250 rollouts); a CI test passes them with "
             "--extra-args",
-        ),
-        deviation(
-            "layout:2",
-            reason="the reference passes --sequence-parallel at tp 1, which Megatron-LM turns off; miles does not "
-            "pass it",
         ),
     ),
 )

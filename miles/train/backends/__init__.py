@@ -164,6 +164,8 @@ def batch_loss(logp, entropy, batch: TokenBatch, cfg) -> LossTerms:
 
 def make_backend(config, dist_info) -> TrainBackend:
     """The --train-backend of `config` (a RunConfig), given the sections it consumes."""
+    from miles import phases
     from miles.train.consumption import build
 
-    return build("backend", config.job.train_backend, config, dist_info)
+    with phases.phase(phases.INIT):
+        return build("backend", config.job.train_backend, config, dist_info)

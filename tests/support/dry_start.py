@@ -1,17 +1,16 @@
 """A recipe's GPU form dry-started on two CPU ranks: the command the recipe renders for 4 GPUs,
 its layout and model flags scaled to 2 ranks and a tiny checkpoint's sizes, the flags that act
 only on a GPU (which the CPU start refuses, miles.megatron.options) left out, then
-`python -m miles.train ... --dry-start` under torch.distributed.run. Not a test module: each
-family's test builds its tiny checkpoint and calls these."""
+`python -m miles.train ... --dry-start` under torch.distributed.run. Each family's test builds
+its tiny checkpoint and calls these."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from tests.support import ranks
 
 # the recipes' 4-GPU layouts (TP 4 with sequence parallelism, EP 4) scaled to the 2 ranks here
 TWO_RANKS = {
@@ -91,11 +90,7 @@ def without_gpu_only(argv: list[str]) -> dict[str, str]:
 
 def dry_start(argv: list[str]) -> str:
     """Run the command with --dry-start on two gloo ranks; its output, after asserting it exited 0."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "miles.train", *argv, "--dry-start"]  # fmt: skip
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
+    proc = ranks.trainer([*argv, "--dry-start"], timeout=300)
     out = proc.stdout + proc.stderr
     errors = [line for line in out.splitlines() if "Error" in line and "Warning" not in line]
     assert proc.returncode == 0, "\n".join(errors[-5:]) or out[-3000:]

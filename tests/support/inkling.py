@@ -1,4 +1,12 @@
-"""A tiny Inkling release checkpoint (model_type inkling_mm_model), as the published one is laid out.
+"""Inkling checkpoints the tests share: a tiny one moved off its initial values, and a release.
+
+`perturbed_checkpoint`: a float32 tiny Inkling (from the shared cache) whose norms, global
+scales, convolutions, relative-bias bank and expert bias are moved off their initial values
+(at those, a dropped embedding norm or a swapped scale changes nothing), with the head scaled up
+so the logits are of order 1.
+
+`make_release_checkpoint`: a tiny Inkling release checkpoint (model_type inkling_mm_model), as the
+published one is laid out.
 
 transformers' InklingForConditionalGeneration saves its weights under the release's names
 (conversion_mapping.py, "inkling_mm_model": `model.llm.*`, gate and up rows interleaved in
@@ -9,13 +17,14 @@ transformers normalises on load: `dense_intermediate_size` for the dense width w
 `local_layer_ids` instead of the per-layer lists, an `mtp_config` block at the top level; and
 one MTP tensor is added (transformers ignores model.mtp.*). The norms, global scales,
 convolutions, relative-bias bank and expert bias are moved off their initial values and the
-head scaled up, as in test_megatron_inkling.py. The vision tower has 4 layers of patch 4 and
+head scaled up, as in perturbed_checkpoint. The vision tower has 4 layers of patch 4 and
 temporal patch 2 (transformers' plan_out_scales then needs no scipy). Not a test module.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -79,4 +88,36 @@ def make_release_checkpoint(
     weights["model.mtp.layers.0.input_proj.weight"] = torch.randn(128, 256, generator=gen)
     save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
     build_tokenizer(int(text["max_position_embeddings"])).save_pretrained(out)
+    return out
+
+
+def perturbed_checkpoint(root: Path, **dims) -> Path:
+    """A float32 tiny Inkling whose norms, scales, convolutions, bias bank and expert bias are not
+    at their initial values."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from tests.support.ckpt import tiny_hf
+
+    source = tiny_hf("inkling", 2, dtype="float32", **dims)
+    hf_logging.set_verbosity_error()
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "global_scale" in name:
+                param.add_(torch.randn(param.shape, generator=gen) * 0.3)
+            elif "sconv" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+            elif "rel_logits_proj" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+            elif name == "lm_head.weight":  # logits of order 1, not 0.06: a relative error of 1e-5 shows
+                param.mul_(30.0)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.05)
+    out = root / "hf"
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, out / name)
     return out

@@ -1,19 +1,20 @@
-"""Launching a recipe's trainer command the way the lanes do, for the training e2e tests.
+"""Launching a recipe's trainer command the way the lanes do, and reading its metric records.
 
-Not a test module: the test files import it. The plan comes from the recipe (miles.recipes),
-the tiny checkpoint from the checkpoint pipeline (miles.ckpt.pipeline, source tiny:<family>),
-and the run from the recipe launcher, so these tests exercise what a user's
-`python scripts/run_<model>.py full-train` does.
+The plan comes from the recipe (miles.recipes), the tiny checkpoint from the checkpoint pipeline
+(miles.ckpt.pipeline, source tiny:<family>, its tiny checkpoint and torch_dist form copied from
+the shared cache instead of built again), and the run from the recipe launcher, so these tests
+exercise what a user's `python scripts/run_<model>.py full-train` does.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 
-from miles.metrics.capture import RECORD_DIR_ENV, decode_value
+from miles.metrics.capture import RECORD_DIR_ENV
+from miles.metrics.records import MAX_RECORD_FILES, read_record
+from tests.support.ckpt import cache_folder
 
 
 def tiny_plan(
@@ -45,7 +46,7 @@ def tiny_plan(
     )
     form = load(recipe_name, platform="cpu")
     plan = build_plan(form.on_backend(train_backend) if train_backend else form, options, "cpu", base_env={})
-    prepare(plan.checkpoint, progress=False)
+    prepare(plan.checkpoint, progress=False, tiny_cache=cache_folder())
     return plan
 
 
@@ -57,13 +58,12 @@ def launch(plan, record_dir: Path) -> int:
 
 
 def series(record_dir: Path, key: str) -> dict[int, float]:
-    """One metric's {step: value} from the capture records in record_dir."""
+    """One metric's {step: value} from the capture records in record_dir, read as the gate reads
+    them (miles.metrics.records: regular files only, each at most MAX_RECORD_BYTES, at most
+    MAX_RECORD_FILES of them; a RecordError names anything else)."""
     points: dict[int, float] = {}
-    for record in record_dir.glob("*.jsonl"):
-        for line in record.read_text().splitlines():
-            row = json.loads(line)
-            if row["metric"] == key:
-                points.update({int(s): decode_value(v) for s, v in row["series"]})
+    for record in sorted(record_dir.glob("*.jsonl"))[:MAX_RECORD_FILES]:
+        points.update(read_record(record).get(key, {}))
     return points
 
 

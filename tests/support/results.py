@@ -1,0 +1,30 @@
+"""The `RESULT <json>` line a worker prints, and reading it back from the launch's output."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from typing import Any
+
+PREFIX = "RESULT "
+TAIL = 4000  # characters of output a failed launch shows
+
+
+def emit(payload: Any) -> None:
+    """Print one result line (a worker calls this, usually on rank 0 only)."""
+    print(PREFIX + json.dumps(payload), flush=True)
+
+
+def results(proc: subprocess.CompletedProcess) -> list[Any]:
+    """Every result line of a launch that succeeded; the launch's own output when it did not, or
+    when it printed no result."""
+    found = [json.loads(line[len(PREFIX) :]) for line in proc.stdout.splitlines() if line.startswith(PREFIX)]
+    assert proc.returncode == 0 and found, (
+        f"exit code {proc.returncode}, {len(found)} result line(s)\n" + (proc.stdout + proc.stderr)[-TAIL:]
+    )
+    return found
+
+
+def result(proc: subprocess.CompletedProcess) -> Any:
+    """The one result of a launch (its last result line, should a worker print more)."""
+    return results(proc)[-1]
