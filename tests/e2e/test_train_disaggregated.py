@@ -13,18 +13,14 @@ tests/e2e/megatron/test_qwen3_4B_disk_delta.py (Qwen3-4B's tiny, Megatron TP=2 w
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 from miles.ci.register import register_cpu_ci
+from tests.support import recipes as runs
 
 register_cpu_ci(est_time=600, suite="stage-b-cpu")
 
-_here = Path(__file__).with_name("recipe_runs.py")
-_spec = importlib.util.spec_from_file_location("recipe_runs", _here)
-runs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(runs)
 
 ROLLOUTS = 3
 SHORT = ("--num-rollout", str(ROLLOUTS), "--rollout-max-response-len", "6", "--lr", "1e-2")

@@ -18,17 +18,11 @@ tolerance of tests/e2e/short/test_qwen2.5_0.5B_gsm8k_async_short.py.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 from miles.ci.register import register_cpu_ci
+from tests.support import recipes as runs
 
 register_cpu_ci(est_time=300, suite="stage-b-cpu")
 
-_here = Path(__file__).with_name("recipe_runs.py")
-_spec = importlib.util.spec_from_file_location("recipe_runs", _here)
-runs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(runs)
 
 ROLLOUTS = 4
 GROUPS = """

@@ -18,19 +18,13 @@ and tests/e2e/long/test_qwen2.5_0.5B_gsm8k_async.py.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from miles.ci.register import register_cpu_ci
+from tests.support import recipes as runs
 
 register_cpu_ci(est_time=240, suite="stage-b-cpu")
 
-_here = Path(__file__).with_name("recipe_runs.py")
-_spec = importlib.util.spec_from_file_location("recipe_runs", _here)
-runs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(runs)
 
 ROLLOUTS = 6
 BOUND = 1

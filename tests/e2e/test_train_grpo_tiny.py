@@ -46,8 +46,11 @@ if ON_GPU:
 
 
 def fsdp_plan(workdir, *extra: str, **options):
-    """The qwen3_4b tiny recipe rendered for FSDP, with LEARNING_ARGS and `extra`."""
-    return runs.tiny_plan("qwen3_4b", workdir, *LEARNING_ARGS, *extra, train_backend="fsdp", **options)
+    """The qwen3_4b tiny recipe rendered for FSDP, with LEARNING_ARGS and `extra` (a flag `extra`
+    gives replaces LEARNING_ARGS' value: the render refuses a flag given twice with two values)."""
+    pairs = zip(LEARNING_ARGS[::2], LEARNING_ARGS[1::2], strict=True)
+    base = [x for flag, value in pairs if flag not in extra for x in (flag, value)]
+    return runs.tiny_plan("qwen3_4b", workdir, *base, *extra, train_backend="fsdp", **options)
 
 
 @pytest.fixture(scope="module")

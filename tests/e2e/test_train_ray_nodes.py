@@ -10,7 +10,6 @@ for value (timings aside), as the same recipe run on one node under torchrun.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shutil
@@ -24,13 +23,10 @@ import pytest
 
 from miles.ci.register import register_cpu_ci
 from miles.train.remote.group import free_port
+from tests.support import recipes as runs
 
 register_cpu_ci(est_time=480, suite="stage-b-cpu")
 
-_here = Path(__file__).with_name("recipe_runs.py")
-_spec = importlib.util.spec_from_file_location("recipe_runs", _here)
-runs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(runs)
 
 RAY = str(Path(sys.executable).with_name("ray"))
 ARGS = ("--num-rollout", "3", "--rollout-max-response-len", "6", "--lr", "1e-2", "--save-interval", "100")

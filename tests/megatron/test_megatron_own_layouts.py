@@ -11,17 +11,14 @@ layout's deviation names (miles.recipes.fidelity.Deviation.evidence).
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from miles.ci.register import register_cpu_ci
+from tests.support import dry_start as dry
 
 register_cpu_ci(est_time=300, suite="stage-b-cpu")
 
-sys.path.insert(0, str(Path(__file__).parent))
-import dry_start as dry  # noqa: E402  (this directory's helpers)
 
 # (recipe, platform): the forms whose 4-GPU layout is miles' own, and their tiny family
 OWN_LAYOUTS = {

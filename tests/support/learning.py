@@ -61,15 +61,18 @@ CHANCE = 0.25  # the exact-match rate of the best policy that ignores its prompt
 
 
 def learning_args(setup: dict, *extra: str) -> tuple[str, ...]:
-    return (
-        *ECHO,
-        "--num-rollout",
-        str(setup["rollouts"]),
-        "--lr",
-        setup["lr"],
-        *setup.get("extra", ()),
-        *extra,
-    )
+    """ECHO, the setup's rollouts, lr and extra flags, then `extra`: a later value of a flag
+    replaces an earlier one (the render refuses a flag given twice with two values). Each group
+    is flag-value pairs; a switch (a flag followed by a flag or nothing) stands alone."""
+    merged: dict[str, tuple[str, ...]] = {}
+    for group in (ECHO, ("--num-rollout", str(setup["rollouts"]), "--lr", setup["lr"]), setup.get("extra", ()), extra):
+        i = 0
+        while i < len(group):
+            flag = group[i]
+            takes = i + 1 < len(group) and not group[i + 1].startswith("--")
+            merged[flag] = tuple(group[i + 1 : i + 2]) if takes else ()
+            i += 2 if takes else 1
+    return tuple(x for flag, value in merged.items() for x in (flag, *value))
 
 
 def train(

@@ -19,7 +19,7 @@ from miles.ci.registry.catalog import Catalog, UnknownName, load_catalog
 from miles.ci.registry.discover import Discovery, discover
 
 CPU_LANE_NAME = "cpu"
-CPU_PLAN_FUNCTION = "tiny_plan"  # tests/e2e/recipe_runs.py: builds and prepares a recipe's CPU plan
+CPU_PLAN_FUNCTION = "tiny_plan"  # tests/support/recipes.py: builds and prepares a recipe's CPU plan
 SCHEMA = 1
 WRITE_COMMAND = "python -m miles.ci recipes --write"
 
