@@ -20,6 +20,7 @@ from miles.ckpt.errors import CheckpointError
 from miles.ckpt.families import LAYER_LIST_KEYS, LAYER_RE, mtp_layers
 from miles.ckpt.families import family as get_family
 from miles.ckpt.manifest import HF_STEPS, TINY_STEP, atomic_dir, finished, read_manifest, write_manifest
+from miles.families.schema import ConfigRefused
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)  # ids 0, 1, 2
@@ -132,6 +133,10 @@ def _save_model(spec, layers: int, seed: int, dtype: str, shard_bytes: int, dims
         raise CheckpointError(
             f"make_tiny_checkpoint: {spec.name} config rejects {kwargs}: {message}"
         ) from exc
+    try:  # the family's schema before a model is built from it (--dim num_experts_per_tok=99)
+        spec.check_config(config.to_dict())
+    except ConfigRefused as exc:
+        raise CheckpointError(f"make_tiny_checkpoint: {spec.name} config: {exc}") from None
     if config.vocab_size < 256 + len(SPECIAL_TOKENS):
         raise CheckpointError(f"make_tiny_checkpoint: vocab_size {config.vocab_size} < 259 byte-level tokens")
     with torch.random.fork_rng(devices=[]):

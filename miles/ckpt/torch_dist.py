@@ -19,7 +19,6 @@ megatron-core call goes through the adapter, `miles.megatron`.
 
 from __future__ import annotations
 
-import json
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -28,9 +27,9 @@ from typing import Any
 
 from miles import phases
 from miles.ckpt.errors import CheckpointError, full_disk_error
-from miles.ckpt.families import writes_megatron_keys
+from miles.ckpt.families import family, writes_megatron_keys
 from miles.ckpt.progress import Progress, say
-from miles.ckpt.shards import FLOAT_DTYPES, CheckpointReader, torch_dtype
+from miles.ckpt.shards import FLOAT_DTYPES, CheckpointReader, read_json_file, torch_dtype
 from miles.families.transformer import megatron_lm_args
 from miles.megatron.checkpoint import RELEASE, SHARDED_METADATA, TRACKER, single_process_group
 
@@ -64,7 +63,7 @@ def _convert(
     src, dst = Path(src), Path(dst)
     gpt = writes_megatron_keys(family_name)
     with _mapped({}):
-        config = _config(src, gpt)
+        config = _config(src, gpt, family_name)
     with _quiet(), _mapped(config), single_process_group(), CheckpointReader(src) as reader, _on_cpu(gpt):
         _refuse_quantized(src, config, reader)
         if progress is not None:
@@ -97,14 +96,22 @@ def _convert(
     (dst / TRACKER).write_text(RELEASE)
 
 
-def _config(hf_dir: Path, gpt: bool) -> dict:
-    """config.json of `hf_dir`; for a family megatron-core builds, the decoder's config as the
-    family reads it (miles.families.decoder_config)."""
-    if not gpt:
-        return json.loads((Path(hf_dir) / "config.json").read_text())
-    from miles.families import read_config
+def _config(hf_dir: Path, gpt: bool, family_name: str | None = None) -> dict:
+    """config.json of `hf_dir`, checked against the schema of `family_name` (default: the family
+    its model_type names) before any arithmetic on it; for a family megatron-core builds, the
+    decoder's config as the family reads it (miles.families.decoder_config)."""
+    from miles.families import decoder_config, family_of
+    from miles.families.schema import ConfigRefused
 
-    return read_config(hf_dir)
+    path = Path(hf_dir) / "config.json"
+    raw = read_json_file(path)
+    spec = family(family_name) if family_name else family_of(raw) if isinstance(raw, Mapping) else None
+    try:
+        if spec is not None:
+            spec.check_config(raw)
+    except ConfigRefused as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
+    return decoder_config(raw) if gpt else raw
 
 
 @contextmanager
@@ -425,6 +432,8 @@ def shape_problems(torch_dist_dir: Path, hf_dir: Path) -> list[str]:
         config = _config(hf_dir, recorded.get("layout") == "megatron-gpt")
     except ValueError as exc:  # a config the mapping refuses (UnmappedModel)
         return [f"{Path(hf_dir) / 'config.json'}: {exc}"]
+    except CheckpointError as exc:  # one the family's schema refuses (it names the file)
+        return [str(exc)]
     differences = []
     if recorded.get("model_type") not in (None, config.get("model_type")):
         differences.append(f"model_type {recorded['model_type']} (config.json: {config.get('model_type')})")

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.ckpt.errors import CheckpointError
-from miles.ckpt.families import LAYER_RE, expected_architectures, family, mtp_layers, num_layers
+from miles.ckpt.families import LAYER_RE, expected_architectures, family, mtp_layers, num_layers, text_config
 from miles.ckpt.fp8_rules import SCALE_SUFFIX, geometry_of_scale
 from miles.ckpt.shards import (
     DTYPE_OF_TORCH_NAME,
@@ -43,6 +43,7 @@ from miles.ckpt.shards import (
     torch_dtype,
 )
 from miles.ckpt.trim import trimmed_name
+from miles.families.schema import ConfigRefused
 
 _MAX_LISTED = 20
 _SCAN_WINDOW = 8 << 20  # bytes read at a time by the NaN/Inf scan (one buffer, reused)
@@ -100,7 +101,11 @@ def validate_checkpoint(
     keep = _kept(config, min_layers)
     headers = _check_files(root, findings, keep)
     if config is not None and headers is not None and not findings:
+        _check_depth(root, config, headers, min_layers, findings)
+    if config is not None and headers is not None and not findings:
         _check_tensors(root, config, headers, findings, keep)
+    if config is not None and headers is not None and not findings:
+        _check_id_tables(family(family_name), config, headers, findings, keep)
         if scan_fraction > 0 and not findings:
             _scan_nonfinite(headers, scan_fraction, findings, keep)
     if len(findings) == 1:
@@ -150,6 +155,11 @@ def _check_config(root, family_name, expect_layers, min_layers, allow_auto_map, 
             )
         )
         return None
+    try:  # before anything reads a number from it: a wrong type or range is one line, not a traceback
+        spec.check_config(config)
+    except ConfigRefused as exc:
+        findings.append(Finding(str(path), "schema", str(exc)))
+        return None
     expected = expected_architectures(model_type)
     archs = config.get("architectures") or []
     if not any(a in expected for a in archs):
@@ -185,6 +195,33 @@ def _check_config(root, family_name, expect_layers, min_layers, allow_auto_map, 
             )
         )
     return config
+
+
+def _check_depth(
+    root: Path,
+    config: dict,
+    headers: Mapping[str, ShardHeader],
+    keep_layers: int | None,
+    findings: list[Finding],
+) -> None:
+    """Every decoder layer config.json declares (of those a slice keeps) has tensors in the shards,
+    checked before the family's class is built for that many layers (a config claiming a million
+    layers over two layers' weights would build a million on the meta device)."""
+    layers = num_layers(config) or 0
+    wanted = layers if keep_layers is None else min(layers, keep_layers)
+    present = {int(m["index"]) for h in headers.values() for n in h.tensors if (m := LAYER_RE.match(n))}
+    held = sorted(i for i in present if i < wanted)
+    if len(held) == wanted:
+        return
+    missing = next((n for n, i in enumerate(held) if i != n), len(held))
+    findings.append(
+        Finding(
+            str(root / "config.json"),
+            "schema",
+            f"num_hidden_layers = {layers}: the shards hold no tensors of layer {missing} "
+            f"({len(held)} of the {wanted} layers it declares); write the weights' depth, or fetch the missing shards",
+        )
+    )
 
 
 def _kept(config: dict | None, keep_layers: int | None):
@@ -333,6 +370,61 @@ def expected_tensors(config: Mapping[str, Any]):
     state = revert_weight_conversion(model, state)
     ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
     return {k: (tuple(v.shape), v.is_floating_point()) for k, v in state.items()}, ignore
+
+
+def _check_id_tables(
+    spec, config: dict, headers: Mapping[str, ShardHeader], findings: list[Finding], keep
+) -> None:
+    """The family's id tables (DeepSeek-V4's tid2eid): an integer dtype its loaders hold, every
+    entry an id in [0, count), no row naming an id twice. Read whole (vocab x top-k integers)."""
+
+    for suffix, key, dtypes in spec.id_tables:
+        count = text_config(config).get(key)
+        for header in headers.values():
+            for name, info in header.tensors.items():
+                if not name.endswith(suffix) or not keep(name):
+                    continue
+                if info.dtype not in dtypes:
+                    findings.append(
+                        Finding(
+                            str(header.path), "dtype",
+                            f"is {info.dtype}; an id table is {' or '.join(dtypes)} (its loaders hold those)", name,
+                        )
+                    )  # fmt: skip
+                    continue
+                rule = _id_table_problem(header, info, count, key)
+                if rule:
+                    findings.append(Finding(str(header.path), "ids", rule, name))
+
+
+def _id_table_problem(header: ShardHeader, info, count: int, key: str) -> str | None:
+    import torch
+
+    table = torch.empty(info.nbytes, dtype=torch.uint8)
+    fd = os.open(header.path, os.O_RDONLY)
+    try:
+        pread_into(fd, memoryview(table.numpy()), header.offset(info), header.path)
+    finally:
+        os.close(fd)
+    table = table.view(torch_dtype(info.dtype)).reshape(info.shape).long()
+    if table.ndim != 2:
+        return f"has shape {list(info.shape)}; an id table is [tokens, ids per token]"
+    bad = ((table < 0) | (table >= count)).nonzero()
+    if len(bad):
+        row, col = (int(v) for v in bad[0])
+        return (
+            f"row {row} names {int(table[row, col])}, outside 0..{count - 1} ({key} = {count}); "
+            "the table and config.json come from different models"
+        )
+    ordered = table.sort(dim=1).values
+    twice = (ordered[:, 1:] == ordered[:, :-1]).any(dim=1).nonzero()
+    if len(twice):
+        row = int(twice[0])
+        return (
+            f"row {row} names an expert twice ({table[row].tolist()}); each token's ids are distinct "
+            "(a routing map cannot send a token to one expert twice): the table is corrupt"
+        )
+    return None
 
 
 def _scan_nonfinite(

@@ -19,6 +19,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar
 
 from miles.families.facts import ATTENTION_KINDS, Fixed, Key, text_config
+from miles.families.schema import COMMON_SCHEMA, ConfigRefused, Rule, check_config
 from miles.families.weights import OUTER_NAMES, Weights, whole
 from miles.parallel import FamilyLimits
 
@@ -41,6 +42,15 @@ class Family:
     fixed: ClassVar[tuple[Fixed, ...]] = ()
     # config.json keys the Megatron model reads itself, with no flag (key: what reads it)
     read_by_model: ClassVar[Mapping[str, str]] = _EMPTY
+    # each config.json key's type and range and the rules between keys (miles.families.schema),
+    # checked before any arithmetic on the config or any model built from it
+    schema: ClassVar[tuple[Rule, ...]] = COMMON_SCHEMA
+    # integer lookup tables among the weights whose entries are ids: (tensor name suffix, the
+    # config.json key counting the ids, the integer dtypes the model's loaders hold); each entry is
+    # in [0, count) and no row names an id twice
+    id_tables: ClassVar[tuple[tuple[str, str, tuple[str, ...]], ...]] = ()
+    # other names config.json may give a key the schema names (name in config.json: schema's name)
+    schema_aliases: ClassVar[Mapping[str, str]] = _EMPTY
 
     # --- the tiny checkpoint the CPU lane trains ----------------------------------------------------
     tiny_model_type: ClassVar[str]  # the causal-LM config make_tiny_checkpoint builds
@@ -86,6 +96,24 @@ class Family:
         return next((k for k in self.keys if k.key == name), None)
 
     # --- reading a config.json ---------------------------------------------------------------------
+
+    def check_config(self, config: Mapping[str, Any]) -> None:
+        """Raise miles.families.schema.ConfigRefused ('<key> = <value>: <rule>; <fix>') for the
+        first rule of the family's schema that config.json (as written) breaks."""
+        if not isinstance(config, Mapping):
+            raise ConfigRefused(
+                "config.json", config, "must be a JSON object", "write the model's config.json"
+            )
+        check_config(self.schema, self.schema_view(config))
+
+    def schema_view(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The keys `schema` names, read from config.json as written: the decoder's part, nothing
+        derived, a key written under another name (`schema_aliases`) under the schema's name."""
+        out = dict(text_config(config))
+        for alias, name in self.schema_aliases.items():
+            if out.get(name) is None and alias in out:
+                out[name] = out[alias]
+        return out
 
     def decoder_config(self, config: Mapping[str, Any]) -> dict:
         """config.json as the rest reads it: the decoder's own config, normalised as transformers

@@ -30,6 +30,7 @@ from typing import Any
 
 from miles.families.facts import COMMON, MLA, MOE, MTP, ROUTED_EXPERTS, Key, window
 from miles.families.family import OwnModelFamily, UnmappedModel
+from miles.families.schema import COMMON_SCHEMA, TOPK, AtMost, Divides, Int, PerLayer, Real
 from miles.families.weights import Weights, whole
 from miles.parallel import FamilyLimits
 
@@ -240,6 +241,26 @@ class DeepseekV4(OwnModelFamily):
         Key("sliding_window", "--window-size", window),
         Key("rope_scaling_factor", "--rotary-scaling-factor"),
     )  # fmt: skip
+    # transformers' DeepseekV4Config: its sizes, the experts a token picks among the routed ones,
+    # the grouped output projection's groups dividing the heads, its per-layer lists (transformers'
+    # validate_layer_type: the attention and MLP kinds it ships, one per layer)
+    schema = (
+        *COMMON_SCHEMA,
+        Int("head_dim"), Int("num_key_value_heads", required=False), Int("q_lora_rank"), Int("o_lora_rank"),
+        Int("o_groups"), Int("hc_mult"), Int("hc_sinkhorn_iters", required=False),
+        Int("moe_intermediate_size"), Int("n_routed_experts"), Int("num_experts_per_tok"),
+        Int("n_shared_experts", 0, required=False), Int("index_n_heads"), Int("index_head_dim"), Int("index_topk"),
+        Int("sliding_window", why="keys the sliding-window attention sees"),
+        Int("num_nextn_predict_layers", 0, required=False),
+        Real("routed_scaling_factor", None), Real("swiglu_limit"), Real("compress_rope_theta"),
+        AtMost("num_experts_per_tok", "n_routed_experts", TOPK),
+        Divides("num_attention_heads", "o_groups", "the grouped output projection splits the heads into o_groups"),
+        PerLayer("layer_types", (SLIDING, CSA, HCA)),
+        PerLayer("mlp_layer_types", ("hash_moe", "moe")),
+    )  # fmt: skip
+    # hash routing's table [vocab, top-k]: each token's experts, distinct (a routing map cannot send a
+    # token to one expert twice); transformers holds it int64, SGLang's HashTopK int32
+    id_tables = (("gate.tid2eid", "n_routed_experts", ("I64", "I32")),)
     tiny_model_type = "deepseek_v4"
     # Flash's switches at tiny sizes: its layer pattern (4 layers: sliding, sliding, CSA, HCA; the
     # first 3 hash-routed), 4 hyper-connection streams (with 2 every doubly-stochastic mix is

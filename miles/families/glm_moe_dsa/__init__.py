@@ -37,6 +37,7 @@ from miles.families.facts import (
     value,
 )
 from miles.families.family import GPTFamily, UnmappedModel
+from miles.families.schema import COMMON_SCHEMA, TOPK, AtMost, Int, PerLayer, Real
 from miles.families.weights import Weights, dense_mlp, gate_up_pieces, whole
 
 _CLASS = "transformers' GlmMoeDsaForCausalLM"
@@ -105,6 +106,24 @@ class GlmMoeDsa(GPTFamily):
         "index_topk_freq": "miles.families.glm_moe_dsa.dsa: the indexer runs on full layers, shared layers reuse its top-k",
         "index_skip_topk_offset": "miles.families.glm_moe_dsa.dsa: which layers are full (transformers' formula)",
     }
+    # transformers' GlmMoeDsaConfig: its sizes, the experts a token picks among the routed ones,
+    # and its per-layer lists (attention kind, dense or MoE MLP, full or shared indexer)
+    schema = (
+        *COMMON_SCHEMA,
+        Int("intermediate_size"), Int("moe_intermediate_size"), Int("n_routed_experts"),
+        Int("num_experts_per_tok"), Int("n_shared_experts", 0, required=False),
+        Int("num_key_value_heads", required=False), Int("kv_lora_rank"), Int("q_lora_rank", required=False),
+        Int("qk_rope_head_dim"), Int("qk_nope_head_dim"), Int("v_head_dim"),
+        Int("index_n_heads"), Int("index_head_dim"), Int("index_topk"),
+        Int("first_k_dense_replace", 0, required=False), Int("num_nextn_predict_layers", 0, required=False),
+        Int("n_group", required=False), Int("topk_group", required=False),
+        Real("routed_scaling_factor", None),
+        AtMost("num_experts_per_tok", "n_routed_experts", TOPK),
+        AtMost("topk_group", "n_group", "the expert groups a token picks are among the groups there are"),
+        PerLayer("layer_types", ("indexed_attention",)),
+        PerLayer("mlp_layer_types", ("dense", "sparse")),
+        PerLayer("indexer_types", ("full", "shared")),
+    )  # fmt: skip
     tiny_model_type = "glm_moe_dsa"
     # GLM-5.2's switches at tiny sizes: cross-layer top-k sharing (full at layers 0, 1, 2, 6, ...:
     # four layers hold a shared one), rope theta 8e6, the indexer's interleaved rope as SGLang

@@ -26,6 +26,7 @@ from typing import Any
 
 from miles.families.facts import COMMON, GQA, MOE, ROUTED_EXPERTS, Key, dense_prefix, window
 from miles.families.family import GPTFamily, UnmappedModel
+from miles.families.schema import COMMON_SCHEMA, GQA_SCHEMA, TOPK, AtMost, Divides, Int, LayerIds, PerLayer
 from miles.families.weights import Piece, Weights, whole
 from miles.parallel import FamilyLimits
 
@@ -164,6 +165,28 @@ class Inkling(GPTFamily):
         "log_scaling_alpha": "miles.families.inkling.layers: the global layers' log scaling of q and the bias",
         "logits_mup_width_multiplier": "miles.families.inkling.layers: the final norm's output is divided by it",
     }
+    # transformers' InklingTextConfig: its sizes and windows, the KV heads dividing the query heads
+    # in both kinds of layer, the experts a token picks among the routed ones, its per-layer lists
+    # and the sliding layers' ids (its layer_types derivation reads them as layer indices)
+    schema = (
+        *COMMON_SCHEMA, *GQA_SCHEMA,
+        Int("swa_num_attention_heads", required=False), Int("swa_num_key_value_heads", required=False),
+        Int("swa_head_dim", required=False),
+        Int("sliding_window_size", required=False, why="keys the sliding-window attention sees"),
+        Int("d_rel", required=False), Int("rel_extent", required=False), Int("conv_kernel_size", required=False),
+        Int("moe_intermediate_size"), Int("n_routed_experts"), Int("num_experts_per_tok"),
+        Int("n_shared_experts", 0, required=False), Int("dense_mlp_idx", 0, required=False),
+        Int("num_mtp_layers", 0, required=False),
+        Divides(
+            "swa_num_attention_heads", "swa_num_key_value_heads",
+            "each key/value head serves a whole group of query heads",
+        ),
+        AtMost("num_experts_per_tok", "n_routed_experts", TOPK),
+        PerLayer("layer_types", ("hybrid_sliding", "hybrid")),
+        PerLayer("mlp_layer_types", ("dense", "sparse")),
+        LayerIds("local_layer_ids"),
+    )  # fmt: skip
+    schema_aliases = ALIASES
     tiny_model_type = "inkling_text"
     # Inkling-Small's switches at tiny sizes: a sliding layer then a global one, a dense first
     # layer then MoE, two shared experts, the logits' width multiplier 16, log scaling from 128000 tokens
@@ -189,6 +212,17 @@ class Inkling(GPTFamily):
                 "which context parallelism splits"
             )
         )
+
+    def schema_view(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The decoder's keys as written (text_config in a release), under InklingTextConfig's
+        names (ALIASES); a release's `dense_intermediate_size` is the dense width, its
+        `intermediate_size` then the experts' (as decoder_config reads them)."""
+        text = config.get("text_config")
+        out = super().schema_view(text if isinstance(text, Mapping) else config)
+        if out.get("dense_intermediate_size") is not None:
+            out["moe_intermediate_size"] = out.get("intermediate_size")
+            out["intermediate_size"] = out["dense_intermediate_size"]
+        return out
 
     def decoder_config(self, config: Mapping[str, Any]) -> dict:
         """The decoder's config of a release config.json (model_type inkling_mm_model), as

@@ -15,6 +15,7 @@ from typing import Any
 
 from miles.families.facts import COMMON, GQA, Fixed, flag_values, rope_parameters
 from miles.families.family import GPTFamily, UnmappedModel
+from miles.families.schema import QWEN_SCHEMA
 from miles.families.weights import Weights, dense_mlp, qkv_pieces, whole
 
 _CLASS = "transformers' Qwen2ForCausalLM"
@@ -31,6 +32,7 @@ class Qwen2(GPTFamily):
         Fixed("--disable-bias-linear", True, f"{_CLASS} has no other linear biases"),
         Fixed("--qk-layernorm", False, f"{_CLASS} has no q/k norms"),
     )
+    schema = QWEN_SCHEMA
     tiny_model_type = "qwen2"
     # Qwen2.5-0.5B's switches at tiny sizes: tied embeddings, 7 query heads per KV head's ratio
     # kept as 4 per KV head, head_dim = hidden / heads, rope theta 1e6

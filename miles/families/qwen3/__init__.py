@@ -16,6 +16,7 @@ from typing import Any
 
 from miles.families.facts import COMMON, GQA, flag_values, rope_parameters, value
 from miles.families.family import GPTFamily, UnmappedModel
+from miles.families.schema import QWEN_SCHEMA
 from miles.families.weights import Weights, dense_mlp, gate_up_pieces, qkv_pieces, whole
 
 
@@ -49,6 +50,7 @@ class Qwen3(GPTFamily):
     model_types = ("qwen3",)
     attention = "gqa"
     keys = (*COMMON, *GQA)
+    schema = QWEN_SCHEMA
     tiny_model_type = "qwen3"
     # Qwen3-4B ties its embeddings, has heads x head_dim != hidden and rope theta 1e6.
     tiny_dims = {

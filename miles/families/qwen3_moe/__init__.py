@@ -6,6 +6,7 @@ top-k weights are renormalised and which layers are MoE from config.json.
 
 from miles.families.facts import COMMON, GQA, MOE, Key, all_moe, negated
 from miles.families.qwen3 import Qwen3
+from miles.families.schema import QWEN_SCHEMA, TOPK, AtMost, Int, LayerIds
 
 
 class Qwen3Moe(Qwen3):
@@ -20,6 +21,14 @@ class Qwen3Moe(Qwen3):
         # false: softmax over all experts, then top-k (Megatron's pre-softmax); true renormalises
         Key("norm_topk_prob", "--moe-router-pre-softmax", negated, default=False),
     )  # fmt: skip
+    schema = (
+        *QWEN_SCHEMA,
+        Int("num_experts"), Int("num_experts_per_tok"), Int("moe_intermediate_size"),
+        # transformers' Qwen3MoeDecoderLayer: layer i is MoE when (i + 1) % decoder_sparse_step == 0
+        Int("decoder_sparse_step", required=False), LayerIds("mlp_only_layers"),
+        AtMost("num_experts_per_tok", "num_experts", TOPK),
+    )  # fmt: skip
+    schema_aliases = {"num_local_experts": "num_experts"}  # transformers 5 writes num_local_experts
     tiny_model_type = "qwen3_moe"
     # Qwen3-30B-A3B renormalizes its top-k weights; heads x head_dim != hidden; rope theta 1e6.
     tiny_dims = {
