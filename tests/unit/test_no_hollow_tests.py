@@ -108,6 +108,45 @@ def _local_module(dotted: str, package: str, known: set[str]) -> str | None:
     return beside if beside in known else None
 
 
+def _loaded_from_files(tree: ast.Module, path: Path, root: Path, known: set[str]) -> dict[str, str]:
+    """{name: module} of helpers a file loads by path (`spec = importlib.util.spec_from_file_location(
+    "x", Path(__file__).with_name("x.py"))`, then `name = ...module_from_spec(spec)`), as the GPU
+    twins load the helper beside them."""
+    files: dict[str, str] = {}
+    for node in (n for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)):
+        if _called_name(node.value.func) != "spec_from_file_location" or len(node.value.args) < 2:
+            continue
+        where = node.value.args[1]
+        if isinstance(where, ast.Name):  # `_path = Path(__file__)...; spec_from_file_location("x", _path)`
+            where = next((a.value for a in tree.body if isinstance(a, ast.Assign)
+                          and any(isinstance(t, ast.Name) and t.id == where.id for t in a.targets)), where)  # fmt: skip
+        strings = [c for c in ast.walk(where) if isinstance(c, ast.Constant) and isinstance(c.value, str)]
+        parts = [c.value for c in sorted(strings, key=lambda c: (c.lineno, c.col_offset))]  # as written
+        if not parts or not parts[-1].endswith(".py"):
+            continue
+        up = next((c.slice.value for c in ast.walk(where) if isinstance(c, ast.Subscript)
+                   and isinstance(c.slice, ast.Constant) and "parents" in ast.unparse(c.value)), 0)  # fmt: skip
+        target = path.parents[up].joinpath(*parts)
+        module = _module_name(target, root) if target.is_relative_to(root) else ""
+        if module in known:
+            files |= {t.id: module for t in node.targets if isinstance(t, ast.Name)}
+    aliases = {}
+    for node in (n for n in tree.body if isinstance(n, ast.Assign)):
+        for call in (c for c in ast.walk(node.value) if isinstance(c, ast.Call)):
+            if (
+                _called_name(call.func) == "module_from_spec"
+                and call.args
+                and isinstance(call.args[0], ast.Name)
+            ):
+                if call.args[0].id in files:
+                    aliases |= {t.id: files[call.args[0].id] for t in node.targets if isinstance(t, ast.Name)}
+    return aliases
+
+
+def _called_name(func: ast.expr) -> str:
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+
+
 def _scan_module(path: Path, root: Path, known: set[str]) -> Module:
     name = _module_name(path, root)
     tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
@@ -126,6 +165,7 @@ def _scan_module(path: Path, root: Path, known: set[str]) -> Module:
                     aliases[local] = as_module
                 elif base:
                     imported[local] = (base, alias.name)
+    aliases |= _loaded_from_files(tree, path, root, known)
     functions: dict[str, Function] = {}
     tests: list[Function] = []
     for node in tree.body:

@@ -19,8 +19,9 @@ from miles.ci.register import register_cuda_ci, register_rocm_ci
 register_cuda_ci(est_time=3000, suite="stage-c-2-gpu-h200", labels=["long"])
 register_rocm_ci(est_time=3900, suite="nightly-stage-c-2-gpu-mi350", labels=["long"])
 
-_path = Path(__file__).parents[1] / "fsdp" / "qwen3_0_6B_gsm8k_run.py"
-_spec = importlib.util.spec_from_file_location("qwen3_0_6B_gsm8k_run", _path)
+_spec = importlib.util.spec_from_file_location(
+    "qwen3_0_6B_gsm8k_run", Path(__file__).parents[1] / "fsdp" / "qwen3_0_6B_gsm8k_run.py"
+)
 seed_run = sys.modules.setdefault("qwen3_0_6B_gsm8k_run", importlib.util.module_from_spec(_spec))
 _spec.loader.exec_module(seed_run)
 
