@@ -333,3 +333,27 @@ def test_sigterm_to_the_runner_still_writes_complete_reports(tmp_path):
     assert 'errors="2"' in (reports / "junit.xml").read_text()
     assert f"junit.xml: {reports / 'junit.xml'}" in output
     assert [p for p in _pids(hang) if _alive(p)] == []
+
+
+def test_waiting_works_in_a_process_holding_over_a_thousand_descriptors():
+    # a long pytest session (two xdist workers over the whole suite) held more than 1024 open
+    # descriptors, and select() refused the runner's pidfd: "filedescriptor out of range"
+    import resource
+
+    from miles.ci.running.execute import _readable
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"this machine allows {hard} open descriptors per process")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [os.dup(0) for _ in range(1100)]
+    read, write = os.pipe()
+    try:
+        assert read > 1024
+        os.write(write, b"x")
+        _readable([read], 5.0)  # returns at once: the pipe has a byte
+        assert os.read(read, 1) == b"x"
+    finally:
+        for fd in (*held, read, write):
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -377,6 +377,15 @@ def _pump(stream: IO[bytes], log: IO[bytes], tail: Tail, echo: IO[str] | None) -
         stream.close()
 
 
+def _readable(fds: list, timeout: float) -> None:
+    """Block until one of `fds` is readable or `timeout` seconds pass. poll(), not select(): a
+    process holding over 1024 descriptors (a long pytest session) gets numbers select refuses."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    poller.poll(max(timeout, 0.0) * 1000)
+
+
 def _wait(
     proc: subprocess.Popen,
     clock: LoadClock,
@@ -404,9 +413,9 @@ def _wait(
                 return "timeout"
             step = min(clock.left(now), POLL_S)
             if pidfd is not None:
-                select.select([pidfd, cancel], [], [], step)
+                _readable([pidfd, cancel], step)
             else:
-                select.select([cancel], [], [], min(step, 0.01))
+                _readable([cancel], min(step, 0.01))
             if tick is not None:
                 tick(time.monotonic() - started)
     finally:
