@@ -132,6 +132,31 @@ def _launch(root: Path, hf: Path, *args: str, record: Path) -> subprocess.Popen:
     )
 
 
+def _kill_tree(pid: int) -> None:
+    """SIGKILL `pid`'s process group and every descendant, wherever its group: the launcher's
+    workers need not share its process group, and one left running would finish the run."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    tree, grew = {pid}, True
+    while grew:
+        grew = False
+        for child, parent in parents.items():
+            if parent in tree and child not in tree:
+                tree.add(child)
+                grew = True
+    os.killpg(pid, signal.SIGKILL)
+    for member in tree - {pid}:
+        try:
+            os.kill(member, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def test_a_run_killed_while_its_state_is_on_disk_resumes_and_cleans_up(setup, disk_run, tmp_path):
     root, hf, _, _ = setup
     whole, _ = disk_run
@@ -147,7 +172,7 @@ def test_a_run_killed_while_its_state_is_on_disk_resumes_and_cleans_up(setup, di
         for line in proc.stdout:
             saved = saved or ("saved" in line and "iter_0000002" in line)
             if saved and "rank 0 offloaded the trainer state to disk" in line:
-                os.killpg(proc.pid, signal.SIGKILL)  # the whole job, as a scheduler's kill does
+                _kill_tree(proc.pid)  # the whole job, as a scheduler's kill does
                 break
             assert time.monotonic() < deadline, "the run never reached its third rollout"
     finally:
