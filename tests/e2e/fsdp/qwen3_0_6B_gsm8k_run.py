@@ -13,6 +13,7 @@ distributed run here trains and rolls out on all 4 GPUs, colocated; `--eval-top-
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +22,7 @@ twins = sys.modules.setdefault("seed_twins", importlib.util.module_from_spec(_sp
 _spec.loader.exec_module(twins)
 
 
-def run(gpus: int, rollouts: int, *extra: str) -> None:
+def run(gpus: int, rollouts: int, *extra: str) -> subprocess.CompletedProcess:
     hf, _ = twins.model("Qwen/Qwen3-0.6B")
     data = twins.dataset("gsm8k")
     args = [
@@ -40,3 +41,4 @@ def run(gpus: int, rollouts: int, *extra: str) -> None:
     ]  # fmt: skip
     proc = twins.train(args, gpus, timeout=4 * 3600)
     assert proc.returncode == 0, twins.tail(proc)
+    return proc

@@ -24,4 +24,6 @@ _spec.loader.exec_module(seed_run)
 
 
 def test_qwen3_0_6b_learns_gsm8k_with_fsdp_on_four_gpus():
-    seed_run.run(4, 65, "--rollout-num-gpus-per-engine", "1")
+    proc = seed_run.run(4, 65, "--rollout-num-gpus-per-engine", "1")
+    # --ci-metric-checker-key eval/gsm8k with threshold 0.71 (the seed's): exit 0 only once eval reaches it
+    assert proc.returncode == 0 and "--ci-metric-checker-threshold" in proc.args

@@ -31,4 +31,5 @@ _spec.loader.exec_module(seed_run)
 
 
 def test_qwen3_4b_trains_with_its_optimizer_state_streamed_through_disk(tmp_path):
-    seed_run.run(tmp_path / "train_offload_disk_stream", stream=True)
+    out = seed_run.run(tmp_path / "train_offload_disk_stream", stream=True)  # asserts the seed's checks too
+    assert "miles.train: rank 0 streamed the optimizer state through disk" in out

@@ -27,7 +27,9 @@ _spec.loader.exec_module(seed_run)
 
 
 def test_qwen3_0_6b_learns_gsm8k_colocated_on_two_gpus():
-    seed_run.run(
+    proc = seed_run.run(
         2, 60, "--rollout-num-gpus-per-engine", "2", "--sglang-decode-log-interval", "1000",
         "--update-weight-buffer-size", "536870912", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "32768",
     )  # fmt: skip
+    # --ci-metric-checker-key eval/gsm8k with threshold 0.71 (the seed's): exit 0 only once eval reaches it
+    assert proc.returncode == 0 and "--ci-metric-checker-threshold" in proc.args

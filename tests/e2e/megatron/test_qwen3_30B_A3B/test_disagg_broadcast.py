@@ -28,4 +28,5 @@ _spec.loader.exec_module(case)
 
 
 def test_disaggregated_broadcast_trains(tmp_path):
-    case.run(tmp_path, case.DISAGG_BROADCAST, num_rollout=2)
+    record = case.run(tmp_path, case.DISAGG_BROADCAST, num_rollout=2)
+    assert sorted(case.twins.series(record, "train/loss")) == [0, 1]  # both rollouts trained
