@@ -18,6 +18,7 @@ from typing import Any
 
 from miles.train.config import SamplingConfig
 from miles.train.rollout import Generation, RolloutEngineError
+from miles.train.sglang_engine import sampling_params  # SGLang's request format, one definition
 
 # A finish reason other than these means the engine did not complete the request.
 FINISHED = ("stop", "length")
@@ -88,21 +89,6 @@ class EngineClient:
             {"input_ids": [list(p) for p in prompts], "sampling_params": params, "return_logprob": True},
         )
         return [to_output(p, a) for p, a in zip(prompts, answers, strict=True)]
-
-
-def sampling_params(sampling: SamplingConfig, seed: int | None) -> dict:
-    params = {
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        "top_k": sampling.top_k,
-        "max_new_tokens": sampling.max_response_len,
-        "stop_token_ids": list(sampling.stop_token_ids),
-        "skip_special_tokens": False,
-        "no_stop_trim": True,  # keep the stop token: the trainer learns to emit it
-    }
-    if seed is not None:
-        params["sampling_seed"] = seed
-    return params
 
 
 def to_output(prompt: Sequence[int], answer: Mapping[str, Any]) -> Output:
