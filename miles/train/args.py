@@ -122,11 +122,26 @@ def validate(args: argparse.Namespace) -> None:
     samples = args.rollout_batch_size * args.n_samples_per_prompt
     if args.global_batch_size is None:
         args.global_batch_size = samples
-    if samples % args.global_batch_size:
+    rest = samples % args.global_batch_size
+    partial, keep = args.allow_partial_train_step, args.disable_rollout_trim_samples
+    if partial and not keep:
+        raise ArgsError(
+            "--allow-partial-train-step trains the samples past the last whole --global-batch-size, but without "
+            "--disable-rollout-trim-samples the rollout is trimmed to whole steps first; add "
+            "--disable-rollout-trim-samples"
+        )
+    if keep and not partial and rest:
+        raise ArgsError(
+            f"--disable-rollout-trim-samples keeps the {rest} samples past the last whole --global-batch-size "
+            f"({args.global_batch_size}), but without --allow-partial-train-step no step trains them; add "
+            "--allow-partial-train-step"
+        )
+    if rest and not partial:
         raise ArgsError(
             f"--rollout-batch-size ({args.rollout_batch_size}) x --n-samples-per-prompt "
             f"({args.n_samples_per_prompt}) = {samples} samples per rollout must be a multiple of "
-            f"--global-batch-size ({args.global_batch_size}); e.g. --global-batch-size {samples}"
+            f"--global-batch-size ({args.global_batch_size}); e.g. --global-batch-size {samples}, or train the "
+            f"last {rest} as a smaller step with --allow-partial-train-step --disable-rollout-trim-samples"
         )
     if args.use_dynamic_batch_size and args.max_tokens_per_gpu is None:
         raise ArgsError(
@@ -181,6 +196,15 @@ def validate(args: argparse.Namespace) -> None:
             f"--eval-prompt-data takes NAME PATH pairs, got {len(args.eval_prompt_data)} value(s): "
             f"{' '.join(args.eval_prompt_data)}"
         )
+    if args.eval_prompt_data and args.eval_interval is None:
+        raise ArgsError(
+            f"--eval-prompt-data names {len(args.eval_prompt_data) // 2} eval set(s) but no --eval-interval says when "
+            "to score them; add --eval-interval N (they are also scored before the first rollout)"
+        )
+    if args.eval_interval is not None and not args.eval_prompt_data:
+        raise ArgsError(
+            f"--eval-interval {args.eval_interval} has no eval set to score; add --eval-prompt-data NAME PATH"
+        )
     if args.load_debug_rollout_data and args.debug_rollout_only:
         raise ArgsError("--load-debug-rollout-data and --debug-rollout-only exclude each other")
 
@@ -207,12 +231,14 @@ def validate_world(config: RunConfig, world_size: int) -> None:
         dp = config.layout.dp(world_size)  # the data-parallel backends' layout: dp = every rank
     except ValueError as exc:
         raise ArgsError(f"{exc} (the process group has {world_size} rank(s))") from exc
-    per_rank, rest = divmod(batch.global_batch_size, dp)
-    if rest:
+    gbs = batch.global_batch_size
+    if gbs % dp:
         raise ArgsError(
-            f"--global-batch-size ({batch.global_batch_size}) must split evenly over {dp} "
-            f"data-parallel ranks; e.g. --global-batch-size {batch.global_batch_size + dp - rest}"
+            f"--global-batch-size ({gbs}) must split evenly over {dp} data-parallel ranks; e.g. "
+            f"--global-batch-size {gbs + dp - gbs % dp}"
         )
+    # A partial step splits evenly too: every rank rolls out whole groups (below), so the
+    # rollout's samples, and what a whole number of steps leaves of them, divide by dp.
     if config.rollout.rollout_batch_size % world_size:
         raise ArgsError(
             f"--rollout-batch-size ({config.rollout.rollout_batch_size}) must split evenly over {world_size} "

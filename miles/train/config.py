@@ -173,7 +173,8 @@ class DataConfig(Section):
     title: ClassVar[str] = "data"
 
     prompt_data: str = flag(
-        default="synthetic:fixed", help="JSONL or Parquet file, or synthetic:<task> (tasks: fixed, copy)"
+        default="synthetic:fixed",
+        help="JSONL or Parquet file, or synthetic:<task> (tasks: fixed, copy, echo, arith)",
     )
     input_key: str = flag(default="prompt")
     label_key: str = flag(default="label")
@@ -191,11 +192,19 @@ class EvalConfig(Section):
     title: ClassVar[str] = "evaluation"
 
     eval_prompt_data: tuple[str, ...] | None = flag(nargs="+", help="NAME PATH pairs, scored as eval/NAME")
-    eval_interval: int | None = flag(type=_positive_int)
-    n_samples_per_eval_prompt: int = flag(type=_positive_int, default=1)
+    eval_interval: int | None = flag(type=_positive_int, help="evaluate after every N rollouts")
+    n_samples_per_eval_prompt: int = flag(
+        type=_positive_int, default=1, help="samples per eval prompt; above 1, pass@k is logged too"
+    )
     eval_max_response_len: int | None = flag(type=_positive_int)
-    eval_temperature: float | None = flag(type=_non_negative_float)
+    eval_temperature: float | None = flag(type=_non_negative_float, help="0 = greedy")
     eval_top_p: float | None = flag(type=_fraction)
+    eval_top_k: int | None = flag(type=int, help="-1 = off; 1 = greedy")
+    eval_input_key: str | None = flag(help="prompt key of the eval sets (default: --input-key)")
+    eval_label_key: str | None = flag(help="label key of the eval sets (default: --label-key)")
+    skip_eval_before_train: bool = flag(
+        action="store_true", help="no evaluation before the first rollout (by default there is one)"
+    )
 
 
 @dataclass(frozen=True)
@@ -243,6 +252,14 @@ class BatchConfig(Section):
     title: ClassVar[str] = "training batches"
 
     global_batch_size: int | None = flag(type=_positive_int, help="samples per optimizer step (all ranks)")
+    allow_partial_train_step: bool = flag(
+        action="store_true",
+        help="train a rollout's samples past the last whole --global-batch-size as one smaller final step "
+        "(with --disable-rollout-trim-samples); its loss is normalised by its own sample or token count",
+    )
+    disable_rollout_trim_samples: bool = flag(
+        action="store_true", help="keep a rollout's samples past the last whole --global-batch-size"
+    )
     micro_batch_size: int = flag(
         type=_positive_int, default=8, help="samples per forward per rank (unless dynamic batch size)"
     )
@@ -683,9 +700,19 @@ def flags_set(namespace: argparse.Namespace) -> tuple[str, ...]:
     return tuple(changed + passthrough)
 
 
+def step_sizes(samples: int, batch: BatchConfig) -> list[int]:
+    """The samples of each optimizer step of a rollout of `samples`: whole --global-batch-size
+    steps, then, with --allow-partial-train-step, the rest as one smaller step (as the seed
+    framework plans them: radixark/miles 31f1ca961, miles/utils/dp_schedule.py)."""
+    gbs = batch.global_batch_size
+    sizes = [gbs] * (samples // gbs)
+    rest = samples % gbs
+    return sizes + [rest] if rest and batch.allow_partial_train_step else sizes
+
+
 def optimizer_steps(rollout: RolloutConfig, batch: BatchConfig) -> int:
-    """Optimizer steps of the whole run (the learning-rate schedule's length)."""
-    return rollout.num_rollout * (rollout.samples // batch.global_batch_size)
+    """Optimizer steps of the whole run (the learning-rate schedule's length; a partial step counts)."""
+    return rollout.num_rollout * len(step_sizes(rollout.samples, batch))
 
 
 # --- what the algorithm code takes, derived from the sections ------------------------------

@@ -29,6 +29,7 @@ from miles.train.algorithm import LOSS_SUMS, group_advantages
 from miles.train.args import ArgsError, parse_config
 from miles.train.backends import BackendUnavailable
 from miles.train.batch import Sample, TokenBatch, collate, load_samples, save_samples
+from miles.train.config import step_sizes
 from miles.train.data import SYNTHETIC_PREFIX, DataError, batch_for_rollout
 from miles.train.distributed import (
     all_gather_objects,
@@ -59,7 +60,7 @@ CONSUMES = {
         "rollout_max_prompt_len", "rollout_temperature", "rollout_top_p", "rollout_top_k",
         "rollout_stop_token_ids", "rollout_seed", "update_weights_interval",
     ),
-    "batch": ("global_batch_size",),
+    "batch": ("global_batch_size", "allow_partial_train_step", "disable_rollout_trim_samples"),
     "reward": ("rm_type", "custom_rm_path", "reward_key"),
     "algorithm": (
         "disable_grpo_std_normalization", "use_kl_loss", "use_tis", "calculate_per_token_loss",
@@ -98,6 +99,8 @@ def train(run: Run) -> None:
     cfg, checked = run.config, run.config.checks
     eval_sets = evaluation.eval_sets(cfg.eval, cfg.data)
     watched: dict[int, float] = {}  # --ci-metric-checker-key's values by rollout
+    if evaluation.due_before_training(cfg.eval):
+        evaluation.before_training(run, eval_sets)
     for rollout_id in range(run.start_rollout, cfg.rollout.num_rollout):
         started = time.perf_counter()
         samples = generate_and_score(run, rollout_id)  # 1 rollout, 2 reward
@@ -199,25 +202,28 @@ def learn(run: Run, rollout_id: int, samples: Sequence[Sample]) -> dict[str, flo
             checked_first_step(run, rollout_id, step, mismatch)
     metrics = report.train_metrics(steps, cfg.algorithm.use_tis)
     metrics["train/skipped_steps"] = float(sum(step["skipped"] for step in steps))
+    metrics["train/optimizer_steps"] = float(len(steps))
     metrics["perf/micro_batches_per_step"] = sum(map(len, plan)) / len(plan)
     return metrics | mismatch | {"perf/train_time": time.perf_counter() - started}
 
 
 def share_of_rank(run: Run, samples: Sequence[Sample]) -> tuple[TokenBatch, list[list[list[int]]]]:
-    """This data-parallel rank's rows of every minibatch, minibatch after minibatch, and each
-    minibatch's micro-batches (lists of rows of the returned batch) as the backend cuts them;
+    """This data-parallel rank's rows of every minibatch (--global-batch-size samples, the last
+    one smaller with --allow-partial-train-step), minibatch after minibatch, and each minibatch's
+    micro-batches (lists of rows of the returned batch) as the backend cuts them;
     model-parallel peers get the same rows and micro-batches."""
-    gbs = run.config.batch.global_batch_size
     mine: list[int] = []
     plan = []
-    for m in range(len(samples) // gbs):
+    start = 0
+    for size in step_sizes(len(samples), run.config.batch):
         lengths = [
             len(s.generation.prompt_ids) + len(s.generation.response_ids)
-            for s in samples[m * gbs : (m + 1) * gbs]
+            for s in samples[start : start + size]
         ]
         rows, micro = run.backend.split_minibatch(lengths)
         plan.append([[len(mine) + i for i in part] for part in micro])
-        mine += [m * gbs + i for i in rows]
+        mine += [start + i for i in rows]
+        start += size
     return collate([samples[i] for i in mine], run.tokenizer.pad_token_id or 0), plan
 
 
@@ -298,14 +304,14 @@ def optimizer_step(
     """One AdamW step on this rank's micro-batches of a minibatch; loss terms summed over the
     data-parallel ranks. Also each micro-batch's logprobs from the training forward."""
     _, replicas, group = run.backend.data_parallel
-    size = sum(mb.size for mb in micro)
     # Each rank's loss is divided so that the data-parallel gradient average is the mean over
-    # the global minibatch: per sample by default, per token with --calculate-per-token-loss.
+    # the minibatch's own samples (a partial step's too, as the seed framework normalises by a
+    # step's true count), or its tokens with --calculate-per-token-loss.
     if run.config.algorithm.calculate_per_token_loss:
-        tokens = sum(float(mb.loss_mask.sum()) for mb in micro)
-        normalizer = all_reduce_sum([tokens], group)[0] / replicas
+        count = sum(float(mb.loss_mask.sum()) for mb in micro)
     else:
-        normalizer = size
+        count = float(sum(mb.size for mb in micro))
+    normalizer = all_reduce_sum([count], group)[0] / replicas
     result = run.backend.train_step(micro, normalizer)
     local = [sum(getattr(t, k) for t in result.terms) for k in LOSS_SUMS]
     loss = sum(float(t.loss.detach()) for t in result.terms) / normalizer

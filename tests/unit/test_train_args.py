@@ -96,6 +96,31 @@ def test_global_batch_must_divide_the_rollout_samples(capsys):
     assert "= 12 samples per rollout must be a multiple of --global-batch-size (8)" in err
 
 
+def test_a_partial_step_trains_the_rest_of_a_rollout_as_one_smaller_step():
+    from miles.train.config import optimizer_steps, step_sizes
+
+    argv = ["--hf-checkpoint", "m", "--rollout-batch-size", "8", "--n-samples-per-prompt", "4"]
+    config = parse_config(
+        [*argv, "--global-batch-size", "24", "--allow-partial-train-step", "--disable-rollout-trim-samples"]
+    )
+    assert step_sizes(32, config.batch) == [24, 8]
+    assert (
+        optimizer_steps(config.rollout, config.batch) == 2 * config.rollout.num_rollout
+    )  # the lr schedule's
+    assert step_sizes(48, config.batch) == [24, 24]
+    validate_world(config, 2)
+
+
+def test_partial_step_flags_that_could_not_act_are_refused(capsys):
+    argv = ["--rollout-batch-size", "8", "--n-samples-per-prompt", "4", "--global-batch-size", "24"]
+    err = _error([*argv, "--allow-partial-train-step"], capsys)
+    assert "the rollout is trimmed to whole steps first; add --disable-rollout-trim-samples" in err
+    err = _error([*argv, "--disable-rollout-trim-samples"], capsys)
+    assert "keeps the 8 samples past the last whole --global-batch-size (24)" in err
+    assert "add --allow-partial-train-step" in err
+    assert "--allow-partial-train-step --disable-rollout-trim-samples" in _error(argv, capsys)
+
+
 def test_group_of_one_sample_is_rejected(capsys):
     assert "--n-samples-per-prompt must be >= 2" in _error(["--n-samples-per-prompt", "1"], capsys)
 
