@@ -205,6 +205,11 @@ def validate(args: argparse.Namespace) -> None:
         raise ArgsError(
             f"--eval-interval {args.eval_interval} has no eval set to score; add --eval-prompt-data NAME PATH"
         )
+    if args.debug_deterministic_collective and args.overlap_grad_reduce:
+        raise ArgsError(
+            "--debug-deterministic-collective folds each reduction as it is called, but --overlap-grad-reduce "
+            "reduces gradient buckets asynchronously during the backward pass; drop --overlap-grad-reduce"
+        )
     if args.load_debug_rollout_data and args.debug_rollout_only:
         raise ArgsError("--load-debug-rollout-data and --debug-rollout-only exclude each other")
 

@@ -94,7 +94,13 @@ def start(config: RunConfig, *, dry: bool = False) -> DistInfo:
 
     if config.job.num_threads:
         torch.set_num_threads(config.job.num_threads)
-    dist_info = init_distributed(config.job.distributed_backend)
+    if config.job.deterministic_mode:
+        from miles.train.deterministic import enable_deterministic_algorithms
+
+        enable_deterministic_algorithms()
+    dist_info = init_distributed(
+        config.job.distributed_backend, deterministic=config.job.debug_deterministic_collective
+    )
     choice = config.job.rollout_engine
     engine = ("sglang" if choice == "auto" else choice) if dry else engine_choice(config, dist_info)
     check_before_loading(config, dist_info, engine)

@@ -69,7 +69,7 @@ CONSUMES = {
     "optimizer": ("max_skipped_steps",),
     "job": (
         "train_backend", "rollout_engine", "distributed_backend", "actor_num_nodes", "actor_num_gpus_per_node",
-        "seed", "num_threads",
+        "seed", "num_threads", "deterministic_mode", "debug_deterministic_collective",
     ),
     "checks": (
         "ci_test", "ci_disable_kl_checker", "check_weight_update_equal", "check_weight_update_skip_list",

@@ -209,3 +209,11 @@ def test_flags_the_chosen_stack_ignores_are_refused_in_one_line_not_dropped():
     )
     assert "no effect on --train-backend fsdp with the torch rollout engine, so refused; drop them" in refused
     assert refusal(parse_config(["--hf-checkpoint", "m"]), "torch") is None
+
+
+def test_deterministic_collectives_refuse_overlapped_gradient_reduction(capsys):
+    err = _error(
+        ["--train-backend", "megatron", "--debug-deterministic-collective", "--overlap-grad-reduce"], capsys
+    )
+    assert "--debug-deterministic-collective folds each reduction as it is called" in err
+    assert "drop --overlap-grad-reduce" in err

@@ -59,7 +59,7 @@ class MegatronBackend(TrainBackend):
     # (the layer spec, a TransformerConfig, DDP or optimizer field), and so does the checkpoint's
     # megatron_to_hf_mode (raw is how it loads; bridge is refused).
     CONSUMES = {
-        "job": ("seed",),
+        "job": ("seed", "deterministic_mode"),
         "checkpoint": ("hf_checkpoint", "ref_load", "megatron_to_hf_mode"),
         "rollout": ("num_rollout", "rollout_batch_size", "n_samples_per_prompt", "rollout_temperature"),
         "batch": (
@@ -121,7 +121,14 @@ class MegatronBackend(TrainBackend):
         mt.init_parallel_state(self.layout, job.seed)
         dtype = torch.bfloat16 if optimizer.bf16 and not self.on_cpu else torch.float32
         self.tc = _transformer_config(
-            megatron, self.config, self.layout, hf, dtype=dtype, on_cpu=self.on_cpu, impl=self.impl
+            megatron,
+            self.config,
+            self.layout,
+            hf,
+            dtype=dtype,
+            on_cpu=self.on_cpu,
+            impl=self.impl,
+            deterministic=job.deterministic_mode,
         )
         _shape_each_micro_batch(self.tc, self.layout)
         self.pipeline_rows = _pipeline_rows(self.config)  # the config is mapped: transformer_config built
@@ -496,13 +503,17 @@ def _transformer_config(
     dtype,
     on_cpu: bool,
     impl: str = "local",
+    deterministic: bool = False,
 ):
-    """The TransformerConfig of the run: the HF model's math, the layout, and the fields the
-    `megatron` section sets (miles.megatron.options.transformer_fields)."""
+    """The TransformerConfig of the run: the HF model's math, the layout, the fields the
+    `megatron` section sets (miles.megatron.options.transformer_fields), and megatron-core's
+    deterministic_mode under --deterministic-mode (its kernels choose deterministic paths)."""
     from miles.megatron.config import transformer_config
     from miles.megatron.families import UnmappedModel
 
     overrides = options.transformer_fields(megatron, impl)
+    if deterministic:
+        overrides["deterministic_mode"] = True
     if on_cpu:
         # gloo pairs point-to-point messages first-in first-out per pair of ranks. Batched p2p
         # posts a two-stage pipeline's activation and gradient to the same peer in an order the
