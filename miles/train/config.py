@@ -709,19 +709,20 @@ def flags_set(namespace: argparse.Namespace) -> tuple[str, ...]:
     return tuple(changed + passthrough)
 
 
-def step_sizes(samples: int, batch: BatchConfig) -> list[int]:
+def step_sizes(samples: int, global_batch_size: int, *, partial: bool = False) -> list[int]:
     """The samples of each optimizer step of a rollout of `samples`: whole --global-batch-size
-    steps, then, with --allow-partial-train-step, the rest as one smaller step (as the seed
-    framework plans them: radixark/miles 31f1ca961, miles/utils/dp_schedule.py)."""
-    gbs = batch.global_batch_size
-    sizes = [gbs] * (samples // gbs)
-    rest = samples % gbs
-    return sizes + [rest] if rest and batch.allow_partial_train_step else sizes
+    steps, then, with `partial` (--allow-partial-train-step with --disable-rollout-trim-samples),
+    the rest as one smaller step (as the seed framework plans them: radixark/miles 31f1ca961,
+    miles/utils/dp_schedule.py)."""
+    sizes = [global_batch_size] * (samples // global_batch_size)
+    rest = samples % global_batch_size
+    return sizes + [rest] if rest and partial else sizes
 
 
 def optimizer_steps(rollout: RolloutConfig, batch: BatchConfig) -> int:
     """Optimizer steps of the whole run (the learning-rate schedule's length; a partial step counts)."""
-    return rollout.num_rollout * len(step_sizes(rollout.samples, batch))
+    partial = batch.allow_partial_train_step and batch.disable_rollout_trim_samples
+    return rollout.num_rollout * len(step_sizes(rollout.samples, batch.global_batch_size, partial=partial))
 
 
 # --- what the algorithm code takes, derived from the sections ------------------------------

@@ -212,10 +212,12 @@ def share_of_rank(run: Run, samples: Sequence[Sample]) -> tuple[TokenBatch, list
     one smaller with --allow-partial-train-step), minibatch after minibatch, and each minibatch's
     micro-batches (lists of rows of the returned batch) as the backend cuts them;
     model-parallel peers get the same rows and micro-batches."""
+    batch = run.config.batch
+    partial = batch.allow_partial_train_step and batch.disable_rollout_trim_samples
     mine: list[int] = []
     plan = []
     start = 0
-    for size in step_sizes(len(samples), run.config.batch):
+    for size in step_sizes(len(samples), batch.global_batch_size, partial=partial):
         lengths = [
             len(s.generation.prompt_ids) + len(s.generation.response_ids)
             for s in samples[start : start + size]

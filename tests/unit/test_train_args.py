@@ -103,11 +103,11 @@ def test_a_partial_step_trains_the_rest_of_a_rollout_as_one_smaller_step():
     config = parse_config(
         [*argv, "--global-batch-size", "24", "--allow-partial-train-step", "--disable-rollout-trim-samples"]
     )
-    assert step_sizes(32, config.batch) == [24, 8]
+    assert step_sizes(32, 24, partial=True) == [24, 8] and step_sizes(32, 24) == [24]
     assert (
         optimizer_steps(config.rollout, config.batch) == 2 * config.rollout.num_rollout
     )  # the lr schedule's
-    assert step_sizes(48, config.batch) == [24, 24]
+    assert step_sizes(48, 24, partial=True) == [24, 24]
     validate_world(config, 2)
 
 
