@@ -1,8 +1,7 @@
 """How the Megatron backend acts on each Megatron and GPU-stack flag it consumes: one row per flag.
 
-Which flags the backend acts on is its consumption declaration (`MegatronBackend.CONSUMES`,
-read by miles.train.consumption, which refuses every flag a command sets that no component of
-its run consumes). This table says how: the spec choice, a megatron-core
+Which flags the backend acts on is declared on their fields (`by=megatron`, miles.train.config;
+miles.train.consumption refuses every flag a command sets that no component of its run acts on). This table says how: the spec choice, a megatron-core
 TransformerConfig field (`transformer_fields`), a DistributedDataParallelConfig or
 OptimizerConfig field (`ddp_fields`, `optimizer_fields`), a check against the model built from
 config.json (`model_disagreements`; the shape flags of the family facts tables are checked by

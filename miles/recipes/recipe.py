@@ -408,12 +408,10 @@ def _read(option: str, value: object, backend: str, engine: str) -> bool:
     """Whether the trainer, `backend` or `engine` acts on `option`, or `value` is the flag's
     default, which changes nothing (miles.train.consumption counts only flags set otherwise)."""
     from miles.train import consumption
-    from miles.train.config import Flag, SGLangConfig, flag_of
 
-    flag = flag_of(option)
-    if flag is not None and value == flag.default:
+    flag = consumption.flag_named(option)
+    if flag.dest != "server_args" and value == flag.default:
         return True
-    flag = flag or Flag(option, "server_args", SGLangConfig.name, {})
     components = (consumption.trainer(), consumption.backend(backend), consumption.engine(engine))
     return any(c.consumes(flag) for c in components)
 

@@ -1,13 +1,11 @@
 """Which flags a run's components act on, and which flags a command sets that none of them do.
 
 A run has three components: the trainer (miles.train.trainer), the training backend chosen by
-`--train-backend` and the rollout engine chosen by `--rollout-engine`. Each declares what it
-consumes in a `CONSUMES` literal beside its code: section name -> the fields it acts on, or
-"*" for the whole section (the trainer's is a module constant, a backend's or an engine's a
-class attribute; each constructor takes exactly the sections it names). A flag has no effect
-in a run when it is set and no chosen component consumes its field: that follows from the
-declarations, with no list of its own. The declarations are read from the source files' syntax
-trees, so a recipe can ask without importing torch.
+`--train-backend` and the rollout engine chosen by `--rollout-engine`. Which of them act on a
+flag is declared once, on its field (`flag(by=...)`, miles.train.config.flags); a component is
+built from exactly the sections holding a field it acts on. A flag has no effect in a run when
+it is set and no chosen component acts on it: that follows from the declarations, with no list
+of its own. Standard library only, so a recipe can ask without importing torch.
 
 Such a flag is refused in one line (`refusal`): when a recipe's command is built
 (miles.recipes.launch) and when `python -m miles.train` starts (miles.train.runtime).
@@ -15,20 +13,14 @@ Such a flag is refused in one line (`refusal`): when a recipe's command is built
 
 from __future__ import annotations
 
-import ast
 import importlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 
-from miles.train.config import FLAGS, SECTION_NAMES, Flag, RunConfig, SGLangConfig, flag_of
+from miles.train.config import FLAGS, SECTION_NAMES, TRAINER, Flag, RunConfig, SGLangConfig, flag_of
 
-ALL = "*"
-PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # miles/
-
-# Where each component is declared: (module, class); class None is the module's own CONSUMES.
-TRAINER = ("miles.train.trainer", None)
+# Where each component's class lives: (module, class), by its --train-backend / --rollout-engine value.
 BACKENDS: Mapping[str, tuple[str, str]] = {
     "fsdp": ("miles.train.backends.torch_dp", "TorchDPBackend"),
     "ddp": ("miles.train.backends.torch_dp", "TorchDPBackend"),
@@ -40,95 +32,51 @@ ENGINES: Mapping[str, tuple[str, str]] = {
 }
 
 
-class DeclarationError(ValueError):
-    """A CONSUMES declaration that cannot be read, or that names a section or field that does not exist."""
-
-
 @dataclass(frozen=True)
 class Consumer:
-    """One component of a run and the section fields it acts on."""
+    """One component of a run, as the flags' `by` names it."""
 
     name: str  # as a note names it: "the trainer", "--train-backend megatron", "the sglang rollout engine"
     kind: str  # trainer | backend | engine
-    choice: str  # the --train-backend / --rollout-engine value that selects it ("" for the trainer)
-    uses: Mapping[str, frozenset[str] | str]  # section -> fields, or ALL
+    choice: str  # the --train-backend / --rollout-engine value that selects it ("trainer" for the trainer)
 
     def consumes(self, flag: Flag) -> bool:
-        fields = self.uses.get(flag.section, ())
-        return fields == ALL or flag.dest in fields
+        return self.choice in flag.by
 
+    @property
+    def uses(self) -> Mapping[str, frozenset[str]]:
+        """Section -> the fields of it the component acts on."""
+        return fields_used_by(self.choice)
 
-def source_file(module: str) -> Path:
-    """The file of a miles module, found without importing it (or its package)."""
-    parts = module.split(".")[1:]
-    path = PACKAGE_ROOT.joinpath(*parts)
-    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+    @property
+    def sections(self) -> tuple[str, ...]:
+        """The sections it is built from (in the order of the flag table)."""
+        return tuple(s for s in SECTION_NAMES if s in self.uses)
 
 
 @cache
-def declared(module: str, cls: str | None) -> Mapping[str, frozenset[str] | str]:
-    """The CONSUMES literal of `module`'s class `cls` (or of the module), checked against the sections."""
-    path = source_file(module)
-    tree = ast.parse(path.read_text(), filename=str(path))
-    body = tree.body
-    where = f"{path}"
-    if cls is not None:
-        node = next((n for n in body if isinstance(n, ast.ClassDef) and n.name == cls), None)
-        if node is None:
-            raise DeclarationError(f"{path}: no class {cls}")
-        body, where = node.body, f"{path}: {cls}"
-    for node in body:
-        if "CONSUMES" in _assigned(node) and node.value is not None:
-            try:
-                value = ast.literal_eval(node.value)
-            except ValueError:
-                raise DeclarationError(
-                    f"{where}.CONSUMES (line {node.lineno}) must be a literal: {{section: (field, ...) or '*'}}"
-                ) from None
-            return checked_declaration(value, f"{where}.CONSUMES")
-    raise DeclarationError(f"{where} declares no CONSUMES (which section fields it acts on)")
-
-
-def _assigned(node: ast.stmt) -> set[str]:
-    """The names a statement assigns (`X = ...` or `X: T = ...`)."""
-    if isinstance(node, ast.Assign):
-        return {t.id for t in node.targets if isinstance(t, ast.Name)}
-    if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-        return {node.target.id}
-    return set()
-
-
-def checked_declaration(value: object, where: str) -> Mapping[str, frozenset[str] | str]:
-    """A CONSUMES value as section -> frozenset of fields (or ALL); a section or field that
-    does not exist is a DeclarationError naming `where`."""
-    if not isinstance(value, dict):
-        raise DeclarationError(f"{where}: must be a dict of section name -> fields or '*'")
-    fields_of = {name: {f.dest for f in FLAGS if f.section == name} for name in SECTION_NAMES}
-    fields_of[SGLangConfig.name].add("server_args")
-    out: dict[str, frozenset[str] | str] = {}
-    for section, fields in value.items():
-        if section not in fields_of:
-            raise DeclarationError(f"{where}: no section {section!r}; sections: {', '.join(SECTION_NAMES)}")
-        if fields == ALL:
-            out[section] = ALL
-            continue
-        unknown = sorted(set(fields) - fields_of[section])
-        if isinstance(fields, str) or unknown:
-            raise DeclarationError(f"{where}: section {section!r} has no field(s) {unknown or fields!r}")
-        out[section] = frozenset(fields)
-    return out
+def fields_used_by(component: str) -> Mapping[str, frozenset[str]]:
+    """Section -> fields of the flags whose `by` names `component` (the sglang section's
+    `server_args`, the passed-through --sglang-* options, counts with the section's flags)."""
+    out: dict[str, set[str]] = {}
+    for f in FLAGS:
+        if component in f.by:
+            out.setdefault(f.section, set()).add(f.dest)
+    if component in SGLangConfig.used_by:
+        out.setdefault(SGLangConfig.name, set()).add("server_args")
+    return {section: frozenset(fields) for section, fields in out.items()}
 
 
 def trainer() -> Consumer:
-    return Consumer("the trainer", "trainer", "", declared(*TRAINER))
+    return Consumer("the trainer", "trainer", TRAINER)
 
 
 def backend(choice: str) -> Consumer:
-    return Consumer(f"--train-backend {choice}", "backend", choice, declared(*BACKENDS[choice]))
+    return Consumer(f"--train-backend {choice}", "backend", choice)
 
 
 def engine(choice: str) -> Consumer:
-    return Consumer(f"the {choice} rollout engine", "engine", choice, declared(*ENGINES[choice]))
+    return Consumer(f"the {choice} rollout engine", "engine", choice)
 
 
 def component_class(kind: str, choice: str) -> type:
@@ -143,7 +91,8 @@ def build(kind: str, choice: str, config: RunConfig, dist_info, **options):
     than its sections (the built-in engine wraps a model) is built by its `from_sections`."""
     cls = component_class(kind, choice)
     factory = getattr(cls, "from_sections", cls)
-    sections = {name: config.section(name) for name in cls.CONSUMES}
+    component = backend(choice) if kind == "backend" else engine(choice)
+    sections = {name: config.section(name) for name in component.sections}
     return factory(**sections, dist_info=dist_info, **options)
 
 
@@ -153,12 +102,17 @@ def chosen(config: RunConfig, engine_choice: str) -> tuple[Consumer, ...]:
     return trainer(), backend(config.job.train_backend), engine(engine_choice)
 
 
+def flag_named(option: str) -> Flag:
+    """The table entry of an option a command sets: its flag, or for a passed-through
+    `--sglang-*` the sglang section's server_args."""
+    return flag_of(option) or Flag(
+        option, "server_args", SGLangConfig.name, {}, frozenset(SGLangConfig.used_by)
+    )
+
+
 def set_flags(config: RunConfig) -> list[Flag]:
-    """The flags the command sets, as table entries (a passed-through `--sglang-*` is the
-    sglang section's server_args)."""
-    return [
-        flag_of(option) or Flag(option, "server_args", SGLangConfig.name, {}) for option in config.flags_set
-    ]
+    """The flags the command sets, as table entries."""
+    return [flag_named(option) for option in config.flags_set]
 
 
 def unconsumed(config: RunConfig, components: Iterable[Consumer]) -> list[Flag]:
@@ -173,21 +127,6 @@ def flags_without_effect(config: RunConfig, engine_choice: str) -> list[str]:
     return [f.option for f in unconsumed(config, chosen(config, engine_choice))]
 
 
-# Why no component acts on a flag, where a reader would not guess it.
-_IN_PROCESS = (
-    "the built-in engine samples inside the trainer's processes and holds no GPU memory of its own to place or "
-    "release"
-)
-_TRAIN_OFFLOAD = "no backend moves its weights or optimizer state off the GPU between steps yet"
-WHY_NOT: Mapping[str, str] = {
-    "--colocate": _IN_PROCESS,
-    "--offload-rollout": _IN_PROCESS,
-    "--rollout-num-gpus": "the SGLang engine always runs on the training GPUs: there is no separate rollout placement",
-    "--offload": _TRAIN_OFFLOAD,
-    "--offload-train": _TRAIN_OFFLOAD,
-}
-
-
 def refusal(config: RunConfig, engine_choice: str) -> str | None:
     """One line naming every flag the command sets that its run would not act on, who would act
     on each and the fix; None when every flag acts."""
@@ -197,7 +136,7 @@ def refusal(config: RunConfig, engine_choice: str) -> str | None:
     by_reader: dict[str, list[str]] = {}
     for flag in unconsumed(config, chosen(config, engine_choice)):
         readers = [c for c in others if c.consumes(flag)]
-        reasons = [WHY_NOT[flag.option]] if flag.option in WHY_NOT else []
+        reasons = [flag.why_not] if flag.why_not else []
         if readers:
             reasons.append(f"read by {_names(readers)}")
         by_reader.setdefault(", ".join(reasons) or "read by no component", []).append(flag.option)

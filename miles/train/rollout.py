@@ -53,8 +53,8 @@ def cache_keyword(model) -> str:
 
 class RolloutEngine(abc.ABC):
     """What the trainer needs from a rollout engine. What it needs to know about one is declared
-    here as properties (the trainer never asks which class it is); what the engine acts on of
-    the run's configuration is its `CONSUMES` (miles.train.consumption)."""
+    here as properties (the trainer never asks which class it is); the flags it acts on name it on
+    their fields (`by=torch` / `by=sglang`, miles.train.config)."""
 
     # The --rollout-engine value that selects it; how notes and logs name it.
     name: str = ""
@@ -119,7 +119,6 @@ class TorchRolloutEngine(RolloutEngine):
     name = "torch"
     # Built from a model; `from_sections` loads it from --hf-checkpoint in the trainer's
     # compute dtype (--bf16), so the engine samples what the trainer scores.
-    CONSUMES = {"checkpoint": ("hf_checkpoint",), "optimizer": ("bf16",)}
 
     def __init__(self, model, *, pad_token_id: int = 0):
         self.model = model.eval()

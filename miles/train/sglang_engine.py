@@ -96,12 +96,8 @@ class SGLangRolloutEngine(RolloutEngine):
     name = "sglang"
     exact_weights = False  # SGLang's Qwen3 has no get_weights_by_name: the weight check uses logprobs
     weight_names = "checkpoint"  # its models' load_weights read checkpoint names
-    # The model it serves, its server's seed, every SGLang option, and whether it gives its
-    # memory back while the trainer steps (see __init__).
-    CONSUMES = {
-        "sglang": "*", "checkpoint": ("hf_checkpoint",), "rollout": ("rollout_seed",),
-        "job": ("colocate", "offload_rollout"),
-    }  # fmt: skip
+    # It acts on the model it serves, its server's seed, every SGLang option, and whether it
+    # gives its memory back while the trainer steps (see __init__): by=sglang in miles.train.config.
 
     def __init__(
         self,

@@ -46,38 +46,6 @@ from miles.train.rollout import RolloutEngineError
 from miles.train.runtime import Run, build_run, dry_start
 from miles.train.sglang_engine import SGLangUnavailable
 
-# The section fields the trainer acts on (the backend's and engine's are theirs: see
-# miles.train.consumption); read from this file's syntax tree, so keep it a literal.
-CONSUMES = {
-    "checkpoint": ("hf_checkpoint", "load", "save", "save_interval", "ckpt_step", "no_save_optim", "no_load_optim"),
-    "data": (
-        "prompt_data", "input_key", "label_key", "metadata_key", "apply_chat_template", "system_prompt",
-        "rollout_shuffle",
-    ),
-    "eval": "*",
-    "rollout": (
-        "num_rollout", "rollout_batch_size", "n_samples_per_prompt", "rollout_max_response_len",
-        "rollout_max_prompt_len", "rollout_temperature", "rollout_top_p", "rollout_top_k",
-        "rollout_stop_token_ids", "rollout_seed", "update_weights_interval",
-    ),
-    "batch": ("global_batch_size", "allow_partial_train_step", "disable_rollout_trim_samples"),
-    "reward": ("rm_type", "custom_rm_path", "reward_key"),
-    "algorithm": (
-        "disable_grpo_std_normalization", "use_kl_loss", "use_tis", "calculate_per_token_loss",
-        "use_rollout_logprobs",
-    ),
-    "optimizer": ("max_skipped_steps",),
-    "job": (
-        "train_backend", "rollout_engine", "distributed_backend", "actor_num_nodes", "actor_num_gpus_per_node",
-        "seed", "num_threads", "deterministic_mode", "debug_deterministic_collective",
-    ),
-    "checks": (
-        "ci_test", "ci_disable_kl_checker", "check_weight_update_equal", "check_weight_update_skip_list",
-        "ci_logprob_abs_diff_tol", "ci_step0_kl_tol", "ci_metric_checker_key", "ci_metric_checker_threshold",
-        "debug_rollout_only", "save_debug_rollout_data", "load_debug_rollout_data", "dry_start",
-    ),
-}  # fmt: skip
-
 # Errors whose message names the file or flag, the rule and the fix: one line and exit 1.
 FOR_PEOPLE = (
     ArgsError,

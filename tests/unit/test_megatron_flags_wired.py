@@ -1,8 +1,8 @@
 """No recipe flag is both passed to the Megatron backend and ignored by it without a word.
 
 Every GPU profile of every recipe, on both GPU platforms, is rendered as `run_<model>.py`
-renders it. Whether a component acts on a flag is its consumption declaration (CONSUMES,
-miles.train.consumption): each flag of the command that the backend takes (the Megatron
+renders it. Whether a component acts on a flag is declared on the flag's field (`by=`,
+miles.train.config; read by miles.train.consumption): each flag of the command that the backend takes (the Megatron
 options, the model shape, the layout) must be one it consumes, and the rest of what the run
 leaves unconsumed must be flags no component of miles acts on yet, which the run's start-up
 note names. How the backend acts on each is its row of miles.megatron.options: every row's

@@ -23,75 +23,197 @@ def _config(*flags: str):
     return parse_config(["--hf-checkpoint", "m", *flags])
 
 
+def _consumer(kind: str, choice: str) -> consumption.Consumer:
+    return consumption.backend(choice) if kind == "backend" else consumption.engine(choice)
+
+
+def test_a_flag_naming_an_unknown_component_is_refused_where_it_is_declared():
+    from miles.train.config import flag
+
+    with pytest.raises(ValueError, match=r"no component \['fsdp2'\]; components: trainer, fsdp, ddp"):
+        flag(by=("trainer", "fsdp2"), type=int)
+
+
+def test_a_sections_default_consumers_apply_to_the_fields_that_name_none():
+    by = {f.dest: f.by for f in FLAGS}
+    assert by["tensor_model_parallel_size"] == {"megatron"}  # ParallelFlags.used_by
+    assert by["gradient_checkpointing"] == {"fsdp", "ddp"}  # TorchDPConfig.used_by
+    assert by["eval_interval"] == {"trainer"}
+    assert by["hf_checkpoint"] == {"trainer", "fsdp", "ddp", "megatron", "torch", "sglang"}
+    assert by["use_wandb"] == frozenset()  # nothing acts on it yet: refused when set
+
+
 @pytest.mark.parametrize(("kind", "choice"), COMPONENTS)
-def test_the_declaration_read_from_source_is_the_class_attribute(kind, choice):
+def test_a_component_is_built_from_exactly_the_sections_of_the_flags_it_acts_on(kind, choice):
     cls = consumption.component_class(kind, choice)
-    module, name = (consumption.BACKENDS if kind == "backend" else consumption.ENGINES)[choice]
-    assert consumption.declared(module, name) == consumption.checked_declaration(cls.CONSUMES, name)
-
-
-def test_the_trainers_declaration_reads_from_its_module():
-    from miles.train import trainer
-
-    assert consumption.declared(*consumption.TRAINER) == consumption.checked_declaration(
-        trainer.CONSUMES, "t"
-    )
-
-
-@pytest.mark.parametrize(("kind", "choice"), COMPONENTS)
-def test_a_component_is_built_from_exactly_the_sections_it_declares(kind, choice):
-    cls = consumption.component_class(kind, choice)
+    sections = _consumer(kind, choice).sections
     factory = getattr(cls, "from_sections", cls)
     params = inspect.signature(factory).parameters.values()
     required = {p.name for p in params if p.default is inspect.Parameter.empty and p.name != "self"}
-    assert required == {*cls.CONSUMES, "dist_info"}
+    assert required == {*sections, "dist_info"}
     section_types = {s.__name__: s.name for s in SECTIONS} | {"ParallelLayout": "layout"}
-    annotated = {p.name: section_types.get(str(p.annotation)) for p in params if p.name in cls.CONSUMES}
-    assert annotated == {name: name for name in cls.CONSUMES}  # each takes its section's type
+    annotated = {p.name: section_types.get(str(p.annotation)) for p in params if p.name in sections}
+    assert annotated == {name: name for name in sections}  # each takes its section's type
+
+
+# The modules where each component reads the sections it is given: the trainer's loop and the
+# machinery it pushes into helpers, each backend's and engine's own modules.
+COMPONENT_MODULES = {
+    "trainer": (
+        "miles.train.trainer", "miles.train.runtime", "miles.train.checkpoint", "miles.train.evaluation",
+        "miles.train.inputs",
+    ),
+    "fsdp": ("miles.train.backends.torch_dp",),
+    "ddp": ("miles.train.backends.torch_dp",),
+    "megatron": ("miles.train.backends.megatron", "miles.megatron.options"),
+    "torch": ("miles.train.rollout",),
+    "sglang": ("miles.train.sglang_engine", "miles.train.sglang_server"),
+}  # fmt: skip
+SECTION_FIELDS = {s.name: {f.dest for f in s.flags()} for s in SECTIONS if s.name != "layout"}
+SECTION_FIELDS["sglang"].add("server_args")
+SECTION_TYPES = {s.__name__: s.name for s in SECTIONS}
+
+
+def _file(module: str) -> Path:
+    path = ROOT.joinpath(*module.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def _derived_reads() -> dict[str, set[str]]:
+    """'section.method' -> the fields a section's own method or property reads (self.<field>)."""
+    out: dict[str, set[str]] = {}
+    for path in sorted((ROOT / "miles/train/config").glob("*.py")):
+        for cls in ast.parse(path.read_text()).body:
+            if isinstance(cls, ast.ClassDef) and cls.name in SECTION_TYPES:
+                section = SECTION_TYPES[cls.name]
+                for fn in cls.body:
+                    if isinstance(fn, ast.FunctionDef) and section in SECTION_FIELDS:
+                        read = {
+                            n.attr for n in ast.walk(fn)
+                            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"
+                        }  # fmt: skip
+                        out[f"{section}.{fn.name}"] = read & SECTION_FIELDS[section]
+    return out
+
+
+def _section_of(node: ast.AST, aliases: dict[str, str]) -> str | None:
+    """The section an expression is: `<x>.checkpoint`, or a name bound to a section."""
+    if isinstance(node, ast.Attribute) and node.attr in SECTION_FIELDS:
+        return node.attr
+    if isinstance(node, ast.Name):
+        return aliases.get(node.id)
+    return None
+
+
+def _aliases(fn: ast.AST) -> dict[str, str]:
+    """Names a function binds to a section: parameters named or typed as one, and assignments
+    from one (`ckpt = run.config.checkpoint`, `cfg, checked = run.config, run.config.checks`)."""
+    found: dict[str, str] = {}
+    args = fn.args.args + fn.args.kwonlyargs if isinstance(fn, ast.FunctionDef) else []
+    for a in args:
+        typed = SECTION_TYPES.get(ast.unparse(a.annotation)) if a.annotation is not None else None
+        if typed or a.arg in SECTION_FIELDS:
+            found[a.arg] = typed or a.arg
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                pairs = (
+                    zip(target.elts, node.value.elts, strict=False)
+                    if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple)
+                    else [(target, node.value)]
+                )
+                for name, value in pairs:
+                    section = _section_of(value, found)
+                    if isinstance(name, ast.Name) and section:
+                        found[name.id] = section
+    return found
+
+
+def _reads(module: str) -> set[str]:
+    """'section.field' for every field of a section the module reads: `<section>.<field>`, or a
+    section method or property that reads fields (found statically: a section kept on `self`
+    under another name is not seen, so this finds a subset of the reads)."""
+    derived = _derived_reads()
+    read: set[str] = set()
+    tree = ast.parse(_file(module).read_text())
+    for fn in [tree, *(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef))]:
+        aliases = _aliases(fn)
+        for node in ast.walk(fn):
+            if not isinstance(node, ast.Attribute):
+                continue
+            section = _section_of(node.value, aliases)
+            if section is None:
+                continue
+            if node.attr in SECTION_FIELDS[section]:
+                read.add(f"{section}.{node.attr}")
+            read |= {f"{section}.{f}" for f in derived.get(f"{section}.{node.attr}", ())}
+    return read
+
+
+def _declared(component: str) -> set[str]:
+    return {f"{s}.{f}" for s, fields in consumption.fields_used_by(component).items() for f in fields}
+
+
+@pytest.mark.parametrize("component", sorted(COMPONENT_MODULES))
+def test_every_field_a_component_reads_is_declared_as_acted_on_by_it(component):
+    read = set().union(*(_reads(m) for m in COMPONENT_MODULES[component]))
+    assert sorted(read - _declared(component)) == []
 
 
 def _sources(module: str) -> list[Path]:
     """A component's module, the miles modules it imports (where its helpers read fields, in
     miles.megatron too) and the sections' own derivations (sampling, loss and optimizer settings)."""
-    path = consumption.source_file(module)
+    path = _file(module)
     tree = ast.parse(path.read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     imported |= {f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
                  for a in n.names}  # fmt: skip
-    found = {consumption.source_file(m) for m in {*imported, "miles.train.config"} if m.startswith("miles.")}
-    return sorted({path} | {f for f in found if f.is_file()})
+    found = {_file(m) for m in imported if m.startswith("miles.")}
+    config = sorted((ROOT / "miles/train/config").glob("*.py"))
+    return sorted({path, *config} | {f for f in found if f.is_file()})
 
 
-def _unread(uses, module: str) -> list[str]:
-    """Declared fields no attribute read in the component's sources names (a Namespace's excepted)."""
+# Sections a component reads as a whole, not field by field: the layout flags become one
+# ParallelLayout, and the megatron backend checks every model-shape flag against config.json by
+# its option string (check_model_flags).
+WHOLE = ("layout", "model")
+
+
+def _unread(uses, modules) -> list[str]:
+    """Declared fields no attribute read in the components' sources names (a Namespace's excepted)."""
     read = {
         node.attr
+        for module in modules
         for path in _sources(module)
         for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.Attribute)
         and not (isinstance(node.value, ast.Name) and node.value.id == "args")
     }
-    return sorted(
-        f"{s}.{f}" for s, fields in uses.items() if fields != consumption.ALL for f in fields if f not in read
-    )
+    return sorted(f"{s}.{f}" for s, fields in uses.items() if s not in WHOLE for f in fields if f not in read)
 
 
-@pytest.mark.parametrize(
-    ("module", "name"), [consumption.TRAINER, *consumption.BACKENDS.values(), *consumption.ENGINES.values()]
-)
-def test_every_field_a_component_declares_is_read_by_it(module, name):
-    assert _unread(consumption.declared(module, name), module) == []
+@pytest.mark.parametrize("component", sorted(COMPONENT_MODULES))
+def test_every_field_declared_as_acted_on_is_read_by_the_component(component):
+    assert _unread(consumption.fields_used_by(component), COMPONENT_MODULES[component]) == []
 
 
 def test_a_declared_field_the_component_never_reads_is_caught():
-    assert _unread({"logging": ("use_wandb",)}, "miles.train.backends.torch_dp") == ["logging.use_wandb"]
+    assert _unread({"logging": ("use_wandb",)}, ["miles.train.backends.torch_dp"]) == ["logging.use_wandb"]
 
 
-def test_a_declaration_naming_a_missing_section_or_field_is_refused():
-    with pytest.raises(consumption.DeclarationError, match="no section 'optimiser'"):
-        consumption.checked_declaration({"optimiser": "*"}, "X.CONSUMES")
-    with pytest.raises(consumption.DeclarationError, match=r"section 'rollout' has no field\(s\) \['lr'\]"):
-        consumption.checked_declaration({"rollout": ("lr",)}, "X.CONSUMES")
+def test_a_field_read_but_not_declared_is_caught():
+    source = (
+        "def step(run, job: JobConfig):\n"
+        "    checked = run.config.checks\n"
+        "    return job.seed, checked.ci_test, run.config.algorithm.loss_config(1.0), run.config.rollout.samples\n"
+    )
+    tree = ast.parse(source)
+    fn = tree.body[0]
+    aliases = _aliases(fn)
+    assert aliases == {"job": "job", "checked": "checks"}
+    derived = _derived_reads()
+    assert {"eps_clip", "kl_loss_coef", "calculate_per_token_loss"} <= derived["algorithm.loss_config"]
+    assert derived["rollout.samples"] == {"rollout_batch_size", "n_samples_per_prompt"}
 
 
 def test_a_megatron_flag_on_the_data_parallel_backend_is_refused():
@@ -293,6 +415,5 @@ def test_the_class_name_checks_would_be_found():
 
 def test_every_section_is_one_a_component_can_name():
     assert all(issubclass(s, Section) for s in SECTIONS)
-    assert {name for c in COMPONENTS for name in consumption.component_class(*c).CONSUMES} <= {
-        s.name for s in SECTIONS
-    }
+    built_from = {name for c in COMPONENTS for name in _consumer(*c).sections}
+    assert built_from | {"trainer"} <= {s.name for s in SECTIONS} | {"trainer"}

@@ -2,7 +2,7 @@
 
 `TrainBackend` is the interface; `make_backend(config, dist)` picks FSDP2 or DDP (data
 parallel over torch.distributed, any device) or Megatron (megatron-core, on GPUs or on CPU
-under gloo) and gives it the configuration sections it declares in its `CONSUMES`
+under gloo) and gives it the configuration sections of the flags it acts on
 (miles.train.consumption). The trainer never touches the wrapped model directly: how a minibatch is
 dealt to the ranks and cut into micro-batches, logprobs, a training step over micro-batches,
 the full weights for the rollout engine, and checkpoint state all go through here.

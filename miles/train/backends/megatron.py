@@ -7,8 +7,8 @@ from the torch_dist checkpoint `prepare-ckpt` writes (`--ref-load`); micro-batch
 through megatron's `forward_backward_func` (so pipeline parallelism runs its real
 schedule) with the GRPO/GSPO loss of `miles.train.algorithm` computed on vocabulary-parallel
 logits; gradients are reduced by megatron's DDP and applied by its distributed optimizer
-(fp32 main parameters). What it acts on is its `CONSUMES` declaration; how, one row per flag
-of `miles.megatron.options`, whose refusals and needs (TE's spec, a GPU, another flag) are
+(fp32 main parameters). The flags it acts on name it on their fields (`by=megatron`,
+miles.train.config); how, one row per flag of `miles.megatron.options`, whose refusals and needs (TE's spec, a GPU, another flag) are
 checked when the backend starts. On the CPU, `compat.install()` first redirects
 megatron-core's CUDA assumptions. The run's first line names the spec, attention, experts and
 optimizer actually built.
@@ -53,40 +53,11 @@ class MegatronSetupError(BackendUnavailable):
 
 
 class MegatronBackend(TrainBackend):
-    # The section fields it acts on (miles.train.consumption). The model shape is built from
-    # config.json, and a model flag that describes another model is refused (check_model_flags,
-    # check_built_model); each megatron field below acts through its row of miles.megatron.options
-    # (the layer spec, a TransformerConfig, DDP or optimizer field), and so does the checkpoint's
-    # megatron_to_hf_mode (raw is how it loads; bridge is refused).
-    CONSUMES = {
-        "job": ("seed", "deterministic_mode"),
-        "checkpoint": ("hf_checkpoint", "ref_load", "megatron_to_hf_mode"),
-        "rollout": ("num_rollout", "rollout_batch_size", "n_samples_per_prompt", "rollout_temperature"),
-        "batch": (
-            "global_batch_size", "micro_batch_size", "use_dynamic_batch_size", "max_tokens_per_gpu", "balance_data",
-        ),
-        "algorithm": (
-            "advantage_estimator", "eps_clip", "eps_clip_high", "eps_clip_c", "use_kl_loss", "kl_loss_type",
-            "kl_loss_coef", "entropy_coef", "use_tis", "tis_clip", "tis_clip_low", "calculate_per_token_loss",
-        ),
-        "optimizer": (
-            "lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "weight_decay", "adam_beta1",
-            "adam_beta2", "adam_eps", "clip_grad", "bf16",
-        ),
-        "layout": "*",
-        "model": "*",
-        "megatron": (
-            "transformer_impl", "attention_backend", "attention_dropout", "hidden_dropout",
-            "attention_softmax_in_fp32", "moe_grouped_gemm", "moe_permute_fusion", "moe_token_dispatcher_type",
-            "moe_router_dtype", "moe_aux_loss_coeff", "moe_router_load_balancing_type",
-            "moe_router_bias_update_rate", "moe_z_loss_coeff", "recompute_granularity", "recompute_method",
-            "recompute_num_layers", "recompute_modules", "no_rope_fusion", "no_bias_dropout_fusion",
-            "no_masked_softmax_fusion", "no_bias_swiglu_fusion", "no_gradient_accumulation_fusion",
-            "overlap_grad_reduce", "overlap_param_gather", "accumulate_allreduce_grads_in_fp32",
-            "use_precision_aware_optimizer", "optimizer_cpu_offload", "overlap_cpu_optimizer_d2h_h2d",
-            "use_distributed_optimizer",
-        ),
-    }  # fmt: skip
+    # It is built from the sections of the flags that name it (miles.train.config: by=megatron).
+    # The model shape is built from config.json, and a model flag that describes another model is
+    # refused (check_model_flags, check_built_model); each megatron field it acts on does so through
+    # its row of miles.megatron.options (the layer spec, a TransformerConfig, DDP or optimizer
+    # field), and so does the checkpoint's megatron_to_hf_mode (raw is how it loads; bridge is refused).
 
     def __init__(
         self,

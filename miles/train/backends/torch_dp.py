@@ -41,25 +41,8 @@ from miles.train.model import ModelLoadError, empty_causal_lm, is_hf_dir, load_c
 
 
 class TorchDPBackend(TrainBackend):
-    # The section fields it acts on (miles.train.consumption); the layout's model-parallel
-    # degrees are refused by the flag parser, the Megatron sections are not read.
-    CONSUMES = {
-        "job": ("train_backend",),
-        "checkpoint": ("hf_checkpoint", "ref_load"),
-        "rollout": ("num_rollout", "rollout_batch_size", "n_samples_per_prompt", "rollout_temperature"),
-        "batch": (
-            "global_batch_size", "micro_batch_size", "use_dynamic_batch_size", "max_tokens_per_gpu", "balance_data",
-        ),
-        "algorithm": (
-            "advantage_estimator", "eps_clip", "eps_clip_high", "eps_clip_c", "use_kl_loss", "kl_loss_type",
-            "kl_loss_coef", "entropy_coef", "use_tis", "tis_clip", "tis_clip_low", "calculate_per_token_loss",
-        ),
-        "optimizer": (
-            "lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "weight_decay", "adam_beta1",
-            "adam_beta2", "adam_eps", "clip_grad", "bf16",
-        ),
-        "fsdp": "*",
-    }  # fmt: skip
+    # It is built from the sections of the flags that name it (miles.train.config: by=fsdp/ddp);
+    # the layout's model-parallel degrees are refused by the flag parser.
 
     def __init__(
         self,

@@ -1,0 +1,110 @@
+"""The rollout, SGLang and reward sections: how samples are generated and scored."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from miles.train.config.flags import (
+    SGLANG,
+    TRAINER,
+    TRAINER_AND_BACKENDS,
+    Section,
+    _fraction,
+    _positive_int,
+    _switch,
+    _text,
+    flag,
+)
+
+# What every training backend reads of the rollout beside the trainer: its size (the learning-rate
+# schedule's length) and its temperature (trainer and engine logprobs agree).
+_SHAPE = TRAINER_AND_BACKENDS
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float
+    top_p: float
+    top_k: int
+    max_response_len: int
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class RolloutConfig(Section):
+    name: ClassVar[str] = "rollout"
+    title: ClassVar[str] = "rollout"
+    used_by: ClassVar[tuple[str, ...]] = (TRAINER,)
+
+    num_rollout: int = flag(
+        by=_SHAPE, type=_positive_int, default=10, help="training steps (rollouts) in all"
+    )
+    rollout_batch_size: int = flag(by=_SHAPE, type=_positive_int, default=8, help="prompts per rollout")
+    n_samples_per_prompt: int = flag(by=_SHAPE, type=_positive_int, default=8, help="group size")
+    rollout_max_response_len: int = flag(type=_positive_int, default=64)
+    rollout_max_prompt_len: int | None = flag(type=_positive_int)
+    rollout_temperature: float = flag(by=_SHAPE, type=float, default=1.0)
+    rollout_top_p: float = flag(type=_fraction, default=1.0)
+    rollout_top_k: int = flag(type=int, default=-1, help="-1 = off")
+    rollout_stop_token_ids: tuple[int, ...] = flag(type=int, nargs="*", default=[])
+    rollout_seed: int | None = flag(by=(TRAINER, SGLANG), type=int, help="sampling seed (default: --seed)")
+    rollout_function_path: str | None = flag(by=(), help="(GPU lanes) custom rollout function, dotted path")
+    over_sampling_batch_size: int | None = flag(by=(), type=_positive_int)
+    dynamic_sampling_filter_path: str | None = _text(by=())
+    partial_rollout: bool = _switch(by=())
+    update_weights_interval: int = flag(type=_positive_int, default=1)
+
+    @property
+    def samples(self) -> int:
+        """Samples per rollout: prompts x group size."""
+        return self.rollout_batch_size * self.n_samples_per_prompt
+
+    def sampling_config(self, eos_token_ids: Sequence[int] = ()) -> SamplingConfig:
+        """What the rollout engine samples with; the model's end-of-sequence ids stop it too."""
+        return SamplingConfig(
+            temperature=self.rollout_temperature,
+            top_p=self.rollout_top_p,
+            top_k=self.rollout_top_k,
+            max_response_len=self.rollout_max_response_len,
+            stop_token_ids=tuple(dict.fromkeys([*self.rollout_stop_token_ids, *eos_token_ids])),
+        )
+
+
+@dataclass(frozen=True)
+class SGLangConfig(Section):
+    """The SGLang rollout engine; `server_args` are the `--sglang-<name> [values]` flags the
+    parser does not define itself, passed to SGLang's ServerArgs unchanged."""
+
+    name: ClassVar[str] = "sglang"
+    title: ClassVar[str] = "SGLang rollout engine"
+    used_by: ClassVar[tuple[str, ...]] = (SGLANG,)
+
+    rollout_num_gpus_per_engine: int = flag(type=_positive_int, default=1)
+    update_weight_buffer_size: int | None = flag(
+        type=_positive_int, help="bytes per weight push to SGLang (512 MiB)"
+    )
+    sglang_mem_fraction_static: float | None = flag(type=_fraction, help="SGLang KV-cache memory share")
+    server_args: Mapping[str, str | bool | list[str]] = field(default_factory=dict)
+
+    @classmethod
+    def from_namespace(cls, namespace: argparse.Namespace) -> SGLangConfig:
+        base = super().from_namespace(namespace)
+        return cls(**{**vars(base), "server_args": dict(getattr(namespace, "sglang_args", {}))})
+
+
+@dataclass(frozen=True)
+class RewardConfig(Section):
+    name: ClassVar[str] = "reward"
+    title: ClassVar[str] = "reward"
+    used_by: ClassVar[tuple[str, ...]] = (TRAINER,)
+
+    rm_type: str = flag(
+        default="synthetic",
+        help="math | deepscaler | dapo | gsm8k | synthetic | a dotted path module.func / module:func",
+    )
+    custom_rm_path: str | None = flag(help="dotted path of a reward function; wins over --rm-type")
+    reward_key: str | None = flag(help="when the reward function returns a dict, the key to train on")
+    rm_url: str | None = flag(by=(), help="remote reward model (not supported by the built-in rollout)")
