@@ -20,6 +20,10 @@ from collections.abc import Sequence
 from miles.parallel import ParallelLayout
 from miles.train.config import FLAGS, SECTIONS, SGLANG_PREFIX, RunConfig, flags_set
 
+PPO_FLAGS = (
+    "--gamma", "--lambd", "--value-clip", "--critic-lr", "--critic-lr-warmup-iters", "--num-critic-only-steps",
+)  # fmt: skip
+
 
 class ArgsError(ValueError):
     """A flag value breaks a rule; the message names the flag(s), the rule and a fix."""
@@ -153,7 +157,13 @@ def validate(args: argparse.Namespace) -> None:
             f"--micro-batch-size {args.micro_batch_size} has no effect with --use-dynamic-batch-size (micro-batches "
             "hold as many samples as --max-tokens-per-gpu allows); drop one of them"
         )
-    if args.n_samples_per_prompt < 2:
+    ppo_only = [f for f in PPO_FLAGS if f in args.flags_set]
+    if ppo_only and args.advantage_estimator != "ppo":
+        raise ArgsError(
+            f"{' '.join(ppo_only)} configure PPO's critic, which --advantage-estimator {args.advantage_estimator} "
+            "does not train; drop them, or use --advantage-estimator ppo"
+        )
+    if args.n_samples_per_prompt < 2 and args.advantage_estimator != "ppo":
         raise ArgsError(
             f"--advantage-estimator {args.advantage_estimator} normalises rewards within a group, so "
             f"--n-samples-per-prompt must be >= 2 (got {args.n_samples_per_prompt})"

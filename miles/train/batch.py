@@ -30,15 +30,22 @@ class Sample:
         return self.generation.finish_reason == "length"
 
 
+# The fields that hold one value per target token ([B, T-1]); advantages only when per token.
+PER_TOKEN = ("loss_mask", "rollout_logp", "old_logp", "ref_logp", "returns", "old_values", "advantages")
+
+
 @dataclass(frozen=True)
 class TokenBatch:
     input_ids: torch.Tensor  # [B, T], right-padded prompt + response
     attention_mask: torch.Tensor  # [B, T]
     loss_mask: torch.Tensor  # [B, T-1], 1 on response-token targets
-    advantages: torch.Tensor  # [B]
+    advantages: torch.Tensor  # [B] per sample, or [B, T-1] per token (PPO's GAE, whitened ones)
     rollout_logp: torch.Tensor  # [B, T-1]
     old_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
+    rewards: torch.Tensor | None = None  # [B]: each sample's reward (PPO's GAE pays it at its last token)
+    returns: torch.Tensor | None = None  # [B, T-1]: PPO's value targets
+    old_values: torch.Tensor | None = None  # [B, T-1]: the critic's values before its steps
 
     @property
     def size(self) -> int:
@@ -57,8 +64,8 @@ class TokenBatch:
         width = int(picked["attention_mask"].sum(dim=1).max()) if picked["input_ids"].shape[0] else 1
         for key in ("input_ids", "attention_mask"):
             picked[key] = picked[key][:, :width]
-        for key in ("loss_mask", "rollout_logp", "old_logp", "ref_logp"):
-            if picked[key] is not None:
+        for key in PER_TOKEN:
+            if picked[key] is not None and picked[key].dim() == 2:
                 picked[key] = picked[key][:, : width - 1]
         return TokenBatch(**picked)
 
@@ -103,4 +110,5 @@ def collate(samples: Sequence[Sample], pad_token_id: int = 0) -> TokenBatch:
         loss_mask[i, start : start + n] = 1.0
         rollout_logp[i, start : start + n] = torch.tensor(s.generation.logprobs, dtype=torch.float32)
     advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-    return TokenBatch(input_ids, attention, loss_mask, advantages, rollout_logp)
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    return TokenBatch(input_ids, attention, loss_mask, advantages, rollout_logp, rewards=rewards)

@@ -23,6 +23,7 @@ from pathlib import Path
 from miles.train.config import RunConfig
 
 MARKER = "latest_checkpointed_iteration.txt"
+CRITIC_DIR = "critic"  # PPO's critic: its model and optimizer, beside the policy's
 STATE_FILE = "trainer_state.json"
 
 
@@ -76,8 +77,9 @@ def latest_iteration(root: str | Path) -> int | None:
     return step
 
 
-def save(backend, root: str | Path, state: TrainerState, *, is_main: bool, barrier) -> Path:
-    """Write the checkpoint of `state.rollouts_done` rollouts (every rank calls this)."""
+def save(backend, root: str | Path, state: TrainerState, *, is_main: bool, barrier, critic=None) -> Path:
+    """Write the checkpoint of `state.rollouts_done` rollouts (every rank calls this), with PPO's
+    critic under CRITIC_DIR when there is one."""
     root = Path(root)
     final = iteration_dir(root, state.rollouts_done)
     tmp = final.with_name(final.name + ".tmp")
@@ -85,8 +87,12 @@ def save(backend, root: str | Path, state: TrainerState, *, is_main: bool, barri
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
+        if critic is not None:
+            (tmp / CRITIC_DIR).mkdir()
     barrier()
     backend.save(str(tmp), with_optimizer=state.with_optimizer)
+    if critic is not None:
+        critic.save(str(tmp / CRITIC_DIR), with_optimizer=state.with_optimizer)
     barrier()
     if is_main:
         (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2) + "\n")

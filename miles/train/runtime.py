@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from miles.train import checkpoint, data, guards
 from miles.train.args import ArgsError, validate_world, world_note
-from miles.train.backends import TrainBackend, make_backend
+from miles.train.backends import CRITIC, TrainBackend, make_backend
 from miles.train.config import RunConfig, SamplingConfig
 from miles.train.consumption import build, refusal
 from miles.train.distributed import DistInfo, init_distributed, seed_everything
@@ -32,6 +32,7 @@ class Run:
     backend: TrainBackend
     engine: RolloutEngine
     sampling: SamplingConfig
+    critic: TrainBackend | None = None  # PPO's value model (miles.train.critic)
     start_rollout: int = 0
     skipped_streak: guards.SkippedStreak = field(default_factory=lambda: guards.SkippedStreak(3))
     _encoded: dict[int, list[int]] = field(default_factory=dict)
@@ -121,10 +122,11 @@ def build_run(config: RunConfig) -> Run:
     reward = config.reward.custom_rm_path or config.reward.rm_type
     reward_fn = load_reward(reward)
     backend = make_backend(config, dist_info)
+    critic = make_backend(config, dist_info, role=CRITIC) if config.algorithm.uses_critic else None
     engine = make_engine(config, dist_info)
     model = engine.local_model
     sampling = config.rollout.sampling_config(eos_token_ids(model, tokenizer) if model is not None else ())
-    run = Run(config, dist_info, tokenizer, prompts, reward_fn, backend, engine, sampling)
+    run = Run(config, dist_info, tokenizer, prompts, reward_fn, backend, engine, sampling, critic)
     run.skipped_streak = guards.SkippedStreak(config.optimizer.max_skipped_steps)
     if model is not None:
         warn_if_not_causal(run)
@@ -252,8 +254,9 @@ def resume(run: Run) -> int:
     checkpoint.check_compatible(state, run.config)
     checkpoint.check_files(ckpt.load, state.rollouts_done)
     with_optimizer = state.with_optimizer and not ckpt.no_load_optim
-    run.backend.load(
-        str(checkpoint.iteration_dir(ckpt.load, state.rollouts_done)), with_optimizer=with_optimizer
-    )
+    directory = checkpoint.iteration_dir(ckpt.load, state.rollouts_done)
+    run.backend.load(str(directory), with_optimizer=with_optimizer)
+    if run.critic is not None:
+        run.critic.load(str(directory / checkpoint.CRITIC_DIR), with_optimizer=with_optimizer)
     run.log(f"miles.train: resumed from {checkpoint.iteration_dir(ckpt.load, state.rollouts_done)}")
     return state.rollouts_done

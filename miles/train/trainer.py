@@ -1,11 +1,13 @@
-"""`python -m miles.train`: group-relative policy optimisation, one rollout per iteration.
+"""`python -m miles.train`: group-relative policy optimisation (or PPO), one rollout per iteration.
 
     for rollout k = start .. num_rollout-1:
         1. rollout    for each prompt of the batch, sample G responses with the current policy
         2. reward     score each response with the rule (--rm-type)
-        3. advantage  A_i = (r_i - mean(r_group)) / std(r_group)
+        3. advantage  A_i = (r_i - mean(r_group)) / std(r_group); PPO: GAE over the critic's
+                      values of each response token (miles.train.critic)
         4. learn      for each minibatch: clipped policy loss (+ KL to the reference,
-                      - entropy bonus), AdamW step with gradient clipping
+                      - entropy bonus), AdamW step with gradient clipping; PPO: a value step
+                      of the critic too (alone for the first --num-critic-only-steps rollouts)
         5. sync       push the new weights to the rollout engine
         evaluate every --eval-interval rollouts; log the metrics; save every --save-interval
 
@@ -24,7 +26,7 @@ from dataclasses import replace
 import torch
 
 from miles import children
-from miles.train import checkpoint, checks, evaluation, guards, report
+from miles.train import checkpoint, checks, critic, evaluation, guards, report
 from miles.train.algorithm import LOSS_SUMS, group_advantages
 from miles.train.args import ArgsError, parse_config
 from miles.train.backends import BackendUnavailable
@@ -78,7 +80,8 @@ def train(run: Run) -> None:
         )
         if not checked.debug_rollout_only:
             metrics |= learn(run, rollout_id, samples)  # 4 loss and optimizer steps
-            metrics |= sync_weights(run, rollout_id)  # 5 sync
+            if not critic.policy_waits(run, rollout_id):
+                metrics |= sync_weights(run, rollout_id)  # 5 sync
         metrics["perf/step_time"] = time.perf_counter() - started
         if evaluation.due(cfg.eval, rollout_id):
             metrics |= evaluation.evaluate(run, eval_sets, rollout_id)
@@ -127,7 +130,10 @@ def generate_and_score(run: Run, rollout_id: int) -> list[Sample]:
 
 
 def with_advantages(run: Run, samples: Sequence[Sample]) -> list[Sample]:
-    """Step 3: each sample's advantage within its group of --n-samples-per-prompt."""
+    """Step 3: each sample's advantage within its group of --n-samples-per-prompt (PPO's come
+    from the critic's values of each token, in `learn`)."""
+    if run.critic is not None:
+        return list(samples)
     rewards = torch.tensor([s.reward for s in samples])
     normalize_std = not run.config.algorithm.disable_grpo_std_normalization
     advantages = group_advantages(
@@ -150,12 +156,20 @@ def learn(run: Run, rollout_id: int, samples: Sequence[Sample]) -> dict[str, flo
     if run.engine.colocated:
         run.engine.release_memory()  # it gives the GPU to the trainer until the sync
     local, plan = share_of_rank(run, samples)
+    local, values = per_token_advantages(run, local, plan)
+    if critic.policy_waits(run, rollout_id):
+        steps = [
+            critic.value_step(run, micro, normalizer_of(run, micro)) for micro in minibatches(local, plan)
+        ]
+        return values | critic.value_metrics(steps) | {"perf/train_time": time.perf_counter() - started}
     reuse = run.backend.forward_is_deterministic
     own_old = reuse and not cfg.algorithm.use_rollout_logprobs  # else the engine's are the old ones
     local, trainer_logp = with_old_logprobs(run, local, plan, skip_first=reuse and not checked.ci_test)
-    steps, mismatch = [], {}
+    steps, value_steps, mismatch = [], [], {}
     for m, micro in enumerate(plan):
         batches = [local.rows(rows) for rows in micro]
+        if run.critic is not None:
+            value_steps.append(critic.value_step(run, batches, normalizer_of(run, batches)))
         if m == 0 and own_old:
             batches = [mb.with_(old_logp=None) for mb in batches]  # the forward's own (batch_loss)
         step, logprobs = optimizer_step(run, batches)
@@ -172,7 +186,27 @@ def learn(run: Run, rollout_id: int, samples: Sequence[Sample]) -> dict[str, flo
     metrics["train/skipped_steps"] = float(sum(step["skipped"] for step in steps))
     metrics["train/optimizer_steps"] = float(len(steps))
     metrics["perf/micro_batches_per_step"] = sum(map(len, plan)) / len(plan)
+    if value_steps:
+        metrics |= values | critic.value_metrics(value_steps)
     return metrics | mismatch | {"perf/train_time": time.perf_counter() - started}
+
+
+def per_token_advantages(
+    run: Run, local: TokenBatch, plan: Sequence[Sequence[Sequence[int]]]
+) -> tuple[TokenBatch, dict[str, float]]:
+    """PPO: the advantages, returns and old values of each response token from the critic (and
+    its explained variance); with --normalize-advantages, whitened over every rank's tokens."""
+    metrics: dict[str, float] = {}
+    if run.critic is not None:
+        local, metrics = critic.with_gae(run, local, plan, local.rewards)
+    if run.config.algorithm.normalize_advantages:
+        local = critic.whitened(run, local)
+    return local, metrics
+
+
+def minibatches(local: TokenBatch, plan: Sequence[Sequence[Sequence[int]]]) -> list[list[TokenBatch]]:
+    """Each minibatch of the plan as its micro-batches."""
+    return [[local.rows(rows) for rows in micro] for micro in plan]
 
 
 def share_of_rank(run: Run, samples: Sequence[Sample]) -> tuple[TokenBatch, list[list[list[int]]]]:
@@ -274,14 +308,7 @@ def optimizer_step(
     """One AdamW step on this rank's micro-batches of a minibatch; loss terms summed over the
     data-parallel ranks. Also each micro-batch's logprobs from the training forward."""
     _, replicas, group = run.backend.data_parallel
-    # Each rank's loss is divided so that the data-parallel gradient average is the mean over
-    # the minibatch's own samples (a partial step's too, as the seed framework normalises by a
-    # step's true count), or its tokens with --calculate-per-token-loss.
-    if run.config.algorithm.calculate_per_token_loss:
-        count = sum(float(mb.loss_mask.sum()) for mb in micro)
-    else:
-        count = float(sum(mb.size for mb in micro))
-    normalizer = all_reduce_sum([count], group)[0] / replicas
+    normalizer = normalizer_of(run, micro)
     result = run.backend.train_step(micro, normalizer)
     local = [sum(getattr(t, k) for t in result.terms) for k in LOSS_SUMS]
     loss = sum(float(t.loss.detach()) for t in result.terms) / normalizer
@@ -289,6 +316,18 @@ def optimizer_step(
     reduced["loss"] /= replicas
     step = reduced | {"grad_norm": result.grad_norm, "lr": result.lr, "skipped": result.skipped}
     return step, result.logprobs
+
+
+def normalizer_of(run: Run, micro: Sequence[TokenBatch]) -> float:
+    """What each rank divides its loss by so that the data-parallel gradient average is the mean
+    over the minibatch's own samples (a partial step's too, as the seed framework normalises by
+    a step's true count), or its tokens with --calculate-per-token-loss."""
+    _, replicas, group = run.backend.data_parallel
+    if run.config.algorithm.calculate_per_token_loss:
+        count = sum(float(mb.loss_mask.sum()) for mb in micro)
+    else:
+        count = float(sum(mb.size for mb in micro))
+    return all_reduce_sum([count], group)[0] / replicas
 
 
 def batched_logprobs(
@@ -370,7 +409,9 @@ def maybe_save(run: Run, rollout_id: int) -> None:
     if done != cfg.rollout.num_rollout and not (ckpt.save_interval and done % ckpt.save_interval == 0):
         return
     state = checkpoint.state_of(cfg, done)
-    path = checkpoint.save(run.backend, ckpt.save, state, is_main=run.dist.is_main, barrier=barrier)
+    path = checkpoint.save(
+        run.backend, ckpt.save, state, is_main=run.dist.is_main, barrier=barrier, critic=run.critic
+    )
     run.log(f"miles.train: saved {path}")
 
 

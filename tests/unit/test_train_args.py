@@ -217,3 +217,25 @@ def test_deterministic_collectives_refuse_overlapped_gradient_reduction(capsys):
     )
     assert "--debug-deterministic-collective folds each reduction as it is called" in err
     assert "drop --overlap-grad-reduce" in err
+
+
+def test_critic_flags_without_ppo_are_refused_and_ppo_needs_no_groups(capsys):
+    err = _error(["--critic-lr", "1e-5", "--gamma", "0.9"], capsys)
+    assert (
+        "--gamma --critic-lr configure PPO's critic, which --advantage-estimator grpo does not train" in err
+    )
+    config = parse_config(
+        [
+            "--hf-checkpoint",
+            "m",
+            "--advantage-estimator",
+            "ppo",
+            "--n-samples-per-prompt",
+            "1",
+            "--critic-lr",
+            "1e-5",
+        ]
+    )
+    assert config.algorithm.uses_critic
+    assert config.optimizer.optim_config(config.algorithm, critic=True).lr == 1e-5
+    assert config.optimizer.optim_config(config.algorithm).lr == config.optimizer.lr

@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from miles.train import algorithm, guards
-from miles.train.backends import StepResult, TrainBackend, batch_loss
+from miles.train.backends import ACTOR, CRITIC, StepResult, TrainBackend, batch_loss, value_batch_loss
 from miles.train.batch import TokenBatch
 from miles.train.config import (
     AlgorithmConfig,
@@ -37,7 +37,14 @@ from miles.train.config import (
     TorchDPConfig,
     optimizer_steps,
 )
-from miles.train.model import ModelLoadError, empty_causal_lm, is_hf_dir, load_causal_lm, train_dtype
+from miles.train.model import (
+    ModelLoadError,
+    empty_causal_lm,
+    is_hf_dir,
+    load_causal_lm,
+    train_dtype,
+    with_value_head,
+)
 
 
 class TorchDPBackend(TrainBackend):
@@ -55,12 +62,15 @@ class TorchDPBackend(TrainBackend):
         optimizer: OptimizerConfig,
         fsdp: TorchDPConfig,
         dist_info,
+        role: str = ACTOR,
     ):
         self.mode = job.train_backend  # fsdp | ddp
         self.dist = dist_info
+        self.role = role
         self.batching = batch
         self.loss_cfg = algorithm.loss_config(rollout.rollout_temperature)
-        self.optim_cfg = optimizer.optim_config()
+        self.value_clip = algorithm.value_clip
+        self.optim_cfg = optimizer.optim_config(algorithm, critic=role == CRITIC)
         self.compute_dtype = train_dtype(optimizer.bf16)
         self._groups: dict[str, frozenset[str]] | None = None
         self.model = self._load(
@@ -68,7 +78,7 @@ class TorchDPBackend(TrainBackend):
         )
         self.forward_is_deterministic = not _noisy_in_training(self._inner)
         self.ref_model = None
-        if algorithm.use_kl_loss:
+        if algorithm.use_kl_loss and role == ACTOR:
             ref_load = checkpoint.ref_load
             ref_path = ref_load if ref_load and is_hf_dir(ref_load) else checkpoint.hf_checkpoint
             self.ref_source = ref_path
@@ -90,7 +100,7 @@ class TorchDPBackend(TrainBackend):
         every rank builds it empty and shards it, rank 0 reads the checkpoint into host memory,
         and each tensor is broadcast in turn, every rank keeping its own shard of it."""
         if not self._sharded:
-            model = load_causal_lm(path, dtype=dtype, device=self.dist.device)
+            model = self._headed(load_causal_lm(path, dtype=dtype, device=self.dist.device), trainable)
             if checkpointing:
                 model.gradient_checkpointing_enable()
             return self._wrap(model if trainable else model.requires_grad_(False).eval(), trainable=trainable)
@@ -99,14 +109,14 @@ class TorchDPBackend(TrainBackend):
         source, failed = None, [None]
         if self.dist.rank == 0:
             try:
-                source = load_causal_lm(path, dtype=dtype, device="cpu")
+                source = self._headed(load_causal_lm(path, dtype=dtype, device="cpu"), trainable)
             except ModelLoadError as exc:
                 failed = [str(exc)]
         # the other ranks would wait for rank 0's tensors forever: every rank raises its error
         dist.broadcast_object_list(failed, src=0)
         if failed[0] is not None:
             raise ModelLoadError(failed[0])
-        model = empty_causal_lm(path, dtype=dtype)
+        model = self._headed(empty_causal_lm(path, dtype=dtype), trainable)
         if checkpointing:
             model.gradient_checkpointing_enable()
         if not trainable:
@@ -129,6 +139,10 @@ class TorchDPBackend(TrainBackend):
         if conversions[0] is not None:
             model._weight_conversions = conversions[0]
         return model
+
+    def _headed(self, model, trainable: bool):
+        """The critic's model is the policy's with a value head (miles.train.model.with_value_head)."""
+        return with_value_head(model) if self.role == CRITIC and trainable else model
 
     def _shard(self, model) -> None:
         """FSDP2 over every decoder layer, then the rest of the model as the root unit."""
@@ -165,18 +179,32 @@ class TorchDPBackend(TrainBackend):
             return contextlib.nullcontext()
         return torch.autocast(device_type=torch.device(self.dist.device).type, dtype=self.compute_dtype)
 
-    def _forward(self, model, batch: TokenBatch, *, with_entropy: bool):
+    def _logits(self, model, batch: TokenBatch):
         device = self.dist.device
         input_ids = batch.input_ids.to(device)
         attention = batch.attention_mask.to(device)
         positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
         with self._compute_precision():
-            logits = model(
+            return model(
                 input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=False
             ).logits
+
+    def _forward(self, model, batch: TokenBatch, *, with_entropy: bool):
+        logits = self._logits(model, batch)
         return algorithm.token_logprobs_and_entropy(
-            logits[:, :-1], input_ids[:, 1:], self.loss_cfg.temperature, with_entropy=with_entropy
+            logits[:, :-1],
+            batch.input_ids.to(logits.device)[:, 1:],
+            self.loss_cfg.temperature,
+            with_entropy=with_entropy,
         )
+
+    def _values(self, batch: TokenBatch):
+        """The critic's value [rows, width-1] at each position (before each target token)."""
+        return self._logits(self.model, batch)[:, :-1, 0].float()
+
+    def batch_values(self, micro: Sequence[TokenBatch]) -> list[torch.Tensor]:
+        with torch.no_grad():
+            return [self._values(mb).cpu() * mb.loss_mask for mb in micro]
 
     def logprobs(self, batch: TokenBatch, *, reference: bool = False) -> torch.Tensor:
         model = self.ref_model if reference else self.model
@@ -194,8 +222,12 @@ class TorchDPBackend(TrainBackend):
         terms, logps = [], []
         for i, mb in enumerate(micro_batches):
             with self._grad_sync(last=i == len(micro_batches) - 1):
-                logp, entropy = self._forward(self.model, mb, with_entropy=True)
-                t = batch_loss(logp, entropy, mb, self.loss_cfg)
+                if self.role == CRITIC:
+                    logp = self._values(mb)  # the critic's "logprobs" are its values
+                    t = value_batch_loss(logp, mb, self.value_clip, self.loss_cfg.per_token_loss)
+                else:
+                    logp, entropy = self._forward(self.model, mb, with_entropy=True)
+                    t = batch_loss(logp, entropy, mb, self.loss_cfg)
                 (t.loss / normalizer).backward()
             terms.append(t)
             logps.append(logp.detach())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from miles.train.config.flags import (
@@ -18,7 +18,7 @@ from miles.train.config.flags import (
     flag,
 )
 
-ADVANTAGE_ESTIMATORS = ("grpo", "gspo")
+ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "ppo")
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
 
 
@@ -115,6 +115,34 @@ class AlgorithmConfig(Section):
     use_rollout_logprobs: bool = flag(
         by=TRAINER, action="store_true", help="old logprobs from the rollout engine"
     )
+    normalize_advantages: bool = flag(
+        by=TRAINER, action="store_true", help="whiten the advantages over every rank's response tokens"
+    )
+    # PPO (--advantage-estimator ppo): a critic, its own model trained beside the policy
+    gamma: float = flag(by=TRAINER, type=_non_negative_float, default=1.0, help="(ppo) GAE discount")
+    lambd: float = flag(by=TRAINER, type=_non_negative_float, default=1.0, help="(ppo) GAE lambda")
+    value_clip: float = flag(
+        by=EVERY_BACKEND,
+        type=_non_negative_float,
+        default=0.2,
+        help="(ppo) how far a value may move from its old one",
+    )
+    critic_lr: float | None = flag(
+        by=EVERY_BACKEND, type=_non_negative_float, help="(ppo) the critic's learning rate (default: --lr)"
+    )
+    critic_lr_warmup_iters: int = flag(
+        by=EVERY_BACKEND, type=int, default=0, help="(ppo) the critic's warmup steps"
+    )
+    num_critic_only_steps: int = flag(
+        by=TRAINER,
+        type=int,
+        default=0,
+        help="(ppo) first rollouts that train only the critic (the policy waits)",
+    )
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.advantage_estimator == "ppo"
 
     def loss_config(self, temperature: float) -> LossConfig:
         """The loss terms' settings; `temperature` is the rollout's, so trainer and engine logprobs agree."""
@@ -166,7 +194,11 @@ class OptimizerConfig(Section):
     )
     fp16: bool = _switch(by=())
 
-    def optim_config(self) -> OptimConfig:
+    def optim_config(self, algorithm: AlgorithmConfig | None = None, *, critic: bool = False) -> OptimConfig:
+        """The optimizer's settings; the critic's (PPO) take --critic-lr and --critic-lr-warmup-iters."""
+        if critic and algorithm is not None:
+            lr = self.lr if algorithm.critic_lr is None else algorithm.critic_lr
+            return replace(self.optim_config(), lr=lr, lr_warmup_iters=algorithm.critic_lr_warmup_iters)
         return OptimConfig(
             lr=self.lr,
             min_lr=self.min_lr,
