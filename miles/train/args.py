@@ -163,6 +163,12 @@ def validate(args: argparse.Namespace) -> None:
             f"{' '.join(ppo_only)} configure PPO's critic, which --advantage-estimator {args.advantage_estimator} "
             "does not train; drop them, or use --advantage-estimator ppo"
         )
+    lora_only = [f for f in ("--lora-alpha", "--lora-dropout", "--target-modules") if f in args.flags_set]
+    if lora_only and args.lora_rank <= 0:
+        raise ArgsError(
+            f"{' '.join(lora_only)} shape LoRA adapters, but --lora-rank is {args.lora_rank} (no LoRA); "
+            "set --lora-rank N or drop them"
+        )
     if args.n_samples_per_prompt < 2 and args.advantage_estimator != "ppo":
         raise ArgsError(
             f"--advantage-estimator {args.advantage_estimator} normalises rewards within a group, so "

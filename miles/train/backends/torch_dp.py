@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from miles.train import algorithm, guards
+from miles.train import lora as lora_adapters
 from miles.train.backends import ACTOR, CRITIC, StepResult, TrainBackend, batch_loss, value_batch_loss
 from miles.train.batch import TokenBatch
 from miles.train.config import (
@@ -32,6 +33,7 @@ from miles.train.config import (
     BatchConfig,
     CheckpointConfig,
     JobConfig,
+    LoraConfig,
     OptimizerConfig,
     RolloutConfig,
     TorchDPConfig,
@@ -61,12 +63,15 @@ class TorchDPBackend(TrainBackend):
         algorithm: AlgorithmConfig,
         optimizer: OptimizerConfig,
         fsdp: TorchDPConfig,
+        lora: LoraConfig,
         dist_info,
         role: str = ACTOR,
     ):
         self.mode = job.train_backend  # fsdp | ddp
         self.dist = dist_info
         self.role = role
+        self.lora = lora if lora.enabled and role == ACTOR else None  # adapters on the policy only
+        self.hf_checkpoint = checkpoint.hf_checkpoint
         self.batching = batch
         self.loss_cfg = algorithm.loss_config(rollout.rollout_temperature)
         self.value_clip = algorithm.value_clip
@@ -84,7 +89,7 @@ class TorchDPBackend(TrainBackend):
             self.ref_source = ref_path
             self.ref_model = self._load(ref_path, self.compute_dtype, trainable=False)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            [p for p in self.model.parameters() if p.requires_grad],  # with LoRA: the adapters
             lr=self.optim_cfg.lr,
             betas=(self.optim_cfg.beta1, self.optim_cfg.beta2),
             eps=self.optim_cfg.eps,
@@ -141,8 +146,13 @@ class TorchDPBackend(TrainBackend):
         return model
 
     def _headed(self, model, trainable: bool):
-        """The critic's model is the policy's with a value head (miles.train.model.with_value_head)."""
-        return with_value_head(model) if self.role == CRITIC and trainable else model
+        """The critic's model is the policy's with a value head (miles.train.model.with_value_head);
+        with --lora-rank the policy is wrapped with adapters (miles.train.lora)."""
+        if not trainable:
+            return model
+        if self.role == CRITIC:
+            return with_value_head(model)
+        return lora_adapters.wrap(model, self.lora, self.hf_checkpoint) if self.lora else model
 
     def _shard(self, model) -> None:
         """FSDP2 over every decoder layer, then the rest of the model as the root unit."""
@@ -167,7 +177,15 @@ class TorchDPBackend(TrainBackend):
 
     @property
     def _inner(self):
-        return getattr(self.model, "module", self.model)
+        """The transformers model (under DDP's wrapper and PEFT's, when there)."""
+        model = getattr(self.model, "module", self.model)
+        return model.get_base_model() if self.lora else model
+
+    def _state_items(self):
+        """The model's tensors under the transformers class's names; with LoRA, each adapted
+        weight merged with its adapters (a new tensor: the frozen base is never changed)."""
+        items = self._inner.state_dict().items()
+        return lora_adapters.merged(items, self.lora.scaling) if self.lora else items
 
     @property
     def _sharded(self) -> bool:
@@ -262,7 +280,7 @@ class TorchDPBackend(TrainBackend):
         until the last of their group is gathered, then reverted together."""
         groups = self._revert_groups() if names == "checkpoint" else {}
         pending: dict[frozenset[str], dict[str, torch.Tensor]] = {}
-        for name, tensor in self._inner.state_dict().items():
+        for name, tensor in self._state_items():
             if hasattr(tensor, "full_tensor"):
                 tensor = tensor.full_tensor()
             tensor = tensor.detach()
@@ -285,7 +303,7 @@ class TorchDPBackend(TrainBackend):
         if self._groups is None:
             meta = {
                 name: torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
-                for name, t in self._inner.state_dict().items()
+                for name, t in self._state_items()
             }
             whole = {n: tuple(t.shape) for n, t in checkpoint_names(self._inner, dict(meta)).items()}
             alone = {
@@ -303,15 +321,41 @@ class TorchDPBackend(TrainBackend):
         return self._groups
 
     def save(self, directory: str, *, with_optimizer: bool) -> None:
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        # with LoRA: the adapters only (the base is --hf-checkpoint's), and their PEFT-format copy
+        model_state, optim_state = self._state()
+        if self.lora:
+            self._save_adapter(f"{directory}/{lora_adapters.ADAPTER_DIR}")
         state = {"model": model_state}
         if with_optimizer:
             state["optim"] = optim_state
             state["scheduler"] = {"last_epoch": torch.tensor(self.scheduler.last_epoch)}
         dcp.save(state, checkpoint_id=directory)
 
+    def _state(self) -> tuple[dict, dict]:
+        """Model and optimizer state to checkpoint; with LoRA the adapters' alone (a head tied to
+        the frozen embedding is a key of the state dict that names no frozen parameter, so the
+        adapters are picked by name)."""
+        options = StateDictOptions(ignore_frozen_params=self.lora is not None)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
+        if self.lora:
+            model_state = {k: v for k, v in model_state.items() if lora_adapters.is_adapter(k)}
+        return model_state, optim_state
+
+    def _save_adapter(self, directory: str) -> None:
+        """The adapters, gathered whole on rank 0, as PEFT saves them (all ranks call it)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+        full = {
+            k: v
+            for k, v in get_model_state_dict(self.model, options=options).items()
+            if lora_adapters.is_adapter(k)
+        }
+        if self.dist.rank == 0:
+            lora_adapters.save_adapter(directory, full, self.lora, self.hf_checkpoint)
+
     def load(self, directory: str, *, with_optimizer: bool) -> None:
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = self._state()
         state = {"model": model_state}
         if with_optimizer:
             state["optim"] = optim_state
@@ -320,6 +364,7 @@ class TorchDPBackend(TrainBackend):
         set_state_dict(
             self.model,
             self.optimizer,
+            options=StateDictOptions(strict=self.lora is None),
             model_state_dict=state["model"],
             optim_state_dict=state["optim"] if with_optimizer else {},
         )

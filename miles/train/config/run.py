@@ -14,7 +14,13 @@ from miles.train.config.flags import Flag, Section
 from miles.train.config.job import JobConfig, ParallelFlags
 from miles.train.config.megatron import MegatronConfig, ModelConfig
 from miles.train.config.rollout import RewardConfig, RolloutConfig, SGLangConfig
-from miles.train.config.training import AlgorithmConfig, BatchConfig, OptimizerConfig, TorchDPConfig
+from miles.train.config.training import (
+    AlgorithmConfig,
+    BatchConfig,
+    LoraConfig,
+    OptimizerConfig,
+    TorchDPConfig,
+)
 
 SGLANG_PREFIX = "--sglang-"
 
@@ -29,6 +35,7 @@ SECTIONS: tuple[type[Section], ...] = (
     RewardConfig,
     AlgorithmConfig,
     OptimizerConfig,
+    LoraConfig,
     JobConfig,
     ParallelFlags,
     TorchDPConfig,
@@ -67,6 +74,7 @@ class RunConfig:
     reward: RewardConfig
     algorithm: AlgorithmConfig
     optimizer: OptimizerConfig
+    lora: LoraConfig
     job: JobConfig
     layout: ParallelLayout
     fsdp: TorchDPConfig

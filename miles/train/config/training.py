@@ -222,3 +222,29 @@ class TorchDPConfig(Section):
     used_by: ClassVar[tuple[str, ...]] = DATA_PARALLEL
 
     gradient_checkpointing: bool = flag(action="store_true", help="(fsdp/ddp) recompute activations")
+
+
+@dataclass(frozen=True)
+class LoraConfig(Section):
+    """LoRA adapters on the policy (the seed framework's flags): only they train, the base stays frozen."""
+
+    name: ClassVar[str] = "lora"
+    title: ClassVar[str] = "LoRA adapters"
+    used_by: ClassVar[tuple[str, ...]] = DATA_PARALLEL
+
+    lora_rank: int = flag(type=int, default=0, help="adapter rank; 0 = no LoRA, the whole model trains")
+    lora_alpha: int = flag(type=int, default=16, help="the adapters' scale is alpha / rank")
+    lora_dropout: float = flag(type=_non_negative_float, default=0.0)
+    target_modules: str | None = flag(
+        help="all-linear (default), or module names, comma-separated, in HF spelling (q_proj, ...) or Megatron's "
+        "(linear_qkv, linear_proj, linear_fc1, linear_fc2)"
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.lora_rank > 0
+
+    @property
+    def scaling(self) -> float:
+        """What B @ A is multiplied by (peft's scaling without rsLoRA)."""
+        return self.lora_alpha / self.lora_rank
