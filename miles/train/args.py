@@ -184,10 +184,7 @@ def validate(args: argparse.Namespace) -> None:
         )
     if args.kl_coef:
         raise ArgsError(f"--kl-coef {args.kl_coef}: KL in the reward is not supported; use --use-kl-loss")
-    if args.rm_url:
-        raise ArgsError(
-            f"--rm-url {args.rm_url}: a remote reward model is not supported; use --rm-type or --custom-rm-path"
-        )
+    _validate_opd(args)
     if args.tis_clip_low > args.tis_clip:
         raise ArgsError(f"--tis-clip-low ({args.tis_clip_low}) must not exceed --tis-clip ({args.tis_clip})")
     if args.train_backend != "megatron":
@@ -228,6 +225,57 @@ def validate(args: argparse.Namespace) -> None:
         )
     if args.load_debug_rollout_data and args.debug_rollout_only:
         raise ArgsError("--load-debug-rollout-data and --debug-rollout-only exclude each other")
+
+
+OPD_FLAGS = (
+    "--opd-type",
+    "--opd-kl-coef",
+    "--opd-log-prob-top-k",
+    "--opd-top-k-strategy",
+    "--opd-reward-weight-mode",
+)
+
+
+def _validate_opd(args: argparse.Namespace) -> None:
+    """On-policy distillation's flags: the teacher at --rm-url, scored by the seed's reward functions."""
+    from miles.train.distillation import STRATEGIES
+
+    given = [f for f in OPD_FLAGS if f in args.flags_set]
+    if not args.use_opd:
+        if given:
+            raise ArgsError(f"{' '.join(given)} configure on-policy distillation; add --use-opd or drop them")
+        if args.custom_reward_post_process_path:
+            raise ArgsError(
+                f"--custom-reward-post-process-path {args.custom_reward_post_process_path} reads the answers of a "
+                "reward function that scores whole samples (on-policy distillation's); add --use-opd or drop it"
+            )
+        if args.rm_url:
+            raise ArgsError(
+                f"--rm-url {args.rm_url}: a remote reward model serves only on-policy distillation's teacher here "
+                "(--use-opd --opd-type sglang); use --rm-type or --custom-rm-path for a rule"
+            )
+        return
+    module = "miles.rollout.on_policy_distillation"
+    fix = (
+        f"--opd-type sglang --rm-url http://HOST:PORT/generate --custom-rm-path {module}.reward_func "
+        f"--custom-reward-post-process-path {module}.post_process_rewards"
+    )
+    if args.opd_type != "sglang":
+        raise ArgsError(
+            f"--use-opd with --opd-type {args.opd_type}: the teacher must be a server that scores the samples "
+            f"(the megatron type, a teacher loaded in the trainer, is not supported); use {fix}"
+        )
+    if not (args.rm_url and args.custom_rm_path and args.custom_reward_post_process_path):
+        raise ArgsError(
+            f"--use-opd needs the teacher's URL and the functions that ask it and read its answers: {fix}"
+        )
+    if args.opd_log_prob_top_k < 0:
+        raise ArgsError(f"--opd-log-prob-top-k must be >= 0, got {args.opd_log_prob_top_k}")
+    if args.opd_log_prob_top_k and args.opd_top_k_strategy not in STRATEGIES:
+        raise ArgsError(
+            f"--opd-top-k-strategy {args.opd_top_k_strategy} needs the policy scored on the teacher's top tokens, "
+            f"which the rollout does not serve; use one of {', '.join(STRATEGIES)}"
+        )
 
 
 def _megatron_layout(args: argparse.Namespace) -> ParallelLayout:

@@ -24,6 +24,8 @@ class Sample:
     label: str
     reward: float
     advantage: float = 0.0
+    # on-policy distillation: the reverse KL to the teacher of each response token (miles.train.distillation)
+    opd_reverse_kl: tuple[float, ...] | None = None
 
     @property
     def truncated(self) -> bool:
@@ -31,7 +33,9 @@ class Sample:
 
 
 # The fields that hold one value per target token ([B, T-1]); advantages only when per token.
-PER_TOKEN = ("loss_mask", "rollout_logp", "old_logp", "ref_logp", "returns", "old_values", "advantages")
+PER_TOKEN = (
+    "loss_mask", "rollout_logp", "old_logp", "ref_logp", "returns", "old_values", "advantages", "opd_reverse_kl",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,7 @@ class TokenBatch:
     old_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
     rewards: torch.Tensor | None = None  # [B]: each sample's reward (PPO's GAE pays it at its last token)
+    opd_reverse_kl: torch.Tensor | None = None  # [B, T-1]: on-policy distillation's per-token signal
     returns: torch.Tensor | None = None  # [B, T-1]: PPO's value targets
     old_values: torch.Tensor | None = None  # [B, T-1]: the critic's values before its steps
 
@@ -90,6 +95,7 @@ def load_samples(path: str) -> list[Sample]:
                 "generation": Generation(
                     **{k: tuple(v) if isinstance(v, list) else v for k, v in row["generation"].items()}
                 ),
+                "opd_reverse_kl": None if row.get("opd_reverse_kl") is None else tuple(row["opd_reverse_kl"]),
             }
         )
         for row in rows
@@ -111,4 +117,14 @@ def collate(samples: Sequence[Sample], pad_token_id: int = 0) -> TokenBatch:
         rollout_logp[i, start : start + n] = torch.tensor(s.generation.logprobs, dtype=torch.float32)
     advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    return TokenBatch(input_ids, attention, loss_mask, advantages, rollout_logp, rewards=rewards)
+    opd = None
+    if any(s.opd_reverse_kl is not None for s in samples):
+        opd = torch.zeros_like(rollout_logp)
+        for i, s in enumerate(samples):
+            start = len(s.generation.prompt_ids) - 1
+            opd[i, start : start + len(s.opd_reverse_kl or ())] = torch.tensor(
+                s.opd_reverse_kl or (), dtype=torch.float32
+            )
+    return TokenBatch(
+        input_ids, attention, loss_mask, advantages, rollout_logp, rewards=rewards, opd_reverse_kl=opd
+    )

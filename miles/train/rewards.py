@@ -117,6 +117,12 @@ def load_reward(spec: str) -> RewardFn:
     return fn
 
 
+def scores_samples(fn) -> bool:
+    """Whether a reward function scores whole samples (`fn(config, request)`: on-policy
+    distillation's asks a teacher about the tokens) rather than a response's text."""
+    return bool(getattr(fn, "scores_samples", False))
+
+
 FLOAT32_MAX = 3.4028234663852886e38  # rewards become float32 tensors; anything larger is inf there
 
 

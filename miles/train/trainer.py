@@ -116,13 +116,13 @@ def generate_and_score(run: Run, rollout_id: int) -> list[Sample]:
     generations = run.engine.generate(
         requests, run.sampling, seed=sampling_seed(cfg.rollout.rollout_seed, rollout_id, rank)
     )
-    samples = []
-    for i, generation in enumerate(generations):
-        prompt = mine[i // group_size]
-        text, reward = run.score(prompt, generation, i % group_size)
-        samples.append(
-            Sample(prompt.index, rank * per_rank + i // group_size, generation, text, prompt.label, reward)
+    asked = [mine[i // group_size] for i in range(len(generations))]
+    samples = [
+        Sample(p.index, rank * per_rank + i // group_size, g, text, p.label, reward, opd_reverse_kl=signal)
+        for i, (p, g, (text, reward, signal)) in enumerate(
+            zip(asked, generations, run.score_all(asked, generations, group_size), strict=True)
         )
+    ]
     gathered = [s for part in all_gather_objects(samples) for s in part]
     if cfg.checks.save_debug_rollout_data and run.dist.is_main:
         save_samples(cfg.checks.save_debug_rollout_data.format(rollout_id=rollout_id), gathered)
@@ -195,11 +195,20 @@ def per_token_advantages(
     run: Run, local: TokenBatch, plan: Sequence[Sequence[Sequence[int]]]
 ) -> tuple[TokenBatch, dict[str, float]]:
     """PPO: the advantages, returns and old values of each response token from the critic (and
-    its explained variance); with --normalize-advantages, whitened over every rank's tokens."""
+    its explained variance); on-policy distillation: less --opd-kl-coef times each token's reverse
+    KL to the teacher; with --normalize-advantages, whitened over every rank's tokens."""
     metrics: dict[str, float] = {}
+    algorithm = run.config.algorithm
     if run.critic is not None:
         local, metrics = critic.with_gae(run, local, plan, local.rewards)
-    if run.config.algorithm.normalize_advantages:
+    if algorithm.use_opd:  # each token's advantage less its reverse KL to the teacher (distillation)
+        advantages = local.advantages
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(1).expand_as(local.loss_mask)
+        local = local.with_(
+            advantages=(advantages - algorithm.opd_kl_coef * local.opd_reverse_kl) * local.loss_mask
+        )
+    if algorithm.normalize_advantages:
         local = critic.whitened(run, local)
     return local, metrics
 

@@ -140,6 +140,24 @@ class AlgorithmConfig(Section):
         help="(ppo) first rollouts that train only the critic (the policy waits)",
     )
 
+    # on-policy distillation: a teacher scores the policy's samples (miles.train.distillation)
+    use_opd: bool = flag(
+        by=TRAINER, action="store_true", help="train towards a teacher's per-token log-probs"
+    )
+    opd_type: str | None = flag(
+        by=TRAINER, choices=("sglang", "megatron"), help="sglang: the teacher at --rm-url"
+    )
+    opd_kl_coef: float = flag(by=TRAINER, type=_non_negative_float, default=1.0)
+    opd_log_prob_top_k: int = flag(by=TRAINER, type=int, default=0, help="0: the sampled token's reverse KL")
+    opd_top_k_strategy: str = flag(
+        by=TRAINER,
+        default="only-student",
+        choices=("only-student", "only-teacher", "intersection", "union", "xor"),
+    )
+    opd_reward_weight_mode: str = flag(
+        by=TRAINER, default="student_p", choices=("student_p", "teacher_p", "none")
+    )
+
     @property
     def uses_critic(self) -> bool:
         return self.advantage_estimator == "ppo"
