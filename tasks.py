@@ -11,6 +11,8 @@ import functools
 from invoke import Exit
 from invoke import task as invoke_task
 
+from miles.families import names as family_names
+
 
 def task(*args, **kwargs):
     """invoke's @task, with the task's errors ended as miles.exits describes them."""
@@ -170,7 +172,7 @@ def prepare_ckpt(
 
 @task(
     help={
-        "family": "qwen3, qwen3_moe, deepseek_v4, glm_moe_dsa or inkling",
+        "family": "one of: " + ", ".join(family_names()),
         "layers": "number of decoder layers",
         "out": "directory to create",
         "seed": "random seed of the weights",
@@ -183,10 +185,9 @@ def prepare_ckpt(
 def make_tiny_ckpt(c, family, out, layers=4, seed=0, dim=None, shard_bytes=None, dry=False):
     """Build a tiny random checkpoint of a family's real architecture, with a local tokenizer."""
     from miles.ckpt.cli import main
-    from miles.ckpt.plan import FAMILIES
 
-    if family not in FAMILIES:  # refused in one line, with --dry too
-        raise Exit(f"error: --family {family!r} is not one of {', '.join(FAMILIES)}", code=2)
+    if family not in family_names():  # refused in one line, with --dry too
+        raise Exit(f"error: --family {family!r} is not one of {', '.join(family_names())}", code=2)
     argv = ["make-tiny", "--family", family, "--layers", str(layers), "--out", out, "--seed", str(seed)]
     argv += [x for d in dim or [] for x in ("--dim", d)]
     argv += ["--shard-bytes", str(shard_bytes)] if shard_bytes else []

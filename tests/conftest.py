@@ -15,19 +15,18 @@ INKLING_FALLBACK_REASON = (
 
 @pytest.fixture
 def inkling_unbuilt(monkeypatch):
-    """The recipes as they were while miles' Megatron backend did not build Inkling: its mapping
-    out of the backend's table and its recipe declaring the FSDP fallback it had (and its CPU
+    """The recipes as they were while miles' Megatron backend did not build Inkling: its family
+    marked as one megatron-core does not build and its recipe declaring the FSDP fallback it had (and its CPU
     profile the default tiny one, which trains such a family with FSDP). Every shipped
     family is built now; the fallback machinery is for the next family that is not, and these
     tests hold it to what it did for Inkling. Returns the recipe with its fallback."""
     from dataclasses import replace
 
-    import miles.megatron.families as families
     import miles.recipes.library.inkling as library
+    from miles.families import family
     from miles.recipes.recipe import Fallback
 
-    table = {t: m for t, m in families.mappings().items() if m.family != "inkling"}
-    monkeypatch.setattr(families, "mappings", lambda: table)
+    monkeypatch.setattr(type(family("inkling")), "megatron", False)
     from miles.recipes import defaults
 
     profiles = tuple(

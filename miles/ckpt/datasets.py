@@ -45,6 +45,7 @@ DATASETS = {
     for d in (
         Dataset("dapo-math-17k", "zhuzilin/dapo-math-17k", ("dapo-math-17k.jsonl",)),
         Dataset("aime-2024", "zhuzilin/aime-2024", ("aime-2024.jsonl",)),
+        # radixark/miles tests/e2e/long/test_qwen2.5_0.5B_gsm8k.py@31f1ca961: hf_download_dataset("zhuzilin/gsm8k")
         Dataset("gsm8k", "zhuzilin/gsm8k", ("train.parquet", "test.parquet")),
     )
 }

@@ -3,8 +3,8 @@
 The transformers classes themselves are the source of truth for tensor names and shapes
 (validate builds the model on the meta device). What transformers cannot say (which model
 types a family accepts, how small a tiny model is, how a checkpoint names its MTP layers)
-is the family's facts table in `miles.models`; whether megatron-core builds the family (its
-torch_dist then holds megatron's keys) is whether the adapter has a GPT mapping for it.
+is the family's (`miles.families`), as is whether megatron-core builds the family (its
+torch_dist then holds megatron's keys).
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from miles import models
+from miles import families
 from miles.ckpt.errors import CheckpointError
-from miles.models.facts import Family, text_config
+from miles.families import Family
+from miles.families.facts import text_config
 
 __all__ = [
     "LAYER_LIST_KEYS", "LAYER_RE", "Family", "expected_architectures", "family", "layers_in_name", "mtp_layers",
@@ -34,16 +35,14 @@ _NAME_LAYERS_RE = re.compile(r"-(\d+)[-_]?layers?\b", re.IGNORECASE)
 
 def family(name: str) -> Family:
     try:
-        return models.family(name)
-    except models.UnknownFamily as exc:
+        return families.family(name)
+    except families.UnknownFamily as exc:
         raise CheckpointError(str(exc)) from None
 
 
 def writes_megatron_keys(name: str) -> bool:
     """Whether a family's torch_dist is written in megatron-core GPTModel's keys (else HF names kept)."""
-    from miles.megatron.families import has_mapping
-
-    return has_mapping(family(name).name)
+    return family(name).megatron
 
 
 def num_layers(config: Mapping[str, Any]) -> int | None:

@@ -34,6 +34,7 @@ from miles.ckpt.fp8_rules import (
     SCALE_SUFFIX,
     TIED_HEAD,
     Geometry,
+    family_keep,
     geometry,
     geometry_of_scale,
     modules_to_not_convert,
@@ -212,7 +213,8 @@ def _read_whole(fd: int, header: ShardHeader, info: TensorInfo):
 def convert_to_fp8(src: Path, dst: Path, *, workers: int | None = None, progress: Progress | None = None):
     """Write the FP8 form of checkpoint `src` into the empty directory `dst`; return shard records."""
     names = read_weight_map(src).weight_map
-    return _convert(src, dst, _QuantizePlan(scale_fmt_for(names)), workers, progress)
+    keep = family_keep(read_json_file(src / "config.json"))
+    return _convert(src, dst, _QuantizePlan(scale_fmt_for(names), keep), workers, progress)
 
 
 def convert_from_fp8(
@@ -230,11 +232,12 @@ def convert_from_fp8(
 
 
 class _QuantizePlan:
-    def __init__(self, scale_fmt: str = SCALE_FMT_FLOAT):
+    def __init__(self, scale_fmt: str = SCALE_FMT_FLOAT, keep: frozenset[str] = frozenset()):
         self.scale_fmt = scale_fmt
+        self.keep = keep  # the family's modules that stay bf16
 
     def layout(self, info: TensorInfo, header: ShardHeader, names: set[str]):
-        if not should_quantize(info):
+        if not should_quantize(info, self.keep):
             return None
         g = geometry(info.name, info.shape)
         return [(info.name, "F8_E4M3", info.shape), (info.name + SCALE_SUFFIX, "F32", g.scale_shape)], g

@@ -2,9 +2,10 @@
 
 The rules are the serving side's (SGLang loads these modules unquantized) as the seed
 framework's converter writes them: only linear weights inside decoder layers and MTP
-blocks are quantized; norms, embeddings, routers/gates, output heads, the MTP `eh_proj`,
-the DSA indexer's `weights_proj`, every compressor piece, DeepSeek-V4's `attn.wo_a`, and
-everything outside the decoder (vision/audio towers, projectors) stay as they are. A model
+blocks are quantized; norms, embeddings, routers/gates, output heads, the modules a family
+keeps (its `fp8_keep`, miles.families: GLM-5's MTP `eh_proj`, the DSA indexer's
+`weights_proj`, DeepSeek-V4's compressors and `attn.wo_a`), and everything outside the
+decoder (vision/audio towers, projectors) stay as they are. A model
 with tied embeddings has no lm_head in its files, yet loaders build one: it is listed too.
 Fused 3-D expert tensors (`experts.gate_up_proj`, `experts.down_proj`) are quantized per
 expert; a fused gate/up tensor gets separate tiles for its gate and up halves, as
@@ -22,8 +23,9 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from miles.ckpt.families import LAYER_RE
 from miles.ckpt.shards import FLOAT_DTYPES, TensorInfo
@@ -33,9 +35,8 @@ SCALE_SUFFIX = "_scale_inv"
 SCALE_FMT_FLOAT = "float"
 SCALE_FMT_UE8M0 = "ue8m0"  # scales are powers of two (1-byte e8m0 on the GPU side)
 
-# Last module name kept in bf16 (exact match), and module names that keep everything below them.
-_KEEP_LEAVES = frozenset({"gate", "router", "lm_head", "head", "eh_proj", "weights_proj", "wo_a"})
-_KEEP_ANYWHERE = frozenset({"compressor"})
+# Last module names every family keeps in bf16 (exact match); a family adds its own (fp8_keep).
+_KEEP_LEAVES = frozenset({"gate", "router", "lm_head", "head"})
 _MTP_RE = re.compile(r"^(?:model\.)?mtp\.")  # DeepSeek-V4 `mtp.N.*`, Inkling `model.mtp.*`
 _FUSED_EXPERTS = frozenset({"gate_up_proj", "down_proj", "up_proj"})
 _GATE_UP = "gate_up_proj"
@@ -62,8 +63,22 @@ def in_decoder(name: str) -> bool:
     return bool(LAYER_RE.match(name) or _MTP_RE.match(name))
 
 
-def should_quantize(info: TensorInfo) -> bool:
-    """A float linear weight inside the decoder that the serving side reads as FP8."""
+def family_keep(config: Mapping[str, Any] | None) -> frozenset[str]:
+    """The modules (by name, anywhere on a tensor's path) a checkpoint's family keeps in bf16; for
+    a config no family claims, every family's, so nothing any of them keeps is quantized."""
+    from miles import families
+    from miles.families.facts import text_config
+
+    found = families.family_of(text_config(config or {}))
+    if found is not None:
+        return found.fp8_keep
+    return frozenset().union(*(f.fp8_keep for f in families.families().values()))
+
+
+def should_quantize(info: TensorInfo, keep: frozenset[str] | None = None) -> bool:
+    """A float linear weight inside the decoder that the serving side reads as FP8 (`keep`: the
+    family's modules that stay bf16; default every family's)."""
+    keep = family_keep(None) if keep is None else keep
     if info.dtype not in FLOAT_DTYPES or not info.numel or not in_decoder(info.name):
         return False
     parts = info.name.split(".")
@@ -76,7 +91,7 @@ def should_quantize(info: TensorInfo) -> bool:
     leaf = module[-1]
     if "norm" in leaf or "embed" in leaf or leaf in _KEEP_LEAVES:
         return False
-    return not any(p in _KEEP_ANYWHERE for p in module)
+    return not any(p in keep for p in module)
 
 
 def geometry(name: str, shape: tuple[int, ...]) -> Geometry:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from miles.models import FAMILIES
+from miles.families import FAMILIES
 
 __all__ = ["FAMILIES", "STEPS", "TINY_SOURCE_PREFIX", "CheckpointPlan"]
 

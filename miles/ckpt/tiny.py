@@ -133,9 +133,8 @@ def _save_model(spec, layers: int, seed: int, dtype: str, shard_bytes: int, dims
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    if spec.tiny_values is not None:
-        with torch.no_grad():
-            spec.tiny_values(model, torch.Generator().manual_seed(seed + 2))
+    with torch.no_grad():
+        spec.tiny_values(model, torch.Generator().manual_seed(seed + 2))
     model.generation_config.pad_token_id = ids["pad"]
     model.generation_config.eos_token_id = ids["eos"]
     model.save_pretrained(out, max_shard_size=shard_bytes)
@@ -181,8 +180,9 @@ def add_mtp_layers(spec, config: dict, seed: int, dtype: str, out: Path) -> None
     """Add the MTP layers `config` declares to the checkpoint in `out`, named as the family's
     published checkpoints name them, in a shard of their own (random values from `seed`).
 
-    An MTP layer is a decoder layer (the one the class would build at index L + k) plus the
-    projection that mixes the embedding with the previous hidden state, and its norms.
+    An MTP layer is a decoder layer (the one the class would build at index L + k) plus what the
+    family's MTP block holds beside it (its `mtp_extras`: the projection that mixes the embedding
+    with the previous hidden state, and its norms).
     """
     import torch
     import transformers
@@ -206,7 +206,7 @@ def add_mtp_layers(spec, config: dict, seed: int, dtype: str, out: Path) -> None
         )
     state = revert_weight_conversion(model, model.state_dict())
     norm_dtype = next(v.dtype for k, v in state.items() if k.endswith("norm.weight") and _layer(k) is None)
-    hidden = config["hidden_size"]
+    hidden = int(config["hidden_size"])
     gen = torch.Generator().manual_seed(seed + 1)
     tensors: dict[str, torch.Tensor] = {}
 
@@ -218,23 +218,14 @@ def add_mtp_layers(spec, config: dict, seed: int, dtype: str, out: Path) -> None
             value = torch.randn(shape, generator=gen) * 0.02
         tensors[name] = value.to(kind).contiguous()
 
+    kinds = {"model": getattr(torch, dtype), "norm": norm_dtype}
     for k in range(count):
         prefix = f"model.layers.{layers + k}." if spec.mtp_style == "layers" else f"mtp.{k}."
         for name, value in sorted(state.items()):
             if _layer(name) == layers + k and value.is_floating_point():
                 make(prefix + LAYER_RE.match(name)["rest"], value.shape, value.dtype)
-        if spec.mtp_style == "layers":  # DeepSeek-V3 style (GLM-5)
-            make(prefix + "eh_proj.weight", (hidden, 2 * hidden), getattr(torch, dtype))
-            for norm in ("enorm", "hnorm", "shared_head.norm"):
-                make(f"{prefix}{norm}.weight", (hidden,), norm_dtype)
-        else:  # DeepSeek-V4: separate embedding and hidden projections, its own hyper-connection head
-            hc, head = config["hc_mult"], {k: v for k, v in state.items() if "hc_head" in k}
-            make(prefix + "e_proj.weight", (hidden, hidden), getattr(torch, dtype))
-            make(prefix + "h_proj.weight", (hidden, hidden), getattr(torch, dtype))
-            for norm in ("enorm", "hnorm", "norm"):
-                make(f"{prefix}{norm}.weight", (hidden,), norm_dtype)
-            for part, shape in (("fn", (hc, hc * hidden)), ("base", (hc,)), ("scale", (1,))):
-                make(f"{prefix}hc_head_{part}", shape, next(iter(head.values())).dtype)
+        for name, shape, like in spec.mtp_extras(prefix, config, hidden):
+            make(name, shape, kinds.get(like) or next(v.dtype for n, v in state.items() if like in n))
     save_file(tensors, out / MTP_SHARD, metadata={"format": "pt"})
     index_path = out / INDEX_NAME
     index = json.loads(index_path.read_text())

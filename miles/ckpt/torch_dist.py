@@ -6,10 +6,10 @@ Layout (what Megatron-LM's `--load` with `--ckpt-format torch_dist` reads):
     <dir>/release/common.pt                 non-tensor state, with the `args` Megatron-LM reads
     <dir>/latest_checkpointed_iteration.txt "release", written last: the done marker
 
-The families with a megatron-core GPT mapping (`miles.megatron.families`: Qwen3 and
-Qwen3-MoE) are written in megatron-core GPTModel's own sharded keys (the TE-shaped layer
-spec's model produces them, so they match what a TE model on GPU loads). The others are
-stored under their Hugging Face names in the same container. megatron-core's save path synchronises
+The families megatron-core builds here (`miles.families`: every shipped one) are written in
+their megatron model's own sharded keys (the TE-shaped layer spec's model produces them, so
+they match what a TE model on GPU loads). A family it does not build is stored under its
+Hugging Face names in the same container. megatron-core's save path synchronises
 CUDA, so the tensors are translated with megatron's own functions and written with
 torch.distributed.checkpoint's synchronous writer; a world of one process over an in-memory
 store stands in for the training job (no network). After writing, the checkpoint is
@@ -30,13 +30,8 @@ from miles.ckpt.errors import CheckpointError, full_disk_error
 from miles.ckpt.families import writes_megatron_keys
 from miles.ckpt.progress import Progress, say
 from miles.ckpt.shards import CheckpointReader, torch_dtype
-from miles.megatron.checkpoint import (
-    RELEASE,
-    SHARDED_METADATA,
-    TRACKER,
-    megatron_lm_args,
-    single_process_group,
-)
+from miles.families.transformer import megatron_lm_args
+from miles.megatron.checkpoint import RELEASE, SHARDED_METADATA, TRACKER, single_process_group
 
 __all__ = ["RELEASE", "SHARDED_METADATA", "TRACKER", "convert_to_torch_dist"]
 
@@ -69,8 +64,8 @@ def convert_to_torch_dist(
             progress.total_tensors = len(reader.files.weight_map)
         vocab = _padded_vocab(config, vocab_multiple)
         if gpt:
+            from miles.families.model import build_model
             from miles.megatron.checkpoint import gpt_state
-            from miles.megatron.model import build_model
 
             model = build_model(config, vocab)
             left = _fill_gpt(model, config, reader, vocab, progress)
@@ -96,10 +91,10 @@ def convert_to_torch_dist(
 
 def _config(hf_dir: Path, gpt: bool) -> dict:
     """config.json of `hf_dir`; for a family megatron-core builds, the decoder's config as the
-    mapping reads it (miles.megatron.families.decoder_config)."""
+    family reads it (miles.families.decoder_config)."""
     if not gpt:
         return json.loads((Path(hf_dir) / "config.json").read_text())
-    from miles.megatron.families import read_config
+    from miles.families import read_config
 
     return read_config(hf_dir)
 
@@ -107,8 +102,8 @@ def _config(hf_dir: Path, gpt: bool) -> dict:
 @contextmanager
 def _mapped(config: Mapping[str, Any]) -> Iterator[None]:
     """The adapter's refusals of a config (and of a checkpoint) as checkpoint errors."""
+    from miles.families import UnmappedModel
     from miles.megatron.checkpoint import CheckpointMismatch
-    from miles.megatron.families import UnmappedModel
 
     try:
         yield
@@ -160,20 +155,16 @@ def _padded_vocab(config: Mapping[str, Any], multiple: int) -> int:
 
 
 def _layout(config, reader: CheckpointReader):
-    """miles.megatron.hf_names.layout with each piece named as this checkpoint names its tensor (a
-    family whose published files spell names another way resolves them: its mapping's `source_name`)."""
+    """The family's weight layout with each piece named as this checkpoint names its tensor (a
+    family whose published files spell names another way resolves them: its `source_name`)."""
     from dataclasses import replace
 
-    from miles.megatron.families import mapping_of
-    from miles.megatron.hf_names import layout
+    from miles.families import megatron_family
 
-    resolve = mapping_of(config).source_name
-    if resolve is None:
-        yield from layout(config)
-        return
+    family = megatron_family(config)
     present = reader.files.weight_map
-    for name, pieces in layout(config):
-        yield name, tuple(replace(p, hf_name=resolve(p.hf_name, present)) for p in pieces)
+    for name, pieces in family.weights(config):
+        yield name, tuple(replace(p, hf_name=family.source_name(p.hf_name, present)) for p in pieces)
 
 
 def _fill_gpt(model, config, reader: CheckpointReader, vocab: int, progress: Progress | None) -> str:
@@ -208,8 +199,8 @@ def _fill_gpt(model, config, reader: CheckpointReader, vocab: int, progress: Pro
 
 def left_out(config, names: list[str]) -> str:
     """One line naming the checkpoint tensors the conversion did not read, grouped by what its
-    family's mapping says they are ("" if none)."""
-    from miles.megatron.families import mapping_of
+    family says they are ("" if none)."""
+    from miles.families import megatron_family
 
     if not names:
         return ""
@@ -218,7 +209,7 @@ def left_out(config, names: list[str]) -> str:
         what = next(
             (
                 f"{what} ({prefix}*)"
-                for prefix, what in mapping_of(config).not_decoder
+                for prefix, what in megatron_family(config).not_decoder
                 if name.startswith(prefix)
             ),
             "tensors the megatron model has no place for: " + name,
@@ -295,8 +286,7 @@ def _verify_logits(release: Path, config, hf_dir: Path, vocab: int) -> None:
     equal tensors in the wrong places would not."""
     import torch
 
-    from miles.megatron.checkpoint import load_model
-    from miles.megatron.model import hf_logit_gap
+    from miles.families.model import hf_logit_gap, load_model
 
     with torch.random.fork_rng(devices=[]):  # megatron's attention forks its RNG streams
         gap = hf_logit_gap(hf_dir, load_model(config, release, vocab, dtype=torch.float32), config)
@@ -313,11 +303,11 @@ def _verify(release: Path, config, reader: CheckpointReader, gpt: bool, vocab: i
     model small enough, its logits with the HF model's."""
     import torch
 
+    from miles.families.weights import Piece
     from miles.megatron.checkpoint import gpt_state, hf_named_state, load_release
-    from miles.megatron.hf_names import Piece
 
     if gpt:
-        from miles.megatron.model import build_model
+        from miles.families.model import build_model
 
         model = build_model(config, vocab)
         state = load_release(gpt_state(model), release)

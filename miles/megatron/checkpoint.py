@@ -10,7 +10,7 @@ release and is written last.
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -107,27 +107,6 @@ def embedding_rows(path: str | Path) -> int | None:
     return int(embedding.global_shape[0]) if embedding is not None else None
 
 
-def load_model(
-    config: Mapping[str, Any], release: Path, vocab: int | None = None, *, dtype=None, on_cpu=True
-):
-    """A world-of-one GPTModel of `config` holding the weights of a converted `release`
-    (inside `single_process_group()`); its RNG streams are seeded in a forked RNG state."""
-    import torch
-    from megatron.core import dist_checkpointing
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    from miles.megatron.config import transformer_config
-    from miles.megatron.model import build_model
-
-    with torch.random.fork_rng(devices=[]):  # megatron's attention forks its RNG streams
-        model_parallel_cuda_manual_seed(0)
-        tc = transformer_config(config, dtype=dtype, on_cpu=on_cpu)
-        model = build_model(config, vocab, transformer=tc)
-    state = dist_checkpointing.load(model.sharded_state_dict(metadata=dict(SHARDED_METADATA)), str(release))
-    model.load_state_dict({k: v for k, v in state.items() if k in model.state_dict()})
-    return model
-
-
 # --- a conversion's release ----------------------------------------------------------------
 
 
@@ -180,53 +159,6 @@ def save_release(sharded: dict, common: dict, out: Path) -> None:
     writer = Writer(out, thread_count=1, per_thread_copy_ahead=0)
     dcp.save(state, storage_writer=writer, planner=MCoreSavePlanner(flatten_state_dict=False))
     save_config(CheckpointingConfig("torch_dist", 1), out)
-
-
-# The Megatron-LM arguments common.pt records that the HF config determines, as flags: every
-# one a Megatron-LM argument of the flag's name with underscores.
-_LM_ARG_FLAGS = (
-    "--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--num-query-groups",
-    "--kv-channels", "--max-position-embeddings", "--rotary-base", "--norm-epsilon",
-    "--untie-embeddings-and-output-weights", "--num-experts", "--moe-ffn-hidden-size", "--moe-router-topk",
-    "--moe-shared-expert-intermediate-size", "--moe-router-topk-scaling-factor", "--q-lora-rank", "--kv-lora-rank",
-    "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim", "--dsa-indexer-n-heads", "--dsa-indexer-head-dim",
-    "--dsa-indexer-topk",
-)  # fmt: skip
-
-
-def megatron_lm_args(config: Mapping[str, Any], vocab: int, vocab_multiple: int = 1):
-    """The `args` Megatron-LM's loader finds in common.pt, from the HF config (through its
-    family's facts table, `miles.models`).
-
-    load_checkpoint reads the TP/PP sizes the checkpoint was written with (here 1 and 1)
-    and, unless --finetune, check_checkpoint_args compares num_layers, hidden_size and
-    num_attention_heads with the run's without a default; --use-checkpoint-args takes the
-    model shape from the rest. Nothing here is a guess: each value is the HF config's.
-    """
-    import argparse
-
-    from miles.megatron.families import mapping_of
-    from miles.models import keys_of
-    from miles.models.facts import flag_values
-
-    flags = flag_values(keys_of(config), config)
-    values: dict[str, Any] = {f.lstrip("-").replace("-", "_"): flags[f] for f in _LM_ARG_FLAGS if f in flags}
-    heads = values["num_attention_heads"]
-    values.setdefault("num_query_groups", heads)
-    values.update(
-        tensor_model_parallel_size=1,
-        pipeline_model_parallel_size=1,
-        group_query_attention=values["num_query_groups"] != heads,
-        padded_vocab_size=vocab,
-        make_vocab_size_divisible_by=vocab_multiple,
-        ckpt_format="torch_dist",
-        consumed_train_samples=0,
-        consumed_valid_samples=0,
-    )
-    family_args = mapping_of(config).lm_args
-    if family_args is not None:
-        values.update(family_args(config))
-    return argparse.Namespace(**values)
 
 
 # --- a run's training state ----------------------------------------------------------------

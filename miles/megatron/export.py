@@ -15,21 +15,19 @@ indices into global ones). Only one layer's tensors are held at a time. TE's gro
 experts are read under SequentialMLP's names (`expert_name`). A family's weights outside the
 decoder layers (carried MTP layers, on the last stage) follow under the checkpoint's names
 only: the transformers class has no such parameters. The layout is the family's whole-model one
-(`miles.megatron.hf_names.layout`), so a family that is not a GPTModel (DeepSeek-V4) exports the
+(its `weights`, miles.families), so a family that is not a GPTModel (DeepSeek-V4) exports the
 same way; a family whose transformers class renames its checkpoint's tensors on load gives the
-class's names through its mapping's `model_name` when the engine loads the class's names. A family's release names (Inkling's
+class's names (its `model_name`, passed as `rename`) when the engine loads the class's names. A family's release names (Inkling's
 `model.llm.*`, its gate and up rows interleaved again) come from its layout like any other.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
-
-from miles.megatron.hf_names import layout
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
@@ -103,17 +101,20 @@ class WeightExporter:
         self,
         chunks: Sequence,
         config: Mapping,
+        layout: Sequence,
+        *,
+        rename: Callable[[str], str] | None = None,
         gated: bool = True,
         fused_experts: bool = False,
         extras: bool = False,
-        model_names: bool = False,
     ):
+        """`layout`: the family's (megatron name, pieces) of the whole model (Family.weights);
+        `rename`: checkpoint name -> the transformers class's name, when the engine loads those."""
         from megatron.core import parallel_state as ps
-
-        from miles.megatron.families import mapping_of
 
         self.chunks = list(chunks)
         self.config = config
+        self.layout = list(layout)
         self.gated = gated
         self.tp = ps.get_tensor_model_parallel_group()
         self.etp = ps.get_expert_tensor_parallel_group()
@@ -126,11 +127,11 @@ class WeightExporter:
         self.owner = _owner_of_layers(self.chunks, config["num_hidden_layers"], self.pp)
         self.fused_experts = fused_experts
         self.extras = extras  # the family's weights outside the decoder layers (MTP): checkpoint names only
-        self.rename = mapping_of(config).model_name if model_names else None
+        self.rename = rename
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         local = _stage_tensors(self.chunks)
-        first, layers, last, extras = _by_stage(self.config)
+        first, layers, last, extras = _by_stage(self.layout, self.config["num_hidden_layers"])
         yield from self._out(_to_hf(first, self._from_stage(self.first, local, [n for n, _ in first])))
         for i in range(self.config["num_hidden_layers"]):
             prefix = f"decoder.layers.{i}."
@@ -150,8 +151,8 @@ class WeightExporter:
             yield from _to_hf(extras, self._from_stage(self.last, local, names))
 
     def _out(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """The tensors under the transformers class's names when asked and the family's class renames
-        its checkpoint's tensors on load (its mapping's `model_name`), else under the checkpoint's."""
+        """The tensors under the transformers class's names when given `rename`, else under the
+        checkpoint's."""
         if self.rename is None:
             yield from tensors
             return
@@ -199,13 +200,13 @@ class WeightExporter:
         }
 
 
-def _by_stage(config: Mapping) -> tuple[list, dict[int, list], list, list]:
-    """The model's weight layout (miles.megatron.hf_names.layout) split by where the weights live:
+def _by_stage(layout: Sequence, num_layers: int) -> tuple[list, dict[int, list], list, list]:
+    """The model's weight layout (its family's `weights`) split by where the weights live:
     the first stage's (embedding), each decoder layer's, the last stage's (final norms, output
     layer) and the family's extras outside the decoder (carried MTP layers, `mtp.*`)."""
     first, last, extras = [], [], []
-    layers: dict[int, list] = {i: [] for i in range(config["num_hidden_layers"])}
-    for name, pieces in layout(config):
+    layers: dict[int, list] = {i: [] for i in range(num_layers)}
+    for name, pieces in layout:
         m = _LAYER.match(name)
         if m:
             layers[int(m.group(1))].append((name, pieces))

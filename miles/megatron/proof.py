@@ -8,7 +8,7 @@ its world size in turn, the way a training start meets them: `initialize_model_p
 `transformer_config_kwargs`),
 `get_num_layers_to_build` for every pipeline stage and virtual stage, for a model whose DSA
 layers share their top-k the check miles' GLM model makes of every model chunk's first layer
-(`miles.megatron.dsa.check_chunk_start`, on megatron-core's own layer offsets), a MoE layer built on
+(`miles.megatron.blocks.check_chunk_start`, on megatron-core's own layer offsets), a MoE layer built on
 the expert groups, the check miles' trainer makes of its expert weights' reduction marks
 (`miles.megatron.training.check_expert_replicas`), and that layer's training forward called without input (its first
 statement checks the layout; the missing input then stops it before any computation); then
@@ -38,8 +38,9 @@ from pathlib import Path
 from miles.parallel.layout import ModelShape, ParallelLayout
 from miles.parallel.verdict import Verdict
 
+FAMILY_STAGE = "the family's model (miles.families)"  # what a family's own modules support
 STAGES = (
-    "initialize_model_parallel", "TransformerConfig", "get_num_layers_to_build", "miles.megatron.dsa", "MoELayer",
+    "initialize_model_parallel", "TransformerConfig", "get_num_layers_to_build", "miles.megatron.blocks", "VocabParallelEmbedding", FAMILY_STAGE, "MoELayer",
     "miles.megatron.training", "MoELayer.forward",
 )  # fmt: skip
 # Every rank is a forked process holding torch and megatron-core; past this many the proof
@@ -65,7 +66,10 @@ _MEGATRON_RULES = (
         "layers-pp",
     ),
     ("get_num_layers_to_build", r"should be divisible by vp_size", "vpp-layers"),
-    ("miles.megatron.dsa", r"reuses the DSA top-k of an earlier layer", "dsa-index-share-stage"),
+    ("miles.megatron.blocks", r"reuses the DSA top-k of an earlier layer", "dsa-index-share-stage"),
+    ("VocabParallelEmbedding", r"is not divisible by", "vocab-tp"),
+    (FAMILY_STAGE, r"^\w+: --context-parallel-size \d+:", "family-cp"),
+    (FAMILY_STAGE, r"^\w+: --tensor-model-parallel-size \d+ does not divide", "family-tp"),
     ("MoELayer", r"num_moe_experts % ep_size", "experts-ep"),
     ("MoELayer", r"is not divisible by", "moe-ffn-etp"),
     ("miles.megatron.training", r"the copies would drift apart", "expert-copies-tp"),

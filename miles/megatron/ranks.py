@@ -14,7 +14,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from miles.megatron.proof import STAGES, ProofError
+from miles.megatron.proof import FAMILY_STAGE, STAGES, ProofError
 from miles.parallel.layout import ModelShape, ParallelLayout
 
 _GROUPS = ("tp", "pp", "cp", "dp", "ep", "etp", "edp")
@@ -170,8 +170,19 @@ def _try_layout(case: dict) -> dict:
             stage = "get_num_layers_to_build"
             result["layers_per_stage"] = _layers_per_stage(transformer, layout)
             if model.shared_index_layers:
-                stage = "miles.megatron.dsa"
+                stage = "miles.megatron.blocks"
                 _check_chunk_starts(transformer, layout, model)
+            if model.vocab_size is not None:
+                from megatron.core.tensor_parallel.utils import VocabUtility
+
+                stage = "VocabParallelEmbedding"  # its constructor's split of the vocabulary over tp
+                VocabUtility.vocab_range_from_global_vocab_size(
+                    model.vocab_size, ps.get_tensor_model_parallel_rank(), layout.tp
+                )
+            stage = FAMILY_STAGE  # what the family's own modules refuse when they are built
+            problem = model.limits.cp_problem(layout.cp) or model.limits.tp_problem(layout.tp)
+            if problem:
+                raise ValueError(problem)
             if model.num_experts is not None:
                 stage = "MoELayer"
                 layer = _build_moe_layer(transformer)
@@ -256,7 +267,7 @@ def _layers_per_stage(transformer, layout: ParallelLayout) -> list[int]:
 def _check_chunk_starts(transformer, layout: ParallelLayout, model: ModelShape) -> None:
     """What miles' GLM model refuses when it builds each model chunk: one that starts on a layer
     reusing the DSA top-k of a layer in another chunk."""
-    from miles.megatron.dsa import check_chunk_start
+    from miles.megatron.blocks import check_chunk_start
 
     shared = set(model.shared_index_layers)
     kinds = tuple("shared" if i in shared else "full" for i in range(model.num_layers))

@@ -276,3 +276,16 @@ def built_spec_line(chunks, optimizer, impl: str, why: str, attention_backend=No
     if model is not None and model.__name__ != "GPTModel":  # a family's own model (its mapping's build_model)
         spec = f"{model.__module__}.{model.__name__}"
     return f"megatron {spec} ({why}): {', '.join(parts)}"
+
+
+def layer_provider(impl: str = "local"):
+    """The modules of the Transformer Engine layer spec: TE's own (`impl` "transformer_engine"),
+    or the TE-shaped local ones (ready once `decoder_block_spec` has run)."""
+    if impl == TE:
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+        return TESpecProvider()
+    from miles.megatron.compat import mla_without_te
+
+    mla_without_te()
+    return TEShapedSpecProvider()

@@ -10,6 +10,7 @@ the Megatron adapter, `miles.megatron`). Standard library only.
 from miles.parallel.layout import (
     ATTENTION_KINDS,
     CP_COMM_TYPES,
+    FamilyLimits,
     ModelShape,
     ParallelLayout,
     VirtualPipelineError,
@@ -30,6 +31,7 @@ __all__ = [
     "ATTENTION_KINDS",
     "CP_COMM_TYPES",
     "DEVICE_MAX_CONNECTIONS",
+    "FamilyLimits",
     "RULES",
     "RULE_IDS",
     "InvalidParallelism",

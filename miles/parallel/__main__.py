@@ -62,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="DSA layers (0-based, comma-separated) that reuse an earlier layer's top-k (GLM-5.2: 3,4,5,7,...)",
     )
     m.add_argument("--model-name", default="model", help="name shown in messages")
+    m.add_argument(
+        "--config",
+        metavar="PATH",
+        help="a config.json, or a model directory holding one: the model's shape and what its family supports "
+        "(context parallelism, TP divisors) through its family's facts; the model flags above override it",
+    )
     p.add_argument(
         "--megatron-core", metavar="VERSION", help="apply this release's rules (default: the installed one)"
     )
@@ -93,6 +99,8 @@ def _layer_list(text: str) -> tuple[int, ...]:
 
 def _model(args: argparse.Namespace) -> ModelShape | None:
     given = [args.layers, args.heads, args.kv_heads, args.experts, args.moe_ffn_hidden_size]
+    if args.config:
+        return _model_of_config(args)
     if all(v is None for v in given) and not args.bias:
         return None
     if args.layers is None or args.heads is None:
@@ -101,6 +109,30 @@ def _model(args: argparse.Namespace) -> ModelShape | None:
         args.model_name, args.layers, args.heads, args.kv_heads, args.experts, args.attention, args.bias,
         args.moe_ffn_hidden_size, args.shared_index_layers,
     )  # fmt: skip
+
+
+def _model_of_config(args: argparse.Namespace) -> ModelShape:
+    """The model a config.json describes (through its family), with the model flags given over it."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from miles.families import model_shape
+
+    path = Path(args.config)
+    path = path / "config.json" if path.is_dir() else path
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--config {args.config}: cannot read a config.json there ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--config {args.config}: {path} holds no JSON object")
+    name = args.model_name if args.model_name != "model" else path.parent.name or "model"
+    shape = model_shape(config, name)
+    overrides = {
+        "num_layers": args.layers, "num_attention_heads": args.heads, "num_query_groups": args.kv_heads,
+        "num_experts": args.experts, "moe_ffn_hidden_size": args.moe_ffn_hidden_size,
+    }  # fmt: skip
+    return replace(shape, **{k: v for k, v in overrides.items() if v is not None})
 
 
 def cmd_check(args: argparse.Namespace) -> int:

@@ -250,6 +250,35 @@ def virtual_stages(args, num_layers: int | None) -> int | None:
 
 
 @dataclass(frozen=True)
+class FamilyLimits:
+    """What a model family's own modules support of a layout beyond megatron-core's rules (its
+    family says, miles.families): the layout check and the model's build refuse in the same words."""
+
+    # why the family's model cannot split a sequence over context-parallel ranks ("": it can)
+    context_parallel: str = ""
+    # (config.json key, its value, what splits by it): tensor parallelism must divide each value
+    tp_divides: tuple[tuple[str, int, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tp_divides", tuple(tuple(t) for t in self.tp_divides))  # JSON gives lists
+
+    def cp_problem(self, cp: int) -> str | None:
+        if cp == 1 or not self.context_parallel:
+            return None
+        return f"--context-parallel-size {cp}: {self.context_parallel}; use --context-parallel-size 1"
+
+    def tp_problem(self, tp: int) -> str | None:
+        for key, value, what in self.tp_divides:
+            if value % tp:
+                fits = [d for d in range(1, value + 1) if value % d == 0]
+                return (
+                    f"--tensor-model-parallel-size {tp} does not divide {key} {value}: {what}; pick a "
+                    f"tensor-parallel size dividing it ({', '.join(map(str, fits))})"
+                )
+        return None
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """The facts of a model that parallel layouts depend on."""
 
@@ -264,9 +293,14 @@ class ModelShape:
     # DSA layers (0-based) that reuse the top-k of the nearest layer below that runs its own
     # indexer (GLM-5's cross-layer sharing); a pipeline (virtual) stage cannot start on one
     shared_index_layers: tuple[int, ...] = ()
+    limits: FamilyLimits = FamilyLimits()  # what the family's own modules support
+    # rows of the input embedding and output layer (the checkpoint's, converted unpadded); None: not checked
+    vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shared_index_layers", tuple(self.shared_index_layers))  # JSON gives a list
+        if isinstance(self.limits, dict):  # JSON
+            object.__setattr__(self, "limits", FamilyLimits(**self.limits))
         if self.attention not in ATTENTION_KINDS:
             raise ValueError(f"attention {self.attention!r} is not one of {', '.join(ATTENTION_KINDS)}")
         for name in (
@@ -275,6 +309,7 @@ class ModelShape:
             "num_query_groups",
             "num_experts",
             "moe_ffn_hidden_size",
+            "vocab_size",
         ):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -297,4 +332,6 @@ class ModelShape:
         return self.num_experts is not None
 
     def to_json(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["limits"] = {f.name: getattr(self.limits, f.name) for f in fields(self.limits)}
+        return out

@@ -184,6 +184,26 @@ def _dsa_cp(c: ParallelLayout, x: Context) -> str | None:
     return None
 
 
+def _vocab_tp(c: ParallelLayout, x: Context) -> str | None:
+    vocab = x.model.vocab_size
+    if vocab is None or vocab % c.tp == 0:
+        return None
+    return (
+        f"{x.model.name}: the vocabulary of {vocab} rows does not split over tp({c.tp}); megatron-core's "
+        "vocabulary-parallel embedding and output layer need tp to divide it (checkpoints are converted unpadded)"
+    )
+
+
+def _family_cp(c: ParallelLayout, x: Context) -> str | None:
+    problem = x.model.limits.cp_problem(c.cp)
+    return f"{x.model.name}: {problem}" if problem else None
+
+
+def _family_tp(c: ParallelLayout, x: Context) -> str | None:
+    problem = x.model.limits.tp_problem(c.tp)
+    return f"{x.model.name}: {problem}" if problem else None
+
+
 def chunk_starts(c: ParallelLayout, m: ModelShape) -> tuple[int, ...]:
     """The first (0-based) layer of every model chunk: pipeline stages, or with vpp the virtual
     stages, in megatron-core's order (virtual stage 0 of every rank, then virtual stage 1, ...)."""
@@ -291,10 +311,13 @@ RULES: tuple[Rule, ...] = (
     Rule("stage-layers", "TransformerConfig", _stage_layers, ("first_stage_layers", "last_stage_layers", "pp", "vpp"), needs_model=True),
     Rule("moe-bias-etp", "TransformerConfig", _moe_bias_etp, ("etp",), needs_model=True),
     Rule("dsa-cp", "TransformerConfig", _dsa_cp, ("cp", "cp_comm_type"), needs_model=True),
+    Rule("vocab-tp", "VocabParallelEmbedding", _vocab_tp, ("tp",), lambda c, x: f"splits {x.model.vocab_size} rows {x.model.vocab_size // c.tp} per tp rank", True),
+    Rule("family-cp", "the family's model (miles.families)", _family_cp, ("cp",), needs_model=True),
+    Rule("family-tp", "the family's model (miles.families)", _family_tp, ("tp",), needs_model=True),
     Rule("layers-pp", "get_num_layers_to_build", _layers_pp, ("pp", "first_stage_layers", "last_stage_layers"), lambda c, x: split_text(c, x.model), True),
     Rule("vpp-layers", "get_num_layers_to_build", _vpp_layers, ("vpp", "pp"), lambda c, x: split_text(c, x.model), True),
-    # miles' own: megatron-core 0.16.1 has no cross-layer top-k sharing (miles.megatron.dsa builds it)
-    Rule("dsa-index-share-stage", "miles.megatron.dsa", _index_share_stage, ("first_stage_layers", "last_stage_layers", "pp", "vpp"), lambda c, x: split_text(c, x.model), True),
+    # miles' own: megatron-core 0.16.1 has no cross-layer top-k sharing (miles.families.glm_moe_dsa builds it)
+    Rule("dsa-index-share-stage", "miles.megatron.blocks", _index_share_stage, ("first_stage_layers", "last_stage_layers", "pp", "vpp"), lambda c, x: split_text(c, x.model), True),
     Rule("experts-ep", "MoELayer", _experts_ep, ("ep",), lambda c, x: f"puts {x.model.num_experts // c.ep} experts on each ep rank", True),
     Rule("moe-ffn-etp", "MoELayer", _moe_ffn_etp, ("etp",), lambda c, x: f"splits each expert's FFN {x.model.moe_ffn_hidden_size // c.expert_tp} per etp rank", True),
     # miles' own: megatron-core accepts the layout and trains the copies apart (miles.megatron.training refuses)

@@ -6,21 +6,24 @@
 
 `load()` dispatches on the platform `miles.platform.resolve()` reports (which cross-checks
 `MILES_HARDWARE_PLATFORM` against torch): tests get their recipe through it, never through an
-environment-variable import switch. The recipes live in `miles/recipes/library/`, their
-models in `miles/recipes/specs.py`, the reference recipes they follow in
-`miles/recipes/references/`; the scripts in `scripts/` and `scripts/amd/` are their command
-lines.
+environment-variable import switch. The recipes live in `miles/recipes/library/`, one module
+each with the models it trains (found there, never listed by hand), the reference recipes they
+follow in `miles/recipes/references/`; the scripts in `scripts/` and `scripts/amd/` are their
+command lines.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import pkgutil
 from collections.abc import Mapping
 
+from miles.recipes import library
 from miles.recipes.recipe import GROUPS, Overlay, ParallelProfile, Recipe, RecipeError
 
-NAMES = ("qwen3_4b", "qwen3_30b_a3b", "inkling", "glm5_2_744b_a40b", "deepseek_v4")
+# One module of miles/recipes/library/ per recipe, by its name.
+NAMES: tuple[str, ...] = tuple(sorted(m.name for m in pkgutil.iter_modules(library.__path__)))
 
 
 class UnknownRecipe(RecipeError):

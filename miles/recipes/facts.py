@@ -1,7 +1,7 @@
 """The fidelity table: every published config.json value beside the Megatron flag that carries it.
 
 Each row is a config.json key of the model (typed in once, with its source, in
-miles.recipes.specs), the flag its family's facts table (`miles.models`) maps it to, the
+the recipe module that trains it), the flag its family's facts table (`miles.families`) maps it to, the
 value that row derives from it, and the value the recipe's model flags (at full depth) give
 that flag: `ok` when they agree, `DIFFERS` when not, `choice` when the recipe trains with
 another value on purpose (the spec says why), `gap` when the key is something megatron-core
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from miles.models import family
-from miles.models.facts import ABSENT, layer_pattern, shown
+from miles.families import family
+from miles.families.facts import ABSENT, layer_pattern, shown
 from miles.recipes.args import Args
 from miles.recipes.models import ModelSpec
 

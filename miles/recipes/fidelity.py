@@ -21,7 +21,7 @@ import shlex
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from miles.models.facts import shown as facts_shown
+from miles.families.facts import shown as facts_shown
 from miles.parallel import ParallelLayout
 from miles.recipes.args import Args, Value
 from miles.recipes.upstream import Upstream

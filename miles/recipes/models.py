@@ -10,7 +10,7 @@ the same family that the CPU lane builds locally.
 Each spec carries the published config.json values (`Published`, typed in once with their
 source) and the `Gap`s: what the model needs that the pinned megatron-core cannot express.
 `python -m miles.recipes facts NAME` sets the flags beside the config (miles.recipes.facts);
-the five specs are in miles.recipes.specs.
+each spec lives in the recipe module that trains it (miles/recipes/library/).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from miles.models import family
-from miles.models.facts import moe_layer_freq, shared_index_layers
+from miles.families import family
+from miles.families.facts import moe_layer_freq, shared_index_layers
 from miles.parallel import ModelShape
 from miles.recipes.args import Args
 
@@ -60,7 +60,7 @@ class ModelSpec:
     """One architecture at full depth."""
 
     name: str  # e.g. "Qwen3-30B-A3B"
-    family: str  # a miles.models family
+    family: str  # a miles.families family
     hf_repo: str  # where the full checkpoint is published
     num_layers: int
     num_attention_heads: int
@@ -80,7 +80,7 @@ class ModelSpec:
 
     @property
     def attention(self) -> str:
-        """gqa | mla | dsa: its family's (miles.models)."""
+        """gqa | mla | dsa: its family's (miles.families)."""
         return family(self.family).attention
 
     def shape(self, num_layers: int | None = None, name: str | None = None) -> ModelShape:
@@ -92,6 +92,7 @@ class ModelSpec:
             name, layers, self.num_attention_heads, self.num_query_groups, self.num_experts, self.attention,
             bias=not flags.get("--disable-bias-linear"), moe_ffn_hidden_size=flags.get("--moe-ffn-hidden-size"),
             shared_index_layers=shared_index_layers({**published, "num_hidden_layers": layers}),
+            limits=family(self.family).limits(published), vocab_size=flags.get("--vocab-size"),
         )  # fmt: skip
 
     def model_args(self, num_layers: int | None = None, kernels: bool = True) -> Args:

@@ -99,7 +99,7 @@ class Overlay:
 @dataclass(frozen=True)
 class Fallback:
     """What a recipe's GPU profiles train with while miles' Megatron backend cannot build its
-    model (`miles.megatron.families` has no mapping for it), and why. It is part of the recipe,
+    model (`miles.families` has no mapping for it), and why. It is part of the recipe,
     not of a test: the rendered command says `--train-backend <train_backend>` (FSDP: data
     parallel over the HF checkpoint on the profile's GPUs, no Megatron model or layout flags),
     `diff` explains every difference from the reference it causes with `reason`, and `list`
@@ -154,7 +154,7 @@ class Recipe:
         if self.train_backend == "megatron" and self.fallback is None and not megatron_layout(family):
             raise RecipeError(
                 f"{self.defined_in}: {self.name} trains with Megatron on GPUs, but miles' Megatron backend does "
-                f"not build {family} (miles/megatron/families/); declare the recipe's Fallback (what it trains "
+                f"not build {family} (miles/families/); declare the recipe's Fallback (what it trains "
                 "with instead, and why) or build the family"
             )
         if self.fallback is not None and megatron_layout(family):

@@ -48,10 +48,10 @@ class Status:
 
 
 def megatron_model_types() -> tuple[str, ...]:
-    """The config.json model types miles' Megatron backend builds, from its own mapping."""
-    from miles.megatron.families import mappings
+    """The config.json model types miles' Megatron backend builds, from the families."""
+    from miles.families import families
 
-    return tuple(sorted(mappings()))
+    return tuple(sorted(t for f in families().values() if f.megatron for t in f.model_types))
 
 
 # --- the CPU lane -------------------------------------------------------------------------
@@ -212,7 +212,7 @@ def profile_status(
             return Status(
                 CANNOT_BUILD,
                 f"{recipe.model.name} is model type {'/'.join(types)}; miles' Megatron backend builds "
-                f"{', '.join(buildable)} (miles/megatron/families/){stale}",
+                f"{', '.join(buildable)} (miles/families/){stale}",
             )
     untested = (
         f"{test_files(recipe, profile)[0]} trains it in {profile.suite}, but no run record says it passed "

@@ -20,6 +20,7 @@ script itself writes to os.environ before it starts Ray (Ray's processes inherit
 
 from __future__ import annotations
 
+import ast
 import base64
 import json
 import posixpath
@@ -292,9 +293,17 @@ class _Reading:
     def launch(self) -> Launch:
         script = self.read(self.source.script)
         script.natives.setdefault("__file__", f"{REPO_ROOT}/{self.source.script}")
+        entry = self.evaluator.lookup(script, self.source.entry, script.tree)
+        if not _defines(script, "ScriptArgs"):  # a test file: its entry reads the module's own constants
+            if self.source.settings:
+                raise SourceError(
+                    f"{self.source.script}: no ScriptArgs to take the settings {dict(self.source.settings)}"
+                )
+            self.evaluator.call(entry, [], {})
+            return self._job()
         config = self.evaluator.lookup(script, "ScriptArgs", script.tree)
         args = self.evaluator.instantiate(config, dict(self.source.settings))
-        self.evaluator.call(self.evaluator.lookup(script, self.source.entry, script.tree), [args], {})
+        self.evaluator.call(entry, [args], {})
         return self._job()
 
     def _job(self) -> Launch:
@@ -314,6 +323,10 @@ class _Reading:
         for key, value in self.environ.written.items():
             env.setdefault(key, str(value))
         return Launch(argv, tuple(sorted(env.items())))
+
+
+def _defines(module: Module, name: str) -> bool:
+    return any(isinstance(n, ast.ClassDef | ast.FunctionDef) and n.name == name for n in module.tree.body)
 
 
 def read_launch(mirror: Mirror, source: Upstream) -> Launch:

@@ -27,8 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from miles.families import names as family_names
 from miles.megatron import CORE_MODULE
-from miles.models import FAMILIES
 
 # Distinct lengths (left padding), a GRPO group sharing its prefill, a one-token prompt.
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40], [70, 71, 72]] + [[100, 101, 102, 103]] * 4
@@ -148,7 +148,7 @@ def step_parity(cpu: bool, workdir: Path) -> str:
     torch.backends.cudnn.allow_tf32 = False
     tol = PARITY_TOL["cpu" if cpu else "gpu"]
     gaps = {}
-    for family in FAMILIES:
+    for family in family_names():
         path = make_tiny_checkpoint(family, 2, workdir / "tiny" / family, dtype="float32")
         model = load_causal_lm(path, dtype=torch.float32, device=device)
         sampling = SamplingConfig(temperature=0.9, top_p=1.0, top_k=-1, max_response_len=8)
@@ -352,8 +352,8 @@ def step_megatron_parity(cpu: bool, workdir: Path) -> str:
 
     from miles.ckpt.tiny import make_tiny_checkpoint
     from miles.ckpt.torch_dist import RELEASE, convert_to_torch_dist
-    from miles.megatron.checkpoint import load_model, single_process_group
-    from miles.megatron.model import hf_logit_gap
+    from miles.families.model import hf_logit_gap, load_model
+    from miles.megatron.checkpoint import single_process_group
 
     device = device_of(cpu)
     torch.backends.cuda.matmul.allow_tf32 = False

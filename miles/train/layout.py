@@ -26,21 +26,22 @@ def parallel_layout(args, world_size: int):
 
 def model_shape(args):
     """The model facts the layout rules need: the Megatron flags first, else what config.json
-    implies through its family's facts table (`miles.models`).
+    implies through its family's facts table (`miles.families`).
 
     None when neither says how deep and wide the model is (only the rank-grid rules apply).
     """
-    from miles import models, parallel
-    from miles.models.facts import flag_values, shared_index_layers, text_config
+    from miles import families, parallel
+    from miles.families.facts import flag_values, shared_index_layers, text_config
     from miles.parallel.layout import dest
 
     hf = {}
     config_path = Path(args.hf_checkpoint) / "config.json"
     if config_path.is_file():
-        from miles.megatron.families import decoder_config
+        from miles.families import decoder_config
 
         hf = text_config(decoder_config(json.loads(config_path.read_text())))
-    implied = flag_values(models.keys_of(hf), hf)
+    implied = flag_values(families.keys_of(hf), hf)
+    family = families.family_of(hf)
 
     def flag(name: str):
         given = getattr(args, dest(name), None)
@@ -63,19 +64,22 @@ def model_shape(args):
         else not implied.get("--disable-bias-linear", True),
         moe_ffn_hidden_size=flag("--moe-ffn-hidden-size"),
         shared_index_layers=shared_index_layers(hf, layers) if hf else (),
+        # what the family's own modules support: its build refuses the rest in the same words
+        limits=family.limits(hf) if family is not None else parallel.FamilyLimits(),
+        vocab_size=flag("--vocab-size"),
     )
 
 
 def _attention(args, hf: dict, implied: dict) -> str:
     """gqa | mla | dsa: the command's attention flags, else the config's family, else its keys."""
-    from miles import models
+    from miles import families
 
     variant = getattr(args, "experimental_attention_variant", None)
     if variant == "dsa" or args.dsa_indexer_topk or getattr(args, "use_dsa", False):
         return "dsa"
     if args.multi_latent_attention:
         return "mla"
-    family = models.family_of(hf)
+    family = families.family_of(hf)
     if family is not None:
         return family.attention
     if "--dsa-indexer-topk" in implied:

@@ -17,9 +17,9 @@ from miles.ci.register import register_cpu_ci
 from miles.ckpt.plan import FAMILIES
 from miles.ckpt.shards import CheckpointReader
 from miles.ckpt.torch_dist import RELEASE, SHARDED_METADATA, TRACKER, convert_to_torch_dist
+from miles.families import layout
+from miles.families.model import build_model
 from miles.megatron.checkpoint import single_process_group
-from miles.megatron.hf_names import layout
-from miles.megatron.model import build_model
 
 register_cpu_ci(est_time=35, suite="stage-b-cpu")
 

@@ -40,8 +40,8 @@ def gpu_command(recipe_name: str, tmp_path: Path) -> tuple[list[str], Path, Path
 
 def scale(argv: list[str], family_name: str, config: Mapping[str, Any], **extra: Any) -> None:
     """The model flags at the tiny config's sizes and the layout at two ranks, in place."""
-    from miles.models import family
-    from miles.models.facts import flag_values
+    from miles.families import family
+    from miles.families.facts import flag_values
 
     values = {**flag_values(family(family_name).keys, config), **TWO_RANKS, **extra}
     for flag, value in values.items():

@@ -1,4 +1,4 @@
-"""Run under `torch.distributed.run --nproc-per-node 2`: DeepSeek-V4 (miles.megatron.dsv4) split over
+"""Run under `torch.distributed.run --nproc-per-node 2`: DeepSeek-V4 (miles.families.deepseek_v4.model) split over
 two ranks (argv: checkpoint dir, layout "tp2sp" | "ep2" | "pp2", optionally a directory to save the
 model's shards in as the trainer saves them) computes transformers' logits and gradient norm. Each
 rank holds its part of the weights: the full tensors from the checkpoint through the family's
@@ -27,7 +27,7 @@ LAYOUTS = {  # initialize_model_parallel and TransformerConfig arguments
 
 def full_state(path, config) -> dict:
     from miles.ckpt.shards import CheckpointReader
-    from miles.megatron.families import deepseek_v4 as family
+    from miles.families.deepseek_v4 import FAMILY as family
 
     out = {}
     with CheckpointReader(path) as reader:
@@ -122,8 +122,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from miles.families.deepseek_v4 import FAMILY as family
     from miles.megatron import compat
-    from miles.megatron.families import deepseek_v4 as family
 
     compat.install()
     ps.initialize_model_parallel(**LAYOUTS[layout])

@@ -30,7 +30,7 @@ def make_release_checkpoint(
     from transformers.utils import logging as hf_logging
 
     from miles.ckpt.tiny import build_tokenizer
-    from miles.models import family
+    from miles.families import family
 
     hf_logging.set_verbosity_error()
     text = {

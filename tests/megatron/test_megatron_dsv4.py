@@ -1,11 +1,11 @@
-"""DeepSeek-V4 built by miles.megatron.dsv4 computes what transformers' DeepseekV4ForCausalLM computes.
+"""DeepSeek-V4 built by miles.families.deepseek_v4.model computes what transformers' DeepseekV4ForCausalLM computes.
 
 A tiny random DeepSeek-V4 checkpoint with every switch of the published Flash model (its layer
 pattern sliding, sliding, CSA, HCA; hash routing on the first three layers, sqrt-softplus top-k
 with expert bias after; 4 hyper-connection streams; YaRN on the compressed layers' rope; clamped
 SwiGLU; per-head sinks; grouped output projection) and random values where transformers starts at
 a constant, is read into the megatron model through the family's weight mapping
-(miles/megatron/families/deepseek_v4.py) and compared with the HF model in float32 on 320-token
+(miles/families/deepseek_v4/__init__.py) and compared with the HF model in float32 on 320-token
 sequences (sliding window 32 active, 2 heavily compressed entries, 80 CSA entries of which the
 indexer keeps 16): logits at most 1e-5 apart, for the published switches and for each switch
 turned another way. Split over two CPU ranks (TP 2 with sequence parallelism and EP 2, as the
@@ -68,7 +68,7 @@ def load_megatron(path, config):
     from megatron.core.transformer import MLATransformerConfig
 
     from miles.ckpt.shards import CheckpointReader
-    from miles.megatron.families import deepseek_v4 as family
+    from miles.families.deepseek_v4 import FAMILY as family
 
     tc = MLATransformerConfig(
         **family.transformer_fields(config), params_dtype=torch.float32, use_cpu_initialization=True,
@@ -205,9 +205,9 @@ def test_a_layout_the_attention_cannot_split_is_refused(megatron, parallel, mess
     from megatron.core.transformer import MLATransformerConfig
     from transformers import AutoConfig
 
-    from miles.megatron.families import UnmappedModel
-    from miles.megatron.families import deepseek_v4 as family
-    from miles.models.deepseek_v4 import FAMILY
+    from miles.families import UnmappedModel
+    from miles.families.deepseek_v4 import FAMILY
+    from miles.families.deepseek_v4 import FAMILY as family
 
     config = AutoConfig.for_model("deepseek_v4", **FAMILY.tiny_dims, num_hidden_layers=4).to_dict()
     tc = MLATransformerConfig(**family.transformer_fields(config), **parallel, use_cpu_initialization=True)
@@ -222,7 +222,7 @@ def test_published_names_load_the_same_weights(megatron, tmp_path):
 
     from miles.ckpt.shards import INDEX_NAME
     from miles.ckpt.tiny import make_tiny_checkpoint
-    from miles.megatron.families import deepseek_v4 as family
+    from miles.families.deepseek_v4 import published_name
 
     saved = make_tiny_checkpoint("deepseek_v4", 4, tmp_path / "hf", dtype="float32", progress=False)
     published = tmp_path / "published"
@@ -230,7 +230,7 @@ def test_published_names_load_the_same_weights(megatron, tmp_path):
     index = json.loads((saved / INDEX_NAME).read_text())
     renamed = {}
     for shard in sorted(set(index["weight_map"].values())):
-        tensors = {family.published_name(k): v for k, v in load_file(saved / shard).items()}
+        tensors = {published_name(k): v for k, v in load_file(saved / shard).items()}
         save_file(tensors, published / shard, metadata={"format": "pt"})
         renamed.update({k: shard for k in tensors})
     assert "embed.weight" in renamed and "layers.0.attn.wq_a.weight" in renamed and "hc_head_fn" in renamed

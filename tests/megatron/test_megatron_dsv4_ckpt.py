@@ -42,7 +42,7 @@ def converted(tmp_path_factory):
 
 
 def test_the_probe_reaches_every_attention_path(converted):
-    from miles.megatron.model import probe_tokens
+    from miles.families.model import probe_tokens
 
     config = json.loads((converted[0] / "config.json").read_text())
     length = probe_tokens(config).shape[1]
@@ -54,9 +54,9 @@ def test_the_probe_reaches_every_attention_path(converted):
 def test_torch_dist_holds_the_models_keys_dtypes_and_transformers_logits(converted):
     from miles.ckpt.shards import CheckpointReader
     from miles.ckpt.torch_dist import RELEASE, read_common
-    from miles.megatron.checkpoint import load_model, single_process_group
+    from miles.families.model import hf_logit_gap, load_model
+    from miles.megatron.checkpoint import single_process_group
     from miles.megatron.compat import cpu_placed
-    from miles.megatron.model import hf_logit_gap
 
     hf, out = converted
     config = json.loads((hf / "config.json").read_text())
@@ -87,7 +87,7 @@ def test_published_names_convert_to_the_same_release(converted, tmp_path):
 
     from miles.ckpt.shards import INDEX_NAME
     from miles.ckpt.torch_dist import RELEASE, convert_to_torch_dist
-    from miles.megatron.families.deepseek_v4 import published_name
+    from miles.families.deepseek_v4 import published_name
 
     hf, out = converted
     published = tmp_path / "published"
@@ -136,4 +136,6 @@ def test_the_recipes_gpu_form_dry_starts_on_two_cpu_ranks(tmp_path):
     assert all("Transformer Engine" in why or "needs a GPU" in why for why in gpu_only.values()), gpu_only
     out = dry.dry_start(argv)
     assert "tp2·pp1·cp1·ep2·etp1+sp" in out and f"holds {ref}; no rollout" in out, out[-3000:]
-    assert "miles.megatron.dsv4.Model" in out, out[-3000:]  # the first line names the family's own model
+    assert "miles.families.deepseek_v4.model.Model" in out, out[
+        -3000:
+    ]  # the first line names the family's own model

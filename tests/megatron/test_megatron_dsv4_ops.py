@@ -1,4 +1,4 @@
-"""DeepSeek-V4's megatron-style modules (miles.megatron.dsv4) compute what transformers' classes compute.
+"""DeepSeek-V4's megatron-style modules (miles.families.deepseek_v4.model) compute what transformers' classes compute.
 
 Each module is given the weights of its transformers counterpart (DeepseekV4HyperConnection,
 DeepseekV4HyperHead, DeepseekV4Attention of each layer kind, DeepseekV4SparseMoeBlock with
@@ -38,7 +38,7 @@ def megatron():
 def hf_config(**dims):
     from transformers import AutoConfig
 
-    from miles.models.deepseek_v4 import FAMILY
+    from miles.families.deepseek_v4 import FAMILY
 
     fixed = {"num_hidden_layers": 4, "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 2}
     return AutoConfig.for_model("deepseek_v4", **{**FAMILY.tiny_dims, **dims}, **fixed)
@@ -48,7 +48,7 @@ def hf_model(config, seed: int = 0):
     """transformers' DeepSeek-V4 on the tiny config, its constant-initialised values drawn at random."""
     from transformers import AutoModelForCausalLM
 
-    from miles.models.deepseek_v4 import tiny_values
+    from miles.families.deepseek_v4 import tiny_values
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -75,7 +75,7 @@ def gap(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_hyper_connection_and_head_mix_the_streams_as_transformers(megatron):
-    from miles.megatron.dsv4 import HyperConnection, HyperHead, hc_merge
+    from miles.families.deepseek_v4.model import HyperConnection, HyperHead, hc_merge
 
     config = hf_config()
     layer = hf_model(config).model.layers[1]
@@ -106,7 +106,7 @@ def test_hyper_connection_and_head_mix_the_streams_as_transformers(megatron):
 
 
 def test_yarn_and_plain_rope_frequencies_are_transformers(megatron):
-    from miles.megatron.dsv4 import rope_tables
+    from miles.families.deepseek_v4.model import rope_tables
 
     config = hf_config()
     hf = hf_model(config).model.rotary_emb
@@ -132,7 +132,7 @@ ATTENTION_WEIGHTS = {  # ours <- transformers' DeepseekV4Attention
 
 @pytest.mark.parametrize("layer", [0, 2, 3], ids=["sliding", "csa", "hca"])
 def test_attention_of_each_kind_is_transformers(megatron, layer):
-    from miles.megatron.dsv4 import Attention
+    from miles.families.deepseek_v4.model import Attention
 
     config = hf_config()
     model = hf_model(config)
@@ -172,7 +172,7 @@ def moe_layer(config, kind: str, limit: float):
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.spec_utils import build_module
 
-    from miles.megatron.dsv4 import HashRouter, SqrtSoftplusRouter
+    from miles.families.deepseek_v4.model import HashRouter, SqrtSoftplusRouter
 
     tc = transformer_config(
         config, num_moe_experts=config.n_routed_experts, moe_router_topk=config.num_experts_per_tok,

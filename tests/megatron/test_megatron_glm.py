@@ -86,9 +86,9 @@ def test_megatron_glm_logits_match_hf_logits(variant, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from miles.ckpt.torch_dist import convert_to_torch_dist
-    from miles.megatron.checkpoint import load_model, single_process_group
+    from miles.families.model import load_model, logits, probe_tokens
+    from miles.megatron.checkpoint import single_process_group
     from miles.megatron.compat import cpu_placed
-    from miles.megatron.model import logits, probe_tokens
 
     hf = perturbed_checkpoint(tmp_path, **VARIANTS[variant])
     config = json.loads((hf / "config.json").read_text())
@@ -112,7 +112,7 @@ def test_megatron_glm_logits_match_hf_logits(variant, tmp_path):
 def test_every_checkpoint_tensor_has_one_place_and_shared_layers_have_no_indexer(tmp_path):
     from miles.ckpt.shards import read_weight_map
     from miles.ckpt.tiny import make_tiny_checkpoint
-    from miles.megatron.hf_names import layout
+    from miles.families import layout
 
     hf = make_tiny_checkpoint("glm_moe_dsa", LAYERS, tmp_path / "hf")
     config = json.loads((hf / "config.json").read_text())

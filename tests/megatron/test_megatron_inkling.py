@@ -89,9 +89,9 @@ def test_megatron_inkling_logits_match_hf_logits(variant, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from miles.ckpt.torch_dist import convert_to_torch_dist
-    from miles.megatron.checkpoint import load_model, single_process_group
+    from miles.families.model import load_model, logits, probe_tokens
+    from miles.megatron.checkpoint import single_process_group
     from miles.megatron.compat import cpu_placed
-    from miles.megatron.model import logits, probe_tokens
 
     dims = VARIANTS[variant]
     hf = perturbed_checkpoint(tmp_path, **dims)
@@ -131,8 +131,8 @@ def test_every_checkpoint_tensor_has_one_place(form, tmp_path):
 
     from miles.ckpt.shards import read_weight_map
     from miles.ckpt.tiny import make_tiny_checkpoint
-    from miles.megatron.families import mapping_of, read_config
-    from miles.megatron.hf_names import layout
+    from miles.families import megatron_family, read_config
+    from miles.families import layout
 
     if form == "release":
         hf = make_release_checkpoint(tmp_path / "hf")
@@ -143,7 +143,9 @@ def test_every_checkpoint_tensor_has_one_place(form, tmp_path):
     assert config["mlp_layer_types"] == ["dense", "sparse"]
     placed = [(name, piece) for name, pieces in layout(config) for piece in pieces]
     files = read_weight_map(hf).weight_map
-    left = {n for n in files if any(n.startswith(prefix) for prefix, _ in mapping_of(config).not_decoder)}
+    left = {
+        n for n in files if any(n.startswith(prefix) for prefix, _ in megatron_family(config).not_decoder)
+    }
     assert bool(left) == (form == "release")
     assert sorted({p.hf_name for _, p in placed}) == sorted(set(files) - left)
     rows: dict[tuple, list] = {}
@@ -166,9 +168,8 @@ def test_every_checkpoint_tensor_has_one_place(form, tmp_path):
 
 
 def test_configs_transformers_computes_otherwise_are_refused_by_name():
-    from miles.megatron.config import transformer_config
-    from miles.megatron.families import UnmappedModel
-    from miles.models import family
+    from miles.families import UnmappedModel, family
+    from miles.families.transformer import transformer_config
 
     base = {"model_type": "inkling_text", "num_hidden_layers": 2, **family("inkling").tiny_dims}
     for key, value, says in (
@@ -182,7 +183,7 @@ def test_configs_transformers_computes_otherwise_are_refused_by_name():
             transformer_config({**base, key: value})
     # a release's config.json as it is (its decoder under text_config) is not read as the decoder's
     release = {"model_type": "inkling_mm_model", "text_config": base}
-    with pytest.raises(UnmappedModel, match="text_config: the mapping reads the decoder's config"):
+    with pytest.raises(UnmappedModel, match="text_config: the family reads the decoder's config"):
         transformer_config(release)
 
 
@@ -194,10 +195,10 @@ def test_the_release_checkpoint_computes_what_transformers_multimodal_class_comp
     from transformers import InklingForConditionalGeneration
 
     from miles.ckpt.torch_dist import convert_to_torch_dist
-    from miles.megatron.checkpoint import load_model, single_process_group
+    from miles.families import read_config
+    from miles.families.model import load_model, logits, probe_tokens
+    from miles.megatron.checkpoint import single_process_group
     from miles.megatron.compat import cpu_placed
-    from miles.megatron.families import read_config
-    from miles.megatron.model import logits, probe_tokens
 
     hf = make_release_checkpoint(tmp_path / "hf")
     raw = json.loads((hf / "config.json").read_text())
@@ -233,8 +234,7 @@ def test_the_release_config_is_read_as_transformers_normalises_it():
     the top) gives every key transformers' InklingConfig gives its text config."""
     from transformers import InklingConfig
 
-    from miles.megatron.families import decoder_config
-    from miles.models import family
+    from miles.families import decoder_config, family
 
     text = {**family("inkling").tiny_dims, "num_hidden_layers": 3}
     text["dense_intermediate_size"], text["intermediate_size"] = 96, 32
@@ -264,8 +264,7 @@ def test_a_release_is_not_handed_over_under_names_no_engine_loads():
     class's names is refused before any tensor is gathered."""
     from types import SimpleNamespace
 
-    from miles.megatron.families import decoder_config
-    from miles.models import family
+    from miles.families import decoder_config, family
     from miles.train.backends.megatron import MegatronBackend, MegatronSetupError
 
     text = {**family("inkling").tiny_dims, "num_hidden_layers": 2, "model_type": "inkling_text"}
@@ -280,12 +279,13 @@ def test_a_release_is_not_handed_over_under_names_no_engine_loads():
 def test_context_parallelism_is_refused_before_a_model_runs():
     from types import SimpleNamespace
 
-    from miles.megatron.families import UnmappedModel, mapping_of
-    from miles.models import family
+    from miles.families import UnmappedModel, family, megatron_family
 
     config = {"model_type": "inkling_text", "num_hidden_layers": 2, **family("inkling").tiny_dims}
     with pytest.raises(UnmappedModel, match="--context-parallel-size 2: Inkling's short convolutions"):
-        mapping_of(config).finish_model(SimpleNamespace(), SimpleNamespace(context_parallel_size=2), config)
+        megatron_family(config).finish_model(
+            SimpleNamespace(), SimpleNamespace(context_parallel_size=2), config
+        )
 
 
 @pytest.mark.parametrize("form", ["inkling_text", "release"])
@@ -300,7 +300,7 @@ def test_the_recipes_gpu_form_dry_starts_on_two_cpu_ranks(form, tmp_path):
     slice of the published checkpoint is)."""
     from miles.ckpt.tiny import make_tiny_checkpoint
     from miles.ckpt.torch_dist import convert_to_torch_dist
-    from miles.megatron.families import read_config
+    from miles.families import read_config
 
     argv, hf, ref = dry.gpu_command("inkling", tmp_path)
     assert ref.name == "Inkling-Small-4layer_torch_dist"
@@ -324,10 +324,9 @@ def test_the_recipes_gpu_form_dry_starts_on_two_cpu_ranks(form, tmp_path):
 def test_the_key_names_transformers_accepts_for_a_key_are_read_as_that_key():
     import torch
 
+    from miles.families import family
+    from miles.families.transformer import transformer_config
     from miles.megatron.checkpoint import single_process_group
-    from miles.megatron.config import transformer_config
-    from miles.megatron.families.inkling import block_spec
-    from miles.models import family
 
     config = {"model_type": "inkling_text", "num_hidden_layers": 2, **family("inkling").tiny_dims}
     config["num_local_experts"] = config.pop("n_routed_experts")  # InklingTextConfig.attribute_map
@@ -335,4 +334,4 @@ def test_the_key_names_transformers_accepts_for_a_key_are_read_as_that_key():
     tc = transformer_config(config, dtype=torch.float32)
     assert tc.num_moe_experts == 8
     with single_process_group():
-        assert block_spec(tc, config).layer_norm.params["mup"] == 16.0
+        assert family("inkling").block_spec(tc, config).layer_norm.params["mup"] == 16.0

@@ -55,11 +55,11 @@ def test_megatron_logits_match_hf_logits(variant, tmp_path):
     from megatron.core import dist_checkpointing
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+    from miles.families.facts import rope_parameters
+    from miles.families.model import build_model, hf_logit_gap
+    from miles.families.transformer import transformer_config
     from miles.megatron.checkpoint import single_process_group
     from miles.megatron.compat import cpu_placed
-    from miles.megatron.config import transformer_config
-    from miles.megatron.model import build_model, hf_logit_gap
-    from miles.models.facts import rope_parameters
 
     family, dims = VARIANTS[variant]
     hf, config = _converted(tmp_path, family, dims)
@@ -76,8 +76,8 @@ def test_megatron_logits_match_hf_logits(variant, tmp_path):
 
 
 def test_a_config_the_mapping_cannot_express_is_refused_by_name():
-    from miles.megatron.config import transformer_config
-    from miles.megatron.families import UnmappedModel
+    from miles.families import UnmappedModel
+    from miles.families.transformer import transformer_config
 
     config = {"model_type": "qwen3", "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}
     with pytest.raises(UnmappedModel, match="rope_type 'yarn' is not mapped"):

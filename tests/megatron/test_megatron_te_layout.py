@@ -37,8 +37,8 @@ def mixed_moe(tmp_path_factory):
 def _te_spec_layers(config):
     from megatron.core.transformer.identity_op import IdentityOp
 
+    from miles.families.transformer import transformer_config
     from miles.megatron.checkpoint import single_process_group
-    from miles.megatron.config import transformer_config
     from miles.megatron.spec import decoder_block_spec
 
     with single_process_group():
@@ -59,8 +59,8 @@ def test_checkpoint_loads_strictly_into_the_te_spec_model(mixed_moe):
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
+    from miles.families.model import build_model
     from miles.megatron.checkpoint import single_process_group
-    from miles.megatron.model import build_model
 
     config, release = mixed_moe
     with single_process_group():
@@ -82,8 +82,8 @@ def test_megatron_cores_local_spec_would_ask_for_a_moe_key_no_te_job_writes(mixe
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
+    from miles.families.transformer import transformer_config
     from miles.megatron.checkpoint import single_process_group
-    from miles.megatron.config import transformer_config
 
     config, _ = mixed_moe
     with single_process_group():

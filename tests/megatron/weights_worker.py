@@ -21,12 +21,12 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from miles.ckpt.shards import CheckpointReader
+    from miles.families import megatron_family, read_config
+    from miles.families.model import build_chunks
+    from miles.families.transformer import transformer_config
     from miles.megatron import compat
     from miles.megatron.checkpoint import load_weights
-    from miles.megatron.config import transformer_config
     from miles.megatron.export import WeightExporter
-    from miles.megatron.families import mapping_of, read_config
-    from miles.megatron.model import build_chunks
     from miles.megatron.training import init_parallel_state
     from miles.parallel import ParallelLayout
 
@@ -40,7 +40,7 @@ def main() -> None:
 
     worst = {}
     # the checkpoint's tensors outside the decoder (a release's towers and MTP layers) are not trained
-    left = tuple(prefix for prefix, _ in mapping_of(config).not_decoder)
+    left = tuple(prefix for prefix, _ in megatron_family(config).not_decoder)
     with CheckpointReader(hf) as reader:
         files = {
             name: reader.read(name).float() for name in reader.files.weight_map if not name.startswith(left)
@@ -48,7 +48,11 @@ def main() -> None:
     worst["left_out"] = sorted(
         {name.split(".")[1] for name in reader.files.weight_map if name.startswith(left)}
     )
-    exported = {n: t.float() for n, t in WeightExporter(chunks, config, fused_experts=False, extras=True)}
+    family = megatron_family(config)
+    layout = list(family.weights(config))
+    exported = {
+        n: t.float() for n, t in WeightExporter(chunks, config, layout, fused_experts=False, extras=True)
+    }
     worst["checkpoint_names"] = sorted(exported)
     worst["checkpoint_names_missing"] = sorted(set(files) - set(exported))[:5]
     worst["checkpoint_names_extra"] = sorted(set(exported) - set(files))[:5]
@@ -62,7 +66,10 @@ def main() -> None:
         dist.destroy_process_group()
         return
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).state_dict()
-    fused = {n: t.float() for n, t in WeightExporter(chunks, config, fused_experts=True, model_names=True)}
+    rename = family.model_name if family.renames_on_load else None
+    fused = {
+        n: t.float() for n, t in WeightExporter(chunks, config, layout, rename=rename, fused_experts=True)
+    }
     tied = {"lm_head.weight"} if config.get("tie_word_embeddings") else set()
     worst["model_names_missing"] = sorted(set(model) - set(fused) - tied)[:5]
     worst["model_names_extra"] = sorted(set(fused) - set(model))[:5]

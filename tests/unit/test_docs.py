@@ -131,6 +131,31 @@ def test_the_lanes_table_is_the_catalogs():
     assert named == set(catalog.lanes), "README's lane table differs from miles/ci/catalog.toml"
 
 
+def _families_table() -> dict[str, list[str]]:
+    """docs/megatron.md's table of model families: family -> its cells."""
+    text = _text(ROOT / "docs/megatron.md")
+    rows = [line for line in text.splitlines() if line.startswith("| `") and line.count("|") == 6]
+    return {row.split("|")[1].strip().strip("`"): [c.strip() for c in row.split("|")[2:-1]] for row in rows}
+
+
+def test_the_family_table_is_the_families_miles_finds():
+    from miles.families import OwnModelFamily, families
+
+    table = _families_table()
+    assert sorted(table) == sorted(families()), "docs/megatron.md's family table lists other families"
+    for name, family in families().items():
+        types, kind, modules, limits = table[name]
+        assert set(re.findall(r"`([^`]+)`", types)) == set(family.model_types), name
+        assert kind == ("own model" if isinstance(family, OwnModelFamily) else "GPTModel"), name
+        own = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "miles/families" / name).glob("*.py"))
+        assert set(re.findall(r"`([^`]+)`", modules)) == {p for p in own if not p.endswith("__init__.py")}, (
+            name
+        )
+        limits_of = family.limits({"o_groups": 8})
+        assert ("no context parallelism" in limits) == bool(limits_of.context_parallel), name
+        assert ("TP divides" in limits) == bool(limits_of.tp_divides), name
+
+
 def _facts():
     """(page, the sentence with one number in a group, that number as the code has it)."""
     from miles.ci.machine import preflight

@@ -1,6 +1,6 @@
 """DeepSeek-V4's config.json as its Megatron mapping reads it: what it refuses, with one line naming the key.
 
-Every deepseek_v4 value miles.megatron.dsv4 does not compute as transformers does is refused by
+Every deepseek_v4 value miles.families.deepseek_v4.model does not compute as transformers does is refused by
 name, before a model is built; the mapping of the tiny model's config (the published switches)
 passes.
 """
@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from miles.megatron.families import UnmappedModel
-from miles.megatron.families.deepseek_v4 import refuse_unmapped, weights
+from miles.families import UnmappedModel
+from miles.families.deepseek_v4 import FAMILY
+
+refuse_unmapped, weights = FAMILY.refuse_unmapped, FAMILY.weights
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 V4 = {
@@ -43,6 +45,13 @@ REFUSED = {
         "attention_factor 1.3: DeepSeek-V4 never scales",
     ),
     "short layer list": ({"layer_types": [SLIDING] * 3}, "layer_types .* need 4 entries"),
+    # transformers builds one shared expert whatever the key says; 0 once converted with no shared
+    # expert and logits 6.85 off, 2 blamed the checkpoint file
+    "no shared expert": (
+        {"n_shared_experts": 0},
+        "n_shared_experts 0: transformers' DeepseekV4ForCausalLM builds exactly one",
+    ),
+    "two shared experts": ({"n_shared_experts": 2}, "n_shared_experts 2: .*set it to 1"),
     "unknown mlp kind": (
         {"mlp_layer_types": ["dense"] * 4},
         "mlp_layer_types .* need 4 entries of hash_moe, moe",

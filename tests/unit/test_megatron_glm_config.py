@@ -13,9 +13,8 @@ import json
 
 import pytest
 
-from miles.megatron.families import UnmappedModel, mapping_of
-from miles.models import family
-from miles.models.facts import indexer_types, shared_index_layers
+from miles.families import UnmappedModel, family, megatron_family
+from miles.families.facts import indexer_types, shared_index_layers
 
 GLM = {
     "model_type": "glm_moe_dsa", "num_hidden_layers": 4, "hidden_size": 128, "num_attention_heads": 4,
@@ -46,14 +45,14 @@ def test_a_glm_config_megatron_cannot_compute_as_transformers_does_is_refused_by
     change, message = REFUSED[case]
     config = {**GLM, **change}
     with pytest.raises(UnmappedModel, match="^config.json ") as err:
-        mapping_of(config).refuse_unmapped(config)
+        megatron_family(config).refuse_unmapped(config)
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
 def test_the_published_switches_are_mapped():
-    mapping_of(GLM).refuse_unmapped(GLM)
+    megatron_family(GLM).refuse_unmapped(GLM)
     grouped = {**GLM, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 4}  # 4 // 2 = 2: as transformers
-    mapping_of(grouped).refuse_unmapped(grouped)
+    megatron_family(grouped).refuse_unmapped(grouped)
 
 
 @pytest.mark.parametrize(

@@ -106,7 +106,7 @@ def test_moe_routing_and_permute_fusion_work_without_te_and_without_the_cpu_redi
         import warnings; warnings.simplefilter("ignore")
         import torch
         from miles.megatron import compat
-        from miles.megatron.config import transformer_config
+        from miles.families.transformer import transformer_config
         config = {"model_type": "qwen3_moe", "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
                   "num_key_value_heads": 1, "head_dim": 4, "intermediate_size": 16, "moe_intermediate_size": 8,
                   "num_experts": 4, "num_experts_per_tok": 2, "vocab_size": 300, "rms_norm_eps": 1e-6,

@@ -53,10 +53,10 @@ def test_spec_choice_follows_transformer_impl_and_megatron_cores_own_te_import()
 
 
 def test_the_first_line_names_the_modules_built_and_a_conversion_builds_the_stand_in(monkeypatch):
+    from miles.families.model import build_model
     from miles.megatron import spec
     from miles.megatron.checkpoint import single_process_group
     from miles.megatron.compat import cpu_placed
-    from miles.megatron.model import build_model
 
     # even where TE would load, a model built without a spec choice (the conversion's) is the stand-in
     monkeypatch.setattr(spec, "te_status", lambda: spec.TEStatus(True, "2.20.2", ""))

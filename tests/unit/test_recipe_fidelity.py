@@ -22,8 +22,9 @@ from miles.recipes import names, shared, variants
 from miles.recipes.diff import reference_comparisons, rendered
 from miles.recipes.facts import rows
 from miles.recipes.fidelity import Deviation, Placement, Reference, compare, deviation, flags, renamed, shown
+from miles.recipes.library.glm5_2_744b_a40b import GLM5_2_744B_A40B
+from miles.recipes.library.qwen3_30b_a3b import QWEN3_30B_A3B
 from miles.recipes.recipe import gpu_profile
-from miles.recipes.specs import GLM5_2_744B_A40B, QWEN3_30B_A3B
 from miles.recipes.upstream import Upstream
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -198,7 +199,7 @@ def test_a_window_flag_admits_the_keys_transformers_admits(window):
     import torch
     from transformers.masking_utils import sliding_window_causal_mask_function
 
-    from miles.models.facts import window as window_flag
+    from miles.families.facts import window as window_flag
     from miles.train.config import _window
 
     left, right = _window(window_flag(window, {}))
@@ -215,7 +216,7 @@ def test_a_window_flag_admits_the_keys_transformers_admits(window):
 def test_what_megatron_core_lacks_is_said_in_the_recipe():
     gaps = {gap.feature for gap in shared("deepseek_v4").model.gaps}
     assert {"hybrid compressed sparse attention", "sqrt-softplus routing with expert bias"} <= gaps
-    # GLM-5.2's cross-layer top-k sharing is miles' own (miles.megatron.dsa): no gap, read from config.json
+    # GLM-5.2's cross-layer top-k sharing is miles' own (miles.families.glm_moe_dsa.dsa): no gap, read from config.json
     glm = shared("glm5_2_744b_a40b").model
     assert glm.gaps == ()
     table = {r.key: r for r in rows(glm)}

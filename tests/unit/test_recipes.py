@@ -15,9 +15,10 @@ from miles.platform import PlatformMismatch
 from miles.recipes import GROUPS, load, names, shared, variants
 from miles.recipes.args import ArgsError, fill, merge, render
 from miles.recipes.diff import recipe_diff
+from miles.recipes.library.inkling import INKLING_SMALL
+from miles.recipes.library.qwen3_4b import QWEN3_4B
 from miles.recipes.models import UnknownModel, moe_layer_freq, resolve_model
 from miles.recipes.recipe import RecipeError, gpu_profile, groups
-from miles.recipes.specs import INKLING_SMALL, QWEN3_4B
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,8 +32,8 @@ def _flags(recipe, platform, model=None) -> list[str]:
     return list(recipe.train_args(profile, fields))
 
 
-def test_the_five_recipes_each_declare_a_rocm_overlay():
-    assert names() == ("qwen3_4b", "qwen3_30b_a3b", "inkling", "glm5_2_744b_a40b", "deepseek_v4")
+def test_the_recipes_found_in_the_library_each_declare_a_rocm_overlay():
+    assert names() == ("deepseek_v4", "glm5_2_744b_a40b", "inkling", "qwen2_5_0_5b", "qwen3_30b_a3b", "qwen3_4b")
     for name in names():
         assert [r.variant for r in variants(name)] == ["shared", "rocm"]
 
@@ -107,7 +108,7 @@ def test_load_refuses_rocm_on_a_cpu_torch_naming_both_facts():
 
 
 def test_unknown_recipe_lists_the_known_ones():
-    with pytest.raises(RecipeError, match="unknown recipe 'inkling2'; known: qwen3_4b, qwen3_30b_a3b"):
+    with pytest.raises(RecipeError, match="unknown recipe 'inkling2'; known: deepseek_v4, glm5_2_744b_a40b, inkling, qwen2_5_0_5b"):
         shared("inkling2")
 
 

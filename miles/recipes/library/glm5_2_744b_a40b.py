@@ -1,6 +1,6 @@
 """GRPO on GLM-5.2-744B-A40B (a 5-layer slice in CI): MLA with DSA sparse attention, FP8 rollouts.
 
-Trained by miles' Megatron backend (miles.megatron.families.glm: MLA, GLM's DSA indexer with
+Trained by miles' Megatron backend (miles.families.glm_moe_dsa: MLA, GLM's DSA indexer with
 its cross-layer top-k sharing, sigmoid-routed MoE with a shared expert, MTP layers carried) from
 the torch_dist prepare-ckpt converts; its CPU profile trains the tiny model at TP 2 with sequence
 parallelism and EP 2.
@@ -10,8 +10,66 @@ from miles.parallel import ParallelLayout
 from miles.recipes import defaults as d
 from miles.recipes import references
 from miles.recipes.fidelity import deviation
+from miles.recipes.models import ModelSpec, Published
 from miles.recipes.recipe import Overlay, Recipe, gpu_profile, groups, source_file
-from miles.recipes.specs import GLM5_2_744B_A40B
+
+GLM5_2_744B_A40B = ModelSpec(
+    "GLM-5.2-744B-A40B", "glm_moe_dsa", "zai-org/GLM-5.2", num_layers=78, num_attention_heads=64,
+    num_experts=256, first_k_dense=3,
+    arch_args=(
+        ("--hidden-size", 6144), ("--ffn-hidden-size", 12288), ("--normalization", "RMSNorm"), ("--swiglu", True), ("--disable-bias-linear", True), ("--untie-embeddings-and-output-weights", True),
+        ("--vocab-size", 154880), ("--make-vocab-size-divisible-by", 16), ("--position-embedding-type", "rope"),
+        ("--no-position-embedding", True), ("--rotary-base", 8000000), ("--qk-layernorm", True),
+        ("--multi-latent-attention", True), ("--q-lora-rank", 2048), ("--kv-lora-rank", 512), ("--qk-head-dim", 192),
+        ("--qk-pos-emb-head-dim", 64), ("--v-head-dim", 256), ("--kv-channels", 192),
+        ("--experimental-attention-variant", "dsa"), ("--dsa-indexer-n-heads", 32), ("--dsa-indexer-head-dim", 128),
+        ("--dsa-indexer-topk", 2048), ("--moe-ffn-hidden-size", 2048), ("--moe-shared-expert-intermediate-size", 2048),
+        ("--moe-router-topk", 8), ("--moe-router-score-function", "sigmoid"), ("--moe-router-pre-softmax", True),
+        ("--moe-router-enable-expert-bias", True), ("--moe-router-bias-update-rate", 0),
+        ("--moe-router-load-balancing-type", "seq_aux_loss"), ("--moe-router-topk-scaling-factor", 2.5),
+        ("--moe-aux-loss-coeff", 0), ("--moe-router-dtype", "fp32"), ("--moe-token-dispatcher-type", "alltoall"),
+    ),
+    kernel_args=(("--moe-grouped-gemm", True), ("--moe-permute-fusion", True)),
+    published=Published(
+        # transformers 5.24's GlmMoeDsaConfig defaults are zai-org/GLM-5's config.json (its
+        # docstring's checkpoint); GLM-5.2 keeps that architecture and changes the RoPE base.
+        "zai-org/GLM-5 config.json as transformers 5.24's GlmMoeDsaConfig defaults (GLM-5.2 keeps the architecture)",
+        (
+            ("num_hidden_layers", 78), ("hidden_size", 6144), ("intermediate_size", 12288),
+            ("moe_intermediate_size", 2048), ("num_attention_heads", 64), ("num_key_value_heads", 64),
+            ("n_routed_experts", 256), ("n_shared_experts", 1), ("num_experts_per_tok", 8),
+            ("routed_scaling_factor", 2.5), ("first_k_dense_replace", 3), ("q_lora_rank", 2048),
+            ("kv_lora_rank", 512), ("qk_nope_head_dim", 192), ("qk_rope_head_dim", 64), ("v_head_dim", 256),
+            ("rms_norm_eps", 1e-5), ("vocab_size", 154880), ("tie_word_embeddings", False),
+            ("index_n_heads", 32), ("index_head_dim", 128), ("index_topk", 2048), ("rope_theta", 8000000),
+            ("index_topk_freq", 4), ("index_skip_topk_offset", 3), ("num_nextn_predict_layers", 1),
+        ),
+        sources=(
+            ("rope_theta", "radixark/miles scripts/run_glm5_2_744b_a40b.py@044f7c8c notes (GLM-5.2: rotary base 8000000)"),
+            ("index_topk_freq", "radixark/miles scripts/models/glm5.2-744B-A40B_7layer.sh@a3f6efc5 notes"),
+            (
+                "index_skip_topk_offset", "radixark/miles scripts/run_glm5_2_744b_a40b.py@49f9aef1 notes "
+                "(index_topk_freq=4, index_skip_topk_offset=3: indexers on layers 1, 2, 3, 7, 11, ..., 75)",
+            ),
+        ),
+    ),
+    choices=(
+        (
+            "num_nextn_predict_layers",
+            "the MTP layer is carried (converted, handed to SGLang for speculative decoding), not trained: "
+            "transformers' model has no MTP forward to hold it to",
+        ),
+    ),
+    known_differences=(
+        (
+            "q/kv latent norm eps",
+            "transformers' GlmMoeDsaRMSNorm and so miles' trainer normalise the q and kv latents with eps 1e-6; "
+            "SGLang 0.5.23 uses rms_norm_eps 1e-5 (models/deepseek_v2.py:2077, 2163): trainer and rollout logits "
+            "differ by about 1e-4 in float32, below bf16's rounding",
+        ),
+    ),
+)  # fmt: skip
+
 
 MODEL = "GLM-5.2-744B-A40B-5layer"
 # DSA attention cannot use context parallel on megatron-core 0.16.1; 5 layers keep PP at 1.
@@ -128,7 +186,7 @@ RECIPE = Recipe(
             "--experimental-attention-variant",
             "--dsa-indexer-*",
             reason="the reference builds GLM-5.2's DSA with its own spec (miles_plugins.models.glm5); miles builds it "
-            "with its own modules (miles.megatron.dsa: GLM's indexer and its cross-layer top-k sharing, read from "
+            "with its own modules (miles.families.glm_moe_dsa.dsa: GLM's indexer and its cross-layer top-k sharing, read from "
             "config.json) and states the attention and the indexer's shape in megatron-core's flags, which its "
             "backend checks against config.json",
         ),

@@ -1,6 +1,6 @@
 """GRPO on Inkling-Small (a 4-layer slice in CI), rolled out with SGLang.
 
-Trained by miles' Megatron backend (miles.megatron.families.inkling: short convolutions,
+Trained by miles' Megatron backend (miles.families.inkling: short convolutions,
 relative attention bias, sliding-window and global attention with log scaling, the router
 normalised over its shared experts) from the torch_dist prepare-ckpt converts; its CPU profile
 trains the tiny model at TP 2 with sequence parallelism and EP 2.
@@ -10,8 +10,43 @@ from miles.parallel import ParallelLayout
 from miles.recipes import defaults as d
 from miles.recipes import references
 from miles.recipes.fidelity import deviation
+from miles.recipes.models import ModelSpec, Published
 from miles.recipes.recipe import Overlay, Recipe, gpu_profile, groups, source_file
-from miles.recipes.specs import INKLING_SMALL
+
+INKLING_SMALL = ModelSpec(
+    "Inkling-Small", "inkling", "thinkingmachines/Inkling-Small", num_layers=42, num_attention_heads=32,
+    num_query_groups=8, num_experts=256, first_k_dense=2,
+    arch_args=(
+        ("--hidden-size", 4096), ("--ffn-hidden-size", 16384), ("--kv-channels", 128), ("--normalization", "RMSNorm"),
+        ("--norm-epsilon", 1e-6), ("--swiglu", True), ("--disable-bias-linear", True),
+        ("--untie-embeddings-and-output-weights", True), ("--vocab-size", 201024),
+        ("--position-embedding-type", "none"), ("--max-position-embeddings", 1048576), ("--qk-layernorm", True),
+        ("--window-size", "511,0"), ("--window-attn-skip-freq", 6),
+        ("--moe-ffn-hidden-size", 2048), ("--moe-router-topk", 6), ("--moe-shared-expert-intermediate-size", 4096),
+        ("--moe-router-pre-softmax", True), ("--moe-router-score-function", "sigmoid"),
+        ("--moe-router-enable-expert-bias", True), ("--moe-router-load-balancing-type", "seq_aux_loss"),
+        ("--moe-aux-loss-coeff", 0), ("--moe-token-dispatcher-type", "alltoall"),
+    ),
+    kernel_args=(("--moe-grouped-gemm", True), ("--no-rope-fusion", True), ("--no-masked-softmax-fusion", True)),
+    published=Published(
+        # The release's config.json, as read field by field in a public Inkling-Small
+        # conversion project's notes ("Inkling-Small support"); the 42-layer figure is also
+        # the reference's scripts/models/inkling-small.sh.
+        "huggingface.co/thinkingmachines/Inkling-Small config.json (fields tabulated from the release)",
+        (
+            ("num_hidden_layers", 42), ("hidden_size", 4096), ("intermediate_size", 16384),
+            ("num_attention_heads", 32), ("num_key_value_heads", 8), ("swa_num_attention_heads", 32),
+            ("swa_num_key_value_heads", 8), ("head_dim", 128), ("vocab_size", 201024),
+            ("max_position_embeddings", 1048576), ("dense_mlp_idx", 2), ("n_routed_experts", 256),
+            ("num_experts_per_tok", 6), ("n_shared_experts", 2), ("moe_intermediate_size", 2048),
+            ("sliding_window_size", 512), ("global_layer_period", 6), ("d_rel", 16), ("rel_extent", 1024),
+            ("conv_kernel_size", 4), ("logits_mup_width_multiplier", 16), ("log_scaling_n_floor", 128000),
+            ("log_scaling_alpha", 0.1),
+        ),
+        sources=(("global_layer_period", "derived from the release's global attention layers 5, 11, ..., 41"),),
+    ),
+)  # fmt: skip
+
 
 MODEL = "Inkling-Small-4layer"
 # TP4 with sequence parallel and all experts spread over the 4 GPUs (ETP1): both references.
@@ -106,7 +141,7 @@ RECIPE = Recipe(
         deviation(
             "--model-name",
             reason="selects the reference's Megatron-to-HF weight mapping; miles maps Inkling's weights by its "
-            "config.json's model type (miles.megatron.families.inkling)",
+            "config.json's model type (miles.families.inkling)",
         ),
         deviation(
             "--custom-model-provider-path",
@@ -116,7 +151,7 @@ RECIPE = Recipe(
             "--window-size",
             "--window-attn-skip-freq",
             reason="the reference builds Inkling with its own provider from the checkpoint's config; so does miles "
-            "(miles.megatron.inkling, read from config.json), and it passes config.json's shape in megatron-core's "
+            "(miles.families.inkling.layers, read from config.json), and it passes config.json's shape in megatron-core's "
             "terms, which its backend checks against config.json (dense width 16384 in layers 0-1, 2 shared experts "
             "of 2048, a 512-token window with a global layer every 6th; see `facts inkling`). The window is 511,0 in "
             "megatron-core's LEFT,RIGHT terms, whose LEFT counts the keys before the query's own",

@@ -4,8 +4,40 @@ from miles.parallel import ParallelLayout
 from miles.recipes import defaults as d
 from miles.recipes import references
 from miles.recipes.fidelity import deviation
+from miles.recipes.library.qwen3_4b import QWEN3_ARCH
+from miles.recipes.models import ModelSpec, Published
 from miles.recipes.recipe import Overlay, Recipe, gpu_profile, groups, source_file
-from miles.recipes.specs import QWEN3_30B_A3B
+
+QWEN3_30B_A3B = ModelSpec(
+    "Qwen3-30B-A3B", "qwen3_moe", "Qwen/Qwen3-30B-A3B", num_layers=48, num_attention_heads=32,
+    num_query_groups=4, num_experts=128,
+    arch_args=(
+        *QWEN3_ARCH, ("--rotary-percent", 1.0), ("--hidden-size", 2048), ("--ffn-hidden-size", 6144),
+        ("--untie-embeddings-and-output-weights", True), ("--moe-ffn-hidden-size", 768), ("--moe-router-topk", 8),
+        ("--moe-token-dispatcher-type", "alltoall"), ("--moe-router-score-function", "softmax"),
+        ("--moe-router-dtype", "fp32"), ("--moe-aux-loss-coeff", 0),
+    ),
+    kernel_args=(("--moe-grouped-gemm", True), ("--moe-permute-fusion", True)),
+    published=Published(
+        "huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json",
+        (
+            ("num_hidden_layers", 48), ("hidden_size", 2048), ("intermediate_size", 6144),
+            ("num_attention_heads", 32), ("num_key_value_heads", 4), ("head_dim", 128),
+            ("rms_norm_eps", 1e-6), ("rope_theta", 1000000), ("vocab_size", 151936),
+            ("tie_word_embeddings", False), ("attention_bias", False), ("hidden_act", "silu"),
+            ("num_experts", 128), ("num_experts_per_tok", 8), ("moe_intermediate_size", 768),
+            ("decoder_sparse_step", 1), ("mlp_only_layers", ()), ("norm_topk_prob", True),
+            ("router_aux_loss_coef", 0.001), ("max_position_embeddings", 40960),
+        ),
+    ),
+    choices=(
+        (
+            "router_aux_loss_coef",
+            "RL fine-tuning keeps the checkpoint's routing: no load-balancing loss, as in the reference",
+        ),
+    ),
+)  # fmt: skip
+
 
 SLICE = "Qwen3-30B-A3B-4layer"
 FULL = "Qwen3-30B-A3B"

@@ -3,9 +3,39 @@
 from miles.parallel import ParallelLayout
 from miles.recipes import defaults as d
 from miles.recipes import references
+from miles.recipes.args import Args
 from miles.recipes.fidelity import deviation
+from miles.recipes.models import ModelSpec, Published
 from miles.recipes.recipe import Overlay, Recipe, gpu_profile, groups, source_file
-from miles.recipes.specs import QWEN3_4B
+
+# Qwen3's architecture flags, shared with Qwen3-30B-A3B (miles.recipes.library.qwen3_30b_a3b)
+QWEN3_ARCH: Args = (
+    ("--normalization", "RMSNorm"),
+    ("--norm-epsilon", 1e-6),
+    ("--swiglu", True),
+    ("--disable-bias-linear", True),
+    ("--qk-layernorm", True),
+    ("--position-embedding-type", "rope"),
+    ("--rotary-base", 1000000),
+    ("--vocab-size", 151936),
+    ("--kv-channels", 128),
+)
+
+QWEN3_4B = ModelSpec(
+    "Qwen3-4B", "qwen3", "Qwen/Qwen3-4B", num_layers=36, num_attention_heads=32, num_query_groups=8,
+    arch_args=(*QWEN3_ARCH, ("--hidden-size", 2560), ("--ffn-hidden-size", 9728)),
+    published=Published(
+        "huggingface.co/Qwen/Qwen3-4B/blob/main/config.json",
+        (
+            ("num_hidden_layers", 36), ("hidden_size", 2560), ("intermediate_size", 9728),
+            ("num_attention_heads", 32), ("num_key_value_heads", 8), ("head_dim", 128),
+            ("rms_norm_eps", 1e-6), ("rope_theta", 1000000), ("vocab_size", 151936),
+            ("tie_word_embeddings", True), ("attention_bias", False), ("hidden_act", "silu"),
+            ("max_position_embeddings", 40960),
+        ),
+    ),
+)  # fmt: skip
+
 
 MODEL = "Qwen3-4B"
 TP2 = ParallelLayout(tp=2, sp=True, etp=1)

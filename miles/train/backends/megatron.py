@@ -24,12 +24,12 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from miles.families import megatron_family, read_config
+from miles.families import model as mg
 from miles.megatron import checkpoint as ckpt
-from miles.megatron import model as mg
 from miles.megatron import options
 from miles.megatron import training as mt
 from miles.megatron.export import WeightExporter
-from miles.megatron.families import mapping_of, read_config
 from miles.megatron.loss import gather_context_parallel, micro_batches, vocab_parallel_logprobs
 from miles.parallel import ParallelLayout
 from miles.train import micro_batches as split
@@ -119,7 +119,9 @@ class MegatronBackend(TrainBackend):
         # The reference model gets a config of its own: the policy's gains DDP hooks below.
         ref_tc = copy.copy(self.tc)
         self.vocab = ckpt.embedding_rows(self.source) or int(self.config["vocab_size"])
-        check_built_model(model, self.tc, self.vocab, hf, mapping_of(self.config).position_embedding_type)
+        check_built_model(
+            model, self.tc, self.vocab, hf, megatron_family(self.config).position_embedding_type
+        )
         chunks = self._load_chunks(self.tc)
         if role == CRITIC:
             from miles.megatron.value_head import NoValueHead, attach_value_head
@@ -153,7 +155,7 @@ class MegatronBackend(TrainBackend):
         self.steps_done = 0
 
     def _load_chunks(self, tc) -> list:
-        from miles.megatron.families import UnmappedModel
+        from miles.families import UnmappedModel
 
         try:
             chunks = mg.build_chunks(self.config, tc, self.vocab, impl=self.impl)
@@ -233,10 +235,10 @@ class MegatronBackend(TrainBackend):
         )
 
     def full_weights(self, names: str = "model", dtype=None) -> Iterator[tuple[str, torch.Tensor]]:
-        if names == "model" and mapping_of(self.config).outer_names is not None:
-            from miles.megatron.hf_names import OUTER_NAMES, outer_names
+        if names == "model":
+            from miles.families.weights import OUTER_NAMES
 
-            if outer_names(self.config) != OUTER_NAMES:
+            if megatron_family(self.config).outer_names(self.config) != OUTER_NAMES:
                 raise MegatronSetupError(
                     f"{self.hf_checkpoint}: model_type {self.config.get('model_type')} is a multimodal release "
                     "that transformers' AutoModelForCausalLM (the built-in rollout engine's loader) does not "
@@ -246,12 +248,14 @@ class MegatronBackend(TrainBackend):
         fused = self.fused_experts and names == "model"
         self._gather_params()
         # carried MTP layers go to an engine that loads checkpoint names (SGLang drafts with them)
+        family = megatron_family(self.config)
         exporter = WeightExporter(
             self.chunks,
             self.config,
+            family.weights(self.config),
+            rename=family.model_name if names == "model" and family.renames_on_load else None,
             fused_experts=fused,
             extras=names == "checkpoint",
-            model_names=names == "model",
         )
         for name, tensor in exporter:
             yield name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
@@ -389,10 +393,7 @@ class MegatronBackend(TrainBackend):
 
 def _pipeline_rows(config: dict) -> int:
     """Rows a pipeline stage sends per micro-batch row (the family's streams; 1 for a GPTModel)."""
-    from miles.megatron.families import mapping_of
-
-    rows = mapping_of(config).pipeline_rows
-    return 1 if rows is None else rows(config)
+    return megatron_family(config).pipeline_rows(config)
 
 
 def _shape_each_micro_batch(tc, layout: ParallelLayout) -> None:
@@ -451,16 +452,16 @@ def check_model_flags(
     model: ModelConfig, config: dict, path: str, megatron: MegatronConfig | None = None
 ) -> None:
     """Every Megatron model flag the command sets agrees with config.json (through its family's
-    facts table, `miles.models`, and the flags its architecture fixes), or one error lists every
+    facts table, `miles.families`, and the flags its architecture fixes), or one error lists every
     one that does not: the model is built from config.json, so a flag that says otherwise
     describes another model. A fixed flag may live in the megatron section (the router's bias
     update rate), so both sections are read."""
-    from miles import models
-    from miles.models.facts import disagreements, text_config
+    from miles import families
+    from miles.families.facts import disagreements, text_config
     from miles.parallel.layout import dest
 
-    keys = models.keys_of(config)
-    family = models.family_of(text_config(config))
+    keys = families.keys_of(config)
+    family = families.family_of(text_config(config))
     fixed = family.fixed if family else ()
     sections = (model,) if megatron is None else (model, megatron)
     given = {
@@ -525,8 +526,8 @@ def _transformer_config(
     """The TransformerConfig of the run: the HF model's math, the layout, the fields the
     `megatron` section sets (miles.megatron.options.transformer_fields), and megatron-core's
     deterministic_mode under --deterministic-mode (its kernels choose deterministic paths)."""
-    from miles.megatron.config import transformer_config
-    from miles.megatron.families import UnmappedModel
+    from miles.families import UnmappedModel
+    from miles.families.transformer import transformer_config
 
     overrides = options.transformer_fields(megatron, impl)
     if deterministic:

@@ -1,19 +1,18 @@
-"""The shape of a family's facts table: how a config.json key becomes a Megatron flag.
+"""How a config.json key becomes a Megatron flag: the rows of a family's facts table.
 
 A `Key` row names a config.json key, the Megatron-LM flag that carries it, how the flag's
 value follows from the key's (and the rest of the config), Megatron's value when the flag is
 not passed, and whether a different value describes a different model (the backend refuses
-it) or may be a training choice. A `Family` is one table: its rows, its model types, its
-switches (attention kind, SDPA, how the checkpoint names MTP layers) and its tiny sizes.
-Everything that reads config.json against Megatron flags (the recipes' fact check, the
-Megatron backend's model-flag check, the layout checker's model shape, the converter) reads
-these rows. Standard library only.
+it) or may be a training choice; a `Fixed` row is a flag the architecture fixes. A family
+(miles.families.family) holds one table of them. Everything that reads config.json against
+Megatron flags (the recipes' fact check, the Megatron backend's model-flag check, the layout
+checker's model shape, the converter) reads these rows. Standard library only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 ABSENT = object()  # a key the config lacks, or a flag that is not passed
@@ -104,43 +103,6 @@ class Fixed:
     flag: str
     value: object
     why: str  # what in the model fixes it
-
-
-@dataclass(frozen=True)
-class Family:
-    name: str
-    model_types: tuple[str, ...]  # config.json model_type values this family accepts
-    attention: str  # gqa | mla | dsa
-    keys: tuple[Key, ...]  # config.json keys <-> Megatron flags
-    tiny_model_type: str  # the causal-LM config make_tiny_checkpoint builds
-    # A tiny model is small in sizes only: every switch the published model sets keeps its value.
-    tiny_dims: Mapping[str, Any] = field(default_factory=dict)
-    sdpa: bool = True  # transformers' class supports attn_implementation="sdpa"
-    # How the checkpoint names MTP layers: "layers" = model.layers.{L+k}.* with eh_proj/enorm/hnorm
-    # (DeepSeek-V3 style, GLM-5); "mtp" = mtp.{k}.* with e_proj/h_proj (DeepSeek-V4); None = none.
-    mtp_style: str | None = None
-    # Megatron flags the architecture fixes (checked like the rows: another value is another model)
-    fixed: tuple[Fixed, ...] = ()
-    # config.json keys the Megatron model reads itself, with no flag (key: what reads it)
-    read_by_model: Mapping[str, str] = field(default_factory=dict)
-    # decoder layers of the CPU lane's tiny model: enough for every kind of layer the model has
-    tiny_layers: int = 2
-    # The kind an MTP layer has in each per-layer list of config.json (layer_types: its attention),
-    # where the published model fixes it; a list not named here is re-derived for the deeper model.
-    mtp_layer_kinds: Mapping[str, str] = field(default_factory=dict)
-    # Values for what transformers initialises to a constant (norms at 1, biases at 0, lookup
-    # tables at 0) that would hide code paths in a tiny model: (model, torch.Generator) -> None,
-    # run on the freshly built model before it is saved. Imports torch only when called.
-    tiny_values: Callable[[Any, Any], None] | None = None
-
-    def __post_init__(self) -> None:
-        if self.attention not in ATTENTION_KINDS:
-            raise ValueError(
-                f"{self.name}: attention {self.attention!r} is not one of {', '.join(ATTENTION_KINDS)}"
-            )
-
-    def key(self, name: str) -> Key | None:
-        return next((k for k in self.keys if k.key == name), None)
 
 
 # Rows every family shares.

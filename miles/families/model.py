@@ -1,18 +1,19 @@
-"""megatron-core GPTModel of a Hugging Face config: this rank's model chunks, and its logits.
+"""The megatron-core model of a Hugging Face config: this rank's model chunks, and its logits.
 
-`build_model` builds the GPTModel of one pipeline stage (and virtual stage) with the
-Transformer Engine layer spec (`miles.megatron.spec`), so its keys are those of a TE job;
-`build_chunks` builds one per virtual pipeline stage. `hf_logit_gap` compares a model built
-for one process with the HF model it was converted from.
+`build_model` builds the model of one pipeline stage (and virtual stage) as its family builds
+it (a GPTModel with the Transformer Engine layer spec's keys, or the family's own model);
+`build_chunks` builds one per virtual pipeline stage; `load_model` builds a world-of-one model
+holding a converted torch_dist release. `hf_logit_gap` compares a model built for one process
+with the HF model it was converted from.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-from miles.megatron.config import transformer_config
-from miles.models.facts import rope_parameters
+from miles.families.transformer import transformer_config
 
 
 def build_model(
@@ -23,55 +24,16 @@ def build_model(
     vp_stage: int | None = None,
     impl: str = "local",
 ):
-    """An uninitialised GPTModel of this rank's pipeline stage (and virtual stage), shaped like
-    the HF config, with the Transformer Engine layer spec's module tree and keys: TE's own
-    modules with `impl` "transformer_engine", the stand-in ones by default (miles.megatron.spec);
-    and what the family's mapping adds (its own attention, carried MTP layers). A family whose
-    model is not a GPTModel (its mapping's `build_model`) builds its own chunk instead."""
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
+    """An uninitialised model of this rank's pipeline stage (and virtual stage), shaped like the
+    HF config, as its family builds it: a GPTModel with the Transformer Engine layer spec's module
+    tree and keys (TE's own modules with `impl` "transformer_engine", the stand-in ones by
+    default: miles.megatron.spec) and what the family adds, or the family's own model."""
+    from miles.families import megatron_family
 
-    from miles.megatron.families import mapping_of
-    from miles.megatron.spec import decoder_block_spec
-
-    mapping = mapping_of(config)
     tc = transformer if transformer is not None else transformer_config(config)
-    if mapping.build_model is not None:
-        return mapping.build_model(tc, config, vocab_size or config["vocab_size"], vp_stage, impl=impl)
-    rope = rope_parameters(config)
-    interpolation = float(rope["factor"]) if rope.get("rope_type") == "linear" else None
-    pp_initialized = parallel_state.model_parallel_is_initialized()
-    first = (
-        parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
-        if pp_initialized
-        else True
+    return megatron_family(config).build_model(
+        tc, config, vocab_size or config["vocab_size"], vp_stage, impl=impl
     )
-    last = (
-        parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-        if pp_initialized
-        else True
-    )
-    if mapping.block_spec is not None:
-        spec = mapping.block_spec(tc, config, vp_stage, impl=impl)
-    else:
-        spec = decoder_block_spec(tc, impl=impl, vp_stage=vp_stage)
-    model = GPTModel(
-        config=tc,
-        transformer_layer_spec=spec,
-        vocab_size=vocab_size or config["vocab_size"],
-        max_sequence_length=config.get("max_position_embeddings", 4096),
-        pre_process=first,
-        post_process=last,
-        position_embedding_type=mapping.position_embedding_type,
-        rotary_base=rope["rope_theta"],
-        seq_len_interpolation_factor=interpolation,
-        share_embeddings_and_output_weights=bool(config.get("tie_word_embeddings")),
-        vp_stage=vp_stage,
-    )
-    model = model.to(tc.params_dtype)
-    if mapping.finish_model is not None:
-        mapping.finish_model(model, tc, config, vp_stage, impl=impl)
-    return model
 
 
 def build_chunks(config: Mapping[str, Any], tc, vocab_size: int, impl: str = "local") -> list:
@@ -110,12 +72,12 @@ def freeze_padding_embedding(chunks: Sequence, pad_token_id: int | None) -> None
 
 def probe_tokens(config: Mapping[str, Any], length: int | None = None, seed: int = 0):
     """A fixed [1, length] sequence of ordinary token ids to compare two models on (by default as
-    long as the family's mapping asks, `probe_length`)."""
+    long as the family asks, `probe_length`)."""
     import torch
 
-    from miles.megatron.families import mapping_of
+    from miles.families import megatron_family
 
-    length = length or mapping_of(config).probe_length
+    length = length or megatron_family(config).probe_length
 
     vocab = min(int(config["vocab_size"]), 500)
     return torch.randint(3, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
@@ -162,3 +124,24 @@ def hf_logit_gap(hf_dir, model, config: Mapping[str, Any], device: str = "cpu") 
         want = hf.eval()(input_ids=tokens).logits.float()
     got = logits(model, tokens, config["vocab_size"])
     return float((want - got).abs().max())
+
+
+def load_model(
+    config: Mapping[str, Any], release: Path, vocab: int | None = None, *, dtype=None, on_cpu=True
+):
+    """A world-of-one model of `config` holding the weights of a converted `release` (inside
+    miles.megatron.checkpoint.single_process_group()); its RNG streams are seeded in a forked
+    RNG state."""
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from miles.megatron.checkpoint import SHARDED_METADATA
+
+    with torch.random.fork_rng(devices=[]):  # megatron's attention forks its RNG streams
+        model_parallel_cuda_manual_seed(0)
+        tc = transformer_config(config, dtype=dtype, on_cpu=on_cpu)
+        model = build_model(config, vocab, transformer=tc)
+    state = dist_checkpointing.load(model.sharded_state_dict(metadata=dict(SHARDED_METADATA)), str(release))
+    model.load_state_dict({k: v for k, v in state.items() if k in model.state_dict()})
+    return model

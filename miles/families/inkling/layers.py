@@ -455,11 +455,10 @@ def block_spec(tc, hf: Mapping[str, Any], vp_stage=None, *, impl: str = "local")
     from megatron.core.transformer.attention import SelfAttentionSubmodules
     from megatron.core.transformer.identity_op import IdentityOp
 
-    from miles.megatron import dsa
-    from miles.megatron.spec import decoder_block_spec
+    from miles.megatron.spec import decoder_block_spec, layer_provider
 
     block = decoder_block_spec(tc, impl=impl, vp_stage=vp_stage)
-    provider = dsa.layer_provider(impl)
+    provider = layer_provider(impl)
     hf = dict(hf)
     attention = ModuleSpec(
         module=InklingAttention,

@@ -16,8 +16,9 @@ GLM-5.2's "shared" layers reuse the top-k of the nearest "full" layer below. So:
 - `LatentMLA` is megatron-core's MLASelfAttention handing the indexer the normalised q latent;
   its latent norms (fused into the up-projections, as the Transformer Engine spec fuses them)
   use GLM's 1e-6 (`with_latent_eps`).
-- `attention_spec` puts them together; `check_chunk_start` refuses a model chunk (pipeline or
-  virtual stage) that starts on a shared layer, whose source layer another chunk holds.
+- `attention_spec` puts them together; a model chunk (pipeline or virtual stage) that starts
+  on a shared layer, whose source layer another chunk holds, is refused
+  (miles.megatron.blocks.check_chunk_start).
 
 The top-k is taken exactly as transformers takes it (same op order, a [batch, seq, seq] row per
 query): `relu(q·k)` ties at zero are common, and `torch.topk` breaks ties by the whole row.
@@ -39,15 +40,12 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from miles.megatron.blocks import FULL, DuplicatedLinear
+
 # GlmMoeDsaRMSNorm's default eps (its q/kv latent norms are built without the config's), and
 # the indexer's k LayerNorm eps (GlmMoeDsaIndexer.k_norm)
 LATENT_NORM_EPS = 1e-6
 INDEXER_NORM_EPS = 1e-6
-FULL, SHARED = "full", "shared"
-
-
-class StageStartsOnSharedLayer(ValueError):
-    """A model chunk's first layer reuses the top-k of a layer another chunk holds."""
 
 
 def source_layers(kinds: Sequence[str]) -> tuple[int, ...]:
@@ -71,20 +69,6 @@ def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
-
-
-class DuplicatedLinear(MegatronModule):
-    """A linear layer every tensor-parallel rank holds whole (TELinear with parallel_mode
-    "duplicated" has the same parameter name, `weight`); returns (output, None) like megatron's."""
-
-    def __init__(self, input_size: int, output_size: int, *, config, init_method=None):
-        super().__init__(config=config)
-        self.weight = torch.nn.Parameter(torch.zeros(output_size, input_size, dtype=config.params_dtype))
-        if config.perform_initialization and init_method is not None:
-            init_method(self.weight)
-
-    def forward(self, x: torch.Tensor):
-        return F.linear(x, self.weight), None
 
 
 class Indexer(MegatronModule):
@@ -240,22 +224,6 @@ def keep_router_weights_fp32(model) -> None:
             module.weight.data = module.weight.data.float()
 
 
-def layer_provider(impl: str = "local"):
-    """The modules of the Transformer Engine layer spec: TE's own (`impl` "transformer_engine"),
-    or the TE-shaped local ones of `miles.megatron.spec` (ready once `decoder_block_spec` has
-    run)."""
-    from miles.megatron import spec
-
-    if impl == spec.TE:
-        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
-
-        return TESpecProvider()
-    from miles.megatron.compat import mla_without_te
-
-    mla_without_te()
-    return spec.TEShapedSpecProvider()
-
-
 def down_projection(provider) -> type:
     """MLA's down projections, whole on every tensor-parallel rank as the Transformer Engine spec
     builds them (TELinear, parallel_mode "duplicated"), or without TE megatron-core's own linear
@@ -289,21 +257,3 @@ def attention_spec(provider, kinds: tuple[str, ...], holder: dict) -> ModuleSpec
             kv_layernorm=IdentityOp,
         ),
     )
-
-
-def check_chunk_start(
-    tc, kinds: Sequence[str], vp_stage: int | None = None, pp_rank: int | None = None
-) -> None:
-    """Refuse a model chunk whose first layer is a shared DSA layer (its source is in another chunk)."""
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    first = get_transformer_layer_offset(tc, vp_stage=vp_stage, pp_rank=pp_rank)
-    if first < len(kinds) and first < tc.num_layers and kinds[first] == SHARED:
-        stage = "pipeline stage" if vp_stage is None else f"virtual stage {vp_stage} of a pipeline stage"
-        shared = ", ".join(str(i) for i, k in enumerate(kinds[: tc.num_layers]) if k == SHARED)
-        raise StageStartsOnSharedLayer(
-            f"a {stage} starts at layer {first}, which reuses the DSA top-k of an earlier layer "
-            f"(cross-layer index sharing) held by another stage; every stage must start on a layer that "
-            f"runs its own indexer (shared layers: {shared}): change --decoder-first-pipeline-num-layers / "
-            "--decoder-last-pipeline-num-layers or the virtual stages (python -m miles.parallel check names one)"
-        )

@@ -40,7 +40,7 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.router import TopKRouter
 
-from miles.megatron.dsa import DuplicatedLinear
+from miles.megatron.blocks import DuplicatedLinear
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 HASH_MOE, MOE = "hash_moe", "moe"
