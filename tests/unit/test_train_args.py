@@ -136,7 +136,15 @@ def test_dual_clip_constant_must_exceed_one(capsys):
 
 def test_remote_reward_model_is_refused_before_anything_loads(capsys):
     err = _error(["--rm-url", "http://127.0.0.1:8000"], capsys)
-    assert "--rm-url http://127.0.0.1:8000: a remote reward model is not supported" in err
+    assert "--rm-url http://127.0.0.1:8000: a remote reward model serves only on-policy distillation" in err
+
+
+def test_distillation_flags_are_refused_without_use_opd_and_its_teacher(capsys):
+    assert "add --use-opd or drop them" in _error(["--opd-kl-coef", "0.5"], capsys)
+    err = _error(["--use-opd", "--opd-type", "sglang"], capsys)
+    assert "--use-opd needs the teacher's URL" in err and "--rm-url http://HOST:PORT/generate" in err
+    err = _error(["--use-opd", "--opd-type", "megatron"], capsys)
+    assert "--opd-type megatron" in err and "not supported" in err
 
 
 def test_megatron_layout_is_checked_by_miles_parallel_with_the_fix(tmp_path, capsys):
