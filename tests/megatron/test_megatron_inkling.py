@@ -131,8 +131,7 @@ def test_every_checkpoint_tensor_has_one_place(form, tmp_path):
 
     from miles.ckpt.shards import read_weight_map
     from miles.ckpt.tiny import make_tiny_checkpoint
-    from miles.families import megatron_family, read_config
-    from miles.families import layout
+    from miles.families import layout, megatron_family, read_config
 
     if form == "release":
         hf = make_release_checkpoint(tmp_path / "hf")

@@ -18,7 +18,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 ADAPTER = ROOT / "miles" / "megatron"
-FAMILIES = ROOT / "miles" / "families"  # a family's own megatron-core modules, built with the adapter's blocks
+FAMILIES = (
+    ROOT / "miles" / "families"
+)  # a family's own megatron-core modules, built with the adapter's blocks
 COMPAT = ADAPTER / "compat.py"
 IMPORT = re.compile(r"megatron\.core|from megatron\b|import megatron\b")
 
