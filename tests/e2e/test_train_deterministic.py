@@ -17,7 +17,7 @@ import pytest
 
 from miles.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=400, suite="stage-b-cpu")
+register_cpu_ci(est_time=600, suite="stage-b-cpu")
 
 _spec = importlib.util.spec_from_file_location("recipe_runs", Path(__file__).with_name("recipe_runs.py"))
 runs = importlib.util.module_from_spec(_spec)
