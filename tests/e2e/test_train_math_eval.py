@@ -18,7 +18,7 @@ import pytest
 
 from miles.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=150, suite="stage-b-cpu")
+register_cpu_ci(est_time=300, suite="stage-b-cpu")
 
 _spec = importlib.util.spec_from_file_location("recipe_runs", Path(__file__).with_name("recipe_runs.py"))
 runs = importlib.util.module_from_spec(_spec)
