@@ -50,13 +50,14 @@ DATASETS = {
         Dataset("gsm8k", "zhuzilin/gsm8k", ("train.parquet", "test.parquet")),
     )
 }
+DATA_FLAGS = ("--prompt-data", "--eval-prompt-data")  # the trainer flags that name prompt files
 
 
 class UnknownDataset(CheckpointError):
     pass
 
 
-def dataset_of(prompt_data: str) -> Dataset | None:
+def dataset_of(prompt_data: str, flag: str = "--prompt-data") -> Dataset | None:
     """The dataset a `--prompt-data` template names (`{data_dir}/<name>/<file>`); None for a
     value that is not under the data dir (a synthetic task, an absolute path the user owns).
     A data-dir path no dataset provides is an UnknownDataset."""
@@ -67,10 +68,29 @@ def dataset_of(prompt_data: str) -> Dataset | None:
     if dataset is None or file not in dataset.files:
         known = ", ".join(f"{d.name}/{f}" for d in DATASETS.values() for f in d.files)
         raise UnknownDataset(
-            f"--prompt-data {prompt_data}: no fetch provides {name}/{file} (known: {known}); add it to "
+            f"{flag} {prompt_data}: no fetch provides {name}/{file} (known: {known}); add it to "
             "miles.ckpt.datasets.DATASETS with the repository it comes from"
         )
     return dataset
+
+
+def datasets_in(argv: tuple[str, ...] | list[str], data_dir: str) -> tuple[str, ...]:
+    """The datasets a trainer command's `--prompt-data` / `--eval-prompt-data` values read from
+    `data_dir` (a path `<data_dir>/<name>/<file>`), in order; a path there that no dataset
+    provides is an UnknownDataset. Values elsewhere (a user's own file, a synthetic task) are
+    not fetched."""
+    prefix = data_dir.rstrip("/") + "/"
+    found: list[str] = []
+    flag = None
+    for token in argv:
+        if token.startswith("--"):
+            flag = token if token in DATA_FLAGS else None
+            continue
+        if flag and token.startswith(prefix):
+            dataset = dataset_of(DATA_DIR_FIELD + token[len(prefix) :], flag)
+            if dataset is not None and dataset.name not in found:
+                found.append(dataset.name)
+    return tuple(found)
 
 
 @dataclass(frozen=True)

@@ -195,6 +195,9 @@ def save_training_state(
     writers_die_with_this_process()
     state = model_state_template(chunks)
     if steps_done is not None:
+        # an optimizer that has not stepped yet (PPO's policy during the critic's warm-up) holds no
+        # state to write; give it the state its first step would create
+        _materialize_adam_state(optimizer)
         fmt = optimizer_format or OPTIMIZER_FORMAT
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False, metadata=fmt)
         # plain values: kept once, in common.pt

@@ -10,6 +10,7 @@ prints the plan and stops.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -18,6 +19,7 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from miles.ckpt.datasets import UnknownDataset, datasets_in
 from miles.ckpt.plan import CheckpointPlan
 from miles.files import check_name
 from miles.parallel import DEVICE_MAX_CONNECTIONS, env_problems, validate
@@ -154,6 +156,12 @@ def build_plan(
     run_dir = f"{options.output_dir}/{options.run_id}"
     fields = _fields(recipe, profile, checkpoint, options, run_dir)
     extra = tuple(options.extra_args)
+    if checkpoint.data_dir:  # the caller's eval or prompt sets under the data dir are fetched too
+        try:
+            named = [d for d in datasets_in(extra, checkpoint.data_dir) if d not in checkpoint.datasets]
+        except UnknownDataset as exc:
+            raise LaunchError(f"{recipe.name}: --extra-args {exc}") from None
+        checkpoint = dataclasses.replace(checkpoint, datasets=(*checkpoint.datasets, *named))
     if options.num_rollout is not None:
         extra = ("--num-rollout", str(options.num_rollout), *extra)
     groups = recipe.arg_groups(profile, fields, base)

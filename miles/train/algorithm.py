@@ -55,15 +55,15 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
 def importance_log_ratio(
     logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, estimator: str
 ) -> torch.Tensor:
-    """log(pi/pi_old) per token: token-level for GRPO; GSPO uses the sequence's length-normalised
+    """log(pi/pi_old) per token: token-level for GRPO and PPO; GSPO uses the sequence's length-normalised
     ratio for every token, with the gradient still flowing through each token's logprob."""
     log_ratio = logp - old_logp
-    if estimator == "grpo":
+    if estimator in ("grpo", "ppo"):
         return log_ratio
     if estimator == "gspo":
         seq = (log_ratio * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
         return logp - logp.detach() + seq.detach()
-    raise ValueError(f"unknown advantage estimator '{estimator}'; known: grpo, gspo")
+    raise ValueError(f"unknown advantage estimator '{estimator}'; known: grpo, gspo, ppo")
 
 
 def clipped_policy_loss(
@@ -124,11 +124,14 @@ def policy_loss(
     """The GRPO/GSPO objective of one micro-batch.
 
     Per-sample mode (default) averages each sample's tokens and sums samples; per-token mode
-    sums tokens. `advantages` is per sample ([samples]) and is broadcast over tokens;
-    `sample_weight` ([samples]) scales each sample's part of the loss (an execution split into k
-    samples weighs 1/k each, miles.train.generate)."""
+    sums tokens. `advantages` is per sample ([samples], broadcast over tokens) or per token
+    ([samples, response_len], PPO's); `sample_weight` ([samples]) scales each sample's part of the
+    loss (an execution split into k samples weighs 1/k each, miles.train.generate)."""
     mask = mask.float()
-    adv = advantages.float().unsqueeze(1).expand_as(logp)
+    if advantages.dim() == 2:
+        adv = advantages.float()[:, : logp.shape[1]]
+    else:
+        adv = advantages.float().unsqueeze(1).expand_as(logp)
     log_ratio = importance_log_ratio(logp.float(), old_logp.float(), mask, cfg.advantage_estimator)
     pg, clip_active = clipped_policy_loss(log_ratio, adv, cfg)
     weights = torch.ones_like(pg)

@@ -20,6 +20,10 @@ from collections.abc import Sequence
 from miles.parallel import ParallelLayout
 from miles.train.config import FLAGS, SECTIONS, SGLANG_PREFIX, RunConfig, flags_set
 
+PPO_FLAGS = (
+    "--gamma", "--lambd", "--value-clip", "--critic-lr", "--critic-lr-warmup-iters", "--num-critic-only-steps",
+)  # fmt: skip
+
 
 class ArgsError(ValueError):
     """A flag value breaks a rule; the message names the flag(s), the rule and a fix."""
@@ -130,11 +134,26 @@ def validate(args: argparse.Namespace) -> None:
     samples = args.rollout_batch_size * args.n_samples_per_prompt
     if args.global_batch_size is None:
         args.global_batch_size = samples
-    if samples % args.global_batch_size:
+    rest = samples % args.global_batch_size
+    partial, keep = args.allow_partial_train_step, args.disable_rollout_trim_samples
+    if partial and not keep:
+        raise ArgsError(
+            "--allow-partial-train-step trains the samples past the last whole --global-batch-size, but without "
+            "--disable-rollout-trim-samples the rollout is trimmed to whole steps first; add "
+            "--disable-rollout-trim-samples"
+        )
+    if keep and not partial and rest:
+        raise ArgsError(
+            f"--disable-rollout-trim-samples keeps the {rest} samples past the last whole --global-batch-size "
+            f"({args.global_batch_size}), but without --allow-partial-train-step no step trains them; add "
+            "--allow-partial-train-step"
+        )
+    if rest and not partial:
         raise ArgsError(
             f"--rollout-batch-size ({args.rollout_batch_size}) x --n-samples-per-prompt "
             f"({args.n_samples_per_prompt}) = {samples} samples per rollout must be a multiple of "
-            f"--global-batch-size ({args.global_batch_size}); e.g. --global-batch-size {samples}"
+            f"--global-batch-size ({args.global_batch_size}); e.g. --global-batch-size {samples}, or train the "
+            f"last {rest} as a smaller step with --allow-partial-train-step --disable-rollout-trim-samples"
         )
     if args.use_dynamic_batch_size and args.max_tokens_per_gpu is None:
         raise ArgsError(
@@ -146,7 +165,19 @@ def validate(args: argparse.Namespace) -> None:
             f"--micro-batch-size {args.micro_batch_size} has no effect with --use-dynamic-batch-size (micro-batches "
             "hold as many samples as --max-tokens-per-gpu allows); drop one of them"
         )
-    if args.n_samples_per_prompt < 2:
+    ppo_only = [f for f in PPO_FLAGS if f in args.flags_set]
+    if ppo_only and args.advantage_estimator != "ppo":
+        raise ArgsError(
+            f"{' '.join(ppo_only)} configure PPO's critic, which --advantage-estimator {args.advantage_estimator} "
+            "does not train; drop them, or use --advantage-estimator ppo"
+        )
+    lora_only = [f for f in ("--lora-alpha", "--lora-dropout", "--target-modules") if f in args.flags_set]
+    if lora_only and args.lora_rank <= 0:
+        raise ArgsError(
+            f"{' '.join(lora_only)} shape LoRA adapters, but --lora-rank is {args.lora_rank} (no LoRA); "
+            "set --lora-rank N or drop them"
+        )
+    if args.n_samples_per_prompt < 2 and args.advantage_estimator != "ppo":
         raise ArgsError(
             f"--advantage-estimator {args.advantage_estimator} normalises rewards within a group, so "
             f"--n-samples-per-prompt must be >= 2 (got {args.n_samples_per_prompt})"
@@ -161,10 +192,7 @@ def validate(args: argparse.Namespace) -> None:
         )
     if args.kl_coef:
         raise ArgsError(f"--kl-coef {args.kl_coef}: KL in the reward is not supported; use --use-kl-loss")
-    if args.rm_url:
-        raise ArgsError(
-            f"--rm-url {args.rm_url}: a remote reward model is not supported; use --rm-type or --custom-rm-path"
-        )
+    _validate_opd(args)
     if args.tis_clip_low > args.tis_clip:
         raise ArgsError(f"--tis-clip-low ({args.tis_clip_low}) must not exceed --tis-clip ({args.tis_clip})")
     if args.train_backend != "megatron":
@@ -205,6 +233,20 @@ def validate(args: argparse.Namespace) -> None:
     if args.ci_check_model_hash and not args.load:
         raise ArgsError("--ci-check-model-hash checks the weights --load restores, but no --load was given")
     _validate_async(args)
+    if args.eval_prompt_data and args.eval_interval is None:
+        raise ArgsError(
+            f"--eval-prompt-data names {len(args.eval_prompt_data) // 2} eval set(s) but no --eval-interval says when "
+            "to score them; add --eval-interval N (they are also scored before the first rollout)"
+        )
+    if args.eval_interval is not None and not args.eval_prompt_data:
+        raise ArgsError(
+            f"--eval-interval {args.eval_interval} has no eval set to score; add --eval-prompt-data NAME PATH"
+        )
+    if args.debug_deterministic_collective and args.overlap_grad_reduce:
+        raise ArgsError(
+            "--debug-deterministic-collective folds each reduction as it is called, but --overlap-grad-reduce "
+            "reduces gradient buckets asynchronously during the backward pass; drop --overlap-grad-reduce"
+        )
     if args.load_debug_rollout_data and args.debug_rollout_only:
         raise ArgsError("--load-debug-rollout-data and --debug-rollout-only exclude each other")
     if args.load_debug_rollout_data:
@@ -294,6 +336,11 @@ def _validate_async(args: argparse.Namespace) -> None:
             f"--custom-generate-function-path {args.custom_generate_function_path} with --fully-async: the rollout "
             "worker samples each group itself; drop one of them"
         )
+    if args.use_opd:
+        raise ArgsError(
+            "--use-opd with --fully-async: the rollout worker scores each finished group with --rm-type's rule "
+            "and asks no teacher for per-token log-probs; run distillation without --fully-async"
+        )
     if args.pause_generation_mode == "abort":
         raise ArgsError(
             "--fully-async cannot use --pause-generation-mode abort: generation is always in flight, so every "
@@ -305,6 +352,57 @@ def _validate_async(args: argparse.Namespace) -> None:
         raise ArgsError(
             f"--async-data-buffer-capacity-factor {args.async_data_buffer_capacity_factor} x --rollout-batch-size "
             f"{args.rollout_batch_size} holds no group; use a factor of at least {1 / args.rollout_batch_size:g}"
+        )
+
+
+OPD_FLAGS = (
+    "--opd-type",
+    "--opd-kl-coef",
+    "--opd-log-prob-top-k",
+    "--opd-top-k-strategy",
+    "--opd-reward-weight-mode",
+)
+
+
+def _validate_opd(args: argparse.Namespace) -> None:
+    """On-policy distillation's flags: the teacher at --rm-url, scored by the seed's reward functions."""
+    from miles.train.distillation import STRATEGIES
+
+    given = [f for f in OPD_FLAGS if f in args.flags_set]
+    if not args.use_opd:
+        if given:
+            raise ArgsError(f"{' '.join(given)} configure on-policy distillation; add --use-opd or drop them")
+        if args.custom_reward_post_process_path:
+            raise ArgsError(
+                f"--custom-reward-post-process-path {args.custom_reward_post_process_path} reads the answers of a "
+                "reward function that scores whole samples (on-policy distillation's); add --use-opd or drop it"
+            )
+        if args.rm_url:
+            raise ArgsError(
+                f"--rm-url {args.rm_url}: a remote reward model serves only on-policy distillation's teacher here "
+                "(--use-opd --opd-type sglang); use --rm-type or --custom-rm-path for a rule"
+            )
+        return
+    module = "miles.rollout.on_policy_distillation"
+    fix = (
+        f"--opd-type sglang --rm-url http://HOST:PORT/generate --custom-rm-path {module}.reward_func "
+        f"--custom-reward-post-process-path {module}.post_process_rewards"
+    )
+    if args.opd_type != "sglang":
+        raise ArgsError(
+            f"--use-opd with --opd-type {args.opd_type}: the teacher must be a server that scores the samples "
+            f"(the megatron type, a teacher loaded in the trainer, is not supported); use {fix}"
+        )
+    if not (args.rm_url and args.custom_rm_path and args.custom_reward_post_process_path):
+        raise ArgsError(
+            f"--use-opd needs the teacher's URL and the functions that ask it and read its answers: {fix}"
+        )
+    if args.opd_log_prob_top_k < 0:
+        raise ArgsError(f"--opd-log-prob-top-k must be >= 0, got {args.opd_log_prob_top_k}")
+    if args.opd_log_prob_top_k and args.opd_top_k_strategy not in STRATEGIES:
+        raise ArgsError(
+            f"--opd-top-k-strategy {args.opd_top_k_strategy} needs the policy scored on the teacher's top tokens, "
+            f"which the rollout does not serve; use one of {', '.join(STRATEGIES)}"
         )
 
 
@@ -330,11 +428,11 @@ def validate_world(config: RunConfig, world_size: int) -> None:
         dp = config.layout.dp(world_size)  # the data-parallel backends' layout: dp = every rank
     except ValueError as exc:
         raise ArgsError(f"{exc} (the process group has {world_size} rank(s))") from exc
-    per_rank, rest = divmod(batch.global_batch_size, dp)
-    if rest:
+    gbs = batch.global_batch_size
+    if gbs % dp:
         raise ArgsError(
-            f"--global-batch-size ({batch.global_batch_size}) must split evenly over {dp} "
-            f"data-parallel ranks; e.g. --global-batch-size {batch.global_batch_size + dp - rest}"
+            f"--global-batch-size ({gbs}) must split evenly over {dp} data-parallel ranks; e.g. "
+            f"--global-batch-size {gbs + dp - gbs % dp}"
         )
     replicas = config.fsdp.dp_replicate_size
     if world_size % replicas:
@@ -342,6 +440,8 @@ def validate_world(config: RunConfig, world_size: int) -> None:
             f"--dp-replicate-size {replicas} must divide the {world_size} ranks (each replica shards the model over "
             f"world / replicas ranks); e.g. --dp-replicate-size {max(d for d in range(1, replicas + 1) if world_size % d == 0)}"
         )
+    # A partial step splits evenly too: every rank rolls out whole groups (below), so the
+    # rollout's samples, and what a whole number of steps leaves of them, divide by dp.
     if config.rollout.rollout_batch_size % world_size:
         raise ArgsError(
             f"--rollout-batch-size ({config.rollout.rollout_batch_size}) must split evenly over {world_size} "

@@ -29,6 +29,8 @@ class Sample:
     execution: int | None = None
     siblings: int = 1
     loss_mask: tuple[int, ...] | None = None
+    # on-policy distillation: the reverse KL to the teacher of each response token (miles.train.distillation)
+    opd_reverse_kl: tuple[float, ...] | None = None
 
     @property
     def truncated(self) -> bool:
@@ -47,16 +49,26 @@ def executions(samples: Sequence[Sample]) -> list[list[int]]:
     return out
 
 
+# The fields that hold one value per target token ([B, T-1]); advantages only when per token.
+PER_TOKEN = (
+    "loss_mask", "rollout_logp", "old_logp", "ref_logp", "returns", "old_values", "advantages", "opd_reverse_kl",
+)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class TokenBatch:
     input_ids: torch.Tensor  # [B, T], right-padded prompt + response
     attention_mask: torch.Tensor  # [B, T]
     loss_mask: torch.Tensor  # [B, T-1], 1 on response-token targets
-    advantages: torch.Tensor  # [B]
+    advantages: torch.Tensor  # [B] per sample, or [B, T-1] per token (PPO's GAE, whitened ones)
     rollout_logp: torch.Tensor  # [B, T-1]
     old_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
     weights: torch.Tensor | None = None  # [B] per-sample loss weight (1 / siblings); None: all 1
+    rewards: torch.Tensor | None = None  # [B]: each sample's reward (PPO's GAE pays it at its last token)
+    opd_reverse_kl: torch.Tensor | None = None  # [B, T-1]: on-policy distillation's per-token signal
+    returns: torch.Tensor | None = None  # [B, T-1]: PPO's value targets
+    old_values: torch.Tensor | None = None  # [B, T-1]: the critic's values before its steps
 
     @property
     def size(self) -> int:
@@ -75,8 +87,8 @@ class TokenBatch:
         width = int(picked["attention_mask"].sum(dim=1).max()) if picked["input_ids"].shape[0] else 1
         for key in ("input_ids", "attention_mask"):
             picked[key] = picked[key][:, :width]
-        for key in ("loss_mask", "rollout_logp", "old_logp", "ref_logp"):
-            if picked[key] is not None:
+        for key in PER_TOKEN:
+            if picked[key] is not None and picked[key].dim() == 2:
                 picked[key] = picked[key][:, : width - 1]
         return TokenBatch(**picked)
 
@@ -101,6 +113,11 @@ def load_samples(path: str) -> list[Sample]:
                 "generation": Generation(
                     **{k: tuple(v) if isinstance(v, list) else v for k, v in row["generation"].items()}
                 ),
+                **{
+                    key: tuple(row[key])
+                    for key in ("opd_reverse_kl", "loss_mask")
+                    if row.get(key) is not None
+                },
             }
         )
         for row in rows
@@ -125,4 +142,22 @@ def collate(samples: Sequence[Sample], pad_token_id: int = 0) -> TokenBatch:
     weights = None
     if any(s.siblings != 1 for s in samples):
         weights = torch.tensor([1.0 / s.siblings for s in samples], dtype=torch.float32)
-    return TokenBatch(input_ids, attention, loss_mask, advantages, rollout_logp, weights=weights)
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    opd = None
+    if any(s.opd_reverse_kl is not None for s in samples):
+        opd = torch.zeros_like(rollout_logp)
+        for i, s in enumerate(samples):
+            start = len(s.generation.prompt_ids) - 1
+            opd[i, start : start + len(s.opd_reverse_kl or ())] = torch.tensor(
+                s.opd_reverse_kl or (), dtype=torch.float32
+            )
+    return TokenBatch(
+        input_ids,
+        attention,
+        loss_mask,
+        advantages,
+        rollout_logp,
+        weights=weights,
+        rewards=rewards,
+        opd_reverse_kl=opd,
+    )

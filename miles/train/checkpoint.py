@@ -24,6 +24,7 @@ from pathlib import Path
 from miles.train.config import RunConfig
 
 MARKER = "latest_checkpointed_iteration.txt"
+CRITIC_DIR = "critic"  # PPO's critic: its model and optimizer, beside the policy's
 STATE_FILE = "trainer_state.json"
 HASH_FILE = "model_hash.json"
 
@@ -79,10 +80,18 @@ def latest_iteration(root: str | Path) -> int | None:
 
 
 def save(
-    backend, root: str | Path, state: TrainerState, *, is_main: bool, barrier, hashes: dict | None = None
+    backend,
+    root: str | Path,
+    state: TrainerState,
+    *,
+    is_main: bool,
+    barrier,
+    hashes: dict | None = None,
+    critic=None,
 ) -> Path:
-    """Write the checkpoint of `state.rollouts_done` rollouts (every rank calls this); `hashes`
-    (rank 0's `model_hashes`) go beside it as model_hash.json."""
+    """Write the checkpoint of `state.rollouts_done` rollouts (every rank calls this), with PPO's
+    critic under CRITIC_DIR when there is one; `hashes` (rank 0's `model_hashes`) go beside it as
+    model_hash.json."""
     root = Path(root)
     final = iteration_dir(root, state.rollouts_done)
     tmp = final.with_name(final.name + ".tmp")
@@ -90,8 +99,12 @@ def save(
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
+        if critic is not None:
+            (tmp / CRITIC_DIR).mkdir()
     barrier()
     backend.save(str(tmp), with_optimizer=state.with_optimizer)
+    if critic is not None:
+        critic.save(str(tmp / CRITIC_DIR), with_optimizer=state.with_optimizer)
     barrier()
     if is_main:
         (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2) + "\n")

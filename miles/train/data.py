@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 SYNTHETIC_PREFIX = "synthetic:"
-SYNTHETIC_TASKS = ("fixed", "copy", "echo")
+SYNTHETIC_TASKS = ("fixed", "copy", "echo", "arith")
 ECHO_ANSWERS = "2468"
 SYNTHETIC_SIZE = 512
 FIXED_ANSWER = "7777"
@@ -40,6 +40,8 @@ def synthetic_prompts(task: str, size: int = SYNTHETIC_SIZE, seed: int = 0) -> l
     echo: the prompt ends with one of four digits and the answer is that digit (one token). A
         policy that ignores its input is right on a quarter of the prompts at best, so an exact
         match rate well above 0.25 shows it reads the prompt, whatever the graded reward says.
+    arith: `a+b=` with a and b in 1..4, the answer their sum; graded by a math-answer reward
+        (`--rm-type gsm8k`: the response's final number), which gives no credit for a near miss.
     """
     rng = random.Random(seed)
     prompts = []
@@ -49,6 +51,9 @@ def synthetic_prompts(task: str, size: int = SYNTHETIC_SIZE, seed: int = 0) -> l
             prompts.append(Prompt(i, f"code {digits}:", FIXED_ANSWER))
         elif task == "copy":
             prompts.append(Prompt(i, f"copy {digits}:", digits))
+        elif task == "arith":
+            a, b = rng.randint(1, 4), rng.randint(1, 4)
+            prompts.append(Prompt(i, f"{a}+{b}=", str(a + b)))
         elif task == "echo":
             answer = rng.choice(ECHO_ANSWERS)
             prompts.append(Prompt(i, f"echo {answer}", answer))

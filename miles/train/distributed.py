@@ -34,8 +34,9 @@ class DistInfo:
 _collective_device = "cpu"
 
 
-def init_distributed(requested_backend: str | None = None) -> DistInfo:
-    """Join (or create) the default process group; NCCL/RCCL on GPU, gloo on CPU."""
+def init_distributed(requested_backend: str | None = None, *, deterministic: bool = False) -> DistInfo:
+    """Join (or create) the default process group; NCCL/RCCL on GPU, gloo on CPU. With
+    `deterministic`, wrapped so that its sums have a fixed order (miles.train.deterministic)."""
     gpu = torch.cuda.is_available()
     backend = requested_backend or ("nccl" if gpu else "gloo")
     if backend == "nccl" and not gpu:
@@ -56,14 +57,20 @@ def init_distributed(requested_backend: str | None = None) -> DistInfo:
         torch.cuda.set_device(local_rank)
     global _collective_device
     _collective_device = device if backend == "nccl" else "cpu"
+    group_backend = backend
+    if deterministic:
+        from miles.train.deterministic import DET_BACKENDS, register_backends
+
+        register_backends()
+        group_backend = DET_BACKENDS[backend]
     if not dist.is_initialized():
         from miles import phases
 
         with phases.phase(phases.INIT):
             if "WORLD_SIZE" in os.environ:
-                dist.init_process_group(backend)
+                dist.init_process_group(group_backend)
             else:
-                dist.init_process_group(backend, rank=0, world_size=1, store=dist.HashStore())
+                dist.init_process_group(group_backend, rank=0, world_size=1, store=dist.HashStore())
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
 
 

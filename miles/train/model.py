@@ -133,3 +133,20 @@ def causality_probe(model, *, length: int = 40, prefix: int = 24, seed: int = 0)
     if dtype.is_floating_point and torch.finfo(dtype).bits < 32:
         tolerance = max(tolerance, CAUSALITY_ULPS * torch.finfo(dtype).eps * full.abs().max().item())
     return (full - cut).abs().max().item(), tolerance
+
+
+def with_value_head(model):
+    """`model` with its vocabulary head replaced by a zero-initialised one-output linear head: PPO's
+    critic, the policy's network predicting a value at each position (its logits are [B, T, 1]).
+    The head starts at zero so the first values are 0 and the first value steps train the head
+    alone; a head tied to the input embedding is untied."""
+    embedding = model.get_input_embeddings().weight
+    hidden = model.config.get_text_config().hidden_size
+    head = torch.nn.Linear(hidden, 1, bias=False, device=embedding.device, dtype=embedding.dtype)
+    if embedding.device.type != "meta":
+        with torch.no_grad():
+            head.weight.zero_()
+    model.config.tie_word_embeddings = False
+    model.config.get_text_config().tie_word_embeddings = False
+    model.set_output_embeddings(head)
+    return model

@@ -47,6 +47,9 @@ def rollout_metrics(
         "perf/rollout_time": rollout_time,
         "perf/rollout_tokens_per_s": tokens / rollout_time if rollout_time > 0 else 0.0,
     }
+    kls = [kl for s in samples if s.opd_reverse_kl is not None for kl in s.opd_reverse_kl]
+    if kls:  # on-policy distillation: the policy's KL to the teacher, on its own samples
+        metrics["rollout/opd_reverse_kl"] = sum(kls) / len(kls)
     if exact:
         metrics["rollout/exact_match"] = sum(s.response_text.strip() == s.label.strip() for s in samples) / n
     return metrics

@@ -14,6 +14,8 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from miles.train.math_answers import equivalent, exact_number, final_number, last_boxed
+
 RewardFn = Callable[[str, str, Mapping[str, Any]], "float | Mapping[str, float]"]
 
 
@@ -21,73 +23,12 @@ class RewardError(ValueError):
     """A reward spec cannot be resolved, or a reward function returned something unusable."""
 
 
-def last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` (or `\\fbox{...}`), braces balanced; None if absent."""
-    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-    if start < 0:
-        return None
-    brace = text.find("{", start)
-    if brace < 0:
-        # `\boxed 5` (no braces) is valid LaTeX for one token.
-        tail = text[start:].split(maxsplit=1)
-        return tail[1].split()[0].rstrip("$.") if len(tail) > 1 else None
-    depth = 0
-    for i in range(brace, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[brace + 1 : i]
-    return None  # unbalanced: the answer was cut off
-
-
-_LATEX_NOISE = (r"\left", r"\right", r"\!", r"\,", r"\;", r"\ ", "$", r"\displaystyle")
-_TEXT_WRAP = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
-
-
-def normalize_answer(answer: str) -> str:
-    """Canonical form of a math answer for exact comparison (spacing, LaTeX noise, 1.0 == 1)."""
-    s = answer.strip()
-    s = _TEXT_WRAP.sub(r"\1", s)
-    for noise in _LATEX_NOISE:
-        s = s.replace(noise, "")
-    s = (
-        s.replace("\\dfrac", "\\frac")
-        .replace("\\tfrac", "\\frac")
-        .replace("^\\circ", "")
-        .replace("^{\\circ}", "")
-    )
-    s = s.replace(" ", "").rstrip(".")
-    s = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", s)
-    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):  # 1,000 is a number, (1,2) is a pair
-        s = s.replace(",", "")
-    number = _as_number(s)
-    if number is not None:
-        return repr(number)
-    return s
-
-
-def _as_number(text: str) -> float | None:
-    try:
-        value = float(text)
-    except ValueError:
-        frac = re.fullmatch(r"(-?)\\frac\{(-?\d+)\}\{(\d+)\}", text)
-        if not frac or int(frac.group(3)) == 0:
-            return None
-        value = int(frac.group(2)) / int(frac.group(3)) * (-1 if frac.group(1) else 1)
-    if not math.isfinite(value):
-        return None
-    return float(round(value, 9))
-
-
 def math_reward(response: str, label: str, metadata: Mapping[str, Any] | None = None) -> float:
-    """1.0 when the last `\\boxed{}` of the response equals the label after normalisation."""
+    """1.0 when the last `\\boxed{}` of the response is the label's answer (miles.train.math_answers)."""
     boxed = last_boxed(response)
     if boxed is None:
         return 0.0
-    expected = last_boxed(label) or label
-    return 1.0 if normalize_answer(boxed) == normalize_answer(expected) else 0.0
+    return 1.0 if equivalent(boxed, last_boxed(label) or label) else 0.0
 
 
 def deepscaler_reward(response: str, label: str, metadata: Mapping[str, Any] | None = None) -> float:
@@ -107,23 +48,17 @@ def dapo_reward(response: str, label: str, metadata: Mapping[str, Any] | None = 
     found = _DAPO_ANSWER.findall(response[-300:])
     if not found:
         return -1.0
-    return 1.0 if normalize_answer(found[-1]) == normalize_answer(last_boxed(label) or label) else -1.0
-
-
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+    return 1.0 if equivalent(found[-1], last_boxed(label) or label) else -1.0
 
 
 def gsm8k_reward(response: str, label: str, metadata: Mapping[str, Any] | None = None) -> float:
-    """1.0 when the final number of the response equals the label's (`#### 42` or `42`)."""
-    expected_text = label.rsplit("####", 1)[-1]
-    expected = _NUMBER.findall(expected_text)
-    if "####" in response:
-        response = response.rsplit("####", 1)[1]
-    found = _NUMBER.findall(response)
-    if not found or not expected:
+    """1.0 when the final number of the response (after `####` if any) equals the label's
+    (`#### 42` or `42`) as an exact number: `1,200` is 1200, `7.0` is 7."""
+    found, expected = final_number(response), final_number(label)
+    if found is None or expected is None:
         return 0.0
-    a, b = (float(x.replace(",", "").rstrip(".")) for x in (found[-1], expected[-1]))
-    return 1.0 if math.isclose(a, b, rel_tol=0, abs_tol=1e-9) else 0.0
+    a, b = (exact_number(x.replace(",", "")) for x in (found, expected))
+    return 1.0 if a is not None and a == b else 0.0
 
 
 NEAR_MISS_WIDTH = 64  # code points over which a wrong character still earns some credit
@@ -180,6 +115,12 @@ def load_reward(spec: str) -> RewardFn:
     if not callable(fn):
         raise RewardError(f"reward '{spec}': module '{module_name}' has no callable '{attr}'")
     return fn
+
+
+def scores_samples(fn) -> bool:
+    """Whether a reward function scores whole samples (`fn(config, request)`: on-policy
+    distillation's asks a teacher about the tokens) rather than a response's text."""
+    return bool(getattr(fn, "scores_samples", False))
 
 
 FLOAT32_MAX = 3.4028234663852886e38  # rewards become float32 tensors; anything larger is inf there

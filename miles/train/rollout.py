@@ -23,6 +23,8 @@ class Generation:
     response_ids: tuple[int, ...]
     logprobs: tuple[float, ...]  # one per response token
     finish_reason: str  # "stop" (a stop token was sampled, and kept), "length", or "abort" (cut short)
+    # with SamplingConfig.top_logprobs k: the k most likely (logprob, token id) of each response position
+    top_logprobs: tuple[tuple[tuple[float, int], ...], ...] | None = None
 
 
 class RolloutEngineError(RuntimeError):
@@ -198,9 +200,18 @@ class TorchRolloutEngine(RolloutEngine):
         active = torch.arange(len(prompts), device=device)  # original row of each live row
         tokens: list[list[int]] = [[] for _ in prompts]
         logprobs: list[list[float]] = [[] for _ in prompts]
+        tops: list[list[tuple]] = [[] for _ in prompts]
         finish = ["length"] * len(prompts)
         for step in range(sampling.max_response_len):
             next_ids, next_logprobs = sample_tokens(logits / sampling.temperature, sampling, generator)
+            if sampling.top_logprobs:
+                top = torch.log_softmax(logits / sampling.temperature, dim=-1).topk(
+                    sampling.top_logprobs, dim=-1
+                )
+                for row, values, ids in zip(
+                    active.tolist(), top.values.tolist(), top.indices.tolist(), strict=True
+                ):
+                    tops[row].append(tuple(zip(values, ids, strict=True)))
             done = torch.isin(next_ids, stop)
             for row, tok, lp, d in zip(
                 active.tolist(), next_ids.tolist(), next_logprobs.tolist(), done.tolist(), strict=True
@@ -237,8 +248,8 @@ class TorchRolloutEngine(RolloutEngine):
             )
             logits = out.logits[:, -1, :].float()
         return [
-            Generation(tuple(p), tuple(t), tuple(lp), f)
-            for p, t, lp, f in zip(prompts, tokens, logprobs, finish, strict=True)
+            Generation(tuple(p), tuple(t), tuple(lp), f, tuple(top) if sampling.top_logprobs else None)
+            for p, t, lp, f, top in zip(prompts, tokens, logprobs, finish, tops, strict=True)
         ]
 
     def _prefill(self, prompts: list[tuple[int, ...]], cache, device):

@@ -9,18 +9,20 @@ its starting weights loaded.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from miles.metrics.capture import check_record_dir
 from miles.train import checkpoint, checks, data, guards
 from miles.train.args import ArgsError, validate_world, world_note
-from miles.train.backends import TrainBackend, make_backend
+from miles.train.backends import CRITIC, TrainBackend, make_backend
 from miles.train.config import RunConfig, SamplingConfig
 from miles.train.consumption import build, disaggregated, refusal
 from miles.train.distributed import DistInfo, init_distributed, seed_everything
 from miles.train.inputs import verify_checkpoints
-from miles.train.rewards import RewardFn, load_reward, score
+from miles.train.rewards import RewardFn, load_reward, score, scores_samples
 from miles.train.rollout import Generation, RolloutEngine, weights_for
+
+SCORING_THREADS = 16  # a rank's concurrent requests to a teacher that scores whole samples
 
 
 @dataclass
@@ -33,6 +35,9 @@ class Run:
     backend: TrainBackend
     engine: RolloutEngine | None  # None under --debug-train-only (replayed rollouts)
     sampling: SamplingConfig
+    critic: TrainBackend | None = None  # PPO's value model (miles.train.critic)
+    rule: RewardFn | None = None  # --rm-type's rule, when reward_fn scores whole samples (distillation)
+    post_process: object = None  # --custom-reward-post-process-path's function
     start_rollout: int = 0
     async_rollouts: object | None = None  # --fully-async: miles.train.async_rollout.AsyncRollouts
     skipped_streak: guards.SkippedStreak = field(default_factory=lambda: guards.SkippedStreak(3))
@@ -71,12 +76,38 @@ class Run:
         return checked(path, requests, load_generate(path)(context, requests))
 
     def score(self, prompt: data.Prompt, generation: Generation, sample: int = 0) -> tuple[str, float]:
-        """The decoded response and its reward under the run's rule (`sample`: its index in the group)."""
+        """The decoded response and its reward under the run's rule (`sample`: its index in the group);
+        under on-policy distillation, the rule --rm-type names (what evaluation scores by)."""
         text = self.tokenizer.decode(list(generation.response_ids), skip_special_tokens=True)
         where = f"prompt {prompt.index} of --prompt-data, sample {sample}"
+        rule = self.rule if scores_samples(self.reward_fn) else self.reward_fn
         return text, score(
-            self.reward_fn, text, prompt.label, prompt.metadata, self.config.reward.reward_key, where=where
+            rule, text, prompt.label, prompt.metadata, self.config.reward.reward_key, where=where
         )
+
+    def score_all(
+        self, prompts: list[data.Prompt], generations: list[Generation], group_size: int
+    ) -> list[tuple[str, float, tuple[float, ...] | None]]:
+        """Every generation's text, reward and per-token signal (on-policy distillation's reverse KL
+        to the teacher; None for a rule). A reward function that scores whole samples is asked about
+        all of them at once (concurrently), and --custom-reward-post-process-path reads its answers."""
+        if not scores_samples(self.reward_fn):
+            return [
+                (*self.score(p, g, i % group_size), None)
+                for i, (p, g) in enumerate(zip(prompts, generations, strict=True))
+            ]
+        from concurrent.futures import ThreadPoolExecutor
+
+        from miles.train.distillation import ScoringRequest
+
+        requests = [
+            ScoringRequest(g.prompt_ids, g.response_ids, g.logprobs, g.top_logprobs) for g in generations
+        ]
+        with ThreadPoolExecutor(max_workers=SCORING_THREADS) as pool:
+            answers = list(pool.map(lambda r: self.reward_fn(self.config, r), requests))
+        rewards, signals = self.post_process(self.config, requests, answers)
+        texts = [self.tokenizer.decode(list(g.response_ids), skip_special_tokens=True) for g in generations]
+        return [(t, float(r), tuple(s)) for t, r, s in zip(texts, rewards, signals, strict=True)]
 
     def log(self, message: str) -> None:
         if self.dist.is_main:
@@ -112,7 +143,13 @@ def start(config: RunConfig, *, dry: bool = False) -> DistInfo:
 
     if config.job.num_threads:
         torch.set_num_threads(config.job.num_threads)
-    dist_info = init_distributed(config.job.distributed_backend)
+    if config.job.deterministic_mode:
+        from miles.train.deterministic import enable_deterministic_algorithms
+
+        enable_deterministic_algorithms()
+    dist_info = init_distributed(
+        config.job.distributed_backend, deterministic=config.job.debug_deterministic_collective
+    )
     choice = config.job.rollout_engine
     engine = ("sglang" if choice == "auto" else choice) if dry else engine_choice(config, dist_info)
     check_before_loading(config, dist_info, engine)
@@ -132,12 +169,18 @@ def build_run(config: RunConfig) -> Run:
     )
     reward = config.reward.custom_rm_path or config.reward.rm_type
     reward_fn = load_reward(reward)
+    post_process = config.reward.custom_reward_post_process_path
     backend = make_backend(config, dist_info)
+    critic = make_backend(config, dist_info, role=CRITIC) if config.algorithm.uses_critic else None
     replay = config.checks.debug_train_only
     engine = None if replay else make_engine(config, dist_info)
     model = engine.local_model if engine is not None else None
     sampling = config.rollout.sampling_config(eos_token_ids(model or ckpt.hf_checkpoint, tokenizer))
-    run = Run(config, dist_info, tokenizer, prompts, reward_fn, backend, engine, sampling)
+    if config.algorithm.use_opd:  # the engine also returns each position's top tokens for the top-k KL
+        sampling = replace(sampling, top_logprobs=config.algorithm.opd_log_prob_top_k)
+    run = Run(config, dist_info, tokenizer, prompts, reward_fn, backend, engine, sampling, critic)
+    if scores_samples(reward_fn):
+        run.rule, run.post_process = load_reward(config.reward.rm_type), load_reward(post_process)
     run.skipped_streak = guards.SkippedStreak(config.optimizer.max_skipped_steps)
     checked = config.checks
     run.step_record = checks.StepRecord(
@@ -278,6 +321,8 @@ def resume(run: Run) -> int:
     with_optimizer = state.with_optimizer and not ckpt.no_load_optim
     directory = checkpoint.iteration_dir(ckpt.load, state.rollouts_done)
     run.backend.load(str(directory), with_optimizer=with_optimizer)
+    if run.critic is not None:
+        run.critic.load(str(directory / checkpoint.CRITIC_DIR), with_optimizer=with_optimizer)
     if run.config.checks.ci_check_model_hash:
         from miles.train.checks import CheckFailed
         from miles.train.distributed import all_gather_objects

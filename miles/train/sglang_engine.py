@@ -84,11 +84,15 @@ def to_generation(prompt: Sequence[int], out: Mapping[str, Any]) -> Generation:
             "length against the model's context and --sglang-mem-fraction-static)"
         )
     entries = meta["output_token_logprobs"]  # (logprob, token id, text or None) per generated token
+    tops = meta.get("output_top_logprobs")  # with top_logprobs_num: per token, its top (logprob, id, text)
     return Generation(
         prompt_ids=tuple(prompt),
         response_ids=tuple(int(e[1]) for e in entries),
         logprobs=tuple(float(e[0]) for e in entries),
         finish_reason=NORMAL_FINISH[kind],
+        top_logprobs=None
+        if tops is None
+        else tuple(tuple((float(e[0]), int(e[1])) for e in t or ()) for t in tops),
     )
 
 
@@ -193,6 +197,7 @@ class SGLangRolloutEngine(RolloutEngine):
                 input_ids=[list(p) for p in prompts],
                 sampling_params=params,
                 return_logprob=True,
+                **({"top_logprobs_num": sampling.top_logprobs} if sampling.top_logprobs else {}),
             )
         except ValueError as exc:  # sglang's TokenizerManager._validate_one_request and SamplingParams.verify
             lengths = sorted(len(p) for p in prompts)

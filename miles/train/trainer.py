@@ -1,11 +1,13 @@
-"""`python -m miles.train`: group-relative policy optimisation, one rollout per iteration.
+"""`python -m miles.train`: group-relative policy optimisation (or PPO), one rollout per iteration.
 
     for rollout k = start .. num_rollout-1:
         1. rollout    for each prompt of the batch, sample G responses with the current policy
         2. reward     score each response with the rule (--rm-type)
-        3. advantage  A_i = (r_i - mean(r_group)) / std(r_group)
+        3. advantage  A_i = (r_i - mean(r_group)) / std(r_group); PPO: GAE over the critic's
+                      values of each response token (miles.train.critic)
         4. learn      for each minibatch: clipped policy loss (+ KL to the reference,
-                      - entropy bonus), AdamW step with gradient clipping
+                      - entropy bonus), AdamW step with gradient clipping; PPO: a value step
+                      of the critic too (alone for the first --num-critic-only-steps rollouts)
         5. sync       push the new weights to the rollout engine
         evaluate every --eval-interval rollouts; log the metrics; save every --save-interval
 
@@ -29,12 +31,13 @@ import torch
 
 from miles import children, phases
 from miles.metrics.capture import RecordDirError
-from miles.train import checkpoint, checks, evaluation, guards, report
+from miles.train import checkpoint, checks, critic, evaluation, guards, report
 from miles.train.algorithm import LOSS_SUMS, group_advantages
 from miles.train.args import ArgsError, parse_config
 from miles.train.async_rollout import AsyncRollouts
 from miles.train.backends import BackendUnavailable
 from miles.train.batch import Sample, TokenBatch, collate, executions, load_samples, save_samples
+from miles.train.config import step_sizes
 from miles.train.data import SYNTHETIC_PREFIX, DataError, batch_for_rollout
 from miles.train.distributed import (
     all_gather_objects,
@@ -73,11 +76,15 @@ def train(run: Run) -> None:
     cfg, checked = run.config, run.config.checks
     eval_sets = evaluation.eval_sets(cfg.eval, cfg.data)
     watched: dict[int, float] = {}  # --ci-metric-checker-key's values by rollout
+    if evaluation.due_before_training(cfg.eval):
+        evaluation.before_training(run, eval_sets)
     # --fully-async: a persistent worker generates step k+1 while step k trains
     run.async_rollouts = AsyncRollouts(run) if cfg.engines.fully_async else None
     for rollout_id in range(run.start_rollout, cfg.rollout.num_rollout):
         started = time.perf_counter()
         run.backend.sleep()  # --offload-train: the trainer's state off the device while the engine generates
+        if run.critic is not None:
+            run.critic.sleep()  # PPO's critic too
         with phases.phase(phases.ROLLOUT), report.peak_host_memory() as peak:
             samples = generate_and_score(run, rollout_id)  # 1 rollout, 2 reward
         samples = with_advantages(run, samples)  # 3 advantage
@@ -92,6 +99,7 @@ def train(run: Run) -> None:
         if not checked.debug_rollout_only:
             with phases.phase(phases.TRAIN):
                 metrics |= learn(run, rollout_id, samples)  # 4 loss and optimizer steps
+            if not critic.policy_waits(run, rollout_id):
                 metrics |= sync_weights(run, rollout_id)  # 5 sync
         metrics["perf/step_time"] = time.perf_counter() - started
         if evaluation.due(cfg.eval, rollout_id):
@@ -147,13 +155,21 @@ def sample_share(run: Run, rollout_id: int) -> list[Sample]:
     requests = [run.encode(p) for p in mine for _ in range(group_size)]
     seed = sampling_seed(cfg.rollout.rollout_seed, rollout_id, rank)
     executions = run.generate(requests, seed)  # the pieces each request is trained as (usually one)
+    asked = [mine[i // group_size] for i in range(len(executions))]
+    # each execution scored whole (its last piece); on-policy distillation's per-token signal too
+    scored = run.score_all(asked, [pieces[-1].generation for pieces in executions], group_size)
     samples = []
-    for i, pieces in enumerate(executions):
-        prompt, group = mine[i // group_size], rank * per_rank + i // group_size
-        text, reward = run.score(prompt, pieces[-1].generation, i % group_size)  # the whole execution's
+    for i, (prompt, pieces, (text, reward, signal)) in enumerate(zip(asked, executions, scored, strict=True)):
+        if signal is not None and len(pieces) > 1:
+            raise RolloutEngineError(
+                f"--custom-generate-function-path {cfg.rollout.custom_generate_function_path} split request {i} "
+                f"into {len(pieces)} samples, but on-policy distillation's teacher scores each token of one "
+                "sample; run distillation with the default generate function"
+            )
+        group = rank * per_rank + i // group_size
         for piece in pieces:
             samples.append(
-                Sample(prompt.index, group, piece.generation, text, prompt.label, reward,
+                Sample(prompt.index, group, piece.generation, text, prompt.label, reward, opd_reverse_kl=signal,
                        execution=rank * len(requests) + i, siblings=len(pieces), loss_mask=piece.loss_mask)
             )  # fmt: skip
     return samples
@@ -161,7 +177,10 @@ def sample_share(run: Run, rollout_id: int) -> list[Sample]:
 
 def with_advantages(run: Run, samples: Sequence[Sample]) -> list[Sample]:
     """Step 3: each execution's advantage within its group of --n-samples-per-prompt (the samples
-    an execution was split into share it)."""
+    an execution was split into share it; PPO's come from the critic's values of each token, in
+    `learn`)."""
+    if run.critic is not None:
+        return list(samples)
     by_execution = executions(samples)
     rewards = torch.tensor([samples[e[0]].reward for e in by_execution])
     normalize_std = not run.config.algorithm.disable_grpo_std_normalization
@@ -189,13 +208,23 @@ def learn(run: Run, rollout_id: int, samples: Sequence[Sample]) -> dict[str, flo
     if run.engine is not None and run.engine.colocated:
         run.engine.release_memory()  # it gives the GPU to the trainer until the sync
     run.backend.wake_up()  # --offload-train: the trainer's state back, once the engine's memory is free
+    if run.critic is not None:
+        run.critic.wake_up()
     local, plan = share_of_rank(run, samples)
+    local, values = per_token_advantages(run, local, plan)
+    if critic.policy_waits(run, rollout_id):
+        steps = [
+            critic.value_step(run, micro, normalizer_of(run, micro)) for micro in minibatches(local, plan)
+        ]
+        return values | critic.value_metrics(steps) | {"perf/train_time": time.perf_counter() - started}
     reuse = run.backend.forward_is_deterministic
     own_old = reuse and not cfg.algorithm.use_rollout_logprobs  # else the engine's are the old ones
     local, trainer_logp = with_old_logprobs(run, local, plan, skip_first=reuse and not checked.ci_test)
-    steps, mismatch = [], {}
+    steps, value_steps, mismatch = [], [], {}
     for m, micro in enumerate(plan):
         batches = [local.rows(rows) for rows in micro]
+        if run.critic is not None:
+            value_steps.append(critic.value_step(run, batches, normalizer_of(run, batches)))
         if m == 0 and own_old:
             batches = [mb.with_(old_logp=None) for mb in batches]  # the forward's own (batch_loss)
         step, logprobs = optimizer_step(run, batches)
@@ -211,26 +240,60 @@ def learn(run: Run, rollout_id: int, samples: Sequence[Sample]) -> dict[str, flo
             checked_first_step(run, rollout_id, step, mismatch)
     metrics = report.train_metrics(steps, cfg.algorithm.use_tis)
     metrics["train/skipped_steps"] = float(sum(step["skipped"] for step in steps))
+    metrics["train/optimizer_steps"] = float(len(steps))
     metrics["perf/micro_batches_per_step"] = sum(map(len, plan)) / len(plan)
+    if value_steps:
+        metrics |= values | critic.value_metrics(value_steps)
     return metrics | mismatch | {"perf/train_time": time.perf_counter() - started}
 
 
+def per_token_advantages(
+    run: Run, local: TokenBatch, plan: Sequence[Sequence[Sequence[int]]]
+) -> tuple[TokenBatch, dict[str, float]]:
+    """PPO: the advantages, returns and old values of each response token from the critic (and
+    its explained variance); on-policy distillation: less --opd-kl-coef times each token's reverse
+    KL to the teacher; with --normalize-advantages, whitened over every rank's tokens."""
+    metrics: dict[str, float] = {}
+    algorithm = run.config.algorithm
+    if run.critic is not None:
+        local, metrics = critic.with_gae(run, local, plan, local.rewards)
+    if algorithm.use_opd:  # each token's advantage less its reverse KL to the teacher (distillation)
+        advantages = local.advantages
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(1).expand_as(local.loss_mask)
+        local = local.with_(
+            advantages=(advantages - algorithm.opd_kl_coef * local.opd_reverse_kl) * local.loss_mask
+        )
+    if algorithm.normalize_advantages:
+        local = critic.whitened(run, local)
+    return local, metrics
+
+
+def minibatches(local: TokenBatch, plan: Sequence[Sequence[Sequence[int]]]) -> list[list[TokenBatch]]:
+    """Each minibatch of the plan as its micro-batches."""
+    return [[local.rows(rows) for rows in micro] for micro in plan]
+
+
 def share_of_rank(run: Run, samples: Sequence[Sample]) -> tuple[TokenBatch, list[list[list[int]]]]:
-    """This data-parallel rank's rows of every minibatch, minibatch after minibatch, and each
-    minibatch's micro-batches (lists of rows of the returned batch) as the backend cuts them;
+    """This data-parallel rank's rows of every minibatch (--global-batch-size samples, the last
+    one smaller with --allow-partial-train-step), minibatch after minibatch, and each minibatch's
+    micro-batches (lists of rows of the returned batch) as the backend cuts them;
     model-parallel peers get the same rows and micro-batches."""
-    gbs = run.config.batch.global_batch_size  # executions per step: an execution's samples stay in one
-    by_execution = executions(samples)
+    batch = run.config.batch
+    partial = batch.allow_partial_train_step and batch.disable_rollout_trim_samples
+    by_execution = executions(samples)  # steps count executions: an execution's samples stay in one
     mine: list[int] = []
     plan = []
-    for m in range(len(by_execution) // gbs):
-        members = [i for execution in by_execution[m * gbs : (m + 1) * gbs] for i in execution]
+    start = 0
+    for size in step_sizes(len(by_execution), batch.global_batch_size, partial=partial):
+        members = [i for execution in by_execution[start : start + size] for i in execution]
         lengths = [
             len(samples[i].generation.prompt_ids) + len(samples[i].generation.response_ids) for i in members
         ]
         rows, micro = run.backend.split_minibatch(lengths)
         plan.append([[len(mine) + i for i in part] for part in micro])
         mine += [members[i] for i in rows]
+        start += size
     return collate([samples[i] for i in mine], run.tokenizer.pad_token_id or 0), plan
 
 
@@ -313,15 +376,7 @@ def optimizer_step(
     """One AdamW step on this rank's micro-batches of a minibatch; loss terms summed over the
     data-parallel ranks. Also each micro-batch's logprobs from the training forward."""
     _, replicas, group = run.backend.data_parallel
-    # executions, not samples: an execution split into k samples weighs 1/k each
-    size = sum(mb.size if mb.weights is None else float(mb.weights.sum()) for mb in micro)
-    # Each rank's loss is divided so that the data-parallel gradient average is the mean over
-    # the global minibatch: per sample by default, per token with --calculate-per-token-loss.
-    if run.config.algorithm.calculate_per_token_loss:
-        tokens = sum(float(mb.loss_mask.sum()) for mb in micro)
-        normalizer = all_reduce_sum([tokens], group)[0] / replicas
-    else:
-        normalizer = size
+    normalizer = normalizer_of(run, micro)
     result = run.backend.train_step(micro, normalizer)
     local = [sum(getattr(t, k) for t in result.terms) for k in LOSS_SUMS]
     loss = sum(float(t.loss.detach()) for t in result.terms) / normalizer
@@ -329,6 +384,18 @@ def optimizer_step(
     reduced["loss"] /= replicas
     step = reduced | {"grad_norm": result.grad_norm, "lr": result.lr, "skipped": result.skipped}
     return step, result.logprobs
+
+
+def normalizer_of(run: Run, micro: Sequence[TokenBatch]) -> float:
+    """What each rank divides its loss by so that the data-parallel gradient average is the mean
+    over the minibatch's own samples (a partial step's too, as the seed framework normalises by
+    a step's true count), or its tokens with --calculate-per-token-loss."""
+    _, replicas, group = run.backend.data_parallel
+    if run.config.algorithm.calculate_per_token_loss:
+        count = sum(float(mb.loss_mask.sum()) for mb in micro)
+    else:  # executions, not samples: an execution split into k samples weighs 1/k each
+        count = sum(float(mb.size) if mb.weights is None else float(mb.weights.sum()) for mb in micro)
+    return all_reduce_sum([count], group)[0] / replicas
 
 
 def batched_logprobs(
@@ -412,7 +479,13 @@ def maybe_save(run: Run, rollout_id: int) -> None:
     state = checkpoint.state_of(cfg, done)
     hashes = checkpoint.model_hashes(run.backend) if cfg.checks.ci_save_model_hash else None
     path = checkpoint.save(
-        run.backend, ckpt.save, state, is_main=run.dist.is_main, barrier=barrier, hashes=hashes
+        run.backend,
+        ckpt.save,
+        state,
+        is_main=run.dist.is_main,
+        barrier=barrier,
+        hashes=hashes,
+        critic=run.critic,
     )
     run.log(f"miles.train: saved {path}")
 

@@ -180,6 +180,34 @@ def test_bytes_that_do_not_match_the_hubs_checksum_are_refused(tmp_path):
 def test_data_the_recipes_name_is_data_something_fetches():
     assert dataset_of("{data_dir}/dapo-math-17k/dapo-math-17k.jsonl") is DAPO
     assert dataset_of("synthetic:fixed") is None
-    assert dataset_of("{data_dir}/gsm8k/test.parquet").name == "gsm8k"
-    with pytest.raises(UnknownDataset, match=r"no fetch provides gsm8k/validation.parquet"):
-        dataset_of("{data_dir}/gsm8k/validation.parquet")
+    assert dataset_of("{data_dir}/gsm8k/test.parquet") is DATASETS["gsm8k"]
+    with pytest.raises(UnknownDataset, match=r"no fetch provides gsm8k/dev.parquet"):
+        dataset_of("{data_dir}/gsm8k/dev.parquet")
+
+
+def test_eval_and_prompt_sets_a_command_reads_from_the_data_dir_are_fetched_with_the_model():
+    from miles.ckpt.datasets import datasets_in
+
+    argv = (
+        "--prompt-data", "/data/gsm8k/train.parquet", "--eval-prompt-data", "aime24",
+        "/data/aime-2024/aime-2024.jsonl", "gsm8k", "/data/gsm8k/test.parquet", "mine", "/home/me/x.jsonl",
+        "--lr", "/data/not-a-dataset",
+    )  # fmt: skip
+    assert datasets_in(argv, "/data") == ("gsm8k", "aime-2024")
+    with pytest.raises(
+        UnknownDataset, match=r"--eval-prompt-data \{data_dir\}/math/x.jsonl: no fetch provides"
+    ):
+        datasets_in(("--eval-prompt-data", "m", "/data/math/x.jsonl"), "/data/")
+
+
+def test_a_recipe_plan_fetches_the_eval_sets_its_extra_args_name():
+    from miles.recipes import load
+    from miles.recipes.launch import RunOptions, build_plan
+
+    options = RunOptions(
+        model="Qwen3-4B",
+        data_dir="/d",
+        extra_args=("--eval-prompt-data", "aime24", "/d/aime-2024/aime-2024.jsonl", "--eval-interval", "2"),
+    )
+    plan = build_plan(load("qwen3_4b", platform="cuda"), options, "cuda", base_env={})
+    assert plan.checkpoint.datasets == ("dapo-math-17k", "aime-2024")

@@ -144,7 +144,8 @@ def test_evaluation_scores_held_out_prompts_and_the_metric_checker_reads_them(
     )  # fmt: skip
     assert main(list(plan.train_args)) == 1  # a reward never reaches 1.5
     scores = runs.series(tmp_path / "record", "eval/held_out")
-    assert sorted(scores) == [1, 3] and all(0.0 <= v <= 1.0 for v in scores.values())
+    # scored before the first rollout (at its step), then after every 2nd
+    assert sorted(scores) == [0, 1, 3] and all(0.0 <= v <= 1.0 for v in scores.values())
     assert (
         f"eval/held_out = {scores[3]:.4g} at rollout 3, below --ci-metric-checker-threshold 1.5"
         in capsys.readouterr().err

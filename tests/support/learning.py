@@ -65,7 +65,12 @@ def learning_args(setup: dict, *extra: str) -> tuple[str, ...]:
     replaces an earlier one (the render refuses a flag given twice with two values). Each group
     is flag-value pairs; a switch (a flag followed by a flag or nothing) stands alone."""
     merged: dict[str, tuple[str, ...]] = {}
-    for group in (ECHO, ("--num-rollout", str(setup["rollouts"]), "--lr", setup["lr"]), setup.get("extra", ()), extra):
+    for group in (
+        ECHO,
+        ("--num-rollout", str(setup["rollouts"]), "--lr", setup["lr"]),
+        setup.get("extra", ()),
+        extra,
+    ):
         i = 0
         while i < len(group):
             flag = group[i]

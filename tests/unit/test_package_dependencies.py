@@ -62,6 +62,8 @@ PACKAGE_EDGES: dict[str, set[str]] = {
         "miles.parallel",
         "miles.train",
     },
+    # functions the seed's commands name by module path (on-policy distillation's reward)
+    "miles.rollout": {"miles.train"},
     "miles.train": {
         "miles.ckpt",
         "miles.megatron",

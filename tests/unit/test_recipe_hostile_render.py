@@ -167,4 +167,6 @@ def test_the_engine_extra_args_choose_is_the_one_the_flags_are_checked_against(c
         capsys, "--extra-args=--rollout-engine sglang --sglang-mem-fraction-static 0.3 --colocate"
     )
     assert code == 0 and lines == [], lines
-    assert out.rstrip().endswith("--rollout-engine sglang --sglang-mem-fraction-static 0.3 --colocate"), out[-200:]
+    assert out.rstrip().endswith("--rollout-engine sglang --sglang-mem-fraction-static 0.3 --colocate"), out[
+        -200:
+    ]

@@ -96,6 +96,31 @@ def test_global_batch_must_divide_the_rollout_samples(capsys):
     assert "= 12 samples per rollout must be a multiple of --global-batch-size (8)" in err
 
 
+def test_a_partial_step_trains_the_rest_of_a_rollout_as_one_smaller_step():
+    from miles.train.config import optimizer_steps, step_sizes
+
+    argv = ["--hf-checkpoint", "m", "--rollout-batch-size", "8", "--n-samples-per-prompt", "4"]
+    config = parse_config(
+        [*argv, "--global-batch-size", "24", "--allow-partial-train-step", "--disable-rollout-trim-samples"]
+    )
+    assert step_sizes(32, 24, partial=True) == [24, 8] and step_sizes(32, 24) == [24]
+    assert (
+        optimizer_steps(config.rollout, config.batch) == 2 * config.rollout.num_rollout
+    )  # the lr schedule's
+    assert step_sizes(48, 24, partial=True) == [24, 24]
+    validate_world(config, 2)
+
+
+def test_partial_step_flags_that_could_not_act_are_refused(capsys):
+    argv = ["--rollout-batch-size", "8", "--n-samples-per-prompt", "4", "--global-batch-size", "24"]
+    err = _error([*argv, "--allow-partial-train-step"], capsys)
+    assert "the rollout is trimmed to whole steps first; add --disable-rollout-trim-samples" in err
+    err = _error([*argv, "--disable-rollout-trim-samples"], capsys)
+    assert "keeps the 8 samples past the last whole --global-batch-size (24)" in err
+    assert "add --allow-partial-train-step" in err
+    assert "--allow-partial-train-step --disable-rollout-trim-samples" in _error(argv, capsys)
+
+
 def test_group_of_one_sample_is_rejected(capsys):
     assert "--n-samples-per-prompt must be >= 2" in _error(["--n-samples-per-prompt", "1"], capsys)
 
@@ -111,7 +136,15 @@ def test_dual_clip_constant_must_exceed_one(capsys):
 
 def test_remote_reward_model_is_refused_before_anything_loads(capsys):
     err = _error(["--rm-url", "http://127.0.0.1:8000"], capsys)
-    assert "--rm-url http://127.0.0.1:8000: a remote reward model is not supported" in err
+    assert "--rm-url http://127.0.0.1:8000: a remote reward model serves only on-policy distillation" in err
+
+
+def test_distillation_flags_are_refused_without_use_opd_and_its_teacher(capsys):
+    assert "add --use-opd or drop them" in _error(["--opd-kl-coef", "0.5"], capsys)
+    err = _error(["--use-opd", "--opd-type", "sglang"], capsys)
+    assert "--use-opd needs the teacher's URL" in err and "--rm-url http://HOST:PORT/generate" in err
+    err = _error(["--use-opd", "--opd-type", "megatron"], capsys)
+    assert "--opd-type megatron" in err and "not supported" in err
 
 
 def test_megatron_layout_is_checked_by_miles_parallel_with_the_fix(tmp_path, capsys):
@@ -184,3 +217,33 @@ def test_flags_the_chosen_stack_ignores_are_refused_in_one_line_not_dropped():
     )
     assert "no effect on --train-backend fsdp with the torch rollout engine, so refused; drop them" in refused
     assert refusal(parse_config(["--hf-checkpoint", "m"]), "torch") is None
+
+
+def test_deterministic_collectives_refuse_overlapped_gradient_reduction(capsys):
+    err = _error(
+        ["--train-backend", "megatron", "--debug-deterministic-collective", "--overlap-grad-reduce"], capsys
+    )
+    assert "--debug-deterministic-collective folds each reduction as it is called" in err
+    assert "drop --overlap-grad-reduce" in err
+
+
+def test_critic_flags_without_ppo_are_refused_and_ppo_needs_no_groups(capsys):
+    err = _error(["--critic-lr", "1e-5", "--gamma", "0.9"], capsys)
+    assert (
+        "--gamma --critic-lr configure PPO's critic, which --advantage-estimator grpo does not train" in err
+    )
+    config = parse_config(
+        [
+            "--hf-checkpoint",
+            "m",
+            "--advantage-estimator",
+            "ppo",
+            "--n-samples-per-prompt",
+            "1",
+            "--critic-lr",
+            "1e-5",
+        ]
+    )
+    assert config.algorithm.uses_critic
+    assert config.optimizer.optim_config(config.algorithm, critic=True).lr == 1e-5
+    assert config.optimizer.optim_config(config.algorithm).lr == config.optimizer.lr

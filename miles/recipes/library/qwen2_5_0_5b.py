@@ -59,6 +59,8 @@ ROCM = Overlay(
     reason="MI350 runners: the seed's GSM8K run on 2 GPUs of the nightly suite",
     profiles=(
         gpu_profile("rocm", 1, 2, MODEL, TP1, rollout_gpus_per_engine=1, suite="nightly-stage-c-2-gpu-mi350"),
+        # the seed's short GSM8K test (tests/e2e/short/test_qwen2.5_0.5B_gsm8k_short.py) trains on 8
+        gpu_profile("rocm", 1, 8, MODEL, TP1, rollout_gpus_per_engine=1, suite="nightly-stage-c-8-gpu-mi350"),
     ),
 )
 
@@ -72,6 +74,9 @@ RECIPE = Recipe(
     env=d.ENV,
     profiles=(
         gpu_profile("cuda", 1, 2, MODEL, TP1, rollout_gpus_per_engine=1, suite="stage-c-2-gpu-h200"),
+        # the seed's short GSM8K test on 8 GPUs (radixark/miles 31f1ca961,
+        # tests/e2e/short/test_qwen2.5_0.5B_gsm8k_short.py: --actor-num-gpus-per-node 8 --colocate)
+        gpu_profile("cuda", 1, 8, MODEL, TP1, rollout_gpus_per_engine=1, suite="stage-c-8-gpu-h200"),
         d.cpu_tiny_profile(ParallelLayout(tp=2, sp=True), "megatron"),
     ),
     overlays=(ROCM,),

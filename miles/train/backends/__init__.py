@@ -40,7 +40,13 @@ class StepResult:
     skipped: bool = False
 
 
+ACTOR, CRITIC = "actor", "critic"
+
+
 class TrainBackend(abc.ABC):
+    # What it trains: the policy (actor), or PPO's value model (critic), whose forward gives a
+    # value per token (batch_values) and whose train_step minimises the clipped value loss.
+    role: str = ACTOR
     # Where the frozen reference model's weights come from (None: no reference model).
     ref_source: str | None = None
     # The batch flags; each backend's constructor keeps its BatchConfig here.
@@ -118,6 +124,10 @@ class TrainBackend(abc.ABC):
         finally:
             self.loss_cfg = saved
 
+    def batch_values(self, micro: Sequence[TokenBatch]) -> list:
+        """(critic) The value [rows, width-1] of each position of each micro-batch (no gradient)."""
+        raise NotImplementedError(f"{type(self).__name__} ({self.role}) computes no values")
+
     @abc.abstractmethod
     def train_step(self, micro_batches: Sequence[TokenBatch], normalizer: float) -> StepResult:
         """One optimizer step over the micro-batches; each loss is divided by `normalizer`.
@@ -162,10 +172,27 @@ def batch_loss(logp, entropy, batch: TokenBatch, cfg) -> LossTerms:
     )
 
 
-def make_backend(config, dist_info) -> TrainBackend:
-    """The --train-backend of `config` (a RunConfig), given the sections it consumes."""
+def value_batch_loss(values, batch: TokenBatch, value_clip: float, per_token: bool):
+    """PPO's clipped value loss of a micro-batch from the critic's values [rows, width-1]."""
+    from miles.train.ppo import value_loss
+
+    device = values.device
+    width = values.shape[1]
+    return value_loss(
+        values,
+        batch.old_values.to(device)[:, :width],
+        batch.returns.to(device)[:, :width],
+        batch.loss_mask.to(device)[:, :width],
+        value_clip,
+        per_token=per_token,
+    )
+
+
+def make_backend(config, dist_info, *, role: str = ACTOR) -> TrainBackend:
+    """The --train-backend of `config` (a RunConfig), given the sections it consumes: the policy
+    (`actor`), or PPO's critic (`critic`: the same model with a one-output value head)."""
     from miles import phases
     from miles.train.consumption import build
 
     with phases.phase(phases.INIT):
-        return build("backend", config.job.train_backend, config, dist_info)
+        return build("backend", config.job.train_backend, config, dist_info, role=role)

@@ -33,7 +33,15 @@ from miles.megatron.export import WeightExporter
 from miles.megatron.loss import gather_context_parallel, micro_batches, vocab_parallel_logprobs
 from miles.parallel import ParallelLayout
 from miles.train import micro_batches as split
-from miles.train.backends import BackendUnavailable, StepResult, TrainBackend, batch_loss
+from miles.train.backends import (
+    ACTOR,
+    CRITIC,
+    BackendUnavailable,
+    StepResult,
+    TrainBackend,
+    batch_loss,
+    value_batch_loss,
+)
 from miles.train.batch import TokenBatch
 from miles.train.config import (
     AlgorithmConfig,
@@ -72,6 +80,7 @@ class MegatronBackend(TrainBackend):
         model: ModelConfig,
         megatron: MegatronConfig,
         dist_info,
+        role: str = ACTOR,
     ):
         self.on_cpu = dist_info.device == "cpu"
         self.device = dist_info.device
@@ -82,17 +91,27 @@ class MegatronBackend(TrainBackend):
 
             compat.install()
         self.batching = batch
+        self.role = role
         self.loss_cfg = algorithm.loss_config(rollout.rollout_temperature)
-        self.optim_cfg = optimizer.optim_config()
+        self.value_clip = algorithm.value_clip
+        self.optim_cfg = optimizer.optim_config(algorithm, critic=role == CRITIC)
         hf = self.hf_checkpoint = checkpoint.hf_checkpoint
         self.config = read_config(hf)  # the decoder's config (a multimodal release's text_config)
         check_model_flags(model, self.config, hf, megatron)
         self.source = _weights_source(checkpoint)
         self.layout = layout  # parsed and checked with the flags (miles.train.args)
-        mt.init_parallel_state(self.layout, job.seed)
+        if role == ACTOR:  # the critic shares the policy's process groups (remaking them would end its)
+            mt.init_parallel_state(self.layout, job.seed)
         dtype = torch.bfloat16 if optimizer.bf16 and not self.on_cpu else torch.float32
         self.tc = _transformer_config(
-            megatron, self.config, self.layout, hf, dtype=dtype, on_cpu=self.on_cpu, impl=self.impl
+            megatron,
+            self.config,
+            self.layout,
+            hf,
+            dtype=dtype,
+            on_cpu=self.on_cpu,
+            impl=self.impl,
+            deterministic=job.deterministic_mode,
         )
         _shape_each_micro_batch(self.tc, self.layout)
         self.pipeline_rows = _pipeline_rows(self.config)  # the config is mapped: transformer_config built
@@ -104,6 +123,13 @@ class MegatronBackend(TrainBackend):
             model, self.tc, self.vocab, hf, megatron_family(self.config).position_embedding_type
         )
         chunks = self._load_chunks(self.tc)
+        if role == CRITIC:
+            from miles.megatron.value_head import NoValueHead, attach_value_head
+
+            try:
+                attach_value_head(chunks, self.tc)
+            except NoValueHead as exc:
+                raise MegatronSetupError(f"{hf}: {exc}") from exc
         mg.freeze_padding_embedding(chunks, self.config.get("pad_token_id"))
         self.chunks = [c.to(self.device) for c in chunks]
         self.model = mt.wrap_ddp(self.chunks, self.tc, options.ddp_fields(megatron))
@@ -120,7 +146,7 @@ class MegatronBackend(TrainBackend):
             print(f"miles.train: megatron {self.schedule()}", flush=True)
         self.ref_chunks = None
         self.ref_source = self.source
-        if algorithm.use_kl_loss:
+        if algorithm.use_kl_loss and role == ACTOR:
             self.ref_chunks = [
                 c.to(self.device).eval().requires_grad_(False) for c in self._load_chunks(ref_tc)
             ]
@@ -181,13 +207,24 @@ class MegatronBackend(TrainBackend):
             results = self._run(micro, chunks, self._logprob_loss, forward_only=True)
         return [result["logp"] for result in results[: len(micro)]]
 
+    def batch_values(self, micro: Sequence[TokenBatch]) -> list[torch.Tensor]:
+        """(critic) Every micro-batch's values in one pass of megatron's schedule."""
+        self._gather_params()
+        for chunk in self.chunks:
+            chunk.eval()
+        with torch.no_grad():
+            results = self._run(micro, self.chunks, self._value_output, forward_only=True)
+        return [result["logp"] for result in results[: len(micro)]]
+
     def train_step(self, micro: Sequence[TokenBatch], normalizer: float) -> StepResult:
         for chunk in self.model:
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         loss_fn = functools.partial(
-            self._policy_loss, normalizer=normalizer, count=self._schedule_count(len(micro))
+            self._value_loss if self.role == CRITIC else self._policy_loss,
+            normalizer=normalizer,
+            count=self._schedule_count(len(micro)),
         )
         results = self._run(micro, self.model, loss_fn, forward_only=False)
         lr = self._set_lr()
@@ -343,6 +380,22 @@ class MegatronBackend(TrainBackend):
         logp, entropy = gather_context_parallel(logp, cp), gather_context_parallel(entropy, cp)
         rows, width = mb.batch.size, mb.width - 1
         return logp[:rows, :width], entropy[:rows, :width]
+
+    def _token_values(self, mb, output):
+        """The critic's value [rows, width-1] at each position of the micro-batch's own rows."""
+        values = gather_context_parallel(output[..., 0].float(), self.layout.cp)
+        return values[: mb.batch.size, : mb.width - 1]
+
+    def _value_output(self, mb, output):
+        values = self._token_values(mb, output)
+        return output.sum() * 0.0, {"logp": values.detach().cpu() * mb.batch.loss_mask}
+
+    def _value_loss(self, mb, output, *, normalizer: float, count: int):
+        values = self._token_values(mb, output)
+        terms = value_batch_loss(values, mb.batch, self.value_clip, self.loss_cfg.per_token_loss)
+        loss = terms.loss * count / normalizer  # as _policy_loss: megatron divides by the count
+        logp = values.detach().cpu() * mb.batch.loss_mask
+        return loss, {"terms": replace(terms, loss=terms.loss.detach().cpu()), "logp": logp}
 
     def _logprob_loss(self, mb, output):
         logp, _ = self._token_logprobs(mb, output, with_entropy=False)
@@ -507,13 +560,17 @@ def _transformer_config(
     dtype,
     on_cpu: bool,
     impl: str = "local",
+    deterministic: bool = False,
 ):
-    """The TransformerConfig of the run: the HF model's math, the layout, and the fields the
-    `megatron` section sets (miles.megatron.options.transformer_fields)."""
+    """The TransformerConfig of the run: the HF model's math, the layout, the fields the
+    `megatron` section sets (miles.megatron.options.transformer_fields), and megatron-core's
+    deterministic_mode under --deterministic-mode (its kernels choose deterministic paths)."""
     from miles.families import UnmappedModel
     from miles.families.transformer import transformer_config
 
     overrides = options.transformer_fields(megatron, impl)
+    if deterministic:
+        overrides["deterministic_mode"] = True
     if on_cpu:
         # gloo pairs point-to-point messages first-in first-out per pair of ranks. Batched p2p
         # posts a two-stage pipeline's activation and gradient to the same peer in an order the

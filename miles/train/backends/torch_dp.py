@@ -30,19 +30,28 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from miles.train import algorithm, guards
-from miles.train.backends import StepResult, TrainBackend, batch_loss
+from miles.train import lora as lora_adapters
+from miles.train.backends import ACTOR, CRITIC, StepResult, TrainBackend, batch_loss, value_batch_loss
 from miles.train.batch import TokenBatch
 from miles.train.config import (
     AlgorithmConfig,
     BatchConfig,
     CheckpointConfig,
     JobConfig,
+    LoraConfig,
     OptimizerConfig,
     RolloutConfig,
     TorchDPConfig,
     optimizer_steps,
 )
-from miles.train.model import ModelLoadError, empty_causal_lm, is_hf_dir, load_causal_lm, train_dtype
+from miles.train.model import (
+    ModelLoadError,
+    empty_causal_lm,
+    is_hf_dir,
+    load_causal_lm,
+    train_dtype,
+    with_value_head,
+)
 
 
 class TorchDPBackend(TrainBackend):
@@ -59,13 +68,19 @@ class TorchDPBackend(TrainBackend):
         algorithm: AlgorithmConfig,
         optimizer: OptimizerConfig,
         fsdp: TorchDPConfig,
+        lora: LoraConfig,
         dist_info,
+        role: str = ACTOR,
     ):
         self.mode = job.train_backend  # fsdp | ddp
         self.dist = dist_info
+        self.role = role
+        self.lora = lora if lora.enabled and role == ACTOR else None  # adapters on the policy only
+        self.hf_checkpoint = checkpoint.hf_checkpoint
         self.batching = batch
         self.loss_cfg = algorithm.loss_config(rollout.rollout_temperature)
-        self.optim_cfg = optimizer.optim_config()
+        self.value_clip = algorithm.value_clip
+        self.optim_cfg = optimizer.optim_config(algorithm, critic=role == CRITIC)
         self.compute_dtype = train_dtype(optimizer.bf16)
         self.replicas, self.full_params = fsdp.dp_replicate_size, fsdp.fsdp_full_params
         self._mesh = None
@@ -75,13 +90,13 @@ class TorchDPBackend(TrainBackend):
         )
         self.forward_is_deterministic = not _noisy_in_training(self._inner)
         self.ref_model = None
-        if algorithm.use_kl_loss:
+        if algorithm.use_kl_loss and role == ACTOR:
             ref_load = checkpoint.ref_load
             ref_path = ref_load if ref_load and is_hf_dir(ref_load) else checkpoint.hf_checkpoint
             self.ref_source = ref_path
             self.ref_model = self._load(ref_path, self.compute_dtype, trainable=False)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            [p for p in self.model.parameters() if p.requires_grad],  # with LoRA: the adapters
             lr=self.optim_cfg.lr,
             betas=(self.optim_cfg.beta1, self.optim_cfg.beta2),
             eps=self.optim_cfg.eps,
@@ -101,7 +116,7 @@ class TorchDPBackend(TrainBackend):
         every rank builds it empty and shards it, rank 0 reads the checkpoint into host memory,
         and each tensor is broadcast in turn, every rank keeping its own shard of it."""
         if not self._sharded:
-            model = load_causal_lm(path, dtype=dtype, device=self.dist.device)
+            model = self._headed(load_causal_lm(path, dtype=dtype, device=self.dist.device), trainable)
             if checkpointing:
                 model.gradient_checkpointing_enable()
             return self._wrap(model if trainable else model.requires_grad_(False).eval(), trainable=trainable)
@@ -110,14 +125,14 @@ class TorchDPBackend(TrainBackend):
         source, failed = None, [None]
         if self.dist.rank == 0:
             try:
-                source = load_causal_lm(path, dtype=dtype, device="cpu")
+                source = self._headed(load_causal_lm(path, dtype=dtype, device="cpu"), trainable)
             except ModelLoadError as exc:
                 failed = [str(exc)]
         # the other ranks would wait for rank 0's tensors forever: every rank raises its error
         dist.broadcast_object_list(failed, src=0)
         if failed[0] is not None:
             raise ModelLoadError(failed[0])
-        model = empty_causal_lm(path, dtype=dtype)
+        model = self._headed(empty_causal_lm(path, dtype=dtype), trainable)
         if checkpointing:
             model.gradient_checkpointing_enable()
         if not trainable:
@@ -140,6 +155,15 @@ class TorchDPBackend(TrainBackend):
         if conversions[0] is not None:
             model._weight_conversions = conversions[0]
         return model
+
+    def _headed(self, model, trainable: bool):
+        """The critic's model is the policy's with a value head (miles.train.model.with_value_head);
+        with --lora-rank the policy is wrapped with adapters (miles.train.lora)."""
+        if not trainable:
+            return model
+        if self.role == CRITIC:
+            return with_value_head(model)
+        return lora_adapters.wrap(model, self.lora, self.hf_checkpoint) if self.lora else model
 
     def _shard(self, model) -> None:
         """FSDP2 over every decoder layer, then the rest of the model as the root unit."""
@@ -186,7 +210,15 @@ class TorchDPBackend(TrainBackend):
 
     @property
     def _inner(self):
-        return getattr(self.model, "module", self.model)
+        """The transformers model (under DDP's wrapper and PEFT's, when there)."""
+        model = getattr(self.model, "module", self.model)
+        return model.get_base_model() if self.lora else model
+
+    def _state_items(self):
+        """The model's tensors under the transformers class's names; with LoRA, each adapted
+        weight merged with its adapters (a new tensor: the frozen base is never changed)."""
+        items = self._inner.state_dict().items()
+        return lora_adapters.merged(items, self.lora.scaling) if self.lora else items
 
     @property
     def _sharded(self) -> bool:
@@ -198,18 +230,32 @@ class TorchDPBackend(TrainBackend):
             return contextlib.nullcontext()
         return torch.autocast(device_type=torch.device(self.dist.device).type, dtype=self.compute_dtype)
 
-    def _forward(self, model, batch: TokenBatch, *, with_entropy: bool):
+    def _logits(self, model, batch: TokenBatch):
         device = self.dist.device
         input_ids = batch.input_ids.to(device)
         attention = batch.attention_mask.to(device)
         positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
         with self._compute_precision():
-            logits = model(
+            return model(
                 input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=False
             ).logits
+
+    def _forward(self, model, batch: TokenBatch, *, with_entropy: bool):
+        logits = self._logits(model, batch)
         return algorithm.token_logprobs_and_entropy(
-            logits[:, :-1], input_ids[:, 1:], self.loss_cfg.temperature, with_entropy=with_entropy
+            logits[:, :-1],
+            batch.input_ids.to(logits.device)[:, 1:],
+            self.loss_cfg.temperature,
+            with_entropy=with_entropy,
         )
+
+    def _values(self, batch: TokenBatch):
+        """The critic's value [rows, width-1] at each position (before each target token)."""
+        return self._logits(self.model, batch)[:, :-1, 0].float()
+
+    def batch_values(self, micro: Sequence[TokenBatch]) -> list[torch.Tensor]:
+        with torch.no_grad():
+            return [self._values(mb).cpu() * mb.loss_mask for mb in micro]
 
     def logprobs(self, batch: TokenBatch, *, reference: bool = False) -> torch.Tensor:
         model = self.ref_model if reference else self.model
@@ -227,8 +273,12 @@ class TorchDPBackend(TrainBackend):
         terms, logps = [], []
         for i, mb in enumerate(micro_batches):
             with self._grad_sync(last=i == len(micro_batches) - 1):
-                logp, entropy = self._forward(self.model, mb, with_entropy=True)
-                t = batch_loss(logp, entropy, mb, self.loss_cfg)
+                if self.role == CRITIC:
+                    logp = self._values(mb)  # the critic's "logprobs" are its values
+                    t = value_batch_loss(logp, mb, self.value_clip, self.loss_cfg.per_token_loss)
+                else:
+                    logp, entropy = self._forward(self.model, mb, with_entropy=True)
+                    t = batch_loss(logp, entropy, mb, self.loss_cfg)
                 (t.loss / normalizer).backward()
             terms.append(t)
             logps.append(logp.detach())
@@ -278,8 +328,9 @@ class TorchDPBackend(TrainBackend):
                     yield from checkpoint_names(self._inner, pending.pop(groups[name])).items()
 
     def _gathered(self, dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """Each tensor of the state dict unsharded (all ranks take part), detached, in `dtype`."""
-        for name, tensor in self._inner.state_dict().items():
+        """Each tensor of the state dict unsharded (all ranks take part), detached, in `dtype`
+        (with LoRA, each adapted weight merged with its adapters)."""
+        for name, tensor in self._state_items():
             if hasattr(tensor, "full_tensor"):
                 tensor = tensor.full_tensor()
             tensor = tensor.detach()
@@ -294,7 +345,7 @@ class TorchDPBackend(TrainBackend):
         if self._groups is None:
             meta = {
                 name: torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
-                for name, t in self._inner.state_dict().items()
+                for name, t in self._state_items()
             }
             whole = {n: tuple(t.shape) for n, t in checkpoint_names(self._inner, dict(meta)).items()}
             alone = {
@@ -331,12 +382,38 @@ class TorchDPBackend(TrainBackend):
             self._save(directory, with_optimizer=with_optimizer)
 
     def _save(self, directory: str, *, with_optimizer: bool) -> None:
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        # with LoRA: the adapters only (the base is --hf-checkpoint's), and their PEFT-format copy
+        model_state, optim_state = self._state()
+        if self.lora:
+            self._save_adapter(f"{directory}/{lora_adapters.ADAPTER_DIR}")
         state = {"model": model_state}
         if with_optimizer:
             state["optim"] = optim_state
             state["scheduler"] = {"last_epoch": torch.tensor(self.scheduler.last_epoch)}
         dcp.save(state, checkpoint_id=directory)
+
+    def _state(self) -> tuple[dict, dict]:
+        """Model and optimizer state to checkpoint; with LoRA the adapters' alone (a head tied to
+        the frozen embedding is a key of the state dict that names no frozen parameter, so the
+        adapters are picked by name)."""
+        options = StateDictOptions(ignore_frozen_params=self.lora is not None)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
+        if self.lora:
+            model_state = {k: v for k, v in model_state.items() if lora_adapters.is_adapter(k)}
+        return model_state, optim_state
+
+    def _save_adapter(self, directory: str) -> None:
+        """The adapters, gathered whole on rank 0, as PEFT saves them (all ranks call it)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+        full = {
+            k: v
+            for k, v in get_model_state_dict(self.model, options=options).items()
+            if lora_adapters.is_adapter(k)
+        }
+        if self.dist.rank == 0:
+            lora_adapters.save_adapter(directory, full, self.lora, self.hf_checkpoint)
 
     def load(self, directory: str, *, with_optimizer: bool) -> None:
         with self._optimizer_resident():
@@ -344,7 +421,7 @@ class TorchDPBackend(TrainBackend):
         dist.barrier()
 
     def _load_state(self, directory: str, *, with_optimizer: bool) -> None:
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = self._state()
         state = {"model": model_state}
         if with_optimizer:
             state["optim"] = optim_state
@@ -353,6 +430,7 @@ class TorchDPBackend(TrainBackend):
         set_state_dict(
             self.model,
             self.optimizer,
+            options=StateDictOptions(strict=self.lora is None),
             model_state_dict=state["model"],
             optim_state_dict=state["optim"] if with_optimizer else {},
         )

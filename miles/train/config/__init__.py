@@ -49,12 +49,14 @@ from miles.train.config.run import (
     flag_of,
     flags_set,
     optimizer_steps,
+    step_sizes,
 )
 from miles.train.config.training import (
     ADVANTAGE_ESTIMATORS,
     KL_LOSS_TYPES,
     AlgorithmConfig,
     BatchConfig,
+    LoraConfig,
     LossConfig,
     OptimConfig,
     OptimizerConfig,
@@ -93,6 +95,7 @@ __all__ = [
     "Flag",
     "JobConfig",
     "LoggingConfig",
+    "LoraConfig",
     "LossConfig",
     "MegatronConfig",
     "ModelConfig",
@@ -111,4 +114,5 @@ __all__ = [
     "flag_of",
     "flags_set",
     "optimizer_steps",
+    "step_sizes",
 ]

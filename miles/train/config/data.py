@@ -23,7 +23,8 @@ class DataConfig(Section):
     used_by: ClassVar[tuple[str, ...]] = (TRAINER,)
 
     prompt_data: str = flag(
-        default="synthetic:fixed", help="JSONL or Parquet file, or synthetic:<task> (tasks: fixed, copy)"
+        default="synthetic:fixed",
+        help="JSONL or Parquet file, or synthetic:<task> (tasks: fixed, copy, echo, arith)",
     )
     input_key: str = flag(default="prompt")
     label_key: str = flag(default="label")
@@ -42,8 +43,16 @@ class EvalConfig(Section):
     used_by: ClassVar[tuple[str, ...]] = (TRAINER,)
 
     eval_prompt_data: tuple[str, ...] | None = flag(nargs="+", help="NAME PATH pairs, scored as eval/NAME")
-    eval_interval: int | None = flag(type=_positive_int)
-    n_samples_per_eval_prompt: int = flag(type=_positive_int, default=1)
+    eval_interval: int | None = flag(type=_positive_int, help="evaluate after every N rollouts")
+    n_samples_per_eval_prompt: int = flag(
+        type=_positive_int, default=1, help="samples per eval prompt; above 1, pass@k is logged too"
+    )
     eval_max_response_len: int | None = flag(type=_positive_int)
-    eval_temperature: float | None = flag(type=_non_negative_float)
+    eval_temperature: float | None = flag(type=_non_negative_float, help="0 = greedy")
     eval_top_p: float | None = flag(type=_fraction)
+    eval_top_k: int | None = flag(type=int, help="-1 = off; 1 = greedy")
+    eval_input_key: str | None = flag(help="prompt key of the eval sets (default: the training data's)")
+    eval_label_key: str | None = flag(help="label key of the eval sets (default: the training data's)")
+    skip_eval_before_train: bool = flag(
+        action="store_true", help="no evaluation before the first rollout (by default there is one)"
+    )

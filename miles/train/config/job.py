@@ -85,6 +85,16 @@ class JobConfig(Section):
     )
     seed: int = flag(by=(TRAINER, MEGATRON), type=int, default=1234)
     num_threads: int | None = flag(type=_positive_int, help="torch intra-op threads per rank (CPU)")
+    deterministic_mode: bool = flag(
+        by=(TRAINER, MEGATRON),
+        action="store_true",
+        help="deterministic kernels: a rerun with the same seed and layout is bit-identical",
+    )
+    debug_deterministic_collective: bool = flag(
+        action="store_true",
+        help="(debugging; slow) all-reduce and reduce-scatter as an all-gather and a fixed-order sum "
+        "(miles.train.deterministic)",
+    )
 
     @property
     def world_size(self) -> int:

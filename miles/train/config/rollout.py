@@ -33,6 +33,7 @@ class SamplingConfig:
     top_k: int
     max_response_len: int
     stop_token_ids: tuple[int, ...] = ()
+    top_logprobs: int = 0  # also return the top k (logprob, token id) of every response position
 
 
 @dataclass(frozen=True)
@@ -119,4 +120,10 @@ class RewardConfig(Section):
     )
     custom_rm_path: str | None = flag(help="dotted path of a reward function; wins over --rm-type")
     reward_key: str | None = flag(help="when the reward function returns a dict, the key to train on")
-    rm_url: str | None = flag(by=(), help="remote reward model (not supported by the built-in rollout)")
+    rm_url: str | None = flag(
+        by=TRAINER,
+        help="(on-policy distillation) the teacher's SGLang /generate endpoint that scores the samples",
+    )
+    custom_reward_post_process_path: str | None = flag(
+        by=TRAINER, help="dotted path of a function that turns a rollout's reward answers into rewards"
+    )

@@ -15,7 +15,13 @@ from miles.train.config.flags import Flag, Section
 from miles.train.config.job import JobConfig, ParallelFlags
 from miles.train.config.megatron import MegatronConfig, ModelConfig
 from miles.train.config.rollout import RewardConfig, RolloutConfig, SGLangConfig
-from miles.train.config.training import AlgorithmConfig, BatchConfig, OptimizerConfig, TorchDPConfig
+from miles.train.config.training import (
+    AlgorithmConfig,
+    BatchConfig,
+    LoraConfig,
+    OptimizerConfig,
+    TorchDPConfig,
+)
 
 SGLANG_PREFIX = "--sglang-"
 
@@ -31,6 +37,7 @@ SECTIONS: tuple[type[Section], ...] = (
     RewardConfig,
     AlgorithmConfig,
     OptimizerConfig,
+    LoraConfig,
     JobConfig,
     ParallelFlags,
     TorchDPConfig,
@@ -70,6 +77,7 @@ class RunConfig:
     reward: RewardConfig
     algorithm: AlgorithmConfig
     optimizer: OptimizerConfig
+    lora: LoraConfig
     job: JobConfig
     layout: ParallelLayout
     fsdp: TorchDPConfig
@@ -102,6 +110,17 @@ def flags_set(namespace: argparse.Namespace) -> tuple[str, ...]:
     return tuple(changed + passthrough)
 
 
+def step_sizes(samples: int, global_batch_size: int, *, partial: bool = False) -> list[int]:
+    """The samples of each optimizer step of a rollout of `samples`: whole --global-batch-size
+    steps, then, with `partial` (--allow-partial-train-step with --disable-rollout-trim-samples),
+    the rest as one smaller step (as the seed framework plans them: radixark/miles 31f1ca961,
+    miles/utils/dp_schedule.py)."""
+    sizes = [global_batch_size] * (samples // global_batch_size)
+    rest = samples % global_batch_size
+    return sizes + [rest] if rest and partial else sizes
+
+
 def optimizer_steps(rollout: RolloutConfig, batch: BatchConfig) -> int:
-    """Optimizer steps of the whole run (the learning-rate schedule's length)."""
-    return rollout.num_rollout * (rollout.samples // batch.global_batch_size)
+    """Optimizer steps of the whole run (the learning-rate schedule's length; a partial step counts)."""
+    partial = batch.allow_partial_train_step and batch.disable_rollout_trim_samples
+    return rollout.num_rollout * len(step_sizes(rollout.samples, batch.global_batch_size, partial=partial))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from miles.train.config.flags import (
@@ -19,7 +19,7 @@ from miles.train.config.flags import (
     flag,
 )
 
-ADVANTAGE_ESTIMATORS = ("grpo", "gspo")
+ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "ppo")
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
 
 
@@ -65,6 +65,15 @@ class BatchConfig(Section):
     global_batch_size: int | None = flag(
         by=TRAINER_AND_BACKENDS, type=_positive_int, help="samples per optimizer step (all ranks)"
     )
+    allow_partial_train_step: bool = flag(
+        by=TRAINER,
+        action="store_true",
+        help="train the samples of a rollout past its last whole global batch as one smaller final step "
+        "(needs the trim disabled); its loss is normalised by its own sample or token count",
+    )
+    disable_rollout_trim_samples: bool = flag(
+        by=TRAINER, action="store_true", help="keep the samples of a rollout past its last whole global batch"
+    )
     micro_batch_size: int = flag(
         type=_positive_int, default=8, help="samples per forward per rank (unless dynamic batch size)"
     )
@@ -107,6 +116,52 @@ class AlgorithmConfig(Section):
     use_rollout_logprobs: bool = flag(
         by=TRAINER, action="store_true", help="old logprobs from the rollout engine"
     )
+    normalize_advantages: bool = flag(
+        by=TRAINER, action="store_true", help="whiten the advantages over every rank's response tokens"
+    )
+    # PPO (--advantage-estimator ppo): a critic, its own model trained beside the policy
+    gamma: float = flag(by=TRAINER, type=_non_negative_float, default=1.0, help="(ppo) GAE discount")
+    lambd: float = flag(by=TRAINER, type=_non_negative_float, default=1.0, help="(ppo) GAE lambda")
+    value_clip: float = flag(
+        by=EVERY_BACKEND,
+        type=_non_negative_float,
+        default=0.2,
+        help="(ppo) how far a value may move from its old one",
+    )
+    critic_lr: float | None = flag(
+        by=EVERY_BACKEND, type=_non_negative_float, help="(ppo) the critic's learning rate (default: --lr)"
+    )
+    critic_lr_warmup_iters: int = flag(
+        by=EVERY_BACKEND, type=int, default=0, help="(ppo) the critic's warmup steps"
+    )
+    num_critic_only_steps: int = flag(
+        by=TRAINER,
+        type=int,
+        default=0,
+        help="(ppo) first rollouts that train only the critic (the policy waits)",
+    )
+
+    # on-policy distillation: a teacher scores the policy's samples (miles.train.distillation)
+    use_opd: bool = flag(
+        by=TRAINER, action="store_true", help="train towards a teacher's per-token log-probs"
+    )
+    opd_type: str | None = flag(
+        by=TRAINER, choices=("sglang", "megatron"), help="sglang: the teacher at --rm-url"
+    )
+    opd_kl_coef: float = flag(by=TRAINER, type=_non_negative_float, default=1.0)
+    opd_log_prob_top_k: int = flag(by=TRAINER, type=int, default=0, help="0: the sampled token's reverse KL")
+    opd_top_k_strategy: str = flag(
+        by=TRAINER,
+        default="only-student",
+        choices=("only-student", "only-teacher", "intersection", "union", "xor"),
+    )
+    opd_reward_weight_mode: str = flag(
+        by=TRAINER, default="student_p", choices=("student_p", "teacher_p", "none")
+    )
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.advantage_estimator == "ppo"
 
     def loss_config(self, temperature: float) -> LossConfig:
         """The loss terms' settings; `temperature` is the rollout's, so trainer and engine logprobs agree."""
@@ -158,7 +213,11 @@ class OptimizerConfig(Section):
     )
     fp16: bool = _switch(by=())
 
-    def optim_config(self) -> OptimConfig:
+    def optim_config(self, algorithm: AlgorithmConfig | None = None, *, critic: bool = False) -> OptimConfig:
+        """The optimizer's settings; the critic's (PPO) take --critic-lr and --critic-lr-warmup-iters."""
+        if critic and algorithm is not None:
+            lr = self.lr if algorithm.critic_lr is None else algorithm.critic_lr
+            return replace(self.optim_config(), lr=lr, lr_warmup_iters=algorithm.critic_lr_warmup_iters)
         return OptimConfig(
             lr=self.lr,
             min_lr=self.min_lr,
@@ -191,3 +250,29 @@ class TorchDPConfig(Section):
         action="store_true",
         help="(fsdp) gather the whole state dict at once for the rollout engine, not one tensor at a time",
     )
+
+
+@dataclass(frozen=True)
+class LoraConfig(Section):
+    """LoRA adapters on the policy (the seed framework's flags): only they train, the base stays frozen."""
+
+    name: ClassVar[str] = "lora"
+    title: ClassVar[str] = "LoRA adapters"
+    used_by: ClassVar[tuple[str, ...]] = DATA_PARALLEL
+
+    lora_rank: int = flag(type=int, default=0, help="adapter rank; 0 = no LoRA, the whole model trains")
+    lora_alpha: int = flag(type=int, default=16, help="the adapters' scale is alpha / rank")
+    lora_dropout: float = flag(type=_non_negative_float, default=0.0)
+    target_modules: str | None = flag(
+        help="all-linear (default), or module names, comma-separated, in HF spelling (q_proj, ...) or Megatron's "
+        "(linear_qkv, linear_proj, linear_fc1, linear_fc2)"
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.lora_rank > 0
+
+    @property
+    def scaling(self) -> float:
+        """What B @ A is multiplied by (peft's scaling without rsLoRA)."""
+        return self.lora_alpha / self.lora_rank
