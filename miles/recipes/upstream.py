@@ -10,8 +10,8 @@ the repository are evaluated as data by `miles.recipes.pysource` at the cited co
 Nothing is imported or executed. The launcher's side effects are modelled, each in one
 place below: shell commands are recorded (the last `ray job submit` is the job), the
 NVLink probe answers what the reading's hardware has, `os.environ` starts as the reading's
-declared environment, files do not exist, `create_run_id()` is `{run_id}`, and a model
-script is loaded where the launcher would import it.
+declared environment, files do not exist, `create_run_id()` is `{run_id}`, starting a Mooncake
+master does nothing, and a model script is loaded where the launcher would import it.
 
 The job's environment is the runtime environment the launcher hands Ray, less the
 variables that say where this checkout and the Ray head are (`MACHINE_ENV`), plus what the
@@ -280,6 +280,9 @@ class _Reading:
                 "check_has_nvlink": lambda: self.source.nvlink,
                 "create_run_id": lambda: "{run_id}",
                 "repo_base_dir": _Path(REPO_ROOT),
+                # the hook a Mooncake test runs before submitting: it starts a store on the machine and
+                # changes nothing of the command
+                "start_mooncake_master": lambda *args, **kwargs: None,
             }
         if path == MODEL_ARGS_UTILS:
             return {"load_model_args": self.load_model_args}
