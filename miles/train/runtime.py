@@ -181,6 +181,11 @@ def build_run(config: RunConfig) -> Run:
     run = Run(config, dist_info, tokenizer, prompts, reward_fn, backend, engine, sampling, critic)
     if scores_samples(reward_fn):
         run.rule, run.post_process = load_reward(config.reward.rm_type), load_reward(post_process)
+    if config.algorithm.use_opd:
+        run.log(
+            f"miles.train: on-policy distillation: the {config.algorithm.opd_type} teacher at {config.reward.rm_url} "
+            "scores every sample"
+        )
     run.skipped_streak = guards.SkippedStreak(config.optimizer.max_skipped_steps)
     checked = config.checks
     run.step_record = checks.StepRecord(

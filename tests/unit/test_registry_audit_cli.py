@@ -118,9 +118,9 @@ def test_audit_flags_placeholder_est_times(make_tree):
     assert "suite 'stage-b-cpu': 4 of 5 tests have est_time=600" in finding.message
 
 
-def test_audit_reports_empty_suites_and_unused_labels(make_tree):
+def test_audit_reports_empty_suites_and_unused_labels(make_tree, catalog_with_an_empty_suite):
     root = make_tree({"tests/unit/test_a.py": "def test_a():\n    pass\n"})
-    report = audit(load_catalog(), discover(root), root=root)
+    report = audit(catalog_with_an_empty_suite, discover(root), root=root)
     kinds = {(f.kind, f.message) for f in report.findings}
     assert (
         "empty-suite",

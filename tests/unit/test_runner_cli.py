@@ -162,7 +162,9 @@ def test_a_refused_registration_fails_the_run_while_the_rest_of_its_suite_runs(m
     assert 'file="tests/e2e/test_typo.py"' in junit and "<failure" in junit
 
 
-def test_a_suite_with_no_enabled_test_fails_its_lane_in_one_line(make_tree, capsys):
+def test_a_suite_with_no_enabled_test_fails_its_lane_in_one_line(
+    make_tree, capsys, catalog_with_an_empty_suite
+):
     root = make_tree(GPU_TREE)  # nothing on the CUDA suites
     for argv in (
         ["run", "--lane", "cuda-h200", "--plan"],
@@ -171,12 +173,17 @@ def test_a_suite_with_no_enabled_test_fails_its_lane_in_one_line(make_tree, caps
     ):
         assert main([argv[0], "--root", str(root), *argv[1:]]) == 1
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith("error: suites stage-b-2-gpu-h200, stage-c-4-gpu-h200 of ")
+        assert len(err) == 1 and err[0].startswith(
+            "error: suites stage-b-2-gpu-h200, stage-c-2-gpu-h200, stage-c-4-gpu-h200, stage-c-8-gpu-h200, "
+            "stage-c-8-gpu-h100 of "
+        )
         assert "have no enabled test" in err[0] and 'empty = "..."' in err[0]
     # a suite the catalog declares empty (with its reason) passes with nothing run, and says why
     assert main(["run", "--root", str(root), "--lane", "nightly-mi350-8gpu", "--plan"]) == 0
     assert (
-        "declared empty in the catalog: the seed framework's nightly 8-GPU MI350" in capsys.readouterr().out
+        "declared empty in the catalog: "
+        + catalog_with_an_empty_suite.suites["nightly-stage-c-8-gpu-mi350"].empty
+        in capsys.readouterr().out
     )
 
 

@@ -65,6 +65,8 @@ COMPONENT_MODULES = {
     "trainer": (
         "miles.train.trainer", "miles.train.runtime", "miles.train.checkpoint", "miles.train.evaluation",
         "miles.train.inputs", "miles.train.async_rollout",
+        # on-policy distillation's teacher client: the trainer loads it as --custom-rm-path
+        "miles.rollout.on_policy_distillation",
     ),
     "fsdp": ("miles.train.backends.torch_dp",),
     "ddp": ("miles.train.backends.torch_dp",),
@@ -306,7 +308,7 @@ def test_the_flags_no_component_acts_on_yet_are_these():
     everyone += [consumption.engine(e) for e in consumption.ENGINES]
     everyone += [consumption.remote_engine(e) for e in consumption.REMOTE_ENGINES]
     unread = {f.option for f in FLAGS if not any(c.consumes(f) for c in everyone)}
-    refused = {"--rm-url", "--kl-coef", "--optimizer"}  # refused unless left at their default
+    refused = {"--kl-coef", "--optimizer"}  # refused unless left at their default
     planned = {
         "--partial-rollout",
         "--over-sampling-batch-size", "--dynamic-sampling-filter-path", "--rollout-function-path", "--num-epoch",
