@@ -12,6 +12,7 @@ at TP=2: each rank's vocabulary half); the filter keeps only the layers it names
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -60,6 +61,10 @@ def _files(folder: Path) -> dict[tuple[int, int, str], tuple[Path, int | None]]:
     return out
 
 
+def _value(files, rank: int, name: str) -> torch.Tensor:
+    return torch.load(files[0, rank, name][0], weights_only=False)["value"]
+
+
 def _hf_logits(plan, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
@@ -102,16 +107,17 @@ def test_fsdp_dumped_logits_are_the_models_logits_of_the_dumped_inputs(fsdp_dump
     plan, dump_dir = fsdp_dumps
     files = _files(dump_dir / "fwd_only" / "rollout_0")
     for rank in (0, 1):
-        load = lambda name: torch.load(files[0, rank, name][0], weights_only=False)["value"]  # noqa: E731
-        inputs = {k: load(k) for k in ("input_ids", "attention_mask", "position_ids")}
+        inputs = {k: _value(files, rank, k) for k in ("input_ids", "attention_mask", "position_ids")}
         expected = _hf_logits(plan, inputs)
-        torch.testing.assert_close(load("output.logits").float(), expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            _value(files, rank, "output.logits").float(), expected, rtol=1e-4, atol=1e-4
+        )
 
 
 def test_megatron_tp2_dumped_logits_are_the_vocabulary_halves_of_the_models_logits(megatron_dumps):
     plan, dump_dir = megatron_dumps
     files = _files(dump_dir / "fwd_only" / "rollout_0")
-    load = lambda rank, name: torch.load(files[0, rank, name][0], weights_only=False)["value"]  # noqa: E731
+    load = functools.partial(_value, files)
     input_ids = load(0, "input_ids")
     assert torch.equal(input_ids, load(1, "input_ids"))  # tensor parallel: the same rows on both ranks
     positions = load(0, "position_ids")

@@ -64,3 +64,55 @@ def test_what_no_component_dumps_is_refused_with_the_reason(flags):
         refusal = consumption.refusal(config, engine)
         assert refusal is not None and refusal.startswith(flags[0]), refusal
     assert "--dumper-enable" not in consumption.flags_without_effect(config, "torch")
+
+
+def _tiny_decoder():
+    import torch
+
+    class Layer(torch.nn.Module):
+        def __init__(self, number: int):
+            super().__init__()
+            self.layer_number = number  # megatron's: 1-based, counted over every pipeline stage
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.proj(x)
+
+    class Decoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Layer(3), Layer(4)])  # a second pipeline stage's layers
+
+        def forward(self, input_ids):
+            x = input_ids.float()
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    return Decoder()
+
+
+def test_layer_ids_are_the_global_layer_numbers_and_the_bound_stops_writing(tmp_path):
+    import json
+
+    import torch
+
+    from miles.train.dumps import Dumper
+
+    model = _tiny_decoder()
+    phases = {"fwd_only": PhaseDump(enable=True), "fwd_bwd": PhaseDump(enable=False)}
+    dumper = Dumper(
+        tmp_path, phases, rank=0, world_size=1, max_bytes=4 * 4 * 4 * 3
+    )  # three [4, 4] fp32 tensors
+    with dumper.phase("fwd_only", 0, [model]):
+        model(torch.ones(4, 4))
+        model(torch.ones(4, 4))  # step 1: nothing left under the bound
+    manifest = json.loads((tmp_path / "fwd_only" / "rollout_0" / "manifest_rank=0.json").read_text())
+    assert manifest["truncated"] and manifest["bytes"] == 192
+    names = [entry["file"] for entry in manifest["files"]]
+    assert names == [
+        "step=0___rank=0___dump_index=1___name=input_ids.pt",
+        "step=0___rank=0___dump_index=2___name=layers.0.proj.output___layer_id=2.pt",
+        "step=0___rank=0___dump_index=3___name=layers.0.output___layer_id=2.pt",
+    ]
+    assert sorted(p.name for p in (tmp_path / "fwd_only" / "rollout_0").glob("*.pt")) == sorted(names)
