@@ -150,13 +150,15 @@ class Dumper:
         if settings.enable_model_value or settings.enable_model_grad:
             self._step += 1
             for prefix, chunk in _prefixed(chunks):
+                layers = layer_ids(dict(chunk.named_modules()))
                 for name, param in chunk.named_parameters():
-                    full = prefix + name
+                    owner = name.rpartition(".")[0]
+                    tags = {"layer_id": layers[owner]} if owner in layers else {}
                     if settings.enable_model_value:
-                        self.dump(exp, f"param__{full}", param.detach(), {})
+                        self.dump(exp, f"param__{prefix}{name}", param.detach(), tags)
                     grad = param.grad if param.grad is not None else getattr(param, "main_grad", None)
                     if settings.enable_model_grad and grad is not None:
-                        self.dump(exp, f"grad__param__{full}", grad, {})
+                        self.dump(exp, f"grad__param__{prefix}{name}", grad, tags)
         manifest = {
             "rank": self.rank,
             "files": self._files,
