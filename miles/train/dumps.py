@@ -86,8 +86,8 @@ def phase_dump(enabled: bool, option: str, pairs: Sequence[str]) -> PhaseDump:
 def phases_of(checks) -> dict[str, PhaseDump]:
     """Each phase's settings from the checks section's --dumper-* flags."""
     return {
-        phase: phase_dump(checks.dumper_enable, option, getattr(checks, f"dumper_{phase}"))
-        for phase, option in PHASE_OPTIONS.items()
+        FWD_ONLY: phase_dump(checks.dumper_enable, PHASE_OPTIONS[FWD_ONLY], checks.dumper_fwd_only),
+        FWD_BWD: phase_dump(checks.dumper_enable, PHASE_OPTIONS[FWD_BWD], checks.dumper_fwd_bwd),
     }
 
 

@@ -191,7 +191,9 @@ def build_run(config: RunConfig) -> Run:
     engine = None if replay else make_engine(config, dist_info)
     model = engine.local_model if engine is not None else None
     sampling = config.rollout.sampling_config(eos_token_ids(model or ckpt.hf_checkpoint, tokenizer))
-    if config.algorithm.use_opd:  # the engine also returns each position's top tokens for the top-k KL
+    # --opd-type sglang (the only teacher type accepted): the engine also returns each position's
+    # top tokens for the top-k KL the teacher's answers are weighed against
+    if config.algorithm.use_opd and config.algorithm.opd_type == "sglang":
         sampling = replace(sampling, top_logprobs=config.algorithm.opd_log_prob_top_k)
     run = Run(config, dist_info, tokenizer, prompts, reward_fn, backend, engine, sampling, critic)
     if scores_samples(reward_fn):

@@ -1,4 +1,4 @@
-"""The Megatron worker's entry point (`python -m miles.megatron.standalone`) on the tiny Qwen3 under gloo.
+"""The Megatron worker's entry point (`python -m miles.train.standalone`) on the tiny Qwen3 under gloo.
 
 The seed's command (radixark/miles 31f1ca961, tests/e2e/short/test_run_megatron.py:
 `run-and-compare --baseline '--tp 1' --target ... --seq-length --batch-size 1 --prompt-mode math
@@ -21,9 +21,9 @@ import torch
 from miles.ci.register import register_cpu_ci
 from tests.support import recipes as runs
 
-register_cpu_ci(est_time=150, suite="stage-b-cpu")
+register_cpu_ci(est_time=240, suite="stage-b-cpu")
 
-STANDALONE = [sys.executable, "-m", "miles.megatron.standalone"]
+STANDALONE = [sys.executable, "-m", "miles.train.standalone"]
 SEQ = 24
 
 

@@ -1,7 +1,7 @@
 """GPU twin of the seed's tests/fast-gpu/test_run_megatron_worker_main.py (radixark/miles 31f1ca961): the
 Megatron worker's entry point on 2 GPUs. The seed unit-tests its worker's helpers with megatron
 mocked (--ref-load becomes the weights loaded, forward only unless --run-backward, dumps finished
-after the pass); here `python -m miles.megatron.standalone run` runs for real at TP2 on a tiny
+after the pass); here `python -m miles.train.standalone run` runs for real at TP2 on a tiny
 Qwen3 read from --ref-load: forward only it writes both ranks' logprobs and dumps no gradient;
 with --run-backward it dumps the gradients, and its logprobs are the forward's (learning rate 0).
 The CPU twin is tests/e2e/test_megatron_standalone.py. Untested on GPU: est_time is the seed's.
@@ -35,7 +35,7 @@ def tiny(tmp_path_factory):
 
 def _run(tiny, out, *extra: str) -> dict[int, list[dict]]:
     hf, ref = tiny
-    cmd = [sys.executable, "-m", "miles.megatron.standalone", "run", "--hf-checkpoint", str(hf),
+    cmd = [sys.executable, "-m", "miles.train.standalone", "run", "--hf-checkpoint", str(hf),
            "--ref-load", str(ref), "--layout", "--tp 2", "--output-dir", str(out), "--seq-length", "16", *extra]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]

@@ -1,5 +1,5 @@
 """GPU twin of the seed's tests/e2e/short/test_run_megatron.py (radixark/miles 31f1ca961): the Megatron
-model alone (`python -m miles.megatron.standalone run-and-compare`), Qwen3-30B-A3B-5layer at TP1
+model alone (`python -m miles.train.standalone run-and-compare`), Qwen3-30B-A3B-5layer at TP1
 against TP2·PP2·CP2 (EP1) with sequence parallelism and 3+2 layers over the pipeline stages, a
 128-token math prompt; the target's per-token logprobs must be the baseline's to 0.06 (mean) and
 the tensors both dump with one shape to 0.002. The seed's source patcher config is left out (miles
@@ -35,7 +35,7 @@ def test_tp1_and_tp2_pp2_cp2_agree(tmp_path):
     convert_to_torch_dist(hf, ref, "qwen3_moe")
     out = tmp_path / "dumps"
     cmd = [
-        sys.executable, "-m", "miles.megatron.standalone", "run-and-compare",
+        sys.executable, "-m", "miles.train.standalone", "run-and-compare",
         "--hf-checkpoint", str(hf), "--ref-load", str(ref), "--output-base-dir", str(out),
         "--baseline", "--tp 1", "--target", "--tp 2 --pp 2 --cp 2 --ep 1",
         "--seq-length", "128", "--batch-size", "1", "--prompt-mode", "math", "--sp",

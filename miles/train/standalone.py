@@ -1,15 +1,15 @@
-"""`python -m miles.megatron.standalone`: the Megatron model alone, one forward (and backward) of a fixed
+"""`python -m miles.train.standalone`: the Megatron model alone, one forward (and backward) of a fixed
 prompt at a layout, its per-token logprobs and named tensors written per rank, and two layouts compared.
 
 A debugging tool for layouts, as the seed framework has one (radixark/miles 31f1ca961,
 miles/utils/debug_utils/run_megatron/, tests/e2e/short/test_run_megatron.py):
 
-    python -m miles.megatron.standalone run-and-compare --hf-checkpoint H --ref-load H_torch_dist \\
+    python -m miles.train.standalone run-and-compare --hf-checkpoint H --ref-load H_torch_dist \\
         --output-base-dir OUT --baseline "--tp 1" --target "--tp 2 --pp 2 --cp 2 --ep 1" \\
         --seq-length 128 --batch-size 1 --prompt-mode math --sp \\
         --dumper-filter "layer_id is None or layer_id < 3" --diff-threshold 0.002 --logprob-threshold 0.06
 
-`run` launches `torchrun --nproc-per-node tp*pp*cp -m miles.megatron.standalone worker`: each rank
+`run` launches `torchrun --nproc-per-node tp*pp*cp -m miles.train.standalone worker`: each rank
 builds the policy exactly as `--train-backend megatron` does (miles.train.backends.megatron, from
 the trainer's own flags, `--extra-args` appended last), scores the prompt's tokens in one forward
 (`--run-backward`: then also a training step at learning rate 0, so gradients exist and the weights
@@ -116,7 +116,7 @@ def prompt_tokens(args: argparse.Namespace) -> list[int]:
 
 
 def _fail(message: str):
-    raise SystemExit(f"miles.megatron.standalone: {message}")
+    raise SystemExit(f"miles.train.standalone: {message}")
 
 
 # --- the worker (one rank) --------------------------------------------------------------------
@@ -175,7 +175,7 @@ def worker(args: argparse.Namespace) -> None:
     record = {"rank": dist_info.rank, "layout": layout.name(), "entries": entries}
     (folder / f"rank_{dist_info.rank}.json").write_text(json.dumps(record))
     if dist_info.is_main:
-        print(f"miles.megatron.standalone: {layout.name()} wrote {out}", flush=True)
+        print(f"miles.train.standalone: {layout.name()} wrote {out}", flush=True)
     torch.distributed.destroy_process_group()
 
 
@@ -189,7 +189,7 @@ def run(args: argparse.Namespace, layout: Layout, output_dir: Path, extra: str) 
     tokens.write_text(json.dumps(prompt_tokens(args)))
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(layout.nproc),
-        "-m", "miles.megatron.standalone", "worker", "--layout", _layout_text(layout),
+        "-m", "miles.train.standalone", "worker", "--layout", _layout_text(layout),
         "--hf-checkpoint", str(args.hf_checkpoint), "--token-ids-file", str(tokens),
         "--output-dir", str(output_dir), "--batch-size", str(args.batch_size),
         "--dumper-filter", args.dumper_filter, "--dumper-max-bytes", str(args.dumper_max_bytes),
@@ -198,7 +198,7 @@ def run(args: argparse.Namespace, layout: Layout, output_dir: Path, extra: str) 
     cmd += ["--ref-load", str(args.ref_load)] if args.ref_load else []
     cmd += ["--sp"] if args.sp else []
     cmd += ["--run-backward"] if args.run_backward else []
-    print(f"miles.megatron.standalone: {layout.name()} on {layout.nproc} rank(s)", flush=True)
+    print(f"miles.train.standalone: {layout.name()} on {layout.nproc} rank(s)", flush=True)
     if subprocess.run(cmd, check=False).returncode != 0:
         _fail(f"the {layout.name()} run failed (its output is above)")
 
@@ -269,7 +269,7 @@ def compare(baseline: Path, target: Path, *, logprob_threshold: float, diff_thre
         compare_dumps(baseline, target, diff_threshold),
     ]
     for _, line in results:
-        print(f"miles.megatron.standalone: {line}", flush=True)
+        print(f"miles.train.standalone: {line}", flush=True)
     return 0 if all(ok for ok, _ in results) else 1
 
 
@@ -298,7 +298,7 @@ def _prompt(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m miles.megatron.standalone", description=__doc__.split("\n")[0]
+        prog="python -m miles.train.standalone", description=__doc__.split("\n")[0]
     )
     commands = parser.add_subparsers(dest="command", required=True)
     one = commands.add_parser("run", help="one layout's forward: logprobs and tensors per rank")
