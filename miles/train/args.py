@@ -261,6 +261,7 @@ def validate(args: argparse.Namespace) -> None:
             "--eval-prompt-data needs the rollout engine, which --debug-train-only (or --load-debug-rollout-data) "
             "does not start; drop the evaluation from the replay"
         )
+    _validate_dumps(args)
     if args.ci_save_grad_norm and args.ci_save_grad_norm == args.ci_load_grad_norm:
         raise ArgsError(
             f"--ci-save-grad-norm and --ci-load-grad-norm both name {args.ci_save_grad_norm}: the run would check "
@@ -403,6 +404,25 @@ def _validate_opd(args: argparse.Namespace) -> None:
         raise ArgsError(
             f"--opd-top-k-strategy {args.opd_top_k_strategy} needs the policy scored on the teacher's top tokens, "
             f"which the rollout does not serve; use one of {', '.join(STRATEGIES)}"
+        )
+
+
+DUMP_FLAGS = ("--dumper-dir", "--dumper-max-bytes")
+
+
+def _validate_dumps(args: argparse.Namespace) -> None:
+    """--dumper-fwd-only / --dumper-fwd-bwd parse (miles.train.dumps); a dump flag needs a phase that dumps."""
+    from miles.train.dumps import DumpConfigError, phases_of
+
+    try:
+        phases = phases_of(args)
+    except DumpConfigError as exc:
+        raise ArgsError(str(exc)) from exc
+    given = [f for f in DUMP_FLAGS if f in args.flags_set]
+    if given and not any(p.enable for p in phases.values()):
+        raise ArgsError(
+            f"{' '.join(given)} configure tensor dumps, but no phase dumps: add --dumper-enable "
+            "(or --dumper-fwd-bwd enable=1) or drop them"
         )
 
 

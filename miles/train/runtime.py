@@ -42,6 +42,7 @@ class Run:
     async_rollouts: object | None = None  # --fully-async: miles.train.async_rollout.AsyncRollouts
     skipped_streak: guards.SkippedStreak = field(default_factory=lambda: guards.SkippedStreak(3))
     step_record: checks.StepRecord = field(default_factory=lambda: checks.StepRecord(None, None, False))
+    dumper: object | None = None  # --dumper-enable: miles.train.dumps.Dumper
     _encoded: dict[int, list[int]] = field(default_factory=dict)
 
     def prompt_ids(self, prompt: data.Prompt) -> list[int]:
@@ -157,6 +158,20 @@ def start(config: RunConfig, *, dry: bool = False) -> DistInfo:
     return dist_info
 
 
+def dumper_of(checked, dist_info: DistInfo):
+    """The tensor dumper of --dumper-enable (or a phase's enable=1), or None."""
+    from pathlib import Path
+
+    from miles.train.dumps import Dumper, phases_of
+
+    phases = phases_of(checked)
+    if not any(p.enable for p in phases.values()):
+        return None
+    return Dumper(
+        Path(checked.dumper_dir), phases, dist_info.rank, dist_info.world_size, checked.dumper_max_bytes
+    )
+
+
 def build_run(config: RunConfig) -> Run:
     from miles.train.model import eos_token_ids, load_tokenizer
 
@@ -188,6 +203,7 @@ def build_run(config: RunConfig) -> Run:
         )
     run.skipped_streak = guards.SkippedStreak(config.optimizer.max_skipped_steps)
     checked = config.checks
+    run.dumper = dumper_of(checked, dist_info)
     run.step_record = checks.StepRecord(
         checked.ci_save_grad_norm, checked.ci_load_grad_norm, dist_info.is_main
     )

@@ -22,6 +22,7 @@ checkpoint.py and report.py; this file is the algorithm.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Sequence
@@ -47,6 +48,7 @@ from miles.train.distributed import (
     sampling_seed,
     shutdown,
 )
+from miles.train.dumps import FWD_BWD, FWD_ONLY
 from miles.train.inputs import CheckpointRefused
 from miles.train.model import ModelLoadError
 from miles.train.rewards import RewardError
@@ -217,27 +219,34 @@ def learn(run: Run, rollout_id: int, samples: Sequence[Sample]) -> dict[str, flo
             critic.value_step(run, micro, normalizer_of(run, micro)) for micro in minibatches(local, plan)
         ]
         return values | critic.value_metrics(steps) | {"perf/train_time": time.perf_counter() - started}
-    reuse = run.backend.forward_is_deterministic
+    # the fwd_only dump is of the logprob forward, so it runs even where the training forward's could stand in
+    reuse = run.backend.forward_is_deterministic and not dumping(run, FWD_ONLY)
     own_old = reuse and not cfg.algorithm.use_rollout_logprobs  # else the engine's are the old ones
-    local, trainer_logp = with_old_logprobs(run, local, plan, skip_first=reuse and not checked.ci_test)
+    with dumped(run, FWD_ONLY, rollout_id):
+        local, trainer_logp = with_old_logprobs(run, local, plan, skip_first=reuse and not checked.ci_test)
     steps, value_steps, mismatch = [], [], {}
-    for m, micro in enumerate(plan):
-        batches = [local.rows(rows) for rows in micro]
-        if run.critic is not None:
-            value_steps.append(critic.value_step(run, batches, normalizer_of(run, batches)))
-        if m == 0 and own_old:
-            batches = [mb.with_(old_logp=None) for mb in batches]  # the forward's own (batch_loss)
-        step, logprobs = optimizer_step(run, batches)
-        if m == 0 and reuse and not checked.ci_test:
-            trainer_logp = with_rows(trainer_logp, micro, logprobs)
-        elif m == 0 and own_old:
-            step |= first_step_against_scoring(run, batches, logprobs, [trainer_logp[rows] for rows in micro])
-        steps.append(step)
-        run.step_record(rollout_id, m, step)
-        run.skipped_streak.record(rollout_id, step["skipped"], step["loss"], step["grad_norm"], step["lr"])
-        if m == 0:
-            mismatch = rollout_mismatch(run, local, trainer_logp)
-            checked_first_step(run, rollout_id, step, mismatch)
+    with dumped(run, FWD_BWD, rollout_id):
+        for m, micro in enumerate(plan):
+            batches = [local.rows(rows) for rows in micro]
+            if run.critic is not None:
+                value_steps.append(critic.value_step(run, batches, normalizer_of(run, batches)))
+            if m == 0 and own_old:
+                batches = [mb.with_(old_logp=None) for mb in batches]  # the forward's own (batch_loss)
+            step, logprobs = optimizer_step(run, batches)
+            if m == 0 and reuse and not checked.ci_test:
+                trainer_logp = with_rows(trainer_logp, micro, logprobs)
+            elif m == 0 and own_old:
+                step |= first_step_against_scoring(
+                    run, batches, logprobs, [trainer_logp[rows] for rows in micro]
+                )
+            steps.append(step)
+            run.step_record(rollout_id, m, step)
+            run.skipped_streak.record(
+                rollout_id, step["skipped"], step["loss"], step["grad_norm"], step["lr"]
+            )
+            if m == 0:
+                mismatch = rollout_mismatch(run, local, trainer_logp)
+                checked_first_step(run, rollout_id, step, mismatch)
     metrics = report.train_metrics(steps, cfg.algorithm.use_tis)
     metrics["train/skipped_steps"] = float(sum(step["skipped"] for step in steps))
     metrics["train/optimizer_steps"] = float(len(steps))
@@ -245,6 +254,17 @@ def learn(run: Run, rollout_id: int, samples: Sequence[Sample]) -> dict[str, flo
     if value_steps:
         metrics |= values | critic.value_metrics(value_steps)
     return metrics | mismatch | {"perf/train_time": time.perf_counter() - started}
+
+
+def dumping(run: Run, phase: str) -> bool:
+    return run.dumper is not None and run.dumper.wants(phase)
+
+
+def dumped(run: Run, phase: str, rollout_id: int):
+    """--dumper-enable: the policy's forwards inside the block dumped as `phase` (miles.train.dumps)."""
+    if not dumping(run, phase):
+        return contextlib.nullcontext()
+    return run.dumper.phase(phase, rollout_id, run.backend.dump_chunks())
 
 
 def per_token_advantages(

@@ -5,24 +5,20 @@ reward (the response's final number, as an exact number: no credit for a near mi
 random model starts near zero and only learning lifts it. Held-out sums are scored before the
 first rollout and every --eval-interval rollouts with several samples per prompt, which gives
 the eval set's mean reward and its pass@k (miles.train.evaluation). The command is the
-recipe's tiny one (tests/e2e/recipe_runs.py), with extra_args for the task.
+recipe's tiny one (tests/support/recipes.py), with extra_args for the task.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from miles.ci.register import register_cpu_ci
+from tests.support import recipes as runs
 
 register_cpu_ci(est_time=300, suite="stage-b-cpu")
 
-_spec = importlib.util.spec_from_file_location("recipe_runs", Path(__file__).with_name("recipe_runs.py"))
-runs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(runs)
 
 NUM_ROLLOUT = 20
 EVAL_EVERY = 5

@@ -12,7 +12,6 @@ a rollout's response tokens of log pi(y) - log pi_teacher(y) on the policy's own
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -22,12 +21,10 @@ from pathlib import Path
 import pytest
 
 from miles.ci.register import register_cpu_ci
+from tests.support import recipes as runs
 
 register_cpu_ci(est_time=300, suite="stage-b-cpu")
 
-_spec = importlib.util.spec_from_file_location("recipe_runs", Path(__file__).with_name("recipe_runs.py"))
-runs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(runs)
 
 NUM_ROLLOUT = 12
 MODULE = "miles.rollout.on_policy_distillation"

@@ -15,19 +15,16 @@ trains on the starting weights. The equivalent fixed run, --global-batch-size 8 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
 from miles.ci.register import register_cpu_ci
+from tests.support import recipes as runs
 
 register_cpu_ci(est_time=500, suite="stage-b-cpu")
 
-_spec = importlib.util.spec_from_file_location("recipe_runs", Path(__file__).with_name("recipe_runs.py"))
-runs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(runs)
 
 ROLLOUT = ("--rollout-batch-size", "4", "--n-samples-per-prompt", "8", "--rollout-max-response-len", "6")
 LEARN = ("--num-rollout", "1", "--micro-batch-size", "4", "--lr", "1e-3", "--weight-decay", "0")

@@ -14,18 +14,13 @@ critic/) continues the same value curve.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from miles.ci.register import register_cpu_ci
+from tests.support import recipes as runs
 
 register_cpu_ci(est_time=600, suite="stage-b-cpu")
 
-_spec = importlib.util.spec_from_file_location("recipe_runs", Path(__file__).with_name("recipe_runs.py"))
-runs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(runs)
 
 NUM_ROLLOUT, CRITIC_ONLY, SAVE_AT = 10, 8, 6
 PPO = (

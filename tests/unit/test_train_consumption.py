@@ -65,8 +65,7 @@ COMPONENT_MODULES = {
     "trainer": (
         "miles.train.trainer", "miles.train.runtime", "miles.train.checkpoint", "miles.train.evaluation",
         "miles.train.inputs", "miles.train.async_rollout",
-        # on-policy distillation's teacher client: the trainer loads it as --custom-rm-path
-        "miles.rollout.on_policy_distillation",
+        "miles.rollout.on_policy_distillation",  # --use-opd's reward functions, which the trainer loads
     ),
     "fsdp": ("miles.train.backends.torch_dp",),
     "ddp": ("miles.train.backends.torch_dp",),
@@ -309,6 +308,12 @@ def test_the_flags_no_component_acts_on_yet_are_these():
     everyone += [consumption.remote_engine(e) for e in consumption.REMOTE_ENGINES]
     unread = {f.option for f in FLAGS if not any(c.consumes(f) for c in everyone)}
     refused = {"--kl-coef", "--optimizer"}  # refused unless left at their default
+    # no rollout engine dumps its tensors, and nothing runs SGLang's source patcher in the trainer
+    refused |= {
+        "--dumper-inference",
+        "--dumper-source-patcher-config-train",
+        "--dumper-source-patcher-config-inference",
+    }
     planned = {
         "--partial-rollout",
         "--over-sampling-batch-size", "--dynamic-sampling-filter-path", "--rollout-function-path", "--num-epoch",

@@ -64,6 +64,11 @@ class TrainBackend(abc.ABC):
         bit, and the gradient buffers, released and brought back as zeros (every step overwrites them)."""
         raise NotImplementedError
 
+    def dump_chunks(self) -> list:
+        """The model's modules as its forward runs them (one, or one per virtual pipeline stage), for
+        the tensor dumps' hooks (miles.train.dumps)."""
+        raise NotImplementedError
+
     def sleep(self) -> None:
         """--offload-train: the state off the device until `wake_up` (while the engine generates)."""
         if self.offloader is not None:

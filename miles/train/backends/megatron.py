@@ -239,6 +239,9 @@ class MegatronBackend(TrainBackend):
             grad_norm=float(grad_norm), lr=lr, terms=terms, skipped=not applied, logprobs=logprobs
         )
 
+    def dump_chunks(self) -> list:
+        return list(self.chunks)  # DDP's wrappers (self.model) run these
+
     def full_weights(self, names: str = "model", dtype=None) -> Iterator[tuple[str, torch.Tensor]]:
         if names == "model":
             from miles.families.weights import OUTER_NAMES

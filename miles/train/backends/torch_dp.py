@@ -208,6 +208,9 @@ class TorchDPBackend(TrainBackend):
             return DistributedDataParallel(model, device_ids=device_ids)
         return model
 
+    def dump_chunks(self) -> list:
+        return [getattr(self.model, "module", self.model)]  # DDP's wrapper would prefix every name
+
     @property
     def _inner(self):
         """The transformers model (under DDP's wrapper and PEFT's, when there)."""

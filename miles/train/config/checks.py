@@ -17,6 +17,10 @@ from miles.train.config.flags import (
     flag,
 )
 
+_NO_ENGINE_DUMPS = (
+    "no rollout engine dumps its tensors yet: --dumper-enable dumps the training model's forwards only"
+)
+
 
 @dataclass(frozen=True)
 class ChecksConfig(Section):
@@ -65,6 +69,44 @@ class ChecksConfig(Section):
     )
     load_debug_rollout_data: str | None = flag(
         help="train on the samples --save-debug-rollout-data wrote here instead of generating any"
+    )
+    # tensor dumps (miles.train.dumps): the trainer hooks the training backend's model
+    dumper_enable: bool = flag(
+        action="store_true",
+        help="dump the model's named tensors of each rollout's logprob forward (fwd_only) and training "
+        "forward-backward (fwd_bwd) under --dumper-dir",
+    )
+    dumper_dir: str = flag(default="/tmp/dumper", help="where the dumps go: <dir>/<phase>/rollout_<k>/")
+    dumper_fwd_only: tuple[str, ...] = flag(
+        nargs="*",
+        default=[],
+        help="KEY=VALUE overrides of the fwd_only phase: enable, filter, enable_model_value, enable_model_grad",
+    )
+    dumper_fwd_bwd: tuple[str, ...] = flag(
+        nargs="*",
+        default=[],
+        help="KEY=VALUE overrides of the fwd_bwd phase: enable, filter, enable_model_value, enable_model_grad",
+    )
+    dumper_max_bytes: int = flag(
+        type=_positive_int,
+        default=2**30,
+        help="the most bytes of tensors a rank dumps in the run; past it, it writes no more (its manifests say so)",
+    )
+    dumper_inference: tuple[str, ...] = flag(
+        by=(),
+        why_not=_NO_ENGINE_DUMPS,
+        nargs="*",
+        default=[],
+        help="(not supported) the rollout engine's dump phase",
+    )
+    dumper_source_patcher_config_train: str | None = flag(
+        by=(),
+        why_not="miles dumps through module hooks; editing megatron-core's source needs SGLang's source "
+        "patcher, which nothing in the trainer runs",
+        help="(not supported) a source patcher YAML for the training model",
+    )
+    dumper_source_patcher_config_inference: str | None = flag(
+        by=(), why_not=_NO_ENGINE_DUMPS, help="(not supported) a source patcher YAML for the rollout engine"
     )
 
 
