@@ -55,7 +55,9 @@ def is_selection(args: Sequence, kwargs: Mapping, top_k: int, num_experts: int) 
     )
 
 
-def replayed(scores: torch.Tensor, own: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def replayed(
+    scores: torch.Tensor, own: torch.Tensor, target: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, indices) of a top-k whose indices are `target` [tokens, k] where recorded (`own`
     where a row is NOT_RECORDED), the values read from `scores` there (so they keep its gradient)."""
     target = target.to(device=own.device, dtype=own.dtype)
@@ -181,7 +183,9 @@ class RouterHooks:
         out = {}
         for layer, chosen in recorded.items():
             if len(chosen) != 1:
-                raise RoutingReplayError(f"decoder layer {layer} was routed {len(chosen)} times in one forward")
+                raise RoutingReplayError(
+                    f"decoder layer {layer} was routed {len(chosen)} times in one forward"
+                )
             out[layer] = chosen[0]
         recorded.clear()
         return out
