@@ -17,7 +17,7 @@ token without a recorded row (the last one, padding) is routed by the trainer's 
 Transformers models (the built-in engine, --train-backend fsdp/ddp): the routers are the modules of
 the family's `router_classes` (miles.families); each selects its experts with one torch.topk of
 k = its `top_k` over its `num_experts` scores, and that call, and only that one, is recorded or
-replayed while the router's forward runs. megatron-core's routers: miles.megatron.routing_replay.
+replayed while the router's forward runs. megatron-core's routers: miles.train.backends.megatron_routing.
 """
 
 from __future__ import annotations
