@@ -77,6 +77,9 @@ class Family:
     not_decoder: ClassVar[tuple[tuple[str, str], ...]] = ()
     # Tokens the conversion's logit check runs through: long enough to reach every attention path
     probe_length: ClassVar[int] = 24
+    # transformers' router classes that pick each token's experts with one top-k over their scores
+    # (miles.train.routing_replay records and replays that pick); none for a dense model
+    router_classes: ClassVar[tuple[str, ...]] = ()
     # Whether transformers' class renames the checkpoint's tensors on load (then `model_name` gives
     # the class's names, which the built-in rollout engine loads)
     renames_on_load: ClassVar[bool] = False

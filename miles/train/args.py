@@ -233,6 +233,7 @@ def validate(args: argparse.Namespace) -> None:
     if args.ci_check_model_hash and not args.load:
         raise ArgsError("--ci-check-model-hash checks the weights --load restores, but no --load was given")
     _validate_async(args)
+    _validate_routing_replay(args)
     if args.eval_prompt_data and args.eval_interval is None:
         raise ArgsError(
             f"--eval-prompt-data names {len(args.eval_prompt_data) // 2} eval set(s) but no --eval-interval says when "
@@ -315,6 +316,17 @@ ASYNC_FLAGS = (
     "--max-weight-staleness", "--async-data-buffer-capacity-factor", "--async-unused-samples-handler",
     "--async-max-concurrent-samples",
 )  # fmt: skip
+
+
+def _validate_routing_replay(args: argparse.Namespace) -> None:
+    """--use-rollout-routing-replay needs the engine in the trainer's processes, which records the
+    experts; the engines in processes of their own return none yet."""
+    if args.use_rollout_routing_replay and args.rollout_num_gpus and not args.colocate:
+        raise ArgsError(
+            "--use-rollout-routing-replay with --rollout-num-gpus and no --colocate: the rollout engines in "
+            "processes of their own do not return the routed experts yet; colocate the engine (--colocate) or "
+            "drop the flag"
+        )
 
 
 def _validate_async(args: argparse.Namespace) -> None:

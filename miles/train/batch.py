@@ -69,6 +69,9 @@ class TokenBatch:
     opd_reverse_kl: torch.Tensor | None = None  # [B, T-1]: on-policy distillation's per-token signal
     returns: torch.Tensor | None = None  # [B, T-1]: PPO's value targets
     old_values: torch.Tensor | None = None  # [B, T-1]: the critic's values before its steps
+    # [B, T, layers, top-k] int32: the experts the rollout engine routed each input position to
+    # (-1: none recorded; miles.train.routing_replay), with --use-rollout-routing-replay
+    routed_experts: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -85,8 +88,9 @@ class TokenBatch:
             idx = torch.as_tensor(list(index), dtype=torch.long)
             picked = {k: v.index_select(0, idx) if v is not None else None for k, v in self._fields().items()}
         width = int(picked["attention_mask"].sum(dim=1).max()) if picked["input_ids"].shape[0] else 1
-        for key in ("input_ids", "attention_mask"):
-            picked[key] = picked[key][:, :width]
+        for key in ("input_ids", "attention_mask", "routed_experts"):
+            if picked[key] is not None:
+                picked[key] = picked[key][:, :width]
         for key in PER_TOKEN:
             if picked[key] is not None and picked[key].dim() == 2:
                 picked[key] = picked[key][:, : width - 1]
@@ -98,8 +102,22 @@ class TokenBatch:
 
 def save_samples(path: str, samples: Sequence[Sample]) -> None:
     """Write a rollout's samples as JSON (--save-debug-rollout-data)."""
+    rows = []
+    for s in samples:
+        row = asdict(s)
+        routed = s.generation.routed_experts
+        row["generation"]["routed_experts"] = None if routed is None else routed.tolist()
+        rows.append(row)
     with open(path, "w", encoding="utf-8") as f:
-        json.dump([asdict(s) for s in samples], f)
+        json.dump(rows, f)
+
+
+def _generation(row: dict) -> Generation:
+    routed = row.get("routed_experts")
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in row.items() if k != "routed_experts"}
+    return Generation(
+        **fields, routed_experts=None if routed is None else torch.tensor(routed, dtype=torch.int32)
+    )
 
 
 def load_samples(path: str) -> list[Sample]:
@@ -110,9 +128,7 @@ def load_samples(path: str) -> list[Sample]:
         Sample(
             **{
                 **row,
-                "generation": Generation(
-                    **{k: tuple(v) if isinstance(v, list) else v for k, v in row["generation"].items()}
-                ),
+                "generation": _generation(row["generation"]),
                 **{
                     key: tuple(row[key])
                     for key in ("opd_reverse_kl", "loss_mask")
@@ -160,4 +176,22 @@ def collate(samples: Sequence[Sample], pad_token_id: int = 0) -> TokenBatch:
         weights=weights,
         rewards=rewards,
         opd_reverse_kl=opd,
+        routed_experts=_routed_experts(samples, width),
     )
+
+
+def _routed_experts(samples: Sequence[Sample], width: int) -> torch.Tensor | None:
+    """[B, width, layers, top-k] of the samples' routed experts (-1 where none), or None when no
+    sample carries any; every sample must then carry them (miles.train.routing_replay)."""
+    from miles.train.routing_replay import NOT_RECORDED, check_routed
+
+    carried = [s.generation.routed_experts for s in samples]
+    first = next((r for r in carried if r is not None), None)
+    if first is None:
+        return None
+    out = torch.full((len(samples), width, *first.shape[1:]), NOT_RECORDED, dtype=torch.int32)
+    for i, (s, routed) in enumerate(zip(samples, carried, strict=True)):
+        g = s.generation
+        check_routed(routed, len(g.prompt_ids), len(g.response_ids), f"sample {i} (prompt {s.prompt_index})")
+        out[i, : routed.shape[0]] = routed
+    return out

@@ -12,9 +12,9 @@ from __future__ import annotations
 import abc
 import inspect
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from miles.train.config import CheckpointConfig, OptimizerConfig, SamplingConfig
+from miles.train.config import CheckpointConfig, OptimizerConfig, RolloutConfig, SamplingConfig
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,9 @@ class Generation:
     finish_reason: str  # "stop" (a stop token was sampled, and kept), "length", or "abort" (cut short)
     # with SamplingConfig.top_logprobs k: the k most likely (logprob, token id) of each response position
     top_logprobs: tuple[tuple[tuple[float, int], ...], ...] | None = None
+    # with --use-rollout-routing-replay: int32 [prompt + response - 1, layers, top-k], the experts
+    # that routed each fed token at each decoder layer (miles.train.routing_replay)
+    routed_experts: object = field(default=None, compare=False, repr=False)
 
 
 class RolloutEngineError(RuntimeError):
@@ -141,20 +144,31 @@ class TorchRolloutEngine(RolloutEngine):
     # Built from a model; `from_sections` loads it from --hf-checkpoint in the trainer's
     # compute dtype (--bf16), so the engine samples what the trainer scores.
 
-    def __init__(self, model, *, pad_token_id: int = 0):
+    def __init__(self, model, *, pad_token_id: int = 0, record_routing: bool = False):
+        """`record_routing`: each generation carries the experts that routed its tokens
+        (--use-rollout-routing-replay; miles.train.routing_replay)."""
         self.model = model.eval()
         self.pad_token_id = pad_token_id
         self.cache_keyword = cache_keyword(self.model)
+        self.routing = None
+        if record_routing:
+            from miles.train.routing_replay import router_hooks
+
+            self.routing = router_hooks(self.model)
 
     @classmethod
     def from_sections(
-        cls, *, checkpoint: CheckpointConfig, optimizer: OptimizerConfig, dist_info
+        cls, *, checkpoint: CheckpointConfig, optimizer: OptimizerConfig, rollout: RolloutConfig, dist_info
     ) -> TorchRolloutEngine:
         from miles.train.model import load_causal_lm, load_tokenizer, train_dtype
 
         path = checkpoint.hf_checkpoint
         model = load_causal_lm(path, dtype=train_dtype(optimizer.bf16), device=dist_info.device)
-        return cls(model, pad_token_id=load_tokenizer(path).pad_token_id or 0)
+        return cls(
+            model,
+            pad_token_id=load_tokenizer(path).pad_token_id or 0,
+            record_routing=rollout.use_rollout_routing_replay,
+        )
 
     @property
     def local_model(self):
@@ -177,11 +191,14 @@ class TorchRolloutEngine(RolloutEngine):
             raise ValueError("a prompt encoded to zero tokens; every prompt needs at least one")
         device = next(self.model.parameters()).device
         generator = torch.Generator(device=device).manual_seed(seed)
-        with torch.inference_mode():
-            return self._generate(prompts, sampling, generator, device, control)
+        if self.routing is None:
+            with torch.inference_mode():
+                return self._generate(prompts, sampling, generator, device, control)
+        with torch.inference_mode(), self.routing.recording() as recording:
+            return self._generate(prompts, sampling, generator, device, control, recording)
 
     def _generate(
-        self, prompts, sampling: SamplingConfig, generator, device, control=None
+        self, prompts, sampling: SamplingConfig, generator, device, control=None, recording=None
     ) -> list[Generation]:
         import torch
         from transformers import DynamicCache
@@ -192,6 +209,7 @@ class TorchRolloutEngine(RolloutEngine):
         row_of = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
         cache = DynamicCache(config=self.model.config)
         logits, attention = self._prefill(list(distinct), cache, device)
+        routed = _RoutedRows(recording, list(distinct), row_of) if recording is not None else None
         rows = torch.tensor(row_of, device=device)
         select_cache_rows(cache, rows, batch=len(distinct))
         logits, attention = logits[rows], attention[rows]
@@ -247,10 +265,15 @@ class TorchRolloutEngine(RolloutEngine):
                 **{self.cache_keyword: cache},
             )
             logits = out.logits[:, -1, :].float()
+            if routed is not None:
+                routed.fed(active.tolist())
         return [
-            Generation(tuple(p), tuple(t), tuple(lp), f, tuple(top) if sampling.top_logprobs else None)
-            for p, t, lp, f, top in zip(prompts, tokens, logprobs, finish, tops, strict=True)
-        ]
+            Generation(
+                tuple(p), tuple(t), tuple(lp), f, tuple(top) if sampling.top_logprobs else None,
+                routed_experts=routed.of(i) if routed is not None else None,
+            )
+            for i, (p, t, lp, f, top) in enumerate(zip(prompts, tokens, logprobs, finish, tops, strict=True))
+        ]  # fmt: skip
 
     def _prefill(self, prompts: list[tuple[int, ...]], cache, device):
         """Left-padded forward of the prompts into `cache`; last-position logits and the mask."""
@@ -302,6 +325,30 @@ class TorchRolloutEngine(RolloutEngine):
 
     def named_weights(self) -> Iterator[tuple[str, object]]:
         yield from self.model.state_dict(keep_vars=True).items()
+
+
+class _RoutedRows:
+    """Each sampled row's routed experts as the engine feeds its tokens: its prompt's from the
+    left-padded prefill, then one row per response token fed back (the last sampled one never is)."""
+
+    def __init__(self, recording, distinct: list[tuple[int, ...]], row_of: list[int]):
+        self.recording = recording
+        prefill = recording.take()  # [distinct x width, layers, k], row-major
+        width = max(len(p) for p in distinct)
+        prefill = prefill.view(len(distinct), width, *prefill.shape[1:])
+        prompts = [prefill[d, width - len(p) :] for d, p in enumerate(distinct)]
+        self.parts: list[list] = [[prompts[d]] for d in row_of]
+
+    def fed(self, rows: list[int]) -> None:
+        """The last forward fed one token of each of `rows` (original row numbers, in batch order)."""
+        step = self.recording.take()
+        for i, row in enumerate(rows):
+            self.parts[row].append(step[i : i + 1])
+
+    def of(self, row: int):
+        import torch
+
+        return torch.cat(self.parts[row])
 
 
 def select_cache_rows(cache, index, *, batch: int) -> None:

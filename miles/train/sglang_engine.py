@@ -43,6 +43,7 @@ from miles.train.sglang_server import (
     engine_slot,
     require_memory_saver,
     seeds_honoured,
+    server_fields,
     server_kwargs,
 )
 from miles.train.sglang_weights import FLATTENED, buckets, checked, engine_groups, serialize_bucket
@@ -72,8 +73,32 @@ def sampling_params(sampling: SamplingConfig, seed: int | None) -> dict:
     return params
 
 
-def to_generation(prompt: Sequence[int], out: Mapping[str, Any]) -> Generation:
-    """One SGLang output dict as a Generation; an aborted request is an error, not a stop."""
+def routed_experts(meta: Mapping[str, Any], rows: int, layers: int):
+    """meta_info["routed_experts"] as int32 [rows, layers, top-k]: base64 of the int32 buffer sglang
+    0.5.23 returns with return_routed_experts (tokenizer_manager: pybase64 of the scheduler's
+    [seqlen - 1, num_hidden_layers, top-k] tensor, state_capturer/routed_experts.py)."""
+    import base64
+
+    import numpy as np
+    import torch
+
+    encoded = meta.get("routed_experts")
+    if encoded is None:
+        raise RolloutEngineError(
+            "SGLang returned no routed experts although they were asked for (--use-rollout-routing-replay); "
+            "its server needs --enable-return-routed-experts, which the engine sets"
+        )
+    flat = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
+    if rows <= 0 or flat.size % (rows * layers):
+        raise RolloutEngineError(
+            f"SGLang returned {flat.size} routed-expert ids for {rows} tokens x {layers} layers: not a whole top-k"
+        )
+    return torch.from_numpy(flat.copy()).view(rows, layers, flat.size // (rows * layers))
+
+
+def to_generation(prompt: Sequence[int], out: Mapping[str, Any], routed_layers: int = 0) -> Generation:
+    """One SGLang output dict as a Generation; an aborted request is an error, not a stop. With
+    `routed_layers` (the model's decoder layers) it carries the routed experts."""
     meta = out["meta_info"]
     finish = meta.get("finish_reason") or {}
     kind = finish.get("type") if isinstance(finish, Mapping) else finish
@@ -85,14 +110,17 @@ def to_generation(prompt: Sequence[int], out: Mapping[str, Any]) -> Generation:
         )
     entries = meta["output_token_logprobs"]  # (logprob, token id, text or None) per generated token
     tops = meta.get("output_top_logprobs")  # with top_logprobs_num: per token, its top (logprob, id, text)
+    response = tuple(int(e[1]) for e in entries)
+    rows = len(prompt) + len(response) - 1
     return Generation(
         prompt_ids=tuple(prompt),
-        response_ids=tuple(int(e[1]) for e in entries),
+        response_ids=response,
         logprobs=tuple(float(e[0]) for e in entries),
         finish_reason=NORMAL_FINISH[kind],
         top_logprobs=None
         if tops is None
         else tuple(tuple((float(e[0]), int(e[1])) for e in t or ()) for t in tops),
+        routed_experts=routed_experts(meta, rows, routed_layers) if routed_layers else None,
     )
 
 
@@ -130,6 +158,19 @@ class SGLangRolloutEngine(RolloutEngine):
             seed=rollout.rollout_seed,
             local_world_size=local_world,
         )
+        # --use-rollout-routing-replay: the server captures each token's experts (a ServerArgs field of
+        # the pinned sglang, checked like every server argument) and each request asks for them
+        self.routed_layers = 0
+        if rollout.use_rollout_routing_replay:
+            from miles.families import read_config
+
+            if "enable_return_routed_experts" not in server_fields(server_args_cls):
+                raise SGLangUnavailable(
+                    "--use-rollout-routing-replay: this SGLang has no server argument enable_return_routed_experts; "
+                    "install the lane's pinned sglang"
+                )
+            self.kwargs["enable_return_routed_experts"] = True
+            self.routed_layers = int(read_config(checkpoint.hf_checkpoint)["num_hidden_layers"])
         gpus = sglang.rollout_num_gpus_per_engine
         self.slot = engine_slot(dist_info.rank, dist_info.local_rank, local_world, gpus)
         self.rank = dist_info.rank
@@ -198,6 +239,7 @@ class SGLangRolloutEngine(RolloutEngine):
                 sampling_params=params,
                 return_logprob=True,
                 **({"top_logprobs_num": sampling.top_logprobs} if sampling.top_logprobs else {}),
+                **({"return_routed_experts": True} if self.routed_layers else {}),
             )
         except ValueError as exc:  # sglang's TokenizerManager._validate_one_request and SamplingParams.verify
             lengths = sorted(len(p) for p in prompts)
@@ -206,7 +248,7 @@ class SGLangRolloutEngine(RolloutEngine):
                 f"tokens, --rollout-max-response-len {sampling.max_response_len}); shorten the prompts "
                 "(--rollout-max-prompt-len) or the responses, or raise --sglang-context-length"
             ) from None
-        return [to_generation(p, out) for p, out in zip(prompts, outputs, strict=True)]
+        return [to_generation(p, out, self.routed_layers) for p, out in zip(prompts, outputs, strict=True)]
 
     # --- weights ---
 

@@ -53,6 +53,7 @@ from miles.train.inputs import CheckpointRefused
 from miles.train.model import ModelLoadError
 from miles.train.rewards import RewardError
 from miles.train.rollout import RolloutEngineError, weights_for
+from miles.train.routing_replay import RoutingReplayError
 from miles.train.runtime import Run, build_run, dry_start
 from miles.train.sglang_engine import SGLangUnavailable
 
@@ -69,6 +70,7 @@ FOR_PEOPLE = (
     ModelLoadError,
     RewardError,
     RolloutEngineError,
+    RoutingReplayError,
     SGLangUnavailable,
 )
 

@@ -261,6 +261,8 @@ class DeepseekV4(OwnModelFamily):
     # hash routing's table [vocab, top-k]: each token's experts, distinct (a routing map cannot send a
     # token to one expert twice); transformers holds it int64, SGLang's HashTopK int32
     id_tables = (("gate.tid2eid", "n_routed_experts", ("I64", "I32")),)
+    # the hash-routed layers pick by token id (DeepseekV4HashRouter): nothing to replay there
+    router_classes = ("DeepseekV4TopKRouter",)
     tiny_model_type = "deepseek_v4"
     # Flash's switches at tiny sizes: its layer pattern (4 layers: sliding, sliding, CSA, HCA; the
     # first 3 hash-routed), 4 hyper-connection streams (with 2 every doubly-stochastic mix is

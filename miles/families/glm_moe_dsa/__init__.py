@@ -124,6 +124,7 @@ class GlmMoeDsa(GPTFamily):
         PerLayer("mlp_layer_types", ("dense", "sparse")),
         PerLayer("indexer_types", ("full", "shared")),
     )  # fmt: skip
+    router_classes = ("GlmMoeDsaTopkRouter",)  # its group top-k comes first; the last picks the experts
     tiny_model_type = "glm_moe_dsa"
     # GLM-5.2's switches at tiny sizes: cross-layer top-k sharing (full at layers 0, 1, 2, 6, ...:
     # four layers hold a shared one), rope theta 8e6, the indexer's interleaved rope as SGLang

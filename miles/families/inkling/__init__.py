@@ -187,6 +187,7 @@ class Inkling(GPTFamily):
         LayerIds("local_layer_ids"),
     )  # fmt: skip
     schema_aliases = ALIASES
+    router_classes = ("InklingTopkRouter",)
     tiny_model_type = "inkling_text"
     # Inkling-Small's switches at tiny sizes: a sliding layer then a global one, a dense first
     # layer then MoE, two shared experts, the logits' width multiplier 16, log scaling from 128000 tokens

@@ -29,6 +29,7 @@ class Qwen3Moe(Qwen3):
         AtMost("num_experts_per_tok", "num_experts", TOPK),
     )  # fmt: skip
     schema_aliases = {"num_local_experts": "num_experts"}  # transformers 5 writes num_local_experts
+    router_classes = ("Qwen3MoeTopKRouter",)
     tiny_model_type = "qwen3_moe"
     # Qwen3-30B-A3B renormalizes its top-k weights; heads x head_dim != hidden; rope theta 1e6.
     tiny_dims = {

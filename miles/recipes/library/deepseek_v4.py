@@ -214,7 +214,7 @@ RECIPE = Recipe(
         ),
         deviation(
             "--use-rollout-routing-replay",
-            reason="miles.train has no rollout routing replay (R3) yet: the flag would be accepted and ignored",
+            reason="miles.train replays the rollout's experts in megatron-core's TopKRouter and in transformers' routers, but DeepSeek-V4's routers (miles.families.deepseek_v4.model: sqrt-softplus scores, hash-routed layers) pick their experts in a routing of their own that the replay does not hook yet, so --train-backend megatron refuses the flag at start",
         ),
         deviation(
             "--num-steps-per-rollout",

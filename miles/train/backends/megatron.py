@@ -150,6 +150,13 @@ class MegatronBackend(TrainBackend):
             self.ref_chunks = [
                 c.to(self.device).eval().requires_grad_(False) for c in self._load_chunks(ref_tc)
             ]
+        # --use-rollout-routing-replay: the policy's routers take the rollout engine's experts (the
+        # reference model and the critic route by their own top-k, as the seed framework's do)
+        self.routing = None
+        if rollout.use_rollout_routing_replay and role == ACTOR:
+            from miles.train.backends import megatron_routing
+
+            self.routing = megatron_routing.install(self.chunks, self.tc)
         self.optimizer_format = ckpt.optimizer_format(megatron.dist_ckpt_optim_fully_reshardable)
         self.fused_experts = _hf_fuses_experts(hf)
         self.total_steps = optimizer_steps(rollout, batch)
@@ -351,18 +358,30 @@ class MegatronBackend(TrainBackend):
         )
         seq, rows = max(mb.tokens.shape[1] for mb in micro), max(mb.tokens.shape[0] for mb in micro)
 
+        routing = self.routing if chunks is not self.ref_chunks else None
+
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            if routing is not None:
+                routing.set(mb)
             return model(mb.model_tokens, mb.model_position_ids, None), functools.partial(loss_fn, mb)
 
-        return mt.run_schedule(
-            forward_step,
-            chunks,
-            micro,
-            seq_length=seq,
-            micro_batch_size=rows * self.pipeline_rows,
-            forward_only=forward_only,
-        )
+        try:
+            results = mt.run_schedule(
+                forward_step,
+                chunks,
+                micro,
+                seq_length=seq,
+                micro_batch_size=rows * self.pipeline_rows,
+                forward_only=forward_only,
+            )
+        except BaseException:
+            if routing is not None:
+                routing.clear(check=False)
+            raise
+        if routing is not None:
+            routing.clear()
+        return results
 
     def _schedule_count(self, parts: int) -> int:
         """How many micro-batches _run hands megatron's schedule for `parts` of them."""

@@ -89,6 +89,13 @@ class TorchDPBackend(TrainBackend):
             checkpoint.hf_checkpoint, torch.float32, trainable=True, checkpointing=fsdp.gradient_checkpointing
         )
         self.forward_is_deterministic = not _noisy_in_training(self._inner)
+        # --use-rollout-routing-replay: the policy's routers take the rollout engine's experts (the
+        # reference model and the critic route by their own top-k, as the seed framework's do)
+        self.routing = None
+        if rollout.use_rollout_routing_replay and role == ACTOR:
+            from miles.train.routing_replay import router_hooks
+
+            self.routing = router_hooks(self._inner)
         self.ref_model = None
         if algorithm.use_kl_loss and role == ACTOR:
             ref_load = checkpoint.ref_load
@@ -266,16 +273,29 @@ class TorchDPBackend(TrainBackend):
             raise RuntimeError(
                 "reference logprobs asked for, but no reference model was loaded (--use-kl-loss)"
             )
-        with torch.no_grad():
+        with torch.no_grad(), self._replaying(batch, model):
             logp, _ = self._forward(model, batch, with_entropy=False)
         return logp.float().cpu() * batch.loss_mask
+
+    def _replaying(self, batch: TokenBatch, model=None):
+        """The policy's forward (and backward) of `batch` with its routers replaying the batch's
+        routed experts, under --use-rollout-routing-replay."""
+        if self.routing is None or (model is not None and model is not self.model):
+            return contextlib.nullcontext()
+        if batch.routed_experts is None:
+            from miles.train.routing_replay import RoutingReplayError
+
+            raise RoutingReplayError(
+                "--use-rollout-routing-replay: a training batch came without the rollout engine's routed experts"
+            )
+        return self.routing.replaying(batch.routed_experts.to(self.dist.device))
 
     def train_step(self, micro_batches: Sequence[TokenBatch], normalizer: float) -> StepResult:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         terms, logps = [], []
         for i, mb in enumerate(micro_batches):
-            with self._grad_sync(last=i == len(micro_batches) - 1):
+            with self._grad_sync(last=i == len(micro_batches) - 1), self._replaying(mb):
                 if self.role == CRITIC:
                     logp = self._values(mb)  # the critic's "logprobs" are its values
                     t = value_batch_loss(logp, mb, self.value_clip, self.loss_cfg.per_token_loss)

@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from miles.train.config.flags import (
+    EVERY_BACKEND,
     SGLANG,
     SGLANG_SERVERS,
+    TORCH,
     TORCH_SERVERS,
     TRAINER,
     TRAINER_AND_BACKENDS,
@@ -64,6 +66,21 @@ class RolloutConfig(Section):
     custom_generate_function_path: str | None = flag(
         help="module.func(context, requests) -> pieces per request (miles.train.generate; e.g. "
         "miles.train.generate_hub.compact_split)"
+    )
+    # routing replay (miles.train.routing_replay): the engine records, the training backend replays
+    use_rollout_routing_replay: bool = flag(
+        by=(TRAINER, *EVERY_BACKEND, TORCH, SGLANG),
+        action="store_true",
+        why_not="the rollout engines in processes of their own do not return the routed experts yet",
+        help="(R3) the rollout engine records each token's experts at every MoE layer and the trainer's "
+        "routers replay them instead of their own top-k (their weighting of the experts kept)",
+    )
+    use_routing_replay: bool = flag(
+        by=(),
+        action="store_true",
+        why_not="miles.train does not record the routing of its old-logprob forward to replay it in training "
+        "(R2); --use-rollout-routing-replay replays the rollout engine's",
+        help="(R2, not in miles.train) replay the old-logprob forward's routing in the training forwards",
     )
 
     @property

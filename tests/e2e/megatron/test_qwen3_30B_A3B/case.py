@@ -21,7 +21,8 @@ LEFT_OUT = {
     "--exp-avg-dtype": "fp32 optimizer state",
     "--exp-avg-sq-dtype": "fp32 optimizer state",
     "--main-params-dtype": "fp32 master weights",
-    "--use-routing-replay": "MoE routing replay (R3) is not in miles",
+    "--use-routing-replay": "the old-logprob forward's routing replayed in training (R2) is not in miles.train "
+    "(it refuses the flag); R3, --use-rollout-routing-replay, is",
     "--eval-top-k": "miles evaluates greedily with --eval-temperature 0; evaluation is off in this case",
 }
 
@@ -57,3 +58,51 @@ def run(workdir: Path, extra: str, num_rollout: int) -> Path:
     plan = twins.prepared("qwen3_30b_a3b", "Qwen3-30B-A3B", datasets=("aime-2024",))
     argv = twins.command(FLAGS + extra, plan, LEFT_OUT, num_rollout=str(num_rollout))
     return twins.train(argv, nproc=6, workdir=workdir)
+
+
+# The colocated cases (test_baseline.py, test_r3_baseline.py): the case's layout on 4 GPUs, one
+# SGLang engine of 4 GPUs sharing them, and the routing flag: --use-rollout-routing-replay with
+# use_r3, --use-routing-replay (left out above) without.
+COLOCATED_LEFT_OUT = {
+    **LEFT_OUT,
+    "--rematerialize-param-from-master-weight": "an option of the seed's own Megatron fork; megatron-core 0.16.1 "
+    "has none",
+    # the seed gives its evaluation set without --eval-interval (MILES_TEST_ENABLE_EVAL=0: never
+    # scored); miles.train refuses a set it would never score
+    "--eval-prompt-data": "no evaluation in this case (the seed's MILES_TEST_ENABLE_EVAL=0)",
+    "--n-samples-per-eval-prompt": "no evaluation in this case",
+    "--eval-max-response-len": "no evaluation in this case",
+    "--mooncake-master-addr": "the Mooncake object store (use_mooncake) is not in miles: weights go to the "
+    "colocated engine through SGLang's own update",
+}
+COLOCATED = """
+--tensor-model-parallel-size {tp} --sequence-parallel --pipeline-model-parallel-size {pp} --context-parallel-size {cp}
+--expert-model-parallel-size {ep} --expert-tensor-parallel-size 1
+--rollout-num-gpus-per-engine 4 --actor-num-gpus-per-node 4 --colocate --rematerialize-param-from-master-weight
+{routing}
+"""
+_PLACEMENT = (
+    "--tensor-model-parallel-size 1 --sequence-parallel --pipeline-model-parallel-size 3 --context-parallel-size 2\n"
+    "--expert-model-parallel-size 2 --expert-tensor-parallel-size 1 "
+)
+
+
+def colocated_flags(*, tp: int, pp: int, cp: int, ep: int, r3: bool) -> str:
+    """FLAGS with the case's layout, colocated on 4 GPUs (the disaggregated placement dropped)."""
+    kept = []
+    for line in FLAGS.replace(_PLACEMENT, "").splitlines():
+        for flag in ("--use-routing-replay", "--rollout-num-gpus-per-engine 2", "--actor-num-gpus-per-node 6",
+                     "--rollout-num-gpus 2", "--update-weight-transfer-mode broadcast"):  # fmt: skip
+            line = line.replace(flag, "")
+        kept.append(line)
+    routing = "--use-rollout-routing-replay" if r3 else "--use-routing-replay"
+    return "\n".join(kept) + COLOCATED.format(tp=tp, pp=pp, cp=cp, ep=ep, routing=routing)
+
+
+def run_colocated(
+    workdir: Path, *, tp: int, pp: int, cp: int, ep: int, r3: bool, num_rollout: int = 2
+) -> Path:
+    plan = twins.prepared("qwen3_30b_a3b", "Qwen3-30B-A3B", datasets=("aime-2024",))
+    flags = colocated_flags(tp=tp, pp=pp, cp=cp, ep=ep, r3=r3)
+    argv = twins.command(flags, plan, COLOCATED_LEFT_OUT, num_rollout=str(num_rollout))
+    return twins.train(argv, nproc=4, workdir=workdir)
