@@ -24,6 +24,11 @@ LEFT_OUT = {
     "--use-routing-replay": "the old-logprob forward's routing replayed in training (R2) is not in miles.train "
     "(it refuses the flag); R3, --use-rollout-routing-replay, is",
     "--eval-top-k": "miles evaluates greedily with --eval-temperature 0; evaluation is off in this case",
+    # the seed gives its evaluation set without --eval-interval (MILES_TEST_ENABLE_EVAL=0: never
+    # scored); miles.train refuses a set it would never score
+    "--eval-prompt-data": "no evaluation in this case (the seed's MILES_TEST_ENABLE_EVAL=0)",
+    "--n-samples-per-eval-prompt": "no evaluation in this case",
+    "--eval-max-response-len": "no evaluation in this case",
 }
 
 FLAGS = """
@@ -67,11 +72,6 @@ COLOCATED_LEFT_OUT = {
     **LEFT_OUT,
     "--rematerialize-param-from-master-weight": "an option of the seed's own Megatron fork; megatron-core 0.16.1 "
     "has none",
-    # the seed gives its evaluation set without --eval-interval (MILES_TEST_ENABLE_EVAL=0: never
-    # scored); miles.train refuses a set it would never score
-    "--eval-prompt-data": "no evaluation in this case (the seed's MILES_TEST_ENABLE_EVAL=0)",
-    "--n-samples-per-eval-prompt": "no evaluation in this case",
-    "--eval-max-response-len": "no evaluation in this case",
     "--mooncake-master-addr": "the Mooncake object store (use_mooncake) is not in miles: weights go to the "
     "colocated engine through SGLang's own update",
 }
