@@ -136,8 +136,9 @@ def _adapt(module, role: str, settings: LoraConfig, tc, seed: int, name: str) ->
     out_local, in_local = module.weight.shape
     out_full, in_full = (out_local * tp, in_local) if role == COLUMN else (out_local, in_local * tp)
     a, b = _initial(settings.lora_rank, in_full, out_full, seed, name)
+    gated = name.endswith("linear_fc1") and bool(tc.gated_linear_unit)
     if role == COLUMN:  # B split like the output rows (a gated fc1 holds [gate_r; up_r], as W does)
-        b = _shard_rows(b, tp, rank, gated=name.endswith("linear_fc1") and bool(tc.gated_linear_unit))
+        b = _shard_rows(b, tp, rank, gated=gated)
     else:
         a = a.chunk(tp, dim=1)[rank]
     device, dtype = module.weight.device, module.weight.dtype
@@ -149,7 +150,7 @@ def _adapt(module, role: str, settings: LoraConfig, tc, seed: int, name: str) ->
     sharded.tensor_model_parallel, sharded.partition_dim = tp > 1, 0 if role == COLUMN else 1
     # a whole adapter that sees only this rank's tokens: its gradient is summed over TP
     whole.sequence_parallel = bool(tc.sequence_parallel)
-    module.lora_role, module.lora_scaling = role, settings.scaling
+    module.lora_role, module.lora_scaling, module.lora_gated = role, settings.scaling, gated
     module.lora_dropout = (
         torch.nn.Dropout(settings.lora_dropout) if settings.lora_dropout else torch.nn.Identity()
     )
@@ -227,7 +228,14 @@ class _Adapted:
             "tp_group": getattr(self, "tp_group", None),
             "dp_cp_group": (metadata or {}).get("dp_cp_group"),
         }
-        out.update(make_sharded_tensors_for_checkpoint(state, prefix, axis, sharded_offsets, **groups))
+        adapters = make_sharded_tensors_for_checkpoint(state, prefix, axis, sharded_offsets, **groups)
+        if self.lora_gated:  # B's rows are [gate_r; up_r] as the weight's: saved as megatron saves those
+            from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+            key = f"{prefix}lora_B.weight"
+            singleton = (metadata or {}).get("singleton_local_shards", False)
+            adapters[key] = apply_swiglu_sharded_factory(adapters[key], sharded_offsets, singleton)
+        out.update(adapters)
         return out
 
 
