@@ -15,7 +15,6 @@ adapters, with their PEFT-format copy.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -25,15 +24,12 @@ import pytest
 import torch
 
 from miles.ci.register import register_cpu_ci
+from tests.support import recipes as runs
 
 register_cpu_ci(est_time=400, suite="stage-b-cpu")
 
 WORKER = Path(__file__).with_name("lora_worker.py")
 SCALING = 8 / 4
-
-_spec = importlib.util.spec_from_file_location("recipe_runs", Path(__file__).with_name("recipe_runs.py"))
-runs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(runs)
 
 
 @pytest.fixture(scope="module")

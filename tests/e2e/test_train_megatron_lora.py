@@ -143,3 +143,28 @@ def test_first_step_loss_at_tp2_equals_tp1_and_the_fsdp_path(trained, qwen3, tmp
     assert fsdp == pytest.approx(tp2, rel=1e-5, abs=0)
     assert torch.allclose(tp1_logp, tp2_logp, rtol=1e-5, atol=1e-5)
     assert torch.allclose(fsdp_logp, tp2_logp, rtol=1e-5, atol=1e-5)
+
+
+def test_the_recipe_trains_with_adapters_on_megatron_and_checkpoints_them(tmp_path):
+    """The tiny recipe's own command on --train-backend megatron with --lora-rank: its --ci-test
+    checks hold after every weight sync (the engine's weights equal the trainer's merged ones), and
+    the checkpoint holds the adapters, their PEFT copy beside them."""
+    from megatron.core import dist_checkpointing
+
+    from tests.support import recipes as runs
+
+    plan = runs.tiny_plan(
+        "qwen3_4b", tmp_path, "--lora-rank", "4", "--lora-alpha", "8", "--num-rollout", "2", "--save-interval", "2",
+        "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "6",
+        train_backend="megatron",
+    )  # fmt: skip
+    assert "--ci-test" in plan.train_args and "megatron" in plan.train_args
+    assert runs.launch(plan, tmp_path / "record") == 0
+    assert sorted(runs.series(tmp_path / "record", "train/grad_norm")) == [0, 1]
+    saved = runs.checkpoint_dir(plan) / "iter_0000002"
+    assert {p.name for p in (saved / "adapter").iterdir()} == {
+        "adapter_model.safetensors",
+        "adapter_config.json",
+    }
+    keys = [k for k in dist_checkpointing.load_tensors_metadata(str(saved)) if not k.startswith("optimizer.")]
+    assert keys and all(".lora_A." in k or ".lora_B." in k for k in keys), keys[:5]
