@@ -10,6 +10,9 @@ base and the PEFT-format adapters the checkpoint holds (which peft's merge_and_u
 the same weights); the checkpoint holds the adapters and no base weight, and the loaded backend
 hands over the same weights. With the adapters of that checkpoint, the first-step loss at TP2+SP
 equals TP1's (the checkpoint resharded) and the FSDP path's (peft loading the PEFT copy), rel 1e-5.
+The tiny recipe's own command on Megatron with --lora-rank trains two rollouts with its --ci-test
+checks on (the engine's weights equal the trainer's merged ones after every sync) and checkpoints
+only the adapters, with their PEFT-format copy.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from miles.ci.register import register_cpu_ci
 from tests.support.ckpt import tiny
 from tests.support.ranks import launch, succeeded
 
-register_cpu_ci(est_time=200, suite="stage-b-cpu")
+register_cpu_ci(est_time=300, suite="stage-b-cpu")
 
 WORKER = Path(__file__).with_name("lora_worker.py")
 SCALING = 8 / 4
