@@ -79,12 +79,19 @@ def single_process_group() -> Iterator[None]:
 # --- model weights -------------------------------------------------------------------------
 
 
-def model_state_template(chunks: Sequence) -> dict:
-    """Every chunk's sharded state dict (TE's fp8 `_extra_state` left out: converted weights have none)."""
+def model_state_template(chunks: Sequence, *, adapters_only: bool = False) -> dict:
+    """Every chunk's sharded state dict (TE's fp8 `_extra_state` left out: converted weights have
+    none); with `adapters_only`, its LoRA adapters alone (the frozen base is --ref-load's)."""
+    from miles.megatron.lora import is_adapter
+
     state = {}
     for i, chunk in enumerate(chunks):
         sharded = chunk.sharded_state_dict()
-        state[f"model{i}"] = {k: v for k, v in sharded.items() if not k.endswith("_extra_state")}
+        state[f"model{i}"] = {
+            k: v
+            for k, v in sharded.items()
+            if not k.endswith("_extra_state") and (is_adapter(k) or not adapters_only)
+        }
     return state
 
 
@@ -182,18 +189,26 @@ def _layout_record(layout) -> dict:
 
 
 def save_training_state(
-    chunks: Sequence, optimizer, directory: str, *, steps_done: int | None, layout=None, optimizer_format=None
+    chunks: Sequence,
+    optimizer,
+    directory: str,
+    *,
+    steps_done: int | None,
+    layout=None,
+    optimizer_format=None,
+    adapters_only: bool = False,
 ) -> None:
     """Model chunks (and, with `steps_done`, the distributed optimizer and the schedule step) into
     `directory`, every rank its shards; the layout's model-parallel degrees and the optimizer's
-    format are kept in common.pt for the load. The writer processes megatron-core starts for it
+    format are kept in common.pt for the load; with `adapters_only` (LoRA) the model part is the
+    adapters alone. The writer processes megatron-core starts for it
     end with this process, even when it is killed mid-save (miles.children)."""
     from megatron.core import dist_checkpointing
 
     from miles.megatron.compat import writers_die_with_this_process
 
     writers_die_with_this_process()
-    state = model_state_template(chunks)
+    state = model_state_template(chunks, adapters_only=adapters_only)
     if steps_done is not None:
         # an optimizer that has not stepped yet (PPO's policy during the critic's warm-up) holds no
         # state to write; give it the state its first step would create
@@ -206,7 +221,13 @@ def save_training_state(
 
 
 def load_training_state(
-    chunks: Sequence, optimizer, directory: str, *, with_optimizer: bool, layout=None
+    chunks: Sequence,
+    optimizer,
+    directory: str,
+    *,
+    with_optimizer: bool,
+    layout=None,
+    adapters_only: bool = False,
 ) -> int | None:
     """What `save_training_state` wrote, back into the chunks (and optimizer); returns the
     schedule step saved with the optimizer (None without it). The optimizer state loads in the
@@ -215,7 +236,7 @@ def load_training_state(
     import torch
     from megatron.core import dist_checkpointing
 
-    state = model_state_template(chunks)
+    state = model_state_template(chunks, adapters_only=adapters_only)
     if with_optimizer:
         saved = dist_checkpointing.load_common_state_dict(directory).get("schedule", {})
         fmt = saved_optimizer_format(directory, saved, layout)

@@ -107,6 +107,7 @@ class WeightExporter:
         gated: bool = True,
         fused_experts: bool = False,
         extras: bool = False,
+        adjust: Callable[[dict], dict] | None = None,
     ):
         """`layout`: the family's (megatron name, pieces) of the whole model (Family.weights);
         `rename`: checkpoint name -> the transformers class's name, when the engine loads those."""
@@ -128,11 +129,16 @@ class WeightExporter:
         self.fused_experts = fused_experts
         self.extras = extras  # the family's weights outside the decoder layers (MTP): checkpoint names only
         self.rename = rename
+        self.adjust = adjust  # this rank's tensors -> the ones handed over (LoRA: merged weights)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         local = _stage_tensors(self.chunks)
+        if self.adjust is not None:
+            local = self.adjust(local)
         first, layers, last, extras = _by_stage(self.layout, self.config["num_hidden_layers"])
-        yield from self._out(_to_hf(first, self._from_stage(self.first, local, [n for n, _ in first])))
+        yield from self._out(
+            _to_hf(first, self._from_stage(self.first, local, [n for n, _ in first if n in local]))
+        )
         for i in range(self.config["num_hidden_layers"]):
             prefix = f"decoder.layers.{i}."
             names = [n for n in local if n.startswith(prefix)] if self.owner[i] == self.pp_rank else []
@@ -140,7 +146,9 @@ class WeightExporter:
             if self.fused_experts:
                 full = _fuse_experts(full, prefix)
             yield from self._out(_to_hf(layers[i], full))
-        yield from self._out(_to_hf(last, self._from_stage(self.last, local, [n for n, _ in last])))
+        yield from self._out(
+            _to_hf(last, self._from_stage(self.last, local, [n for n, _ in last if n in local]))
+        )
         if self.extras:
             wanted = {name for name, _ in extras}
             names = (

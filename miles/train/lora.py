@@ -82,10 +82,16 @@ def merged(named: Iterable[tuple[str, torch.Tensor]], scaling: float) -> Iterato
 
 
 def save_adapter(
-    directory: str | Path, adapter_state: dict[str, torch.Tensor], settings: LoraConfig, base: str
+    directory: str | Path,
+    adapter_state: dict[str, torch.Tensor],
+    settings: LoraConfig,
+    base: str,
+    *,
+    target_modules: list[str] | None = None,
 ) -> None:
     """The adapters as PEFT writes them: `adapter_model.safetensors` under PEFT's names and its
-    `adapter_config.json` (rank 0 calls it with the full adapter tensors)."""
+    `adapter_config.json` (rank 0 calls it with the full adapter tensors); `target_modules`, the
+    HF modules adapted where they are not --target-modules' own spelling (Megatron's fused layers)."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
@@ -93,6 +99,8 @@ def save_adapter(
     tensors = {_peft_name(k): v.detach().cpu().contiguous() for k, v in adapter_state.items()}
     save_file(tensors, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = peft_config(settings, base).to_dict()
+    if target_modules is not None:
+        config["target_modules"] = list(target_modules)
     config["target_modules"] = (
         sorted(config["target_modules"])
         if isinstance(config["target_modules"], set)

@@ -32,6 +32,7 @@ from miles.megatron import training as mt
 from miles.megatron.export import WeightExporter
 from miles.megatron.loss import gather_context_parallel, micro_batches, vocab_parallel_logprobs
 from miles.parallel import ParallelLayout
+from miles.train import lora as lora_adapters
 from miles.train import micro_batches as split
 from miles.train.backends import (
     ACTOR,
@@ -48,6 +49,7 @@ from miles.train.config import (
     BatchConfig,
     CheckpointConfig,
     JobConfig,
+    LoraConfig,
     MegatronConfig,
     ModelConfig,
     OptimizerConfig,
@@ -79,6 +81,7 @@ class MegatronBackend(TrainBackend):
         layout: ParallelLayout,
         model: ModelConfig,
         megatron: MegatronConfig,
+        lora: LoraConfig,
         dist_info,
         role: str = ACTOR,
     ):
@@ -131,6 +134,8 @@ class MegatronBackend(TrainBackend):
             except NoValueHead as exc:
                 raise MegatronSetupError(f"{hf}: {exc}") from exc
         mg.freeze_padding_embedding(chunks, self.config.get("pad_token_id"))
+        self.lora = lora if lora.enabled and role == ACTOR else None  # adapters on the policy only
+        self.adapted = self._attach_adapters(chunks, job.seed) if self.lora else []
         self.chunks = [c.to(self.device) for c in chunks]
         self.model = mt.wrap_ddp(self.chunks, self.tc, options.ddp_fields(megatron))
         self.optimizer = mt.build_optimizer(
@@ -165,6 +170,16 @@ class MegatronBackend(TrainBackend):
 
         inner = [opt.optimizer for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
         self.streamed = offload.setup(job, self, dist_info.rank, inner)
+
+    def _attach_adapters(self, chunks, seed: int) -> list[str]:
+        """The base frozen and the targeted layers given adapters (miles.megatron.lora): DDP and the
+        optimizer then hold the adapters alone."""
+        from miles.megatron import lora as adapters
+
+        try:
+            return adapters.attach(chunks, self.lora, self.tc, seed)
+        except adapters.LoraRefused as exc:
+            raise MegatronSetupError(f"{self.hf_checkpoint}: {exc}") from exc
 
     def _load_chunks(self, tc) -> list:
         from miles.families import UnmappedModel
@@ -271,9 +286,15 @@ class MegatronBackend(TrainBackend):
             rename=family.model_name if names == "model" and family.renames_on_load else None,
             fused_experts=fused,
             extras=names == "checkpoint",
+            adjust=self._merged if self.lora else None,
         )
         for name, tensor in exporter:
             yield name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+
+    def _merged(self, local: dict) -> dict:
+        from miles.megatron.lora import merged
+
+        return merged(local, self.lora.scaling)
 
     def offload_tensors(self) -> tuple[list, list]:
         buffers = [b for chunk in self.model for b in (*chunk.buffers, *chunk.expert_parallel_buffers)]
@@ -307,15 +328,43 @@ class MegatronBackend(TrainBackend):
         steps = self.steps_done if with_optimizer else None
         ckpt.save_training_state(
             self.chunks, self.optimizer, directory, steps_done=steps, layout=self.layout,
-            optimizer_format=self.optimizer_format,
+            optimizer_format=self.optimizer_format, adapters_only=self.lora is not None,
         )  # fmt: skip
+        if self.lora:
+            self._save_adapter(f"{directory}/{lora_adapters.ADAPTER_DIR}")
+
+    def _save_adapter(self, directory: str) -> None:
+        """The adapters as PEFT saves them, under the transformers class's module names (all ranks
+        gather; rank 0 writes): each B cut into its HF parts as the weight is, each part with its
+        layer's whole A."""
+        from miles.megatron import lora
+
+        family = megatron_family(self.config)
+        exporter = WeightExporter(
+            self.chunks,
+            self.config,
+            family.weights(self.config),
+            rename=family.model_name if family.renames_on_load else None,
+            adjust=lora.b_in_place_of_w,
+        )
+        parts = list(exporter)
+        tensors = lora.peft_tensors(parts, lora.whole_a(self.chunks))
+        if dist.get_rank() == 0:
+            lora_adapters.save_adapter(
+                directory,
+                tensors,
+                self.lora,
+                self.hf_checkpoint,
+                target_modules=lora.hf_targets(lora.targets(self.lora)),
+            )
 
     def load(self, directory: str, *, with_optimizer: bool) -> None:
         try:
             with self._optimizer_resident():
                 steps = ckpt.load_training_state(
-                    self.chunks, self.optimizer, directory, with_optimizer=with_optimizer, layout=self.layout
-                )
+                    self.chunks, self.optimizer, directory, with_optimizer=with_optimizer, layout=self.layout,
+                    adapters_only=self.lora is not None,
+                )  # fmt: skip
         except ckpt.CheckpointMismatch as exc:
             raise MegatronSetupError(str(exc)) from exc
         if steps is not None:

@@ -258,7 +258,7 @@ class LoraConfig(Section):
 
     name: ClassVar[str] = "lora"
     title: ClassVar[str] = "LoRA adapters"
-    used_by: ClassVar[tuple[str, ...]] = DATA_PARALLEL
+    used_by: ClassVar[tuple[str, ...]] = EVERY_BACKEND
 
     lora_rank: int = flag(type=int, default=0, help="adapter rank; 0 = no LoRA, the whole model trains")
     lora_alpha: int = flag(type=int, default=16, help="the adapters' scale is alpha / rank")
