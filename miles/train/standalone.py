@@ -36,54 +36,56 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
+
+from miles.parallel import ParallelLayout
 
 PHASE = "standalone"
 
 
-@dataclass(frozen=True)
-class Layout:
-    """A layout as `--baseline` / `--target` give it: `--tp 2 --pp 2 --cp 2 --ep 1 --etp 1`."""
+def parse_layout(text: str, option: str) -> ParallelLayout:
+    """A layout as `--baseline` / `--target` give it: `--tp 2 --pp 2 --cp 2 --ep 1 --etp 1`; EP
+    defaults to 1 (the seed's tool defaults it to --tp, which a dense model refuses)."""
+    parser = argparse.ArgumentParser(prog=option, add_help=False, exit_on_error=False)
+    for name in ("tp", "pp", "cp", "ep", "etp"):
+        parser.add_argument(f"--{name}", type=int)
+    try:
+        given = vars(parser.parse_args(shlex.split(text)))
+    except (argparse.ArgumentError, SystemExit) as exc:
+        raise SystemExit(f"{option} {text!r}: expected --tp/--pp/--cp/--ep/--etp N ({exc})") from None
+    given = {k: v for k, v in given.items() if v is not None}
+    given.setdefault("etp", 1)
+    try:
+        return ParallelLayout(**given)
+    except ValueError as exc:
+        raise SystemExit(f"{option} {text!r}: {exc}") from None
 
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1  # miles' default (the seed's tool defaults it to --tp, which a dense model refuses)
-    etp: int = 1
 
-    @classmethod
-    def parse(cls, text: str, option: str) -> Layout:
-        parser = argparse.ArgumentParser(prog=option, add_help=False, exit_on_error=False)
-        for name in ("tp", "pp", "cp", "ep", "etp"):
-            parser.add_argument(f"--{name}", type=int)
-        try:
-            given = vars(parser.parse_args(shlex.split(text)))
-        except (argparse.ArgumentError, SystemExit) as exc:
-            raise SystemExit(f"{option} {text!r}: expected --tp/--pp/--cp/--ep/--etp N ({exc})") from None
-        return cls(**{k: v for k, v in given.items() if v is not None})
+def ranks(layout: ParallelLayout) -> int:
+    """The ranks one launch uses: no data parallelism, every rank a model-parallel peer."""
+    return layout.tp * layout.pp * layout.cp
 
-    @property
-    def nproc(self) -> int:
-        return self.tp * self.pp * self.cp
 
-    def name(self) -> str:
-        """The folder name: each degree other than its default (`tp1` alone for the plain layout)."""
-        parts = [f"tp{self.tp}"]
-        parts += [
-            f"{k}{v}"
-            for k, v in (("pp", self.pp), ("cp", self.cp), ("ep", self.ep), ("etp", self.etp))
-            if v != 1
-        ]
-        return "_".join(parts)
+def layout_name(layout: ParallelLayout) -> str:
+    """The folder name: each degree other than its default (`tp1` alone for the plain layout)."""
+    parts = [f"tp{layout.tp}"]
+    parts += [
+        f"{k}{v}"
+        for k, v in (("pp", layout.pp), ("cp", layout.cp), ("ep", layout.ep), ("etp", layout.expert_tp))
+        if v != 1
+    ]
+    return "_".join(parts)
 
-    def flags(self) -> list[str]:
-        return [
-            "--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp),
-            "--context-parallel-size", str(self.cp), "--expert-model-parallel-size", str(self.ep),
-            "--expert-tensor-parallel-size", str(self.etp),
-            "--actor-num-nodes", "1", "--actor-num-gpus-per-node", str(self.nproc),
-        ]  # fmt: skip
+
+def layout_flags(layout: ParallelLayout) -> list[str]:
+    """The trainer flags that build the policy at `layout` on one node."""
+    return [
+        *layout.trainer_flags(),
+        "--actor-num-nodes",
+        "1",
+        "--actor-num-gpus-per-node",
+        str(ranks(layout)),
+    ]
 
 
 # --- the prompt -------------------------------------------------------------------------------
@@ -131,9 +133,9 @@ def worker(args: argparse.Namespace) -> None:
     from miles.train.distributed import init_distributed, seed_everything
     from miles.train.dumps import Dumper, PhaseDump
 
-    layout = Layout.parse(args.layout, "--layout")
+    layout = parse_layout(args.layout, "--layout")
     argv = [
-        "--hf-checkpoint", str(args.hf_checkpoint), "--train-backend", "megatron", *layout.flags(),
+        "--hf-checkpoint", str(args.hf_checkpoint), "--train-backend", "megatron", *layout_flags(layout),
         # the rollout's shape only has to parse (a group has 2 samples at least): nothing is generated
         "--rollout-batch-size", "1", "--n-samples-per-prompt", str(max(2, args.batch_size)),
         "--micro-batch-size", str(args.batch_size),
@@ -172,23 +174,23 @@ def worker(args: argparse.Namespace) -> None:
     ]
     folder = out / "logprobs"
     folder.mkdir(parents=True, exist_ok=True)
-    record = {"rank": dist_info.rank, "layout": layout.name(), "entries": entries}
+    record = {"rank": dist_info.rank, "layout": layout_name(layout), "entries": entries}
     (folder / f"rank_{dist_info.rank}.json").write_text(json.dumps(record))
     if dist_info.is_main:
-        print(f"miles.train.standalone: {layout.name()} wrote {out}", flush=True)
+        print(f"miles.train.standalone: {layout_name(layout)} wrote {out}", flush=True)
     torch.distributed.destroy_process_group()
 
 
 # --- run, compare -----------------------------------------------------------------------------
 
 
-def run(args: argparse.Namespace, layout: Layout, output_dir: Path, extra: str) -> None:
+def run(args: argparse.Namespace, layout: ParallelLayout, output_dir: Path, extra: str) -> None:
     """One layout: torchrun of the worker on tp*pp*cp ranks."""
     tokens = output_dir / "token_ids.json"
     output_dir.mkdir(parents=True, exist_ok=True)
     tokens.write_text(json.dumps(prompt_tokens(args)))
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(layout.nproc),
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks(layout)),
         "-m", "miles.train.standalone", "worker", "--layout", _layout_text(layout),
         "--hf-checkpoint", str(args.hf_checkpoint), "--token-ids-file", str(tokens),
         "--output-dir", str(output_dir), "--batch-size", str(args.batch_size),
@@ -198,13 +200,13 @@ def run(args: argparse.Namespace, layout: Layout, output_dir: Path, extra: str) 
     cmd += ["--ref-load", str(args.ref_load)] if args.ref_load else []
     cmd += ["--sp"] if args.sp else []
     cmd += ["--run-backward"] if args.run_backward else []
-    print(f"miles.train.standalone: {layout.name()} on {layout.nproc} rank(s)", flush=True)
+    print(f"miles.train.standalone: {layout_name(layout)} on {ranks(layout)} rank(s)", flush=True)
     if subprocess.run(cmd, check=False).returncode != 0:
-        _fail(f"the {layout.name()} run failed (its output is above)")
+        _fail(f"the {layout_name(layout)} run failed (its output is above)")
 
 
-def _layout_text(layout: Layout) -> str:
-    return f"--tp {layout.tp} --pp {layout.pp} --cp {layout.cp} --ep {layout.ep} --etp {layout.etp}"
+def _layout_text(layout: ParallelLayout) -> str:
+    return f"--tp {layout.tp} --pp {layout.pp} --cp {layout.cp} --ep {layout.ep} --etp {layout.expert_tp}"
 
 
 def read_logprobs(folder: Path) -> dict[tuple[int, int], float]:
@@ -335,14 +337,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "worker":
         worker(args)
     elif args.command == "run":
-        run(args, Layout.parse(args.layout, "--layout"), args.output_dir, "")
+        run(args, parse_layout(args.layout, "--layout"), args.output_dir, "")
     elif args.command == "compare":
         return compare(args.baseline_dir, args.target_dir, **thresholds)
     else:
-        base, target = Layout.parse(args.baseline, "--baseline"), Layout.parse(args.target, "--target")
-        if base.name() == target.name():
-            _fail(f"--baseline and --target are the same layout ({base.name()})")
-        base_dir, target_dir = args.output_base_dir / base.name(), args.output_base_dir / target.name()
+        base, target = parse_layout(args.baseline, "--baseline"), parse_layout(args.target, "--target")
+        if layout_name(base) == layout_name(target):
+            _fail(f"--baseline and --target are the same layout ({layout_name(base)})")
+        base_dir, target_dir = (
+            args.output_base_dir / layout_name(base),
+            args.output_base_dir / layout_name(target),
+        )
         run(args, base, base_dir, args.baseline_extra_args)
         run(args, target, target_dir, args.target_extra_args)
         return compare(base_dir, target_dir, **thresholds)

@@ -308,6 +308,8 @@ def test_the_flags_no_component_acts_on_yet_are_these():
     everyone += [consumption.remote_engine(e) for e in consumption.REMOTE_ENGINES]
     unread = {f.option for f in FLAGS if not any(c.consumes(f) for c in everyone)}
     refused = {"--kl-coef", "--optimizer"}  # refused unless left at their default
+    # R2 (the old-logprob forward's routing replayed in training) is not built; R3 is
+    refused.add("--use-routing-replay")
     # no rollout engine dumps its tensors, and nothing runs SGLang's source patcher in the trainer
     refused |= {
         "--dumper-inference",
