@@ -6,7 +6,8 @@ TE (and context-parallel attention without it), model.py builds the GPTModel chu
 hf_names.py and export.py say where every megatron weight comes from in the HF checkpoint
 and hand the weights back under HF names, checkpoint.py reads and writes torch_dist,
 training.py holds the parallel state, DDP, optimizer and schedules the training backend
-drives, loss.py the vocabulary-parallel logprobs, proof.py and ranks.py run megatron-core's
+drives, lora.py the adapters on its linear layers, routing.py rollout routing replay in its
+routers, loss.py the vocabulary-parallel logprobs, proof.py and ranks.py run megatron-core's
 rank grids under gloo, options.py says what the backend does with every Megatron flag, and
 compat.py runs megatron-core's CPU-placed work on the CPU and binds its TE-only names without
 TE: every place megatron-core is patched is there, under one `stale()` check (te_names.py finds

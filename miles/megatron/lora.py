@@ -332,9 +332,10 @@ def hf_targets(adapted: Iterable[str]) -> list[str]:
 
 
 def _marked_like(value: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor:
-    """`value` with `like`'s tensor-parallel marks (what the exporter's gather reads)."""
+    """`value` with `like`'s tensor-parallel marks (what the exporter's gather reads), copied by
+    megatron-core's own helper."""
     if like is not None:
-        for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
-            if hasattr(like, attr):
-                setattr(value, attr, getattr(like, attr))
+        from megatron.core.tensor_parallel.layers import copy_tensor_model_parallel_attributes
+
+        copy_tensor_model_parallel_attributes(value, like)
     return value

@@ -17,7 +17,7 @@ token without a recorded row (the last one, padding) is routed by the trainer's 
 Transformers models (the built-in engine, --train-backend fsdp/ddp): the routers are the modules of
 the family's `router_classes` (miles.families); each selects its experts with one torch.topk of
 k = its `top_k` over its `num_experts` scores, and that call, and only that one, is recorded or
-replayed while the router's forward runs. megatron-core's routers: miles.train.backends.megatron_routing.
+replayed while the router's forward runs. megatron-core's routers: miles.megatron.routing.
 """
 
 from __future__ import annotations
@@ -30,14 +30,9 @@ from dataclasses import dataclass
 import torch
 from torch.overrides import TorchFunctionMode
 
-NOT_RECORDED = -1
+from miles.megatron.routing import NOT_RECORDED, RoutingReplayError, replayed
+
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-class RoutingReplayError(RuntimeError):
-    """Routing replay cannot act on this model or batch; the message says why and the fix."""
-
-    same_on_every_rank = True
 
 
 def is_selection(args: Sequence, kwargs: Mapping, top_k: int, num_experts: int) -> bool:
@@ -53,17 +48,6 @@ def is_selection(args: Sequence, kwargs: Mapping, top_k: int, num_experts: int) 
         and k == top_k
         and dim in (-1, 1)
     )
-
-
-def replayed(
-    scores: torch.Tensor, own: torch.Tensor, target: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, indices) of a top-k whose indices are `target` [tokens, k] where recorded (`own`
-    where a row is NOT_RECORDED), the values read from `scores` there (so they keep its gradient)."""
-    target = target.to(device=own.device, dtype=own.dtype)
-    recorded = (target != NOT_RECORDED).all(dim=-1, keepdim=True)
-    indices = torch.where(recorded, target, own)
-    return scores.gather(-1, indices), indices
 
 
 @dataclass

@@ -53,4 +53,7 @@ def test_a_rerun_is_bit_identical(tmp_path, backend):
         assert sorted(first[key]) == list(range(NUM_ROLLOUT)), key
     assert first.keys() == rerun.keys()
     differing = {key: (first[key], rerun[key]) for key in first if first[key] != rerun[key]}
+    print(
+        f"{backend}: {len(first)} metrics over {NUM_ROLLOUT} rollouts, {len(differing)} differ; train/loss {first['train/loss']}"
+    )
     assert not differing, differing

@@ -62,6 +62,9 @@ def test_only_the_adapters_train_and_the_base_is_bit_identical(fsdp_lora):
         assert result["frozen_before"].keys() == result["frozen_after"].keys()
         for name, tensor in result["frozen_before"].items():
             assert torch.equal(tensor, result["frozen_after"][name]), name
+        print(
+            f"{len(result['trainable'])} adapter tensors trained, {len(result['frozen_before'])} base tensors bit-identical"
+        )
         assert all(n > 0 for n in result["norms"])
 
 

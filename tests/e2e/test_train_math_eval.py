@@ -53,6 +53,7 @@ def test_the_math_reward_rises_on_the_arithmetic_task(arith_run):
     assert sorted(reward) == list(range(NUM_ROLLOUT))
     first = sum(reward[s] for s in range(5)) / 5
     last = sum(reward[s] for s in range(NUM_ROLLOUT - 5, NUM_ROLLOUT)) / 5
+    print(f"rollout/raw_reward first 5 rollouts {first:.3f} -> last 5 {last:.3f}")
     assert first < 0.02, f"a random model should rarely state the sum, got mean reward {first:.3f}"
     assert last > first + 0.06, (
         f"no learning: mean reward {first:.3f} over the first 5 rollouts, {last:.3f} over the last 5"

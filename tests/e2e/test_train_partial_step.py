@@ -87,6 +87,7 @@ def test_a_partial_step_gives_the_gradient_of_the_equivalent_fixed_batch(rollout
         "--global-batch-size", "24", "--allow-partial-train-step", "--disable-rollout-trim-samples",
     )  # fmt: skip
     whole = _run(workdir, backend, fixed, "--rollout-batch-size", "2", "--global-batch-size", "8")
+    print(f"{backend}: partial {partial} / fixed {whole}")
     assert partial["train/optimizer_steps"] == whole["train/optimizer_steps"] == 2  # 24 + 8; 8 + 8
     assert whole["train/grad_norm"] > 0
     for key in ("train/grad_norm", "train/loss"):

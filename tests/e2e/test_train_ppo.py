@@ -52,6 +52,10 @@ def test_the_critics_value_loss_falls_and_explained_variance_rises(ppo_run):
     assert sorted(loss) == sorted(explained) == list(range(NUM_ROLLOUT))
     assert explained[0] == 0.0  # the head starts at zero: no variance explained
     first, last = range(2), range(NUM_ROLLOUT - 3, NUM_ROLLOUT)
+    print(
+        f"train/value_loss {_mean(loss, first):.4f} -> {_mean(loss, last):.4f}, train/explained_variance "
+        f"{_mean(explained, first):.3f} -> {_mean(explained, last):.3f} (first 2 -> last 3 rollouts)"
+    )
     assert _mean(loss, last) < 0.7 * _mean(loss, first), loss
     assert _mean(explained, last) > _mean(explained, first) + 0.08, explained
 

@@ -159,7 +159,7 @@ class MegatronBackend(TrainBackend):
         # reference model and the critic route by their own top-k, as the seed framework's do)
         self.routing = None
         if rollout.use_rollout_routing_replay and role == ACTOR:
-            from miles.train.backends import megatron_routing
+            from miles.megatron import routing as megatron_routing
 
             self.routing = megatron_routing.install(self.chunks, self.tc)
         self.optimizer_format = ckpt.optimizer_format(megatron.dist_ckpt_optim_fully_reshardable)

@@ -11,7 +11,8 @@ activation recomputation will repeat in the backward (megatron's CheckpointFunct
 without grad) queues its targets, and the recomputation (in training, with grad) takes them in
 order, so a pipeline's interleaved forwards and backwards replay each micro-batch's own experts.
 The weights of the chosen experts are read from the router's scores there
-(miles.train.routing_replay.replayed), as megatron's own replay does.
+(`replayed`, shared with the transformers routers of miles.train.routing_replay), as
+megatron's own replay does.
 """
 
 from __future__ import annotations
@@ -20,7 +21,24 @@ from collections import deque
 
 import torch
 
-from miles.train.routing_replay import NOT_RECORDED, RoutingReplayError, replayed
+NOT_RECORDED = -1  # a token whose experts the engine did not record: its router's own top-k
+
+
+class RoutingReplayError(RuntimeError):
+    """Routing replay cannot act on this model or batch; the message says why and the fix."""
+
+    same_on_every_rank = True
+
+
+def replayed(
+    scores: torch.Tensor, own: torch.Tensor, target: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of a top-k whose indices are `target` [tokens, k] where recorded (`own`
+    where a row is NOT_RECORDED), the values read from `scores` there (so they keep its gradient)."""
+    target = target.to(device=own.device, dtype=own.dtype)
+    recorded = (target != NOT_RECORDED).all(dim=-1, keepdim=True)
+    indices = torch.where(recorded, target, own)
+    return scores.gather(-1, indices), indices
 
 
 class RouterReplay:
