@@ -30,7 +30,8 @@ def parts(plan: LaunchPlan) -> tuple[str, dict[str, str], str]:
     return address, env, shlex.join(entrypoint)
 
 
-def submit(plan: LaunchPlan, caller_env: Mapping[str, str], *, out=sys.stdout) -> int:
+def submit(plan: LaunchPlan, caller_env: Mapping[str, str], *, out=None) -> int:
+    out = sys.stdout if out is None else out  # the stream of the call, not of the import
     try:
         from ray.job_submission import JobStatus, JobSubmissionClient
     except ImportError as exc:

@@ -66,10 +66,12 @@ def rollouts(saved_rollout) -> tuple[str, str]:
     return variable, fixed
 
 
-def _run(workdir: Path, backend: str, rollout: str, *args: str) -> dict[str, float]:
+def _run(workdir: Path, backend: str, rollout: str, *args: str, groups: int = 4) -> dict[str, float]:
+    """Train one step on the saved `rollout` of `groups` groups."""
     run_id = f"{backend}-{Path(rollout).stem}"
+    sizes = ("--rollout-batch-size", str(groups), *ROLLOUT[2:])
     plan = runs.tiny_plan(
-        "qwen3_4b", workdir, *ROLLOUT, *LEARN, "--load-debug-rollout-data", rollout, *args,
+        "qwen3_4b", workdir, *sizes, *LEARN, "--load-debug-rollout-data", rollout, *args,
         run_id=run_id, train_backend=backend,
     )  # fmt: skip
     record = workdir / f"record-{run_id}"
@@ -86,7 +88,7 @@ def test_a_partial_step_gives_the_gradient_of_the_equivalent_fixed_batch(rollout
         workdir, backend, variable,
         "--global-batch-size", "24", "--allow-partial-train-step", "--disable-rollout-trim-samples",
     )  # fmt: skip
-    whole = _run(workdir, backend, fixed, "--rollout-batch-size", "2", "--global-batch-size", "8")
+    whole = _run(workdir, backend, fixed, "--global-batch-size", "8", groups=2)
     print(f"{backend}: partial {partial} / fixed {whole}")
     assert partial["train/optimizer_steps"] == whole["train/optimizer_steps"] == 2  # 24 + 8; 8 + 8
     assert whole["train/grad_norm"] > 0
