@@ -89,7 +89,11 @@ class GpuSampler:
         process_every: float = 5.0,
         backends: Sequence[Backend] | None = None,
     ):
-        for name, value in (("interval", interval), ("flush_every", flush_every), ("process_every", process_every)):
+        for name, value in (
+            ("interval", interval),
+            ("flush_every", flush_every),
+            ("process_every", process_every),
+        ):
             if not value > 0:
                 raise ValueError(f"GpuSampler {name}={value!r}: must be a positive number of seconds")
         self.on_batch = on_batch
@@ -210,7 +214,9 @@ class GpuSampler:
     def _warn_once(self, what: str, gpu: int, error: Exception) -> None:
         if (what, gpu) not in self._warned:
             self._warned.add((what, gpu))
-            logger.warning("%s %s failed for gpu %d on %s: %s", self.backend.name, what, gpu, self.node, error)
+            logger.warning(
+                "%s %s failed for gpu %d on %s: %s", self.backend.name, what, gpu, self.node, error
+            )
 
 
 def _one_line(error: Exception) -> str:
