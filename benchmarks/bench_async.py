@@ -4,10 +4,14 @@ Both runs are `python -m miles.train` on two processes: one trainer rank and one
 engine process (`--rollout-engine torch --rollout-num-gpus 1`, weights by broadcast), one
 thread each, training the same tiny Qwen3 on the same synthetic task with the same sizes. The
 synchronous run generates, then trains, then syncs, so each process waits for the other; the
-fully asynchronous one (`--fully-async --max-weight-staleness 1`) generates rollout k+1 while
-rollout k trains. The figure is steps per second over the steps after the first (which
-includes the cold start in both), from the runs' own perf/step_time, measured side by side in
-one invocation; the target is async >= 1.4x sync.
+fully asynchronous one (`--fully-async --max-weight-staleness 1
+--async-data-buffer-capacity-factor 1`) generates rollout k+1 while rollout k trains. Its
+buffer holds one rollout batch because the bound allows one: with the default factor 2 the
+worker runs two batches ahead and every second batch is over the bound when it is taken, so
+it is discarded and generated again (that setting measured 1.2-1.3x here). The figure is steps
+per second over the steps after the first (which includes the cold start in both), from the
+runs' own perf/step_time, measured side by side in one invocation; each repeat runs both, and
+the median ratio is reported; the target is async >= 1.4x sync.
 
     python benchmarks/bench_async.py [--rollouts 8] [--repeats 1]
 """
@@ -70,12 +74,16 @@ def main() -> None:
             sync = run(checkpoint, workdir, f"sync-{repeat}", args.rollouts, args.response_len)
             asynchronous = run(
                 checkpoint, workdir, f"async-{repeat}", args.rollouts, args.response_len,
-                "--fully-async", "--max-weight-staleness", "1",
+                "--fully-async", "--max-weight-staleness", "1", "--async-data-buffer-capacity-factor", "1",
             )  # fmt: skip
             ratios.append(asynchronous / sync)
             print(f"{repeat:<8}{sync:>14.3f}{asynchronous:>15.3f}{ratios[-1]:>11.2f}x")
-        best = max(ratios)
-        print(f"async vs sync, best of {len(ratios)}: {best:.2f}x steps per second (target >= 1.4x)")
+        ratios.sort()
+        median = ratios[len(ratios) // 2]
+        print(
+            f"async vs sync, median of {len(ratios)}: {median:.2f}x steps per second "
+            f"(lowest {ratios[0]:.2f}x; target >= 1.4x)"
+        )
 
 
 if __name__ == "__main__":
