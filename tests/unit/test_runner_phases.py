@@ -88,7 +88,15 @@ def test_a_lane_run_shows_where_each_file_spent_its_time(make_tree, capsys):
     phases = attempt["phases"]
     assert list(phases) == list(COLUMNS), phases
     assert phases["checkpoint"] >= 0.35 and phases["rollout"] >= 0.55, phases
-    assert phases["start"] > 0 and phases["teardown"] > 0, phases  # the pytest process's own
+    # the pytest process's own start-up and teardown are recorded (the teardown of a file this
+    # small can take under the table's 0.1 s rounding, so its record is what is checked)
+    recorded = {
+        phase
+        for path in (root / REPORTS / "attempts").rglob("phases")
+        for phase, _, _ in read_intervals(path)
+    }
+    assert {"start", "teardown"} <= recorded, recorded
+    assert phases["start"] > 0, phases
     assert sum(phases.values()) == pytest.approx(attempt["elapsed"], abs=0.5), (phases, attempt["elapsed"])
     assert attempt["cpu"] >= 0.8, attempt["cpu"]  # the child's CPU counts in the file's
     summary = (root / REPORTS / "summary.md").read_text()
