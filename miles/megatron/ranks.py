@@ -20,7 +20,8 @@ from miles.parallel.layout import ModelShape, ParallelLayout
 
 _GROUPS = ("tp", "pp", "cp", "dp", "ep", "etp", "edp")
 _HIDDEN_PER_HEAD = 8  # tiny widths: only the shapes' divisibility matters here
-_RANK_TIMEOUT_S = 120  # without progress, counted at the machine's load (miles.load)
+_RANK_TIMEOUT_S = 300  # without progress, counted at the machine's load (miles.load); 120 s cut a
+# busy 2-core machine's 8-rank layout short (250 s wall at peak load 9.8) while nothing hung
 _LOAD_STRETCH = 10.0
 
 

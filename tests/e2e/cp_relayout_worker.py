@@ -105,7 +105,12 @@ def main() -> int:
     finally:
         dist.barrier()
         dist.destroy_process_group()
-    print(f"rank {rank} of {cp}: " + ("; ".join(failures) if failures else "relayout exact"), flush=True)
+    # one write of the whole line: with an unbuffered stdout, print writes the text and its newline
+    # apart, and the two ranks' lines interleave on the shared pipe
+    sys.stdout.write(
+        f"rank {rank} of {cp}: " + ("; ".join(failures) if failures else "relayout exact") + "\n"
+    )
+    sys.stdout.flush()
     return 1 if failures else 0
 
 
