@@ -7,10 +7,8 @@ why (case.py). Untested on GPU: est_time is the seed's.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 from miles.ci.register import register_ci_gate, register_cuda_ci, register_rocm_ci
+from tests.e2e.megatron.test_qwen3_30B_A3B import case
 
 register_cuda_ci(
     est_time=1100, suite="stage-c-4-gpu-h200", labels=["megatron", "weight-update", "short", "mooncake"]
@@ -27,10 +25,6 @@ register_rocm_ci(
     suite="nightly-stage-c-4-gpu-mi350",
     labels=["megatron", "weight-update", "short", "mooncake"],
 )
-
-_spec = importlib.util.spec_from_file_location("qwen3_30b_case", Path(__file__).with_name("case.py"))
-case = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(case)
 
 
 def test_baseline_trains_both_rollouts_with_the_routers_own_top_k(tmp_path):

@@ -8,10 +8,8 @@ Untested on GPU: est_time is the seed's.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 from miles.ci.register import register_ci_gate, register_cuda_ci, register_rocm_ci
+from tests.e2e.megatron.test_qwen3_30B_A3B import case
 
 register_cuda_ci(est_time=1200, suite="stage-c-4-gpu-h200", labels=["megatron", "replay"])
 register_rocm_ci(est_time=1500, suite="nightly-stage-c-4-gpu-mi350", labels=["megatron", "replay"])
@@ -21,10 +19,6 @@ register_ci_gate(metric_key="train/ppo_kl")
 register_ci_gate(metric_key="train/train_rollout_logprob_abs_diff")
 register_ci_gate(metric_key="train/train_rollout_kl")
 register_ci_gate(metric_key="rollout/raw_reward")
-
-_spec = importlib.util.spec_from_file_location("qwen3_30b_case", Path(__file__).with_name("case.py"))
-case = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(case)
 
 
 def test_rollout_routing_replay_keeps_the_logprob_gap_small(tmp_path):
