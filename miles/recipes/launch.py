@@ -1,7 +1,8 @@
 """Build a launch plan from a recipe (command, environment, working directories) and run it.
 
-One node: `python -m torch.distributed.run --standalone` starts the trainer's ranks (gloo on
-CPU, NCCL/RCCL on GPUs). Several nodes: a Ray job submitted to an existing cluster (`ray job
+One node: `python -m torch.distributed.run --standalone` starts the trainer's ranks on GPUs
+(NCCL/RCCL); on the CPU (gloo) `python -m miles.train.forked_ranks` forks them from one process
+that has imported what they share. Several nodes: a Ray job submitted to an existing cluster (`ray job
 submit` to its dashboard address; miles.recipes.ray_job places the ranks with a placement
 group), whose log is streamed and whose exit code is the run's; the plan shows the `ray start`
 commands that bring such a cluster up, which miles does not run. `--dry-run` in the scripts
@@ -30,6 +31,7 @@ from miles.recipes.models import TINY
 from miles.recipes.recipe import SHARED, ParallelProfile, Recipe, RecipeError, lane_megatron_core
 from miles.recipes.status import profile_status
 
+FORKED_RANKS_MODULE = "miles.train.forked_ranks"
 TRAINER_MODULE = "miles.train"
 RAY_JOB_MODULE = "miles.recipes.ray_job"
 RAY_DASHBOARD_PORT = 8265
@@ -318,7 +320,11 @@ def _command(
                 f"--ray-address {options.ray_address}: a one-node run starts under torchrun here, not on a Ray "
                 "cluster; drop --ray-address, or give --num-nodes above 1"
             )
-        launcher = (options.python, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1")
+        if profile.platform == "cpu":
+            # gloo ranks on one machine: forked after the imports they share (miles.train.forked_ranks)
+            launcher = (options.python, "-m", FORKED_RANKS_MODULE)
+        else:
+            launcher = (options.python, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1")
         return (
             *launcher,
             "--nproc-per-node",

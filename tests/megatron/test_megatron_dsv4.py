@@ -163,7 +163,7 @@ def two_ranks(tmp_path_factory) -> tuple[Path, dict[str, tuple[list[dict], Path]
     """Each layout's ranks' results and the folder its model's shards were saved in (one launch)."""
     path = tiny_hf("deepseek_v4", 4, dtype="float32")
     saved = {layout: tmp_path_factory.mktemp(f"saved-{layout}") for layout in PARALLEL}
-    launched = results(ranks.launch(WORKER, str(path), json.dumps([[k, str(v)] for k, v in saved.items()])))
+    launched = results(ranks.launch(WORKER, str(path), json.dumps([[k, str(v)] for k, v in saved.items()]), preload=ranks.MEGATRON_PRELOAD))
     by_layout = {r["layout"]: r["ranks"] for r in launched}
     assert sorted(by_layout) == sorted(PARALLEL), by_layout
     return path, {layout: (by_layout[layout], saved[layout]) for layout in PARALLEL}

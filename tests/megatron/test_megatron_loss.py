@@ -19,7 +19,7 @@ WORKER = Path(__file__).with_name("tp_logprobs_worker.py")
 
 
 def test_vocab_parallel_logprobs_entropy_and_gradients_match_the_full_vocabulary():
-    result = results.result(ranks.launch(WORKER, timeout=300))
+    result = results.result(ranks.launch(WORKER, timeout=300, preload=ranks.MEGATRON_PRELOAD))
     assert result["logp"] < 1e-5 and result["entropy"] < 1e-5, result
     assert result["grad"] < 1e-5, result
     assert result["padded_grad"] == 0.0, result

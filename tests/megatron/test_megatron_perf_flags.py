@@ -41,7 +41,7 @@ CASES = {
 @pytest.fixture(scope="module")
 def runs() -> dict[str, dict]:
     qwen3 = tiny("qwen3", 2, torch_dist=True)
-    return ranks.case_results(WORKER, CASES, str(qwen3.hf), str(qwen3.torch_dist))
+    return ranks.case_results(WORKER, CASES, str(qwen3.hf), str(qwen3.torch_dist), preload=ranks.MEGATRON_PRELOAD)
 
 
 def test_overlapped_reduce_and_gather_are_megatrons_and_export_the_plain_runs_weights(runs):

@@ -33,7 +33,7 @@ CASES = {
 @pytest.fixture(scope="module")
 def schedules() -> dict[str, dict]:
     qwen3 = tiny("qwen3", 4, torch_dist=True)
-    return ranks.case_results(WORKER, CASES, str(qwen3.hf), str(qwen3.torch_dist))
+    return ranks.case_results(WORKER, CASES, str(qwen3.hf), str(qwen3.torch_dist), preload=ranks.MEGATRON_PRELOAD)
 
 
 @pytest.mark.parametrize("case", ["stages-per-rank", "layers-per-stage"])

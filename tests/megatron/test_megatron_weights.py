@@ -71,7 +71,7 @@ def exported(tmp_path_factory) -> dict[str, dict]:
         }
         for case, (family, tp, pp, ep) in CASES.items()
     ]
-    found = {r["case"]: r for r in results(ranks.launch(WORKER, json.dumps(cases), timeout=900))}
+    found = {r["case"]: r for r in results(ranks.launch(WORKER, json.dumps(cases), timeout=900, preload=ranks.MEGATRON_PRELOAD))}
     assert sorted(found) == sorted(CASES), sorted(found)
     return found
 

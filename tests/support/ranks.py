@@ -1,4 +1,5 @@
-"""Launching ranks as a user does: `python -m torch.distributed.run --standalone`, gloo on the CPU.
+"""Launching ranks as a user does on the CPU: `python -m miles.train.forked_ranks` (the recipes' CPU
+launcher: gloo ranks forked after the imports they share; torchrun's environment), gloo on the CPU.
 
 `launch` starts a worker script or module on N ranks with one thread each and the project root on
 their path (so workers import `tests.support` like the tests do); `trainer` is the same for
@@ -19,9 +20,19 @@ DEFAULT_TIMEOUT = 600
 LOAD_STRETCH = 10.0
 
 
-def torchrun(nproc: int) -> list[str]:
-    """The launcher's own command line, up to the script or `-m module`."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+# What a worker's ranks import before their first collective, imported once before the fork.
+PRELOAD = ("torch.distributed",)
+# ... and for one that builds megatron-core models from transformers checkpoints
+MEGATRON_PRELOAD = ("torch.distributed", "transformers", "megatron.core.models.gpt", "miles.families.model")
+
+
+def torchrun(nproc: int, preload: Sequence[str] = PRELOAD) -> list[str]:
+    """The launcher's own command line, up to the script or `-m module` (the name stays: it starts
+    ranks with torchrun's environment; miles.train.forked_ranks)."""
+    cmd = [sys.executable, "-m", "miles.train.forked_ranks", "--nproc-per-node", str(nproc)]
+    for module in preload:
+        cmd += ["--preload", module]
+    return cmd
 
 
 def rank_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -49,9 +60,10 @@ def launch(
     module: bool = False,
     env: Mapping[str, str] | None = None,
     timeout: float = DEFAULT_TIMEOUT,
+    preload: Sequence[str] = PRELOAD,
 ) -> subprocess.CompletedProcess:
     """Run `target` (a script path, or a module with module=True) with `args` on `nproc` ranks."""
-    cmd = [*torchrun(nproc), *(["-m", str(target)] if module else [str(target)]), *map(str, args)]
+    cmd = [*torchrun(nproc, preload), *(["-m", str(target)] if module else [str(target)]), *map(str, args)]
     return run(cmd, env=rank_env(env), timeout=timeout)
 
 
@@ -73,7 +85,7 @@ def succeeded(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 
 def case_results(
-    worker: str | Path, cases: Mapping[str, object], *args: str, nproc: int = 2
+    worker: str | Path, cases: Mapping[str, object], *args: str, nproc: int = 2, preload: Sequence[str] = PRELOAD
 ) -> dict[str, object]:
     """Launch `worker ARGS CASES_JSON` once for every case; the worker's one `RESULT` line, a list
     in the cases' order, by case name."""
@@ -81,6 +93,6 @@ def case_results(
 
     from tests.support.results import result
 
-    found = result(launch(worker, *args, json.dumps(list(cases.values())), nproc=nproc))
+    found = result(launch(worker, *args, json.dumps(list(cases.values())), nproc=nproc, preload=preload))
     assert isinstance(found, list) and len(found) == len(cases), found
     return dict(zip(cases, found, strict=True))

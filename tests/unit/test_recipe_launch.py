@@ -22,13 +22,13 @@ ROOT = Path(__file__).resolve().parents[2]
 FIXED = RunOptions(model_dir="/models", data_dir="/data", output_dir="/runs", run_id="t", python="python")
 
 
-def test_one_node_cpu_plan_starts_two_gloo_ranks_with_torchrun():
+def test_one_node_cpu_plan_forks_two_gloo_ranks_and_a_gpu_plan_starts_them_with_torchrun():
     plan = build_plan(shared("qwen3_4b"), FIXED, base_env={})
     assert plan.mode == "torchrun" and plan.platform == "cpu"
-    assert plan.command[:9] == (
-        "python", "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2", "-m",
-    )  # fmt: skip
-    assert plan.command[9] == "miles.train"
+    assert plan.command[:6] == ("python", "-m", "miles.train.forked_ranks", "--nproc-per-node", "2", "-m")
+    assert plan.command[6] == "miles.train"
+    gpu = build_plan(load("qwen3_4b", platform="rocm"), FIXED, base_env={})
+    assert gpu.command[:6] == ("python", "-m", "torch.distributed.run", "--standalone", "--nnodes", "1")
     assert dict(plan.env)["OMP_NUM_THREADS"] == "1"
 
 
