@@ -277,6 +277,14 @@ PATCHES: tuple[Patch, ...] = (
         "imports anyway (TE bound to a MagicMock), so TELinear is no type and MLA's isinstance check raises",
     ),
     Patch(
+        "megatron.core.jit:enable_jit_fuser",
+        "jit_fuser = torch.compile",
+        "eager_fusions_without_cuda() makes the module's jit_fuser the identity in a process without CUDA, "
+        "before any fusion module decorates with it: torch.compile imports TorchInductor (about 4 s of CPU "
+        "in every process that imports megatron-core) and compiles the router's, experts' and norms' "
+        "fused functions to C++ with the system compiler on their first CPU call",
+    ),
+    Patch(
         "megatron.core.dist_checkpointing.strategies.filesystem_async:_get_write_results_queue",
         "if _results_queue is None:",
         "writers_die_with_this_process() sets the module's _results_queue, served by a manager that dies "
@@ -595,6 +603,52 @@ def writers_die_with_this_process() -> None:
     manager.start(initializer=children.die_with_parent)
     _writer_manager.append(manager)
     filesystem_async._results_queue = manager.Queue()
+
+
+_JIT_MODULE = "megatron.core.jit"
+
+
+class _EagerJitLoader:
+    """The loader of megatron.core.jit, then `disable_jit_fuser()` when torch sees no CUDA device."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._loader.exec_module(module)
+        import torch  # megatron.core.jit has just imported it
+
+        if not torch.cuda.is_available():
+            module.disable_jit_fuser()
+
+
+class _EagerJitFinder:
+    """Finds megatron.core.jit as the other finders do and wraps its loader (_EagerJitLoader)."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name != _JIT_MODULE:
+            return None
+        import importlib.machinery
+
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _EagerJitLoader(spec.loader)
+        return spec
+
+
+def eager_fusions_without_cuda() -> None:
+    """From now on, a megatron-core imported in this process without CUDA runs its fusions
+    eagerly (PATCHES: megatron.core.jit). Standard library only, idempotent; installed by
+    miles/__init__.py so that it comes before any import of megatron-core. Where megatron-core is
+    already imported it changes nothing (its fusions are decorated by then)."""
+    import sys
+
+    if not any(isinstance(f, type) and f is _EagerJitFinder for f in sys.meta_path):
+        sys.meta_path.insert(0, _EagerJitFinder)
 
 
 def _source_of(target: str) -> str:

@@ -143,3 +143,29 @@ def test_outside_a_redirected_call_torch_cuda_is_left_alone():
 
     GlobalMemoryBuffer().get_tensor((2,), torch.float32, "probe")
     assert torch.cuda.current_device is before
+
+
+def test_without_cuda_megatron_cores_fusions_run_eagerly_and_inductor_is_never_imported():
+    # a fresh interpreter: miles first (as every miles process), then megatron-core's fusions
+    code = (
+        "import sys, miles, torch\n"
+        "from megatron.core.fusions import fused_bias_swiglu\n"
+        "from megatron.core.transformer.moe import router\n"
+        "import megatron.core.jit as jit\n"
+        "x = torch.randn(3, 8)\n"
+        "assert torch.equal(fused_bias_swiglu.swiglu(x), torch.nn.functional.silu(x[:, :4]) * x[:, 4:])\n"
+        "print(jit.jit_fuser is jit.noop_decorator, torch.cuda.is_available(),\n"
+        "      'torch._inductor.compile_fx' in sys.modules, type(router.TopKRouter._apply_expert_bias).__name__)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # eager: the identity decorator, no TorchInductor, the router's function a plain function
+    assert done.stdout.split() == ["True", "False", "False", "function"], done.stdout
+
+
+def test_megatron_core_imported_before_miles_keeps_its_compiled_fusions():
+    # the patch decides at megatron-core's import: one already imported is left as it is
+    code = "import megatron.core.jit as jit, miles\nprint(jit.jit_fuser is jit.noop_decorator)\n"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["False"]

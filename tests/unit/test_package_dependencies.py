@@ -29,6 +29,9 @@ SHARED = {
 # Between the packages of miles (the parts of miles.ci count as miles.ci). A target is a
 # package, or one module of it where a package reaches in for that module only.
 PACKAGE_EDGES: dict[str, set[str]] = {
+    # the package's own __init__, imported by every process before anything else of miles: it
+    # decides how megatron-core's fusions are built before megatron-core can be imported
+    "miles": {"miles.megatron.compat"},
     # the CI drives the rest: its device check (miles.ci.machine) trains the recipes' tiny
     # profiles with the trainer, and it reads which of its tests train each recipe
     "miles.ci": {
