@@ -109,7 +109,7 @@ def preload(modules: Sequence[str]) -> None:
     for name in modules:
         try:
             importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - the rank's own import raises it again, with its context
+        except Exception:  # the rank's own import raises it again, with its context
             pass
 
 
@@ -146,7 +146,7 @@ def _run_rank(args: argparse.Namespace, rank: int, port: int) -> None:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if not isinstance(exc.code, int | None):
             print(exc.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - the rank's traceback, as python would print it
+    except BaseException:  # the rank's traceback, as python would print it
         import traceback
 
         traceback.print_exc()
