@@ -43,8 +43,9 @@ def prepared(tmp_path_factory) -> tuple[Path, Path]:
 
 def train(hf: Path, ref_load: Path, *extra: str, ranks: int = 1, logs: Path | None = None):
     launcher = support_ranks.torchrun(ranks) if ranks > 1 else [sys.executable]
-    if logs is not None:  # each rank's own output in its own file (torchrun adds a summary of its own)
-        launcher += ["--log-dir", str(logs), "--redirects", "3"]
+    if logs is not None:  # each rank's own output in its own file: torchrun's --log-dir (it adds a summary of its own)
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+                    "--log-dir", str(logs), "--redirects", "3"]  # fmt: skip
     cmd = [
         *launcher, "-m", "miles.train", "--hf-checkpoint", str(hf),
         "--ref-load", str(ref_load), *RUN, "--actor-num-gpus-per-node", str(ranks), *extra,
