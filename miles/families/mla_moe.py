@@ -170,6 +170,7 @@ class MlaMoeFamily(GPTFamily):
             mscale_all_dim=0.0,
             rotary_interleaved=False,  # MLA de-interleaves each head's rope pairs, as GLM's rope does
             apply_rope_fusion=False,
+            q_lora_rank=config.get("q_lora_rank") or None,  # MLATransformerConfig's default is 512
             **self.attention_fields(config),
         )
         moe = self.moe_layers(config)[: int(config["num_hidden_layers"])]

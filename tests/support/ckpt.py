@@ -41,3 +41,49 @@ def tiny_hf(family: str, layers: int, **kwargs: Any) -> Path:
 def private(entry: Path, into: Path) -> Path:
     """A copy of a cached folder that the test may change."""
     return copy_of(entry, into)
+
+
+def perturbed(family: str, layers: int, root: Path, **dims: Any) -> Path:
+    """A float32 tiny checkpoint (`root`/hf) whose norms, norm biases and expert biases, the MTP
+    layers' too, are not at the constants transformers starts them at (1, 0, 0): a norm left at 1
+    hides a norm applied to the wrong tensor, or not at all."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from miles.ckpt.families import family as get_family
+    from miles.ckpt.tiny import MTP_SHARD, add_mtp_layers, make_tiny_checkpoint
+
+    source = make_tiny_checkpoint(family, layers, root / "source", dtype="float32", progress=False, **dims)
+    hf_logging.set_verbosity_error()
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(7)
+
+    def moved(name: str, tensor: torch.Tensor) -> torch.Tensor | None:
+        if "norm" in name:
+            return tensor + torch.randn(tensor.shape, generator=gen) * 0.3
+        if name.endswith("e_score_correction_bias"):
+            return torch.randn(tensor.shape, generator=gen) * 0.05
+        return None
+
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            new = moved(name, tensor)
+            if new is not None:
+                tensor.copy_(new)
+    out = root / "hf"
+    model.save_pretrained(out, max_shard_size=1_000_000)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, out / name)
+    config = json.loads((out / "config.json").read_text())
+    add_mtp_layers(get_family(family), config, 0, "float32", out)  # save_pretrained drops them
+    if (out / MTP_SHARD).exists():
+        tensors = load_file(out / MTP_SHARD)
+        for name in sorted(tensors):
+            new = moved(name, tensors[name])
+            tensors[name] = tensors[name] if new is None else new.contiguous()
+        save_file(tensors, out / MTP_SHARD, metadata={"format": "pt"})
+    return out
