@@ -66,14 +66,15 @@ class Glm4MoeLite(MlaMoeFamily):
     )  # fmt: skip
     router_classes = ("Glm4MoeLiteTopkRouter",)  # its group top-k comes first; the last picks the experts
     tiny_model_type = "glm4_moe_lite"
-    # GLM-4.7-Flash's switches at tiny sizes: a q latent, value heads as wide as query-key heads,
-    # rope theta 1e6 on interleaved pairs, one dense layer, 4 of the routed experts with scale 1.8
-    # and one shared, one MTP layer. Every projection keeps a multiple of FP8's 128-row blocks.
+    # GLM-4.7-Flash's switches at tiny sizes: a q latent, rope theta 1e6 on interleaved pairs, one
+    # dense layer, 4 of the routed experts with scale 1.8 and one shared, one MTP layer. Value heads
+    # narrower than query-key heads (the core attention sizes its output by them); every projection
+    # keeps a multiple of FP8's 128-row blocks (transformers' CPU dequantization misreads a part block).
     tiny_dims = {
         "vocab_size": 512, "hidden_size": 128, "num_attention_heads": 4, "max_position_embeddings": 4096,
         "intermediate_size": 384, "moe_intermediate_size": 64, "num_key_value_heads": 4, "n_routed_experts": 8,
         "num_experts_per_tok": 4, "n_shared_experts": 1, "routed_scaling_factor": 1.8, "kv_lora_rank": 32,
-        "q_lora_rank": 64, "qk_rope_head_dim": 16, "qk_nope_head_dim": 48, "v_head_dim": 64,
+        "q_lora_rank": 64, "qk_rope_head_dim": 16, "qk_nope_head_dim": 48, "v_head_dim": 16,
         "num_nextn_predict_layers": 1, "rope_theta": 1_000_000, "rope_interleave": True,
     }  # fmt: skip
     tiny_layers = 2
