@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from miles.families.facts import Key, moe_layer_freq
+from miles.families.facts import ABSENT, Key, moe_layer_freq
 from miles.families.mla_moe import MLA_MOE_KEYS, MlaMoeFamily, mla_moe_fixed, mtp_layers, refuse
 from miles.families.schema import COMMON_SCHEMA, TOPK, AtMost, Int, PerLayer, Real
 
@@ -29,6 +29,11 @@ def mlp_kinds(config: Mapping[str, Any]) -> list[str]:
     """ "dense" or "sparse" for every decoder layer, as transformers' Glm4MoeLiteConfig reads them."""
     layers = int(config["num_hidden_layers"])
     return list(config.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1))
+
+
+def _written_or_default(config: Mapping[str, Any]) -> object:
+    """The MoE pattern's key as transformers reads it (ABSENT for a config with no depth)."""
+    return mlp_kinds(config) if config.get("num_hidden_layers") else ABSENT
 
 
 def _leading_dense(kinds: list[str]) -> int:
@@ -46,7 +51,7 @@ class Glm4MoeLite(MlaMoeFamily):
     published = "GLM-4.7-Flash"
     keys = (
         *MLA_MOE_KEYS,
-        Key("mlp_layer_types", "--moe-layer-freq", _layer_freq, fallback=mlp_kinds),
+        Key("mlp_layer_types", "--moe-layer-freq", _layer_freq, fallback=_written_or_default),
     )
     fixed = mla_moe_fixed(_CLASS)
     # transformers' Glm4MoeLiteConfig: its sizes, the experts a token picks among the routed ones,
