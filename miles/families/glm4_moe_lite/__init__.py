@@ -54,6 +54,11 @@ class Glm4MoeLite(MlaMoeFamily):
         Key("mlp_layer_types", "--moe-layer-freq", _layer_freq, fallback=_written_or_default),
     )
     fixed = mla_moe_fixed(_CLASS)
+    read_by_model = {
+        "first_k_dense_replace": "miles.families.glm4_moe_lite: transformers never reads it, SGLang does; refused unless "
+        "it agrees with mlp_layer_types (--moe-layer-freq)",
+        "rope_interleave": "megatron-core's MLA rotates each head's interleaved rope pairs (false is refused)",
+    }
     # transformers' Glm4MoeLiteConfig: its sizes, the experts a token picks among the routed ones,
     # and its per-layer list (dense or MoE MLP)
     schema = (

@@ -11,7 +11,7 @@ from miles.recipes import defaults as d
 from miles.recipes import references
 from miles.recipes.fidelity import deviation
 from miles.recipes.models import ModelSpec, Published
-from miles.recipes.recipe import Recipe, gpu_profile, source_file
+from miles.recipes.recipe import Overlay, Recipe, gpu_profile, source_file
 
 GLM47_FLASH = ModelSpec(
     "GLM-4.7-Flash", "glm4_moe_lite", "zai-org/GLM-4.7-Flash", num_layers=47, num_attention_heads=20,
@@ -57,6 +57,15 @@ EIGHT_GPUS = ParallelLayout(tp=4, sp=True, ep=8, etp=1)  # the reference's H200 
 # The 8-GPU form's dimensions on the CPU lane's two ranks: tensor (with sequence) and expert parallel.
 CPU_TP2_EP2 = ParallelLayout(tp=2, sp=True, ep=2, etp=1)
 
+# The seed has no AMD launcher for GLM-4.7-Flash: its MI350 run is a test case of its own
+# (tests/e2e/megatron/test_glm47_flash/test_amd_r3_mtp.py@31f1ca961a94, twinned here in
+# tests/e2e/megatron/test_glm47_flash/), so the ROCm form has no verified profile to offer.
+ROCM = Overlay(
+    platform="rocm",
+    reason="MI350 runners: no reference AMD recipe exists to verify a profile against; the seed's MI350 R3 + MTP "
+    "case is a test twin, which prepares the shared form's checkpoint",
+)
+
 RECIPE = Recipe(
     name="glm47_flash",
     description="GRPO on GLM-4.7-Flash with routing replay, the Megatron backend and SGLang",
@@ -78,6 +87,7 @@ RECIPE = Recipe(
         gpu_profile("cuda", 1, 8, MODEL, EIGHT_GPUS, rollout_gpus_per_engine=1, suite="stage-c-8-gpu-h200"),
         d.cpu_tiny_profile(CPU_TP2_EP2, "megatron"),
     ),
+    overlays=(ROCM,),
     references=references.load("glm47_flash"),
     deviations=(
         *d.COMMON_DEVIATIONS,
