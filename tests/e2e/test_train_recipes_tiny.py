@@ -17,7 +17,7 @@ import pytest
 from miles.ci.register import register_cpu_ci
 from tests.support import recipes as runs
 
-register_cpu_ci(est_time=120, suite="stage-b-cpu")
+register_cpu_ci(est_time=220, suite="stage-b-cpu")
 
 
 ROLLOUTS = 2
