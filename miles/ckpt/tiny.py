@@ -185,6 +185,18 @@ def build_tokenizer(model_max_length: int = 4096):
 MTP_SHARD = "model-mtp.safetensors"
 
 
+def with_mtp_layers(spec, config: Mapping[str, Any]) -> dict:
+    """`config` deep enough that its class builds the MTP layers' decoder layers (L + k) as the
+    decoder's: its per-layer lists re-derived for the deeper model, or given the MTP layers' kind
+    where the family fixes it (`mtp_layer_kinds`)."""
+    count = mtp_layers(config)
+    deeper = {k: v for k, v in config.items() if k not in LAYER_LIST_KEYS}
+    for key, kind in spec.mtp_layer_kinds.items():
+        deeper[key] = list(config[key]) + [kind] * count
+    deeper["num_hidden_layers"] = int(config["num_hidden_layers"]) + count
+    return deeper
+
+
 def add_mtp_layers(spec, config: dict, seed: int, dtype: str, out: Path) -> None:
     """Add the MTP layers `config` declares to the checkpoint in `out`, named as the family's
     published checkpoints name them, in a shard of their own (random values from `seed`).
@@ -205,10 +217,7 @@ def add_mtp_layers(spec, config: dict, seed: int, dtype: str, out: Path) -> None
     if not count or spec.mtp_style is None:
         return
     # The class built one layer deeper, on the meta device, names and types the MTP block's tensors.
-    deeper = {k: v for k, v in config.items() if k not in LAYER_LIST_KEYS}
-    for key, kind in spec.mtp_layer_kinds.items():  # the MTP layers' kind, where the model fixes it
-        deeper[key] = list(config[key]) + [kind] * count
-    deeper["num_hidden_layers"] = layers + count
+    deeper = with_mtp_layers(spec, config)
     with torch.device("meta"):
         model = getattr(transformers, config["architectures"][0])._from_config(
             AutoConfig.for_model(**deeper), dtype=getattr(torch, dtype)

@@ -61,6 +61,14 @@ def test_torch_dist_has_megatrons_layout_and_loads_back_equal(tiny, torch_dist_o
             # Qwen3-4B ties its output layer to the embedding; Qwen3-30B-A3B has its own
             assert ("output_layer.weight" in keys) is (not tied)
             return
+        if name == "glm4_moe_lite":
+            # a dense and MoE layers of megatron-core's own MLA, the carried MTP layer: keyed layer by layer
+            keys = {k for k in dist_checkpointing.load_tensors_metadata(str(release))}
+            assert "decoder.layers.0.mlp.linear_fc1.weight" in keys
+            assert not any(".indexer." in k for k in keys)
+            assert {"decoder.layers.1.mlp.router.expert_bias", "decoder.layers.1.mlp.shared_experts.linear_fc1.weight",
+                    "mtp.layers.0.eh_proj.weight", "mtp.layers.0.transformer_layer.mlp.router.weight"} <= keys  # fmt: skip
+            return
         if name == "glm_moe_dsa":
             # dense and MoE layers, with and without an indexer: megatron keys them layer by layer
             keys = {k for k in dist_checkpointing.load_tensors_metadata(str(release))}

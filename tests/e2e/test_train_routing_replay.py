@@ -13,14 +13,11 @@ the first rollout and 3.2e-4 after a step (FSDP); with R3 at most 2.1e-7 everywh
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import pytest
 
 from miles.ci.register import register_cpu_ci
 from tests.support import recipes as runs
-from tests.support.ckpt import tiny_hf
+from tests.support.ckpt import near_tied_checkpoint
 from tests.support.trainer_cases import run_cases
 
 register_cpu_ci(est_time=180, suite="stage-b-cpu")
@@ -41,37 +38,11 @@ MEGATRON_LAYOUTS = {
 R3 = ("--use-rollout-routing-replay",)
 
 
-def near_tied_checkpoint(root: Path) -> tuple[Path, Path]:
-    """(HF, torch_dist) of the tiny Qwen3-MoE whose routers hold three near-equal leading rows."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from miles.ckpt.torch_dist import convert_to_torch_dist
-
-    source = tiny_hf("qwen3_moe", 2, dtype="float32")
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            weight = layer.mlp.gate.weight
-            lead = weight[0] * 4
-            for expert in range(3):
-                weight[expert] = lead + 1e-6 * torch.randn(weight.shape[1], generator=gen)
-    hf = root / "hf"
-    model.save_pretrained(hf)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(source / name, hf / name)
-    dist = root / "torch_dist"
-    dist.mkdir()
-    convert_to_torch_dist(hf, dist, "qwen3_moe")
-    return hf, dist
-
-
 @pytest.fixture(scope="module")
 def gaps(tmp_path_factory) -> dict[str, list[float]]:
     """The logprob gap by rollout of every case."""
     root = tmp_path_factory.mktemp("r3")
-    hf, dist = near_tied_checkpoint(root)
+    hf, dist = near_tied_checkpoint("qwen3_moe", 2, root)
     fsdp = [*BASE, "--hf-checkpoint", str(hf), "--train-backend", "fsdp"]
     megatron = [*BASE, "--hf-checkpoint", str(hf), "--train-backend", "megatron", "--ref-load", str(dist)]
     cases = {"fsdp": fsdp, "fsdp/r3": [*fsdp, *R3], "megatron/ep2": [*megatron, *EP2]}

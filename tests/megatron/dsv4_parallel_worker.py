@@ -17,6 +17,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from tests.support.grad_norms import grad_norms
 from tests.support.results import emit
 
 SEQ, BATCH, SEED = 320, 2, 0
@@ -63,55 +64,6 @@ def global_name(name: str, layer_offset: int, local_experts: int, ep_rank: int) 
     return re.sub(
         r"local_experts\.(\d+)\.", lambda m: f"local_experts.{int(m[1]) + ep_rank * local_experts}.", name
     )
-
-
-def grad_norms(model, tc, config, path, tokens, positions) -> dict:
-    """The gradient norm of the mean token cross-entropy as the trainer gets it (megatron's DDP,
-    its forward-backward schedule, its distributed optimizer's norm), and transformers' on the same
-    tokens: each data-parallel rank takes its share of the batch."""
-    from types import SimpleNamespace
-
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-    from transformers import AutoModelForCausalLM
-
-    from miles.megatron import training
-
-    targets = torch.roll(tokens, -1, dims=1)
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
-    wrapped = training.wrap_ddp([model], tc)
-    optim = SimpleNamespace(
-        lr=1e-5, min_lr=0.0, weight_decay=0.0, beta1=0.9, beta2=0.98, eps=1e-8, clip_grad=0.0
-    )
-    optimizer = training.build_optimizer(wrapped, optim, tc)
-    training.connect_schedule(tc, wrapped)
-
-    def forward_step(data, chunk):
-        ids, pos, labels = next(data)
-        logits = chunk(ids, pos)
-
-        def loss_func(out):
-            losses = vocab_parallel_cross_entropy(out.float().contiguous(), labels)
-            return losses.mean(), {"loss": losses.mean().detach()}
-
-        return logits, loss_func
-
-    model.train()
-    for chunk in wrapped:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-    batch = [(tokens[rows], positions[rows], targets[rows])]
-    training.run_schedule(
-        forward_step, wrapped, batch, seq_length=SEQ, micro_batch_size=(BATCH // dp) * int(config["hc_mult"]),
-        forward_only=False,
-    )  # fmt: skip
-    _, norm = training.grads_ready(optimizer)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
-    logits = hf(input_ids=tokens).logits
-    torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
-    want = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in hf.parameters() if p.grad is not None)))
-    return {"grad_norm": norm, "hf_grad_norm": want, "grad_norm_rel": abs(norm - want) / want}
 
 
 def main() -> None:
@@ -187,7 +139,10 @@ def run_layout(path: str, layout: str, saved: str | None) -> None:
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
             want = hf(input_ids=tokens).logits
             result = {"layout": layout, "gap": float((want - got).abs().max()), "rank": dist.get_rank()}
-    result = {**(result or {}), **grad_norms(model, tc, config, path, tokens, positions)}
+    result = {
+        **(result or {}),
+        **grad_norms(model, tc, path, tokens, positions, rows=family.pipeline_rows(config)),
+    }
     results = [None, None]
     dist.all_gather_object(results, result)
     if dist.get_rank() == 0:

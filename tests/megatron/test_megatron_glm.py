@@ -21,7 +21,6 @@ The recipe's GPU form (Megatron at TP 4 with sequence parallelism and EP 4, the 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -51,32 +50,9 @@ VARIANTS = {
 
 def perturbed_checkpoint(root: Path, **dims) -> Path:
     """A float32 tiny GLM whose norms, k_norm biases and expert biases are not at their initial values."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
+    from tests.support.ckpt import perturbed
 
-    from miles.ckpt.families import family
-    from miles.ckpt.tiny import add_mtp_layers, make_tiny_checkpoint
-
-    source = make_tiny_checkpoint(
-        "glm_moe_dsa", LAYERS, root / "source", dtype="float32", index_topk=SPARSE_TOPK, **dims
-    )
-    hf_logging.set_verbosity_error()
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(torch.randn(param.shape, generator=gen) * 0.3)
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.05)
-    out = root / "hf"
-    model.save_pretrained(out, max_shard_size=1_000_000)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(source / name, out / name)
-    config = json.loads((out / "config.json").read_text())
-    add_mtp_layers(family("glm_moe_dsa"), config, 0, "float32", out)  # save_pretrained drops them
-    return out
+    return perturbed("glm_moe_dsa", LAYERS, root, index_topk=SPARSE_TOPK, **dims)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -41,3 +41,83 @@ def tiny_hf(family: str, layers: int, **kwargs: Any) -> Path:
 def private(entry: Path, into: Path) -> Path:
     """A copy of a cached folder that the test may change."""
     return copy_of(entry, into)
+
+
+def perturbed(family: str, layers: int, root: Path, **dims: Any) -> Path:
+    """A float32 tiny checkpoint (`root`/hf) whose norms, norm biases and expert biases, the MTP
+    layers' too, are not at the constants transformers starts them at (1, 0, 0): a norm left at 1
+    hides a norm applied to the wrong tensor, or not at all."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from miles.ckpt.families import family as get_family
+    from miles.ckpt.tiny import MTP_SHARD, add_mtp_layers, make_tiny_checkpoint
+
+    source = make_tiny_checkpoint(family, layers, root / "source", dtype="float32", progress=False, **dims)
+    hf_logging.set_verbosity_error()
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(7)
+
+    def moved(name: str, tensor: torch.Tensor) -> torch.Tensor | None:
+        if "norm" in name:
+            return tensor + torch.randn(tensor.shape, generator=gen) * 0.3
+        if name.endswith("e_score_correction_bias"):
+            return torch.randn(tensor.shape, generator=gen) * 0.05
+        return None
+
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            new = moved(name, tensor)
+            if new is not None:
+                tensor.copy_(new)
+    out = root / "hf"
+    model.save_pretrained(out, max_shard_size=1_000_000)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, out / name)
+    config = json.loads((out / "config.json").read_text())
+    add_mtp_layers(get_family(family), config, 0, "float32", out)  # save_pretrained drops them
+    if (out / MTP_SHARD).exists():
+        tensors = load_file(out / MTP_SHARD)
+        for name in sorted(tensors):
+            new = moved(name, tensors[name])
+            tensors[name] = tensors[name] if new is None else new.contiguous()
+        save_file(tensors, out / MTP_SHARD, metadata={"format": "pt"})
+    return out
+
+
+def near_tied_checkpoint(family: str, layers: int, root: Path) -> tuple[Path, Path]:
+    """(HF, torch_dist) of the float32 tiny `family` whose MoE routers hold top-k + 1 near-equal leading
+    rows (1e-6 apart, four times the others' scale): each token's top-k is a near-tie among them,
+    which the rollout engine's cached decode and the trainer's whole-sequence forward round apart."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from miles.ckpt.families import family as get_family
+    from miles.ckpt.tiny import add_mtp_layers
+    from miles.ckpt.torch_dist import convert_to_torch_dist
+
+    source = tiny_hf(family, layers, dtype="float32")
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is None:  # a dense layer
+                continue
+            weight = gate.weight
+            lead = weight[0] * 4
+            for expert in range(model.config.num_experts_per_tok + 1):  # one more than a token picks
+                weight[expert] = lead + 1e-6 * torch.randn(weight.shape[1], generator=gen)
+    hf = root / "hf"
+    model.save_pretrained(hf, max_shard_size=1_000_000)  # sharded, with the index the MTP shard joins
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, hf / name)
+    add_mtp_layers(get_family(family), model.config.to_dict(), 0, "float32", hf)  # save_pretrained drops them
+    dist = root / "torch_dist"
+    dist.mkdir()
+    convert_to_torch_dist(hf, dist, family)
+    return hf, dist

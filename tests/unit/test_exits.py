@@ -113,7 +113,7 @@ def test_refresh_image_with_an_unknown_variant():
 
 def test_prepare_ckpt_with_an_unknown_recipe_or_model():
     done = _invoke("prepare-ckpt", "--recipe", "bogus", "--model", "x", "--dry")
-    _one_error_line(done, 2, "unknown recipe 'bogus'; known: deepseek_v4, glm5_2_744b_a40b")
+    _one_error_line(done, 2, "unknown recipe 'bogus'; known: deepseek_v4, glm47_flash, glm5_2_744b_a40b")
     done = _invoke("prepare-ckpt", "--recipe", "qwen3_4b", "--model", "Qwen9-1B", "--dry")
     _one_error_line(done, 2, "model 'Qwen9-1B' is not Qwen3-4B")
 

@@ -25,7 +25,7 @@ from miles.families import family, names
 from miles.families.schema import ConfigRefused
 
 LAYERS = 2  # each family's tiny checkpoint, built once for the module
-NEW = ("glm_moe_dsa", "inkling", "deepseek_v4")
+NEW = ("glm_moe_dsa", "glm4_moe_lite", "inkling", "deepseek_v4")
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +124,7 @@ def _common(name: str) -> list:
 
 LISTS = {
     "glm_moe_dsa": ("layer_types", "mlp_layer_types", "indexer_types"),
+    "glm4_moe_lite": ("mlp_layer_types",),
     "inkling": ("layer_types", "mlp_layer_types"),
     "deepseek_v4": ("layer_types", "mlp_layer_types"),
 }
@@ -149,6 +150,11 @@ OWN = {
         ("kv_lora_rank negative", _set("kv_lora_rank", -32), "kv_lora_rank = -32: must be a whole number >= 1"),
         ("index_topk zero", _set("index_topk", 0), "index_topk = 0: must be a whole number >= 1"),
         ("first_k_dense_replace negative", _set("first_k_dense_replace", -1), "first_k_dense_replace = -1"),
+        ("topk_group above n_group", lambda c: c.update(n_group=1, topk_group=2), "topk_group = 2: exceeds n_group = 1"),
+    ],
+    "glm4_moe_lite": [
+        ("no kv_lora_rank", _drop("kv_lora_rank"), "kv_lora_rank = (missing): is required"),
+        ("v_head_dim zero", _set("v_head_dim", 0), "v_head_dim = 0: must be a whole number >= 1"),
         ("topk_group above n_group", lambda c: c.update(n_group=1, topk_group=2), "topk_group = 2: exceeds n_group = 1"),
     ],
     "inkling": [
@@ -211,7 +217,7 @@ def test_a_config_deeper_than_its_shards_is_refused_before_the_meta_model(tiny, 
     rc, lines = _validate(out, name, capsys)
     assert rc == 1, lines
     (line,) = lines
-    held = LAYERS + (name == "glm_moe_dsa")  # GLM's MTP layer follows as model.layers.2
+    held = LAYERS + (name in ("glm_moe_dsa", "glm4_moe_lite"))  # GLM's MTP layer follows as model.layers.2
     assert (
         f"{out / 'config.json'}: [schema] num_hidden_layers = 1000000: the shards hold no tensors of layer "
         f"{held} ({held} of the 1000000 layers it declares); write the weights' depth, or fetch the missing shards"
@@ -238,7 +244,12 @@ def _rewrite(src: Path, dst: Path, pick, change) -> tuple[Path, str]:
     raise AssertionError("no such tensor")
 
 
-PROJECTIONS = {"glm_moe_dsa": "q_a_proj.weight", "inkling": "q_proj.weight", "deepseek_v4": "wq_a.weight"}
+PROJECTIONS = {
+    "glm_moe_dsa": "q_a_proj.weight",
+    "glm4_moe_lite": "q_a_proj.weight",
+    "inkling": "q_proj.weight",
+    "deepseek_v4": "wq_a.weight",
+}
 
 
 @pytest.mark.parametrize("name", NEW)
@@ -406,7 +417,7 @@ def test_make_tiny_refuses_a_dim_the_schema_refuses(tmp_path, capsys):
 TORCH_DIST = [
     ("hidden_size a string", _set("hidden_size", "128"), "hidden_size = '128': must be a whole number >= 1"),
     ("top-k above the experts", _set("num_experts_per_tok", 9), "num_experts_per_tok = 9: exceeds n_routed_experts = 8"),
-    ("layer_types short", _short("layer_types"), "layer_types = ["),
+    ("per-layer list short", None, None),  # the family's first per-layer list (LISTS), one entry short
 ]  # fmt: skip
 
 
@@ -418,6 +429,8 @@ def test_the_torch_dist_step_refuses_the_same_config_before_building(
     """`prepare --plan-steps fetch,torch_dist` (validate left out of the plan, as a user may):
     the conversion checks the same schema before megatron-core builds anything."""
     monkeypatch.setenv("MILES_CACHE_DIR", str(tmp_path / "digest-cache"))
+    if case == "per-layer list short":
+        edit, said = _short(LISTS[name][0]), f"{LISTS[name][0]} = ["
     source = _with_config(tiny(name), tmp_path / "src", edit)
     models = tmp_path / "models"
     argv = ["prepare", "--quiet", "--family", name, "--model", "m", "--source", str(source), "--layers",
@@ -425,6 +438,6 @@ def test_the_torch_dist_step_refuses_the_same_config_before_building(
     assert main(argv) == 1
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("error: torch_dist of m: ") and "config.json: " + said in line, line
-    if case == "layer_types short":
+    if case == "per-layer list short":
         assert "has 1 entries for num_hidden_layers = 2; write one entry per decoder layer" in line, line
     assert not (models / "m_torch_dist").exists()

@@ -35,6 +35,7 @@ def _flags(recipe, platform, model=None) -> list[str]:
 def test_the_recipes_found_in_the_library_each_declare_a_rocm_overlay():
     assert names() == (
         "deepseek_v4",
+        "glm47_flash",
         "glm5_2_744b_a40b",
         "inkling",
         "qwen2_5_0_5b",
@@ -91,7 +92,7 @@ def test_load_refuses_rocm_on_a_cpu_torch_naming_both_facts():
 def test_unknown_recipe_lists_the_known_ones():
     with pytest.raises(
         RecipeError,
-        match="unknown recipe 'inkling2'; known: deepseek_v4, glm5_2_744b_a40b, inkling, qwen2_5_0_5b",
+        match="unknown recipe 'inkling2'; known: deepseek_v4, glm47_flash, glm5_2_744b_a40b, inkling, qwen2_5_0_5b",
     ):
         shared("inkling2")
 

@@ -19,7 +19,7 @@ import torch
 from miles.train.config import SamplingConfig
 from miles.train.rollout import RolloutEngineError, TorchRolloutEngine, cache_keyword
 
-FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v4", "glm_moe_dsa", "inkling")
+FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v4", "glm_moe_dsa", "glm4_moe_lite", "inkling")
 TOLERANCE = 1e-5  # float32: cache vs full forward differ only by summation order
 # Distinct lengths (left padding), a GRPO group of 4 sharing its prefill, a one-token prompt.
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40] * 1, [70, 71, 72]] + [[100, 101, 102, 103]] * 4

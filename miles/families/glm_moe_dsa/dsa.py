@@ -15,7 +15,7 @@ GLM-5.2's "shared" layers reuse the top-k of the nearest "full" layer below. So:
   `unfused_dsa_fn`.
 - `LatentMLA` is megatron-core's MLASelfAttention handing the indexer the normalised q latent;
   its latent norms (fused into the up-projections, as the Transformer Engine spec fuses them)
-  use GLM's 1e-6 (`with_latent_eps`).
+  use GLM's 1e-6 (miles.megatron.mla, shared with GLM-4.7-Flash).
 - `attention_spec` puts them together; a model chunk (pipeline or virtual stage) that starts
   on a shared layer, whose source layer another chunk holds, is refused
   (miles.megatron.blocks.check_chunk_start).
@@ -26,25 +26,21 @@ query): `relu(q·k)` ties at zero are common, and `torch.topk` breaks ties by th
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings import RotaryEmbedding, apply_rotary_pos_emb
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.experimental_attention_variant.dsa import unfused_dsa_fn
-from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from miles.megatron.blocks import FULL, DuplicatedLinear
+from miles.megatron.mla import mla_attention_spec
 
-# GlmMoeDsaRMSNorm's default eps (its q/kv latent norms are built without the config's), and
 # the indexer's k LayerNorm eps (GlmMoeDsaIndexer.k_norm)
-LATENT_NORM_EPS = 1e-6
 INDEXER_NORM_EPS = 1e-6
 
 
@@ -199,61 +195,9 @@ class LatentMLA(MLASelfAttention):
         )
 
 
-def with_latent_eps(linear: type) -> type:
-    """`linear` (a norm fused into a column-parallel linear) with GLM's latent-norm eps, 1e-6: its
-    config is a copy with that layernorm_epsilon (TE reads it when built, the CPU stand-in when run)."""
-
-    class LatentNormLinear(linear):
-        def __init__(self, *args, config, **kwargs):
-            config = copy.copy(config)
-            config.layernorm_epsilon = LATENT_NORM_EPS
-            super().__init__(*args, config=config, **kwargs)
-
-    LatentNormLinear.__name__ = LatentNormLinear.__qualname__ = f"LatentEps{linear.__name__}"
-    return LatentNormLinear
-
-
-def keep_router_weights_fp32(model) -> None:
-    """MoE gate weights in float32 whatever the model's dtype (the router computes its logits in
-    float32 either way: `moe_router_dtype`); megatron's DDP and optimizer keep float32 parameters
-    of a bf16 model as they are."""
-    from megatron.core.transformer.moe.router import Router
-
-    for module in model.modules():
-        if isinstance(module, Router) and module.weight.dtype != torch.float32:
-            module.weight.data = module.weight.data.float()
-
-
-def down_projection(provider) -> type:
-    """MLA's down projections, whole on every tensor-parallel rank as the Transformer Engine spec
-    builds them (TELinear, parallel_mode "duplicated"), or without TE megatron-core's own linear
-    that does the same (post_training.modelopt.layers.Linear: both mark the weight for the
-    gradient all-reduce sequence parallelism needs, and MLA accepts both). A column-parallel one
-    would compute the same forward, but MLA then gathers the rope key from the tensor-parallel
-    split and its backward keeps one rank's heads' share of that key's gradient."""
-    from miles.megatron import spec
-
-    if not isinstance(provider, spec.TEShapedSpecProvider):
-        return provider.linear()
-    from megatron.core.post_training.modelopt.layers import Linear
-
-    return Linear
-
-
 def attention_spec(provider, kinds: tuple[str, ...], holder: dict) -> ModuleSpec:
     """The self-attention spec of every layer: MLA with fused latent norms (the Transformer
     Engine spec's modules, from `provider`) and DSA sparse core attention."""
-    return ModuleSpec(
-        module=LatentMLA,
-        params={"attn_mask_type": AttnMaskType.causal},
-        submodules=MLASelfAttentionSubmodules(
-            linear_q_down_proj=down_projection(provider),
-            linear_q_up_proj=with_latent_eps(provider.column_parallel_layer_norm_linear()),
-            linear_kv_down_proj=down_projection(provider),
-            linear_kv_up_proj=with_latent_eps(provider.column_parallel_layer_norm_linear()),
-            core_attention=ModuleSpec(module=SparseAttention, params={"kinds": kinds, "holder": holder}),
-            linear_proj=provider.row_parallel_linear(),
-            q_layernorm=IdentityOp,
-            kv_layernorm=IdentityOp,
-        ),
+    return mla_attention_spec(
+        provider, LatentMLA, ModuleSpec(module=SparseAttention, params={"kinds": kinds, "holder": holder})
     )
