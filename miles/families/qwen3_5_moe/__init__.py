@@ -31,6 +31,7 @@ from miles.families.facts import COMMON, GQA, MOE, Fixed, Key, rope_parameters
 from miles.families.family import GPTFamily, UnmappedModel
 from miles.families.schema import COMMON_SCHEMA, TOPK, AtMost, Divides, Int, PerLayer, Real
 from miles.families.weights import Piece, Weights, gate_up_pieces, whole
+from miles.parallel import FamilyLimits
 
 _CLASS = "transformers' Qwen3_5MoeForConditionalGeneration"
 TEXT = "model.language_model."
@@ -171,6 +172,14 @@ class Qwen3_5Moe(GPTFamily):
         if len(layer_types(config)) != int(config["num_hidden_layers"]):
             refuse(f"layer_types has {len(layer_types(config))} entries for {config['num_hidden_layers']} layers")
 
+    def limits(self, config: Mapping[str, Any]) -> FamilyLimits:
+        return FamilyLimits(
+            tp_divides=(
+                ("linear_num_key_heads", int(config["linear_num_key_heads"]), "the gated delta net splits its key heads"),
+                ("linear_num_value_heads", int(config["linear_num_value_heads"]), "the gated delta net splits its value heads"),
+            )
+        )
+
     def transformer_fields(self, config: Mapping[str, Any]) -> dict:
         import torch
 
@@ -191,8 +200,10 @@ class Qwen3_5Moe(GPTFamily):
             attention_dropout=0.0,
             rotary_interleaved=False,
             apply_rope_fusion=False,
-            experimental_attention_variant="gated_delta_net",
-            linear_attention_freq=_linear_pattern(None, config),
+            # experimental_attention_variant stays unset: it selects megatron-core's experimental block
+            # spec (TE only; block_spec builds the layers here) and refuses context parallelism, which
+            # gdn.py adds; its other checks (TP divides the heads) are `limits`
+            linear_attention_freq=_linear_pattern(None, config),  # per-layer checkpoint keys
             linear_conv_kernel_dim=int(config["linear_conv_kernel_dim"]),
             linear_key_head_dim=int(config["linear_key_head_dim"]),
             linear_value_head_dim=int(config["linear_value_head_dim"]),
@@ -349,13 +360,12 @@ def gated_qkv_pieces(prefix: str, heads: int, groups: int, dim: int) -> tuple[Pi
     per = heads // groups
     block = (2 * per + 2) * dim
     pieces = []
-    for g in range(groups):
-        for j in range(per):
-            h = g * per + j
-            pieces.append(Piece(prefix + "q_proj.weight", 2 * h * dim, (2 * h + 1) * dim, g * block + j * dim))
-            pieces.append(
-                Piece(prefix + "q_proj.weight", (2 * h + 1) * dim, (2 * h + 2) * dim, g * block + (per + j) * dim)
-            )
+    for g in range(groups):  # in the order of their rows in linear_qkv
+        for half in (0, 1):  # the group's queries, then their gates
+            for j in range(per):
+                h = g * per + j
+                start = (2 * h + half) * dim
+                pieces.append(Piece(prefix + "q_proj.weight", start, start + dim, g * block + (half * per + j) * dim))
         pieces.append(Piece(prefix + "k_proj.weight", g * dim, (g + 1) * dim, g * block + 2 * per * dim))
         pieces.append(Piece(prefix + "v_proj.weight", g * dim, (g + 1) * dim, g * block + (2 * per + 1) * dim))
     return tuple(pieces)
