@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from miles.families.facts import COMMON, GQA, MOE, Fixed, Key, rope_parameters
+from miles.families.facts import ABSENT, COMMON, GQA, MOE, Fixed, Key, rope_parameters
 from miles.families.family import GPTFamily, UnmappedModel
 from miles.families.schema import COMMON_SCHEMA, TOPK, AtMost, Divides, Int, PerLayer, Real
 from miles.families.weights import Piece, Weights, gate_up_pieces, whole
@@ -36,6 +36,7 @@ from miles.parallel import FamilyLimits
 _CLASS = "transformers' Qwen3_5MoeForConditionalGeneration"
 TEXT = "model.language_model."
 LINEAR, FULL = "linear_attention", "full_attention"
+MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")  # the release, and its text_config
 
 
 def mtp_layers(config: Mapping[str, Any]) -> int:
@@ -55,20 +56,31 @@ def _rotary_percent(config: Mapping[str, Any]) -> object:
     return rope_parameters(config).get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
 
 
+def _ours(derive):
+    """A key's fallback for this family's configs only (every family's rows read other configs too)."""
+
+    def fallback(config: Mapping[str, Any]) -> object:
+        if config.get("model_type") not in MODEL_TYPES or "num_hidden_layers" not in config:
+            return ABSENT
+        return derive(config)
+
+    return fallback
+
+
 def _linear_pattern(value: object, config: Mapping[str, Any]) -> object:
     return [int(kind == LINEAR) for kind in layer_types(config)]
 
 
 class Qwen3_5Moe(GPTFamily):
     name = "qwen3_5_moe"
-    model_types = ("qwen3_5_moe", "qwen3_5_moe_text")  # the release, and its text_config
+    model_types = MODEL_TYPES
     attention = "gqa"
     keys = (
         *COMMON, *GQA, *MOE,
         Key("num_experts", "--num-experts"),
         Key("shared_expert_intermediate_size", "--moe-shared-expert-intermediate-size"),
-        Key("partial_rotary_factor", "--rotary-percent", fallback=_rotary_percent),
-        Key("layer_types", "--linear-attention-freq", _linear_pattern, fallback=layer_types),
+        Key("partial_rotary_factor", "--rotary-percent", fallback=_ours(_rotary_percent)),
+        Key("layer_types", "--linear-attention-freq", _linear_pattern, fallback=_ours(layer_types)),
         Key("linear_conv_kernel_dim", "--linear-conv-kernel-dim"),
         Key("linear_key_head_dim", "--linear-key-head-dim"),
         Key("linear_value_head_dim", "--linear-value-head-dim"),
