@@ -192,6 +192,9 @@ class TEShapedSpecProvider:
         return True
 
     def column_parallel_layer_norm_linear(self):
+        global _NORM_LINEAR
+        if _NORM_LINEAR is None:
+            _NORM_LINEAR = _column_parallel_linear()
         return _NORM_LINEAR
 
     def layer_norm(self, rms_norm: bool = False, for_qk: bool = False):

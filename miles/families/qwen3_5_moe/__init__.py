@@ -185,10 +185,13 @@ class Qwen3_5Moe(GPTFamily):
             refuse(f"layer_types has {len(layer_types(config))} entries for {config['num_hidden_layers']} layers")
 
     def limits(self, config: Mapping[str, Any]) -> FamilyLimits:
+        # a key config.json leaves out has Qwen3_5MoeTextConfig's default
+        keys = int(config.get("linear_num_key_heads") or 16)
+        values = int(config.get("linear_num_value_heads") or 32)
         return FamilyLimits(
             tp_divides=(
-                ("linear_num_key_heads", int(config["linear_num_key_heads"]), "the gated delta net splits its key heads"),
-                ("linear_num_value_heads", int(config["linear_num_value_heads"]), "the gated delta net splits its value heads"),
+                ("linear_num_key_heads", keys, "the gated delta net splits its key heads"),
+                ("linear_num_value_heads", values, "the gated delta net splits its value heads"),
             )
         )
 
