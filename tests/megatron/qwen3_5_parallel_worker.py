@@ -88,7 +88,9 @@ def run_layout(path: str, layout_name: str) -> dict:
             source = full[global_name(name, offset, local_experts, ep_rank)]
             part = local_part(name, param, source, config)
             if part.shape != param.shape:
-                raise SystemExit(f"{name}: the rank's part is {list(part.shape)}, the parameter {list(param.shape)}")
+                raise SystemExit(
+                    f"{name}: the rank's part is {list(part.shape)}, the parameter {list(param.shape)}"
+                )
             param.copy_(part)
 
     tokens = torch.randint(3, min(vocab, 500), (BATCH, SEQ), generator=torch.Generator().manual_seed(SEED))
@@ -103,7 +105,9 @@ def run_layout(path: str, layout_name: str) -> dict:
     seen: dict = {}
 
     wrapped = training.wrap_ddp([model], tc)
-    optim = SimpleNamespace(lr=1e-5, min_lr=0.0, weight_decay=0.0, beta1=0.9, beta2=0.98, eps=1e-8, clip_grad=0.0)
+    optim = SimpleNamespace(
+        lr=1e-5, min_lr=0.0, weight_decay=0.0, beta1=0.9, beta2=0.98, eps=1e-8, clip_grad=0.0
+    )
     optimizer = training.build_optimizer(wrapped, optim, tc)
     training.connect_schedule(tc, wrapped)
 
@@ -117,7 +121,9 @@ def run_layout(path: str, layout_name: str) -> dict:
             seen["logits"] = torch.cat(parts, dim=-1)[..., :vocab]
             # every context-parallel rank takes the mean over the whole sequence, as the trainer does
             # (miles.megatron.loss): the gather's backward hands each rank its own tokens' gradient
-            losses = gather_context_parallel(vocab_parallel_cross_entropy(logits.float().contiguous(), labels_), cp)
+            losses = gather_context_parallel(
+                vocab_parallel_cross_entropy(logits.float().contiguous(), labels_), cp
+            )
             return losses.mean(), {"loss": losses.mean().detach()}
 
         return out, loss_func
@@ -137,7 +143,12 @@ def run_layout(path: str, layout_name: str) -> dict:
     want_logits = hf(input_ids=tokens).logits
     torch.nn.functional.cross_entropy(want_logits.flatten(0, 1), targets.flatten()).backward()
     want = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in hf.parameters() if p.grad is not None)))
-    result = {"rank": dist.get_rank(), "grad_norm": norm, "hf_grad_norm": want, "grad_norm_rel": abs(norm - want) / want}
+    result = {
+        "rank": dist.get_rank(),
+        "grad_norm": norm,
+        "hf_grad_norm": want,
+        "grad_norm_rel": abs(norm - want) / want,
+    }
     if "logits" in seen:  # the last pipeline stage
         got = seen["logits"]  # [b, s/cp, v] in this rank's order
         if cp > 1:

@@ -132,7 +132,13 @@ class Qwen3_5Moe(GPTFamily):
             "mrope_interleaved": True, "mrope_section": [2, 1, 1],
         },
     }  # fmt: skip
-    tiny_vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
+    tiny_vision = {
+        "depth": 1,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": 64,
+    }
     tiny_layers = 4
     mtp_style = "mtp_layers"
     mtp_layer_kinds = {"layer_types": FULL}  # the release's MTP layer is full attention
@@ -158,7 +164,9 @@ class Qwen3_5Moe(GPTFamily):
         if config.get("attention_bias"):
             refuse("attention_bias=true is not mapped (Qwen3.5 has no attention biases)")
         if config.get("hidden_act", "silu") != "silu":
-            refuse(f"hidden_act {config.get('hidden_act')!r}: only silu (SwiGLU, the conv's activation) is mapped")
+            refuse(
+                f"hidden_act {config.get('hidden_act')!r}: only silu (SwiGLU, the conv's activation) is mapped"
+            )
         rope = rope_parameters(config)
         if rope.get("rope_type", "default") != "default":
             refuse(f"rope_type {rope.get('rope_type')!r} is not mapped for qwen3_5_moe (its default rope is)")
@@ -182,7 +190,9 @@ class Qwen3_5Moe(GPTFamily):
                 "the release) is built like the last layer"
             )
         if len(layer_types(config)) != int(config["num_hidden_layers"]):
-            refuse(f"layer_types has {len(layer_types(config))} entries for {config['num_hidden_layers']} layers")
+            refuse(
+                f"layer_types has {len(layer_types(config))} entries for {config['num_hidden_layers']} layers"
+            )
 
     def limits(self, config: Mapping[str, Any]) -> FamilyLimits:
         # a key config.json leaves out has Qwen3_5MoeTextConfig's default
@@ -276,11 +286,14 @@ class Qwen3_5Moe(GPTFamily):
             vd = int(config["linear_value_head_dim"]) * int(config["linear_num_value_heads"])
             heads, conv = int(config["linear_num_value_heads"]), 2 * kd + vd
             yield at + "in_proj.layer_norm_weight", norm
-            yield at + "in_proj.weight", (
-                whole(src + "in_proj_qkv.weight", conv),
-                whole(src + "in_proj_z.weight", vd, conv),
-                whole(src + "in_proj_b.weight", heads, conv + vd),
-                whole(src + "in_proj_a.weight", heads, conv + vd + heads),
+            yield (
+                at + "in_proj.weight",
+                (
+                    whole(src + "in_proj_qkv.weight", conv),
+                    whole(src + "in_proj_z.weight", vd, conv),
+                    whole(src + "in_proj_b.weight", heads, conv + vd),
+                    whole(src + "in_proj_a.weight", heads, conv + vd + heads),
+                ),
             )
             yield at + "conv1d.weight", (whole(src + "conv1d.weight", conv),)
             yield at + "dt_bias", (whole(src + "dt_bias", heads),)
@@ -290,8 +303,14 @@ class Qwen3_5Moe(GPTFamily):
         else:
             src = hf + "self_attn."
             yield at + "linear_qkv.layer_norm_weight", norm
-            yield at + "linear_qkv.weight", gated_qkv_pieces(
-                src, int(config["num_attention_heads"]), int(config["num_key_value_heads"]), int(config["head_dim"])
+            yield (
+                at + "linear_qkv.weight",
+                gated_qkv_pieces(
+                    src,
+                    int(config["num_attention_heads"]),
+                    int(config["num_key_value_heads"]),
+                    int(config["head_dim"]),
+                ),
             )
             yield at + "q_layernorm.weight", (whole(src + "q_norm.weight", int(config["head_dim"])),)
             yield at + "k_layernorm.weight", (whole(src + "k_norm.weight", int(config["head_dim"])),)
@@ -308,8 +327,14 @@ class Qwen3_5Moe(GPTFamily):
             yield to + "linear_fc2.weight", (whole(f"{hf}mlp.experts.{e}.down_proj.weight", hidden),)
         shared = int(config.get("shared_expert_intermediate_size") or 0)
         if shared:
-            yield mg + "mlp.shared_experts.linear_fc1.weight", gate_up_pieces(hf + "mlp.shared_expert.", shared)
-            yield mg + "mlp.shared_experts.linear_fc2.weight", (whole(hf + "mlp.shared_expert.down_proj.weight", hidden),)
+            yield (
+                mg + "mlp.shared_experts.linear_fc1.weight",
+                gate_up_pieces(hf + "mlp.shared_expert.", shared),
+            )
+            yield (
+                mg + "mlp.shared_experts.linear_fc2.weight",
+                (whole(hf + "mlp.shared_expert.down_proj.weight", hidden),),
+            )
             yield mg + "mlp.shared_experts.gate_weight", (whole(hf + "mlp.shared_expert_gate.weight", 1),)
 
     def extra_weights(self, config: Mapping[str, Any]) -> Weights:
@@ -360,13 +385,22 @@ class Qwen3_5Moe(GPTFamily):
         ]
         return replace(block, layer_specs=layers)
 
-    def finish_model(self, model, tc, config: Mapping[str, Any], vp_stage: int | None = None, *, impl: str = "local"):
+    def finish_model(
+        self, model, tc, config: Mapping[str, Any], vp_stage: int | None = None, *, impl: str = "local"
+    ):
         """On the last stage, carry the MTP layers (built like the last layer: full attention, MoE)."""
         if mtp_layers(config) and model.post_process:
             from miles.megatron.mtp import carry_mtp
             from miles.megatron.spec import layer_provider
 
-            carry_mtp(model, tc, model.decoder.submodules.layer_specs[-1], mtp_layers(config), layer_provider(impl), vp_stage)
+            carry_mtp(
+                model,
+                tc,
+                model.decoder.submodules.layer_specs[-1],
+                mtp_layers(config),
+                layer_provider(impl),
+                vp_stage,
+            )
 
 
 def gated_qkv_pieces(prefix: str, heads: int, groups: int, dim: int) -> tuple[Piece, ...]:
@@ -380,9 +414,13 @@ def gated_qkv_pieces(prefix: str, heads: int, groups: int, dim: int) -> tuple[Pi
             for j in range(per):
                 h = g * per + j
                 start = (2 * h + half) * dim
-                pieces.append(Piece(prefix + "q_proj.weight", start, start + dim, g * block + (half * per + j) * dim))
+                pieces.append(
+                    Piece(prefix + "q_proj.weight", start, start + dim, g * block + (half * per + j) * dim)
+                )
         pieces.append(Piece(prefix + "k_proj.weight", g * dim, (g + 1) * dim, g * block + 2 * per * dim))
-        pieces.append(Piece(prefix + "v_proj.weight", g * dim, (g + 1) * dim, g * block + (2 * per + 1) * dim))
+        pieces.append(
+            Piece(prefix + "v_proj.weight", g * dim, (g + 1) * dim, g * block + (2 * per + 1) * dim)
+        )
     return tuple(pieces)
 
 

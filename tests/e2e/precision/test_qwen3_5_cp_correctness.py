@@ -19,7 +19,9 @@ from miles.ci.register import register_cuda_ci, register_rocm_ci
 register_cuda_ci(est_time=300, suite="stage-c-4-gpu-h200", labels=["precision"])
 register_rocm_ci(est_time=120, suite="nightly-stage-c-4-gpu-mi350", labels=["precision"])
 
-_spec = importlib.util.spec_from_file_location("gdn_cp_twin", Path(__file__).parents[1] / "test_gdn_context_parallel.py")
+_spec = importlib.util.spec_from_file_location(
+    "gdn_cp_twin", Path(__file__).parents[1] / "test_gdn_context_parallel.py"
+)
 twin = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(twin)
 
