@@ -71,6 +71,11 @@ def _linear_pattern(value: object, config: Mapping[str, Any]) -> object:
     return [int(kind == LINEAR) for kind in layer_types(config)]
 
 
+# Megatron-LM takes the gated delta net's sizes as flags; the reference passes none (its layer spec reads
+# config.json), and neither does miles' family, which builds the layer from config.json
+_GDN_READ = "not passed: the family builds the gated delta net from config.json, as the reference's spec does"
+
+
 class Qwen3_5Moe(GPTFamily):
     name = "qwen3_5_moe"
     model_types = MODEL_TYPES
@@ -81,11 +86,11 @@ class Qwen3_5Moe(GPTFamily):
         Key("shared_expert_intermediate_size", "--moe-shared-expert-intermediate-size"),
         Key("partial_rotary_factor", "--rotary-percent", fallback=_ours(_rotary_percent)),
         Key("layer_types", "--linear-attention-freq", _linear_pattern, fallback=_ours(layer_types)),
-        Key("linear_conv_kernel_dim", "--linear-conv-kernel-dim"),
-        Key("linear_key_head_dim", "--linear-key-head-dim"),
-        Key("linear_value_head_dim", "--linear-value-head-dim"),
-        Key("linear_num_key_heads", "--linear-num-key-heads"),
-        Key("linear_num_value_heads", "--linear-num-value-heads"),
+        Key("linear_conv_kernel_dim", "--linear-conv-kernel-dim", optional=_GDN_READ),
+        Key("linear_key_head_dim", "--linear-key-head-dim", optional=_GDN_READ),
+        Key("linear_value_head_dim", "--linear-value-head-dim", optional=_GDN_READ),
+        Key("linear_num_key_heads", "--linear-num-key-heads", optional=_GDN_READ),
+        Key("linear_num_value_heads", "--linear-num-value-heads", optional=_GDN_READ),
         Key("mtp_num_hidden_layers", "--mtp-num-layers", default=0, describes_model=False),
     )  # fmt: skip
     fixed = (
@@ -116,6 +121,7 @@ class Qwen3_5Moe(GPTFamily):
     schema_aliases = {"num_local_experts": "num_experts"}
     router_classes = ("Qwen3_5MoeTopKRouter",)
     not_decoder = (("model.visual.", "the vision tower (miles trains the text decoder)"),)
+    renames_on_load = True  # AutoModelForCausalLM loads the release's model.language_model.* as model.*
     tiny_model_type = "qwen3_5_moe"
     tiny_class = "Qwen3_5MoeForConditionalGeneration"  # the release's class: its names, a vision tower
     # Qwen3.5-35B-A3B's switches at tiny sizes: 3 linear layers then a full one, 2 value heads per
@@ -261,6 +267,11 @@ class Qwen3_5Moe(GPTFamily):
             "linear_attention_freq": _linear_pattern(None, config),
             "mtp_num_layers": mtp_layers(config) or None,
         }
+
+    def model_name(self, name: str) -> str:
+        """transformers' Qwen3_5MoeForCausalLM (what AutoModelForCausalLM loads the release as) names the
+        decoder model.* and drops the vision tower and the MTP block."""
+        return "model." + name.removeprefix(TEXT) if name.startswith(TEXT) else name
 
     def source_name(self, name: str, present) -> str:
         """A text-only save (Qwen3_5MoeForCausalLM's) names the decoder model.* rather than model.language_model.*."""
