@@ -172,6 +172,13 @@ class Family:
         """The name a checkpoint holding `present` tensors gives one of `weights`' names."""
         return name
 
+    def source_piece(self, piece, present: Collection[str]):
+        """A piece of `weights` as a checkpoint holding `present` tensors stores it (by default: under
+        `source_name`; a family whose releases stack what transformers saves apart says where)."""
+        from dataclasses import replace
+
+        return replace(piece, hf_name=self.source_name(piece.hf_name, present))
+
     def model_name(self, name: str) -> str:
         """transformers' class's name of one of `weights`' checkpoint names (see renames_on_load)."""
         return name

@@ -19,6 +19,7 @@ CP 1 (tests/megatron/qwen3_5_parallel_worker.py).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,69 @@ def test_megatron_logits_match_hf_logits_on_one_rank(made, config):
                 want = reference(input_ids=tokens).logits.float()
             gaps[length] = float((want - logits(model, tokens, config["vocab_size"])).abs().max())
     assert max(gaps.values()) <= TOL, f"megatron and HF logits differ by up to {gaps} (by length)"
+
+
+def stacked_experts_copy(source: Path, out: Path) -> Path:
+    """The checkpoint as the release stores it: each decoder layer's experts stacked into
+    mlp.experts.gate_up_proj [experts, 2 x width, hidden] and mlp.experts.down_proj (the MTP layer's
+    stay one tensor per expert), in one shard with its index."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(
+        source, out, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json", ".miles-ckpt.json")
+    )
+    tensors = {}
+    for shard in source.glob("*.safetensors"):
+        tensors |= load_file(shard)
+    expert = re.compile(r"^(model\.language_model\.layers\.\d+\.mlp\.experts\.)(\d+)\.(\w+)\.weight$")
+    parts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    out_tensors = {}
+    for name, tensor in tensors.items():
+        found = expert.match(name)
+        if found:
+            parts.setdefault(found[1], {}).setdefault(int(found[2]), {})[found[3]] = tensor
+        else:
+            out_tensors[name] = tensor
+    for base, experts in parts.items():
+        order = sorted(experts)
+        out_tensors[base + "gate_up_proj"] = torch.stack(
+            [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]]) for e in order]
+        )
+        out_tensors[base + "down_proj"] = torch.stack([experts[e]["down_proj"] for e in order])
+    save_file(out_tensors, out / "model.safetensors", metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {name: "model.safetensors" for name in sorted(out_tensors)}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    return out
+
+
+def test_the_releases_stacked_experts_convert_to_the_same_model(made, config, tmp_path):
+    """Qwen3.5-35B-A3B's release stacks its decoder layers' experts (transformers saves them apart):
+    the converter reads expert e's rows of the stacked tensors, and the model computes transformers' logits."""
+    from transformers import AutoModelForCausalLM
+
+    from miles.ckpt.shards import read_weight_map
+    from miles.ckpt.torch_dist import RELEASE, convert_to_torch_dist
+    from miles.families.model import load_model, logits, probe_tokens
+    from miles.megatron.checkpoint import single_process_group
+    from miles.megatron.compat import cpu_placed
+
+    hf = stacked_experts_copy(made.hf, tmp_path / "hf")
+    names = read_weight_map(hf).weight_map
+    assert "model.language_model.layers.0.mlp.experts.gate_up_proj" in names
+    assert "model.language_model.layers.0.mlp.experts.0.gate_proj.weight" not in names
+    dst = tmp_path / "torch_dist"
+    dst.mkdir()
+    convert_to_torch_dist(hf, dst, "qwen3_5_moe", verify=False)
+    reference = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    tokens = probe_tokens(config, 80)
+    with single_process_group(), torch.random.fork_rng(devices=[]), cpu_placed():
+        model = load_model(config, dst / RELEASE, dtype=torch.float32)
+        with torch.no_grad():
+            want = reference(input_ids=tokens).logits.float()
+        gap = float((want - logits(model, tokens, config["vocab_size"])).abs().max())
+    assert gap <= TOL, gap
 
 
 @pytest.fixture(scope="module")

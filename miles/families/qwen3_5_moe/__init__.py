@@ -24,6 +24,7 @@ tensor each, as transformers saves them), shared_experts.linear_fc1/fc2 and gate
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -37,6 +38,9 @@ _CLASS = "transformers' Qwen3_5MoeForConditionalGeneration"
 TEXT = "model.language_model."
 LINEAR, FULL = "linear_attention", "full_attention"
 MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")  # the release, and its text_config
+_EXPERT = re.compile(
+    r"^(?P<base>.+\.mlp\.experts\.)(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
+)
 
 
 def mtp_layers(config: Mapping[str, Any]) -> int:
@@ -280,6 +284,24 @@ class Qwen3_5Moe(GPTFamily):
             if plain in present:
                 return plain
         return name
+
+    def source_piece(self, piece: Piece, present) -> Piece:
+        """The release stacks its decoder layers' experts ([experts, 2 x width, hidden] gate_up_proj, [experts,
+        hidden, width] down_proj) where transformers saves one tensor per expert: expert e's rows of them."""
+        from dataclasses import replace
+
+        name = self.source_name(piece.hf_name, present)
+        found = _EXPERT.match(name)
+        if name in present or found is None:
+            return replace(piece, hf_name=name)
+        down = found["proj"] == "down_proj"
+        stacked = found["base"] + ("down_proj" if down else "gate_up_proj")
+        if stacked not in present:
+            return replace(piece, hf_name=name)  # the converter names the missing tensor
+        shift = piece.stop if found["proj"] == "up_proj" else 0  # [gate; up]: up's rows follow gate's
+        return replace(
+            piece, hf_name=stacked, start=piece.start + shift, stop=piece.stop + shift, index=int(found["e"])
+        )
 
     def outer_names(self, config: Mapping[str, Any]) -> tuple[str, str, str]:
         return TEXT + "embed_tokens.weight", TEXT + "norm.weight", "lm_head.weight"
