@@ -1,7 +1,8 @@
 """Each other recipe's CPU `tiny` profile trains for 2 rollouts with 2 gloo ranks.
 
 Qwen3-30B-A3B (qwen3_moe), Inkling, DeepSeek-V4 and Qwen3.5-35B-A3B (qwen3_5_moe, Megatron at EP 2:
-its gated delta net on megatron-core's torch rule) all have transformers classes that run on CPU, so every recipe's real architecture goes through the whole loop (rollout, reward, GRPO step
+its gated delta net on megatron-core's torch rule) all have transformers classes that run on CPU, so
+every recipe's real architecture goes through the whole loop (rollout, reward, GRPO step
 with the KL reference, weight sync, --ci-test checks, checkpoint) on every PR. extra_args keep
 it to 2 rollouts of 4-token answers; DeepSeek-V4's tiny profile trains with Megatron at TP 2 with
 sequence parallelism and EP 2. The qwen3_4b recipe has its own, longer test
