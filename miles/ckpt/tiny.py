@@ -145,8 +145,10 @@ def _save_model(spec, layers: int, seed: int, dtype: str, shard_bytes: int, dims
     cls = getattr(transformers, spec.tiny_class) if spec.tiny_class else AutoModelForCausalLM
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = cls.from_config(config, dtype=getattr(torch, dtype)) if spec.tiny_class is None else (
-            cls._from_config(config, dtype=getattr(torch, dtype))
+        model = (
+            cls.from_config(config, dtype=getattr(torch, dtype))
+            if spec.tiny_class is None
+            else (cls._from_config(config, dtype=getattr(torch, dtype)))
         )
     with torch.no_grad():
         spec.tiny_values(model, torch.Generator().manual_seed(seed + 2))

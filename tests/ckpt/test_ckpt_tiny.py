@@ -26,7 +26,9 @@ def test_tiny_checkpoint_loads_with_auto_classes_and_generates_on_cpu(tiny, name
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attention)
     tokenizer = AutoTokenizer.from_pretrained(path)
     written = json.loads((path / "config.json").read_text())["architectures"]
-    if family(name).tiny_class:  # a vision-language release's class; the causal-LM auto class loads its decoder
+    if family(
+        name
+    ).tiny_class:  # a vision-language release's class; the causal-LM auto class loads its decoder
         assert written == [family(name).tiny_class] and type(model).__name__.endswith("ForCausalLM")
     else:
         assert type(model).__name__ in written
