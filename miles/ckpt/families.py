@@ -53,7 +53,9 @@ def num_layers(config: Mapping[str, Any]) -> int | None:
 def mtp_layers(config: Mapping[str, Any]) -> int:
     """How many MTP layers the config declares (they follow the decoder layers in the checkpoint)."""
     text = text_config(config)
-    value = text.get("num_nextn_predict_layers", text.get("num_mtp_layers"))
+    value = text.get(
+        "num_nextn_predict_layers", text.get("num_mtp_layers", text.get("mtp_num_hidden_layers"))
+    )
     return value if isinstance(value, int) else 0
 
 

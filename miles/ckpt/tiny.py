@@ -17,7 +17,7 @@ from typing import Any
 
 from miles import phases
 from miles.ckpt.errors import CheckpointError
-from miles.ckpt.families import LAYER_LIST_KEYS, LAYER_RE, mtp_layers
+from miles.ckpt.families import LAYER_LIST_KEYS, LAYER_RE, mtp_layers, text_config
 from miles.ckpt.families import family as get_family
 from miles.ckpt.manifest import HF_STEPS, TINY_STEP, atomic_dir, finished, read_manifest, write_manifest
 from miles.families.schema import ConfigRefused
@@ -127,7 +127,7 @@ def _save_model(spec, layers: int, seed: int, dtype: str, shard_bytes: int, dims
             f"make_tiny_checkpoint: {', '.join(clash)} cannot be a dim: layers and the tokenizer's ids set it"
         )
     try:
-        config = AutoConfig.for_model(spec.tiny_model_type, **fixed, **kwargs)
+        config = AutoConfig.for_model(spec.tiny_model_type, **spec.tiny_config({**fixed, **kwargs}))
     except (TypeError, ValueError) as exc:
         message = str(exc).replace("\n", " ")
         raise CheckpointError(
@@ -137,11 +137,19 @@ def _save_model(spec, layers: int, seed: int, dtype: str, shard_bytes: int, dims
         spec.check_config(config.to_dict())
     except ConfigRefused as exc:
         raise CheckpointError(f"make_tiny_checkpoint: {spec.name} config: {exc}") from None
-    if config.vocab_size < 256 + len(SPECIAL_TOKENS):
-        raise CheckpointError(f"make_tiny_checkpoint: vocab_size {config.vocab_size} < 259 byte-level tokens")
+    vocab = config.get_text_config().vocab_size
+    if vocab < 256 + len(SPECIAL_TOKENS):
+        raise CheckpointError(f"make_tiny_checkpoint: vocab_size {vocab} < 259 byte-level tokens")
+    import transformers
+
+    cls = getattr(transformers, spec.tiny_class) if spec.tiny_class else AutoModelForCausalLM
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+        model = (
+            cls.from_config(config, dtype=getattr(torch, dtype))
+            if spec.tiny_class is None
+            else (cls._from_config(config, dtype=getattr(torch, dtype)))
+        )
     with torch.no_grad():
         spec.tiny_values(model, torch.Generator().manual_seed(seed + 2))
     model.generation_config.pad_token_id = ids["pad"]
@@ -185,11 +193,12 @@ def build_tokenizer(model_max_length: int = 4096):
 MTP_SHARD = "model-mtp.safetensors"
 
 
-def with_mtp_layers(spec, config: Mapping[str, Any]) -> dict:
+def with_mtp_layers(spec, config: Mapping[str, Any], count: int | None = None) -> dict:
     """`config` deep enough that its class builds the MTP layers' decoder layers (L + k) as the
     decoder's: its per-layer lists re-derived for the deeper model, or given the MTP layers' kind
-    where the family fixes it (`mtp_layer_kinds`)."""
-    count = mtp_layers(config)
+    where the family fixes it (`mtp_layer_kinds`). `count` when `config` is a multimodal release's
+    text config (the MTP layers are counted at its top level)."""
+    count = mtp_layers(config) if count is None else count
     deeper = {k: v for k, v in config.items() if k not in LAYER_LIST_KEYS}
     for key, kind in spec.mtp_layer_kinds.items():
         deeper[key] = list(config[key]) + [kind] * count
@@ -213,18 +222,25 @@ def add_mtp_layers(spec, config: dict, seed: int, dtype: str, out: Path) -> None
 
     from miles.ckpt.shards import INDEX_NAME
 
-    count, layers = mtp_layers(config), config["num_hidden_layers"]
+    text = text_config(config)
+    count, layers = mtp_layers(config), text["num_hidden_layers"]
     if not count or spec.mtp_style is None:
         return
-    # The class built one layer deeper, on the meta device, names and types the MTP block's tensors.
-    deeper = with_mtp_layers(spec, config)
+    # The class built one layer deeper, on the meta device, names and types the MTP block's tensors
+    # (a multimodal release's decoder: its text config's causal LM).
+    deeper = with_mtp_layers(spec, text, count)
     with torch.device("meta"):
-        model = getattr(transformers, config["architectures"][0])._from_config(
-            AutoConfig.for_model(**deeper), dtype=getattr(torch, dtype)
-        )
+        if text is config:
+            model = getattr(transformers, config["architectures"][0])._from_config(
+                AutoConfig.for_model(**deeper), dtype=getattr(torch, dtype)
+            )
+        else:
+            model = transformers.AutoModelForCausalLM.from_config(
+                AutoConfig.for_model(**deeper), dtype=getattr(torch, dtype)
+            )
     state = revert_weight_conversion(model, model.state_dict())
     norm_dtype = next(v.dtype for k, v in state.items() if k.endswith("norm.weight") and _layer(k) is None)
-    hidden = int(config["hidden_size"])
+    hidden = int(text["hidden_size"])
     gen = torch.Generator().manual_seed(seed + 1)
     tensors: dict[str, torch.Tensor] = {}
 
@@ -237,12 +253,13 @@ def add_mtp_layers(spec, config: dict, seed: int, dtype: str, out: Path) -> None
         tensors[name] = value.to(kind).contiguous()
 
     kinds = {"model": getattr(torch, dtype), "norm": norm_dtype}
+    prefixes = {"layers": "model.layers.{}.", "mtp": "mtp.{}.", "mtp_layers": "mtp.layers.{}."}
     for k in range(count):
-        prefix = f"model.layers.{layers + k}." if spec.mtp_style == "layers" else f"mtp.{k}."
+        prefix = prefixes[spec.mtp_style].format(layers + k if spec.mtp_style == "layers" else k)
         for name, value in sorted(state.items()):
             if _layer(name) == layers + k and value.is_floating_point():
                 make(prefix + LAYER_RE.match(name)["rest"], value.shape, value.dtype)
-        for name, shape, like in spec.mtp_extras(prefix, config, hidden):
+        for name, shape, like in spec.mtp_extras(prefix, text, hidden):
             make(name, shape, kinds.get(like) or next(v.dtype for n, v in state.items() if like in n))
     save_file(tensors, out / MTP_SHARD, metadata={"format": "pt"})
     index_path = out / INDEX_NAME

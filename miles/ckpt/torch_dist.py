@@ -186,15 +186,14 @@ def _padded_vocab(config: Mapping[str, Any], multiple: int) -> int:
 
 def _layout(config, reader: CheckpointReader):
     """The family's weight layout with each piece named as this checkpoint names its tensor (a
-    family whose published files spell names another way resolves them: its `source_name`)."""
-    from dataclasses import replace
-
+    family whose published files spell names or stack tensors another way resolves them: its
+    `source_piece`)."""
     from miles.families import megatron_family
 
     family = megatron_family(config)
     present = reader.files.weight_map
     for name, pieces in family.weights(config):
-        yield name, tuple(replace(p, hf_name=family.source_name(p.hf_name, present)) for p in pieces)
+        yield name, tuple(family.source_piece(p, present) for p in pieces)
 
 
 def _fill_gpt(model, config, reader: CheckpointReader, vocab: int, progress: Progress | None) -> str:

@@ -54,12 +54,16 @@ class Family:
 
     # --- the tiny checkpoint the CPU lane trains ----------------------------------------------------
     tiny_model_type: ClassVar[str]  # the causal-LM config make_tiny_checkpoint builds
+    # the transformers class a tiny checkpoint is saved from, where the release's is not the causal LM
+    # (a vision-language release: its tensor names and its vision tower); None: AutoModelForCausalLM
+    tiny_class: ClassVar[str | None] = None
     # A tiny model is small in sizes only: every switch the published model sets keeps its value.
     tiny_dims: ClassVar[Mapping[str, Any]] = _EMPTY
     tiny_layers: ClassVar[int] = 2  # enough decoder layers for every kind of layer the model has
     sdpa: ClassVar[bool] = True  # transformers' class supports attn_implementation="sdpa"
     # How the checkpoint names MTP layers: "layers" = model.layers.{L+k}.* with eh_proj/enorm/hnorm
-    # (DeepSeek-V3 style, GLM-5); "mtp" = mtp.{k}.* with e_proj/h_proj (DeepSeek-V4); None = none.
+    # (DeepSeek-V3 style, GLM-5); "mtp" = mtp.{k}.* with e_proj/h_proj (DeepSeek-V4); "mtp_layers" =
+    # mtp.layers.{k}.* with mtp.fc and mtp.pre_fc_norm_* (Qwen3.5); None = none.
     mtp_style: ClassVar[str | None] = None
     # The kind an MTP layer has in each per-layer list of config.json (layer_types: its attention),
     # where the published model fixes it; a list not named here is re-derived for the deeper model.
@@ -133,6 +137,11 @@ class Family:
         tables at 0) that would hide code paths in a tiny model, set on the freshly built model
         before it is saved (torch.Generator `gen`)."""
 
+    def tiny_config(self, values: Mapping[str, Any]) -> dict:
+        """AutoConfig.for_model's arguments for a tiny checkpoint whose decoder has `values` (a
+        multimodal release nests them under text_config)."""
+        return dict(values)
+
     def mtp_extras(self, prefix: str, config: Mapping[str, Any], hidden: int) -> Iterator[tuple]:
         """A tiny checkpoint's MTP block beyond its decoder layer, under `prefix`, as its published
         checkpoints name it: (name, shape, dtype) for each tensor, the dtype "model" (the weights'),
@@ -162,6 +171,13 @@ class Family:
     def source_name(self, name: str, present: Collection[str]) -> str:
         """The name a checkpoint holding `present` tensors gives one of `weights`' names."""
         return name
+
+    def source_piece(self, piece, present: Collection[str]):
+        """A piece of `weights` as a checkpoint holding `present` tensors stores it (by default: under
+        `source_name`; a family whose releases stack what transformers saves apart says where)."""
+        from dataclasses import replace
+
+        return replace(piece, hf_name=self.source_name(piece.hf_name, present))
 
     def model_name(self, name: str) -> str:
         """transformers' class's name of one of `weights`' checkpoint names (see renames_on_load)."""
@@ -216,6 +232,10 @@ class GPTFamily(Family):
 
         return decoder_block_spec(tc, impl=impl, vp_stage=vp_stage)
 
+    def rotary_percent(self, config: Mapping[str, Any]) -> float:
+        """The share of each head's dimensions rope rotates (GPTModel's rotary_percent)."""
+        return 1.0
+
     def finish_model(
         self, model, tc, config: Mapping[str, Any], vp_stage: int | None = None, *, impl: str = "local"
     ):
@@ -256,6 +276,7 @@ class GPTFamily(Family):
             post_process=last,
             position_embedding_type=self.position_embedding_type,
             rotary_base=rope["rope_theta"],
+            rotary_percent=self.rotary_percent(config),
             seq_len_interpolation_factor=interpolation,
             share_embeddings_and_output_weights=bool(config.get("tie_word_embeddings")),
             vp_stage=vp_stage,

@@ -20,7 +20,8 @@ The other changes are `PATCHES`, each applied by one function here: the Transfor
 names of the layer-spec module bound to stand-ins while a spec is built without TE
 (`te_stand_ins`), the MoE dispatcher's CUDA stream when the rank-grid proof builds a MoE
 layer on CPU (`without_dispatcher_stream`), multi-latent attention's belief that TE is
-installed (`mla_without_te`), the process groups megatron-core's `destroy_model_parallel`
+installed (`mla_without_te`), the gated delta net's fla kernels where fla is absent
+(`gdn_without_fla`), the process groups megatron-core's `destroy_model_parallel`
 leaves behind (`forget_destroyed_groups`), and the checkpoint writer's result queue, served by
 a manager that dies with the trainer (`writers_die_with_this_process`). Nothing outside this
 module writes into megatron-core (the module is long for that reason: the entries and the
@@ -213,6 +214,16 @@ REDIRECTS: tuple[Redirect, ...] = (
         "device=torch.cuda.current_device()",
         "a router with expert bias allocates the bias and its token counts on the current CUDA device",
     ),
+    Redirect(
+        "megatron.core.ssm.gated_delta_net:GatedDeltaNet.__init__",
+        "device=torch.cuda.current_device()",
+        "the gated delta net (Qwen3.5's linear attention) allocates its conv1d, dt_bias and A_log on the GPU",
+    ),
+    Redirect(
+        "megatron.core.ssm.gated_delta_net:GatedDeltaNet.reset_parameters",
+        "device=torch.cuda.current_device()",
+        "the gated delta net initialises dt_bias and A_log on the current CUDA device",
+    ),
 )
 
 # Module-level names megatron-core only defines when Transformer Engine imports, each with the
@@ -283,6 +294,17 @@ PATCHES: tuple[Patch, ...] = (
         "before any fusion module decorates with it: torch.compile imports TorchInductor (about 4 s of CPU "
         "in every process that imports megatron-core) and compiles the router's, experts' and norms' "
         "fused functions to C++ with the system compiler on their first CPU call",
+    ),
+    Patch(
+        "megatron.core.ssm.gated_delta_net:GatedDeltaNet.__init__",
+        "if not HAVE_FLA:",
+        "gdn_without_fla() binds the module's fla kernels (chunk_gated_delta_rule, l2norm) to megatron-core's own "
+        "torch form of the gated delta rule and an fla-equal l2norm where fla (Triton) is not installed",
+    ),
+    Patch(
+        "megatron.core.ssm.gated_delta_net:torch_chunk_gated_delta_rule",
+        "Torch-native implementation of chunked gated delta rule",
+        "gdn_without_fla() runs this, megatron-core's own torch form, in place of fla's chunk kernel",
     ),
     Patch(
         "megatron.core.dist_checkpointing.strategies.filesystem_async:_get_write_results_queue",
@@ -566,6 +588,29 @@ def mla_without_te() -> None:
 
     if importlib.util.find_spec("transformer_engine") is None:
         multi_latent_attention.HAVE_TE = False
+
+
+def _l2norm(x, dim: int = -1, eps: float = 1e-6):
+    """fla.modules.l2norm's value: x / sqrt(sum(x^2) + 1e-6) over the last dimension."""
+    import torch
+
+    return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+
+def gdn_without_fla() -> None:
+    """Without flash-linear-attention (fla: Triton kernels, absent on CPU and from some images), let
+    megatron-core's GatedDeltaNet be built and run: its module refuses to build without fla and calls
+    fla's chunk kernel and l2norm. The chunk rule is bound to megatron-core's own torch form (what
+    its deterministic mode runs), l2norm to fla's formula. With fla installed nothing changes."""
+    import importlib.util
+
+    from megatron.core.ssm import gated_delta_net
+
+    if gated_delta_net.HAVE_FLA or importlib.util.find_spec("fla") is not None:
+        return
+    gated_delta_net.chunk_gated_delta_rule = gated_delta_net.torch_chunk_gated_delta_rule
+    gated_delta_net.l2norm = _l2norm
+    gated_delta_net.HAVE_FLA = True
 
 
 def forget_destroyed_groups() -> None:

@@ -107,6 +107,8 @@ def choose_impl(requested: str | None, device: str, status: TEStatus | None = No
 
 
 def _norm_fn(config, x: torch.Tensor, weight: torch.Tensor, bias, eps: float) -> torch.Tensor:
+    if config.layernorm_zero_centered_gamma:  # --apply-layernorm-1p: the weight is stored minus 1, as TE's
+        weight = weight + 1
     if config.normalization == "RMSNorm":
         return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
     return torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, eps)
@@ -124,7 +126,8 @@ class Norm(torch.nn.Module):
         super().__init__()
         self.config = config
         self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        start = torch.zeros if config.layernorm_zero_centered_gamma else torch.ones  # 1 + w starts at 1
+        self.weight = torch.nn.Parameter(start(hidden_size, dtype=config.params_dtype))
         self.bias = None
         if config.normalization != "RMSNorm":
             self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
@@ -145,7 +148,8 @@ def _column_parallel_linear():
 
         def __init__(self, input_size, output_size, *, config, **kwargs):
             super().__init__(input_size, output_size, config=config, **kwargs)
-            self.layer_norm_weight = torch.nn.Parameter(torch.ones(input_size, dtype=config.params_dtype))
+            start = torch.zeros if config.layernorm_zero_centered_gamma else torch.ones
+            self.layer_norm_weight = torch.nn.Parameter(start(input_size, dtype=config.params_dtype))
             self.layer_norm_bias = None
             if config.normalization != "RMSNorm":
                 self.layer_norm_bias = torch.nn.Parameter(torch.zeros(input_size, dtype=config.params_dtype))
@@ -188,6 +192,9 @@ class TEShapedSpecProvider:
         return True
 
     def column_parallel_layer_norm_linear(self):
+        global _NORM_LINEAR
+        if _NORM_LINEAR is None:
+            _NORM_LINEAR = _column_parallel_linear()
         return _NORM_LINEAR
 
     def layer_norm(self, rms_norm: bool = False, for_qk: bool = False):

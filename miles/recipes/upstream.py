@@ -302,6 +302,11 @@ class _Reading:
         with self.evaluator.bounded(self.source.cite()):  # a crafted launcher ends in one line
             script = self.read(self.source.script)
             script.natives.setdefault("__file__", f"{REPO_ROOT}/{self.source.script}")
+            if self.source.entry == "__main__":  # a test file run as a script: its main block
+                if self.source.settings:
+                    raise SourceError(f"{self.source.script}: a main block takes no settings")
+                self.evaluator.block(script, {}, _main_block(script, self.source.script))
+                return self._job()
             entry = self.evaluator.lookup(script, self.source.entry, script.tree)
             if not _defines(script, "ScriptArgs"):  # a test file: its entry reads the module's own constants
                 if self.source.settings:
@@ -343,3 +348,17 @@ def read_launch(mirror: Mirror, source: Upstream) -> Launch:
     if mirror.commit(source.commit) is None:
         raise MirrorError(f"{mirror.path}: has no commit {source.commit}")
     return _Reading(mirror, source).launch()
+
+
+def _main_block(module: Module, script: str) -> list[ast.stmt]:
+    """The body of the module's `if __name__ == "__main__":` (the entry "__main__")."""
+    for node in module.tree.body:
+        test = node.test if isinstance(node, ast.If) else None
+        if (
+            isinstance(test, ast.Compare)
+            and isinstance(test.left, ast.Name)
+            and test.left.id == "__name__"
+            and [getattr(c, "value", None) for c in test.comparators] == ["__main__"]
+        ):
+            return node.body
+    raise SourceError(f'{script}: no `if __name__ == "__main__":` block to run')

@@ -1,8 +1,9 @@
 """Each other recipe's CPU `tiny` profile trains for 2 rollouts with 2 gloo ranks.
 
-Qwen3-30B-A3B (qwen3_moe), Inkling, DeepSeek-V4 and GLM-4.7-Flash all have transformers classes that run on
-CPU, so every recipe's real architecture goes through the whole loop (rollout, reward, GRPO step
-with the KL reference, weight sync, --ci-test checks, checkpoint) on every PR. extra_args keep
+Qwen3-30B-A3B (qwen3_moe), Inkling, DeepSeek-V4, GLM-4.7-Flash and Qwen3.5-35B-A3B (qwen3_5_moe,
+Megatron at EP 2: its gated delta net on megatron-core's torch rule) all have transformers classes
+that run on CPU, so every recipe's real architecture goes through the whole loop (rollout, reward,
+GRPO step with the KL reference, weight sync, --ci-test checks, checkpoint) on every PR. extra_args keep
 it to 2 rollouts of 4-token answers; DeepSeek-V4's and GLM-4.7-Flash's tiny profiles train with
 Megatron at TP 2 with sequence parallelism and EP 2 (GLM-4.7-Flash's with routing replay, as its
 recipe has it). The qwen3_4b recipe has its own, longer test
@@ -17,13 +18,13 @@ import pytest
 from miles.ci.register import register_cpu_ci
 from tests.support import recipes as runs
 
-register_cpu_ci(est_time=220, suite="stage-b-cpu")
+register_cpu_ci(est_time=300, suite="stage-b-cpu")
 
 
 ROLLOUTS = 2
 
 
-@pytest.mark.parametrize("recipe", ["qwen3_30b_a3b", "inkling", "deepseek_v4", "glm47_flash"])
+@pytest.mark.parametrize("recipe", ["qwen3_30b_a3b", "inkling", "deepseek_v4", "glm47_flash", "qwen3_5_35b_a3b"])
 def test_recipe_tiny_profile_trains_two_rollouts_on_cpu(recipe, tmp_path):
     plan = runs.tiny_plan(recipe, tmp_path, "--num-rollout", str(ROLLOUTS), "--rollout-max-response-len", "4")
     assert runs.launch(plan, tmp_path / "record") == 0

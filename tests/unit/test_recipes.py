@@ -41,6 +41,7 @@ def test_the_recipes_found_in_the_library_each_declare_a_rocm_overlay():
         "qwen2_5_0_5b",
         "qwen3_30b_a3b",
         "qwen3_4b",
+        "qwen3_5_35b_a3b",
     )
     for name in names():
         assert [r.variant for r in variants(name)] == ["shared", "rocm"]

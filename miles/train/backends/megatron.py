@@ -268,7 +268,11 @@ class MegatronBackend(TrainBackend):
         if names == "model":
             from miles.families.weights import OUTER_NAMES
 
-            if megatron_family(self.config).outer_names(self.config) != OUTER_NAMES:
+            family = megatron_family(self.config)
+            outer = family.outer_names(self.config)
+            if family.renames_on_load:  # the names transformers' causal LM gives them
+                outer = tuple(family.model_name(n) for n in outer)
+            if outer != OUTER_NAMES:
                 raise MegatronSetupError(
                     f"{self.hf_checkpoint}: model_type {self.config.get('model_type')} is a multimodal release "
                     "that transformers' AutoModelForCausalLM (the built-in rollout engine's loader) does not "
