@@ -85,7 +85,9 @@ def main() -> int:
     parser.add_argument("--backend", choices=("megatron", "fsdp"), default="megatron")
     parser.add_argument("--rollouts", type=int, default=1)
     args = parser.parse_args()
-    compare("megatron-core import", [(COMPILED[0], COMPILED[1], None), (EAGER[0], EAGER[1], None)], args.repeats)
+    compare(
+        "megatron-core import", [(COMPILED[0], COMPILED[1], None), (EAGER[0], EAGER[1], None)], args.repeats
+    )
     with tempfile.TemporaryDirectory(prefix="bench-launch-") as tmp:
         cases = launch_cases(Path(tmp), args.backend, args.rollouts)
         compare(f"{args.backend} run of {args.rollouts} rollout(s) on 2 ranks", cases, args.repeats)

@@ -73,7 +73,9 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
             raise LaunchRefused(f"{program[0]}: no such script; give -m MODULE or an existing file")
         args.module, args.script, args.args = None, program[0], program[1:]
     if not hasattr(os, "fork"):
-        raise LaunchRefused("this platform has no fork(); start the ranks with python -m torch.distributed.run")
+        raise LaunchRefused(
+            "this platform has no fork(); start the ranks with python -m torch.distributed.run"
+        )
     return args
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from miles.ci.register import register_cpu_ci
+from tests.support.ranks import torchrun
 
 register_cpu_ci(est_time=480, suite="stage-b-cpu")
 
@@ -123,7 +124,7 @@ def test_megatron_disk_offload_with_streamed_optimizer_state_trains_bit_for_bit(
 
 def _launch(root: Path, hf: Path, *args: str, record: Path) -> subprocess.Popen:
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "miles.train",
+        *torchrun(2), "-m", "miles.train",
         "--hf-checkpoint", str(hf), *runs.BASE_ARGS, "--actor-num-gpus-per-node", "2", *args,
     ]  # fmt: skip
     env = {**os.environ, runs.RECORD_DIR_ENV: str(record), "OMP_NUM_THREADS": "1"}

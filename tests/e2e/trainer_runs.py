@@ -1,7 +1,7 @@
-"""Running `python -m miles.train` under torchrun on a tiny model, for the training e2e tests.
+"""Running `python -m miles.train` on a tiny model, for the training e2e tests.
 
-Not a test module: the test files import it. A run is the command a user types (torchrun, gloo
-ranks on the CPU), with the metric record written where the test reads it.
+Not a test module: the test files import it. A run is the command a user types (the recipes' CPU
+launcher, miles.train.forked_ranks: gloo ranks on the CPU), with the metric record written where the test reads it.
 """
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from miles.metrics.capture import RECORD_DIR_ENV, decode_value
+from tests.support.ranks import torchrun
 
 # A tiny GRPO run: 4 prompts x 4 samples per rollout, two optimizer steps of 8 samples each (so
 # the second step's ratio is not 1), an entropy bonus (so the loss is not zero at ratio 1).
@@ -64,12 +64,11 @@ def train(
     workdir: Path, hf: Path, *args: str, nproc: int = 2, name: str = "run", env: dict | None = None,
     timeout: int = 900,
 ) -> Run:  # fmt: skip
-    """`torchrun --nproc-per-node nproc -m miles.train --hf-checkpoint hf BASE_ARGS args`; its metric
-    record goes to workdir/name."""
+    """`python -m miles.train.forked_ranks --nproc-per-node nproc -m miles.train --hf-checkpoint hf
+    BASE_ARGS args` (the CPU launcher a recipe renders); its metric record goes to workdir/name."""
     record = workdir / name
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-        "-m", "miles.train", "--hf-checkpoint", str(hf), *BASE_ARGS, "--actor-num-gpus-per-node", str(nproc), *args,
+        *torchrun(nproc), "-m", "miles.train", "--hf-checkpoint", str(hf), *BASE_ARGS, "--actor-num-gpus-per-node", str(nproc), *args,
     ]  # fmt: skip
     full_env = {**os.environ, RECORD_DIR_ENV: str(record), "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout, check=False)

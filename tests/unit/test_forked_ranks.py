@@ -23,7 +23,9 @@ os.write(1, (line + "\\n").encode())  # one write: the ranks share the pipe
 """
 
 
-def _run(tmp_path: Path, body: str, *args: str, nproc: int = 2, timeout: float = 120) -> subprocess.CompletedProcess:
+def _run(
+    tmp_path: Path, body: str, *args: str, nproc: int = 2, timeout: float = 120
+) -> subprocess.CompletedProcess:
     script = tmp_path / "worker.py"
     script.write_text(body)
     cmd = [*LAUNCH, "--nproc-per-node", str(nproc), str(script), *args]
@@ -39,7 +41,9 @@ def test_each_rank_gets_torchruns_environment_and_the_arguments(tmp_path):
     seen = sorted((json.loads(line) for line in done.stdout.splitlines()), key=lambda r: r["env"]["RANK"])
     assert [r["env"]["RANK"] for r in seen] == ["0", "1", "2"]
     assert all(r["env"]["LOCAL_RANK"] == r["env"]["RANK"] for r in seen)
-    assert {r["env"]["WORLD_SIZE"] for r in seen} == {"3"} and {r["env"]["LOCAL_WORLD_SIZE"] for r in seen} == {"3"}
+    assert {r["env"]["WORLD_SIZE"] for r in seen} == {"3"} and {
+        r["env"]["LOCAL_WORLD_SIZE"] for r in seen
+    } == {"3"}
     assert {r["env"]["MASTER_ADDR"] for r in seen} == {"127.0.0.1"}
     assert len({r["env"]["MASTER_PORT"] for r in seen}) == 1 and int(seen[0]["env"]["MASTER_PORT"]) > 0
     assert all(r["argv"] == ["--flag", "-m", "x"] and r["name"] == "__main__" for r in seen)
@@ -96,7 +100,9 @@ def test_sigterm_to_the_launcher_reaches_every_rank(tmp_path):
     )
     script = tmp_path / "worker.py"
     script.write_text(body)
-    proc = subprocess.Popen([*LAUNCH, "--nproc-per-node", "2", str(script)], stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*LAUNCH, "--nproc-per-node", "2", str(script)], stderr=subprocess.PIPE, text=True
+    )
     deadline = time.monotonic() + 120
     while len(list(marker.glob("up*"))) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -106,9 +112,13 @@ def test_sigterm_to_the_launcher_reaches_every_rank(tmp_path):
 
 
 def test_bad_command_lines_are_refused_with_the_fix(tmp_path):
-    zero = subprocess.run([*LAUNCH, "--nproc-per-node", "0", "-m", "json.tool"], capture_output=True, text=True)
+    zero = subprocess.run(
+        [*LAUNCH, "--nproc-per-node", "0", "-m", "json.tool"], capture_output=True, text=True
+    )
     assert zero.returncode == 2 and "--nproc-per-node 0: give at least 1 rank" in zero.stderr
-    missing = subprocess.run([*LAUNCH, "--nproc-per-node", "1", str(tmp_path / "nope.py")], capture_output=True, text=True)
+    missing = subprocess.run(
+        [*LAUNCH, "--nproc-per-node", "1", str(tmp_path / "nope.py")], capture_output=True, text=True
+    )
     assert missing.returncode == 2 and "nope.py: no such script" in missing.stderr
     nothing = subprocess.run([*LAUNCH, "--nproc-per-node", "1"], capture_output=True, text=True)
     assert nothing.returncode == 2 and "no program" in nothing.stderr
