@@ -69,6 +69,8 @@ def train_metrics(steps: Sequence[Mapping[str, float]], use_tis: bool) -> dict[s
     total = {k: sum(step[k] for step in steps) for k in (*LOSS_SUMS, "loss", "grad_norm", "lr")}
     metrics = {f"train/{k}": total[k] / len(steps) for k in ("loss", "grad_norm", "lr")}
     per_token = [k for k in LOSS_SUMS if k != "tokens" and (use_tis or k != "tis_weight")]
+    if not total["mtp_loss"]:  # no MTP layer trained (a cross-entropy is never 0)
+        per_token.remove("mtp_loss")
     return metrics | {f"train/{k}": total[k] / total["tokens"] for k in per_token}
 
 

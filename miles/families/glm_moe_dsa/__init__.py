@@ -6,8 +6,7 @@ dense first layers, then MoE layers with a sigmoid router whose expert bias pick
 but does not weight them, top-k weights renormalised and scaled, and a shared expert. Every
 config.json value that changes the math is mapped or refused by name. The MTP layers
 (`model.layers.{L+k}.*`) are carried: converted, saved, loaded and handed to the rollout
-engine, frozen and outside the training forward (transformers has no MTP forward to match,
-and megatron-core's GPTModel would return its loss instead of logits).
+engine, frozen unless --enable-mtp-training trains them (miles.megatron.mtp).
 
 Weights (transformers names on the right, all rows as they are): the layer's input norm;
 linear_q_down_proj [q_a_proj], linear_q_up_proj [q_b_proj] with the q latent norm fused
@@ -96,10 +95,6 @@ class GlmMoeDsa(GPTFamily):
         Fixed(
             "--moe-router-bias-update-rate", 0,
             f"{_CLASS} keeps e_score_correction_bias as a buffer nothing updates, and miles trains it so",
-        ),
-        Fixed(
-            "--mtp-num-layers", 0,
-            "miles carries the MTP layers (converted, handed to the rollout engine) but does not train them",
         ),
     )  # fmt: skip
     read_by_model = {
