@@ -288,7 +288,7 @@ def _read_mtp_tensors(path: str, prefixes: list[str]) -> dict[str, Any]:
     raw = {}
     for file in files:
         with safe_open(str(Path(path) / file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+            for name in f.keys():
                 if name.startswith(tuple(prefixes)):
                     raw[name] = f.get_tensor(name)
     return _as_model_names(raw, prefixes, torch)
