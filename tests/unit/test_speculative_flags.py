@@ -45,7 +45,10 @@ def test_the_built_in_engine_reads_the_seeds_flags_as_a_chain_of_drafts():
     [
         (("EAGLE", 2, 4, None), "--sglang-speculative-eagle-topk 4: the built-in engine drafts one chain"),
         (("EAGLE", 2, 1, 5), "--sglang-speculative-num-draft-tokens 5: a chain of 2 drafts verifies 3"),
-        (("STANDALONE", 2, 1, 3), "--sglang-speculative-algorithm STANDALONE: the built-in rollout engine drafts"),
+        (
+            ("STANDALONE", 2, 1, 3),
+            "--sglang-speculative-algorithm STANDALONE: the built-in rollout engine drafts",
+        ),
         ((None, 3, None, None), "--sglang-speculative-num-steps 3 without --sglang-speculative-algorithm"),
     ],
 )

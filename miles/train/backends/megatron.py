@@ -134,7 +134,9 @@ class MegatronBackend(TrainBackend):
             except NoValueHead as exc:
                 raise MegatronSetupError(f"{hf}: {exc}") from exc
         mg.freeze_padding_embedding(chunks, self.config.get("pad_token_id"))
-        self.mtp = _mtp_training(megatron, model, self.config, self.layout, lora, hf) if role == ACTOR else None
+        self.mtp = (
+            _mtp_training(megatron, model, self.config, self.layout, lora, hf) if role == ACTOR else None
+        )
         if self.mtp is not None:
             from miles.megatron.mtp import train_mtp
 
@@ -546,7 +548,9 @@ class MegatronBackend(TrainBackend):
         return mt.apply_step(self.optimizer, self.optim_cfg.clip_grad, grad_norm), grad_norm
 
 
-def _mtp_training(megatron: MegatronConfig, model: ModelConfig, config: dict, layout: ParallelLayout, lora, path: str):
+def _mtp_training(
+    megatron: MegatronConfig, model: ModelConfig, config: dict, layout: ParallelLayout, lora, path: str
+):
     """--enable-mtp-training's loss scale, or None; what cannot train the MTP layers is refused."""
     from miles.ckpt.families import mtp_layers
 
@@ -561,7 +565,9 @@ def _mtp_training(megatron: MegatronConfig, model: ModelConfig, config: dict, la
         raise MegatronSetupError(f"--enable-mtp-training: {why}")
 
     if not count:
-        refuse(f"{path}/config.json declares no MTP layers (num_nextn_predict_layers); use a checkpoint with them")
+        refuse(
+            f"{path}/config.json declares no MTP layers (num_nextn_predict_layers); use a checkpoint with them"
+        )
     if family.mtp_style != "layers" or not hasattr(family, "layer_weights"):
         refuse(
             f"the {family.name} family's MTP layers ({family.mtp_style} style) are carried by a model of miles' "
@@ -577,7 +583,9 @@ def _mtp_training(megatron: MegatronConfig, model: ModelConfig, config: dict, la
             "train with --pipeline-model-parallel-size 1 --context-parallel-size 1"
         )
     if lora.enabled:
-        refuse("with LoRA adapters: the MTP layers would train whole beside a frozen, adapted policy; drop one")
+        refuse(
+            "with LoRA adapters: the MTP layers would train whole beside a frozen, adapted policy; drop one"
+        )
     return float(megatron.mtp_loss_scaling_factor)
 
 
