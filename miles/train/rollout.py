@@ -91,6 +91,12 @@ class RolloutEngine(abc.ABC):
         config says how it ends a sequence), or None when the model lives elsewhere."""
         return None
 
+    @property
+    def holds_mtp_layers(self) -> bool:
+        """Whether it takes the checkpoint's MTP layers with the weights (SGLang loads them as its
+        draft model; the built-in engine holds them only to draft with)."""
+        return True
+
     @abc.abstractmethod
     def generate(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, seed: int
@@ -211,6 +217,10 @@ class TorchRolloutEngine(RolloutEngine):
     @property
     def local_model(self):
         return self.model
+
+    @property
+    def holds_mtp_layers(self) -> bool:
+        return self.speculation is not None
 
     @property
     def weight_dtype(self):
