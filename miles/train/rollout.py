@@ -190,21 +190,19 @@ class TorchRolloutEngine(RolloutEngine):
         checkpoint: CheckpointConfig,
         optimizer: OptimizerConfig,
         rollout: RolloutConfig,
+        sglang: SGLangConfig,
         dist_info,
-        sglang: SGLangConfig | None = None,
     ) -> TorchRolloutEngine:
         from miles.train.model import load_causal_lm, load_tokenizer, train_dtype
         from miles.train.speculative import SpeculativeConfig
 
         path = checkpoint.hf_checkpoint
-        speculative = None
-        if sglang is not None:
-            speculative = SpeculativeConfig.from_flags(
-                sglang.sglang_speculative_algorithm,
-                sglang.sglang_speculative_num_steps,
-                sglang.sglang_speculative_eagle_topk,
-                sglang.sglang_speculative_num_draft_tokens,
-            )
+        speculative = SpeculativeConfig.from_flags(  # by SGLang's names, as the seed's recipes give them
+            sglang.sglang_speculative_algorithm,
+            sglang.sglang_speculative_num_steps,
+            sglang.sglang_speculative_eagle_topk,
+            sglang.sglang_speculative_num_draft_tokens,
+        )
         model = load_causal_lm(path, dtype=train_dtype(optimizer.bf16), device=dist_info.device)
         return cls(
             model,

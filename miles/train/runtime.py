@@ -189,7 +189,7 @@ def build_run(config: RunConfig) -> Run:
     critic = make_backend(config, dist_info, role=CRITIC) if config.algorithm.uses_critic else None
     replay = config.checks.debug_train_only
     engine = None if replay else make_engine(config, dist_info)
-    if engine is not None and config.megatron.enable_mtp_training and not engine.holds_mtp_layers:
+    if engine is not None and backend.trains_mtp and not engine.holds_mtp_layers:
         raise BackendUnavailable(
             f"--enable-mtp-training: the {engine.name} rollout engine holds no MTP layers to take the trained "
             "ones (the built-in engine holds them to draft with); add --sglang-speculative-algorithm EAGLE, "

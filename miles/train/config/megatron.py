@@ -105,7 +105,7 @@ class MegatronConfig(Section):
     moe_pad_expert_input_to_capacity: str | None = _text()
     moe_token_dispatcher_type: str | None = _text(by=MEGATRON)
     mtp_loss_scaling_factor: float = flag(
-        by=MEGATRON, type=float, default=0.2, help="weight of the MTP layers' loss (with --enable-mtp-training)"
+        by=MEGATRON, type=float, default=0.2, help="weight of the MTP layers' loss when they train"
     )
     enable_mtp_training: bool = flag(
         by=MEGATRON,
@@ -116,7 +116,7 @@ class MegatronConfig(Section):
     mtp_only_training: bool = flag(
         by=MEGATRON,
         action="store_true",
-        help="with --enable-mtp-training: freeze every other weight (the policy stays bit-identical)",
+        help="train the MTP layers alone: every other weight frozen (the policy stays bit-identical)",
         why_not="transformers' classes (fsdp/ddp) have no MTP forward; train MTP layers with --train-backend megatron",
     )
     moe_grouped_gemm: bool = _switch(by=MEGATRON)
