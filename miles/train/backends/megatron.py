@@ -137,6 +137,7 @@ class MegatronBackend(TrainBackend):
         self.mtp = (
             _mtp_training(megatron, model, self.config, self.layout, lora, hf) if role == ACTOR else None
         )
+        self.trains_mtp = self.mtp is not None
         if self.mtp is not None:
             from miles.megatron.mtp import train_mtp
 
