@@ -269,8 +269,9 @@ def _mask_params():
 
 
 def _read_mtp_tensors(path: str, prefixes: list[str]) -> dict[str, Any]:
-    """The MTP layers' tensors of the checkpoint in `path`, as transformers' class would hold layer
-    L + k (experts fused where it fuses them): loaded through the class one layer deeper."""
+    """The MTP layers' tensors of the checkpoint in `path`, named as transformers' class holds
+    layer L + k (its experts fused, `_as_model_names`); a shape the class does not hold fails the
+    copy in `MtpDrafter.load`."""
     import json
     from pathlib import Path
 
