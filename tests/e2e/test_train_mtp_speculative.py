@@ -8,7 +8,9 @@ drafted by the checkpoint's MTP layer in the built-in engine (--sglang-speculati
 EAGLE, one draft a step) and verified by the policy. The MTP loss
 falls, the acceptance rate of the engine's drafts climbs past 0.6 once the trained MTP layer is
 pushed to the engine, and every weight outside the MTP layer is bit-identical to the starting
-checkpoint's after the steps while the MTP layer's moved.
+checkpoint's after the steps while the MTP layer's moved. Without --mtp-only-training the RL loss
+moves the policy beside them; a built-in engine that does not draft cannot take trained MTP
+layers, which is refused at start.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from miles.ci.register import register_cpu_ci
@@ -30,15 +33,16 @@ ROOT = Path(__file__).resolve().parents[2]
 ROLLOUTS = 8
 FLAGS = (
     "--prompt-data", "synthetic:echo", "--input-key", "prompt", "--label-key", "label", "--rm-type", "synthetic",
-    "--num-rollout", str(ROLLOUTS), "--rollout-batch-size", "8", "--n-samples-per-prompt", "4",
+    "--rollout-batch-size", "8", "--n-samples-per-prompt", "4",
     "--rollout-max-response-len", "12", "--rollout-temperature", "0.01", "--global-batch-size", "4",
     "--micro-batch-size", "4", "--advantage-estimator", "grpo", "--optimizer", "adam", "--lr", "3e-2",
     "--weight-decay", "0.1", "--rollout-engine", "torch", "--train-backend", "megatron",
     "--tensor-model-parallel-size", "1", "--distributed-backend", "gloo", "--num-threads", "1", "--seed", "7",
-    "--enable-mtp-training", "--mtp-only-training", "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "1.0",
+    "--enable-mtp-training", "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "1.0", "--ci-test",
+)  # fmt: skip
+SPECULATE = (
     "--sglang-speculative-algorithm", "EAGLE", "--sglang-speculative-num-steps", "1",
     "--sglang-speculative-eagle-topk", "1", "--sglang-speculative-num-draft-tokens", "2",
-    "--save-interval", str(ROLLOUTS), "--ci-test",
 )  # fmt: skip
 
 
@@ -73,12 +77,20 @@ def read_torch_dist(directory: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def test_mtp_only_training_makes_speculative_rollouts_accept_and_leaves_the_policy_bit_identical(tmp_path):
-    hf, dist = tiny_glm(tmp_path)
-    save, record = tmp_path / "ckpt", tmp_path / "record"
+@pytest.fixture(scope="module")
+def glm(tmp_path_factory):
+    return tiny_glm(tmp_path_factory.mktemp("glm"))
+
+
+def train(glm, workdir: Path, rollouts: int, *flags: str) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    """`miles.train` on one gloo rank from the tiny GLM, saving at its last rollout: (the process,
+    its --save dir, its metric record)."""
+    hf, dist = glm
+    save, record = workdir / "ckpt", workdir / "record"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", "miles.train",
         "--hf-checkpoint", str(hf), "--ref-load", str(dist), "--save", str(save), *FLAGS,
+        "--num-rollout", str(rollouts), "--save-interval", str(rollouts), *flags,
     ]  # fmt: skip
     env = {
         **os.environ,
@@ -87,6 +99,22 @@ def test_mtp_only_training_makes_speculative_rollouts_accept_and_leaves_the_poli
         "PYTHONPATH": str(ROOT),
     }
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
+    return proc, save, record
+
+
+def trunk_and_mtp(glm, save: Path) -> tuple[list[str], list[str]]:
+    """(trunk weights, MTP weights) whose saved values differ from the starting checkpoint's."""
+    before = read_torch_dist(next(glm[1].glob("release")))
+    after = read_torch_dist(next(save.glob("iter_*")))
+    moved = [k for k in before if not torch.equal(before[k], after[k])]
+    assert any(not k.startswith("mtp.") for k in before)
+    return [k for k in moved if not k.startswith("mtp.")], [k for k in moved if k.startswith("mtp.")]
+
+
+def test_mtp_only_training_makes_speculative_rollouts_accept_and_leaves_the_policy_bit_identical(
+    glm, tmp_path
+):
+    proc, save, record = train(glm, tmp_path, ROLLOUTS, "--mtp-only-training", *SPECULATE)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     accept = runs.series(record, "rollout/spec_accept_rate")
     mtp = runs.series(record, "train/mtp_loss")
@@ -97,11 +125,20 @@ def test_mtp_only_training_makes_speculative_rollouts_accept_and_leaves_the_poli
     assert accept[0] < 0.5, accept  # the checkpoint's random MTP layer drafts what the policy rarely samples
     last = sum(accept[s] for s in range(ROLLOUTS - 3, ROLLOUTS)) / 3
     assert last >= 0.6, accept
-    before = read_torch_dist(next(dist.glob("release")))
-    after = read_torch_dist(next(save.glob("iter_*")))
-    trunk = [k for k in before if not k.startswith("mtp.")]
-    assert trunk and all(torch.equal(before[k], after[k]) for k in trunk), [
-        k for k in trunk if not torch.equal(before[k], after[k])
-    ][:5]
-    moved = [k for k in before if k.startswith("mtp.") and not torch.equal(before[k], after[k])]
-    assert moved, "no MTP weight changed"
+    trunk, mtp_moved = trunk_and_mtp(glm, save)
+    assert trunk == [], trunk[:5]
+    assert mtp_moved, "no MTP weight changed"
+
+
+def test_mtp_training_beside_the_rl_loss_lets_the_rl_loss_train_the_policy(glm, tmp_path):
+    proc, save, record = train(glm, tmp_path, 2, *SPECULATE)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    assert sorted(runs.series(record, "train/mtp_loss")) == [0, 1]
+    trunk, mtp_moved = trunk_and_mtp(glm, save)
+    assert trunk and mtp_moved
+
+
+def test_mtp_layers_trained_for_a_built_in_engine_that_does_not_draft_are_refused(glm, tmp_path):
+    proc, _, _ = train(glm, tmp_path, 1)
+    assert proc.returncode != 0
+    assert "--enable-mtp-training: the torch rollout engine holds no MTP layers" in proc.stdout + proc.stderr
