@@ -270,12 +270,11 @@ def _mask_params():
 
 def _read_mtp_tensors(path: str, prefixes: list[str]) -> dict[str, Any]:
     """The MTP layers' tensors of the checkpoint in `path`, named as transformers' class holds
-    layer L + k (its experts fused, `_as_model_names`); a shape the class does not hold fails the
+    layer L + k (its experts fused, `as_model_names`); a shape the class does not hold fails the
     copy in `MtpDrafter.load`."""
     import json
     from pathlib import Path
 
-    import torch
     from safetensors import safe_open
 
     from miles.ckpt.shards import INDEX_NAME
@@ -292,13 +291,15 @@ def _read_mtp_tensors(path: str, prefixes: list[str]) -> dict[str, Any]:
             for name in f.keys():
                 if name.startswith(tuple(prefixes)):
                     raw[name] = f.get_tensor(name)
-    return _as_model_names(raw, prefixes, torch)
+    return as_model_names(raw)
 
 
-def _as_model_names(raw: dict, prefixes: list[str], torch) -> dict:
+def as_model_names(raw: dict) -> dict:
     """Per-expert checkpoint tensors of an MTP layer stacked as transformers 5 fuses a layer's
     experts (mlp.experts.gate_up_proj [E, 2I, d] = [gate; up], down_proj [E, d, I])."""
     import re
+
+    import torch
 
     out, experts = {}, {}
     pattern = re.compile(

@@ -141,6 +141,11 @@ class MegatronBackend(TrainBackend):
         if self.mtp is not None:
             from miles.megatron.mtp import train_mtp
 
+            if not any(getattr(chunk, "mtp", None) is not None for chunk in chunks):
+                raise MegatronSetupError(
+                    f"--enable-mtp-training: the {megatron_family(self.config).name} family builds no MTP block "
+                    f"for {hf}'s MTP layers (its finish_model carries none: miles.megatron.mtp.carry_mtp)"
+                )
             for chunk in chunks:
                 if getattr(chunk, "mtp", None) is not None:
                     train_mtp(chunk)
@@ -306,7 +311,7 @@ class MegatronBackend(TrainBackend):
     def _with_mtp(self, exporter, names: str, dtype):
         """The exporter's tensors; with --enable-mtp-training under the transformers class's names,
         the trained MTP layers too, as the built-in engine's drafter holds them (experts fused)."""
-        from miles.train.speculative import _as_model_names, mtp_prefixes
+        from miles.train.speculative import as_model_names, mtp_prefixes
 
         prefixes = tuple(mtp_prefixes(self.config, megatron_family(self.config).mtp_style))
         held = {}
@@ -315,7 +320,7 @@ class MegatronBackend(TrainBackend):
                 held[name] = tensor
                 continue
             yield name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
-        for name, tensor in _as_model_names(held, list(prefixes), torch).items():
+        for name, tensor in as_model_names(held).items():
             yield name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
 
     def _merged(self, local: dict) -> dict:
