@@ -9,9 +9,10 @@ from normalise(max(0, p - q)), and when all k pass a (k+1)-th token is drawn fro
 that come out are distributed exactly as plain sampling from p (temperature, top-k, top-p
 applied to both p and q), and their logprobs are read from the policy's own logits.
 
-Rows of a batch advance by the fewest tokens any of them accepted (the KV caches stay
-rectangular); a row that accepted more keeps the prefix, whose distribution is still exact, and
-draws its next token from p at that position (the cut is independent of the row's own draws).
+Rows of a batch advance together by m + 1 tokens, m the fewest drafts any row accepted (the KV
+caches stay rectangular): each row emits the first m + 1 tokens the algorithm gives it (its
+(m+1)-th draft where it accepted that one, else its residual or bonus draw). Every such token,
+given those before it, is drawn from p, so cutting a row's tokens there keeps them exact.
 """
 
 from __future__ import annotations
