@@ -5,7 +5,7 @@ latents (their norms fused into the up-projections, at eps 1e-6 as transformers 
 dense first layers, then MoE layers whose sigmoid router picks experts by score plus an expert
 bias that does not weight them, top-k weights renormalised and scaled, and shared experts. The
 MTP layers (`model.layers.{L+k}.*`: enorm, hnorm, eh_proj, shared_head.norm and a decoder layer
-built like the last one) are carried as megatron-core's `mtp.layers.k` (miles.megatron.mtp).
+built like the last one) are carried as megatron-core's `mtp.layers.k`, frozen unless --enable-mtp-training trains them (miles.megatron.mtp).
 A family adds its attention's own keys, weights and spec (GLM-5's DSA indexer) by overriding
 the hooks here. Standard library only.
 
@@ -64,10 +64,6 @@ def mla_moe_fixed(cls: str) -> tuple[Fixed, ...]:
         Fixed(
             "--moe-router-bias-update-rate", 0,
             f"{cls} keeps e_score_correction_bias as a buffer nothing updates, and miles trains it so",
-        ),
-        Fixed(
-            "--mtp-num-layers", 0,
-            "miles carries the MTP layers (converted, handed to the rollout engine) but does not train them",
         ),
     )  # fmt: skip
 

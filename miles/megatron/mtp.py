@@ -36,3 +36,95 @@ def carry_mtp(model, tc, layer_spec, count: int, provider, vp_stage: int | None 
     )
     block.requires_grad_(False)
     model.add_module("mtp", block.to(tc.params_dtype))
+
+
+class MtpRefused(ValueError):
+    """--enable-mtp-training where the model or layout cannot train the MTP layers; says why."""
+
+
+def train_mtp(model) -> None:
+    """Train the MTP block carried by `model` (a last-stage GPTModel): in a training forward the
+    model returns (logits, [each MTP layer's logits]) instead of the logits alone.
+
+    megatron-core's block runs as GPTModel runs it (the decoder's normed output and the next
+    token's embedding in, its layers chained), but its loss is the trainer's to weigh and its
+    gradient reaches the MTP parameters alone: the trunk's hidden states, the embedding and the
+    shared output layer enter it detached, so the policy's update is the RL loss's only.
+    GPTModel's own MTP path is not used: given labels it returns the loss instead of the logits
+    the RL loss needs.
+    """
+    block = getattr(model, "mtp", None)
+    if block is None:
+        raise MtpRefused("this model chunk carries no MTP layers")
+    block.requires_grad_(True)
+    original = model._postprocess
+
+    def postprocess(hidden_states, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos,
+                    rotary_pos_sin, mtp_in_postprocess=None, loss_mask=None, decoder_input=None,
+                    attention_mask=None, inference_params=None, packed_seq_params=None,
+                    sequence_len_offset=None, runtime_gather_output=None, extra_block_kwargs=None,
+                    inference_context=None):  # fmt: skip
+        logits = original(
+            hidden_states, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin,
+            mtp_in_postprocess=False, loss_mask=loss_mask, decoder_input=decoder_input,
+            attention_mask=attention_mask, inference_params=inference_params, packed_seq_params=packed_seq_params,
+            sequence_len_offset=sequence_len_offset, runtime_gather_output=runtime_gather_output,
+            extra_block_kwargs=extra_block_kwargs, inference_context=inference_context,
+        )  # fmt: skip
+        if not model.training:
+            return logits
+        return logits, mtp_logits(
+            model, hidden_states, input_ids, position_ids, attention_mask, rotary_pos_emb, rotary_pos_cos,
+            rotary_pos_sin, packed_seq_params, sequence_len_offset, runtime_gather_output, extra_block_kwargs,
+        )  # fmt: skip
+
+    model._postprocess = postprocess
+
+
+def mtp_logits(model, hidden_states, input_ids, position_ids, attention_mask, rotary_pos_emb, rotary_pos_cos,
+               rotary_pos_sin, packed_seq_params, sequence_len_offset, runtime_gather_output,
+               extra_block_kwargs) -> list:  # fmt: skip
+    """Each MTP layer's logits [rows, S, V/tp]: layer j at position i predicts token i + 2 + j."""
+    block = model.mtp
+
+    def embedding(input_ids, position_ids):
+        return model.embedding(input_ids=input_ids, position_ids=position_ids).detach()
+
+    out = block(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        hidden_states=hidden_states.detach(),
+        attention_mask=attention_mask,
+        rotary_pos_emb=rotary_pos_emb,
+        rotary_pos_cos=rotary_pos_cos,
+        rotary_pos_sin=rotary_pos_sin,
+        packed_seq_params=packed_seq_params,
+        sequence_len_offset=sequence_len_offset,
+        extra_block_kwargs=extra_block_kwargs,
+        embedding=embedding,
+    )
+    layers = out.chunk(1 + len(block.layers), dim=0)[1:]
+    weight = (
+        model.shared_embedding_or_output_weight()
+        if model.share_embeddings_and_output_weights
+        else model.output_layer.weight
+    )
+    return [
+        model.output_layer(h, weight=weight.detach(), runtime_gather_output=runtime_gather_output)[0]
+        .transpose(0, 1)
+        .contiguous()
+        for h in layers
+    ]
+
+
+def mtp_targets(tokens, loss_mask, width: int, depth: int):
+    """(targets [rows, S], mask [rows, width - 1]) of MTP layer `depth`: the token 2 + depth
+    positions ahead (0 past the end) and whether it is a response token (the loss mask, which
+    marks the token one ahead, moved `1 + depth` positions)."""
+    import torch
+
+    shift = 2 + depth
+    targets = torch.cat([tokens[:, shift:], torch.zeros_like(tokens[:, :shift])], dim=1)
+    mask = torch.zeros_like(loss_mask)
+    mask[:, : max(0, width - 1 - (shift - 1))] = loss_mask[:, shift - 1 :]
+    return targets, mask

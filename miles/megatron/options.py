@@ -340,6 +340,22 @@ ELSEWHERE = (
         "without it, dp_reshardable (its own buffers, loads at another data-parallel size only)",
     ),
     Option(
+        "--enable-mtp-training",
+        "the carried MTP block runs in the training forward and its loss joins the RL loss, its gradient "
+        "reaching the MTP parameters alone (miles.megatron.mtp); refused where the backend cannot (PP, CP, "
+        "LoRA, a family without DeepSeek-V3-style MTP layers)",
+    ),
+    Option(
+        "--mtp-loss-scaling-factor",
+        "the weight of the MTP layers' mean token loss in the training loss",
+        needs=("--enable-mtp-training",),
+    ),
+    Option(
+        "--mtp-only-training",
+        "every parameter outside the MTP block frozen before DDP and the optimizer are built",
+        needs=("--enable-mtp-training",),
+    ),
+    Option(
         "--megatron-to-hf-mode",
         "raw: the weights come from the torch_dist checkpoint --ref-load names; bridge is refused when the "
         "backend starts (Megatron-Bridge is not part of miles)",

@@ -104,6 +104,7 @@ class LossTerms:
     entropy: float
     tis_weight: float
     tokens: float
+    mtp_loss: float = 0.0  # the MTP layers' token loss times `tokens` (--enable-mtp-training)
 
 
 LOSS_SUMS = tuple(f.name for f in fields(LossTerms) if f.name != "loss")  # the additive stats

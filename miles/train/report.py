@@ -66,9 +66,12 @@ def _zero_std_groups(samples: Sequence[Sample]) -> float:
 def train_metrics(steps: Sequence[Mapping[str, float]], use_tis: bool) -> dict[str, float]:
     """`train/*` of one rollout's optimizer steps: loss, grad_norm and lr averaged over the
     steps; each loss term (token-summed over ranks, see `LOSS_SUMS`) per token of the rollout."""
-    total = {k: sum(step[k] for step in steps) for k in (*LOSS_SUMS, "loss", "grad_norm", "lr")}
+    # a step may leave out a term no component computed (mtp_loss without --enable-mtp-training)
+    total = {k: sum(step.get(k, 0.0) for step in steps) for k in (*LOSS_SUMS, "loss", "grad_norm", "lr")}
     metrics = {f"train/{k}": total[k] / len(steps) for k in ("loss", "grad_norm", "lr")}
     per_token = [k for k in LOSS_SUMS if k != "tokens" and (use_tis or k != "tis_weight")]
+    if not total["mtp_loss"]:  # no MTP layer trained (a cross-entropy is never 0)
+        per_token.remove("mtp_loss")
     return metrics | {f"train/{k}": total[k] / total["tokens"] for k in per_token}
 
 

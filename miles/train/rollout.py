@@ -14,7 +14,7 @@ import inspect
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from miles.train.config import CheckpointConfig, OptimizerConfig, RolloutConfig, SamplingConfig
+from miles.train.config import CheckpointConfig, OptimizerConfig, RolloutConfig, SamplingConfig, SGLangConfig
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,12 @@ class RolloutEngine(abc.ABC):
         config says how it ends a sequence), or None when the model lives elsewhere."""
         return None
 
+    @property
+    def holds_mtp_layers(self) -> bool:
+        """Whether it takes the checkpoint's MTP layers with the weights (SGLang loads them as its
+        draft model; the built-in engine holds them only to draft with)."""
+        return True
+
     @abc.abstractmethod
     def generate(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, seed: int
@@ -144,13 +150,34 @@ class TorchRolloutEngine(RolloutEngine):
     # Built from a model; `from_sections` loads it from --hf-checkpoint in the trainer's
     # compute dtype (--bf16), so the engine samples what the trainer scores.
 
-    def __init__(self, model, *, pad_token_id: int = 0, record_routing: bool = False):
+    def __init__(
+        self,
+        model,
+        *,
+        pad_token_id: int = 0,
+        record_routing: bool = False,
+        speculative=None,
+        checkpoint: str | None = None,
+    ):
         """`record_routing`: each generation carries the experts that routed its tokens
-        (--use-rollout-routing-replay; miles.train.routing_replay)."""
+        (--use-rollout-routing-replay; miles.train.routing_replay). `speculative`
+        (miles.train.speculative.SpeculativeConfig): draft with the MTP layers of `checkpoint`."""
         self.model = model.eval()
         self.pad_token_id = pad_token_id
         self.cache_keyword = cache_keyword(self.model)
         self.routing = None
+        self.speculation = None
+        if speculative is not None:
+            from miles.train.speculative import MtpDrafter, SpeculationRefused, SpeculativeDecoder
+
+            if record_routing:
+                raise SpeculationRefused(
+                    "--use-rollout-routing-replay with --sglang-speculative-algorithm: the built-in engine's "
+                    "verifying forward routes rejected drafts too, and it records no routing per accepted "
+                    "token; roll out with SGLang for both, or drop one"
+                )
+            drafter = MtpDrafter(self.model, checkpoint)
+            self.speculation = SpeculativeDecoder(self.model, drafter, speculative, self.cache_keyword)
         if record_routing:
             from miles.train.routing_replay import router_hooks
 
@@ -158,21 +185,40 @@ class TorchRolloutEngine(RolloutEngine):
 
     @classmethod
     def from_sections(
-        cls, *, checkpoint: CheckpointConfig, optimizer: OptimizerConfig, rollout: RolloutConfig, dist_info
+        cls,
+        *,
+        checkpoint: CheckpointConfig,
+        optimizer: OptimizerConfig,
+        rollout: RolloutConfig,
+        sglang: SGLangConfig,
+        dist_info,
     ) -> TorchRolloutEngine:
         from miles.train.model import load_causal_lm, load_tokenizer, train_dtype
+        from miles.train.speculative import SpeculativeConfig
 
         path = checkpoint.hf_checkpoint
+        speculative = SpeculativeConfig.from_flags(  # by SGLang's names, as the seed's recipes give them
+            sglang.sglang_speculative_algorithm,
+            sglang.sglang_speculative_num_steps,
+            sglang.sglang_speculative_eagle_topk,
+            sglang.sglang_speculative_num_draft_tokens,
+        )
         model = load_causal_lm(path, dtype=train_dtype(optimizer.bf16), device=dist_info.device)
         return cls(
             model,
             pad_token_id=load_tokenizer(path).pad_token_id or 0,
             record_routing=rollout.use_rollout_routing_replay,
+            speculative=speculative,
+            checkpoint=path,
         )
 
     @property
     def local_model(self):
         return self.model
+
+    @property
+    def holds_mtp_layers(self) -> bool:
+        return self.speculation is not None
 
     @property
     def weight_dtype(self):
@@ -191,6 +237,15 @@ class TorchRolloutEngine(RolloutEngine):
             raise ValueError("a prompt encoded to zero tokens; every prompt needs at least one")
         device = next(self.model.parameters()).device
         generator = torch.Generator(device=device).manual_seed(seed)
+        if self.speculation is not None:
+            with torch.inference_mode():
+                out = self.speculation.generate(
+                    [tuple(p) for p in prompts], sampling, generator, device, self.pad_token_id, control
+                )
+            return [
+                Generation(tuple(p), tuple(t), tuple(lp), f, tuple(top) if sampling.top_logprobs else None)
+                for p, t, lp, f, top in zip(prompts, *out, strict=True)
+            ]
         if self.routing is None:
             with torch.inference_mode():
                 return self._generate(prompts, sampling, generator, device, control)
@@ -303,12 +358,27 @@ class TorchRolloutEngine(RolloutEngine):
             )
         return out.logits[:, -1, :].float(), attention
 
+    def rollout_metrics(self) -> dict[str, float]:
+        """With speculation: the share of drafted tokens the policy accepted in the last rollout,
+        and the drafts a row keeps per verifying forward of the policy."""
+        spec = self.speculation
+        if spec is None or not spec.proposed:
+            return {}
+        out = {
+            "rollout/spec_accept_rate": spec.accepted / spec.proposed,
+            "rollout/spec_accept_length": spec.accepted / max(1, spec.row_steps),
+        }
+        spec.proposed = spec.accepted = spec.row_steps = 0
+        return out
+
     def update_weights(self, named_tensors: Iterable[tuple[str, object]]) -> None:
         import torch
 
         # state_dict keeps tied names (lm_head.weight beside embed_tokens.weight) that
         # named_parameters() folds away; the trainer's full state dict carries both.
         params = self.model.state_dict(keep_vars=True)
+        if self.speculation is not None:  # the drafter's MTP layers (the trainer's, when it trains them)
+            params = {**params, **self.speculation.drafter.named_tensors()}
         unknown = []
         with torch.no_grad():
             for name, tensor in named_tensors:
@@ -325,6 +395,8 @@ class TorchRolloutEngine(RolloutEngine):
 
     def named_weights(self) -> Iterator[tuple[str, object]]:
         yield from self.model.state_dict(keep_vars=True).items()
+        if self.speculation is not None:
+            yield from self.speculation.drafter.named_tensors().items()
 
 
 class _RoutedRows:
@@ -384,6 +456,16 @@ def sample_tokens(logits, sampling: SamplingConfig, generator):
     """
     import torch
 
+    probs, log_probs = sampling_probs(logits, sampling)
+    next_ids = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    return next_ids, log_probs.gather(-1, next_ids.unsqueeze(1)).squeeze(1)
+
+
+def sampling_probs(logits, sampling: SamplingConfig):
+    """(the distribution sampling draws from: softmax of temperature-scaled `logits` [..., V]
+    after top-k/top-p truncation, the untruncated log-softmax) of each row."""
+    import torch
+
     if not torch.isfinite(logits).all():
         # torch.multinomial would fail with a traceback about probabilities; say what happened.
         raise RolloutEngineError(
@@ -393,7 +475,7 @@ def sample_tokens(logits, sampling: SamplingConfig, generator):
     log_probs = torch.log_softmax(logits, dim=-1)
     filtered = logits
     if sampling.top_k > 0 and sampling.top_k < logits.shape[-1]:
-        kth = torch.topk(filtered, sampling.top_k, dim=-1).values[:, -1:]
+        kth = torch.topk(filtered, sampling.top_k, dim=-1).values[..., -1:]
         filtered = filtered.masked_fill(filtered < kth, float("-inf"))
     if sampling.top_p < 1.0:
         sorted_logits, order = torch.sort(filtered, dim=-1, descending=True)
@@ -402,6 +484,4 @@ def sample_tokens(logits, sampling: SamplingConfig, generator):
         drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= sampling.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         filtered = filtered.masked_fill(drop, float("-inf"))
-    probs = torch.softmax(filtered, dim=-1)
-    next_ids = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-    return next_ids, log_probs.gather(-1, next_ids.unsqueeze(1)).squeeze(1)
+    return torch.softmax(filtered, dim=-1), log_probs

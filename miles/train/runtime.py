@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from miles.metrics.capture import check_record_dir
 from miles.train import checkpoint, checks, data, guards
 from miles.train.args import ArgsError, validate_world, world_note
-from miles.train.backends import CRITIC, TrainBackend, make_backend
+from miles.train.backends import CRITIC, BackendUnavailable, TrainBackend, make_backend
 from miles.train.config import RunConfig, SamplingConfig
 from miles.train.consumption import build, disaggregated, refusal
 from miles.train.distributed import DistInfo, init_distributed, seed_everything
@@ -189,6 +189,12 @@ def build_run(config: RunConfig) -> Run:
     critic = make_backend(config, dist_info, role=CRITIC) if config.algorithm.uses_critic else None
     replay = config.checks.debug_train_only
     engine = None if replay else make_engine(config, dist_info)
+    if engine is not None and backend.trains_mtp and not engine.holds_mtp_layers:
+        raise BackendUnavailable(
+            f"--enable-mtp-training: the {engine.name} rollout engine holds no MTP layers to take the trained "
+            "ones (the built-in engine holds them to draft with); add --sglang-speculative-algorithm EAGLE, "
+            "or roll out with --rollout-engine sglang"
+        )
     model = engine.local_model if engine is not None else None
     sampling = config.rollout.sampling_config(eos_token_ids(model or ckpt.hf_checkpoint, tokenizer))
     if config.algorithm.use_opd:  # the engine also returns each position's top tokens for the top-k KL

@@ -141,6 +141,10 @@ def server_kwargs(
     }
     if sglang.sglang_mem_fraction_static is not None:
         kwargs["mem_fraction_static"] = sglang.sglang_mem_fraction_static
+    for name in ("algorithm", "num_steps", "eagle_topk", "num_draft_tokens"):
+        value = getattr(sglang, f"sglang_speculative_{name}")
+        if value is not None:  # checked against this SGLang's ServerArgs below, like every field
+            kwargs[f"speculative_{name}"] = value
     for name, value in sglang.server_args.items():
         flag = f"--sglang-{name.replace('_', '-')}"
         field = fields.get(name)

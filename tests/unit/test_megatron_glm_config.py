@@ -83,7 +83,7 @@ def test_flags_that_describe_another_glm_are_refused_together(tmp_path):
 
     config = parse_config([
         "--hf-checkpoint", str(tmp_path), "--moe-router-score-function", "softmax",
-        "--moe-router-bias-update-rate", "0.001", "--mtp-num-layers", "1",
+        "--moe-router-bias-update-rate", "0.001", "--mtp-num-layers", "2",
         "--experimental-attention-variant", "gated_delta_net", "--v-head-dim", "16",
     ])  # fmt: skip
     with pytest.raises(MegatronSetupError) as err:
@@ -92,7 +92,7 @@ def test_flags_that_describe_another_glm_are_refused_together(tmp_path):
     for wrong in (
         "--moe-router-score-function softmax (transformers' GlmMoeDsaForCausalLM routes by sigmoid scores: sigmoid)",
         "--moe-router-bias-update-rate 0.001 (",
-        "--mtp-num-layers 1 (miles carries the MTP layers",
+        "--mtp-num-layers 2 (config.json num_nextn_predict_layers: ",
         "--experimental-attention-variant gated_delta_net (",
         "--v-head-dim 16 (config.json v_head_dim: 32)",
     ):

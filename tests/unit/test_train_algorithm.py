@@ -154,6 +154,9 @@ def test_train_metrics_average_steps_and_divide_loss_terms_by_the_rollouts_token
     assert metrics["train/pg_loss"] == pytest.approx(8.0 / 40)
     assert "train/tis_weight" not in metrics and "train/tokens" not in metrics
     assert train_metrics([step(10, 5.0, 1.0, 2.0)], use_tis=True)["train/tis_weight"] == 1.0
+    assert "train/mtp_loss" not in metrics  # no MTP layer trained
+    with_mtp = train_metrics([{**step(10, 5.0, 1.0, 2.0), "mtp_loss": 25.0}], use_tis=False)
+    assert with_mtp["train/mtp_loss"] == 2.5  # token-summed, per token of the rollout
 
 
 def test_a_diverged_token_gives_a_finite_loss_and_gradient():

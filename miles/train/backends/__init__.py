@@ -47,6 +47,9 @@ class TrainBackend(abc.ABC):
     # What it trains: the policy (actor), or PPO's value model (critic), whose forward gives a
     # value per token (batch_values) and whose train_step minimises the clipped value loss.
     role: str = ACTOR
+    # It trains the checkpoint's MTP layers (--enable-mtp-training), whose weights then go to the
+    # rollout engine with the rest.
+    trains_mtp: bool = False
     # Where the frozen reference model's weights come from (None: no reference model).
     ref_source: str | None = None
     # The batch flags; each backend's constructor keeps its BatchConfig here.

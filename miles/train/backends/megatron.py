@@ -134,6 +134,24 @@ class MegatronBackend(TrainBackend):
             except NoValueHead as exc:
                 raise MegatronSetupError(f"{hf}: {exc}") from exc
         mg.freeze_padding_embedding(chunks, self.config.get("pad_token_id"))
+        self.mtp = (
+            _mtp_training(megatron, model, self.config, self.layout, lora, hf) if role == ACTOR else None
+        )
+        self.trains_mtp = self.mtp is not None
+        if self.mtp is not None:
+            from miles.megatron.mtp import train_mtp
+
+            if not any(getattr(chunk, "mtp", None) is not None for chunk in chunks):
+                raise MegatronSetupError(
+                    f"--enable-mtp-training: the {megatron_family(self.config).name} family builds no MTP block "
+                    f"for {hf}'s MTP layers (its finish_model carries none: miles.megatron.mtp.carry_mtp)"
+                )
+            for chunk in chunks:
+                if getattr(chunk, "mtp", None) is not None:
+                    train_mtp(chunk)
+                if megatron.mtp_only_training:  # only the MTP layers train: the policy stays as it is
+                    for name, param in chunk.named_parameters():
+                        param.requires_grad_(name.startswith("mtp."))
         self.lora = lora if lora.enabled and role == ACTOR else None  # adapters on the policy only
         self.adapted = self._attach_adapters(chunks, job.seed) if self.lora else []
         self.chunks = [c.to(self.device) for c in chunks]
@@ -289,10 +307,24 @@ class MegatronBackend(TrainBackend):
             family.weights(self.config),
             rename=family.model_name if names == "model" and family.renames_on_load else None,
             fused_experts=fused,
-            extras=names == "checkpoint",
+            extras=names == "checkpoint" or self.mtp is not None,
             adjust=self._merged if self.lora else None,
         )
+        yield from self._with_mtp(exporter, names, dtype)
+
+    def _with_mtp(self, exporter, names: str, dtype):
+        """The exporter's tensors; with --enable-mtp-training under the transformers class's names,
+        the trained MTP layers too, as the built-in engine's drafter holds them (experts fused)."""
+        from miles.train.speculative import as_model_names, mtp_prefixes
+
+        prefixes = tuple(mtp_prefixes(self.config, megatron_family(self.config).mtp_style))
+        held = {}
         for name, tensor in exporter:
+            if names == "model" and prefixes and name.startswith(prefixes):
+                held[name] = tensor
+                continue
+            yield name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+        for name, tensor in as_model_names(held).items():
             yield name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
 
     def _merged(self, local: dict) -> dict:
@@ -477,6 +509,7 @@ class MegatronBackend(TrainBackend):
         return output.sum() * 0.0, {"logp": logp.detach().float().cpu()}
 
     def _policy_loss(self, mb, output, *, normalizer: float, count: int):
+        output, mtp_outputs = output if isinstance(output, tuple) else (output, None)
         logp, entropy = self._token_logprobs(mb, output, with_entropy=True)
         terms = batch_loss(logp, entropy, mb.batch, self.loss_cfg)
         # megatron's schedule divides each micro-batch's loss by their count (and multiplies it by
@@ -484,8 +517,28 @@ class MegatronBackend(TrainBackend):
         # parallel ones); the trainer's normaliser (samples or tokens of this rank's minibatch)
         # is what it must be divided by.
         loss = terms.loss * count / normalizer
+        if mtp_outputs is not None:
+            mtp = self._mtp_loss(mb, mtp_outputs)
+            # the MTP layers' mean token loss, averaged over micro-batches by the schedule's division
+            loss = loss + self.mtp * mtp
+            terms = replace(terms, mtp_loss=float(mtp.detach()) * terms.tokens)
         logp = logp.detach().float().cpu() * mb.batch.loss_mask
         return loss, {"terms": replace(terms, loss=terms.loss.detach().cpu()), "logp": logp}
+
+    def _mtp_loss(self, mb, outputs) -> torch.Tensor:
+        """The MTP layers' cross-entropy per response token they predict, averaged over the layers."""
+        from miles.megatron.mtp import mtp_targets
+
+        rows, width = mb.batch.size, mb.width - 1
+        total = 0.0
+        for depth, logits in enumerate(outputs):
+            targets, mask = mtp_targets(mb.tokens, mb.batch.loss_mask, mb.width, depth)
+            logp, _ = vocab_parallel_logprobs(
+                logits, targets, 1.0, self.config["vocab_size"], with_entropy=False
+            )
+            mask = mask.to(logp.device, logp.dtype)
+            total = total - (logp[:rows, :width] * mask).sum() / mask.sum().clamp(min=1)
+        return total / len(outputs)
 
     def _set_lr(self) -> float:
         from miles.train.backends.torch_dp import lr_factor
@@ -503,6 +556,47 @@ class MegatronBackend(TrainBackend):
         if found_inf or not all_finite_on_every_rank(loss, grad_norm):
             return False, grad_norm
         return mt.apply_step(self.optimizer, self.optim_cfg.clip_grad, grad_norm), grad_norm
+
+
+def _mtp_training(
+    megatron: MegatronConfig, model: ModelConfig, config: dict, layout: ParallelLayout, lora, path: str
+):
+    """--enable-mtp-training's loss scale, or None; what cannot train the MTP layers is refused."""
+    from miles.ckpt.families import mtp_layers
+
+    if megatron.mtp_only_training and not megatron.enable_mtp_training:
+        raise MegatronSetupError("--mtp-only-training trains the MTP layers alone: add --enable-mtp-training")
+    if not megatron.enable_mtp_training:
+        return None
+    count = mtp_layers(config)
+    family = megatron_family(config)
+
+    def refuse(why: str) -> None:
+        raise MegatronSetupError(f"--enable-mtp-training: {why}")
+
+    if not count:
+        refuse(
+            f"{path}/config.json declares no MTP layers (num_nextn_predict_layers); use a checkpoint with them"
+        )
+    if family.mtp_style != "layers" or not hasattr(family, "layer_weights"):
+        refuse(
+            f"the {family.name} family's MTP layers ({family.mtp_style} style) are carried by a model of miles' "
+            "own with no MTP forward; miles trains DeepSeek-V3-style MTP layers (model.layers.{L+k}.*) of "
+            "GPTModel families"
+        )
+    if model.mtp_num_layers not in (None, count):
+        refuse(f"--mtp-num-layers {model.mtp_num_layers}, but {path}/config.json has {count} MTP layer(s)")
+    if layout.pp > 1 or layout.cp > 1:
+        refuse(
+            f"pipeline ({layout.pp}) or context ({layout.cp}) parallelism: the MTP block on the last stage "
+            "reads the word embedding of the first and targets two positions ahead across context chunks; "
+            "train with --pipeline-model-parallel-size 1 --context-parallel-size 1"
+        )
+    if lora.enabled:
+        refuse(
+            "with LoRA adapters: the MTP layers would train whole beside a frozen, adapted policy; drop one"
+        )
+    return float(megatron.mtp_loss_scaling_factor)
 
 
 def _pipeline_rows(config: dict) -> int:

@@ -112,7 +112,21 @@ class MegatronConfig(Section):
     moe_expert_capacity_factor: float | None = _float()
     moe_pad_expert_input_to_capacity: str | None = _text()
     moe_token_dispatcher_type: str | None = _text(by=MEGATRON)
-    mtp_loss_scaling_factor: float | None = _float()
+    mtp_loss_scaling_factor: float = flag(
+        by=MEGATRON, type=float, default=0.2, help="weight of the MTP layers' loss when they train"
+    )
+    enable_mtp_training: bool = flag(
+        by=MEGATRON,
+        action="store_true",
+        help="train the checkpoint's MTP layers on each batch's tokens (their gradient reaches them alone)",
+        why_not="transformers' classes (fsdp/ddp) have no MTP forward; train MTP layers with --train-backend megatron",
+    )
+    mtp_only_training: bool = flag(
+        by=MEGATRON,
+        action="store_true",
+        help="train the MTP layers alone: every other weight frozen (the policy stays bit-identical)",
+        why_not="transformers' classes (fsdp/ddp) have no MTP forward; train MTP layers with --train-backend megatron",
+    )
     moe_grouped_gemm: bool = _switch(by=MEGATRON)
     moe_permute_fusion: bool = _switch(by=MEGATRON)
     moe_shared_expert_overlap: bool = _switch()

@@ -117,6 +117,21 @@ class SGLangConfig(Section):
         help="bytes per weight push to the engines (512 MiB)",
     )
     sglang_mem_fraction_static: float | None = flag(type=_fraction, help="SGLang KV-cache memory share")
+    # Speculative decoding with the checkpoint's MTP layers, by SGLang's names (the seed's recipes
+    # pass them): SGLang takes them as server arguments, the built-in engine drafts with its own
+    # MTP drafter (miles.train.speculative), which refuses what it cannot do
+    sglang_speculative_algorithm: str | None = flag(
+        by=(SGLANG, SGLANG_SERVERS, TORCH), help="EAGLE (or NEXTN): draft with the checkpoint's MTP layers"
+    )
+    sglang_speculative_num_steps: int | None = flag(
+        by=(SGLANG, SGLANG_SERVERS, TORCH), type=_positive_int, help="drafted tokens per verifying forward"
+    )
+    sglang_speculative_eagle_topk: int | None = flag(
+        by=(SGLANG, SGLANG_SERVERS, TORCH), type=_positive_int, help="drafts per step (the built-in engine: 1)"
+    )
+    sglang_speculative_num_draft_tokens: int | None = flag(
+        by=(SGLANG, SGLANG_SERVERS, TORCH), type=_positive_int, help="tokens verified per step (num-steps + 1)"
+    )
     server_args: Mapping[str, str | bool | list[str]] = field(default_factory=dict)
 
     @classmethod

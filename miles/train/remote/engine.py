@@ -48,6 +48,10 @@ class RemoteRolloutEngine(RolloutEngine):
     checksummed = True
     weight_names = "model"  # the server holds the transformers model's own names
 
+    @property
+    def holds_mtp_layers(self) -> bool:
+        return False  # its servers do not speculate, so they hold no MTP layers
+
     def __init__(
         self,
         *,

@@ -1,0 +1,481 @@
+"""Speculative decoding for the built-in rollout engine: a checkpoint's MTP layer drafts, the
+policy verifies, and exact rejection sampling keeps the samples those of the policy alone.
+
+A step drafts k tokens with the MTP layer (DeepSeek-V3's formula, chained: the draft of position
+i + 1 is `lm_head(norm(layer(eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]))))`, the next step's h
+the layer's normed output), then runs one forward of the policy over the k drafts and accepts
+them left to right with probability min(1, p/q); the first rejected one is replaced by a draw
+from normalise(max(0, p - q)), and when all k pass a (k+1)-th token is drawn from p. The tokens
+that come out are distributed exactly as plain sampling from p (temperature, top-k, top-p
+applied to both p and q), and their logprobs are read from the policy's own logits.
+
+Rows of a batch advance together by m + 1 tokens, m the fewest drafts any row accepted (the KV
+caches stay rectangular): each row emits the first m + 1 tokens the algorithm gives it (its
+(m+1)-th draft where it accepted that one, else its residual or bonus draw). Every such token,
+given those before it, is drawn from p, so cutting a row's tokens there keeps them exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# --sglang-speculative-algorithm values that draft with the checkpoint's MTP layers (SGLang's
+# names: NEXTN is its alias of EAGLE for MTP drafters)
+MTP_ALGORITHMS = ("EAGLE", "NEXTN")
+
+
+class SpeculationRefused(ValueError):
+    """A speculative-decoding flag the built-in engine cannot act on; the message says why."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How the built-in engine speculates: `steps` drafts per verifying forward."""
+
+    steps: int
+
+    @classmethod
+    def from_flags(
+        cls, algorithm: str | None, steps: int | None, topk: int | None, draft_tokens: int | None
+    ) -> SpeculativeConfig | None:
+        """The seed's SGLang flags as the built-in engine reads them (None: no speculation)."""
+        if algorithm is None:
+            for flag, value in (
+                ("--sglang-speculative-num-steps", steps),
+                ("--sglang-speculative-eagle-topk", topk),
+                ("--sglang-speculative-num-draft-tokens", draft_tokens),
+            ):
+                if value is not None:
+                    raise SpeculationRefused(f"{flag} {value} without --sglang-speculative-algorithm")
+            return None
+        if algorithm.upper() not in MTP_ALGORITHMS:
+            raise SpeculationRefused(
+                f"--sglang-speculative-algorithm {algorithm}: the built-in rollout engine drafts with the "
+                f"checkpoint's MTP layers only ({' or '.join(MTP_ALGORITHMS)})"
+            )
+        steps = 1 if steps is None else steps
+        if steps < 1:
+            raise SpeculationRefused(f"--sglang-speculative-num-steps {steps}: must be >= 1")
+        if topk not in (None, 1):
+            raise SpeculationRefused(
+                f"--sglang-speculative-eagle-topk {topk}: the built-in engine drafts one chain (a tree of "
+                "drafts is SGLang's); use 1"
+            )
+        if draft_tokens not in (None, steps + 1):
+            raise SpeculationRefused(
+                f"--sglang-speculative-num-draft-tokens {draft_tokens}: a chain of {steps} drafts verifies "
+                f"{steps + 1} tokens (the drafts and the one after); use {steps + 1}"
+            )
+        return cls(steps=steps)
+
+
+def accept_drafts(target, draft, drafts, generator):
+    """Exact rejection sampling of one speculative step, for each row.
+
+    `target` [B, k+1, V]: the distributions plain sampling draws from at the k drafted positions
+    and the one after; `draft` [B, k, V]: the drafter's, which drew `drafts` [B, k]. Returns
+    (accepted [B]: how many drafts pass, the token after them [B]: the residual draw at the first
+    rejected position, or a draw from the target after k accepted ones).
+    """
+    import torch
+
+    rows, k = drafts.shape
+    p = target[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    q = draft.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    u = torch.rand((rows, k), generator=generator, device=drafts.device, dtype=p.dtype)
+    passed = u * q < p  # probability min(1, p / q); q > 0 where the draft was drawn
+    accepted = passed.long().cumprod(dim=-1).sum(dim=-1)
+    index = torch.arange(rows, device=drafts.device)
+    # past the k-th draft the "draft distribution" is zero: the residual is the target itself
+    padded = torch.cat([draft, torch.zeros_like(draft[:, :1])], dim=1)
+    residual = (target[index, accepted] - padded[index, accepted]).clamp(min=0)
+    mass = residual.sum(dim=-1, keepdim=True)
+    # p == q at a rejected position has probability zero; rounding can still leave no mass
+    residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), target[index, accepted])
+    return accepted, torch.multinomial(residual, 1, generator=generator).squeeze(1)
+
+
+# --- the MTP drafter on the Hugging Face side -----------------------------------------------------
+
+
+def mtp_prefixes(config: Mapping[str, Any], style: str | None) -> list[str]:
+    """Checkpoint name prefix of each MTP layer (DeepSeek-V3 style: model.layers.{L+k}.)."""
+    from miles.ckpt.families import mtp_layers
+
+    if style != "layers":
+        return []
+    layers = int(config["num_hidden_layers"])
+    return [f"model.layers.{layers + k}." for k in range(mtp_layers(config))]
+
+
+class MtpDrafter:
+    """The checkpoint's MTP layers around the policy's embedding and head, on the policy's device.
+
+    Each MTP layer is the family's transformers decoder layer, built as the layer at index L + k
+    of the model one MTP layer deeper (so its per-layer kinds are the published model's), with its
+    projection and norms; it keeps its own KV cache of the positions it has seen.
+    """
+
+    def __init__(self, model, path: str):
+        import json
+        from pathlib import Path
+
+        import torch
+
+        from miles import families
+        from miles.ckpt.families import LAYER_LIST_KEYS, mtp_layers
+
+        self.model = model
+        config = json.loads((Path(path) / "config.json").read_text())
+        family = families.family_of(config)
+        style = family.mtp_style if family else None
+        count = mtp_layers(config)
+        if not count or style != "layers":
+            why = (
+                "its config.json declares no MTP layers (num_nextn_predict_layers)"
+                if not count
+                else f"its family {family.name if family else config.get('model_type')} keeps them as "
+                f"{'mtp.{k}.*' if style == 'mtp' else 'nothing'}, and the built-in engine drafts only with "
+                "DeepSeek-V3-style MTP layers (model.layers.{L+k}.*: enorm, hnorm, eh_proj, a decoder layer)"
+            )
+            raise SpeculationRefused(f"{path}: the built-in engine cannot draft with this checkpoint: {why}")
+        text = model.config.get_text_config()
+        layers = int(text.num_hidden_layers)
+        deeper = {k: v for k, v in text.to_dict().items() if k not in LAYER_LIST_KEYS}
+        for key, kind in family.mtp_layer_kinds.items():
+            deeper[key] = list(getattr(text, key)) + [kind] * count
+        deeper["num_hidden_layers"] = layers + count
+        from transformers import AutoConfig
+
+        self.config = AutoConfig.for_model(**deeper)
+        # the policy's attention and experts implementations
+        self.config._attn_implementation = text._attn_implementation
+        if hasattr(text, "_experts_implementation"):
+            self.config._experts_implementation = text._experts_implementation
+        if "shared" in (getattr(self.config, "indexer_types", None) or [])[layers:]:
+            raise SpeculationRefused(
+                f"{path}: MTP layer kinds {self.config.indexer_types[layers:]}: a layer that shares the top-k of "
+                "the layer below (GLM-5.2's cross-layer sharing) needs the policy's indexer output, which the "
+                "drafter does not take; the built-in engine drafts with MTP layers that index for themselves"
+            )
+        self.prefixes = [f"model.layers.{layers + k}." for k in range(count)]
+        self.layer_index = [layers + k for k in range(count)]
+        dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
+        layer_cls = type(model.model.layers[0])
+        norm = model.model.norm
+        self.layers = torch.nn.ModuleList()
+        for k in range(count):
+            block = torch.nn.Module()
+            block.layer = layer_cls(self.config, layers + k)
+            for module in block.layer.modules():  # its place in the drafter's own cache
+                if isinstance(getattr(module, "layer_idx", None), int):
+                    module.layer_idx = k
+            for name in ("enorm", "hnorm", "final_norm"):
+                setattr(block, name, _copy_module(norm))
+            block.eh_proj = torch.nn.Linear(2 * text.hidden_size, text.hidden_size, bias=False)
+            self.layers.append(block)
+        self.layers.to(device=device, dtype=dtype)
+        self.rotary = model.model.rotary_emb
+        self.load(_read_mtp_tensors(path, self.prefixes))
+
+    # names: those of the checkpoint (model.layers.{L+k}.*, experts one tensor each) as transformers'
+    # class loads them (experts fused) -> this drafter's modules
+    def named_tensors(self) -> dict[str, Any]:
+        """Every tensor of the drafter under the name the trainer hands it over by (the transformers
+        class's names of layer L + k, and the checkpoint's names of the MTP block's own tensors)."""
+        out = {}
+        for prefix, block in zip(self.prefixes, self.layers, strict=True):
+            for name, tensor in block.layer.state_dict(keep_vars=True).items():
+                out[prefix + name] = tensor
+            out[prefix + "enorm.weight"] = block.enorm.weight
+            out[prefix + "hnorm.weight"] = block.hnorm.weight
+            out[prefix + "eh_proj.weight"] = block.eh_proj.weight
+            out[prefix + "shared_head.norm.weight"] = block.final_norm.weight
+        return out
+
+    def load(self, tensors: Mapping[str, Any]) -> None:
+        import torch
+
+        mine = self.named_tensors()
+        missing = sorted(set(mine) - set(tensors))
+        if missing:
+            raise SpeculationRefused(f"the checkpoint's MTP layers lack {missing[:4]}")
+        with torch.no_grad():
+            for name, target in mine.items():
+                target.copy_(tensors[name].to(device=target.device, dtype=target.dtype))
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.config)
+        # the cache layers of the MTP layers' kinds, at the indices their modules now carry
+        cache.layers = cache.layers[len(cache.layers) - len(self.layers) :]
+        return cache
+
+    def step(self, hidden, tokens, positions, attention, cache, depth: int = 0):
+        """One MTP layer over `tokens` [B, n] (each the token after the position whose normed
+        hidden state is `hidden` [B, n, d]): (logits [B, n, V], the layer's normed output)."""
+        import torch
+
+        block = self.layers[depth]
+        embed = self.model.get_input_embeddings()(tokens)
+        x = block.eh_proj(torch.cat([block.enorm(embed), block.hnorm(hidden)], dim=-1))
+        mask = _causal_mask(self.config, x, attention, cache, positions)
+        out = block.layer(
+            x,
+            attention_mask=mask,
+            position_ids=positions,
+            position_embeddings=self.rotary(x, positions),
+            use_cache=True,
+            **{_cache_keyword(block.layer): cache},
+        )
+        out = out[0] if isinstance(out, tuple) else out
+        normed = block.final_norm(out)
+        return self.model.get_output_embeddings()(normed).float(), normed
+
+
+def _copy_module(module):
+    import copy
+
+    return copy.deepcopy(module)
+
+
+def _cache_keyword(layer) -> str:
+    import inspect
+
+    params = inspect.signature(layer.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _causal_mask(config, x, attention, cache, positions):
+    from transformers.masking_utils import create_causal_mask
+
+    params = _mask_params()
+    extra = {"cache" if "cache" in params else "past_key_values": cache}
+    if "allow_is_causal_skip" in params:  # some layers (the DSA indexer) read the mask itself
+        extra["allow_is_causal_skip"] = False
+    return create_causal_mask(
+        config=config, inputs_embeds=x, attention_mask=attention, position_ids=positions, **extra
+    )
+
+
+def _mask_params():
+    import inspect
+
+    from transformers.masking_utils import create_causal_mask
+
+    return inspect.signature(create_causal_mask).parameters
+
+
+def _read_mtp_tensors(path: str, prefixes: list[str]) -> dict[str, Any]:
+    """The MTP layers' tensors of the checkpoint in `path`, named as transformers' class holds
+    layer L + k (its experts fused, `as_model_names`); a shape the class does not hold fails the
+    copy in `MtpDrafter.load`."""
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from miles.ckpt.shards import INDEX_NAME
+
+    index = Path(path) / INDEX_NAME
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        if index.is_file()
+        else ["model.safetensors"]
+    )
+    raw = {}
+    for file in files:
+        with safe_open(str(Path(path) / file), framework="pt") as f:
+            for name in f.keys():
+                if name.startswith(tuple(prefixes)):
+                    raw[name] = f.get_tensor(name)
+    return as_model_names(raw)
+
+
+def as_model_names(raw: dict) -> dict:
+    """Per-expert checkpoint tensors of an MTP layer stacked as transformers 5 fuses a layer's
+    experts (mlp.experts.gate_up_proj [E, 2I, d] = [gate; up], down_proj [E, d, I])."""
+    import re
+
+    import torch
+
+    out, experts = {}, {}
+    pattern = re.compile(
+        r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<w>gate_proj|up_proj|down_proj)\.weight$"
+    )
+    for name, tensor in raw.items():
+        m = pattern.match(name)
+        if m:
+            experts.setdefault(m["pre"], {}).setdefault(int(m["e"]), {})[m["w"]] = tensor
+        else:
+            out[name] = tensor
+    for pre, by_expert in experts.items():
+        ids = sorted(by_expert)
+        out[pre + ".gate_up_proj"] = torch.stack(
+            [torch.cat([by_expert[e]["gate_proj"], by_expert[e]["up_proj"]]) for e in ids]
+        )
+        out[pre + ".down_proj"] = torch.stack([by_expert[e]["down_proj"] for e in ids])
+    return out
+
+
+def crop_cache(cache, remove: int) -> None:
+    """Drop the last `remove` positions of every layer of `cache` (transformers 5.24 takes the
+    count to remove, negative; earlier 5.x the length to keep)."""
+    import inspect
+
+    if remove <= 0:
+        return
+    if "tokens_to_remove" in inspect.signature(cache.crop).parameters:
+        cache.crop(-remove)
+    else:
+        cache.crop(cache.get_seq_length() - remove)
+
+
+class SpeculativeDecoder:
+    """The built-in engine's decoding loop with MTP drafts (see the module's docstring); counts
+    the drafts it proposed and accepted for the rollout's acceptance rate."""
+
+    def __init__(self, model, drafter: MtpDrafter, config: SpeculativeConfig, cache_keyword: str):
+        self.model, self.drafter, self.steps = model, drafter, config.steps
+        self.cache_keyword = cache_keyword
+        self.proposed = self.accepted = 0
+        self.row_steps = 0  # rows times verifying forwards
+
+    def _target(self, ids, attention, positions, cache):
+        """The policy over `ids` against `cache`: (normed hidden states, float logits)."""
+        out = self.model.model(
+            input_ids=ids,
+            attention_mask=attention,
+            position_ids=positions,
+            use_cache=True,
+            **{self.cache_keyword: cache},
+        )
+        hidden = out.last_hidden_state
+        return hidden, self.model.get_output_embeddings()(hidden).float()
+
+    def generate(self, prompts, sampling, generator, device, pad_token_id: int, control=None):
+        """(tokens, logprobs, finish reason, top logprobs) of each prompt's sampled response."""
+        import torch
+        from transformers import DynamicCache
+
+        from miles.train.rollout import sampling_probs, select_cache_rows
+
+        temperature, k = sampling.temperature, self.steps
+        width = max(len(p) for p in prompts)
+        rows = len(prompts)
+        ids = torch.full((rows, width), pad_token_id, dtype=torch.long, device=device)
+        attention = torch.zeros((rows, width), dtype=torch.long, device=device)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            attention[row, width - len(prompt) :] = 1
+        pad = (width - attention.sum(dim=1)).unsqueeze(1)  # a column's position is column - pad
+        cache, draft_cache = DynamicCache(config=self.model.config), self.drafter.new_cache()
+        hidden, logits = self._target(ids, attention, (attention.cumsum(1) - 1).clamp(min=0), cache)
+        probs, logp = sampling_probs(logits[:, -1] / temperature, sampling)
+        pending = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # sampled, not yet fed
+        out_tokens = [[t] for t in pending.tolist()]
+        out_logp = [[v] for v in logp.gather(-1, pending.unsqueeze(1)).squeeze(1).tolist()]
+        tops = [[_top(logits[r, -1] / temperature, sampling.top_logprobs)] for r in range(rows)]
+        # the drafter's next block: (hidden state at a position, the token after it) not yet fed
+        block_h, block_t = hidden, torch.cat([ids[:, 1:], pending.unsqueeze(1)], dim=1)
+        block_start = 0  # column of the block's first position
+        active = list(range(rows))
+        finish = ["length"] * rows
+        stop = set(sampling.stop_token_ids)
+        done = self._finished(active, out_tokens, out_logp, tops, stop, finish, sampling.max_response_len)
+        while True:
+            keep = [i for i, row in enumerate(active) if row not in done]
+            if not keep:
+                break
+            if len(keep) < len(active):
+                index = torch.tensor(keep, device=device)
+                for c in (cache, draft_cache):
+                    select_cache_rows(c, index, batch=len(active))
+                attention, pad, pending = attention[index], pad[index], pending[index]
+                block_h, block_t = block_h[index], block_t[index]
+                active = [active[i] for i in keep]
+            stopped = control() if control is not None else None
+            if stopped:
+                for row in active:
+                    finish[row] = stopped
+                break
+            columns = attention.shape[1]  # the target's cache holds columns < `columns`
+            # draft: the block (true hidden states), then k - 1 chained steps on the drafts
+            drafts, draft_probs = [], []
+            h, toks, start = block_h, block_t, block_start
+            for j in range(k):
+                n = toks.shape[1]
+                cols = torch.arange(start, start + n, device=device)
+                mask = torch.cat(
+                    [attention, torch.ones_like(attention[:, :1]).expand(-1, max(0, start + n - columns))],
+                    dim=1,
+                )[:, : start + n]
+                dl, g = self.drafter.step(
+                    h, toks, cols - pad, mask, draft_cache, depth=min(j, len(self.drafter.layers) - 1)
+                )
+                q, _ = sampling_probs(dl[:, -1] / temperature, sampling)
+                d = torch.multinomial(q, 1, generator=generator).squeeze(1)
+                drafts.append(d)
+                draft_probs.append(q)
+                h, toks, start = g[:, -1:], d.unsqueeze(1), start + n
+            crop_cache(draft_cache, k - 1)  # keep only entries made from the policy's hidden states
+            drafts_t = torch.stack(drafts, dim=1)
+            # verify: the pending token and the k drafts in one forward of the policy
+            fed = torch.cat([pending.unsqueeze(1), drafts_t], dim=1)
+            attention = torch.cat([attention, torch.ones_like(fed)], dim=1)
+            cols = torch.arange(columns, columns + k + 1, device=device)
+            hidden, logits = self._target(fed, attention, cols - pad, cache)
+            self.row_steps += len(active)
+            target, target_logp = sampling_probs(logits / temperature, sampling)
+            accepted, after = accept_drafts(target, torch.stack(draft_probs, dim=1), drafts_t, generator)
+            self.proposed += k * len(active)
+            self.accepted += int(accepted.sum())
+            m = int(accepted.min())
+            # every row advances by m + 1 tokens: its first m drafts, then its own token m + 1
+            # (the draft where it accepted more, else its residual or bonus draw)
+            nxt = torch.where(accepted > m, drafts_t[:, m] if m < k else after, after)
+            emitted = torch.cat([drafts_t[:, :m], nxt.unsqueeze(1)], dim=1)
+            lp = target_logp[:, : m + 1].gather(-1, emitted.unsqueeze(-1)).squeeze(-1)
+            crop_cache(cache, k - m)
+            attention = attention[:, : columns + m + 1]
+            for i, row in enumerate(active):
+                out_tokens[row].extend(emitted[i].tolist())
+                out_logp[row].extend(lp[i].tolist())
+                tops[row].extend(
+                    _top(logits[i, j] / temperature, sampling.top_logprobs) for j in range(m + 1)
+                )
+            pending = nxt
+            block_h, block_t, block_start = (
+                hidden[:, : m + 1],
+                torch.cat([drafts_t[:, :m], nxt.unsqueeze(1)], 1),
+                columns,
+            )
+            done = self._finished(active, out_tokens, out_logp, tops, stop, finish, sampling.max_response_len)
+        return out_tokens, out_logp, finish, tops
+
+    @staticmethod
+    def _finished(active, tokens, logprobs, tops, stop, finish, limit) -> set[int]:
+        """Cut each row at its first stop token or at the length limit; the rows that ended."""
+        done = set()
+        for row in active:
+            cut = next((i + 1 for i, t in enumerate(tokens[row]) if t in stop), None)
+            if cut is not None:
+                finish[row] = "stop"
+            else:
+                cut = limit
+            if len(tokens[row]) >= cut:
+                del tokens[row][cut:], logprobs[row][cut:], tops[row][cut:]
+                done.add(row)
+        return done
+
+
+def _top(logits, k: int):
+    import torch
+
+    if not k:
+        return None
+    top = torch.log_softmax(logits, dim=-1).topk(k)
+    return tuple(zip(top.values.tolist(), top.indices.tolist(), strict=True))

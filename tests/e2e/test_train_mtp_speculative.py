@@ -1,0 +1,144 @@
+"""MTP-only training on the Megatron backend, then speculative rollouts that accept its drafts.
+
+A 2-layer GLM-5.2 tiny (its MTP layer, `model.layers.2.*`, indexes for itself) trains with
+megatron-core on one gloo rank, --enable-mtp-training --mtp-only-training: every rollout of the
+echo prompts (12 tokens each, sampled at temperature 0.01 from weights of std 0.2, so the
+policy's next token is nearly fixed, as a trained policy's is, and a drafter can learn it) is
+drafted by the checkpoint's MTP layer in the built-in engine (--sglang-speculative-algorithm
+EAGLE, one draft a step) and verified by the policy. The MTP loss
+falls, the acceptance rate of the engine's drafts climbs past 0.6 once the trained MTP layer is
+pushed to the engine, and every weight outside the MTP layer is bit-identical to the starting
+checkpoint's after the steps while the MTP layer's moved. Without --mtp-only-training the RL loss
+moves the policy beside them; a built-in engine that does not draft cannot take trained MTP
+layers, which is refused at start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles.ci.register import register_cpu_ci
+from tests.support import recipes as runs
+
+register_cpu_ci(est_time=180, suite="stage-b-cpu")
+
+ROOT = Path(__file__).resolve().parents[2]
+ROLLOUTS = 8
+FLAGS = (
+    "--prompt-data", "synthetic:echo", "--input-key", "prompt", "--label-key", "label", "--rm-type", "synthetic",
+    "--rollout-batch-size", "8", "--n-samples-per-prompt", "4",
+    "--rollout-max-response-len", "12", "--rollout-temperature", "0.01", "--global-batch-size", "4",
+    "--micro-batch-size", "4", "--advantage-estimator", "grpo", "--optimizer", "adam", "--lr", "3e-2",
+    "--weight-decay", "0.1", "--rollout-engine", "torch", "--train-backend", "megatron",
+    "--tensor-model-parallel-size", "1", "--distributed-backend", "gloo", "--num-threads", "1", "--seed", "7",
+    "--enable-mtp-training", "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "1.0", "--ci-test",
+)  # fmt: skip
+SPECULATE = (
+    "--sglang-speculative-algorithm", "EAGLE", "--sglang-speculative-num-steps", "1",
+    "--sglang-speculative-eagle-topk", "1", "--sglang-speculative-num-draft-tokens", "2",
+)  # fmt: skip
+
+
+def tiny_glm(workdir: Path) -> tuple[Path, Path]:
+    from miles.ckpt.tiny import make_tiny_checkpoint
+    from miles.ckpt.torch_dist import convert_to_torch_dist
+
+    # weights drawn with std 0.2 (transformers' default 0.02 leaves a tiny model's next token
+    # near-uniform at any temperature): its samples at 0.01 are then those a trained policy gives
+    hf = make_tiny_checkpoint(
+        "glm_moe_dsa", 2, workdir / "glm2", dtype="float32", progress=False, initializer_range=0.2
+    )
+    dist = workdir / "glm2_torch_dist"
+    dist.mkdir()
+    convert_to_torch_dist(hf, dist, "glm_moe_dsa")
+    return hf, dist
+
+
+def read_torch_dist(directory: Path) -> dict[str, torch.Tensor]:
+    """Every model tensor of a torch_dist directory (the release or an iteration's)."""
+    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = FileSystemReader(str(directory))
+    meta = reader.read_metadata().state_dict_metadata
+    state = {
+        k: torch.empty(v.size, dtype=v.properties.dtype)
+        for k, v in meta.items()
+        if isinstance(v, TensorStorageMetadata) and not k.startswith("optimizer")
+    }
+    load(state, storage_reader=reader, no_dist=True)
+    return state
+
+
+@pytest.fixture(scope="module")
+def glm(tmp_path_factory):
+    return tiny_glm(tmp_path_factory.mktemp("glm"))
+
+
+def train(glm, workdir: Path, rollouts: int, *flags: str) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    """`miles.train` on one gloo rank from the tiny GLM, saving at its last rollout: (the process,
+    its --save dir, its metric record)."""
+    hf, dist = glm
+    save, record = workdir / "ckpt", workdir / "record"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", "miles.train",
+        "--hf-checkpoint", str(hf), "--ref-load", str(dist), "--save", str(save), *FLAGS,
+        "--num-rollout", str(rollouts), "--save-interval", str(rollouts), *flags,
+    ]  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MILES_CI_GATE_RECORD_DIR": str(record),
+        "PYTHONPATH": str(ROOT),
+    }
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
+    return proc, save, record
+
+
+def trunk_and_mtp(glm, save: Path) -> tuple[list[str], list[str]]:
+    """(trunk weights, MTP weights) whose saved values differ from the starting checkpoint's."""
+    before = read_torch_dist(next(glm[1].glob("release")))
+    after = read_torch_dist(next(save.glob("iter_*")))
+    moved = [k for k in before if not torch.equal(before[k], after[k])]
+    assert any(not k.startswith("mtp.") for k in before)
+    return [k for k in moved if not k.startswith("mtp.")], [k for k in moved if k.startswith("mtp.")]
+
+
+def test_mtp_only_training_makes_speculative_rollouts_accept_and_leaves_the_policy_bit_identical(
+    glm, tmp_path
+):
+    proc, save, record = train(glm, tmp_path, ROLLOUTS, "--mtp-only-training", *SPECULATE)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    accept = runs.series(record, "rollout/spec_accept_rate")
+    mtp = runs.series(record, "train/mtp_loss")
+    print("acceptance by rollout:", json.dumps({k: round(v, 3) for k, v in accept.items()}))
+    print("mtp loss by rollout:", json.dumps({k: round(v, 3) for k, v in mtp.items()}))
+    assert sorted(accept) == list(range(ROLLOUTS)) and sorted(mtp) == list(range(ROLLOUTS))
+    assert mtp[ROLLOUTS - 1] < 0.5 * mtp[0], mtp
+    assert accept[0] < 0.5, accept  # the checkpoint's random MTP layer drafts what the policy rarely samples
+    last = sum(accept[s] for s in range(ROLLOUTS - 3, ROLLOUTS)) / 3
+    assert last >= 0.6, accept
+    trunk, mtp_moved = trunk_and_mtp(glm, save)
+    assert trunk == [], trunk[:5]
+    assert mtp_moved, "no MTP weight changed"
+
+
+def test_mtp_training_beside_the_rl_loss_lets_the_rl_loss_train_the_policy(glm, tmp_path):
+    proc, save, record = train(glm, tmp_path, 2, *SPECULATE)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    assert sorted(runs.series(record, "train/mtp_loss")) == [0, 1]
+    trunk, mtp_moved = trunk_and_mtp(glm, save)
+    assert trunk and mtp_moved
+
+
+def test_mtp_layers_trained_for_a_built_in_engine_that_does_not_draft_are_refused(glm, tmp_path):
+    proc, _, _ = train(glm, tmp_path, 1)
+    assert proc.returncode != 0
+    assert "--enable-mtp-training: the torch rollout engine holds no MTP layers" in proc.stdout + proc.stderr
