@@ -11,9 +11,19 @@ from __future__ import annotations
 from miles.ci.register import register_ci_gate, register_cuda_ci, register_rocm_ci
 from tests.e2e.megatron.test_glm47_flash import case
 
-register_rocm_ci(est_time=1100, suite="stage-c-4-gpu-mi350", labels=["megatron", "amd"])
+register_rocm_ci(
+    est_time=1100,
+    suite="stage-c-4-gpu-mi350",
+    labels=["megatron", "amd"],
+    disabled="fails at start: miles.train.backends.megatron refuses --enable-mtp-training with --pipeline-model-parallel-size 2 (the MTP block on the last stage reads the first stage's word embedding, which miles does not send there yet); re-enabling waits on MTP training under pipeline parallelism (#32)",
+)
 # the same 4-GPU case on a 4-GPU H200 runner, beside it (the seed's own CUDA case is test_r3_mtp.py's 8 GPUs)
-register_cuda_ci(est_time=1100, suite="stage-c-4-gpu-h200", labels=["megatron"])
+register_cuda_ci(
+    est_time=1100,
+    suite="stage-c-4-gpu-h200",
+    labels=["megatron"],
+    disabled="fails at start: miles.train.backends.megatron refuses --enable-mtp-training with --pipeline-model-parallel-size 2 (the MTP block on the last stage reads the first stage's word embedding, which miles does not send there yet); re-enabling waits on MTP training under pipeline parallelism (#32)",
+)
 
 register_ci_gate(metric_key="train/grad_norm")
 register_ci_gate(metric_key="train/ppo_kl")
