@@ -3,7 +3,8 @@ the 4-GPU MI350 form of test_r3_mtp.py: CP 2 -> 1 and EP 4 -> 2 so the dense and
 ranks (world % (tp·cp·pp) and world % (etp·ep·pp)), TP2 and PP2 unchanged, so the MTP layer's place
 (the last stage) is the one under test; one colocated SGLang engine of 4 GPUs (SGLang's TP divides
 the 20 heads). The seed registers it disabled ("FIXME: re-enable once this case passes on the MI350
-runners", no diagnosis); it is enabled here, and untested on GPU: est_time is the seed's.
+runners", no diagnosis); here it is disabled with one (miles refuses MTP training under pipeline
+parallelism), and untested on GPU: est_time is the seed's.
 """
 
 from __future__ import annotations
