@@ -17,3 +17,5 @@ importing the package itself imports nothing heavy.
 
 # The module this package wraps, for callers that only ask whether it is installed.
 CORE_MODULE = "megatron.core"
+# What a rank that builds GPTModel imports from it (the CPU launcher imports it before the fork).
+MODEL_MODULE = CORE_MODULE + ".models.gpt"

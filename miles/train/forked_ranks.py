@@ -85,7 +85,9 @@ def trainer_preloads(argv: Sequence[str]) -> list[str]:
     mods = ["miles.train.trainer", "miles.train.backends.torch_dp", "transformers"]
     args = list(argv)
     if _value(args, "--train-backend") == "megatron":
-        mods += ["miles.train.backends.megatron", "megatron.core.models.gpt"]
+        from miles.megatron import MODEL_MODULE
+
+        mods += ["miles.train.backends.megatron", MODEL_MODULE]
     hf = _value(args, "--hf-checkpoint")
     if hf:
         try:

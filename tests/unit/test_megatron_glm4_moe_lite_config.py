@@ -98,7 +98,7 @@ def test_flags_that_describe_another_glm4_moe_lite_are_refused_together(tmp_path
 
     config = parse_config([
         "--hf-checkpoint", str(tmp_path), "--moe-router-score-function", "softmax",
-        "--moe-router-bias-update-rate", "0.001", "--mtp-num-layers", "1", "--moe-layer-freq", "[0]*2+[1]*2",
+        "--moe-router-bias-update-rate", "0.001", "--mtp-num-layers", "2", "--moe-layer-freq", "[0]*2+[1]*2",
         "--v-head-dim", "16", "--moe-router-topk-scaling-factor", "2.5",
     ])  # fmt: skip
     with pytest.raises(MegatronSetupError) as err:
@@ -107,7 +107,7 @@ def test_flags_that_describe_another_glm4_moe_lite_are_refused_together(tmp_path
     for wrong in (
         "--moe-router-score-function softmax (transformers' Glm4MoeLiteForCausalLM routes by sigmoid scores: sigmoid)",
         "--moe-router-bias-update-rate 0.001 (",
-        "--mtp-num-layers 1 (miles carries the MTP layers",
+        "--mtp-num-layers 2 (config.json num_nextn_predict_layers: ",
         "--moe-layer-freq [0]*2+[1]*2 (config.json mlp_layer_types",
         "--v-head-dim 16 (config.json v_head_dim: 64)",
         "--moe-router-topk-scaling-factor 2.5 (config.json routed_scaling_factor: 1.8)",
