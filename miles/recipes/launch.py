@@ -168,6 +168,12 @@ def build_plan(
         extra = ("--num-rollout", str(options.num_rollout), *extra)
     groups = recipe.arg_groups(profile, fields, base)
     train_args = recipe.train_args(profile, fields, extra, base)
+    from miles.train.sglang_server import a2a_backend_problem
+
+    backends = [train_args[i + 1] for i, a in enumerate(train_args[:-1]) if a == "--sglang-moe-a2a-backend"]
+    problem = a2a_backend_problem(backends[-1] if backends else None, platform)
+    if problem:
+        raise LaunchError(f"{recipe.name} on {platform}: {problem}")
     if check:
         cut = len(train_args) - len(extra)
         check_command(recipe, profile, platform, train_args[:cut], extra=train_args[cut:])

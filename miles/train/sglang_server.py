@@ -110,6 +110,23 @@ def engine_slot(rank: int, local_rank: int, local_world_size: int, gpus_per_engi
     return EngineSlot(offset == 0, local_rank - offset, tuple(range(first, first + gpus_per_engine)))
 
 
+# SGLang's MoE all-to-all backends that exist on one GPU vendor only: MoRI is AMD's ROCm library
+# (sglang 0.5.23's token_dispatcher/moriep.py imports the `mori` package, built for ROCm), so a
+# CUDA run that names it fails inside the engine's start, after the GPUs are allocated.
+VENDOR_ONLY_A2A = {"mori": ("rocm", "deepep (with --sglang-deepep-mode auto) on NVIDIA GPUs")}
+
+
+def a2a_backend_problem(backend: str | None, platform: str) -> str | None:
+    """Why `--sglang-moe-a2a-backend backend` cannot run on `platform` ("cuda", "rocm", "cpu"), or None."""
+    wanted = VENDOR_ONLY_A2A.get(str(backend)) if backend is not None else None
+    if wanted is None or platform in (wanted[0], "cpu"):
+        return None
+    return (
+        f"--sglang-moe-a2a-backend {backend}: MoRI, the all-to-all library SGLang's {backend} dispatcher imports, "
+        f"exists for AMD GPUs (ROCm) only and this is a {platform} run; use --sglang-moe-a2a-backend {wanted[1]}"
+    )
+
+
 def server_kwargs(
     sglang: SGLangConfig,
     dist_info,
@@ -151,6 +168,11 @@ def server_kwargs(
         if field is None:
             raise SGLangUnavailable(f"{flag}: this SGLang has no server argument '{name}'")
         kwargs[name] = convert_value(flag, value, field)
+    from miles.platform import detect
+
+    problem = a2a_backend_problem(kwargs.get("moe_a2a_backend"), detect().platform.value)
+    if problem:
+        raise SGLangUnavailable(problem)
     unknown = sorted(set(kwargs) - set(fields))
     if unknown:
         raise SGLangUnavailable(

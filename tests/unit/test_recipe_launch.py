@@ -279,3 +279,26 @@ def test_extra_env_that_breaks_the_layouts_device_connections_is_refused():
     options = replace(FIXED, model="Qwen3-4B", extra_env=(("CUDA_DEVICE_MAX_CONNECTIONS", "8"),))
     with pytest.raises(LaunchError, match="needs CUDA_DEVICE_MAX_CONNECTIONS=1 in the launch environment"):
         build_plan(shared("qwen3_4b"), options, base_env={})
+
+
+def test_mori_all_to_all_renders_on_rocm_and_is_refused_on_cuda_before_anything_starts():
+    # GLM-5.2's ROCm form routes SGLang's MoE all-to-all through MoRI (AMD's ROCm library); the
+    # same flag on a CUDA plan is refused at render time, with the backend that runs there
+    rocm = build_plan(
+        load("glm5_2_744b_a40b", platform="rocm"),
+        replace(FIXED, model="GLM-5.2-744B-A40B-5layer"),
+        base_env={},
+    )
+    args = list(rocm.command)
+    assert args[args.index("--sglang-moe-a2a-backend") + 1] == "mori"
+    cuda = replace(FIXED, model="GLM-5.2-744B-A40B-5layer", extra_args=("--sglang-moe-a2a-backend", "mori"))
+    with pytest.raises(
+        LaunchError, match="mori: MoRI.*AMD GPUs \\(ROCm\\) only.*use --sglang-moe-a2a-backend deepep"
+    ):
+        build_plan(shared("glm5_2_744b_a40b"), cuda, base_env={})
+    assert (
+        build_plan(
+            shared("glm5_2_744b_a40b"), replace(FIXED, model="GLM-5.2-744B-A40B-5layer"), base_env={}
+        ).platform
+        == "cuda"
+    )
