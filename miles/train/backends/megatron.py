@@ -288,7 +288,7 @@ class MegatronBackend(TrainBackend):
 
             family = megatron_family(self.config)
             outer = family.outer_names(self.config)
-            if family.renames_on_load:  # the names transformers' causal LM gives them
+            if outer != OUTER_NAMES and family.renames_on_load:  # the names transformers' causal LM gives them
                 outer = tuple(family.model_name(n) for n in outer)
             if outer != OUTER_NAMES:
                 raise MegatronSetupError(
