@@ -151,9 +151,7 @@ ROUTED_EXPERTS: tuple[Key, ...] = (  # DeepSeek-style routed and shared experts
     Key("n_routed_experts", "--num-experts"),
     Key("n_shared_experts", "--moe-shared-expert-intermediate-size", shared_experts),
 )
-MTP: tuple[Key, ...] = (
-    Key("num_nextn_predict_layers", "--mtp-num-layers", default=0),
-)
+MTP: tuple[Key, ...] = (Key("num_nextn_predict_layers", "--mtp-num-layers", default=0),)
 
 
 # --- reading a config.json -----------------------------------------------------------------

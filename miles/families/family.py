@@ -132,6 +132,11 @@ class Family:
         checked by miles.parallel before anything starts and by the build in the same words."""
         return FamilyLimits()
 
+    def left_padding_exact(self, config: Mapping[str, Any]) -> bool:
+        """Whether transformers' model gives a left-padded row the logits it gives the row alone
+        (the built-in rollout engine batches prompts of distinct lengths only where it does)."""
+        return True
+
     def tiny_values(self, model: Any, gen: Any) -> None:
         """Values for what transformers initialises to a constant (norms at 1, biases at 0, lookup
         tables at 0) that would hide code paths in a tiny model, set on the freshly built model

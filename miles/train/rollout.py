@@ -137,6 +137,19 @@ def weights_for(engine: RolloutEngine, backend) -> Iterator[tuple[str, object]]:
     return backend.full_weights(names=engine.weight_names, dtype=engine.weight_dtype)
 
 
+def _pads_exactly(model) -> bool:
+    """Whether left padding leaves a row's logits its own, by the model's family
+    (miles.families: Family.left_padding_exact); a model no family claims is taken as exact."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        return True
+    from miles.families import family_of
+
+    written = config.to_dict()
+    found = family_of(written)
+    return found is None or found.left_padding_exact(found.decoder_config(written))
+
+
 class TorchRolloutEngine(RolloutEngine):
     """Samples from an in-process Hugging Face causal LM.
 
@@ -163,7 +176,16 @@ class TorchRolloutEngine(RolloutEngine):
         (--use-rollout-routing-replay; miles.train.routing_replay). `speculative`
         (miles.train.speculative.SpeculativeConfig): draft with the MTP layers of `checkpoint`."""
         self.model = model.eval()
+        kinds = getattr(getattr(model, "config", None), "layer_types", None) or []
+        if kinds and all("linear" in str(kind) for kind in kinds):
+            # transformers' cache measures a sequence by its attention layers; with none it cannot decode
+            raise RolloutEngineError(
+                f"{type(model).__name__} has only linear-attention layers (config.layer_types {list(kinds)}): "
+                "the KV cache has no attention layer to measure the sequence by, so decoding cannot run; "
+                "use a checkpoint with at least one full-attention layer (Qwen3.5's fourth layer is one)"
+            )
         self.pad_token_id = pad_token_id
+        self.pads_exactly = _pads_exactly(model)
         self.cache_keyword = cache_keyword(self.model)
         self.routing = None
         self.speculation = None
@@ -237,6 +259,24 @@ class TorchRolloutEngine(RolloutEngine):
             raise ValueError("a prompt encoded to zero tokens; every prompt needs at least one")
         device = next(self.model.parameters()).device
         generator = torch.Generator(device=device).manual_seed(seed)
+        lengths = sorted({len(p) for p in prompts})
+        if self.pads_exactly or len(lengths) == 1:
+            return self._batch(prompts, sampling, generator, device, control)
+        # The model's logits move under left padding: one batch per prompt length, none padded.
+        out: list[Generation | None] = [None] * len(prompts)
+        for length in lengths:
+            rows = [i for i, p in enumerate(prompts) if len(p) == length]
+            for i, generation in zip(
+                rows,
+                self._batch([prompts[i] for i in rows], sampling, generator, device, control),
+                strict=True,
+            ):
+                out[i] = generation
+        return out
+
+    def _batch(self, prompts, sampling: SamplingConfig, generator, device, control) -> list[Generation]:
+        import torch
+
         if self.speculation is not None:
             with torch.inference_mode():
                 out = self.speculation.generate(

@@ -181,3 +181,23 @@ def test_a_bf16_forward_is_judged_causal_within_its_own_rounding_noise(model):
 
     leak, tolerance = causality_probe(SeesAhead())
     assert leak > tolerance
+
+
+def test_a_model_without_an_attention_layer_is_refused_by_name_before_decoding():
+    # A two-layer Qwen3.5 has only Gated DeltaNet layers (its first full-attention layer is the
+    # fourth): transformers' cache cannot measure the sequence, so the engine says so up front.
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from miles.train.rollout import RolloutEngineError
+
+    config = AutoConfig.for_model(
+        "qwen3_5_moe_text", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, linear_num_value_heads=2, linear_num_key_heads=1,
+        linear_key_head_dim=16, linear_value_head_dim=16, num_experts=2, num_experts_per_tok=1,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16,
+    )  # fmt: skip
+    assert set(config.layer_types) == {"linear_attention"}
+    with pytest.raises(
+        RolloutEngineError, match=r"only linear-attention layers .* at least one full-attention"
+    ):
+        TorchRolloutEngine(AutoModelForCausalLM.from_config(config))

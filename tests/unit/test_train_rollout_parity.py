@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from miles.ci.register import register_cpu_ci
+from miles.families import family, names
 from miles.train.config import SamplingConfig
 from miles.train.rollout import RolloutEngineError, TorchRolloutEngine, cache_keyword
 
@@ -24,7 +25,9 @@ from miles.train.rollout import RolloutEngineError, TorchRolloutEngine, cache_ke
 # of wall at load 10); the implicit 15 s would time out on a quiet lane
 register_cpu_ci(est_time=135, suite="stage-a-cpu")
 
-FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v4", "glm_moe_dsa", "glm4_moe_lite", "inkling")
+# every family at its own tiny depth: DeepSeek-V4's compressed layers and Qwen3.5's first
+# full-attention layer are its third and fourth
+FAMILIES = names()
 TOLERANCE = 1e-5  # float32: cache vs full forward differ only by summation order
 # Distinct lengths (left padding), a GRPO group of 4 sharing its prefill, a one-token prompt.
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40] * 1, [70, 71, 72]] + [[100, 101, 102, 103]] * 4
@@ -36,9 +39,9 @@ def models(tmp_path_factory):
     from tests.support.ckpt import tiny_hf
 
     built = {}
-    for family in FAMILIES:
-        path = tiny_hf(family, 2, dtype="float32")
-        built[family] = load_causal_lm(path, dtype=torch.float32)
+    for name in FAMILIES:
+        path = tiny_hf(name, family(name).tiny_layers, dtype="float32")
+        built[name] = load_causal_lm(path, dtype=torch.float32)
     return built
 
 
@@ -111,3 +114,19 @@ def test_a_forward_with_no_cache_argument_is_refused_by_name():
         RolloutEngineError, match=r"NoCache.forward \(transformers .*\) declares none of cache"
     ):
         TorchRolloutEngine(NoCache())
+
+
+def test_deepseek_v4_batches_by_prompt_length_only_once_a_compressed_layer_is_in_the_model():
+    from miles.families.deepseek_v4 import CSA, HCA, SLIDING
+
+    dsv4 = family("deepseek_v4")
+    assert dsv4.left_padding_exact({"layer_types": [SLIDING, SLIDING, CSA], "num_hidden_layers": 2})
+    assert not dsv4.left_padding_exact({"layer_types": [SLIDING, SLIDING, CSA, HCA], "num_hidden_layers": 3})
+    assert not dsv4.left_padding_exact({"compress_ratios": [0, 128], "num_hidden_layers": 2})
+    # the engine reads the same answer off the loaded model
+    from miles.train.model import load_causal_lm
+    from tests.support.ckpt import tiny_hf
+
+    deep = load_causal_lm(tiny_hf("deepseek_v4", dsv4.tiny_layers, dtype="float32"), dtype=torch.float32)
+    shallow = load_causal_lm(tiny_hf("deepseek_v4", 2, dtype="float32"), dtype=torch.float32)
+    assert not TorchRolloutEngine(deep).pads_exactly and TorchRolloutEngine(shallow).pads_exactly

@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from miles.families import family as family_spec
 from miles.families import names as family_names
 from miles.megatron import CORE_MODULE
 
@@ -175,7 +176,9 @@ def step_parity(cpu: bool, workdir: Path) -> str:
     tol = PARITY_TOL["cpu" if cpu else "gpu"]
     gaps = {}
     for family in family_names():
-        path = tiny_here(family, 2, workdir / "tiny" / family, dtype="float32").hf
+        # the family's own tiny depth: Qwen3.5's first full-attention layer is its fourth
+        layers = family_spec(family).tiny_layers
+        path = tiny_here(family, layers, workdir / "tiny" / family, dtype="float32").hf
         model = load_causal_lm(path, dtype=torch.float32, device=device)
         sampling = SamplingConfig(temperature=0.9, top_p=1.0, top_k=-1, max_response_len=8)
         generations = TorchRolloutEngine(model).generate(PROMPTS, sampling, seed=7)
