@@ -28,6 +28,7 @@ from miles.ci.registry.catalog import load_catalog
 from miles.ci.registry.discover import Registration, parse_test_file
 
 BACKEND_ENV = "MILES_CI_BACKEND"
+ESTIMATES = pytest.StashKey[dict]()  # collected file -> its enabled registrations' largest est_time
 atexit.register(gc.freeze)  # see the docstring: the interpreter frees them at exit regardless
 
 
@@ -90,10 +91,31 @@ def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector):
     if not here:
         reason = f"registered for {hardware_needed(test_file.registrations)}; this machine is {backend}"
         return RegisteredElsewhere.from_parent(parent, path=Path(module_path), reason=reason, error=False)
+    if any(r.enabled for r in here):
+        config.stash.setdefault(ESTIMATES, {})[str(module_path)] = max(r.est_time for r in here if r.enabled)
     if not any(r.enabled for r in here):
         reason = "; ".join(f"disabled on {r.backend} ({r.suite}): {r.disabled}" for r in here)
         return RegisteredElsewhere.from_parent(parent, path=Path(module_path), reason=reason, error=False)
     return None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest-xdist's --dist loadfile hands out files by their count of tests, most first, which
+    # leaves the long training files (a few tests each) for the end, where one of them can hold
+    # the run while every other worker idles; the files come in longest-first order instead
+    # (pytest_collection_modifyitems), which xdist keeps only with its reorder off.
+    if getattr(config.option, "loadscopereorder", None):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
+    """Files longest first by their registered est_time (longest-processing-time first: the
+    last file to start is a short one), each file's tests in their own order."""
+    estimates = config.stash.get(ESTIMATES, {})
+    first_seen: dict[str, int] = {}
+    for item in items:
+        first_seen.setdefault(str(item.path), len(first_seen))
+    items.sort(key=lambda item: (-estimates.get(str(item.path), 0.0), first_seen[str(item.path)]))
 
 
 _sessions: list[pytest.Session] = []  # the process's own session first; a test's inner ones (pytester) after
