@@ -82,3 +82,22 @@ def test_file_disabled_on_this_backend_is_skipped_with_its_reason(project, monke
     result = project.runpytest("-rs", "tests")
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(["*disabled on cpu (stage-b-cpu): gloo barrier deadlocks, see #77*"])
+
+
+def test_files_run_longest_registered_first_under_xdist_too(project, monkeypatch):
+    # pytest-xdist's loadfile would hand out the three-test file first (most tests first) and the
+    # long one-test file last; the plugin orders files by est_time and turns that reorder off.
+    monkeypatch.delenv("MILES_CI_BACKEND", raising=False)
+    _write(project, "tests/unit/test_many.py", "".join(f"def test_{i}():\n    pass\n" for i in range(3)))
+    _write(
+        project,
+        "tests/e2e/test_long.py",
+        HEADER + 'register_cpu_ci(est_time=300, suite="stage-b-cpu")\ndef test_trains():\n    pass\n',
+    )
+    collected = project.runpytest("--collect-only", "-q", "tests")
+    ids = [line for line in collected.outlines if "::" in line]
+    assert ids[0] == "tests/e2e/test_long.py::test_trains" and len(ids) == 4, ids
+    ran = project.runpytest("-n", "1", "--dist", "loadfile", "-v", "tests")
+    ran.assert_outcomes(passed=4)
+    order = [line.split()[-1] for line in ran.outlines if line.startswith("[gw0]") and "PASSED" in line]
+    assert order[0] == "tests/e2e/test_long.py::test_trains", ran.outlines
