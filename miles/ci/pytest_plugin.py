@@ -91,11 +91,11 @@ def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector):
     if not here:
         reason = f"registered for {hardware_needed(test_file.registrations)}; this machine is {backend}"
         return RegisteredElsewhere.from_parent(parent, path=Path(module_path), reason=reason, error=False)
-    if any(r.enabled for r in here):
-        config.stash.setdefault(ESTIMATES, {})[str(module_path)] = max(r.est_time for r in here if r.enabled)
-    if not any(r.enabled for r in here):
+    enabled = [r.est_time for r in here if r.enabled]
+    if not enabled:
         reason = "; ".join(f"disabled on {r.backend} ({r.suite}): {r.disabled}" for r in here)
         return RegisteredElsewhere.from_parent(parent, path=Path(module_path), reason=reason, error=False)
+    config.stash.setdefault(ESTIMATES, {})[str(module_path)] = max(enabled)
     return None
 
 

@@ -150,6 +150,19 @@ def _pads_exactly(model) -> bool:
     return found is None or found.left_padding_exact(found.decoder_config(written))
 
 
+def _cache_measures_the_sequence(model) -> bool:
+    """Whether transformers' DynamicCache for the model has an attention layer (the layers its
+    get_seq_length reads); a model without a config builds its cache as it goes."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "get_text_config"):
+        return True
+    from transformers import DynamicCache
+    from transformers.cache_utils import CacheLayerMixin
+
+    layers = DynamicCache(config=config).layers
+    return not layers or any(isinstance(layer, CacheLayerMixin) for layer in layers)
+
+
 class TorchRolloutEngine(RolloutEngine):
     """Samples from an in-process Hugging Face causal LM.
 
@@ -176,13 +189,12 @@ class TorchRolloutEngine(RolloutEngine):
         (--use-rollout-routing-replay; miles.train.routing_replay). `speculative`
         (miles.train.speculative.SpeculativeConfig): draft with the MTP layers of `checkpoint`."""
         self.model = model.eval()
-        kinds = getattr(getattr(model, "config", None), "layer_types", None) or []
-        if kinds and all("linear" in str(kind) for kind in kinds):
-            # transformers' cache measures a sequence by its attention layers; with none it cannot decode
+        if not _cache_measures_the_sequence(model):
+            kinds = getattr(model.config, "layer_types", None)
             raise RolloutEngineError(
-                f"{type(model).__name__} has only linear-attention layers (config.layer_types {list(kinds)}): "
-                "the KV cache has no attention layer to measure the sequence by, so decoding cannot run; "
-                "use a checkpoint with at least one full-attention layer (Qwen3.5's fourth layer is one)"
+                f"{type(model).__name__} has no attention layer (config.layer_types {kinds}): transformers' KV "
+                "cache measures a sequence by its attention layers, so decoding cannot run; use a checkpoint "
+                "with at least one full-attention layer (Qwen3.5's first is its fourth)"
             )
         self.pad_token_id = pad_token_id
         self.pads_exactly = _pads_exactly(model)

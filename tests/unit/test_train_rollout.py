@@ -198,6 +198,6 @@ def test_a_model_without_an_attention_layer_is_refused_by_name_before_decoding()
     )  # fmt: skip
     assert set(config.layer_types) == {"linear_attention"}
     with pytest.raises(
-        RolloutEngineError, match=r"only linear-attention layers .* at least one full-attention"
+        RolloutEngineError, match=r"has no attention layer .* at least one full-attention"
     ):
         TorchRolloutEngine(AutoModelForCausalLM.from_config(config))

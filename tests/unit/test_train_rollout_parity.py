@@ -122,7 +122,6 @@ def test_deepseek_v4_batches_by_prompt_length_only_once_a_compressed_layer_is_in
     dsv4 = family("deepseek_v4")
     assert dsv4.left_padding_exact({"layer_types": [SLIDING, SLIDING, CSA], "num_hidden_layers": 2})
     assert not dsv4.left_padding_exact({"layer_types": [SLIDING, SLIDING, CSA, HCA], "num_hidden_layers": 3})
-    assert not dsv4.left_padding_exact({"compress_ratios": [0, 128], "num_hidden_layers": 2})
     # the engine reads the same answer off the loaded model
     from miles.train.model import load_causal_lm
     from tests.support.ckpt import tiny_hf

@@ -466,10 +466,8 @@ class DeepseekV4(OwnModelFamily):
         # A compressed layer pools each block of `ratio` cache positions: left padding moves the
         # block edges and pools pad positions, so such a row's logits are not its own (0.1 nats
         # at tiny sizes). Sliding-window layers mask by position and are exact.
-        kinds = config.get("layer_types") or [
-            {0: SLIDING, 4: CSA}.get(int(r), HCA) for r in config.get("compress_ratios") or ()
-        ]
-        return all(kind == SLIDING for kind in kinds[: int(config.get("num_hidden_layers") or len(kinds))])
+        # `config` as decoder_config gives it: layer_types per layer, as the rest of the family reads it
+        return all(kind == SLIDING for kind in config["layer_types"][: int(config["num_hidden_layers"])])
 
     def limits(self, config: Mapping[str, Any]) -> FamilyLimits:
         """No context parallelism (sliding windows and compressed keys need a rank's whole
