@@ -100,14 +100,39 @@ def accept_drafts(target, draft, drafts, generator):
 # --- the MTP drafter on the Hugging Face side -----------------------------------------------------
 
 
-def mtp_prefixes(config: Mapping[str, Any], style: str | None) -> list[str]:
-    """Checkpoint name prefix of each MTP layer (DeepSeek-V3 style: model.layers.{L+k}.)."""
-    from miles.ckpt.families import mtp_layers
+# Where each MTP style keeps MTP layer k: the decoder layer's prefix, and the block's own tensors
+# (drafter module <- checkpoint name). "layers" (DeepSeek-V3, GLM): model.layers.{L+k}.* with its
+# enorm, hnorm, eh_proj and shared_head.norm; "mtp_layers" (Qwen3.5): mtp.layers.{k}.* beside one
+# mtp.{pre_fc_norm_embedding, pre_fc_norm_hidden, fc, norm} for the block.
+DRAFTER_STYLES = ("layers", "mtp_layers")
 
-    if style != "layers":
-        return []
-    layers = int(config["num_hidden_layers"])
-    return [f"model.layers.{layers + k}." for k in range(mtp_layers(config))]
+
+def mtp_prefixes(config: Mapping[str, Any], style: str | None) -> list[str]:
+    """Checkpoint name prefixes of the MTP block (every tensor of it starts with one)."""
+    from miles.ckpt.families import mtp_layers, text_config
+
+    count = mtp_layers(config)
+    if style == "layers":
+        layers = int(text_config(config)["num_hidden_layers"])
+        return [f"model.layers.{layers + k}." for k in range(count)]
+    if style == "mtp_layers" and count:
+        return ["mtp."]
+    return []
+
+
+def mtp_layer_names(config: Mapping[str, Any], style: str, k: int) -> tuple[str, dict[str, str]]:
+    """(the checkpoint prefix of MTP layer k's decoder layer, {drafter module: checkpoint name} of the
+    tensors its block holds beside it)."""
+    from miles.ckpt.families import text_config
+
+    if style == "layers":
+        prefix = f"model.layers.{int(text_config(config)['num_hidden_layers']) + k}."
+        own = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "final_norm": "shared_head.norm"}
+        return prefix, {module: f"{prefix}{name}.weight" for module, name in own.items()}
+    if style == "mtp_layers":
+        own = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc", "final_norm": "norm"}
+        return f"mtp.layers.{k}.", {module: f"mtp.{name}.weight" for module, name in own.items()}
+    raise ValueError(f"MTP style {style!r}: the drafter knows {DRAFTER_STYLES}")
 
 
 class MtpDrafter:
@@ -132,13 +157,14 @@ class MtpDrafter:
         family = families.family_of(config)
         style = family.mtp_style if family else None
         count = mtp_layers(config)
-        if not count or style != "layers":
+        if not count or style not in DRAFTER_STYLES:
             why = (
                 "its config.json declares no MTP layers (num_nextn_predict_layers)"
                 if not count
                 else f"its family {family.name if family else config.get('model_type')} keeps them as "
                 f"{'mtp.{k}.*' if style == 'mtp' else 'nothing'}, and the built-in engine drafts only with "
-                "DeepSeek-V3-style MTP layers (model.layers.{L+k}.*: enorm, hnorm, eh_proj, a decoder layer)"
+                "DeepSeek-V3-style MTP layers (an embedding norm, a hidden-state norm, their projection, a "
+                "decoder layer and a final norm: GLM's model.layers.{L+k}.*, Qwen3.5's mtp.*)"
             )
             raise SpeculationRefused(f"{path}: the built-in engine cannot draft with this checkpoint: {why}")
         text = model.config.get_text_config()
@@ -160,7 +186,9 @@ class MtpDrafter:
                 "the layer below (GLM-5.2's cross-layer sharing) needs the policy's indexer output, which the "
                 "drafter does not take; the built-in engine drafts with MTP layers that index for themselves"
             )
-        self.prefixes = [f"model.layers.{layers + k}." for k in range(count)]
+        names = [mtp_layer_names(config, style, k) for k in range(count)]
+        self.prefixes = [prefix for prefix, _ in names]
+        self.own_names = [own for _, own in names]
         self.layer_index = [layers + k for k in range(count)]
         dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
         layer_cls = type(model.model.layers[0])
@@ -178,21 +206,20 @@ class MtpDrafter:
             self.layers.append(block)
         self.layers.to(device=device, dtype=dtype)
         self.rotary = model.model.rotary_emb
-        self.load(_read_mtp_tensors(path, self.prefixes))
+        self.load(_read_mtp_tensors(path, mtp_prefixes(config, style)))
 
-    # names: those of the checkpoint (model.layers.{L+k}.*, experts one tensor each) as transformers'
-    # class loads them (experts fused) -> this drafter's modules
+    # names: those of the checkpoint (model.layers.{L+k}.* or mtp.*, experts one tensor each) as
+    # transformers' class loads them (experts fused) -> this drafter's modules
     def named_tensors(self) -> dict[str, Any]:
         """Every tensor of the drafter under the name the trainer hands it over by (the transformers
-        class's names of layer L + k, and the checkpoint's names of the MTP block's own tensors)."""
+        class's names of the decoder layer under the checkpoint's prefix, and the checkpoint's names
+        of the MTP block's own tensors)."""
         out = {}
-        for prefix, block in zip(self.prefixes, self.layers, strict=True):
+        for prefix, own, block in zip(self.prefixes, self.own_names, self.layers, strict=True):
             for name, tensor in block.layer.state_dict(keep_vars=True).items():
                 out[prefix + name] = tensor
-            out[prefix + "enorm.weight"] = block.enorm.weight
-            out[prefix + "hnorm.weight"] = block.hnorm.weight
-            out[prefix + "eh_proj.weight"] = block.eh_proj.weight
-            out[prefix + "shared_head.norm.weight"] = block.final_norm.weight
+            for module, name in own.items():
+                out[name] = getattr(block, module).weight
         return out
 
     def load(self, tensors: Mapping[str, Any]) -> None:

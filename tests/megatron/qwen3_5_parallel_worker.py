@@ -6,13 +6,22 @@ weights, cut from the checkpoint through the family's mapping as megatron-core m
 (tensor-parallel dimension; the gated delta net's in_proj [q; k; v; z; b; a] and conv1d [q; k; v] cut
 section by section, as its forward splits them; the rank's experts; its pipeline stage's layers).
 Under context parallelism each rank feeds its megatron load-balanced chunks of the sequence and the
-logits are put back in order. Not a test module; tests/megatron/test_megatron_qwen3_5.py launches it.
+logits are put back in order.
+
+Where the trainer trains the MTP layer (no pipeline or context parallelism), the model is set up as
+--enable-mtp-training sets it up (miles.megatron.mtp.train_mtp), so its training forward also returns
+the MTP layer's logits. Those are compared with a reference built from transformers' own modules
+(`mtp_reference`), and with the built-in engine's drafter (miles.train.speculative.MtpDrafter) fed
+the same hidden states. Not a test module; tests/megatron/test_megatron_qwen3_5.py launches it.
 """
 
 from __future__ import annotations
 
+import json
 import sys
+import tempfile
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -55,6 +64,75 @@ def local_part(name: str, param: torch.Tensor, full: torch.Tensor, config: dict)
     return full.chunk(tp, dim=dim)[rank]
 
 
+MTP_OWN = ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.fc.weight", "mtp.norm.weight")
+
+
+def mtp_reference(path: str, hf, tokens: torch.Tensor) -> torch.Tensor:
+    """MTP layer 0's logits [b, s, vocab] from transformers' own modules and Qwen3.5's MTP formula
+    h' = fc([pre_fc_norm_embedding(embed(t+1)); pre_fc_norm_hidden(h)]) -> layer L -> mtp.norm -> lm_head,
+    h the decoder's normed output. Layer L is the class one layer deeper (full attention, as the
+    release's MTP layer), loaded by transformers from a copy of the checkpoint in which mtp.layers.0.*
+    is renamed model.language_model.layers.L.* (so transformers fuses its experts itself)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from miles.families.qwen3_5_moe import FULL, layer_types
+
+    written = json.loads((Path(path) / "config.json").read_text())
+    text = written["text_config"]
+    depth = int(text["num_hidden_layers"])
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in Path(path).glob("*.safetensors"):
+        tensors |= load_file(shard)
+    own = {name: tensors.pop(name) for name in MTP_OWN}
+    layer = "mtp.layers.0."
+    renamed = {
+        (f"model.language_model.layers.{depth}." + n.removeprefix(layer) if n.startswith(layer) else n): t
+        for n, t in tensors.items()
+    }
+    deeper_text = {**text, "num_hidden_layers": depth + 1, "layer_types": [*layer_types(text), FULL]}
+    deeper_text["mtp_num_hidden_layers"] = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps({**written, "text_config": deeper_text}))
+        save_file(renamed, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
+        deep = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, attn_implementation="sdpa").eval()
+    mtp_layer = deep.model.layers[depth]
+    # transformers loaded layer L from the checkpoint's MTP layer (not its own initialisation)
+    if not torch.equal(mtp_layer.input_layernorm.weight, tensors[layer + "input_layernorm.weight"]):
+        raise SystemExit("transformers did not load mtp.layers.0 as decoder layer L")
+
+    def norm(name: str):
+        module = type(hf.model.norm)(int(text["hidden_size"]), eps=float(text["rms_norm_eps"]))
+        module.weight.data.copy_(own[name])
+        return module
+
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand(tokens.shape[0], -1)
+    with torch.no_grad():
+        h = hf.model(input_ids=tokens).last_hidden_state
+        # the token after each position; the last has none, and megatron-core's roll_tensor puts id 0 there
+        following = torch.roll(tokens, -1, dims=1)
+        following[:, -1] = 0
+        nxt = hf.model.embed_tokens(following)
+        x = torch.nn.functional.linear(
+            torch.cat([norm("mtp.pre_fc_norm_embedding.weight")(nxt), norm("mtp.pre_fc_norm_hidden.weight")(h)], -1),
+            own["mtp.fc.weight"],
+        )
+        rope = deep.model.rotary_emb(x, positions)
+        y = mtp_layer(x, position_embeddings=rope, attention_mask=None, position_ids=positions)
+        return hf.lm_head(norm("mtp.norm.weight")(y)), h, following, positions
+
+
+def drafter_logits(path: str, hf, hidden, following, positions) -> torch.Tensor:
+    """The built-in engine's drafter (its MTP layer loaded from the checkpoint by its own names) over
+    the whole sequence at once, fed the decoder's normed output."""
+    from miles.train.speculative import MtpDrafter
+
+    drafter = MtpDrafter(hf, path)
+    with torch.no_grad():
+        logits, _ = drafter.step(hidden, following, positions, None, drafter.new_cache())
+    return logits
+
+
 def run_layout(path: str, layout_name: str) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
@@ -92,6 +170,12 @@ def run_layout(path: str, layout_name: str) -> dict:
                     f"{name}: the rank's part is {list(part.shape)}, the parameter {list(param.shape)}"
                 )
             param.copy_(part)
+    # as --enable-mtp-training sets the model up where the trainer trains the MTP layer
+    trains_mtp = model.post_process and getattr(model, "mtp", None) is not None and layout.pp == layout.cp == 1
+    if trains_mtp:
+        from miles.megatron.mtp import train_mtp
+
+        train_mtp(model)
 
     tokens = torch.randint(3, min(vocab, 500), (BATCH, SEQ), generator=torch.Generator().manual_seed(SEED))
     targets = torch.roll(tokens, -1, dims=1)
@@ -115,10 +199,16 @@ def run_layout(path: str, layout_name: str) -> dict:
         ids_, pos_, labels_ = next(data)
         out = chunk(ids_, pos_, None)
 
+        def tp_gathered(part):
+            parts = [torch.empty_like(part) for _ in range(ps.get_tensor_model_parallel_world_size())]
+            dist.all_gather(parts, part.detach().contiguous(), group=tp_group)
+            return torch.cat(parts, dim=-1)[..., :vocab]
+
         def loss_func(logits):
-            parts = [torch.empty_like(logits) for _ in range(ps.get_tensor_model_parallel_world_size())]
-            dist.all_gather(parts, logits.detach().contiguous(), group=tp_group)
-            seen["logits"] = torch.cat(parts, dim=-1)[..., :vocab]
+            if isinstance(logits, tuple):  # the training forward of a model that trains its MTP layer
+                logits, (mtp,) = logits
+                seen["mtp"] = tp_gathered(mtp)
+            seen["logits"] = tp_gathered(logits)
             # every context-parallel rank takes the mean over the whole sequence, as the trainer does
             # (miles.megatron.loss): the gather's backward hands each rank its own tokens' gradient
             losses = gather_context_parallel(
@@ -160,6 +250,18 @@ def run_layout(path: str, layout_name: str) -> dict:
             dist.all_gather(parts, got.contiguous(), group=ps.get_data_parallel_group())
             got = torch.cat(parts, dim=0)
         result["gap"] = float((want_logits.detach() - got).abs().max())
+        if trains_mtp:
+            got_mtp = seen["mtp"]
+            if dp > 1:
+                parts = [torch.empty_like(got_mtp) for _ in range(dp)]
+                dist.all_gather(parts, got_mtp.contiguous(), group=ps.get_data_parallel_group())
+                got_mtp = torch.cat(parts, dim=0)
+            hf.eval()
+            want_mtp, hidden, following, pos = mtp_reference(path, hf, tokens)
+            result["mtp_gap"] = float((want_mtp - got_mtp).abs().max())
+            result["drafter_gap"] = float((want_mtp - drafter_logits(path, hf, hidden, following, pos)).abs().max())
+            # the MTP layer predicts otherwise than the model: a mix-up of the two would show
+            result["mtp_vs_main"] = float((want_mtp - want_logits.detach()).abs().max())
         result["logits"] = got.flatten().tolist()[:4096:7]  # a sample, for comparing layouts with each other
     return result
 

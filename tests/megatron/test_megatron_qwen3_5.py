@@ -13,7 +13,10 @@ at DP 2 (CP 1), TP 2 with sequence parallelism and EP 2, PP 2, and CP 2 (the gat
 the gathered sequence), the logits equal transformers', the gradient norm of the mean token
 cross-entropy as megatron's DDP, schedule and distributed optimizer get it equals transformers' own
 on the same tokens (what FSDP computes over the HF model) within 1e-5 relative, and CP 2 equals
-CP 1 (tests/megatron/qwen3_5_parallel_worker.py).
+CP 1 (tests/megatron/qwen3_5_parallel_worker.py). At DP 2 and at TP 2 + SP + EP 2, set up as
+--enable-mtp-training sets it up, the training forward's MTP logits are within 1e-5 of Qwen3.5's MTP
+formula computed with transformers' own decoder layer and the checkpoint's mtp.* tensors, and so are
+the built-in engine's drafter's.
 """
 
 from __future__ import annotations
@@ -167,10 +170,30 @@ def test_the_releases_stacked_experts_convert_to_the_same_model(made, config, tm
     assert gap <= TOL, gap
 
 
+def mtp_norms_moved(source: Path, out: Path) -> Path:
+    """A copy of the checkpoint whose MTP block's norms are off their start: the tiny checkpoint's are
+    all one constant, so a norm applied to the wrong tensor (the embedding's to the hidden state)
+    would not show."""
+    from safetensors.torch import load_file, save_file
+
+    from miles.ckpt.tiny import MTP_SHARD
+
+    shutil.copytree(source, out, ignore=shutil.ignore_patterns(".miles-ckpt.json"))
+    tensors = load_file(out / MTP_SHARD)
+    gen = torch.Generator().manual_seed(7)
+    for name in sorted(tensors):
+        if "norm" in name:
+            tensors[name] = tensors[name] + torch.randn(tensors[name].shape, generator=gen) * 0.3
+    assert not torch.equal(tensors["mtp.pre_fc_norm_embedding.weight"], tensors["mtp.pre_fc_norm_hidden.weight"])
+    save_file(tensors, out / MTP_SHARD, metadata={"format": "pt"})
+    return out
+
+
 @pytest.fixture(scope="module")
-def two_ranks(made) -> dict[str, list[dict]]:
+def two_ranks(made, tmp_path_factory) -> dict[str, list[dict]]:
     """Each layout's ranks' results (one launch serves every layout)."""
-    found = results(ranks.launch(WORKER, str(made.hf), *LAYOUTS, timeout=900))
+    hf = mtp_norms_moved(made.hf, tmp_path_factory.mktemp("qwen3_5") / "hf")
+    found = results(ranks.launch(WORKER, str(hf), *LAYOUTS, timeout=900))
     by_layout = {r["layout"]: r["ranks"] for r in found}
     assert sorted(by_layout) == sorted(LAYOUTS), by_layout
     print({k: [{n: v for n, v in r.items() if n != "logits"} for r in rs] for k, rs in by_layout.items()})
@@ -185,6 +208,16 @@ def test_two_ranks_give_transformers_logits_and_gradient_norm(two_ranks, layout)
         if "gap" in result:
             assert result["gap"] <= TOL, result
         assert result["grad_norm_rel"] <= GRAD_REL, result
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2sp_ep2"])
+def test_the_trained_mtp_layer_and_the_engines_drafter_give_the_mtp_formulas_logits(two_ranks, layout):
+    found = [r for r in two_ranks[layout] if "mtp_gap" in r]
+    assert found, f"no rank of {layout} computed the MTP layer's logits: {two_ranks[layout]}"
+    for result in found:
+        assert result["mtp_gap"] <= TOL, result
+        assert result["drafter_gap"] <= TOL, result
+        assert result["mtp_vs_main"] > 100 * TOL, result  # the MTP layer's logits are its own
 
 
 def test_context_parallel_two_equals_one(two_ranks):

@@ -578,11 +578,11 @@ def _mtp_training(
         refuse(
             f"{path}/config.json declares no MTP layers (num_nextn_predict_layers); use a checkpoint with them"
         )
-    if family.mtp_style != "layers" or not hasattr(family, "layer_weights"):
+    if family.mtp_style not in ("layers", "mtp_layers") or not hasattr(family, "layer_weights"):
         refuse(
             f"the {family.name} family's MTP layers ({family.mtp_style} style) are carried by a model of miles' "
-            "own with no MTP forward; miles trains DeepSeek-V3-style MTP layers (model.layers.{L+k}.*) of "
-            "GPTModel families"
+            "own with no MTP forward; miles trains the MTP layers that GPTModel families carry as megatron-core's "
+            "MTP block (GLM's model.layers.{L+k}.*, Qwen3.5's mtp.*)"
         )
     if model.mtp_num_layers not in (None, count):
         refuse(f"--mtp-num-layers {model.mtp_num_layers}, but {path}/config.json has {count} MTP layer(s)")
