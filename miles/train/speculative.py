@@ -13,10 +13,14 @@ Rows of a batch advance together by m + 1 tokens, m the fewest drafts any row ac
 caches stay rectangular): each row emits the first m + 1 tokens the algorithm gives it (its
 (m+1)-th draft where it accepted that one, else its residual or bonus draw). Every such token,
 given those before it, is drawn from p, so cutting a row's tokens there keeps them exact.
+The policy's cache then drops the rejected positions: attention layers crop them; a layer with a
+recurrent state (linear attention) cannot, so when a draft is rejected such a model's cache goes
+back to before the verifying forward and the kept tokens are fed again.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -264,8 +268,6 @@ class MtpDrafter:
 
 
 def _copy_module(module):
-    import copy
-
     return copy.deepcopy(module)
 
 
@@ -361,6 +363,25 @@ def crop_cache(cache, remove: int) -> None:
         cache.crop(cache.get_seq_length() - remove)
 
 
+def recurrent_layers(cache) -> list[int]:
+    """Indices of the cache layers that hold a recurrent state (linear attention's conv and
+    recurrent states: Qwen3.5's gated delta nets), which `crop` cannot take back: the state after
+    a rejected draft has that draft folded in."""
+    return [i for i, layer in enumerate(cache.layers) if hasattr(layer, "recurrent_states") or hasattr(layer, "conv_states")]
+
+
+def crop_layer(layer, remove: int) -> None:
+    """`crop_cache` for one attention layer of a cache."""
+    import inspect
+
+    if remove <= 0:
+        return
+    if "tokens_to_remove" in inspect.signature(layer.crop).parameters:
+        layer.crop(-remove)
+    else:
+        layer.crop(layer.get_seq_length() - remove)
+
+
 class SpeculativeDecoder:
     """The built-in engine's decoding loop with MTP drafts (see the module's docstring); counts
     the drafts it proposed and accepted for the rollout's acceptance rate."""
@@ -454,6 +475,8 @@ class SpeculativeDecoder:
             fed = torch.cat([pending.unsqueeze(1), drafts_t], dim=1)
             attention = torch.cat([attention, torch.ones_like(fed)], dim=1)
             cols = torch.arange(columns, columns + k + 1, device=device)
+            recurrent = recurrent_layers(cache)
+            before = {i: copy.deepcopy(cache.layers[i]) for i in recurrent}  # what a rejection goes back to
             hidden, logits = self._target(fed, attention, cols - pad, cache)
             self.row_steps += len(active)
             target, target_logp = sampling_probs(logits / temperature, sampling)
@@ -466,8 +489,19 @@ class SpeculativeDecoder:
             nxt = torch.where(accepted > m, drafts_t[:, m] if m < k else after, after)
             emitted = torch.cat([drafts_t[:, :m], nxt.unsqueeze(1)], dim=1)
             lp = target_logp[:, : m + 1].gather(-1, emitted.unsqueeze(-1)).squeeze(-1)
-            crop_cache(cache, k - m)
             attention = attention[:, : columns + m + 1]
+            if recurrent and m < k:
+                # a recurrent state cannot drop the rejected drafts: every layer goes back to before
+                # the verifying forward (attention layers cropped, recurrent ones restored), and the
+                # m + 1 kept tokens are fed again (their hidden states are the verifying forward's)
+                for i, layer in enumerate(cache.layers):
+                    if i in before:
+                        cache.layers[i] = before[i]
+                    else:
+                        crop_layer(layer, k + 1)
+                self._target(fed[:, : m + 1], attention, cols[: m + 1] - pad, cache)
+            else:
+                crop_cache(cache, k - m)
             for i, row in enumerate(active):
                 out_tokens[row].extend(emitted[i].tolist())
                 out_logp[row].extend(lp[i].tolist())

@@ -46,18 +46,18 @@ SPECULATE = (
 )  # fmt: skip
 
 
-def tiny_glm(workdir: Path) -> tuple[Path, Path]:
+def tiny_glm(workdir: Path, family: str = "glm_moe_dsa", layers: int = 2) -> tuple[Path, Path]:
     from miles.ckpt.tiny import make_tiny_checkpoint
     from miles.ckpt.torch_dist import convert_to_torch_dist
 
     # weights drawn with std 0.2 (transformers' default 0.02 leaves a tiny model's next token
     # near-uniform at any temperature): its samples at 0.01 are then those a trained policy gives
     hf = make_tiny_checkpoint(
-        "glm_moe_dsa", 2, workdir / "glm2", dtype="float32", progress=False, initializer_range=0.2
+        family, layers, workdir / f"{family}{layers}", dtype="float32", progress=False, initializer_range=0.2
     )
-    dist = workdir / "glm2_torch_dist"
+    dist = workdir / f"{family}{layers}_torch_dist"
     dist.mkdir()
-    convert_to_torch_dist(hf, dist, "glm_moe_dsa")
+    convert_to_torch_dist(hf, dist, family)
     return hf, dist
 
 
@@ -80,6 +80,12 @@ def read_torch_dist(directory: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def glm(tmp_path_factory):
     return tiny_glm(tmp_path_factory.mktemp("glm"))
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
+    # 4 layers: three gated delta nets and the full-attention layer the MTP layer is built like
+    return tiny_glm(tmp_path_factory.mktemp("qwen3_5"), "qwen3_5_moe", 4)
 
 
 def train(glm, workdir: Path, rollouts: int, *flags: str) -> tuple[subprocess.CompletedProcess, Path, Path]:
@@ -142,3 +148,23 @@ def test_mtp_layers_trained_for_a_built_in_engine_that_does_not_draft_are_refuse
     proc, _, _ = train(glm, tmp_path, 1)
     assert proc.returncode != 0
     assert "--enable-mtp-training: the torch rollout engine holds no MTP layers" in proc.stdout + proc.stderr
+
+
+def test_qwen3_5s_mtp_block_trains_alone_and_its_drafts_are_taken_by_the_engine(qwen3_5, tmp_path):
+    """Qwen3.5 keeps its MTP layer as mtp.* (mtp.fc, its norms, mtp.layers.0.*): the trainer trains
+    it alone, hands it to the built-in engine's drafter under those names each rollout (a name the
+    drafter does not hold fails the weight update), and the policy stays bit-identical."""
+    rollouts = 4
+    proc, save, record = train(qwen3_5, tmp_path, rollouts, "--mtp-only-training", *SPECULATE)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    accept = runs.series(record, "rollout/spec_accept_rate")
+    mtp = runs.series(record, "train/mtp_loss")
+    print("acceptance by rollout:", json.dumps({k: round(v, 3) for k, v in accept.items()}))
+    print("mtp loss by rollout:", json.dumps({k: round(v, 3) for k, v in mtp.items()}))
+    assert sorted(accept) == list(range(rollouts)) and sorted(mtp) == list(range(rollouts))
+    # measured: mtp loss 7.14 -> 0.95, acceptance 0.0 -> 0.79 over 4 rollouts
+    assert mtp[rollouts - 1] < 0.5 * mtp[0], mtp
+    assert accept[0] < 0.5 and accept[rollouts - 1] >= 0.6, accept
+    trunk, mtp_moved = trunk_and_mtp(qwen3_5, save)
+    assert trunk == [], trunk[:5]
+    assert any(k.startswith("mtp.layers.0.eh_proj") for k in mtp_moved), mtp_moved

@@ -129,3 +129,23 @@ def test_deepseek_v4_batches_by_prompt_length_only_once_a_compressed_layer_is_in
     deep = load_causal_lm(tiny_hf("deepseek_v4", dsv4.tiny_layers, dtype="float32"), dtype=torch.float32)
     shallow = load_causal_lm(tiny_hf("deepseek_v4", 2, dtype="float32"), dtype=torch.float32)
     assert not TorchRolloutEngine(deep).pads_exactly and TorchRolloutEngine(shallow).pads_exactly
+
+
+@pytest.mark.parametrize("name", ["glm4_moe_lite", "qwen3_5_moe"])
+def test_speculative_rollouts_keep_the_policys_logprobs_through_rejected_drafts(models, name):
+    """Drafted by the checkpoint's MTP layer (two drafts a step), the engine's logprobs still equal
+    one full forward's: each rejected draft leaves the policy's cache. GLM-4.7-Flash's attention
+    caches crop it; Qwen3.5's gated delta nets fold every token into a recurrent state, which goes
+    back to before the verifying forward instead."""
+    from miles.train.speculative import SpeculativeConfig
+    from tests.support.ckpt import tiny_hf
+
+    path = tiny_hf(name, family(name).tiny_layers, dtype="float32")
+    engine = TorchRolloutEngine(models[name], speculative=SpeculativeConfig(steps=2), checkpoint=str(path))
+    sampling = SamplingConfig(temperature=0.9, top_p=1.0, top_k=-1, max_response_len=8)
+    generations = engine.generate(PROMPTS, sampling, seed=7)
+    spec = engine.speculation
+    print(f"{name}: {spec.accepted} of {spec.proposed} drafts accepted")
+    assert 0 < spec.accepted < spec.proposed  # some drafts rejected, some taken
+    assert all(len(g.response_ids) == 8 for g in generations)
+    assert max_gap(models[name], generations, 0.9) <= TOLERANCE
