@@ -199,6 +199,12 @@ def _try_layout(case: dict) -> dict:
     except Exception as exc:  # megatron-core raises ValueError, RuntimeError or AssertionError
         result.update(ok=False, stage=stage, error=_describe(exc))
     finally:
+        # Every rank is done with this layout's groups before any tears them down: a rank that
+        # fails early (a TransformerConfig assertion) would otherwise destroy a gloo group another
+        # rank is still connecting, which then reports "Connection closed by peer" instead of the
+        # layout's own verdict (seen on a loaded 2-core machine at world 8). The ranks run the same
+        # deterministic checks, so they all get here.
+        dist.barrier()
         ps.destroy_model_parallel()
         # destroy_model_parallel forgets megatron-core's groups but leaves them alive, each
         # with its gloo threads and sockets; hundreds of layouts would pile them up.
