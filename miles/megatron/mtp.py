@@ -8,6 +8,10 @@ GPTModel, once given MTP layers, returns their loss instead of the logits the tr
 the block is megatron-core's own `MultiTokenPredictionBlock`, built on the last pipeline stage
 and attached under the name GPTModel gives it (`mtp`), which puts its weights at the keys a
 Megatron-LM job with --mtp-num-layers saves and loads (`mtp.layers.{k}.*`).
+
+Trained (`train_mtp`) on the last of several pipeline stages, the block reads the first stage's
+word embedding: that stage sends it over megatron-core's embedding group before each training
+step (`share_word_embedding`) into a copy the last stage holds outside its parameters.
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ def train_mtp(model) -> None:
     if block is None:
         raise MtpRefused("this model chunk carries no MTP layers")
     block.requires_grad_(True)
+    if not model.pre_process:
+        _give_word_embedding(model)
     original = model._postprocess
 
     def postprocess(hidden_states, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos,
@@ -86,9 +92,10 @@ def mtp_logits(model, hidden_states, input_ids, position_ids, attention_mask, ro
                extra_block_kwargs) -> list:  # fmt: skip
     """Each MTP layer's logits [rows, S, V/tp]: layer j at position i predicts token i + 2 + j."""
     block = model.mtp
+    word_embedding = model.embedding if model.pre_process else model._mtp_embedding
 
     def embedding(input_ids, position_ids):
-        return model.embedding(input_ids=input_ids, position_ids=position_ids).detach()
+        return word_embedding(input_ids=input_ids, position_ids=position_ids).detach()
 
     out = block(
         input_ids=input_ids,
@@ -128,3 +135,47 @@ def mtp_targets(tokens, loss_mask, width: int, depth: int):
     mask = torch.zeros_like(loss_mask)
     mask[:, : max(0, width - 1 - (shift - 1))] = loss_mask[:, shift - 1 :]
     return targets, mask
+
+
+def _give_word_embedding(model) -> None:
+    """A last pipeline stage's own copy of the word embedding for its MTP block (megatron-core builds
+    one there when GPTModel has MTP layers; the carried block has none). It is no parameter of the
+    model (not saved, not exported, not trained: the MTP block reads the embedding detached);
+    `share_word_embedding` fills it from the first stage."""
+    import copy
+
+    from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+
+    config = copy.copy(model.config)
+    config.perform_initialization = False  # filled from the first stage: draw nothing from the RNG
+    embedding = LanguageModelEmbedding(
+        config=config,
+        vocab_size=model.vocab_size,
+        max_sequence_length=model.max_sequence_length,
+        position_embedding_type=model.position_embedding_type,
+        tp_group=model.pg_collection.tp,
+    )
+    embedding.requires_grad_(False)
+    object.__setattr__(model, "_mtp_embedding", embedding)  # not a submodule: outside the state dict
+
+
+def share_word_embedding(chunks) -> None:
+    """The first pipeline stage's word embedding, sent to the last stage's MTP block (over
+    megatron-core's embedding group, each tensor-parallel rank its own vocabulary rows). Every
+    rank calls it; a stage that is neither first nor last, and a model without pipeline
+    parallelism, has nothing to do."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1 or not ps.is_rank_in_embedding_group(
+        ignore_virtual=True
+    ):
+        return
+    if ps.is_pipeline_first_stage(ignore_virtual=True):
+        weight = chunks[0].embedding.word_embeddings.weight.data
+    else:
+        copy_ = chunks[-1]._mtp_embedding
+        own = next(chunks[-1].mtp.parameters())
+        copy_.to(device=own.device)
+        weight = copy_.word_embeddings.weight.data
+    dist.broadcast(weight, src=ps.get_pipeline_model_parallel_first_rank(), group=ps.get_embedding_group())

@@ -134,7 +134,12 @@ def mtp_layer_names(config: Mapping[str, Any], style: str, k: int) -> tuple[str,
         own = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "final_norm": "shared_head.norm"}
         return prefix, {module: f"{prefix}{name}.weight" for module, name in own.items()}
     if style == "mtp_layers":
-        own = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc", "final_norm": "norm"}
+        own = {
+            "enorm": "pre_fc_norm_embedding",
+            "hnorm": "pre_fc_norm_hidden",
+            "eh_proj": "fc",
+            "final_norm": "norm",
+        }
         return f"mtp.layers.{k}.", {module: f"mtp.{name}.weight" for module, name in own.items()}
     raise ValueError(f"MTP style {style!r}: the drafter knows {DRAFTER_STYLES}")
 
@@ -367,7 +372,11 @@ def recurrent_layers(cache) -> list[int]:
     """Indices of the cache layers that hold a recurrent state (linear attention's conv and
     recurrent states: Qwen3.5's gated delta nets), which `crop` cannot take back: the state after
     a rejected draft has that draft folded in."""
-    return [i for i, layer in enumerate(cache.layers) if hasattr(layer, "recurrent_states") or hasattr(layer, "conv_states")]
+    return [
+        i
+        for i, layer in enumerate(cache.layers)
+        if hasattr(layer, "recurrent_states") or hasattr(layer, "conv_states")
+    ]
 
 
 def crop_layer(layer, remove: int) -> None:

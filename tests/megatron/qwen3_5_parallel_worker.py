@@ -64,7 +64,12 @@ def local_part(name: str, param: torch.Tensor, full: torch.Tensor, config: dict)
     return full.chunk(tp, dim=dim)[rank]
 
 
-MTP_OWN = ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.fc.weight", "mtp.norm.weight")
+MTP_OWN = (
+    "mtp.pre_fc_norm_embedding.weight",
+    "mtp.pre_fc_norm_hidden.weight",
+    "mtp.fc.weight",
+    "mtp.norm.weight",
+)
 
 
 def mtp_reference(path: str, hf, tokens: torch.Tensor) -> torch.Tensor:
@@ -95,7 +100,9 @@ def mtp_reference(path: str, hf, tokens: torch.Tensor) -> torch.Tensor:
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps({**written, "text_config": deeper_text}))
         save_file(renamed, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
-        deep = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, attn_implementation="sdpa").eval()
+        deep = AutoModelForCausalLM.from_pretrained(
+            tmp, dtype=torch.float32, attn_implementation="sdpa"
+        ).eval()
     mtp_layer = deep.model.layers[depth]
     # transformers loaded layer L from the checkpoint's MTP layer (not its own initialisation)
     if not torch.equal(mtp_layer.input_layernorm.weight, tensors[layer + "input_layernorm.weight"]):
@@ -114,7 +121,9 @@ def mtp_reference(path: str, hf, tokens: torch.Tensor) -> torch.Tensor:
         following[:, -1] = 0
         nxt = hf.model.embed_tokens(following)
         x = torch.nn.functional.linear(
-            torch.cat([norm("mtp.pre_fc_norm_embedding.weight")(nxt), norm("mtp.pre_fc_norm_hidden.weight")(h)], -1),
+            torch.cat(
+                [norm("mtp.pre_fc_norm_embedding.weight")(nxt), norm("mtp.pre_fc_norm_hidden.weight")(h)], -1
+            ),
             own["mtp.fc.weight"],
         )
         rope = deep.model.rotary_emb(x, positions)
@@ -171,7 +180,9 @@ def run_layout(path: str, layout_name: str) -> dict:
                 )
             param.copy_(part)
     # as --enable-mtp-training sets the model up where the trainer trains the MTP layer
-    trains_mtp = model.post_process and getattr(model, "mtp", None) is not None and layout.pp == layout.cp == 1
+    trains_mtp = (
+        model.post_process and getattr(model, "mtp", None) is not None and layout.pp == layout.cp == 1
+    )
     if trains_mtp:
         from miles.megatron.mtp import train_mtp
 
@@ -259,7 +270,9 @@ def run_layout(path: str, layout_name: str) -> dict:
             hf.eval()
             want_mtp, hidden, following, pos = mtp_reference(path, hf, tokens)
             result["mtp_gap"] = float((want_mtp - got_mtp).abs().max())
-            result["drafter_gap"] = float((want_mtp - drafter_logits(path, hf, hidden, following, pos)).abs().max())
+            result["drafter_gap"] = float(
+                (want_mtp - drafter_logits(path, hf, hidden, following, pos)).abs().max()
+            )
             # the MTP layer predicts otherwise than the model: a mix-up of the two would show
             result["mtp_vs_main"] = float((want_mtp - want_logits.detach()).abs().max())
         result["logits"] = got.flatten().tolist()[:4096:7]  # a sample, for comparing layouts with each other

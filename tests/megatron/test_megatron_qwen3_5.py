@@ -184,7 +184,9 @@ def mtp_norms_moved(source: Path, out: Path) -> Path:
     for name in sorted(tensors):
         if "norm" in name:
             tensors[name] = tensors[name] + torch.randn(tensors[name].shape, generator=gen) * 0.3
-    assert not torch.equal(tensors["mtp.pre_fc_norm_embedding.weight"], tensors["mtp.pre_fc_norm_hidden.weight"])
+    assert not torch.equal(
+        tensors["mtp.pre_fc_norm_embedding.weight"], tensors["mtp.pre_fc_norm_hidden.weight"]
+    )
     save_file(tensors, out / MTP_SHARD, metadata={"format": "pt"})
     return out
 

@@ -169,9 +169,9 @@ RECIPE = Recipe(
         deviation(
             "--enable-mtp-training",
             "--mtp-loss-scaling-factor",
-            reason="miles trains Qwen3.5's MTP layer (--enable-mtp-training) only without pipeline and context "
-            "parallelism, and the reference's layout is CP 2 (the ROCm case's PP 2), which the trainer refuses with "
-            "it at start; here the MTP layer is carried (converted, handed to SGLang, which drafts with it) but frozen",
+            reason="miles trains Qwen3.5's MTP layer (--enable-mtp-training) without context parallelism only, and "
+            "the reference's layout is CP 2, which the trainer refuses with it at start; here the MTP layer is carried "
+            "(converted, handed to SGLang, which drafts with it) but frozen (the ROCm case's twin, at PP 2, trains it)",
         ),
     ),
 )

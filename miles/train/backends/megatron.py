@@ -141,7 +141,8 @@ class MegatronBackend(TrainBackend):
         if self.mtp is not None:
             from miles.megatron.mtp import train_mtp
 
-            if not any(getattr(chunk, "mtp", None) is not None for chunk in chunks):
+            # the last pipeline stage carries the block
+            if chunks[-1].post_process and getattr(chunks[-1], "mtp", None) is None:
                 raise MegatronSetupError(
                     f"--enable-mtp-training: the {megatron_family(self.config).name} family builds no MTP block "
                     f"for {hf}'s MTP layers (its finish_model carries none: miles.megatron.mtp.carry_mtp)"
@@ -155,6 +156,10 @@ class MegatronBackend(TrainBackend):
         self.lora = lora if lora.enabled and role == ACTOR else None  # adapters on the policy only
         self.adapted = self._attach_adapters(chunks, job.seed) if self.lora else []
         self.chunks = [c.to(self.device) for c in chunks]
+        if self.mtp is not None:  # a last pipeline stage's MTP block reads the first stage's embedding
+            from miles.megatron.mtp import share_word_embedding
+
+            share_word_embedding(self.chunks)
         self.model = mt.wrap_ddp(self.chunks, self.tc, options.ddp_fields(megatron))
         self.optimizer = mt.build_optimizer(
             self.model, self.optim_cfg, self.tc, options.optimizer_fields(megatron)
@@ -257,6 +262,12 @@ class MegatronBackend(TrainBackend):
         return [result["logp"] for result in results[: len(micro)]]
 
     def train_step(self, micro: Sequence[TokenBatch], normalizer: float) -> StepResult:
+        if self.mtp is not None and self.layout.pp > 1:
+            # the last stage's MTP block reads the first stage's embedding as the last step left it
+            from miles.megatron.mtp import share_word_embedding
+
+            self._gather_params()
+            share_word_embedding(self.chunks)
         for chunk in self.model:
             chunk.train()
             chunk.zero_grad_buffer()
@@ -586,11 +597,16 @@ def _mtp_training(
         )
     if model.mtp_num_layers not in (None, count):
         refuse(f"--mtp-num-layers {model.mtp_num_layers}, but {path}/config.json has {count} MTP layer(s)")
-    if layout.pp > 1 or layout.cp > 1:
+    if megatron.mtp_only_training and layout.pp > 1:
         refuse(
-            f"pipeline ({layout.pp}) or context ({layout.cp}) parallelism: the MTP block on the last stage "
-            "reads the word embedding of the first and targets two positions ahead across context chunks; "
-            "train with --pipeline-model-parallel-size 1 --context-parallel-size 1"
+            f"--mtp-only-training with pipeline parallelism ({layout.pp}): the MTP layers sit on the last stage, so "
+            "every other stage would train nothing, and megatron-core's distributed optimizer cannot save a stage "
+            "without a trained parameter; train the MTP layers alone with --pipeline-model-parallel-size 1"
+        )
+    if layout.cp > 1:
+        refuse(
+            f"context parallelism ({layout.cp}): the MTP layers' inputs and targets are tokens one and two "
+            "positions ahead, which cross the context-parallel chunks; train with --context-parallel-size 1"
         )
     if lora.enabled:
         refuse(

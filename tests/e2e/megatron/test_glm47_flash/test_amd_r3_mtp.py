@@ -3,8 +3,9 @@ the 4-GPU MI350 form of test_r3_mtp.py: CP 2 -> 1 and EP 4 -> 2 so the dense and
 ranks (world % (tp·cp·pp) and world % (etp·ep·pp)), TP2 and PP2 unchanged, so the MTP layer's place
 (the last stage) is the one under test; one colocated SGLang engine of 4 GPUs (SGLang's TP divides
 the 20 heads). The seed registers it disabled ("FIXME: re-enable once this case passes on the MI350
-runners", no diagnosis); here it is disabled with one (miles refuses MTP training under pipeline
-parallelism), and untested on GPU: est_time is the seed's.
+runners", no diagnosis); here it runs: the last stage's MTP layer reads the first stage's word
+embedding, sent before each step (on CPU: tests/e2e/test_train_mtp_speculative.py). Untested on GPU:
+est_time is the seed's.
 """
 
 from __future__ import annotations
@@ -16,14 +17,12 @@ register_rocm_ci(
     est_time=1100,
     suite="stage-c-4-gpu-mi350",
     labels=["megatron", "amd"],
-    disabled="fails at start: miles.train.backends.megatron refuses --enable-mtp-training with --pipeline-model-parallel-size 2 (the MTP block on the last stage reads the first stage's word embedding, which miles does not send there yet); re-enabling waits on MTP training under pipeline parallelism (#32)",
 )
 # the same 4-GPU case on a 4-GPU H200 runner, beside it (the seed's own CUDA case is test_r3_mtp.py's 8 GPUs)
 register_cuda_ci(
     est_time=1100,
     suite="stage-c-4-gpu-h200",
     labels=["megatron"],
-    disabled="fails at start: miles.train.backends.megatron refuses --enable-mtp-training with --pipeline-model-parallel-size 2 (the MTP block on the last stage reads the first stage's word embedding, which miles does not send there yet); re-enabling waits on MTP training under pipeline parallelism (#32)",
 )
 
 register_ci_gate(metric_key="train/grad_norm")

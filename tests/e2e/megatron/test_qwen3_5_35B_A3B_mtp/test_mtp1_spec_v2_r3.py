@@ -13,7 +13,6 @@ register_cuda_ci(
     est_time=1600,
     suite="stage-c-8-gpu-h100",
     labels=["megatron", "qwen35"],
-    disabled="fails at start: miles.train.backends.megatron refuses --enable-mtp-training with --pipeline-model-parallel-size 2 (the MTP block on the last stage reads the first stage's word embedding, which miles does not send there yet); re-enabling waits on MTP training under pipeline parallelism (#32)",
 )
 
 register_ci_gate(metric_key="train/grad_norm")

@@ -1,0 +1,47 @@
+"""What --enable-mtp-training refuses before any model is built, and what it takes: the layouts and
+families the Megatron backend can train MTP layers with (the runs themselves:
+tests/e2e/test_train_mtp_speculative.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from miles.families import family
+
+GLM = family("glm_moe_dsa").tiny_dims | {"model_type": "glm_moe_dsa", "num_nextn_predict_layers": 1}
+QWEN3_5 = family("qwen3_5_moe").tiny_dims | {"model_type": "qwen3_5_moe_text", "num_hidden_layers": 4}
+MTP = ("--enable-mtp-training", "--mtp-loss-scaling-factor", "0.5")
+
+
+def scale(config: dict, *flags: str) -> float | None:
+    from miles.train.args import parse_config
+    from miles.train.backends.megatron import _mtp_training
+
+    run = parse_config(
+        ["--hf-checkpoint", "/ckpt", "--train-backend", "megatron", "--actor-num-gpus-per-node", "2", *flags]
+    )
+    return _mtp_training(run.megatron, run.model, config, run.layout, run.lora, "/ckpt")
+
+
+@pytest.mark.parametrize("config", [GLM, QWEN3_5], ids=["glm_moe_dsa", "qwen3_5_moe"])
+def test_both_mtp_styles_train_at_one_stage_and_under_pipeline_parallelism(config):
+    assert scale(config, *MTP) == 0.5
+    assert scale(config, *MTP, "--pipeline-model-parallel-size", "2") == 0.5
+    assert scale(config) is None  # not asked for
+
+
+def test_mtp_only_training_under_pipeline_parallelism_is_refused_with_the_stage_that_would_train_nothing():
+    from miles.train.backends.megatron import MegatronSetupError
+
+    assert scale(GLM, *MTP, "--mtp-only-training") == 0.5
+    with pytest.raises(MegatronSetupError, match=r"--mtp-only-training with pipeline parallelism \(2\)"):
+        scale(GLM, *MTP, "--mtp-only-training", "--pipeline-model-parallel-size", "2")
+
+
+def test_context_parallelism_is_refused_by_what_crosses_its_chunks():
+    from miles.train.backends.megatron import MegatronSetupError
+
+    with pytest.raises(
+        MegatronSetupError, match=r"context parallelism \(2\): the MTP layers' inputs and targets"
+    ):
+        scale(GLM, *MTP, "--context-parallel-size", "2")
