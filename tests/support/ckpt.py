@@ -89,10 +89,12 @@ def perturbed(family: str, layers: int, root: Path, **dims: Any) -> Path:
     return out
 
 
-def near_tied_checkpoint(family: str, layers: int, root: Path) -> tuple[Path, Path]:
+def near_tied_checkpoint(
+    family: str, layers: int, root: Path, lead: float = 4.0, spacing: float = 1e-6
+) -> tuple[Path, Path]:
     """(HF, torch_dist) of the float32 tiny `family` whose MoE routers hold top-k + 1 near-equal leading
-    rows (1e-6 apart, four times the others' scale): each token's top-k is a near-tie among them,
-    which the rollout engine's cached decode and the trainer's whole-sequence forward round apart."""
+    rows (`spacing` apart, `lead` times the others' scale): each token's top-k is a near-tie among
+    them, which the rollout engine's cached decode and the trainer's whole-sequence forward round apart."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -109,9 +111,9 @@ def near_tied_checkpoint(family: str, layers: int, root: Path) -> tuple[Path, Pa
             if gate is None:  # a dense layer
                 continue
             weight = gate.weight
-            lead = weight[0] * 4
+            row = weight[0] * lead
             for expert in range(model.config.num_experts_per_tok + 1):  # one more than a token picks
-                weight[expert] = lead + 1e-6 * torch.randn(weight.shape[1], generator=gen)
+                weight[expert] = row + spacing * torch.randn(weight.shape[1], generator=gen)
     hf = root / "hf"
     model.save_pretrained(hf, max_shard_size=1_000_000)  # sharded, with the index the MTP shard joins
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -119,5 +121,11 @@ def near_tied_checkpoint(family: str, layers: int, root: Path) -> tuple[Path, Pa
     add_mtp_layers(get_family(family), model.config.to_dict(), 0, "float32", hf)  # save_pretrained drops them
     dist = root / "torch_dist"
     dist.mkdir()
-    convert_to_torch_dist(hf, dist, family)
+    # The converter's own check compares the loaded-back model's logits with transformers' within
+    # 1e-4 under each forward's own routing; with router rows 1e-6 apart the two forwards' rounding
+    # picks different experts on some machines (glm4_moe_lite: 0.054 on one 2-core machine, below
+    # 1e-4 on another), which is what this checkpoint is for, not a wrong mapping. The tests that use
+    # it hold the converted model to the engine's logprobs under one routing (R3: the float32 floor),
+    # which a wrong mapping cannot pass.
+    convert_to_torch_dist(hf, dist, family, verify=False)
     return hf, dist
