@@ -87,7 +87,14 @@ def test_the_engine_process_samples_what_the_in_process_engine_samples(fleet, tr
     _push(fleet, DiskTransfer(Publisher(tmp_path)), weights, 1)
     local = TorchRolloutEngine(_loaded(trainer_model, weights))
     prompts = [[5, 6, 7, 8], [9, 10, 11], [5, 6, 7, 8]]
-    here = local.generate(prompts, SAMPLING, seed=11)
+    # with the engine process's one thread (its --num-threads default): a matmul split over two
+    # threads sums in another order, and the logprobs then differ in their last bits (4.8e-7 seen)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        here = local.generate(prompts, SAMPLING, seed=11)
+    finally:
+        torch.set_num_threads(threads)
     there = fleet.engines[0].client.generate(prompts, SAMPLING, seed=11)
     assert [o.generation for o in there] == here
     assert {o.versions for o in there} == {(1,)}
