@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from tests.megatron.layout_logits_worker import full_state, global_name, local_part
 from tests.support.grad_norms import grad_norms
+from tests.support.mtp_formula import mtp_formula
 from tests.support.results import emit
 
 SEQ, BATCH, SEED = 48, 2, 0
@@ -63,24 +64,9 @@ def mtp_reference(path: str, config: dict, family, tokens: torch.Tensor) -> torc
     # the deeper class loaded layer L from the checkpoint's MTP block (not its own initialisation)
     assert torch.equal(mtp_layer.input_layernorm.weight, layer_weight), "transformers did not load layer L"
 
-    def norm(name: str):
-        module = type(hf.model.norm)(int(config["hidden_size"]), eps=float(config["rms_norm_eps"]))
-        module.weight.data.copy_(weights[name])
-        return module
-
-    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand(tokens.shape[0], -1)
-    with torch.no_grad():
-        h = hf.model(input_ids=tokens).last_hidden_state
-        # the token after each position; the last has none, and megatron-core's roll_tensor puts id 0 there
-        following = torch.roll(tokens, -1, dims=1)
-        following[:, -1] = 0
-        nxt = hf.model.embed_tokens(following)
-        x = torch.nn.functional.linear(
-            torch.cat([norm("enorm")(nxt), norm("hnorm")(h)], dim=-1), weights["eh_proj"]
-        )
-        rope = deeper.model.rotary_emb(x, positions)
-        y = mtp_layer(x, position_embeddings=rope, attention_mask=None, position_ids=positions)
-        return hf.lm_head(norm("shared_head.norm")(y))
+    own = {"enorm": weights["enorm"], "hnorm": weights["hnorm"], "eh_proj": weights["eh_proj"]}
+    own["final_norm"] = weights["shared_head.norm"]
+    return mtp_formula(hf, mtp_layer, deeper.model.rotary_emb, own, tokens, config)[0]
 
 
 def own_embedding(tc, config: dict, full: dict):

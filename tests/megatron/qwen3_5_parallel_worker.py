@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from tests.megatron.layout_logits_worker import full_state, global_name
+from tests.support.mtp_formula import mtp_formula
 from tests.support.results import emit
 
 SEQ, BATCH, SEED = 80, 2, 0  # past one 64-token chunk of the gated delta rule
@@ -108,27 +109,14 @@ def mtp_reference(path: str, hf, tokens: torch.Tensor) -> torch.Tensor:
     if not torch.equal(mtp_layer.input_layernorm.weight, tensors[layer + "input_layernorm.weight"]):
         raise SystemExit("transformers did not load mtp.layers.0 as decoder layer L")
 
-    def norm(name: str):
-        module = type(hf.model.norm)(int(text["hidden_size"]), eps=float(text["rms_norm_eps"]))
-        module.weight.data.copy_(own[name])
-        return module
-
-    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand(tokens.shape[0], -1)
-    with torch.no_grad():
-        h = hf.model(input_ids=tokens).last_hidden_state
-        # the token after each position; the last has none, and megatron-core's roll_tensor puts id 0 there
-        following = torch.roll(tokens, -1, dims=1)
-        following[:, -1] = 0
-        nxt = hf.model.embed_tokens(following)
-        x = torch.nn.functional.linear(
-            torch.cat(
-                [norm("mtp.pre_fc_norm_embedding.weight")(nxt), norm("mtp.pre_fc_norm_hidden.weight")(h)], -1
-            ),
-            own["mtp.fc.weight"],
-        )
-        rope = deep.model.rotary_emb(x, positions)
-        y = mtp_layer(x, position_embeddings=rope, attention_mask=None, position_ids=positions)
-        return hf.lm_head(norm("mtp.norm.weight")(y)), h, following, positions
+    names = {
+        "enorm": "pre_fc_norm_embedding",
+        "hnorm": "pre_fc_norm_hidden",
+        "eh_proj": "fc",
+        "final_norm": "norm",
+    }
+    weights = {key: own[f"mtp.{name}.weight"] for key, name in names.items()}
+    return mtp_formula(hf, mtp_layer, deep.model.rotary_emb, weights, tokens, text)
 
 
 def drafter_logits(path: str, hf, hidden, following, positions) -> torch.Tensor:
