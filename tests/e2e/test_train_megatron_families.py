@@ -50,7 +50,7 @@ def test_megatron_inkling_tp2_ep2_learns_a_task_that_needs_the_prompt(tmp_path):
     args = " ".join(plan.train_args)
     assert "--train-backend megatron" in args and "--tensor-model-parallel-size 2" in args
     assert "--expert-model-parallel-size 2" in args and "--sequence-parallel" in args
-    assert_learns_the_prompt(record, INKLING["rollouts"])
+    assert_learns_the_prompt(record, INKLING["rollouts"], INKLING["window"])
     diffs = runs.series(record, "train/train_rollout_logprob_abs_diff")
     assert max(diffs.values()) <= 1e-5, diffs  # fp32: megatron's and transformers' forwards alike
     # the expert bias only selects experts and nothing updates it (transformers keeps it a
