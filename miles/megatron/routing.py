@@ -121,8 +121,8 @@ class Targets:
 
 def install(chunks, tc) -> Targets:
     """Replay hooks on every megatron-core TopKRouter of the chunks; refused where a router picks
-    its experts elsewhere than through megatron-core's top-k (a family's own routing, Sinkhorn,
-    Transformer Engine's fused router)."""
+    its experts elsewhere than through megatron-core's top-k (a family's own routing that does not
+    consult the hook, `replays_routing`; Sinkhorn; Transformer Engine's fused router)."""
     from megatron.core.transformer.moe.router import TopKRouter
 
     if tc.moe_router_fusion:
@@ -135,7 +135,10 @@ def install(chunks, tc) -> Targets:
         for name, module in chunk.named_modules():
             if not isinstance(module, TopKRouter):
                 continue
-            if type(module).routing is not TopKRouter.routing or module.routing_type == "sinkhorn":
+            own = type(module).routing is not TopKRouter.routing and not getattr(
+                type(module), "replays_routing", False
+            )
+            if own or module.routing_type == "sinkhorn":
                 raise RoutingReplayError(
                     f"--use-rollout-routing-replay: router {name} ({type(module).__name__}) picks its experts with its "
                     "own routing, not megatron-core's top-k that routing replay hooks; train this model with "

@@ -90,11 +90,13 @@ def perturbed(family: str, layers: int, root: Path, **dims: Any) -> Path:
 
 
 def near_tied_checkpoint(
-    family: str, layers: int, root: Path, lead: float = 4.0, spacing: float = 1e-6
+    family: str, layers: int, root: Path, lead: float = 4.0, spacing: float = 1e-6, head_scale: float = 1.0
 ) -> tuple[Path, Path]:
     """(HF, torch_dist) of the float32 tiny `family` whose MoE routers hold top-k + 1 near-equal leading
     rows (`spacing` apart, `lead` times the others' scale): each token's top-k is a near-tie among
-    them, which the rollout engine's cached decode and the trainer's whole-sequence forward round apart."""
+    them, which the rollout engine's cached decode and the trainer's whole-sequence forward round apart.
+    `head_scale` multiplies the output layer (a tiny whose logits are near zero shows a routing
+    change by little in its logprobs)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -114,6 +116,7 @@ def near_tied_checkpoint(
             row = weight[0] * lead
             for expert in range(model.config.num_experts_per_tok + 1):  # one more than a token picks
                 weight[expert] = row + spacing * torch.randn(weight.shape[1], generator=gen)
+        model.lm_head.weight.mul_(head_scale)
     hf = root / "hf"
     model.save_pretrained(hf, max_shard_size=1_000_000)  # sharded, with the index the MTP shard joins
     for name in ("tokenizer.json", "tokenizer_config.json"):

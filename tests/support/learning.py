@@ -43,13 +43,15 @@ GLM = {
 # the prompt from rollout 28 (0.52) and rise to 0.90 at rollout 40: first 4 0.002, last 8 of 40
 # 0.78 (299 s on 2 cores shared with other work). On another 2-core machine (its float rounding, so
 # its samples, differ) the same run read the prompt later and fell back by turns: last 8 of 40 at
-# 0.33, no 8 rollouts in a row above 0.33; at lr 1e-1 it read the prompt by rollout 26 (0.56, 0.82
-# at 29, 0.64 over rollouts 25-32) and fell back (last 8 of 40: 0.49; of 48: 0.15), at 7e-2 0.24,
-# with an entropy bonus of 0.15 0.44, with a linear decay to 1e-2 0.35. Its check is the best 8
-# rollouts in a row (`window="best"`): a policy that ignores the prompt reaches 0.25 in any window;
-# holding what it learned is not what this family's tiny model shows.
+# 0.33, no 8 rollouts in a row above 0.33; at lr 1e-1 it read the prompt by rollout 26 (0.64 over
+# rollouts 25-32) and fell back (last 8 of 40: 0.49; of 48: 0.15), at 7e-2 0.24, with an entropy
+# bonus of 0.15 0.44, with a linear decay to 1e-2 0.35. With routing replay (the recipe's R3) at
+# 5e-2 there: 0.64 over rollouts 33-40, 0.80 at 39, then back to 0.24 by 47; at 1e-1 never above
+# 0.25 for 8 rollouts. Its check is the best 8 rollouts in a row of 48 (`window="best"`): a policy
+# that ignores the prompt reaches 0.25 in any window; holding what it learned is not what this
+# family's tiny model shows.
 INKLING = {
-    "recipe": "inkling", "rollouts": 40, "lr": "1e-1", "window": "best",
+    "recipe": "inkling", "rollouts": 48, "lr": "5e-2", "window": "best",
     "extra": ("--rollout-batch-size", "16", "--n-samples-per-prompt", "16", "--entropy-coef", "0.2"),
 }  # fmt: skip
 # Qwen2.5-0.5B's tiny (q/k/v biases, no q/k norms): at Qwen3's settings (3e-3, 4 prompts x 32) it

@@ -288,6 +288,8 @@ class InklingRouter(TopKRouter):
     megatron's (probs, routing_map) for the routed experts; the shared experts' weights of
     the same tokens are `shared_weights()`."""
 
+    replays_routing = True  # `routing` takes a replay hook's experts (miles.megatron.routing.install)
+
     def __init__(self, config, pg_collection=None, *, hf: Mapping[str, Any]):
         loss = {
             "--moe-aux-loss-coeff": config.moe_aux_loss_coeff,
@@ -318,6 +320,13 @@ class InklingRouter(TopKRouter):
         with torch.no_grad():
             choice = routed.sigmoid() + self.expert_bias.float()
             index = torch.topk(choice, self.topk, dim=-1, sorted=False).indices
+        # rollout routing replay (miles.megatron.routing), with grad enabled as in the router's own
+        # forward: the hook reads a no-grad training forward as one the backward will recompute
+        replay = getattr(self, "router_replay", None)
+        if replay is not None:
+            _, index = replay.get_replay_topk(
+                choice, self.topk, default_compute_topk=lambda *_, **__: (None, index)
+            )
         chosen = F.logsigmoid(torch.cat([routed.gather(-1, index), shared], dim=-1))
         weights = torch.exp(chosen - torch.logsumexp(chosen, dim=-1, keepdim=True))
         weights = weights * self.route_scale * self.global_scale.float()

@@ -2,8 +2,8 @@
 
 Trained by miles' Megatron backend (miles.families.inkling: short convolutions,
 relative attention bias, sliding-window and global attention with log scaling, the router
-normalised over its shared experts) from the torch_dist prepare-ckpt converts; its CPU profile
-trains the tiny model at TP 2 with sequence parallelism and EP 2.
+normalised over its shared experts, which replays the rollout's experts: R3) from the torch_dist
+prepare-ckpt converts; its CPU profile trains the tiny model at TP 2 with sequence parallelism and EP 2.
 """
 
 from miles.parallel import ParallelLayout
@@ -86,6 +86,7 @@ RECIPE = Recipe(
             ("--kl-loss-type", None),
             ("--eps-clip-c", 3.0),
             ("--use-tis", True),
+            ("--use-rollout-routing-replay", True),
         ),
         optimizer=(("--use-distributed-optimizer", True),),
         rollout_engine=(
@@ -161,10 +162,6 @@ RECIPE = Recipe(
             reason="the reference's raw weight conversion for the rollout engine; miles.train's Megatron backend "
             "converts the trained weights back to the checkpoint's names itself (miles.megatron.export), its only "
             "mode, so the recipe leaves the flag at its default",
-        ),
-        deviation(
-            "--use-rollout-routing-replay",
-            reason="miles.train replays the rollout's experts in megatron-core's TopKRouter and in transformers' routers, but Inkling's router (miles.families.inkling.layers: sigmoid scores with shared-expert gammas) pick their experts in a routing of their own that the replay does not hook yet, so --train-backend megatron refuses the flag at start",
         ),
         deviation(
             "--offload-train-target",
