@@ -114,8 +114,13 @@ def near_tied_checkpoint(
                 continue
             weight = gate.weight
             row = weight[0] * lead
-            for expert in range(model.config.num_experts_per_tok + 1):  # one more than a token picks
+            tied = model.config.num_experts_per_tok + 1  # one more than a token picks
+            for expert in range(tied):
                 weight[expert] = row + spacing * torch.randn(weight.shape[1], generator=gen)
+            # an expert bias that only selects (sigmoid, sqrt-softplus routers) would part them
+            bias = getattr(gate, "e_score_correction_bias", None)
+            if bias is not None:
+                bias[:tied] = bias[:tied].max()
         model.lm_head.weight.mul_(head_scale)
     hf = root / "hf"
     model.save_pretrained(hf, max_shard_size=1_000_000)  # sharded, with the index the MTP shard joins

@@ -500,9 +500,17 @@ class SqrtSoftplusRouter(TopKRouter):
     def _scores(self, logits: torch.Tensor) -> torch.Tensor:
         return torch.sqrt(F.softplus(logits.view(-1, self.config.num_moe_experts)))
 
+    replays_routing = True  # `routing` takes a replay hook's experts (miles.megatron.routing.install)
+
     def routing(self, logits: torch.Tensor, padding_mask=None):
         scores = self._scores(logits)
-        picks = torch.topk(scores + self.expert_bias, self.topk, dim=-1, sorted=False).indices
+        choice = scores + self.expert_bias
+        picks = torch.topk(choice, self.topk, dim=-1, sorted=False).indices
+        replay = getattr(self, "router_replay", None)  # rollout routing replay: the engine's experts
+        if replay is not None:
+            _, picks = replay.get_replay_topk(
+                choice, self.topk, default_compute_topk=lambda *_, **__: (None, picks)
+            )
         return _renormalised(scores, picks, self.config.moe_router_topk_scaling_factor or 1.0)
 
 
@@ -511,7 +519,8 @@ class HashRouter(SqrtSoftplusRouter):
     its token id; the weights are their sqrt-softplus scores, renormalised and scaled. The layer
     sets `token_ids` ([s, b], as the hidden states) before each forward. A row naming an expert
     twice cannot be routed (the routing map holds each expert once; transformers would count it
-    twice) and is refused."""
+    twice) and is refused. Routing replay has nothing to replay here: the engine's experts of a
+    hash layer are the same table's (and it records none for them)."""
 
     def __init__(self, config, pg_collection=None, vocab_size: int = 0):
         super().__init__(config=config, pg_collection=pg_collection)
@@ -575,6 +584,7 @@ class Layer(MegatronModule):
             norm.weight.sequence_parallel = tc.sequence_parallel
         self.hashed = mlp_kind == HASH_MOE
         self.mlp = build_module(moe_spec(tc, hf, mlp_kind), config=tc, layer_number=layer_number)
+        self.mlp.set_layer_number(layer_number)  # its router's decoder layer, as TransformerLayer sets it
 
     def forward(
         self, streams: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor

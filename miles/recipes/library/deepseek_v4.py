@@ -2,8 +2,8 @@
 
 Trained by miles' Megatron backend with its own DeepSeek-V4 model (miles.families.deepseek_v4.model, mapped by
 miles.families.deepseek_v4: the hybrid sliding/compressed attention with its indexer,
-hyper-connections, sqrt-softplus and hash routers with megatron-core's experts, clamped SwiGLU,
-MTP layers carried), read from config.json, from the torch_dist prepare-ckpt converts; its CPU
+hyper-connections, sqrt-softplus and hash routers with megatron-core's experts, the rollout's
+experts replayed (R3), clamped SwiGLU, MTP layers carried), read from config.json, from the torch_dist prepare-ckpt converts; its CPU
 profile trains the tiny model at TP 2 with sequence parallelism and EP 2.
 """
 
@@ -130,7 +130,7 @@ RECIPE = Recipe(
     fp8_rollout=True,
     args=d.args_with(
         rollout=(("--rm-type", "math"), ("--rollout-max-response-len", 4096), ("--rollout-temperature", 0.8)),
-        grpo=(("--use-kl-loss", None),),
+        grpo=(("--use-kl-loss", None), ("--use-rollout-routing-replay", True)),
         optimizer=(
             ("--optimizer-cpu-offload", True),
             ("--use-precision-aware-optimizer", True),
@@ -211,10 +211,6 @@ RECIPE = Recipe(
             "--freeze-e-score-correction-bias",
             reason="the reference's weight bridge and its frozen V4 router (gate and correction bias); miles.train "
             "has no such switches",
-        ),
-        deviation(
-            "--use-rollout-routing-replay",
-            reason="miles.train replays the rollout's experts in megatron-core's TopKRouter and in transformers' routers, but DeepSeek-V4's routers (miles.families.deepseek_v4.model: sqrt-softplus scores, hash-routed layers) pick their experts in a routing of their own that the replay does not hook yet, so --train-backend megatron refuses the flag at start",
         ),
         deviation(
             "--num-steps-per-rollout",
