@@ -220,6 +220,12 @@ REDIRECTS: tuple[Redirect, ...] = (
         "the gated delta net (Qwen3.5's linear attention) allocates its conv1d, dt_bias and A_log on the GPU",
     ),
     Redirect(
+        "megatron.core.transformer.multi_token_prediction:roll_tensor",
+        "device=torch.cuda.current_device()",
+        "MTP layers under context parallelism receive each chunk's boundary token from the next chunk's rank "
+        "into buffers on the current CUDA device",
+    ),
+    Redirect(
         "megatron.core.ssm.gated_delta_net:GatedDeltaNet.reset_parameters",
         "device=torch.cuda.current_device()",
         "the gated delta net initialises dt_bias and A_log on the current CUDA device",

@@ -19,7 +19,7 @@ from miles.ckpt.datasets import UnknownDataset, dataset_of
 from miles.ckpt.families import writes_megatron_keys
 from miles.ckpt.plan import CheckpointPlan
 from miles.parallel import InvalidParallelism, ParallelLayout, validate
-from miles.recipes.args import Args, drop, fill, merge, render
+from miles.recipes.args import Args, fill, merge, render
 from miles.recipes.fidelity import Deviation, Reference, Rename
 from miles.recipes.models import TINY, ModelSpec, ResolvedModel, resolve_model
 
@@ -360,7 +360,19 @@ class Recipe:
             if group == "perf":
                 args = (*_placement(profile, backend), *args)
             if profile.rollout_engine != "sglang":
-                args = drop(args, "--sglang-")
+                # SGLang's server flags go, except the speculative ones the built-in engine reads
+                # when the run trains MTP layers (it holds them to take the trained ones: it drafts)
+                drafting = any(
+                    flag == "--enable-mtp-training" and value
+                    for _, group_args in self.args
+                    for flag, value in group_args
+                )
+                args = tuple(
+                    (flag, value)
+                    for flag, value in args
+                    if not flag.startswith("--sglang-")
+                    or (drafting and _engine_reads(flag, profile.rollout_engine))
+                )
                 if group == "rollout_engine":
                     args = (("--rollout-engine", profile.rollout_engine), *args)
             if profile.only_read or self.falls_back(profile):
@@ -402,6 +414,13 @@ class Recipe:
             if found is not None:
                 return found
         return None
+
+
+def _engine_reads(option: str, engine: str) -> bool:
+    """Whether rollout engine `engine` acts on `option` (the built-in one reads the speculative flags)."""
+    from miles.train import consumption
+
+    return consumption.engine(engine).consumes(consumption.flag_named(option))
 
 
 def _read(option: str, value: object, backend: str, engine: str) -> bool:

@@ -8,7 +8,7 @@ section by section, as its forward splits them; the rank's experts; its pipeline
 Under context parallelism each rank feeds its megatron load-balanced chunks of the sequence and the
 logits are put back in order.
 
-Where the trainer trains the MTP layer (no pipeline or context parallelism), the model is set up as
+Without pipeline parallelism (where this worker has no embedding to give the last stage), the model is set up as
 --enable-mtp-training sets it up (miles.megatron.mtp.train_mtp), so its training forward also returns
 the MTP layer's logits. Those are compared with a reference built from transformers' own modules
 (`mtp_reference`), and with the built-in engine's drafter (miles.train.speculative.MtpDrafter) fed
@@ -168,9 +168,7 @@ def run_layout(path: str, layout_name: str) -> dict:
                 )
             param.copy_(part)
     # as --enable-mtp-training sets the model up where the trainer trains the MTP layer
-    trains_mtp = (
-        model.post_process and getattr(model, "mtp", None) is not None and layout.pp == layout.cp == 1
-    )
+    trains_mtp = model.post_process and getattr(model, "mtp", None) is not None and layout.pp == 1
     if trains_mtp:
         from miles.megatron.mtp import train_mtp
 
@@ -238,23 +236,24 @@ def run_layout(path: str, layout_name: str) -> dict:
         "hf_grad_norm": want,
         "grad_norm_rel": abs(norm - want) / want,
     }
-    if "logits" in seen:  # the last pipeline stage
-        got = seen["logits"]  # [b, s/cp, v] in this rank's order
+
+    def whole(part: torch.Tensor) -> torch.Tensor:
+        """[b, s/cp, v] of this rank, in its order -> [B, S, v] in global order."""
         if cp > 1:
-            parts = [torch.empty_like(got) for _ in range(cp)]
-            dist.all_gather(parts, got.contiguous(), group=ps.get_context_parallel_group())
-            got = torch.cat(parts, dim=1)[:, context_parallel_order(SEQ, cp)]
+            parts = [torch.empty_like(part) for _ in range(cp)]
+            dist.all_gather(parts, part.contiguous(), group=ps.get_context_parallel_group())
+            part = torch.cat(parts, dim=1)[:, context_parallel_order(SEQ, cp)]
         if dp > 1:
-            parts = [torch.empty_like(got) for _ in range(dp)]
-            dist.all_gather(parts, got.contiguous(), group=ps.get_data_parallel_group())
-            got = torch.cat(parts, dim=0)
+            parts = [torch.empty_like(part) for _ in range(dp)]
+            dist.all_gather(parts, part.contiguous(), group=ps.get_data_parallel_group())
+            part = torch.cat(parts, dim=0)
+        return part
+
+    if "logits" in seen:  # the last pipeline stage
+        got = whole(seen["logits"])
         result["gap"] = float((want_logits.detach() - got).abs().max())
         if trains_mtp:
-            got_mtp = seen["mtp"]
-            if dp > 1:
-                parts = [torch.empty_like(got_mtp) for _ in range(dp)]
-                dist.all_gather(parts, got_mtp.contiguous(), group=ps.get_data_parallel_group())
-                got_mtp = torch.cat(parts, dim=0)
+            got_mtp = whole(seen["mtp"])
             hf.eval()
             want_mtp, hidden, following, pos = mtp_reference(path, hf, tokens)
             result["mtp_gap"] = float((want_mtp - got_mtp).abs().max())

@@ -13,7 +13,8 @@ at DP 2 (CP 1), TP 2 with sequence parallelism and EP 2, PP 2, and CP 2 (the gat
 the gathered sequence), the logits equal transformers', the gradient norm of the mean token
 cross-entropy as megatron's DDP, schedule and distributed optimizer get it equals transformers' own
 on the same tokens (what FSDP computes over the HF model) within 1e-5 relative, and CP 2 equals
-CP 1 (tests/megatron/qwen3_5_parallel_worker.py). At DP 2 and at TP 2 + SP + EP 2, set up as
+CP 1 (tests/megatron/qwen3_5_parallel_worker.py). At DP 2, at TP 2 + SP + EP 2 and at CP 2 (the MTP
+block rolling its inputs across the context-parallel chunks), set up as
 --enable-mtp-training sets it up, the training forward's MTP logits are within 1e-5 of Qwen3.5's MTP
 formula computed with transformers' own decoder layer and the checkpoint's mtp.* tensors, and so are
 the built-in engine's drafter's.
@@ -212,7 +213,7 @@ def test_two_ranks_give_transformers_logits_and_gradient_norm(two_ranks, layout)
         assert result["grad_norm_rel"] <= GRAD_REL, result
 
 
-@pytest.mark.parametrize("layout", ["dp2", "tp2sp_ep2"])
+@pytest.mark.parametrize("layout", ["dp2", "tp2sp_ep2", "cp2"])
 def test_the_trained_mtp_layer_and_the_engines_drafter_give_the_mtp_formulas_logits(two_ranks, layout):
     found = [r for r in two_ranks[layout] if "mtp_gap" in r]
     assert found, f"no rank of {layout} computed the MTP layer's logits: {two_ranks[layout]}"

@@ -1,6 +1,7 @@
 """What --enable-mtp-training refuses before any model is built, and what it takes: the layouts and
 families the Megatron backend can train MTP layers with (the runs themselves:
-tests/e2e/test_train_mtp_speculative.py)."""
+tests/e2e/test_train_mtp_speculative.py; under context parallelism, the MTP logits:
+tests/megatron/test_megatron_qwen3_5.py)."""
 
 from __future__ import annotations
 
@@ -38,10 +39,7 @@ def test_mtp_only_training_under_pipeline_parallelism_is_refused_with_the_stage_
         scale(GLM, *MTP, "--mtp-only-training", "--pipeline-model-parallel-size", "2")
 
 
-def test_context_parallelism_is_refused_by_what_crosses_its_chunks():
-    from miles.train.backends.megatron import MegatronSetupError
-
-    with pytest.raises(
-        MegatronSetupError, match=r"context parallelism \(2\): the MTP layers' inputs and targets"
-    ):
-        scale(GLM, *MTP, "--context-parallel-size", "2")
+def test_context_parallelism_trains_them_too():
+    # megatron-core's MTP block rolls its inputs across the context-parallel chunks; the trainer
+    # gathers the MTP layers' logprobs as it gathers the policy's
+    assert scale(QWEN3_5, *MTP, "--context-parallel-size", "2") == 0.5

@@ -113,6 +113,8 @@ RECIPE = Recipe(
             ("--use-precision-aware-optimizer", True),
         ),
         rollout=(("--rollout-max-response-len", 16384),),
+        # the MTP layer trains beside the policy (its loss scaled by 0.2), and drafts for SGLang
+        grpo=(("--enable-mtp-training", True), ("--mtp-loss-scaling-factor", 0.2)),
         rollout_engine=(
             ("--sglang-cuda-graph-bs-decode", CUDA_GRAPH_BS),
             # EAGLE speculative decoding drafted by the MTP layer, with the mamba scheduler's extra
@@ -165,13 +167,6 @@ RECIPE = Recipe(
             "--log-probs-chunk-size",
             reason="a memory option of the reference's trainer (log-probs of the logits in chunks); miles.train has "
             "no such option, and the log-probs are the same",
-        ),
-        deviation(
-            "--enable-mtp-training",
-            "--mtp-loss-scaling-factor",
-            reason="miles trains Qwen3.5's MTP layer (--enable-mtp-training) without context parallelism only, and "
-            "the reference's layout is CP 2, which the trainer refuses with it at start; here the MTP layer is carried "
-            "(converted, handed to SGLang, which drafts with it) but frozen (the ROCm case's twin, at PP 2, trains it)",
         ),
     ),
 )

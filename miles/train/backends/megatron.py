@@ -544,9 +544,12 @@ class MegatronBackend(TrainBackend):
         total = 0.0
         for depth, logits in enumerate(outputs):
             targets, mask = mtp_targets(mb.tokens, mb.batch.loss_mask, mb.width, depth)
+            # this context-parallel rank's positions (megatron-core's MTP block rolls its inputs
+            # across the chunks), then every token's, as the RL loss gathers them
             logp, _ = vocab_parallel_logprobs(
-                logits, targets, 1.0, self.config["vocab_size"], with_entropy=False
+                logits, targets[:, mb.positions], 1.0, self.config["vocab_size"], with_entropy=False
             )
+            logp = gather_context_parallel(logp, self.layout.cp)
             mask = mask.to(logp.device, logp.dtype)
             total = total - (logp[:rows, :width] * mask).sum() / mask.sum().clamp(min=1)
         return total / len(outputs)
@@ -602,11 +605,6 @@ def _mtp_training(
             f"--mtp-only-training with pipeline parallelism ({layout.pp}): the MTP layers sit on the last stage, so "
             "every other stage would train nothing, and megatron-core's distributed optimizer cannot save a stage "
             "without a trained parameter; train the MTP layers alone with --pipeline-model-parallel-size 1"
-        )
-    if layout.cp > 1:
-        refuse(
-            f"context parallelism ({layout.cp}): the MTP layers' inputs and targets are tokens one and two "
-            "positions ahead, which cross the context-parallel chunks; train with --context-parallel-size 1"
         )
     if lora.enabled:
         refuse(

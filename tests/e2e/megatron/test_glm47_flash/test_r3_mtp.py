@@ -15,7 +15,6 @@ register_cuda_ci(
     est_time=1100,
     suite="stage-c-8-gpu-h100",
     labels=["megatron"],
-    disabled="fails at start: miles.train.backends.megatron refuses --enable-mtp-training with --context-parallel-size 2 (the MTP layers' inputs and targets, one and two tokens ahead, cross the context-parallel chunks, which miles does not exchange yet); re-enabling waits on MTP training under context parallelism (#32)",
 )
 
 register_ci_gate(metric_key="train/grad_norm")
