@@ -17,65 +17,34 @@ from __future__ import annotations
 import pytest
 
 from miles.ci.register import register_cpu_ci
-from tests.support import recipes as runs
-from tests.support.ckpt import near_tied_checkpoint
-from tests.support.trainer_cases import run_cases
+from tests.support import replay_cases as r3
 
 register_cpu_ci(est_time=60, suite="stage-b-cpu")
-
-FLOOR = 1e-5  # float32: the engine's and the trainer's logprobs of the same routing agree far below it
-GAP = "train/train_rollout_logprob_abs_diff"
-ROLLOUTS = 2
-BASE = (
-    "--prompt-data", "synthetic:fixed", "--num-rollout", str(ROLLOUTS), "--rollout-batch-size", "4",
-    "--n-samples-per-prompt", "4", "--global-batch-size", "16", "--micro-batch-size", "4",
-    "--rollout-max-response-len", "8", "--lr", "1e-6", "--num-threads", "1", "--actor-num-gpus-per-node", "2",
-)  # fmt: skip
-MEGATRON_LAYOUTS = {
-    "tp2-sp-ep2": (
-        "--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
-        "--expert-tensor-parallel-size", "1",
-    ),
-    "pp2": ("--pipeline-model-parallel-size", "2"),
-}  # fmt: skip
-R3 = ("--use-rollout-routing-replay",)
 
 
 @pytest.fixture(scope="module")
 def gaps(tmp_path_factory) -> dict[str, list[float]]:
-    """The logprob gap by rollout of every case."""
-    root = tmp_path_factory.mktemp("r3_inkling")
     # its head scaled by 30 (as tests/support/inkling.py does): logits of order 1, not 0.06, where an
     # expert routed otherwise moves the logprobs by 1e-5 only
-    hf, dist = near_tied_checkpoint("inkling", 2, root, spacing=1e-8, head_scale=30.0)
-    fsdp = [*BASE, "--hf-checkpoint", str(hf), "--train-backend", "fsdp"]
-    megatron = [*BASE, "--hf-checkpoint", str(hf), "--train-backend", "megatron", "--ref-load", str(dist)]
-    cases = {
-        "fsdp": fsdp,
-        "fsdp/r3": [*fsdp, *R3],
-        "megatron/tp2-sp-ep2": [*megatron, *MEGATRON_LAYOUTS["tp2-sp-ep2"]],
-    }
-    cases |= {f"megatron/{name}/r3": [*megatron, *flags, *R3] for name, flags in MEGATRON_LAYOUTS.items()}
-    records = run_cases(cases, root / "records")
-    series = {name: runs.series(folder, GAP) for name, folder in records.items()}
-    out = {name: [s[k] for k in sorted(s)] for name, s in series.items()}
-    print(out)
-    return out
+    return r3.gaps(
+        "inkling",
+        2,
+        tmp_path_factory.mktemp("r3_inkling"),
+        megatron_without=True,
+        spacing=1e-8,
+        head_scale=30.0,
+    )
 
 
 @pytest.mark.parametrize("case", ["fsdp", "megatron/tp2-sp-ep2"])
 def test_without_replay_near_tied_routers_move_the_gap_far_above_the_floor(gaps, case):
-    assert len(gaps[case]) == ROLLOUTS, gaps
-    assert gaps[case][0] > 10 * FLOOR, gaps  # the engine's and the trainer's routing differ
+    r3.assert_apart(gaps, case)
 
 
 def test_with_replay_the_fsdp_gap_stays_at_the_float32_floor_after_every_step(gaps):
-    assert len(gaps["fsdp/r3"]) == ROLLOUTS, gaps
-    assert max(gaps["fsdp/r3"]) <= FLOOR, gaps
+    r3.assert_at_the_floor(gaps, "fsdp/r3")
 
 
-@pytest.mark.parametrize("layout", list(MEGATRON_LAYOUTS))
-def test_with_replay_inklings_own_router_stays_at_the_float32_floor(gaps, layout):
-    gap = gaps[f"megatron/{layout}/r3"]
-    assert len(gap) == ROLLOUTS, gaps
-    assert max(gap) <= FLOOR, gaps
+@pytest.mark.parametrize("layout", list(r3.MEGATRON_LAYOUTS))
+def test_with_replay_megatron_layouts_stay_at_the_float32_floor(gaps, layout):
+    r3.assert_at_the_floor(gaps, f"megatron/{layout}/r3")
