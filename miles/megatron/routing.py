@@ -52,6 +52,11 @@ class RouterReplay:
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
         probs, indices = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        return self.replay(scores, probs, indices)
+
+    def replay(self, scores, probs, indices):
+        """(values, indices) of the router's own top-k, or of the rollout engine's experts where
+        this micro-batch carries them (the values read from `scores`)."""
         target = self._target()
         if target is None:
             return probs, indices
@@ -70,6 +75,15 @@ class RouterReplay:
         if target is not None and training and not torch.is_grad_enabled():
             self.recomputed.append(target)  # the backward will recompute this forward
         return target
+
+
+def replayed_picks(router, scores: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
+    """A family's own router's expert `picks` [tokens, k] (its top-k of `scores`), or the rollout
+    engine's experts where routing replay is installed on it (a router class that calls this sets
+    `replays_routing = True`, which `install` reads). Call it with grad enabled, as the router's own
+    forward runs: the hook reads a training forward without grad as one the backward recomputes."""
+    hook = getattr(router, "router_replay", None)
+    return picks if hook is None else hook.replay(scores, None, picks)[1]
 
 
 class Targets:

@@ -353,20 +353,20 @@ class Recipe:
             model_args = () if resolved.tiny else resolved.model_args(kernels=profile.gpus)
             if model_args:
                 out.append(("model", model_args))
+        merged = {group: merge(self.group(group), _lookup(profile.overrides, group)) for group in GROUPS}
+        # Another engine than SGLang takes none of its server flags, but the built-in engine drafts
+        # with MTP layers the run trains (it holds them to take the trained ones): then it keeps the
+        # speculative flags it reads.
+        drafting = any(
+            flag == "--enable-mtp-training" and value for args in merged.values() for flag, value in args
+        )
         for group in GROUPS:
-            args = merge(self.group(group), _lookup(profile.overrides, group))
+            args = merged[group]
             if group == "rollout_engine" and profile.rollout_engine == "sglang":
                 args = (("--rollout-num-gpus-per-engine", profile.rollout_gpus_per_engine), *args)
             if group == "perf":
                 args = (*_placement(profile, backend), *args)
             if profile.rollout_engine != "sglang":
-                # SGLang's server flags go, except the speculative ones the built-in engine reads
-                # when the run trains MTP layers (it holds them to take the trained ones: it drafts)
-                drafting = any(
-                    flag == "--enable-mtp-training" and value
-                    for _, group_args in self.args
-                    for flag, value in group_args
-                )
                 args = tuple(
                     (flag, value)
                     for flag, value in args

@@ -356,8 +356,8 @@ def as_model_names(raw: dict) -> dict:
 
 
 def crop_cache(cache, remove: int) -> None:
-    """Drop the last `remove` positions of every layer of `cache` (transformers 5.24 takes the
-    count to remove, negative; earlier 5.x the length to keep)."""
+    """Drop the last `remove` positions of `cache`, or of one attention layer of it (transformers
+    5.24 takes the count to remove, negative; earlier 5.x the length to keep)."""
     import inspect
 
     if remove <= 0:
@@ -377,18 +377,6 @@ def recurrent_layers(cache) -> list[int]:
         for i, layer in enumerate(cache.layers)
         if hasattr(layer, "recurrent_states") or hasattr(layer, "conv_states")
     ]
-
-
-def crop_layer(layer, remove: int) -> None:
-    """`crop_cache` for one attention layer of a cache."""
-    import inspect
-
-    if remove <= 0:
-        return
-    if "tokens_to_remove" in inspect.signature(layer.crop).parameters:
-        layer.crop(-remove)
-    else:
-        layer.crop(layer.get_seq_length() - remove)
 
 
 class SpeculativeDecoder:
@@ -507,7 +495,7 @@ class SpeculativeDecoder:
                     if i in before:
                         cache.layers[i] = before[i]
                     else:
-                        crop_layer(layer, k + 1)
+                        crop_cache(layer, k + 1)
                 self._target(fed[:, : m + 1], attention, cols[: m + 1] - pad, cache)
             else:
                 crop_cache(cache, k - m)

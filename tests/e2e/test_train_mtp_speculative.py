@@ -48,7 +48,7 @@ SPECULATE = (
 )  # fmt: skip
 
 
-def tiny_glm(workdir: Path, family: str = "glm_moe_dsa", layers: int = 2) -> tuple[Path, Path]:
+def tiny_checkpoint(workdir: Path, family: str = "glm_moe_dsa", layers: int = 2) -> tuple[Path, Path]:
     from miles.ckpt.tiny import make_tiny_checkpoint
     from miles.ckpt.torch_dist import convert_to_torch_dist
 
@@ -81,13 +81,13 @@ def read_torch_dist(directory: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def glm(tmp_path_factory):
-    return tiny_glm(tmp_path_factory.mktemp("glm"))
+    return tiny_checkpoint(tmp_path_factory.mktemp("glm"))
 
 
 @pytest.fixture(scope="module")
 def qwen3_5(tmp_path_factory):
     # 4 layers: three gated delta nets and the full-attention layer the MTP layer is built like
-    return tiny_glm(tmp_path_factory.mktemp("qwen3_5"), "qwen3_5_moe", 4)
+    return tiny_checkpoint(tmp_path_factory.mktemp("qwen3_5"), "qwen3_5_moe", 4)
 
 
 def train(
@@ -121,16 +121,22 @@ def trunk_and_mtp(glm, save: Path) -> tuple[list[str], list[str]]:
     return [k for k in moved if not k.startswith("mtp.")], [k for k in moved if k.startswith("mtp.")]
 
 
-def test_mtp_only_training_makes_speculative_rollouts_accept_and_leaves_the_policy_bit_identical(
-    glm, tmp_path
-):
-    proc, save, record = train(glm, tmp_path, ROLLOUTS, "--mtp-only-training", *SPECULATE)
+def mtp_only(checkpoint, workdir: Path, rollouts: int) -> tuple[dict, dict, Path]:
+    """MTP-only training with speculative rollouts: (acceptance by rollout, MTP loss by rollout, --save)."""
+    proc, save, record = train(checkpoint, workdir, rollouts, "--mtp-only-training", *SPECULATE)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     accept = runs.series(record, "rollout/spec_accept_rate")
     mtp = runs.series(record, "train/mtp_loss")
     print("acceptance by rollout:", json.dumps({k: round(v, 3) for k, v in accept.items()}))
     print("mtp loss by rollout:", json.dumps({k: round(v, 3) for k, v in mtp.items()}))
-    assert sorted(accept) == list(range(ROLLOUTS)) and sorted(mtp) == list(range(ROLLOUTS))
+    assert sorted(accept) == list(range(rollouts)) and sorted(mtp) == list(range(rollouts))
+    return accept, mtp, save
+
+
+def test_mtp_only_training_makes_speculative_rollouts_accept_and_leaves_the_policy_bit_identical(
+    glm, tmp_path
+):
+    accept, mtp, save = mtp_only(glm, tmp_path, ROLLOUTS)
     assert mtp[ROLLOUTS - 1] < 0.5 * mtp[0], mtp
     assert accept[0] < 0.5, accept  # the checkpoint's random MTP layer drafts what the policy rarely samples
     last = sum(accept[s] for s in range(ROLLOUTS - 3, ROLLOUTS)) / 3
@@ -196,13 +202,7 @@ def test_qwen3_5s_mtp_block_trains_alone_and_its_drafts_are_taken_by_the_engine(
     it alone, hands it to the built-in engine's drafter under those names each rollout (a name the
     drafter does not hold fails the weight update), and the policy stays bit-identical."""
     rollouts = 4
-    proc, save, record = train(qwen3_5, tmp_path, rollouts, "--mtp-only-training", *SPECULATE)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
-    accept = runs.series(record, "rollout/spec_accept_rate")
-    mtp = runs.series(record, "train/mtp_loss")
-    print("acceptance by rollout:", json.dumps({k: round(v, 3) for k, v in accept.items()}))
-    print("mtp loss by rollout:", json.dumps({k: round(v, 3) for k, v in mtp.items()}))
-    assert sorted(accept) == list(range(rollouts)) and sorted(mtp) == list(range(rollouts))
+    accept, mtp, save = mtp_only(qwen3_5, tmp_path, rollouts)
     # measured: mtp loss 7.14 -> 0.95, acceptance 0.0 -> 0.79 over 4 rollouts
     assert mtp[rollouts - 1] < 0.5 * mtp[0], mtp
     assert accept[0] < 0.5 and accept[rollouts - 1] >= 0.6, accept

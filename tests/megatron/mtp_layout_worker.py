@@ -56,17 +56,14 @@ def mtp_reference(path: str, config: dict, family, tokens: torch.Tensor) -> torc
     ).eval()  # fmt: skip
     prefix = f"model.layers.{layers}."
     with CheckpointReader(path) as reader:
-        weights = {
-            n: reader.read(prefix + n + ".weight") for n in ("enorm", "hnorm", "eh_proj", "shared_head.norm")
-        }
+        names = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "final_norm": "shared_head.norm"}
+        weights = {key: reader.read(f"{prefix}{name}.weight") for key, name in names.items()}
         layer_weight = reader.read(prefix + "input_layernorm.weight")
     mtp_layer = deeper.model.layers[layers]
     # the deeper class loaded layer L from the checkpoint's MTP block (not its own initialisation)
     assert torch.equal(mtp_layer.input_layernorm.weight, layer_weight), "transformers did not load layer L"
 
-    own = {"enorm": weights["enorm"], "hnorm": weights["hnorm"], "eh_proj": weights["eh_proj"]}
-    own["final_norm"] = weights["shared_head.norm"]
-    return mtp_formula(hf, mtp_layer, deeper.model.rotary_emb, own, tokens, config)[0]
+    return mtp_formula(hf, mtp_layer, deeper.model.rotary_emb, weights, tokens, config)[0]
 
 
 def own_embedding(tc, config: dict, full: dict):

@@ -65,12 +65,14 @@ def local_part(name: str, param: torch.Tensor, full: torch.Tensor, config: dict)
     return full.chunk(tp, dim=dim)[rank]
 
 
-MTP_OWN = (
-    "mtp.pre_fc_norm_embedding.weight",
-    "mtp.pre_fc_norm_hidden.weight",
-    "mtp.fc.weight",
-    "mtp.norm.weight",
-)
+# the MTP block's own tensors (mtp.{name}.weight) by their part in the formula, read independently
+# of the drafter's mapping (miles.train.speculative.mtp_layer_names), which this worker checks
+MTP_OWN = {
+    "enorm": "pre_fc_norm_embedding",
+    "hnorm": "pre_fc_norm_hidden",
+    "eh_proj": "fc",
+    "final_norm": "norm",
+}
 
 
 def mtp_reference(path: str, hf, tokens: torch.Tensor) -> torch.Tensor:
@@ -90,7 +92,7 @@ def mtp_reference(path: str, hf, tokens: torch.Tensor) -> torch.Tensor:
     tensors: dict[str, torch.Tensor] = {}
     for shard in Path(path).glob("*.safetensors"):
         tensors |= load_file(shard)
-    own = {name: tensors.pop(name) for name in MTP_OWN}
+    weights = {key: tensors.pop(f"mtp.{name}.weight") for key, name in MTP_OWN.items()}
     layer = "mtp.layers.0."
     renamed = {
         (f"model.language_model.layers.{depth}." + n.removeprefix(layer) if n.startswith(layer) else n): t
@@ -109,13 +111,6 @@ def mtp_reference(path: str, hf, tokens: torch.Tensor) -> torch.Tensor:
     if not torch.equal(mtp_layer.input_layernorm.weight, tensors[layer + "input_layernorm.weight"]):
         raise SystemExit("transformers did not load mtp.layers.0 as decoder layer L")
 
-    names = {
-        "enorm": "pre_fc_norm_embedding",
-        "hnorm": "pre_fc_norm_hidden",
-        "eh_proj": "fc",
-        "final_norm": "norm",
-    }
-    weights = {key: own[f"mtp.{name}.weight"] for key, name in names.items()}
     return mtp_formula(hf, mtp_layer, deep.model.rotary_emb, weights, tokens, text)
 
 

@@ -31,6 +31,7 @@ import torch
 
 from miles.ci.register import register_cpu_ci
 from tests.support import ranks
+from tests.support.ckpt import move_mtp_shard, off_start
 from tests.support.ckpt import tiny as cached
 from tests.support.results import results
 
@@ -175,20 +176,14 @@ def mtp_norms_moved(source: Path, out: Path) -> Path:
     """A copy of the checkpoint whose MTP block's norms are off their start: the tiny checkpoint's are
     all one constant, so a norm applied to the wrong tensor (the embedding's to the hidden state)
     would not show."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     from miles.ckpt.tiny import MTP_SHARD
 
     shutil.copytree(source, out, ignore=shutil.ignore_patterns(".miles-ckpt.json"))
-    tensors = load_file(out / MTP_SHARD)
-    gen = torch.Generator().manual_seed(7)
-    for name in sorted(tensors):
-        if "norm" in name:
-            tensors[name] = tensors[name] + torch.randn(tensors[name].shape, generator=gen) * 0.3
-    assert not torch.equal(
-        tensors["mtp.pre_fc_norm_embedding.weight"], tensors["mtp.pre_fc_norm_hidden.weight"]
-    )
-    save_file(tensors, out / MTP_SHARD, metadata={"format": "pt"})
+    move_mtp_shard(out, off_start())
+    moved = load_file(out / MTP_SHARD)
+    assert not torch.equal(moved["mtp.pre_fc_norm_embedding.weight"], moved["mtp.pre_fc_norm_hidden.weight"])
     return out
 
 

@@ -50,7 +50,6 @@ def perturbed(family: str, layers: int, root: Path, **dims: Any) -> Path:
     import json
 
     import torch
-    from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -60,15 +59,7 @@ def perturbed(family: str, layers: int, root: Path, **dims: Any) -> Path:
     source = make_tiny_checkpoint(family, layers, root / "source", dtype="float32", progress=False, **dims)
     hf_logging.set_verbosity_error()
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(7)
-
-    def moved(name: str, tensor: torch.Tensor) -> torch.Tensor | None:
-        if "norm" in name:
-            return tensor + torch.randn(tensor.shape, generator=gen) * 0.3
-        if name.endswith("e_score_correction_bias"):
-            return torch.randn(tensor.shape, generator=gen) * 0.05
-        return None
-
+    moved = off_start()
     with torch.no_grad():
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
             new = moved(name, tensor)
@@ -81,12 +72,39 @@ def perturbed(family: str, layers: int, root: Path, **dims: Any) -> Path:
     config = json.loads((out / "config.json").read_text())
     add_mtp_layers(get_family(family), config, 0, "float32", out)  # save_pretrained drops them
     if (out / MTP_SHARD).exists():
-        tensors = load_file(out / MTP_SHARD)
-        for name in sorted(tensors):
-            new = moved(name, tensors[name])
-            tensors[name] = tensors[name] if new is None else new.contiguous()
-        save_file(tensors, out / MTP_SHARD, metadata={"format": "pt"})
+        move_mtp_shard(out, moved)
     return out
+
+
+def off_start(seed: int = 7):
+    """`moved(name, tensor)`: the tensor moved off the constant transformers starts it at (a norm by
+    N(0, 0.3), an expert bias drawn from N(0, 0.05)), or None for a tensor left as it is; one
+    generator for every call."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def moved(name: str, tensor):
+        if "norm" in name:
+            return tensor + torch.randn(tensor.shape, generator=gen) * 0.3
+        if name.endswith("e_score_correction_bias"):
+            return torch.randn(tensor.shape, generator=gen) * 0.05
+        return None
+
+    return moved
+
+
+def move_mtp_shard(checkpoint: Path, moved) -> None:
+    """Apply `moved` (off_start's) to every tensor of the checkpoint's MTP shard, in name order."""
+    from safetensors.torch import load_file, save_file
+
+    from miles.ckpt.tiny import MTP_SHARD
+
+    tensors = load_file(checkpoint / MTP_SHARD)
+    for name in sorted(tensors):
+        new = moved(name, tensors[name])
+        tensors[name] = tensors[name] if new is None else new.contiguous()
+    save_file(tensors, checkpoint / MTP_SHARD, metadata={"format": "pt"})
 
 
 def near_tied_checkpoint(

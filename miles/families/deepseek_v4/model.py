@@ -41,6 +41,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.router import TopKRouter
 
 from miles.megatron.blocks import DuplicatedLinear
+from miles.megatron.routing import replayed_picks
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 HASH_MOE, MOE = "hash_moe", "moe"
@@ -506,11 +507,7 @@ class SqrtSoftplusRouter(TopKRouter):
         scores = self._scores(logits)
         choice = scores + self.expert_bias
         picks = torch.topk(choice, self.topk, dim=-1, sorted=False).indices
-        replay = getattr(self, "router_replay", None)  # rollout routing replay: the engine's experts
-        if replay is not None:
-            _, picks = replay.get_replay_topk(
-                choice, self.topk, default_compute_topk=lambda *_, **__: (None, picks)
-            )
+        picks = replayed_picks(self, choice, picks)  # the rollout's experts under routing replay
         return _renormalised(scores, picks, self.config.moe_router_topk_scaling_factor or 1.0)
 
 

@@ -50,6 +50,8 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+from miles.megatron.routing import replayed_picks
+
 SLIDING = "hybrid_sliding"
 
 
@@ -320,13 +322,7 @@ class InklingRouter(TopKRouter):
         with torch.no_grad():
             choice = routed.sigmoid() + self.expert_bias.float()
             index = torch.topk(choice, self.topk, dim=-1, sorted=False).indices
-        # rollout routing replay (miles.megatron.routing), with grad enabled as in the router's own
-        # forward: the hook reads a no-grad training forward as one the backward will recompute
-        replay = getattr(self, "router_replay", None)
-        if replay is not None:
-            _, index = replay.get_replay_topk(
-                choice, self.topk, default_compute_topk=lambda *_, **__: (None, index)
-            )
+        index = replayed_picks(self, choice, index)  # the rollout's experts under routing replay
         chosen = F.logsigmoid(torch.cat([routed.gather(-1, index), shared], dim=-1))
         weights = torch.exp(chosen - torch.logsumexp(chosen, dim=-1, keepdim=True))
         weights = weights * self.route_scale * self.global_scale.float()
