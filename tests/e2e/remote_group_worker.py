@@ -5,6 +5,7 @@ the group and broadcasts while rank 1 waits in the trainer's own collective, the
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -27,5 +28,7 @@ else:
         group.broadcast(torch.arange(3.0))
     total = torch.ones(1)
     dist.all_reduce(total)
-    print(json.dumps({"rank": dist.get_rank(), "sum": total.item()}), flush=True)
+    # one write(2) per line: the two ranks share torchrun's stdout pipe, and print's separate
+    # writes of the text and its newline can interleave ('{...}{...}\n\n')
+    os.write(1, (json.dumps({"rank": dist.get_rank(), "sum": total.item()}) + "\n").encode())
     dist.destroy_process_group()
