@@ -18,7 +18,7 @@ from miles.ckpt.plan import FAMILIES
 from miles.ckpt.shards import CheckpointReader, read_header, read_weight_map
 from miles.ckpt.validate import validate_checkpoint
 
-register_cpu_ci(est_time=30, suite="stage-b-cpu")
+register_cpu_ci(est_time=15, suite="stage-b-cpu")
 
 
 def _dtypes(path) -> dict[str, str]:

@@ -16,7 +16,7 @@ from miles.ckpt.shards import read_weight_map
 from miles.ckpt.tiny import make_tiny_checkpoint
 from miles.ckpt.validate import validate_checkpoint
 
-register_cpu_ci(est_time=25, suite="stage-b-cpu")
+register_cpu_ci(est_time=10, suite="stage-b-cpu")
 
 
 @pytest.mark.parametrize("name", FAMILIES)

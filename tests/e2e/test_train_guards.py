@@ -17,7 +17,7 @@ import pytest
 from miles.ci.register import register_cpu_ci
 from tests.support.ckpt import tiny_hf
 
-register_cpu_ci(est_time=60, suite="stage-b-cpu")
+register_cpu_ci(est_time=15, suite="stage-b-cpu")
 
 SMALL = (
     "--prompt-data synthetic:fixed --num-rollout 6 --rollout-batch-size 2 --n-samples-per-prompt 4 "

@@ -24,7 +24,7 @@ from tests.support import recipes as runs
 from tests.support.ckpt import tiny_hf
 from tests.support.trainer_cases import run_cases
 
-register_cpu_ci(est_time=300, suite="stage-b-cpu")
+register_cpu_ci(est_time=15, suite="stage-b-cpu")
 
 FLOOR = 1e-5
 GAP = "train/train_rollout_logprob_abs_diff"

@@ -20,7 +20,7 @@ from tests.support import recipes as runs
 from tests.support.ckpt import near_tied_checkpoint
 from tests.support.trainer_cases import run_cases
 
-register_cpu_ci(est_time=180, suite="stage-b-cpu")
+register_cpu_ci(est_time=20, suite="stage-b-cpu")
 
 FLOOR = 1e-5  # float32: the engine's and the trainer's logprobs of the same routing agree to 2e-7 here
 GAP = "train/train_rollout_logprob_abs_diff"

@@ -19,7 +19,7 @@ import pytest
 from miles.ci.register import register_cpu_ci
 from tests.support import replay_cases as r3
 
-register_cpu_ci(est_time=120, suite="stage-b-cpu")
+register_cpu_ci(est_time=15, suite="stage-b-cpu")
 
 
 @pytest.fixture(scope="module")

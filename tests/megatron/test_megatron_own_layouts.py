@@ -17,7 +17,7 @@ import pytest
 from miles.ci.register import register_cpu_ci
 from tests.support import dry_start as dry
 
-register_cpu_ci(est_time=300, suite="stage-b-cpu")
+register_cpu_ci(est_time=20, suite="stage-b-cpu")
 
 
 # (recipe, platform): the forms whose 4-GPU layout is miles' own, and their tiny family

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from miles.ci.register import register_cpu_ci
 from miles.ckpt.errors import CheckpointError
 from miles.ckpt.shards import (
     CheckpointReader,
@@ -19,6 +20,8 @@ from miles.ckpt.shards import (
     tensor_bytes,
     write_index,
 )
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 
 def _tensors() -> dict[str, torch.Tensor]:

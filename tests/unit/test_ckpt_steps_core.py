@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from miles.ci.register import register_cpu_ci
 from miles.ckpt.errors import CheckpointError
 from miles.ckpt.families import layers_in_name
 from miles.ckpt.fp8 import dequantize_blockwise, quantize_blockwise, should_quantize
@@ -18,6 +19,8 @@ from miles.ckpt.manifest import atomic_dir, clean_stale, fingerprint, finished, 
 from miles.ckpt.progress import Progress
 from miles.ckpt.shards import TensorInfo
 from miles.ckpt.trim import trim_config, trimmed_name
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 
 def test_atomic_dir_appears_only_complete_and_with_its_manifest(tmp_path: Path):

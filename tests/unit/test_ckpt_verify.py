@@ -7,8 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from miles.ci.register import register_cpu_ci
 from miles.ckpt.manifest import read_manifest, write_manifest
 from miles.ckpt.verify import CACHE_ENV, DigestCache, file_problems
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 
 @pytest.fixture

@@ -8,6 +8,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from miles.ci.register import register_cpu_ci
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
+
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 PAGES = sorted((ROOT / "docs").glob("*.md"))

@@ -17,7 +17,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from miles.ci.register import register_cpu_ci
 from miles.families import UnmappedModel, family
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,9 +17,12 @@ from pathlib import Path
 import pytest
 
 from miles.ci.machine.stacks import image_config
+from miles.ci.register import register_cpu_ci
 from miles.image.config import load_images
 from miles.image.inputs import LABEL_HASH, LABEL_TAG, variant_inputs
 from miles.image.plan import ImageError, check_image, plan_refresh, refresh, subprocess_runner
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "docker" / "apply-patches.sh"

@@ -11,9 +11,12 @@ from pathlib import Path
 import pytest
 
 from miles.ci.machine.stacks import image_config, stack_for_lane
+from miles.ci.register import register_cpu_ci
 from miles.image.config import load_images
 from miles.image.inputs import InputsError, image_tag, input_hash, parse_tag, variant_inputs
 from miles.image.plan import plan_refresh
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 DAY = dt.date(2026, 3, 9)

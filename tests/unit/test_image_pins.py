@@ -6,9 +6,12 @@ from pathlib import Path
 
 import pytest
 
+from miles.ci.register import register_cpu_ci
 from miles.image.config import load_images
 from miles.image.install import install_arguments, torch_source_warning
 from miles.image.pins import LockError, check_dockerfile, diff_installed, parse_lock
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 

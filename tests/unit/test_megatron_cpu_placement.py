@@ -20,6 +20,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+from miles.ci.register import register_cpu_ci
+
+register_cpu_ci(est_time=10, suite="stage-a-cpu")
+
 ROOT = Path(__file__).resolve().parents[2]
 
 GPU_VISIBLE = """

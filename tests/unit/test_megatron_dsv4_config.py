@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import pytest
 
+from miles.ci.register import register_cpu_ci
 from miles.families import UnmappedModel
 from miles.families.deepseek_v4 import FAMILY
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 refuse_unmapped, weights = FAMILY.refuse_unmapped, FAMILY.weights
 

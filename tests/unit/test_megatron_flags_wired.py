@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from miles.ci.register import register_cpu_ci
 from miles.megatron import options
 from miles.recipes import names, variants
 from miles.recipes.launch import RunOptions, build_plan, check_command
@@ -26,6 +27,8 @@ from miles.recipes.recipe import RecipeError
 from miles.train import consumption
 from miles.train.args import parse_config
 from miles.train.config import flag_of
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 MEGATRON = consumption.backend("megatron")
 # the sections only the Megatron backend reads: a flag of them it does not consume is its own to answer for

@@ -17,7 +17,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+from miles.ci.register import register_cpu_ci
 from miles.megatron import compat, te_names
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 

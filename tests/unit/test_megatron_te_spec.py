@@ -12,6 +12,10 @@ import inspect
 
 import pytest
 
+from miles.ci.register import register_cpu_ci
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
+
 CONFIG = {
     "model_type": "qwen3_moe", "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
     "num_key_value_heads": 1, "head_dim": 8, "intermediate_size": 32, "moe_intermediate_size": 8,

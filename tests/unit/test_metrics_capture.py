@@ -13,8 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from miles.ci.register import register_cpu_ci
 from miles.metrics import capture
 from miles.metrics.records import RecordError, merge_records, read_record
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 
 @pytest.fixture

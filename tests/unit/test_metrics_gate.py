@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from miles.ci.register import register_cpu_ci
 from miles.ci.registry.catalog import load_catalog
 from miles.ci.registry.discover import discover
 from miles.ci.registry.registration import GateDeclaration
@@ -13,6 +14,8 @@ from miles.metrics.capture import STANDARD_METRICS
 from miles.metrics.gate import ERROR, FAIL, INACTIVE, PASS, GatePolicy, check_value, evaluate, is_trusted
 from miles.metrics.records import MetricSeries
 from miles.metrics.spec import DEFAULT_BANDS, GENERIC_BAND, LAST_STEP, Band, Coordinate, gate_spec
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 POLICY = GatePolicy(k=20, min_history=5, mad_k=3.0)
 COORD = Coordinate("train/grad_norm", "last", "{}", LAST_STEP)

@@ -10,12 +10,15 @@ from pathlib import Path
 import pytest
 
 from miles.ci.cli import main
+from miles.ci.register import register_cpu_ci
 from miles.ci.registry.registration import GateDeclaration
 from miles.metrics.capture import MetricRecorder
 from miles.metrics.gate import ERROR, FAIL, INACTIVE, PASS
 from miles.metrics.gating import GateRun, gate_attempt
 from miles.metrics.spec import gate_spec
 from miles.metrics.store import MetricValue, RunEntry, open_store
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 TEST = "tests/e2e/test_toy.py"
 GRAD = GateDeclaration(TEST, 3, "train/grad_norm")

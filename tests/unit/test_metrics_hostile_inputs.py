@@ -20,12 +20,15 @@ from pathlib import Path
 import pytest
 
 from miles.ci.cli import main
+from miles.ci.register import register_cpu_ci
 from miles.ci.registry.catalog import load_catalog
 from miles.ci.registry.discover import parse_test_file
 from miles.metrics.capture import MetricRecorder
 from miles.metrics.records import RecordError, merge_records
 from miles.metrics.spec import Coordinate
 from miles.metrics.store import MetricValue, RunEntry, mask_url, open_store
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 TEST = "tests/e2e/test_toy.py"
 GATED_TEST = """\

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from miles.ci.register import register_cpu_ci
 from miles.metrics.spec import Coordinate
 from miles.metrics.store import (
     DurationRecord,
@@ -31,6 +32,8 @@ from miles.metrics.store import (
     open_store,
 )
 from miles.metrics.store_sql import SCHEMA_VERSION
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 POSTGRES_URL_ENV = "MILES_TEST_POSTGRES_URL"
 REQUIRE_POSTGRES_ENV = "MILES_REQUIRE_POSTGRES"

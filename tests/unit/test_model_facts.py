@@ -16,10 +16,13 @@ from pathlib import Path
 import pytest
 
 from miles import families
+from miles.ci.register import register_cpu_ci
 from miles.families.facts import ABSENT, flag_values, value
 from miles.recipes import names, variants
 from miles.train.args import build_parser, parse_config
 from miles.train.config import FLAGS, ModelConfig
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 

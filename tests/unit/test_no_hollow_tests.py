@@ -16,6 +16,10 @@ import ast
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from miles.ci.register import register_cpu_ci
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
+
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
 PYTEST_ASSERTING = {"raises", "warns", "fail", "deprecated_call"}

@@ -13,6 +13,10 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
+from miles.ci.register import register_cpu_ci
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # Modules every package may use; they import nothing of miles themselves.

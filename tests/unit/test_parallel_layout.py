@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from miles.ci.register import register_cpu_ci
 from miles.parallel import (
     InvalidParallelism,
     ModelShape,
@@ -25,6 +26,8 @@ from miles.parallel import (
     validate,
 )
 from miles.parallel.numbers import divisors
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 MOE = ModelShape("Qwen3-30B-A3B-4layer", 4, 32, 4, 128)

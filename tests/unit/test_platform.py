@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from miles.ci.register import register_cpu_ci
 from miles.platform import (
     Platform,
     PlatformError,
@@ -25,6 +26,8 @@ from miles.platform import (
     require,
     resolve,
 )
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 ROCM_BUILD = PlatformInfo(Platform.ROCM, 4, "rocm 7.2", "torch 2.9.0")

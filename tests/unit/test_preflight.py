@@ -29,9 +29,12 @@ from miles.ci.machine.preflight import (
     python_available,
     split_lane_args,
 )
+from miles.ci.register import register_cpu_ci
 from miles.ci.registry.catalog import UnknownName
 from miles.image.pins import parse_lock
 from miles.platform import Platform, PlatformInfo
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 # What torch reports on a full MI350 host (stand-in: no AMD GPU exists here).

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from miles.ci.register import register_cpu_ci
 from miles.parallel import ParallelLayout
 from miles.recipes import load, names, shared, variants
 from miles.recipes.diff import reference_comparisons, rendered
@@ -26,6 +27,8 @@ from miles.recipes.library.glm5_2_744b_a40b import GLM5_2_744B_A40B
 from miles.recipes.library.qwen3_30b_a3b import QWEN3_30B_A3B
 from miles.recipes.recipe import gpu_profile
 from miles.recipes.upstream import Upstream
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 FORMS = [

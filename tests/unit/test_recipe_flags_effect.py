@@ -13,12 +13,15 @@ from dataclasses import replace
 
 import pytest
 
+from miles.ci.register import register_cpu_ci
 from miles.recipes import names, shared, variants
 from miles.recipes.launch import build_plan
 from miles.recipes.recipe import RecipeError
 from miles.recipes.snapshot import FIXED
 from miles.train import consumption
 from miles.train.args import parse_config
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 PLANS = [(form, profile) for name in names() for form in variants(name) for profile in form.profiles]
 

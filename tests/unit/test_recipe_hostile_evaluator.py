@@ -23,6 +23,10 @@ from pathlib import Path
 
 import pytest
 
+from miles.ci.register import register_cpu_ci
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
+
 SCRIPT = """
 import json
 import re

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import pytest
 
+from miles.ci.register import register_cpu_ci
 from miles.recipes.script import main
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 
 def _render(

@@ -19,10 +19,13 @@ from pathlib import Path
 
 import pytest
 
+from miles.ci.register import register_cpu_ci
 from miles.recipes.fidelity import Reference
 from miles.recipes.pysource import SourceError
 from miles.recipes.reread import reread_one
 from miles.recipes.upstream import Mirror, MirrorError, Upstream, read_launch
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 

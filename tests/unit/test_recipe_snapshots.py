@@ -12,8 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from miles.ci.register import register_cpu_ci
 from miles.recipes import names, variants
 from miles.recipes.snapshot import compare, render
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 SNAPSHOTS = ROOT / "tests" / "snapshots" / "recipes"

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from miles.ci.register import register_cpu_ci
 from miles.ci.registry.catalog import load_catalog
 from miles.ci.reports.recipes import cpu_lane_trainings, evidence_drift, evidence_text, profile_suite_problems
 from miles.ci.reports.record import Attempt, RunRecord
@@ -33,6 +34,8 @@ from miles.recipes.status import (
     profile_status,
     record_run,
 )
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 
 def _run_json(tmp_path: Path, file: str, suite: str, status: str = "passed") -> Path:

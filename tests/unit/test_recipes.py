@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from miles.ci.register import register_cpu_ci
 from miles.parallel import InvalidParallelism, ParallelLayout, validate
 from miles.platform import PlatformMismatch
 from miles.recipes import GROUPS, load, names, shared, variants
@@ -19,6 +20,8 @@ from miles.recipes.library.inkling import INKLING_SMALL
 from miles.recipes.library.qwen3_4b import QWEN3_4B
 from miles.recipes.models import UnknownModel, moe_layer_freq, resolve_model
 from miles.recipes.recipe import RecipeError, gpu_profile, groups
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 

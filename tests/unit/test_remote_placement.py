@@ -11,11 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from miles.ci.register import register_cpu_ci
 from miles.train import consumption
 from miles.train.args import parse_config
 from miles.train.checks import CheckFailed, check_weight_checksums
 from miles.train.remote.checksums import tensor_checksum
 from miles.train.rollout import RolloutEngineError
+
+register_cpu_ci(est_time=10, suite="stage-a-cpu")
 
 HERE = Path(__file__).parent
 

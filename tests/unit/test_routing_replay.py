@@ -13,12 +13,15 @@ import numpy as np
 import pytest
 import torch
 
+from miles.ci.register import register_cpu_ci
 from miles.train.args import ArgsError, parse_config
 from miles.train.batch import Sample, collate, load_samples, save_samples
 from miles.train.consumption import refusal
 from miles.train.rollout import Generation
 from miles.train.routing_replay import RoutingReplayError
 from miles.train.sglang_engine import to_generation
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 
 def _sglang_source(relative: str) -> ast.Module:

@@ -13,10 +13,13 @@ from pathlib import Path
 import pytest
 
 from miles.ci.cli import main
+from miles.ci.register import register_cpu_ci
 from miles.ci.registry.catalog import load_catalog
 from miles.ci.selection.policy import CiEvent, resolve_policy, stores_history
 from miles.metrics.capture import MetricRecorder
 from miles.metrics.store import open_store
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 CATALOG = load_catalog()
 MAIN = "refs/heads/main"

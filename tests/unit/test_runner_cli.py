@@ -9,10 +9,13 @@ import sys
 import pytest
 
 from miles.ci.cli import main
+from miles.ci.register import register_cpu_ci
 from miles.ci.registry.catalog import load_catalog
 from miles.ci.registry.discover import discover
 from miles.ci.reports.durations import durations_path, load_durations
-from miles.ci.running.plan import RunOptions, build_plan, timeout_for
+from miles.ci.running.plan import TIMEOUT_FACTOR, RunOptions, build_plan, timeout_for
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 ROCM = "from miles.ci.register import register_rocm_ci\n"
 GPU_TREE = {
@@ -60,7 +63,7 @@ def test_plan_prints_shards_bounds_timeouts_and_commands_and_exits_0(make_tree, 
     assert (
         "lower bound 2700s = max(total/N 2700s, longest 1500s); predicted makespan 2700s; ratio 1.000" in out
     )
-    assert "est   1500s  timeout   1875s  tests/e2e/test_gpu_0.py" in out
+    assert "est   1500s  timeout   4500s  tests/e2e/test_gpu_0.py" in out
     assert "MILES_CI_BACKEND=rocm MILES_CI_SUITE=stage-c-4-gpu-mi350 MILES_CI_LANE=rocm-mi350" in out
     assert "-m pytest tests/e2e/test_gpu_5.py --junitxml=" in out
 
@@ -87,9 +90,9 @@ def test_every_shard_computes_the_same_disjoint_partition(make_tree):
     assert set().union(*shards) == set(GPU_TREE)
 
 
-def test_timeout_is_the_larger_of_floor_and_one_and_a_quarter_est_time():
+def test_timeout_is_the_larger_of_floor_and_three_times_est_time():
     assert timeout_for(15, 60) == 60
-    assert timeout_for(400, 60) == 500
+    assert timeout_for(400, 60) == 1200
 
 
 def test_default_report_dir_is_named_after_lane_and_shard(make_tree):
@@ -228,7 +231,7 @@ def test_matrix_has_one_entry_per_suite_shard_for_fromjson(make_tree, capsys, tm
     ]
     entry = matrix["include"][0]
     assert entry["runner_labels"] == ["self-hosted", "mi350", "gpu-4"] and entry["gpus"] == 4
-    assert entry["timeout_minutes"] >= entry["predicted_s"] * 1.25 / 60
+    assert entry["timeout_minutes"] >= entry["predicted_s"] * TIMEOUT_FACTOR / 60
     assert json.loads(output.read_text().split("matrix=", 1)[1].splitlines()[0]) == matrix
 
 
@@ -303,7 +306,7 @@ def test_matrix_honours_a_zero_timeout_floor(make_tree, capsys):
         argv = ["matrix", "--root", str(root), "--lane", "cpu", "--suite", "stage-b-cpu"]
         assert main([*argv, "--timeout-floor", floor]) == 0
         minutes.append(json.loads(capsys.readouterr().out)["include"][0]["timeout_minutes"])
-    assert minutes[0] == minutes[1]  # 20 s x 1.25 each under both floors
+    assert minutes[0] == minutes[1]  # 20 s x TIMEOUT_FACTOR each under both floors
 
 
 # A CPU test of the registration API itself, like the seed framework's own registry tests:

@@ -20,8 +20,11 @@ from pathlib import Path
 
 import pytest
 
+from miles.ci.register import register_cpu_ci
 from miles.ci.running.execute import CancelToken, Settings, TestRun, run_attempt
 from miles.ci.running.processes import Cgroup
+
+register_cpu_ci(est_time=25, suite="stage-a-cpu")
 
 CI_ENV = ("GITHUB_ACTIONS", "GITHUB_STEP_SUMMARY", "MILES_DURATIONS_PATH", "MILES_HISTORY_URL")
 

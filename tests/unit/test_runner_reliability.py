@@ -25,7 +25,7 @@ from miles.ci.running.execute import CancelToken, Settings, TestRun, run_attempt
 from miles.ci.running.plan import RunOptions, build_plan
 from miles.ci.running.runner import execute_plan
 
-register_cpu_ci(est_time=60, suite="stage-a-cpu")
+register_cpu_ci(est_time=15, suite="stage-a-cpu")
 
 HEADER = """
 import os, subprocess, sys, time

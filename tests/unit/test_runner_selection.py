@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from miles.ci.register import register_cpu_ci
 from miles.ci.registry.catalog import UnknownName, load_catalog
 from miles.ci.registry.discover import discover
 from miles.ci.selection.policy import (
@@ -14,6 +15,8 @@ from miles.ci.selection.policy import (
     write_github_outputs,
 )
 from miles.ci.selection.select import ScopeError, resolve_scope, select
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 CATALOG = load_catalog()
 

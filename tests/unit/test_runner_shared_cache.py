@@ -8,8 +8,11 @@ from pathlib import Path
 import pytest
 
 from miles.ci.cli import main
+from miles.ci.register import register_cpu_ci
 from miles.ci.running.runner import TINY_CACHE_ENV
 from miles.ckpt.tiny_cache import CACHE_ENV
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 WRITES_ITS_CACHE = """
 import os

@@ -16,9 +16,12 @@ import threading
 import pynvml
 import pytest
 
+from miles.ci.register import register_cpu_ci
 from miles.telemetry.backends import MIB, amd_process_rows, amd_socket_power_w
 from miles.telemetry.gpu import GpuSampler, TelemetryBatch
 from tests.support.fake_nvml import FakeGpu, FakeLibNvidiaMl, FakeProcess
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 GIB = 1 << 30
 

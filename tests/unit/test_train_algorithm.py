@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from miles.ci.register import register_cpu_ci
 from miles.train.algorithm import (
     clipped_policy_loss,
     group_advantages,
@@ -20,6 +21,8 @@ from miles.train.batch import Sample, collate, load_samples, save_samples
 from miles.train.config import LossConfig
 from miles.train.report import train_metrics
 from miles.train.rollout import Generation
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 
 def cfg(**overrides) -> LossConfig:

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from miles.ci.register import register_cpu_ci
 from miles.train import checkpoint
 from miles.train.backends.torch_dp import lr_factor
 from miles.train.checks import (
@@ -16,6 +17,8 @@ from miles.train.checks import (
     check_metric_threshold,
     check_weights_equal,
 )
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 
 def test_first_step_kl_above_tolerance_fails_with_the_value():

@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from miles.ci.register import register_cpu_ci
 from miles.parallel import ParallelLayout
 from miles.train.args import build_parser, parse_config
 from miles.train.config import (
@@ -19,6 +20,8 @@ from miles.train.config import (
     RunConfig,
     flag_of,
 )
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 # A recipe-shaped command touching most sections.
 COMMAND = """

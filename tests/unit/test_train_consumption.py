@@ -11,9 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from miles.ci.register import register_cpu_ci
 from miles.train import consumption
 from miles.train.args import parse_config
 from miles.train.config import FLAGS, SECTIONS, Section
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPONENTS = [("backend", c) for c in consumption.BACKENDS] + [("engine", c) for c in consumption.ENGINES]

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from miles.ci.register import register_cpu_ci
 from miles.train import consumption
 from miles.train.args import parse_config
 from miles.train.dumps import DumpConfigError, PhaseDump, phase_dump
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 
 def _config(*flags: str):

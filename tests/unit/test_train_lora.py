@@ -5,8 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from miles.ci.register import register_cpu_ci
 from miles.train.args import parse_config
 from miles.train.lora import is_adapter, merged, wrap
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 
 def _model():

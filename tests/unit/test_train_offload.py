@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from miles.ci.register import register_cpu_ci
 from miles.train.args import parse_config
 from miles.train.offload import (
     DiskChunks,
@@ -18,6 +19,8 @@ from miles.train.offload import (
     storages,
 )
 from miles.train.optimizer_stream import StreamedOptimizer
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 
 class Holder:

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from miles.ci.register import register_cpu_ci
 from miles.train.rewards import (
     RewardError,
     dapo_reward,
@@ -17,6 +18,8 @@ from miles.train.rewards import (
     score,
     synthetic_reward,
 )
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 
 def test_last_boxed_takes_the_last_answer_with_nested_braces():

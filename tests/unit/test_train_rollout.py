@@ -6,9 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from miles.ci.register import register_cpu_ci
 from miles.train.checks import CheckFailed, check_weights_equal
 from miles.train.config import SamplingConfig
 from miles.train.rollout import TorchRolloutEngine, sample_tokens
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 VOCAB = 48
 

@@ -13,7 +13,10 @@ import json
 import pytest
 import torch
 
+from miles.ci.register import register_cpu_ci
 from miles.train.sglang_engine import SGLangUnavailable, served_dtype
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 
 def _model(tmp_path, **config):

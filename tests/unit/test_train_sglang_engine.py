@@ -22,12 +22,15 @@ from pathlib import Path
 
 import pytest
 
+from miles.ci.register import register_cpu_ci
 from miles.train.args import parse_config
 from miles.train.config import SamplingConfig
 from miles.train.distributed import DistInfo
 from miles.train.rollout import RolloutEngineError
 from miles.train.sglang_engine import SGLangRolloutEngine, sampling_params, to_generation
 from miles.train.sglang_server import SGLangUnavailable, engine_slot, require_memory_saver
+
+register_cpu_ci(est_time=25, suite="stage-a-cpu")
 
 REQUIRE = os.environ.get("MILES_REQUIRE_SGLANG") == "1"
 SPEC = importlib.util.find_spec("sglang")

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from miles.ci.register import register_cpu_ci
 from miles.image.pins import parse_lock
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 REQUIREMENTS = Path(__file__).resolve().parents[2] / "requirements"
 

@@ -9,6 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from miles.ci.register import register_cpu_ci
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
+
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
 def test_checkpoint_names_are_the_files_names_with_the_files_values(family, tmp_path):

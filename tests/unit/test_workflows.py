@@ -14,8 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from miles.ci.register import register_cpu_ci
 from miles.ci.registry.catalog import load_catalog
 from miles.image.config import load_images
+
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = ROOT / ".github" / "workflows"

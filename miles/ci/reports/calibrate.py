@@ -34,7 +34,7 @@ from miles.text import printable
 DEFAULT_QUANTILE = 0.9
 MIN_PASSED_RUNS = 3
 # est_time is what a file takes, so the plan predicts a run's wall time; the headroom is the
-# timeout's (1.25 x est_time, counted at the machine's load: miles.ci.running.execute.LoadClock)
+# timeout's (plan.TIMEOUT_FACTOR x est_time, counted at the machine's load: miles.load.LoadClock)
 MARGIN = 1.0
 BUCKETS = ((60.0, 5.0), (300.0, 15.0), (1800.0, 60.0), (math.inf, 300.0))  # (below, step)
 MARKER_OF_BACKEND = {backend: name for name, backend in BACKEND_OF_MARKER.items()}

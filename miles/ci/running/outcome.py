@@ -221,7 +221,7 @@ def classify_attempt(
         return (
             TIMEOUT,
             "timeout",
-            f"timed out after {timeout:g}s (est_time {est_time:g}s x 1.25, or the floor)",
+            f"timed out after {timeout:g}s counted at the machine's load (its est_time: {est_time:g}s)",
         )
     sig = signal_name(returncode)
     if sig is not None:
