@@ -28,7 +28,7 @@ from miles.ckpt.fp8 import dequantize_tensor
 from miles.ckpt.plan import FAMILIES
 from miles.ckpt.shards import CheckpointReader
 
-register_cpu_ci(est_time=10, suite="stage-b-cpu")
+register_cpu_ci(est_time=8, suite="stage-b-cpu")
 
 
 @contextlib.contextmanager

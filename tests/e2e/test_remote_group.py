@@ -15,7 +15,7 @@ from miles.ci.register import register_cpu_ci
 from miles.train.remote.fleet import engine_env
 from miles.train.remote.group import free_port
 
-register_cpu_ci(est_time=10, suite="stage-b-cpu")
+register_cpu_ci(est_time=6, suite="stage-b-cpu")
 
 WORKER = Path(__file__).with_name("remote_group_worker.py")
 

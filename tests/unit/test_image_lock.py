@@ -12,7 +12,7 @@ from miles.image.config import Stack
 from miles.image.lock import LockFailed, lock_stack
 from miles.image.pins import parse_lock
 
-register_cpu_ci(est_time=5, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 
 def _wheel(folder: Path, name: str, version: str, *requires: str) -> None:

@@ -21,7 +21,7 @@ from miles.recipes.snapshot import FIXED
 from miles.train import consumption
 from miles.train.args import parse_config
 
-register_cpu_ci(est_time=5, suite="stage-a-cpu")
+register_cpu_ci(est_time=3, suite="stage-a-cpu")
 
 PLANS = [(form, profile) for name in names() for form in variants(name) for profile in form.profiles]
 

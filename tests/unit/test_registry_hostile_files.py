@@ -24,7 +24,7 @@ from miles.ci.cli import main
 from miles.ci.register import register_cpu_ci
 from miles.ci.registry.discover import discover
 
-register_cpu_ci(est_time=5, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 CPU = 'from miles.ci.register import register_cpu_ci\nregister_cpu_ci(est_time=5, suite="stage-b-cpu")\n'
 CUDA = (

@@ -19,7 +19,7 @@ from miles.ci.selection.policy import CiEvent, resolve_policy, stores_history
 from miles.metrics.capture import MetricRecorder
 from miles.metrics.store import open_store
 
-register_cpu_ci(est_time=5, suite="stage-a-cpu")
+register_cpu_ci(est_time=3, suite="stage-a-cpu")
 
 CATALOG = load_catalog()
 MAIN = "refs/heads/main"

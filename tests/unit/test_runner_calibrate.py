@@ -13,7 +13,7 @@ from miles.ci.reports.calibrate import apply_proposals, nearest_rank_quantile, p
 from miles.ci.reports.durations import load_durations, record_durations
 from miles.ci.reports.record import Attempt
 
-register_cpu_ci(est_time=5, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 CATALOG = load_catalog()
 SOURCE = (
@@ -84,7 +84,8 @@ def test_durations_path_comes_from_the_environment(tmp_path, monkeypatch):
 
 
 def test_buckets_round_up_and_quantile_is_a_measured_value():
-    assert [round_up_to_bucket(s) for s in (1, 61, 301, 1801)] == [5, 75, 360, 2100]
+    assert [round_up_to_bucket(s) for s in (0.2, 2.3, 11, 61, 301, 1801)] == [1, 3, 15, 75, 360, 2100]
+    # the unit files (2 to 4 s each, a hundred of them) would add minutes to the prediction at 5 s
     assert nearest_rank_quantile([10, 20, 30, 40, 50, 60, 70, 80, 90, 100], 0.9) == 90
 
 

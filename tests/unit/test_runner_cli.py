@@ -15,7 +15,7 @@ from miles.ci.registry.discover import discover
 from miles.ci.reports.durations import durations_path, load_durations
 from miles.ci.running.plan import TIMEOUT_FACTOR, RunOptions, build_plan, timeout_for
 
-register_cpu_ci(est_time=5, suite="stage-a-cpu")
+register_cpu_ci(est_time=4, suite="stage-a-cpu")
 
 ROCM = "from miles.ci.register import register_rocm_ci\n"
 GPU_TREE = {

@@ -9,7 +9,7 @@ import pytest
 from miles.ci.register import register_cpu_ci
 from miles.ci.selection.shard import Job, balanced_partition, lower_bound, lpt_partition, shards_for_budget
 
-register_cpu_ci(est_time=5, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 
 def _jobs(weights: list[float]) -> list[Job]:

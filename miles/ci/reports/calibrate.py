@@ -2,7 +2,7 @@
 
 A proposal needs at least MIN_PASSED_RUNS passed runs of that file on that backend and
 suite: est_time = the `quantile` (default 0.9, nearest rank) of the passed durations,
-rounded up to a bucket (5 s below a minute, 15 s below 5 minutes, a minute below half an
+rounded up to a bucket (a second below 10 s, 5 s below a minute, 15 s below 5 minutes, a minute below half an
 hour, 5 minutes above), so the numbers do not churn run to run. `--write` replaces only the
 number inside the `register_*_ci(...)` call; every other byte of the file stays as it was. A
 file that registers implicitly (a directory of the catalog's [implicit] table, tests/unit) gets
@@ -36,7 +36,7 @@ MIN_PASSED_RUNS = 3
 # est_time is what a file takes, so the plan predicts a run's wall time; the headroom is the
 # timeout's (plan.TIMEOUT_FACTOR x est_time, counted at the machine's load: miles.load.LoadClock)
 MARGIN = 1.0
-BUCKETS = ((60.0, 5.0), (300.0, 15.0), (1800.0, 60.0), (math.inf, 300.0))  # (below, step)
+BUCKETS = ((10.0, 1.0), (60.0, 5.0), (300.0, 15.0), (1800.0, 60.0), (math.inf, 300.0))  # (below, step)
 MARKER_OF_BACKEND = {backend: name for name, backend in BACKEND_OF_MARKER.items()}
 MAX_SOURCE_BYTES = 64 << 20
 
