@@ -12,6 +12,8 @@ convolutions (split over TP on k and v) and its embedding norm. Inkling's releas
 (inkling_mm_model, tests/support/inkling.py) exports under the release's names, gate and
 up interleaved again, equal to its checkpoint's decoder tensors: what SGLang's
 InklingForConditionalGeneration loads (the built-in engine's AutoModelForCausalLM loads no release).
+Qwen3-MoE's export at TP 2 + EP 2, quantized as miles.train.fp8_export streams it to an engine
+started from the FP8 checkpoint prepare-ckpt writes, equals that checkpoint bit for bit.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ CASES = {
     "dense-pp2": ("qwen3", 1, 2, 1),
     "moe-ep2": ("qwen3_moe", 1, 1, 2),
     "moe-tp2-ep2": ("qwen3_moe", 2, 1, 2),
+    # what an FP8 engine is pushed when the experts are EP-sharded (the seed's mori/DeepEP FP8 cases)
+    "moe-tp2-ep2-fp8": ("qwen3_moe", 2, 1, 2),
     "glm-tp2-ep2": ("glm_moe_dsa", 2, 1, 2),
     "glm-pp2": ("glm_moe_dsa", 1, 2, 1),
     "inkling-tp2-ep2": ("inkling", 2, 1, 2),
@@ -51,6 +55,7 @@ LAYERS = {"qwen3": 2, "qwen3_moe": 2, "glm_moe_dsa": 4, "inkling": 2, "deepseek_
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> dict[str, dict]:
     """Every case's export against its checkpoint, from one launch of the two ranks."""
+    from miles.ckpt.fp8 import convert_to_fp8
     from miles.ckpt.torch_dist import convert_to_torch_dist
 
     made = {family: tiny(family, layers, torch_dist=True) for family, layers in LAYERS.items()}
@@ -60,6 +65,9 @@ def exported(tmp_path_factory) -> dict[str, dict]:
     (root / "torch_dist").mkdir()
     convert_to_torch_dist(release, root / "torch_dist", "inkling")
     made["release"] = (release, root / "torch_dist")
+    fp8 = tmp_path_factory.mktemp("fp8") / "hf_fp8"
+    fp8.mkdir()
+    convert_to_fp8(made["qwen3_moe"][0], fp8)  # prepare-ckpt's fp8 step
     cases = [
         {
             "id": case,
@@ -68,10 +76,14 @@ def exported(tmp_path_factory) -> dict[str, dict]:
             "tp": tp,
             "pp": pp,
             "ep": ep,
+            **({"fp8": str(fp8)} if case.endswith("-fp8") else {}),
         }
         for case, (family, tp, pp, ep) in CASES.items()
     ]
-    found = {r["case"]: r for r in results(ranks.launch(WORKER, json.dumps(cases), timeout=900, preload=ranks.MEGATRON_PRELOAD))}
+    found = {
+        r["case"]: r
+        for r in results(ranks.launch(WORKER, json.dumps(cases), timeout=900, preload=ranks.MEGATRON_PRELOAD))
+    }
     assert sorted(found) == sorted(CASES), sorted(found)
     return found
 
@@ -97,3 +109,15 @@ def test_exported_weights_equal_the_checkpoint_under_both_name_sets(exported, ca
         return
     assert result["model_names_missing"] == [] and result["model_names_extra"] == [], result
     assert result["checkpoint_max_diff"] == 0.0 and result["model_max_diff"] == 0.0, result
+
+
+def test_an_fp8_engine_is_pushed_what_prepare_ckpt_wrote_with_the_experts_ep_sharded(exported):
+    """At TP 2 + EP 2 the export, quantized as miles.train.fp8_export streams it to an engine started
+    from the FP8 checkpoint, equals that checkpoint's files bit for bit, expert weights and scales
+    included: the CPU twin of tests/e2e/megatron/test_qwen3_30B_A3B/test_amd_moriep_fp8_bridge.py."""
+    result = exported["moe-tp2-ep2-fp8"]
+    assert result["fp8_missing"] == [] and result["fp8_extra"] == [], result
+    assert result["fp8_not_quantized"] == [] and result["fp8_differing"] == [], result
+    assert (
+        result["fp8_quantized_experts"] > 0 and result["fp8_quantized"] > result["fp8_quantized_experts"]
+    ), result

@@ -25,13 +25,15 @@ def main() -> None:
 
     compat.install()
     for case in json.loads(sys.argv[1]):
-        result = export_case(Path(case["hf"]), case["torch_dist"], case["tp"], case["pp"], case["ep"])
+        result = export_case(
+            Path(case["hf"]), case["torch_dist"], case["tp"], case["pp"], case["ep"], case.get("fp8")
+        )
         if dist.get_rank() == 0:
             emit({"case": case["id"], **result})
     dist.destroy_process_group()
 
 
-def export_case(hf: Path, torch_dist: str, tp: int, pp: int, ep: int) -> dict:
+def export_case(hf: Path, torch_dist: str, tp: int, pp: int, ep: int, fp8: str | None = None) -> dict:
     from transformers import AutoModelForCausalLM
 
     from miles.ckpt.shards import CheckpointReader
@@ -71,6 +73,8 @@ def export_case(hf: Path, torch_dist: str, tp: int, pp: int, ep: int) -> dict:
     worst["checkpoint_max_diff"] = max(
         float((exported[n] - files[n]).abs().max()) for n in files if n in exported
     )
+    if fp8 is not None:
+        worst.update(fp8_case(fp8, chunks, config, layout))
     if config["model_type"] == "inkling_mm_model":  # AutoModelForCausalLM does not load a release
         return worst
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).state_dict()
@@ -83,6 +87,40 @@ def export_case(hf: Path, torch_dist: str, tp: int, pp: int, ep: int) -> dict:
     worst["model_names_extra"] = sorted(set(fused) - set(model))[:5]
     worst["model_max_diff"] = max(float((fused[n] - model[n]).abs().max()) for n in model if n in fused)
     return worst
+
+
+def fp8_case(fp8: str, chunks, config: dict, layout: list) -> dict:
+    """What an FP8 engine started from `fp8` is pushed (the export, gathered over TP and EP, through
+    miles.train.fp8_export as the SGLang engine streams it) against that checkpoint's files, bit for bit."""
+    from miles.ckpt.shards import CheckpointReader
+    from miles.megatron.export import WeightExporter
+    from miles.train.fp8_export import fp8_export_for
+
+    export = fp8_export_for(fp8)
+    pushed = dict(export(WeightExporter(chunks, config, layout, fused_experts=False, extras=True)))
+    with CheckpointReader(fp8) as reader:
+        written = {name: reader.read(name) for name in reader.files.weight_map}
+
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous().view(torch.uint8)
+
+    # the unquantized tensors (norms, the router, embeddings) go out in the trainer's float32, which
+    # the engine casts to its own dtype: they are compared at the file's dtype
+    fp8 = torch.float8_e4m3fn
+    return {
+        "fp8_missing": sorted(set(written) - set(pushed))[:5],
+        "fp8_extra": sorted(set(pushed) - set(written))[:5],
+        "fp8_not_quantized": sorted(
+            n for n in written if n in pushed and (written[n].dtype == fp8) != (pushed[n].dtype == fp8)
+        ),
+        "fp8_differing": sorted(
+            n
+            for n in written
+            if n in pushed and not torch.equal(bits(pushed[n].to(written[n].dtype)), bits(written[n]))
+        )[:5],
+        "fp8_quantized": sum(t.dtype == fp8 for t in written.values()),
+        "fp8_quantized_experts": sum(".experts." in n and t.dtype == fp8 for n, t in written.items()),
+    }
 
 
 if __name__ == "__main__":

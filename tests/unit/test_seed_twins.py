@@ -65,3 +65,31 @@ def test_a_twin_renders_into_its_recipes_gpu_command(path):
     for value in named:
         if value.startswith(".miles/data/"):
             assert value.split("/")[2] in plan.checkpoint.datasets, value
+
+
+FP8_TWINS = sorted((ROOT / "tests/e2e/megatron/test_qwen3_30B_A3B").glob("test_*fp8_bridge.py"))
+
+
+@pytest.mark.parametrize("path", FP8_TWINS, ids=[p.stem for p in FP8_TWINS])
+def test_an_fp8_bridge_twin_runs_a_command_the_trainer_accepts_on_its_platform(path, monkeypatch):
+    """The FP8 cases' flags (tests/e2e/megatron/test_qwen3_30B_A3B/case.py) parse, act with
+    Megatron and SGLang, start from the FP8 checkpoint at the case's world size, and pass SGLang's
+    all-to-all the case names; MoRI is refused on CUDA with DeepEP named, as the trainer does."""
+    from types import SimpleNamespace
+
+    from miles.train.args import parse_config
+    from miles.train.consumption import refusal
+    from miles.train.sglang_server import a2a_backend_problem
+
+    twin = _load(path)
+    case = _load(path.with_name("case.py"))
+    plan = SimpleNamespace(hf_dir="/m/Q", torch_dist_dir="/m/Q_torch_dist", data_dir="/d", fp8_dir="/m/Q_fp8")
+    config = parse_config(case.fp8_argv(plan, **twin.CASE))
+    assert refusal(config, "sglang") is None
+    assert config.job.world_size == twin.CASE["gpus"] and config.checkpoint.hf_checkpoint == "/m/Q_fp8"
+    assert config.checkpoint.megatron_to_hf_mode != "bridge"
+    assert config.sglang.server_args["moe_a2a_backend"] == twin.CASE["a2a"]
+    platform = "rocm" if twin.CASE["a2a"] == "mori" else "cuda"
+    assert a2a_backend_problem(twin.CASE["a2a"], platform) is None
+    if platform == "rocm":
+        assert "deepep" in a2a_backend_problem("mori", "cuda")

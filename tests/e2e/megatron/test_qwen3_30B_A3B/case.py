@@ -106,3 +106,76 @@ def run_colocated(
     flags = colocated_flags(tp=tp, pp=pp, cp=cp, ep=ep, r3=r3)
     argv = twins.command(flags, plan, COLOCATED_LEFT_OUT, num_rollout=str(num_rollout))
     return twins.train(argv, nproc=4, workdir=workdir)
+
+
+# The FP8-rollout cases with the seed's use_bridge (test_deepep_fp8_bridge.py on 8 H100s,
+# test_amd_moriep_fp8_bridge.py on 4 MI350s): the engine starts from the FP8 checkpoint (the seed
+# downloads Qwen/Qwen3-30B-A3B-FP8; here prepare-ckpt's fp8 step writes the same 128x128-block
+# e4m3 form from the bf16 weights) and every weight update is quantized on its way to it, the
+# experts gathered over EP first.
+FP8_LEFT_OUT = {
+    **COLOCATED_LEFT_OUT,
+    "--megatron-to-hf-mode": "Megatron-Bridge is not part of miles (the trainer refuses bridge); the case "
+    "starts from the torch_dist checkpoint prepare-ckpt converts, and the trainer's own export hands the "
+    "engine its weights, quantized to the FP8 checkpoint's blocks (miles.train.fp8_export)",
+    "--check-weight-update-allow-quant-error": "miles' --ci-test weight check quantizes the trainer's tensors "
+    "as the FP8 engine receives them and compares exactly: there is no quantization error to allow",
+}
+FP8 = """
+--hf-checkpoint {fp8} --ref-load {ref}
+--prompt-data {data}/dapo-math-17k/dapo-math-17k.jsonl --input-key prompt --label-key label --apply-chat-template
+--rollout-shuffle --rm-type deepscaler --num-rollout 2 --rollout-batch-size 8 --n-samples-per-prompt 8
+--rollout-max-response-len 8192 --rollout-temperature 1 --global-batch-size 32 --balance-data
+--eval-prompt-data aime24 {data}/aime-2024/aime-2024.jsonl --n-samples-per-eval-prompt 1 --eval-max-response-len 16384
+--eval-top-k 1
+--tensor-model-parallel-size {tp} --sequence-parallel --pipeline-model-parallel-size {pp} --context-parallel-size {cp}
+--expert-model-parallel-size {ep} --expert-tensor-parallel-size 1 --recompute-granularity full --recompute-method uniform
+--recompute-num-layers 1 --use-dynamic-batch-size --max-tokens-per-gpu 2048
+--exp-avg-dtype fp16 --exp-avg-sq-dtype fp16 --main-params-dtype fp16
+--advantage-estimator gspo --kl-loss-coef 0.00 --kl-loss-type low_var_kl --kl-coef 0.00
+--entropy-coef 0.00 --eps-clip 4e-4 --use-tis --use-routing-replay
+--optimizer adam --lr 1e-6 --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98
+--optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d --use-precision-aware-optimizer
+--rollout-num-gpus-per-engine {gpus} --sglang-mem-fraction-static 0.7 --sglang-max-running-requests 512
+--sglang-enable-metrics --sglang-moe-a2a-backend {a2a} --sglang-deepep-mode auto --sglang-ep-size {gpus}
+--ci-test --check-weight-update-allow-quant-error
+--attention-dropout 0.0 --hidden-dropout 0.0 --accumulate-allreduce-grads-in-fp32 --attention-softmax-in-fp32
+--attention-backend flash --actor-num-nodes 1 --actor-num-gpus-per-node {gpus} --colocate
+--rematerialize-param-from-master-weight --megatron-to-hf-mode bridge {dispatcher}
+--train-backend megatron --rollout-engine sglang
+"""  # the seed's --sglang-expert-parallel-size is ServerArgs' ep_size, which miles passes by its field name
+# The training side's dispatcher: all-to-all in both. The seed's CUDA case trains with megatron-core's
+# flex dispatcher (--moe-token-dispatcher-type flex --moe-enable-deepep), which needs the deep_ep
+# kernels the lane's image does not build; its AMD case already trains with all-to-all.
+DISPATCHER = {
+    "deepep": "--moe-token-dispatcher-type alltoall",
+    "mori": "--moe-token-dispatcher-type alltoall",
+}
+
+
+def fp8_plan():
+    """The case's checkpoints with the fp8 step, whatever the platform's recipe form rolls out from
+    (the ROCm form's rollout is bf16)."""
+    import dataclasses
+
+    from miles.ckpt.pipeline import prepare
+    from miles.ckpt.plan import STEPS
+
+    plan = twins.prepared("qwen3_30b_a3b", "Qwen3-30B-A3B", datasets=("aime-2024",))
+    if "fp8" not in plan.steps:
+        plan = dataclasses.replace(plan, steps=tuple(s for s in STEPS if s in plan.steps or s == "fp8"))
+        prepare(plan, progress=False)
+    return plan
+
+
+def fp8_argv(plan, *, a2a: str, gpus: int, tp: int, pp: int, cp: int, ep: int) -> list[str]:
+    """The FP8 bridge case's trainer flags on `gpus` GPUs, one colocated engine of all of them with
+    SGLang's `a2a` MoE all-to-all (deepep on CUDA, mori on ROCm)."""
+    flags = FP8.replace("{dispatcher}", DISPATCHER[a2a])
+    values = dict(fp8=plan.fp8_dir, a2a=a2a, gpus=str(gpus), tp=str(tp), pp=str(pp), cp=str(cp), ep=str(ep))
+    return twins.command(flags, plan, FP8_LEFT_OUT, **values)
+
+
+def run_fp8(workdir: Path, case: dict, env=None) -> Path:
+    """Prepare and train one FP8 bridge case (fp8_argv's keywords)."""
+    return twins.train(fp8_argv(fp8_plan(), **case), nproc=case["gpus"], workdir=workdir, env=env)
