@@ -232,6 +232,37 @@ REDIRECTS: tuple[Redirect, ...] = (
     ),
 )
 
+
+@dataclass(frozen=True)
+class Lift:
+    """A megatron-core function a redirected function calls whose body needs no redirect: the
+    redirect's function mode is lifted while it runs. Under a mode every torch call goes through
+    Python, so a schedule redirected for its one CUDA token counter would run the whole model's
+    forward that way; the model's own CUDA assumptions are redirects of their own, which push
+    the mode again where they are."""
+
+    target: str  # "module:name" of the function run without the mode
+    caller: str  # a redirected function that calls it (its source names it)
+    why: str
+    # the lines of its source that mention CUDA and do not allocate (checked by stale())
+    cuda_lines: tuple[str, ...] = ()
+
+
+_SCHEDULE = "megatron.core.pipeline_parallel.schedules:forward_backward_no_pipelining"
+LIFTS: tuple[Lift, ...] = (
+    Lift(
+        "megatron.core.pipeline_parallel.schedules:forward_step",
+        _SCHEDULE,
+        "one microbatch's forward: the model and the loss",
+        cuda_lines=('context_manager = torch.autocast("cuda", dtype=config.autocast_dtype)',),
+    ),
+    Lift(
+        "megatron.core.pipeline_parallel.schedules:backward_step",
+        _SCHEDULE,
+        "one microbatch's backward (autograd's engine)",
+    ),
+)
+
 # Module-level names megatron-core only defines when Transformer Engine imports, each with the
 # None test megatron-core reads it through. Without TE, te_general_gemm unbound makes every MoE
 # router forward and backward raise NameError instead of taking its torch GEMM, and the fused
@@ -381,6 +412,8 @@ def _function_mode(tensors_on_cuda: bool = False):
     class CudaToCpu(TorchFunctionMode):
         """Inside a redirected function: CUDA placements become CPU ones."""
 
+        placement = True  # lifted for the duration of a LIFTS function
+
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = dict(kwargs or {})
             if _is_cuda(kwargs.get("device")):
@@ -520,14 +553,27 @@ def cpu_placed() -> Iterator[None]:
         _scope.depth -= 1
 
 
+def _lift(fn):
+    @functools.wraps(fn)
+    def lifted_call(*args, **kwargs):
+        from torch.overrides import _get_current_function_mode, _pop_mode_temporarily
+
+        if not getattr(_get_current_function_mode(), "placement", False):
+            return fn(*args, **kwargs)
+        with _pop_mode_temporarily():
+            return fn(*args, **kwargs)
+
+    lifted_call.__miles_cpu_lift__ = True
+    return lifted_call
+
+
 def _install_redirects() -> None:
     """Wrap every entry (idempotent); a wrapped function redirects only CPU-placed calls.
 
     A module-level function is also replaced wherever megatron-core imported it by name
-    (`from ... import get_grad_norm_fp32`), so every caller gets the redirected one.
+    (`from ... import get_grad_norm_fp32`), so every caller gets the redirected one. Each of
+    LIFTS is wrapped to run without the redirect's function mode.
     """
-    import sys
-
     with _lock:
         for redirect in REDIRECTS:
             if redirect.target in _installed:
@@ -538,12 +584,26 @@ def _install_redirects() -> None:
                 wrapped = type(original)(_wrap(original.__func__, redirect.tensors_on_cuda))
             else:
                 wrapped = _wrap(original, redirect.tensors_on_cuda)
-            setattr(owner, name, wrapped)
+            _replace(owner, name, original, wrapped)
             _installed[redirect.target] = original
-            if inspect.ismodule(owner):
-                for module_name, module in list(sys.modules.items()):
-                    if module_name.startswith("megatron.") and getattr(module, name, None) is original:
-                        setattr(module, name, wrapped)
+        for lift in LIFTS:
+            if lift.target in _installed:
+                continue
+            owner, name = _resolve(lift.target)
+            original = inspect.getattr_static(owner, name)
+            _replace(owner, name, original, _lift(original))
+            _installed[lift.target] = original
+
+
+def _replace(owner, name: str, original, wrapped) -> None:
+    """`owner.name` = `wrapped`, and wherever megatron-core imported a module-level `original` by name."""
+    import sys
+
+    setattr(owner, name, wrapped)
+    if inspect.ismodule(owner):
+        for module_name, module in list(sys.modules.items()):
+            if module_name.startswith("megatron.") and getattr(module, name, None) is original:
+                setattr(module, name, wrapped)
 
 
 def bind_missing_te_names() -> None:
@@ -744,6 +804,22 @@ def stale() -> list[str]:
         if redirect.marker not in source:
             problems.append(
                 f"{redirect.target}: its source no longer contains {redirect.marker!r} ({redirect.why})"
+            )
+    for lift in LIFTS:
+        try:
+            source, caller = _source_of(lift.target), _source_of(lift.caller)
+        except (ImportError, AttributeError) as exc:
+            problems.append(f"{lift.target}: not found in this megatron-core ({exc})")
+            continue
+        name = lift.target.rpartition(":")[2].rpartition(".")[2]
+        if f"{name}(" not in caller:
+            problems.append(f"{lift.target}: {lift.caller} no longer calls it ({lift.why})")
+        cuda = [line.strip() for line in source.splitlines() if "cuda" in line.lower()]
+        unexpected = [line for line in cuda if line not in lift.cuda_lines]
+        if unexpected:
+            problems.append(
+                f"{lift.target}: its source now mentions CUDA ({unexpected[0]!r}); it runs without the CPU "
+                f"placement's function mode ({lift.why}): redirect what it allocates or drop the lift"
             )
     for module_name, symbol, marker in MISSING_SYMBOLS:
         source = inspect.getsource(importlib.import_module(module_name))

@@ -169,3 +169,53 @@ def test_megatron_core_imported_before_miles_keeps_its_compiled_fusions():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["False"]
+
+
+def test_a_lift_whose_caller_dropped_it_or_whose_body_now_allocates_on_cuda_is_reported(monkeypatch):
+    from miles.megatron import compat
+
+    not_called = compat.Lift(
+        "megatron.core.pipeline_parallel.schedules:backward_step",
+        "megatron.core.utils:GlobalMemoryBuffer.get_tensor",
+        "made up",
+    )
+    allocates = compat.Lift("megatron.core.utils:GlobalMemoryBuffer.get_tensor", compat._SCHEDULE, "made up")
+    monkeypatch.setattr(compat, "LIFTS", (not_called, allocates))
+    problems = compat.stale()
+    assert problems[0].endswith("GlobalMemoryBuffer.get_tensor no longer calls it (made up)")
+    assert "get_tensor: its source now mentions CUDA" in problems[-1] and "torch.cuda" in problems[-1]
+    assert len(problems) == 3  # the made-up pair also names a schedule that never called get_tensor
+
+
+def test_inside_a_redirected_schedule_a_lifted_step_runs_without_the_mode_and_its_redirects_with_it():
+    # a fresh interpreter (install() wraps megatron-core for the process): the schedule's
+    # microbatch forward runs with no function mode (every torch call there would go through
+    # Python), a scratch buffer the model asks for inside it is still placed on the CPU
+    code = """
+import warnings; warnings.simplefilter("ignore")
+import json, torch
+from torch.overrides import _len_torch_function_stack
+from miles.megatron import compat
+compat.install()
+from megatron.core.pipeline_parallel import schedules
+from megatron.core.utils import GlobalMemoryBuffer
+seen = {}
+def probe():
+    seen["modes_in_step"] = _len_torch_function_stack()
+    seen["buffer"] = GlobalMemoryBuffer().get_tensor((2,), torch.float32, "probe").device.type
+def fake_step(*args, **kwargs):
+    probe()
+lifted = compat._lift(fake_step)
+with compat.on_cpu():
+    seen["modes_in_schedule"] = _len_torch_function_stack()
+    lifted()
+seen["forward_step_lifted"] = getattr(schedules.forward_step, "__miles_cpu_lift__", False)
+seen["backward_step_lifted"] = getattr(schedules.backward_step, "__miles_cpu_lift__", False)
+print(json.dumps(seen))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {
+        "modes_in_schedule": 1, "modes_in_step": 0, "buffer": "cpu",
+        "forward_step_lifted": True, "backward_step_lifted": True,
+    }  # fmt: skip
