@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 from typing import Any
 
 PREFIX = "RESULT "
@@ -11,8 +13,11 @@ TAIL = 4000  # characters of output a failed launch shows
 
 
 def emit(payload: Any) -> None:
-    """Print one result line (a worker calls this, usually on rank 0 only)."""
-    print(PREFIX + json.dumps(payload), flush=True)
+    """Print one result line (a worker calls this, usually on rank 0 only) in one write(2): the
+    ranks of a launch share its stdout, and print's separate writes of a line and its newline
+    can interleave with another rank's."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (PREFIX + json.dumps(payload) + "\n").encode())
 
 
 def results(proc: subprocess.CompletedProcess) -> list[Any]:
