@@ -4,21 +4,20 @@ the group and broadcasts while rank 1 waits in the trainer's own collective, the
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 
 from miles.train.remote.group import open_group
+from tests.support.results import emit
 
 role, port = sys.argv[1], int(sys.argv[2])
 if role == "engine":
     group = open_group(backend="gloo", address="127.0.0.1", port=port, rank=1, world_size=2, group_name="g")
     received = torch.zeros(3)
     group.broadcast(received)
-    print(json.dumps({"engine": received.tolist()}), flush=True)
+    emit({"engine": received.tolist()})
 else:
     dist.init_process_group("gloo")
     if dist.get_rank() == 0:
@@ -28,7 +27,5 @@ else:
         group.broadcast(torch.arange(3.0))
     total = torch.ones(1)
     dist.all_reduce(total)
-    # one write(2) per line: the two ranks share torchrun's stdout pipe, and print's separate
-    # writes of the text and its newline can interleave ('{...}{...}\n\n')
-    os.write(1, (json.dumps({"rank": dist.get_rank(), "sum": total.item()}) + "\n").encode())
+    emit({"rank": dist.get_rank(), "sum": total.item()})  # one write: the ranks share the pipe
     dist.destroy_process_group()

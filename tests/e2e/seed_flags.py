@@ -25,11 +25,22 @@ from miles.metrics.capture import RECORD_DIR_ENV
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def prepared(recipe: str, model: str, *, train_backend: str = "megatron", datasets: tuple[str, ...] = ()):
-    """The recipe's checkpoint plan for `model` (its datasets included), prepared, and the
-    further `datasets` (of miles.ckpt.datasets.DATASETS) fetched beside them."""
+def prepared(
+    recipe: str,
+    model: str,
+    *,
+    train_backend: str = "megatron",
+    datasets: tuple[str, ...] = (),
+    steps: tuple[str, ...] = (),
+):
+    """The recipe's checkpoint plan for `model` (its datasets included), with the further `steps`
+    (of miles.ckpt.plan.STEPS) the case needs beside the recipe's, prepared, and the further
+    `datasets` (of miles.ckpt.datasets.DATASETS) fetched beside them."""
+    import dataclasses
+
     from miles.ckpt.datasets import DATASETS, fetch_dataset
     from miles.ckpt.pipeline import prepare
+    from miles.ckpt.plan import STEPS
     from miles.recipes import load
 
     plan = load(recipe).checkpoint_plan(
@@ -38,6 +49,8 @@ def prepared(recipe: str, model: str, *, train_backend: str = "megatron", datase
         data_dir=os.environ.get("MILES_DATA_DIR", ".miles/data"),
         train_backend=train_backend,
     )
+    if steps:
+        plan = dataclasses.replace(plan, steps=tuple(s for s in STEPS if s in plan.steps or s in steps))
     prepare(plan, progress=False)
     for name in datasets:
         fetch_dataset(DATASETS[name], plan.data_dir)

@@ -5,8 +5,6 @@ and wait forever; miles.train.remote.group builds the store itself)."""
 
 from __future__ import annotations
 
-import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +12,8 @@ from pathlib import Path
 from miles.ci.register import register_cpu_ci
 from miles.train.remote.fleet import engine_env
 from miles.train.remote.group import free_port
+from tests.support.ranks import rank_env
+from tests.support.results import results
 
 register_cpu_ci(est_time=6, suite="stage-b-cpu")
 
@@ -26,17 +26,18 @@ def test_rank_zero_of_a_torchrun_world_opens_the_group_with_an_engine():
         [sys.executable, str(WORKER), "engine", str(port)],
         stdout=subprocess.PIPE,
         text=True,
-        env=engine_env(),
+        env={**engine_env(), "PYTHONPATH": rank_env()["PYTHONPATH"]},  # the worker imports tests.support
     )
     trainer = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
          "trainer", str(port)],
-        capture_output=True, text=True, timeout=300, check=False,
+        capture_output=True, text=True, timeout=300, check=False, env=rank_env(),
     )  # fmt: skip
     out, _ = engine.communicate(timeout=60)
-    assert trainer.returncode == 0, trainer.stderr[-2000:]
-    assert json.loads(out.strip().splitlines()[-1]) == {"engine": [0.0, 1.0, 2.0]}
-    ranks = [json.loads(obj) for obj in re.findall(r'\{"rank"[^}]*\}', trainer.stdout)]
+    assert results(subprocess.CompletedProcess(engine.args, engine.returncode, out, "")) == [
+        {"engine": [0.0, 1.0, 2.0]}
+    ]
+    ranks = results(trainer)
     assert sorted(r["rank"] for r in ranks) == [0, 1] and {r["sum"] for r in ranks} == {2.0}
 
 

@@ -82,7 +82,7 @@ def test_an_fp8_bridge_twin_runs_a_command_the_trainer_accepts_on_its_platform(p
     from miles.train.sglang_server import a2a_backend_problem
 
     twin = _load(path)
-    case = _load(path.with_name("case.py"))
+    case = twin.case
     plan = SimpleNamespace(hf_dir="/m/Q", torch_dist_dir="/m/Q_torch_dist", data_dir="/d", fp8_dir="/m/Q_fp8")
     config = parse_config(case.fp8_argv(plan, **twin.CASE))
     assert refusal(config, "sglang") is None

@@ -221,7 +221,9 @@ def classify_attempt(
         return (
             TIMEOUT,
             "timeout",
-            f"timed out after {timeout:g}s counted at the machine's load (its est_time: {est_time:g}s)",
+            f"timed out after {timeout:g}s counted at the machine's load (its est_time: {est_time:g}s): a hung "
+            "test, or one slower than its est_time says; `python -m miles.ci calibrate --write` sets est_time "
+            "from its measured runs",
         )
     sig = signal_name(returncode)
     if sig is not None:

@@ -27,9 +27,10 @@ from miles.text import printable
 
 DEFAULT_TIMEOUT_FLOOR = 60.0  # seconds; short tests still get time to import torch
 DEFAULT_GRACE = 10.0  # seconds between SIGTERM and SIGKILL
-# est_time is what a file measured (miles.ci.reports.calibrate: the p90 of its passed runs, no
-# margin), so the plan predicts the lane's wall time; the headroom against a slow machine is the
-# timeout's alone: three times that, counted at the load (below).
+# est_time is what a file takes (miles.ci.reports.calibrate writes the p90 of its passed runs, no
+# margin; a GPU file never measured states the seed's or an estimate), so the plan predicts the
+# lane's wall time; the headroom against a slow machine is the timeout's alone: three times that,
+# counted at the load (below).
 TIMEOUT_FACTOR = 3.0
 # A file's timeout stretches while the load average exceeds the cores (execute.LoadClock), up to
 # this many times its limit in wall time: a shared 2-core machine runs a file several times slower

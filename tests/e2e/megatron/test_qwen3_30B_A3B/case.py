@@ -141,39 +141,26 @@ FP8 = """
 --ci-test --check-weight-update-allow-quant-error
 --attention-dropout 0.0 --hidden-dropout 0.0 --accumulate-allreduce-grads-in-fp32 --attention-softmax-in-fp32
 --attention-backend flash --actor-num-nodes 1 --actor-num-gpus-per-node {gpus} --colocate
---rematerialize-param-from-master-weight --megatron-to-hf-mode bridge {dispatcher}
+--rematerialize-param-from-master-weight --megatron-to-hf-mode bridge --moe-token-dispatcher-type alltoall
 --train-backend megatron --rollout-engine sglang
-"""  # the seed's --sglang-expert-parallel-size is ServerArgs' ep_size, which miles passes by its field name
-# The training side's dispatcher: all-to-all in both. The seed's CUDA case trains with megatron-core's
-# flex dispatcher (--moe-token-dispatcher-type flex --moe-enable-deepep), which needs the deep_ep
-# kernels the lane's image does not build; its AMD case already trains with all-to-all.
-DISPATCHER = {
-    "deepep": "--moe-token-dispatcher-type alltoall",
-    "mori": "--moe-token-dispatcher-type alltoall",
-}
+"""
+# The seed's --sglang-expert-parallel-size is ServerArgs' ep_size, which miles passes by its field
+# name. The trainer dispatches all-to-all in both forms: the seed's CUDA case trains with
+# megatron-core's flex dispatcher (--moe-token-dispatcher-type flex --moe-enable-deepep), which
+# needs the deep_ep kernels the lane's image does not build; its AMD case already trains all-to-all.
 
 
 def fp8_plan():
     """The case's checkpoints with the fp8 step, whatever the platform's recipe form rolls out from
     (the ROCm form's rollout is bf16)."""
-    import dataclasses
-
-    from miles.ckpt.pipeline import prepare
-    from miles.ckpt.plan import STEPS
-
-    plan = twins.prepared("qwen3_30b_a3b", "Qwen3-30B-A3B", datasets=("aime-2024",))
-    if "fp8" not in plan.steps:
-        plan = dataclasses.replace(plan, steps=tuple(s for s in STEPS if s in plan.steps or s == "fp8"))
-        prepare(plan, progress=False)
-    return plan
+    return twins.prepared("qwen3_30b_a3b", "Qwen3-30B-A3B", datasets=("aime-2024",), steps=("fp8",))
 
 
 def fp8_argv(plan, *, a2a: str, gpus: int, tp: int, pp: int, cp: int, ep: int) -> list[str]:
     """The FP8 bridge case's trainer flags on `gpus` GPUs, one colocated engine of all of them with
     SGLang's `a2a` MoE all-to-all (deepep on CUDA, mori on ROCm)."""
-    flags = FP8.replace("{dispatcher}", DISPATCHER[a2a])
     values = dict(fp8=plan.fp8_dir, a2a=a2a, gpus=str(gpus), tp=str(tp), pp=str(pp), cp=str(cp), ep=str(ep))
-    return twins.command(flags, plan, FP8_LEFT_OUT, **values)
+    return twins.command(FP8, plan, FP8_LEFT_OUT, **values)
 
 
 def run_fp8(workdir: Path, case: dict, env=None) -> Path:
