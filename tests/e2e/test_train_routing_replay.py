@@ -16,60 +16,35 @@ from __future__ import annotations
 import pytest
 
 from miles.ci.register import register_cpu_ci
-from tests.support import recipes as runs
-from tests.support.ckpt import near_tied_checkpoint
-from tests.support.trainer_cases import run_cases
+from tests.support import replay_cases as r3
 
 register_cpu_ci(est_time=20, suite="stage-b-cpu")
 
-FLOOR = 1e-5  # float32: the engine's and the trainer's logprobs of the same routing agree to 2e-7 here
-GAP = "train/train_rollout_logprob_abs_diff"
-BASE = (
-    "--prompt-data", "synthetic:fixed", "--num-rollout", "3", "--rollout-batch-size", "4", "--n-samples-per-prompt",
-    "4", "--global-batch-size", "16", "--micro-batch-size", "4", "--rollout-max-response-len", "8", "--lr", "1e-6",
-    "--num-threads", "1", "--actor-num-gpus-per-node", "2",
-)  # fmt: skip
+ROLLOUTS = 3
 EP2 = ("--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1")
-MEGATRON_LAYOUTS = {
-    "ep2": EP2,
-    "tp2-sp-ep2": ("--tensor-model-parallel-size", "2", "--sequence-parallel", *EP2),
-    "pp2": ("--pipeline-model-parallel-size", "2"),
-}
-R3 = ("--use-rollout-routing-replay",)
+LAYOUTS = {"ep2": EP2, **r3.MEGATRON_LAYOUTS}
 
 
 @pytest.fixture(scope="module")
 def gaps(tmp_path_factory) -> dict[str, list[float]]:
     """The logprob gap by rollout of every case."""
     root = tmp_path_factory.mktemp("r3")
-    hf, dist = near_tied_checkpoint("qwen3_moe", 2, root)
-    fsdp = [*BASE, "--hf-checkpoint", str(hf), "--train-backend", "fsdp"]
-    megatron = [*BASE, "--hf-checkpoint", str(hf), "--train-backend", "megatron", "--ref-load", str(dist)]
-    cases = {"fsdp": fsdp, "fsdp/r3": [*fsdp, *R3], "megatron/ep2": [*megatron, *EP2]}
-    cases |= {f"megatron/{name}/r3": [*megatron, *flags, *R3] for name, flags in MEGATRON_LAYOUTS.items()}
-    records = run_cases(cases, root / "records")
-    series = {name: runs.series(folder, GAP) for name, folder in records.items()}
-    return {name: [s[k] for k in sorted(s)] for name, s in series.items()}
+    return r3.gaps("qwen3_moe", 2, root, rollouts=ROLLOUTS, layouts=LAYOUTS, megatron_without="ep2")
 
 
 def test_without_replay_near_tied_routers_move_the_fsdp_gap_far_above_the_floor(gaps):
-    assert len(gaps["fsdp"]) == 3, gaps
-    assert gaps["fsdp"][0] > 10 * FLOOR, gaps  # the engine's and the trainer's routing differ
-    assert gaps["fsdp"][1] > FLOOR, gaps  # and after a step too
+    r3.assert_apart(gaps, "fsdp", ROLLOUTS)
+    assert gaps["fsdp"][1] > r3.FLOOR, gaps  # and after a step too
 
 
 def test_with_replay_the_fsdp_gap_stays_at_the_float32_floor_after_every_step(gaps):
-    assert len(gaps["fsdp/r3"]) == 3, gaps
-    assert max(gaps["fsdp/r3"]) <= FLOOR, gaps
+    r3.assert_at_the_floor(gaps, "fsdp/r3", ROLLOUTS)
 
 
 def test_without_replay_megatron_ep2_routes_otherwise_than_the_engine(gaps):
-    assert len(gaps["megatron/ep2"]) == 3, gaps
-    assert gaps["megatron/ep2"][0] > 10 * FLOOR, gaps
+    r3.assert_apart(gaps, "megatron/ep2", ROLLOUTS)
 
 
-@pytest.mark.parametrize("layout", list(MEGATRON_LAYOUTS))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_with_replay_megatron_layouts_stay_at_the_float32_floor(gaps, layout):
-    gap = gaps[f"megatron/{layout}/r3"]
-    assert len(gap) == 3, gaps
-    assert max(gap) <= FLOOR, gaps
+    r3.assert_at_the_floor(gaps, f"megatron/{layout}/r3", ROLLOUTS)
