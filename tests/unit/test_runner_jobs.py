@@ -1,8 +1,8 @@
 """A run with jobs runs its files side by side, one runner process per job, and reports them as one run.
 
-Each job runs its shard of every suite (the balanced partition CI's shards use); the files of
-different jobs overlap in time; a failure in one job leaves the other's files running; the run's
-reports hold every file's attempt once; the plan predicts the wall time of the longest job; a
+The jobs take files from one queue (each file once, the next to the job that frees first); the
+files of different jobs overlap in time; a failure in one job leaves the other's file running;
+the run's reports hold every file's attempt once; the plan predicts the last job to finish; a
 lane that asks for jobs gets them, one per core with "cores", and a run split by --shard does not.
 """
 
@@ -82,29 +82,83 @@ def test_two_jobs_run_their_files_side_by_side_and_report_one_run(make_tree, cap
     assert out.count("plan · ") == 1  # the run's plan, not each job's
 
 
-def test_a_failure_in_one_job_leaves_the_other_jobs_files_running(make_tree):
+# Runs until every file of the run is claimed (up to a minute): while it runs, its job takes nothing.
+HOLDS = """
+import time
+from pathlib import Path
+from miles.ci.register import register_cpu_ci
+register_cpu_ci(est_time=20, suite="stage-b-cpu")
+def test_holds():
+    claims = Path(__file__).parents[2] / "{reports}" / "attempts" / "claims"
+    deadline = time.time() + 60
+    while len(list(claims.iterdir())) < 3 and time.time() < deadline:
+        time.sleep(0.05)
+    assert len(list(claims.iterdir())) == 3
+"""
+
+
+def test_a_failure_in_one_job_leaves_the_other_jobs_file_running_and_stops_the_queue(make_tree):
     root = make_tree({
         "tests/e2e/test_fails.py": FAILS,
+        "tests/e2e/test_holds.py": HOLDS.format(reports=REPORTS),
         "tests/e2e/test_a.py": MEETS.format(est=30, name="a", wait_for=1),
-        "tests/e2e/test_b.py": MEETS.format(est=20, name="b", wait_for=1),
     })  # fmt: skip
     assert _run(root, "--jobs", "2") == 1
     status = {x["file"]: x["status"] for x in _attempts(root)}
-    assert status["tests/e2e/test_fails.py"] == "failed"
-    # the fast-failing job stops its own later files; the other job runs all of its own
-    assert "passed" in {status["tests/e2e/test_a.py"], status["tests/e2e/test_b.py"]}
-    assert len(status) == 3
+    # shortest first: one job fails test_fails and claims the rest (test_a) as skipped while the
+    # other still runs test_holds to its end
+    assert status == {
+        "tests/e2e/test_fails.py": "failed",
+        "tests/e2e/test_holds.py": "passed",
+        "tests/e2e/test_a.py": "skipped",
+    }, status
 
 
-def test_the_plan_predicts_the_longest_job(make_tree, capsys):
+def test_the_plan_predicts_the_last_job_to_finish(make_tree, capsys):
     root = make_tree({
         f"tests/e2e/test_{n}.py": MEETS.format(est=est, name=n, wait_for=1)
         for n, est in (("a", 40), ("b", 30), ("c", 20))
     })  # fmt: skip
-    assert main(["plan", "--root", str(root), "--suite", "stage-b-cpu", "--jobs", "2"]) == 0
+    plan = ["plan", "--root", str(root), "--suite", "stage-b-cpu", "--jobs", "2"]
+    assert main([*plan, "--continue-on-error"]) == 0
     out = capsys.readouterr().out
     assert "2 jobs at once" in out
-    assert "predicted wall 50s: 2 jobs side by side" in out  # 40 on one job, 30 + 20 on the other
+    # longest first: a (40) on one job, b (30) then c (20) on the other
+    assert "predicted wall 50s: 2 jobs side by side" in out and "(job 1: 40s, job 2: 50s)" in out
+    assert main(plan) == 0  # fast-fail: shortest first, c (20) then a (40) on one job, b (30) on the other
+    assert "predicted wall 60s: 2 jobs side by side" in capsys.readouterr().out
+
+
+# The file that waits for the others: it passes only if another job runs all three while this one waits.
+WAITS = """
+import time
+from pathlib import Path
+from miles.ci.register import register_cpu_ci
+register_cpu_ci(est_time=5, suite="stage-b-cpu")
+def test_waits():
+    seen = Path(__file__).parents[2] / "seen"
+    deadline = time.time() + 60
+    while len(list(seen.glob("*.end"))) < 3 and time.time() < deadline:
+        time.sleep(0.05)
+    assert len(list(seen.glob("*.end"))) == 3
+"""
+
+
+def test_a_job_that_frees_takes_the_next_file_nobody_took(make_tree):
+    # A fixed split into two equal shares would give the waiting file (5 s) and one of the three
+    # 10 s files to one job, the waiting file first: it would wait for a file queued behind it.
+    root = make_tree({
+        "tests/e2e/test_waits.py": WAITS,
+        **{f"tests/e2e/test_{n}.py": MEETS.format(est=10, name=n, wait_for=1) for n in ("q1", "q2", "q3")},
+    })  # fmt: skip
+    assert _run(root, "--jobs", "2") == 0
+    shard = {x["file"].removeprefix("tests/e2e/"): x["shard"] for x in _attempts(root)}
+    assert len(shard) == 4 and set(shard.values()) == {"1/2", "2/2"}
+    assert {shard["test_q1.py"], shard["test_q2.py"], shard["test_q3.py"]} == {
+        "1/2", "2/2"
+    } - {shard["test_waits.py"]}  # fmt: skip
+    claims = root / REPORTS / "attempts" / "claims"
+    assert len(list(claims.iterdir())) == 4  # each file taken once
 
 
 def test_a_lane_asks_for_its_jobs_and_a_sharded_run_uses_one(make_tree, capsys):
@@ -184,6 +238,7 @@ def test_a_job_that_leaves_no_report_has_its_files_reported_as_not_finished(make
 
     from miles.ci.registry.catalog import load_catalog
     from miles.ci.registry.discover import discover
+    from miles.ci.running.claims import claim_name
     from miles.ci.running.execute import CancelToken
     from miles.ci.running.jobs import merge
     from miles.ci.running.plan import RunOptions, build_plan
@@ -199,12 +254,17 @@ def test_a_job_that_leaves_no_report_has_its_files_reported_as_not_finished(make
         RunOptions(root=root, suites=("stage-b-cpu",), jobs="2"), catalog, discover(root, catalog=catalog)
     )
     died = sp.CompletedProcess([], -9)
-    record = merge(plan, [None, None], [died, died], 0.0, CancelToken())
+    taken = {claim_name("stage-b-cpu", "tests/e2e/test_a.py"): 1}  # job 1 took a; no job took b
+    record = merge(plan, [None, None], [died, died], 0.0, CancelToken(), taken)
     assert not record.complete and not record.passed
     assert sorted((a.file, a.status) for a in record.attempts) == [
         ("tests/e2e/test_a.py", "cancelled"), ("tests/e2e/test_b.py", "cancelled"),
     ]  # fmt: skip
-    assert all("ended (exit code -9) without a report" in a.message for a in record.attempts)
+    message = {a.file: a.message for a in record.attempts}
+    assert "job 1/2 took it and ended (exit code -9) without a report" in message["tests/e2e/test_a.py"]
+    assert message["tests/e2e/test_b.py"] == (
+        "not finished: no job took it; job 1/2 (exit code -9), job 2/2 (exit code -9) ended without a report"
+    )
 
 
 def test_a_job_line_without_an_end_is_relayed_in_bounded_pieces():

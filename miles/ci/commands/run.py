@@ -94,6 +94,8 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     )
     # set by a run with jobs for each job it starts: the plan and the final tables are the parent's
     p.add_argument("--job-of", help=argparse.SUPPRESS)
+    # ... and the run's claims folder, from which each job takes the files it runs
+    p.add_argument("--claims", type=Path, help=argparse.SUPPRESS)
 
 
 def _options(args: argparse.Namespace):
@@ -116,6 +118,7 @@ def _options(args: argparse.Namespace):
         stream=args.stream,
         pytest_args=tuple(args.pytest_arg),
         jobs=args.jobs,
+        claims=getattr(args, "claims", None),
     )
 
 

@@ -1,13 +1,17 @@
-"""A run with several jobs: its suites split into one shard per job, each job a runner process.
+"""A run with several jobs: runner processes side by side, taking files from one queue.
 
-`python -m miles.ci run --jobs N` (or a lane whose catalog entry says `jobs`) splits every suite
-into N shards by the balanced partition CI's shards use, and starts N runners side by side, job
-j running shard j of every suite (`--shards N --shard j/N`). Each is a whole runner: its own
-containment and child subreaper, retries, gates, durations and reports (in the run's
-attempts/job-<j>/), so nothing one job does can sweep the other's processes. This process prints
-the plan, relays each job's progress lines prefixed with `[j/N]`, passes SIGTERM/SIGINT on, and
-merges the jobs' records into the run's reports; a job that ends without a record has its files
-reported as not finished. The jobs share the run's tiny-checkpoint cache.
+`python -m miles.ci run --jobs N` (or a lane whose catalog entry says `jobs`) starts N runners
+side by side. Each walks the run's whole list of files (each suite's in turn, longest first in a
+run that goes on after a failure) and runs a file only once it has taken it from the run's
+claims folder (miles.ci.running.claims), so a job that finishes a file takes the next one nobody
+has taken: no job idles while another still has a fixed share to work through. Each is a whole
+runner: its own containment and child subreaper, retries, gates, durations and reports (in the
+run's attempts/job-<j>/), so nothing one job does can sweep the other's processes. A job that
+fails a file in a fast-fail run takes every file left and records it skipped, so the others
+stop too. This process prints the plan, relays each job's progress lines prefixed with `[j/N]`,
+passes SIGTERM/SIGINT on, and merges the jobs' records into the run's reports: each file from
+the record of the job that took it; the files of a job that ended without a record, and those
+no job took, as not finished. The jobs share the run's tiny-checkpoint cache.
 """
 
 from __future__ import annotations
@@ -18,20 +22,23 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO
 
 from miles.ci.reports.record import CANCELLED, RunRecord
+from miles.ci.running.claims import claim_name, owners
 from miles.ci.running.execute import POLL_S, CancelToken
 from miles.ci.running.plan import RunOptions, RunPlan, test_run
 from miles.files import Folder, read_regular
 
 MAX_RECORD_BYTES = 256 << 20
 MAX_LINE_BYTES = 64 << 10  # a longer line (one without a newline, however long) is relayed in pieces
+CLAIMS = "claims"  # the run's claims folder, in its attempts/ folder
 
 
-def job_argv(options: RunOptions, plan: RunPlan, job: int, report_dir: Path) -> list[str]:
-    """The command line of job `job` (1-based): this run's options, its shard of every suite."""
+def job_argv(options: RunOptions, plan: RunPlan, job: int, report_dir: Path, claims: Path) -> list[str]:
+    """The command line of job `job` (1-based): this run's options, taking files from `claims`."""
     argv = [sys.executable, "-m", "miles.ci", "run", "--root", str(plan.settings.root)]
     if options.lane:
         argv += ["--lane", options.lane]
@@ -43,7 +50,7 @@ def job_argv(options: RunOptions, plan: RunPlan, job: int, report_dir: Path) -> 
         if value is not None:
             argv += [flag, value]
     argv += ["--max-attempts", str(plan.max_attempts), "--timeout-floor", repr(options.timeout_floor)]
-    argv += ["--grace", repr(options.grace), "--shards", str(plan.jobs), "--shard", f"{job}/{plan.jobs}"]
+    argv += ["--grace", repr(options.grace), "--jobs", "1", "--claims", str(claims)]
     argv += ["--report-dir", str(report_dir), "--job-of", f"{job}/{plan.jobs}"]
     argv += ["--stream" if plan.settings.echo is not None else "--no-stream"]
     argv += ["--continue-on-error"] if plan.continue_on_error else []
@@ -60,11 +67,13 @@ def run_jobs(
     env = {k: v for k, v in plan.settings.base_env.items() if k != "GITHUB_STEP_SUMMARY"}  # the run's own
     lock = threading.Lock()
     procs, readers, folders = [], [], []
+    attempts.subfolder(CLAIMS, exclusive=True).close()
+    claims = attempts.path / CLAIMS
     for job in range(1, plan.jobs + 1):
         folder = attempts.path / f"job-{job}"
         folders.append(folder)
         proc = subprocess.Popen(
-            job_argv(options, plan, job, folder),
+            job_argv(options, plan, job, folder, claims),
             cwd=plan.settings.root,
             env=env,
             stdin=subprocess.DEVNULL,
@@ -81,7 +90,7 @@ def run_jobs(
     _wait(procs, cancel)
     for reader in readers:
         reader.join(timeout=5)
-    return merge(plan, [_record(f / "run.json") for f in folders], procs, started, cancel)
+    return merge(plan, [_record(f / "run.json") for f in folders], procs, started, cancel, owners(claims))
 
 
 def _relay(stream: IO[bytes], prefix: str, out: IO[str], lock: threading.Lock) -> None:
@@ -123,25 +132,42 @@ def merge(
     procs: list[subprocess.Popen],
     started: float,
     cancel: CancelToken,
+    taken: Mapping[str, int],
 ) -> RunRecord:
-    """One record of the run: every job's attempts in the order they started; the files of a job
-    that left no record, as not finished."""
+    """One record of the run: each file's attempts from the record of the job that took it
+    (`taken`: claim name -> job, miles.ci.running.claims.owners), in the order they started; a
+    file whose job left no record, or that no job took, as not finished."""
     attempts, excluded, complete = [], (), True
-    for job, (record, proc) in enumerate(zip(records, procs, strict=True), start=1):
+    refused = {(r.suite, r.file) for r in plan.refused}
+    for job, record in enumerate(records, start=1):
         if record is None:
             complete = False
-            reason = (
-                f"not finished: job {job}/{plan.jobs} ended (exit code {proc.returncode}) without a report"
-            )
-            attempts += [
-                test_run(plan, t, 1, None, "").record(CANCELLED, "cancelled", message=reason)
-                for t in plan.tests
-                if t.shard == job
-            ]
             continue
-        attempts += record.attempts
+        # a job's record may hold the rest of the queue as not started (a report written while it
+        # ran): those rows are the taker's, not this job's
+        attempts += [
+            a for a in record.attempts
+            if taken.get(claim_name(a.suite, a.file)) == job or (job == 1 and (a.suite, a.file) in refused)
+        ]  # fmt: skip
         excluded = excluded or record.excluded
         complete = complete and record.complete
+    recorded = {(a.suite, a.file) for a in attempts}
+    dead = [
+        f"job {j}/{plan.jobs} (exit code {p.returncode})"
+        for j, (r, p) in enumerate(zip(records, procs, strict=True), 1)
+        if r is None
+    ]
+    for test in plan.tests:
+        reg = test.registration
+        if (reg.suite, reg.file) in recorded:
+            continue
+        complete = False
+        job = taken.get(claim_name(reg.suite, reg.file))
+        if job:
+            reason = f"not finished: job {job}/{plan.jobs} took it and ended (exit code {procs[job - 1].returncode}) without a report"
+        else:
+            reason = f"not finished: no job took it; {', '.join(dead) or 'every job'} ended without a report"
+        attempts.append(test_run(plan, test, 1, None, "").record(CANCELLED, "cancelled", message=reason))
     first = next((r for r in records if r is not None), None)
     sel = plan.selection
     return RunRecord(

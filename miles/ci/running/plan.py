@@ -88,6 +88,9 @@ class RunOptions:
     stream: bool | None = None  # echo test output live; default: on under GitHub Actions
     pytest_args: tuple[str, ...] = ()
     jobs: str | None = None  # "N" or "cores": files at once; default: the lane's `jobs` (a --lane run)
+    # the claims folder of the run with jobs this invocation is one job of (miles.ci.running.claims):
+    # it walks the run's whole queue and runs the files it takes
+    claims: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -127,27 +130,41 @@ class RunPlan:
     store_history: bool = False  # passing gated attempts are stored as trusted history
     history_reason: str = ""  # why (policy.history_decision)
     warnings: tuple[Problem, ...] = ()  # registration problems of other suites: not this run's
-    jobs: int = 1  # runner processes side by side, job j running shard j of every suite
+    jobs: int = 1  # runner processes side by side, taking files from one queue (miles.ci.running.claims)
     refused: tuple[RefusedTest, ...] = ()  # this run's suites' problems, each a failed row of its file
 
     @property
     def predicted_wall(self) -> float:
         """The run's predicted wall time from the est_times: its shards one after another, or with
-        jobs, the longest job (each job runs its shard of every suite in turn)."""
+        jobs, the last job to finish when each takes the queue's next file as it frees."""
         return predicted_wall(self, [sp.partition.loads for sp in self.suites])
 
 
 def predicted_wall(plan: RunPlan, loads: list[tuple[float, ...]]) -> float:
     """`plan.predicted_wall` from each suite's shard loads (read once: they are computed)."""
     if plan.jobs > 1:
-        return max(_job_loads(plan, loads))
+        return max(job_loads(plan))
     return sum(
         shard_loads[k - 1] for sp, shard_loads in zip(plan.suites, loads, strict=True) for k in sp.run_shards
     )
 
 
-def _job_loads(plan: RunPlan, loads: list[tuple[float, ...]]) -> list[float]:
-    return [sum(shard_loads[j] for shard_loads in loads) for j in range(plan.jobs)]
+def job_loads(plan: RunPlan) -> list[float]:
+    """Each job's predicted busy seconds when the jobs take the queue's files in order, the next
+    file going to the job that frees first (the earliest-numbered on a tie)."""
+    free = [0.0] * plan.jobs
+    for test in plan.tests:
+        j = min(range(plan.jobs), key=lambda i: (free[i], i))
+        free[j] += test.registration.est_time
+    return free
+
+
+def queue_order(tests: list[PlannedTest], longest_first: bool) -> list[PlannedTest]:
+    """A suite's files in the order a run takes them: longest first (the longest cannot end up
+    alone at the end of a run that goes on after failures), else shortest first (quick feedback,
+    and a fast-fail run spares the expensive files); ties by name."""
+    sign = -1 if longest_first else 1
+    return sorted(tests, key=lambda t: (sign * t.registration.est_time, t.registration.file))
 
 
 def resolve_jobs(options: RunOptions, scope: Scope) -> int:
@@ -251,9 +268,10 @@ def build_plan(options: RunOptions, catalog: Catalog, discovery: Discovery) -> R
     selection = select(discovery, scope, cadence=cadence, labels=labels)
 
     n_jobs = resolve_jobs(options, scope)
+    queue = n_jobs > 1 or options.claims is not None  # jobs take files from one queue per suite
     k, n_requested, explicit = None, None, False
-    if n_jobs > 1:  # each suite split into one shard per job
-        n_requested, explicit = n_jobs, True
+    if queue:
+        n_requested, explicit = 1, True
     elif options.shard is not None:
         k, n_requested = parse_shard(options.shard)
         explicit = n_requested is not None
@@ -264,6 +282,10 @@ def build_plan(options: RunOptions, catalog: Catalog, discovery: Discovery) -> R
         explicit = n_requested is not None
 
     check_not_empty(scope, discovery, refused)  # after the input's checks: bad input is exit 2 first
+    lane_runs_every_file = scope.lane is not None and not scope.narrowed and not scope.lane.fast_fail
+    continue_on_error = (
+        options.continue_on_error or bool(labels and labels.bypass_fastfail) or lane_runs_every_file
+    )
     suite_plans, tests = [], []
     for suite in scope.suites:
         failing = {r.file for r in refused if r.suite == suite.name}  # their row is the failure
@@ -279,12 +301,13 @@ def build_plan(options: RunOptions, catalog: Catalog, discovery: Discovery) -> R
         if 1 not in run_shards:  # a suite's refused registrations fail its first shard only
             refused = tuple(r for r in refused if r.suite != suite.name)
         for index in run_shards:
-            # Shortest first: quick feedback, and fast-fail spares the expensive tests.
-            for job in sorted(partition.shards[index - 1], key=lambda j: (j.weight, j.key)):
+            shard_tests = []
+            for job in partition.shards[index - 1]:
                 reg = regs[job.key]
                 limit = timeout_for(reg.est_time, options.timeout_floor)
                 gates = discovery.file(reg.file).gates
-                tests.append(PlannedTest(reg, scope.lane_of(suite), index, n, limit, gates))
+                shard_tests.append(PlannedTest(reg, scope.lane_of(suite), index, n, limit, gates))
+            tests += queue_order(shard_tests, longest_first=queue and continue_on_error)
 
     if options.shard is not None:
         shard = options.shard
@@ -302,10 +325,6 @@ def build_plan(options: RunOptions, catalog: Catalog, discovery: Discovery) -> R
         else max((catalog.lanes[s.lane].max_attempts for s in scope.suites), default=1)
     )
     max_attempts = options.max_attempts if options.max_attempts is not None else lane_attempts
-    lane_runs_every_file = scope.lane is not None and not scope.narrowed and not scope.lane.fast_fail
-    continue_on_error = (
-        options.continue_on_error or bool(labels and labels.bypass_fastfail) or lane_runs_every_file
-    )
     stream = options.stream if options.stream is not None else os.environ.get("GITHUB_ACTIONS") == "true"
     settings = Settings(
         root=root,
@@ -437,8 +456,11 @@ def test_run(
 def _prediction(plan: RunPlan, loads: list[tuple[float, ...]]) -> str:
     wall = predicted_wall(plan, loads)
     if plan.jobs > 1:
-        each = ", ".join(f"job {j + 1}: {load:g}s" for j, load in enumerate(_job_loads(plan, loads)))
-        return f"predicted wall {wall:g}s: {plan.jobs} jobs side by side, job j runs shard j of every suite ({each})"
+        each = ", ".join(f"job {j + 1}: {load:g}s" for j, load in enumerate(job_loads(plan)))
+        return (
+            f"predicted wall {wall:g}s: {plan.jobs} jobs side by side, each taking the next file of the "
+            f"queue above as it frees ({each})"
+        )
     return f"predicted wall {wall:g}s: the shards above, one after another"
 
 
@@ -456,6 +478,7 @@ def format_plan(plan: RunPlan) -> str:
         f"load (up to {plan.settings.load_stretch:g}x in wall time while the load average exceeds the cores)",
     ]
     every_suite_loads = []
+    order = {(t.registration.suite, t.registration.file): i for i, t in enumerate(plan.tests)}
     for sp in plan.suites:
         p = sp.partition
         loads = p.loads  # a computed property: read once, not once per shard line
@@ -465,12 +488,17 @@ def format_plan(plan: RunPlan) -> str:
         longest = max((j.weight for s in p.shards for j in s), default=0.0)
         n_tests = sum(len(s) for s in p.shards)
         out.append("")
-        out.append(
-            f"suite {sp.suite.name}: {n_tests} test(s), {sp.n_shards} shard(s) ({sp.how}), total est {total:g}s"
-        )
         makespan = max(loads, default=0.0)
         bound = lower_bound([j.weight for s in p.shards for j in s], sp.n_shards)
-        if n_tests:
+        if plan.jobs > 1:
+            out.append(
+                f"suite {sp.suite.name}: {n_tests} test(s), one queue for {plan.jobs} jobs, total est {total:g}s"
+            )
+        else:
+            out.append(
+                f"suite {sp.suite.name}: {n_tests} test(s), {sp.n_shards} shard(s) ({sp.how}), total est {total:g}s"
+            )
+        if n_tests and plan.jobs == 1:
             out.append(
                 f"  lower bound {bound:.0f}s = max(total/N {total / sp.n_shards:.0f}s, longest {longest:g}s); "
                 f"predicted makespan {makespan:.0f}s; ratio {makespan / bound if bound > 0 else 1.0:.3f} ({p.method}"
@@ -478,10 +506,16 @@ def format_plan(plan: RunPlan) -> str:
             )
         for index, shard in enumerate(p.shards, start=1):
             here = " ← this run" if index in running else ""
-            out.append(
-                f"  shard {index}/{sp.n_shards}: {len(shard)} test(s), predicted {loads[index - 1]:g}s{here}"
-            )
-            for job in sorted(shard, key=lambda j: (j.weight, j.key)):
+            if plan.jobs > 1:
+                first = "longest" if plan.continue_on_error else "shortest"
+                out.append(f"  the jobs take them in this order ({first} first):")
+            else:
+                out.append(
+                    f"  shard {index}/{sp.n_shards}: {len(shard)} test(s), predicted {loads[index - 1]:g}s{here}"
+                )
+            for job in sorted(
+                shard, key=lambda j: (order.get((sp.suite.name, j.key), len(order)), j.weight, j.key)
+            ):
                 limit = timeout_for(job.weight, plan.timeout_floor)
                 out.append(f"    est {job.weight:>6g}s  timeout {limit:>6g}s  {job.key}")
         if not sp.run_shards and plan.shard != "all":

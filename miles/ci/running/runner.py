@@ -33,6 +33,7 @@ from miles.ci.registry.registration import GateDeclaration
 from miles.ci.reports.phases import text_table as phase_table
 from miles.ci.reports.record import CANCELLED, FAILED, FLAKY, PASSED, SKIPPED, Attempt, RunRecord
 from miles.ci.reports.report import ReportDirError, claim_report_dir, write_reports
+from miles.ci.running.claims import Claims
 from miles.ci.running.execute import POLL_S, CancelToken, TestRun, run_attempt
 from miles.ci.running.outcome import is_retryable
 from miles.ci.running.plan import (
@@ -99,9 +100,13 @@ def current_commit(root: Path) -> str:
     return out.stdout.strip() if out.returncode == 0 else ""
 
 
-def _not_run(plan: RunPlan, test: PlannedTest, status: str, message: str, commit: str) -> Attempt:
+def _not_run(
+    plan: RunPlan, test: PlannedTest, status: str, message: str, commit: str, shard: str | None = None
+) -> Attempt:
     classification = "cancelled" if status == CANCELLED else "fast-fail"
-    return test_run(plan, test, 1, None, commit).record(status, classification, message=message)
+    run = test_run(plan, test, 1, None, commit)
+    run = run if shard is None else dataclasses.replace(run, shard=shard)
+    return run.record(status, classification, message=message)
 
 
 UNFINISHED = "unfinished: the runner stopped (killed or interrupted) before this test ended"
@@ -180,8 +185,11 @@ def execute_plan(
     checkpoint: Callable[[RunRecord], None] | None = None,
     folders: tuple[Folder, Folder] | None = None,
     fold: bool = True,
+    claims: Claims | None = None,
 ) -> RunRecord:
     """Run the plan's tests in order; always returns a complete record (cancellation included).
+    With `claims` (a job of a run with jobs) only the tests this job takes from the run's queue
+    run and are recorded, under the job's label as their shard; the others are another job's.
 
     `checkpoint` receives an incomplete record before each attempt starts (the running test
     and the rest marked as not finished) and again the moment a cancel arrives, so reports
@@ -194,7 +202,7 @@ def execute_plan(
     owned = folders is None
     report_folder, attempts = _claim(plan.report_dir) if folders is None else folders
     try:
-        return _execute(plan, catalog, cancel, out, checkpoint, attempts, fold)
+        return _execute(plan, catalog, cancel, out, checkpoint, attempts, fold, claims)
     finally:
         if owned:
             attempts.close()
@@ -209,7 +217,9 @@ def _claim(report_dir: Path) -> tuple[Folder, Folder]:
         raise PlanError(str(exc)) from None
 
 
-def _execute(plan, catalog, cancel, out, checkpoint, attempt_folders: Folder, fold: bool = True) -> RunRecord:
+def _execute(
+    plan, catalog, cancel, out, checkpoint, attempt_folders: Folder, fold: bool = True, claims=None
+) -> RunRecord:
     commit = current_commit(plan.settings.root)
     started = time.time()
     github = fold and os.environ.get("GITHUB_ACTIONS") == "true"
@@ -220,26 +230,34 @@ def _execute(plan, catalog, cancel, out, checkpoint, attempt_folders: Folder, fo
     def record(done: list[Attempt], *, complete: bool = True) -> RunRecord:
         return _run_record(plan, done, started, commit, cancel.name or None, complete)
 
+    shard = claims.label if claims is not None else None
+
+    def not_run(test: PlannedTest, status: str, message: str) -> Attempt:
+        return _not_run(plan, test, status, message, commit, shard)
+
     def provisional(index: int, current: Attempt, rest_message: str) -> None:
         if checkpoint is None:
             return
-        rest = [_not_run(plan, t, CANCELLED, rest_message, commit) for t in plan.tests[index + 1 :]]
+        rest = [not_run(t, CANCELLED, rest_message) for t in plan.tests[index + 1 :]]
         checkpoint(record([*attempts, current, *rest], complete=False))
 
-    # a refused registration is its own test's failed row; the suite's other tests still run
-    attempts += [r.record(plan.selection.scope.backend, commit) for r in plan.refused]
+    # a refused registration is its own test's failed row (the first job's, in a run with jobs);
+    # the suite's other tests still run
+    if claims is None or claims.job == 1:
+        attempts += [r.record(plan.selection.scope.backend, commit) for r in plan.refused]
     for index, test in enumerate(plan.tests):
+        if claims is not None and not claims.take(test.registration.suite, test.registration.file):
+            continue  # another job's
         if cancel.cancelled:
-            attempts.append(
-                _not_run(plan, test, CANCELLED, f"not started: run cancelled by {cancel.name}", commit)
-            )
+            attempts.append(not_run(test, CANCELLED, f"not started: run cancelled by {cancel.name}"))
             continue
         if stop is not None:
-            attempts.append(_not_run(plan, test, SKIPPED, stop, commit))
+            attempts.append(not_run(test, SKIPPED, stop))
             continue
         retry_reason, first_failure = None, ""
         for number in range(1, plan.max_attempts + 1):
             run = test_run(plan, test, number, retry_reason, commit)
+            run = run if shard is None else dataclasses.replace(run, shard=shard)
             provisional(index, run.record(CANCELLED, "unfinished", message=UNFINISHED), NEVER_REACHED)
             progress.start(index, run)
             attempt = _attempt_in_own_folder(
@@ -390,6 +408,10 @@ def run(
             record = run_jobs(options, plan, attempts, cancel, out)  # each job stored its durations
             paths = write_reports(record, report_folder)
         else:
+            claims = None
+            if options.claims is not None:
+                job, jobs = (int(x) for x in (job_of or "1/1").split("/"))
+                claims = Claims(options.claims, job, jobs)
             record = execute_plan(
                 plan,
                 catalog,
@@ -398,6 +420,7 @@ def run(
                 checkpoint=lambda partial: write_reports(partial, report_folder, step_summary=False),
                 folders=(report_folder, attempts),
                 fold=job_of is None,
+                claims=claims,
             )
             paths = write_reports(record, report_folder, step_summary=job_of is None)
             _store_durations(record, plan, cancel)
