@@ -12,10 +12,14 @@ from miles.ci.running.plan import PlannedTest
 
 
 class Progress:
-    """Draws the run as it goes; the ETA counts the est_times of the tests still to run."""
+    """Draws the run as it goes; the ETA counts the est_times of the tests still to run, shared
+    among `jobs` jobs taking them from one queue."""
 
-    def __init__(self, tests: tuple[PlannedTest, ...], out: IO[str], *, github: bool, streaming: bool):
+    def __init__(
+        self, tests: tuple[PlannedTest, ...], out: IO[str], *, github: bool, streaming: bool, jobs: int = 1
+    ):
         self.tests = tests
+        self.jobs = jobs
         self.out = out
         self.github = github
         self.streaming = streaming
@@ -29,7 +33,7 @@ class Progress:
     def _eta(self, elapsed: float) -> str:
         current = self.run.est_time if self.run else 0.0
         left = max(0.0, self.total - self.done - min(elapsed, current))
-        return _short(left)
+        return _short(left / self.jobs)
 
     def start(self, index: int, run: TestRun) -> None:
         self.index, self.run = index, run

@@ -223,7 +223,13 @@ def _execute(
     commit = current_commit(plan.settings.root)
     started = time.time()
     github = fold and os.environ.get("GITHUB_ACTIONS") == "true"
-    progress = Progress(plan.tests, out, github=github, streaming=plan.settings.echo is not None)
+    progress = Progress(
+        plan.tests,
+        out,
+        github=github,
+        streaming=plan.settings.echo is not None,
+        jobs=claims.jobs if claims else 1,
+    )
     attempts: list[Attempt] = []
     stop: str | None = None
 
