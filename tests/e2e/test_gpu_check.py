@@ -29,17 +29,24 @@ ROOT = Path(__file__).resolve().parents[2]
 ON_GPU = os.environ.get("MILES_CI_BACKEND", "cpu") != "cpu"
 
 
-def test_every_step_of_the_device_check_passes(tmp_path):
-    env = {**os.environ, "PYTHON": sys.executable, "MILES_DEVICE_CHECK_DIR": str(tmp_path)}
+@pytest.fixture(scope="module")
+def check(tmp_path_factory):
+    """The script's run, on this machine's form (its verdict lines are read by the tests below)."""
+    workdir = tmp_path_factory.mktemp("device-check")
+    env = {**os.environ, "PYTHON": sys.executable, "MILES_DEVICE_CHECK_DIR": str(workdir)}
     env.pop("MILES_CI_GATE_RECORD_DIR", None)
     # 900 s: above the check's own 600 s limit per training run, so a hung run shows as its FAIL line;
     # both counted at the machine's load (a shared 2-core machine makes the check slow, not hung)
-    done = run_counted(
+    return run_counted(
         ["bash", str(ROOT / "scripts/gpu_check.sh"), *([] if ON_GPU else ["--cpu"])],
         900,
         env=env,
-        cwd=str(tmp_path),
+        cwd=str(workdir),
     )
+
+
+def test_every_step_of_the_device_check_passes(check):
+    done = check
     verdicts = [line for line in done.stdout.splitlines() if line.startswith(("PASS", "FAIL", "SKIP"))]
     assert done.returncode == 0, "\n".join(verdicts) + done.stderr[-2000:]
     sglang = (
@@ -59,16 +66,12 @@ def test_every_step_of_the_device_check_passes(tmp_path):
     assert done.stdout.splitlines()[-1].startswith("device check: passed")
 
 
-def test_the_platform_line_says_sglang_only_where_it_imports(tmp_path):
+def test_the_platform_line_says_sglang_only_where_it_imports(check):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     imports = (
         subprocess.run([sys.executable, "-c", "import sglang"], capture_output=True, env=env).returncode == 0
     )
-    done = subprocess.run(
-        [sys.executable, "-m", "miles.ci.machine.device_check", "platform", "--cpu", "--workdir", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
-    )  # fmt: skip
-    (line,) = [line for line in done.stdout.splitlines() if line.startswith("PASS platform")]
+    (line,) = [line for line in check.stdout.splitlines() if line.startswith("PASS platform")]
     assert ("sglang yes" in line) == imports and ("sglang no (" in line) == (not imports)
 
 
