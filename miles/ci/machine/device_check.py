@@ -80,9 +80,11 @@ NEEDS = {
 
 def import_problem(module: str) -> str | None:
     """Why `module` does not import here (in a process of its own: importing sglang patches
-    transformers), or None."""
+    transformers), or None. It is imported after miles, as every miles process imports it (a
+    megatron-core imported without miles' import hooks, on a machine without CUDA, would spend
+    seconds importing TorchInductor for fusions miles runs eagerly there: miles.megatron.compat)."""
     done = subprocess.run(
-        [sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", f"import miles, {module}"], capture_output=True, text=True, timeout=300
     )
     if done.returncode == 0:
         return None
