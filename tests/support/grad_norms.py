@@ -13,6 +13,18 @@ from types import SimpleNamespace
 import torch
 
 
+def trunk_of(path: str) -> dict:
+    """from_pretrained's config for a checkpoint whose trunk loads as another model type's class
+    (MiMo's: Qwen2's; miles.families.trunk_loads), else nothing."""
+    import json
+    from pathlib import Path
+
+    from miles.families import transformers_config, trunk_loads
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    return {"config": transformers_config(config)} if trunk_loads(config) else {}
+
+
 def grad_norms(model, tc, path: str, tokens: torch.Tensor, positions: torch.Tensor, *, rows: int = 1) -> dict:
     """{"grad_norm", "hf_grad_norm", "grad_norm_rel"} for `model` (this rank's chunk, its weights
     already the checkpoint's at `path`) on `tokens` [batch, seq]; `rows` sequence rows cross a
@@ -53,7 +65,7 @@ def grad_norms(model, tc, path: str, tokens: torch.Tensor, positions: torch.Tens
         micro_batch_size=(batch // dp) * rows, forward_only=False,
     )  # fmt: skip
     _, norm = training.grads_ready(optimizer)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **trunk_of(path)).train()
     logits = hf(input_ids=tokens).logits
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
     want = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in hf.parameters() if p.grad is not None)))
