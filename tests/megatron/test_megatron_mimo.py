@@ -137,3 +137,46 @@ def test_hf_to_megatron_to_hf_is_bit_equal_with_input_projs_halves_swapped_in_me
     token, hidden = input_proj.chunk(2, dim=1)[::-1]  # input_proj takes [hidden; token]
     assert torch.equal(state["mtp.layers.0.eh_proj.weight"], torch.cat([token, hidden], dim=1))
     assert not torch.equal(token, hidden)
+
+
+def _published(**changes) -> dict:
+    from miles.families import family
+
+    return {"model_type": "mimo", "num_hidden_layers": 2, **family("mimo").tiny_dims, **changes}
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "rule"),
+    [
+        ("num_nextn_predict_layers", -1, "whole number >= 0 (MTP layers)"),
+        ("num_nextn_predict_layers", "1", "whole number"),
+    ],
+)
+def test_a_bad_mtp_count_is_refused_naming_the_key_and_the_rule(key, value, rule):
+    from miles.families import family
+    from miles.families.schema import ConfigRefused
+
+    with pytest.raises(ConfigRefused) as err:
+        family("mimo").check_config(_published(**{key: value}))
+    assert err.value.key == key and rule in err.value.rule, str(err.value)
+    assert str(err.value).startswith(f"{key} = {value!r}: ")
+
+
+def test_a_config_without_q_k_v_biases_is_refused_by_name():
+    from miles.families import UnmappedModel, family
+
+    with pytest.raises(
+        UnmappedModel, match="attention_bias=false: MiMo's q, k and v projections have biases"
+    ):
+        family("mimo").refuse_unmapped(_published(attention_bias=False))
+    family("mimo").refuse_unmapped(_published(attention_bias=True))  # MiMo-7B-RL's own value
+
+
+def test_transformers_loads_the_trunk_as_qwen2_and_never_the_remote_code():
+    from miles.families import transformers_config, trunk_config
+
+    config = {**_published(), "architectures": ["MiMoForCausalLM"], "auto_map": {"AutoConfig": "x.Y"}}
+    trunk = trunk_config(config)
+    assert trunk["model_type"] == "qwen2" and trunk["architectures"] == ["Qwen2ForCausalLM"]
+    assert "auto_map" not in trunk and trunk["num_nextn_predict_layers"] == 1
+    assert type(transformers_config(config)).__name__ == "Qwen2Config"
