@@ -122,9 +122,7 @@ def transformers_config(source: str | Path | Mapping[str, Any]):
     from transformers import AutoConfig
 
     if isinstance(source, Mapping):
-        clean = {
-            k: v for k, v in trunk_config(source).items() if k not in ("auto_map", "quantization_config")
-        }
+        clean = {k: v for k, v in trunk_config(source).items() if k != "auto_map"}
         return AutoConfig.for_model(**clean)
     raw = json.loads((Path(source) / "config.json").read_text())
     found = family_of(raw)

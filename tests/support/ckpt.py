@@ -43,6 +43,18 @@ def private(entry: Path, into: Path) -> Path:
     return copy_of(entry, into)
 
 
+def trunk_of(path: str) -> dict:
+    """from_pretrained's config for a checkpoint whose trunk loads as another model type's class
+    (MiMo's: Qwen2's; miles.families.trunk_loads), else nothing."""
+    import json
+    from pathlib import Path
+
+    from miles.families import transformers_config, trunk_loads
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    return {"config": transformers_config(config)} if trunk_loads(config) else {}
+
+
 def perturbed(family: str, layers: int, root: Path, **dims: Any) -> Path:
     """A float32 tiny checkpoint (`root`/hf) whose norms, norm biases and expert biases, the MTP
     layers' too, are not at the constants transformers starts them at (1, 0, 0): a norm left at 1
@@ -55,7 +67,6 @@ def perturbed(family: str, layers: int, root: Path, **dims: Any) -> Path:
 
     from miles.ckpt.families import family as get_family
     from miles.ckpt.tiny import MTP_SHARD, add_mtp_layers, make_tiny_checkpoint, write_release_config
-    from tests.support.grad_norms import trunk_of
 
     source = make_tiny_checkpoint(family, layers, root / "source", dtype="float32", progress=False, **dims)
     hf_logging.set_verbosity_error()

@@ -13,18 +13,6 @@ from types import SimpleNamespace
 import torch
 
 
-def trunk_of(path: str) -> dict:
-    """from_pretrained's config for a checkpoint whose trunk loads as another model type's class
-    (MiMo's: Qwen2's; miles.families.trunk_loads), else nothing."""
-    import json
-    from pathlib import Path
-
-    from miles.families import transformers_config, trunk_loads
-
-    config = json.loads((Path(path) / "config.json").read_text())
-    return {"config": transformers_config(config)} if trunk_loads(config) else {}
-
-
 def grad_norms(model, tc, path: str, tokens: torch.Tensor, positions: torch.Tensor, *, rows: int = 1) -> dict:
     """{"grad_norm", "hf_grad_norm", "grad_norm_rel"} for `model` (this rank's chunk, its weights
     already the checkpoint's at `path`) on `tokens` [batch, seq]; `rows` sequence rows cross a
@@ -34,6 +22,7 @@ def grad_norms(model, tc, path: str, tokens: torch.Tensor, positions: torch.Tens
     from transformers import AutoModelForCausalLM
 
     from miles.megatron import training
+    from tests.support.ckpt import trunk_of
 
     batch, seq = tokens.shape
     targets = torch.roll(tokens, -1, dims=1)

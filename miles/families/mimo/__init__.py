@@ -64,6 +64,8 @@ class MiMo(Qwen2):
     }  # fmt: skip
     mtp_style = "mimo"
     mtp_masks_first_position = True
+    # the MTP layer's projection stays bf16 (SGLang's MiMo MTP builds it as a plain nn.Linear)
+    fp8_keep = frozenset({"input_proj"})
 
     def refuse_unmapped(self, config: Mapping[str, Any]) -> None:
         super().refuse_unmapped(config)
