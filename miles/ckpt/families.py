@@ -19,7 +19,7 @@ from miles.families import Family
 from miles.families.facts import text_config
 
 __all__ = [
-    "LAYER_LIST_KEYS", "LAYER_RE", "Family", "expected_architectures", "family", "layers_in_name", "mtp_layers",
+    "LAYER_LIST_KEYS", "LAYER_RE", "Family", "expected_architectures", "family", "layers_in_name", "mtp_layers", "mtp_prefixes",
     "num_layers", "text_config", "writes_megatron_keys",
 ]  # fmt: skip
 
@@ -57,6 +57,20 @@ def mtp_layers(config: Mapping[str, Any]) -> int:
         "num_nextn_predict_layers", text.get("num_mtp_layers", text.get("mtp_num_hidden_layers"))
     )
     return value if isinstance(value, int) else 0
+
+
+def mtp_prefixes(config: Mapping[str, Any], style: str | None) -> list[str]:
+    """Checkpoint name prefixes of the MTP block a family of MTP style `style` keeps (every tensor of
+    it starts with one; miles.families.family's mtp_style)."""
+    count = mtp_layers(config)
+    if style == "layers":
+        layers = int(text_config(config)["num_hidden_layers"])
+        return [f"model.layers.{layers + k}." for k in range(count)]
+    if style == "mtp_layers" and count:
+        return ["mtp."]
+    if style == "mimo":
+        return [f"model.mtp_layers.{k}." for k in range(count)]
+    return []
 
 
 def layers_in_name(model_name: str) -> int | None:

@@ -37,7 +37,9 @@ SCALE_FMT_UE8M0 = "ue8m0"  # scales are powers of two (1-byte e8m0 on the GPU si
 
 # Last module names every family keeps in bf16 (exact match); a family adds its own (fp8_keep).
 _KEEP_LEAVES = frozenset({"gate", "router", "lm_head", "head"})
-_MTP_RE = re.compile(r"^(?:model\.)?mtp\.")  # DeepSeek-V4 `mtp.N.*`, Inkling `model.mtp.*`
+_MTP_RE = re.compile(
+    r"^(?:model\.)?mtp(?:_layers)?\."
+)  # DeepSeek-V4 `mtp.N.*`, Inkling `model.mtp.*`, MiMo `model.mtp_layers.N.*`
 _FUSED_EXPERTS = frozenset({"gate_up_proj", "down_proj", "up_proj"})
 _GATE_UP = "gate_up_proj"
 _DSA_MARK = ".indexer."

@@ -155,7 +155,18 @@ def _save_model(spec, layers: int, seed: int, dtype: str, shard_bytes: int, dims
     model.generation_config.pad_token_id = ids["pad"]
     model.generation_config.eos_token_id = ids["eos"]
     model.save_pretrained(out, max_shard_size=shard_bytes)
+    write_release_config(spec, out)
     add_mtp_layers(spec, config.to_dict(), seed, dtype, out)
+
+
+def write_release_config(spec, out: Path) -> None:
+    """config.json as the family's published checkpoints write it (its `release_config`), where
+    transformers' class that saved it is not the release's (MiMo's trunk is saved by Qwen2's)."""
+    path = out / "config.json"
+    saved = json.loads(path.read_text())
+    release = spec.release_config(saved)
+    if release != saved:
+        path.write_text(json.dumps(release, indent=2, sort_keys=True) + "\n")
 
 
 def _typed(model_type: str, values: dict[str, Any]) -> dict[str, Any]:
@@ -222,13 +233,14 @@ def add_mtp_layers(spec, config: dict, seed: int, dtype: str, out: Path) -> None
 
     from miles.ckpt.shards import INDEX_NAME
 
+    config = spec.trunk_config(config)  # as transformers' class reads it (MiMo's: Qwen2's)
     text = text_config(config)
     count, layers = mtp_layers(config), text["num_hidden_layers"]
     if not count or spec.mtp_style is None:
         return
     # The class built one layer deeper, on the meta device, names and types the MTP block's tensors
     # (a multimodal release's decoder: its text config's causal LM).
-    deeper = with_mtp_layers(spec, text, count)
+    deeper = {k: v for k, v in with_mtp_layers(spec, text, count).items() if k != "auto_map"}
     with torch.device("meta"):
         if text is config:
             model = getattr(transformers, config["architectures"][0])._from_config(
@@ -253,7 +265,9 @@ def add_mtp_layers(spec, config: dict, seed: int, dtype: str, out: Path) -> None
         tensors[name] = value.to(kind).contiguous()
 
     kinds = {"model": getattr(torch, dtype), "norm": norm_dtype}
-    prefixes = {"layers": "model.layers.{}.", "mtp": "mtp.{}.", "mtp_layers": "mtp.layers.{}."}
+    prefixes = {
+        "layers": "model.layers.{}.", "mtp": "mtp.{}.", "mtp_layers": "mtp.layers.{}.", "mimo": "model.mtp_layers.{}.",
+    }  # fmt: skip
     for k in range(count):
         prefix = prefixes[spec.mtp_style].format(layers + k if spec.mtp_style == "layers" else k)
         for name, value in sorted(state.items()):
@@ -261,6 +275,7 @@ def add_mtp_layers(spec, config: dict, seed: int, dtype: str, out: Path) -> None
                 make(prefix + LAYER_RE.match(name)["rest"], value.shape, value.dtype)
         for name, shape, like in spec.mtp_extras(prefix, text, hidden):
             make(name, shape, kinds.get(like) or next(v.dtype for n, v in state.items() if like in n))
+    spec.tiny_mtp_values(tensors, torch.Generator().manual_seed(seed + 3))
     save_file(tensors, out / MTP_SHARD, metadata={"format": "pt"})
     index_path = out / INDEX_NAME
     index = json.loads(index_path.read_text())

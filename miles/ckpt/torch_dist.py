@@ -208,9 +208,11 @@ def _fill_gpt(model, config, reader: CheckpointReader, vocab: int, progress: Pro
         for name, pieces in _layout(config, reader):
             target = _target(params, name, pieces, reader)
             for piece in pieces:
-                dst = target[piece.at : piece.at + piece.rows]
+                dst = piece.of_megatron(target)
                 _same_kind(dst, reader, piece.hf_name, name)
-                if piece.index is not None or piece.step != 1:  # a stacked sub-tensor's or strided rows
+                if (
+                    piece.index is not None or piece.step != 1 or piece.dim
+                ):  # a sub-tensor's, strided, columns
                     dst.copy_(_read_piece(reader, piece))
                 elif dst.dtype == torch_dtype(reader.info(piece.hf_name)[1].dtype):
                     reader.read_rows(piece.hf_name, piece.start, piece.stop, out=dst)
@@ -219,7 +221,7 @@ def _fill_gpt(model, config, reader: CheckpointReader, vocab: int, progress: Pro
                 if progress is not None:
                     progress.advance(dst.numel() * dst.element_size(), int(piece.hf_name not in read))
                 read.add(piece.hf_name)
-            target[sum(p.rows for p in pieces) :].zero_()  # padded vocabulary rows
+            target[_rows(pieces, target) :].zero_()  # padded vocabulary rows
             seen.add(name)
     missing = sorted(set(params) - seen)
     if missing:
@@ -263,24 +265,41 @@ def _same_kind(dst, reader: CheckpointReader, hf_name: str, name: str) -> None:
 def _target(params, name: str, pieces, reader: CheckpointReader):
     """The megatron parameter `name`, checked against the HF tensors that fill it."""
     target = params.get(name)
-    rows = sum(p.rows for p in pieces)
+    rows = None if target is None else _rows(pieces, target)
     padded = name in ("embedding.word_embeddings.weight", "output_layer.weight")
     if target is None or rows > target.shape[0] or (rows != target.shape[0] and not padded):
         want = None if target is None else list(target.shape)
         raise CheckpointError(f"torch_dist: {name} needs {want}; the HF weights give {rows} rows")
+    columns = sum(p.rows for p in pieces if p.dim == 1)
+    if columns and columns != target.shape[1]:
+        raise CheckpointError(
+            f"torch_dist: {name} needs {list(target.shape)}; the HF weights give {columns} columns"
+        )
     for piece in pieces:
         _, info = reader.info(piece.hf_name)
-        row_shape = info.shape[2:] if piece.index is not None else info.shape[1:]
-        if tuple(row_shape) != tuple(target.shape[1:]):
+        shape = info.shape[1:] if piece.index is not None else info.shape
+        if piece.dim:  # column blocks of whole rows
+            same = shape[0] == target.shape[0] and tuple(shape[2:]) == tuple(target.shape[2:])
+        else:
+            same = tuple(shape[1:]) == tuple(target.shape[1:])
+        if not same:
             raise CheckpointError(
                 f"torch_dist: {piece.hf_name} is {list(info.shape)}; megatron's {name} needs rows of {list(target.shape[1:])}"
             )
     return target
 
 
+def _rows(pieces, target) -> int:
+    """How many rows of their megatron tensor `target` `pieces` fill (column blocks: every row)."""
+    return target.shape[0] if any(p.dim for p in pieces) else sum(p.rows for p in pieces)
+
+
 def _read_piece(reader: CheckpointReader, piece):
     """The HF rows a piece names (of sub-tensor `index` of a stacked tensor, if it has one; every
-    `step`-th row)."""
+    `step`-th row; its columns, for a piece of `dim` 1)."""
+    if piece.dim:
+        whole = reader.read(piece.hf_name)
+        return (whole if piece.index is None else whole[piece.index])[piece.hf_index]
     if piece.index is None:
         rows = reader.read_rows(piece.hf_name, piece.start, piece.stop)
         return rows if piece.step == 1 else rows[:: piece.step]
@@ -355,9 +374,7 @@ def _verify(release: Path, config, reader: CheckpointReader, gpt: bool, vocab: i
         model.load_state_dict({k: v for k, v in state.items() if k not in _COMMON_KEYS})
         loaded = model.state_dict()
         checks = (
-            (name, loaded[name][p.at : p.at + p.rows], p)
-            for name, pieces in _layout(config, reader)
-            for p in pieces
+            (name, p.of_megatron(loaded[name]), p) for name, pieces in _layout(config, reader) for p in pieces
         )
     else:
         empty = (

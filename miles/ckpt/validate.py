@@ -25,8 +25,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from miles import families
 from miles.ckpt.errors import CheckpointError
-from miles.ckpt.families import LAYER_RE, expected_architectures, family, mtp_layers, num_layers, text_config
+from miles.ckpt.families import (
+    LAYER_RE,
+    expected_architectures,
+    family,
+    mtp_layers,
+    mtp_prefixes,
+    num_layers,
+    text_config,
+)
 from miles.ckpt.fp8_rules import SCALE_SUFFIX, geometry_of_scale
 from miles.ckpt.shards import (
     DTYPE_OF_TORCH_NAME,
@@ -160,7 +169,7 @@ def _check_config(root, family_name, expect_layers, min_layers, allow_auto_map, 
     except ConfigRefused as exc:
         findings.append(Finding(str(path), "schema", str(exc)))
         return None
-    expected = expected_architectures(model_type)
+    expected = expected_architectures(model_type) or spec.release_architectures
     archs = config.get("architectures") or []
     if not any(a in expected for a in archs):
         findings.append(
@@ -186,7 +195,8 @@ def _check_config(root, family_name, expect_layers, min_layers, allow_auto_map, 
                 str(path), "num_hidden_layers", f"is {layers}; cannot cut a {min_layers}-layer slice from it"
             )
         )
-    if config.get("auto_map") and not allow_auto_map:
+    # a family whose release class transformers lacks never runs the remote code: its trunk loads built in
+    if config.get("auto_map") and not allow_auto_map and spec.trunk_model_type is None:
         findings.append(
             Finding(
                 str(path),
@@ -326,6 +336,8 @@ def _check_tensors(
                 Finding(str(header.path), "dtype", f"is {info.dtype} where the model keeps integers", name)
             )
     layers, mtp = num_layers(config) or 0, mtp_layers(config)
+    spec = families.family_of(config)
+    mtp_named = tuple(mtp_prefixes(config, spec.mtp_style if spec else None))
     for name, (header, info) in on_disk.items():
         if name in expected or any(p.search(name) for p in ignore):
             continue
@@ -345,6 +357,8 @@ def _check_tensors(
         m = LAYER_RE.match(name)
         if m and layers <= int(m["index"]) < layers + mtp:
             continue  # an MTP layer: the config declares it, the class does not build it
+        if mtp_named and name.startswith(mtp_named):
+            continue  # the family's MTP block, however it names it (MiMo's model.mtp_layers.*)
         findings.append(
             Finding(str(header.path), "unexpected tensor", "this config's model has no such tensor", name)
         )
@@ -357,9 +371,12 @@ def expected_tensors(config: Mapping[str, Any]):
     from transformers import AutoConfig
     from transformers.core_model_loading import revert_weight_conversion
 
-    clean = {k: v for k, v in config.items() if k not in ("quantization_config", "auto_map")}
+    # a family whose release class transformers lacks: the class that loads its trunk (MiMo: Qwen2's)
+    clean = {
+        k: v for k, v in families.trunk_config(config).items() if k not in ("quantization_config", "auto_map")
+    }
     cfg = AutoConfig.for_model(**clean)
-    arch = next((a for a in config.get("architectures") or [] if hasattr(transformers, a)), None)
+    arch = next((a for a in clean.get("architectures") or [] if hasattr(transformers, a)), None)
     if arch is None:
         raise CheckpointError(f"no transformers class for architectures {config.get('architectures')}")
     with torch.device("meta"):

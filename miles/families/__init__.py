@@ -108,6 +108,35 @@ def decoder_config(config: Mapping[str, Any]) -> dict:
     return dict(config) if found is None else found.decoder_config(config)
 
 
+def trunk_config(config: Mapping[str, Any]) -> dict:
+    """config.json as the transformers class that loads the checkpoint reads it (its family's
+    `trunk_config`: MiMo's trunk is Qwen2's); unchanged for a model type no family claims."""
+    found = family_of(config)
+    return dict(config) if found is None else found.trunk_config(config)
+
+
+def transformers_config(source: str | Path | Mapping[str, Any]):
+    """transformers' config object of a checkpoint directory (or of a config.json's dict) for the
+    class that loads it: AutoConfig's own, or, for a family whose release class transformers lacks
+    (`trunk_model_type`), the trunk's model type's, with no remote code run."""
+    from transformers import AutoConfig
+
+    if isinstance(source, Mapping):
+        clean = {k: v for k, v in trunk_config(source).items() if k != "auto_map"}
+        return AutoConfig.for_model(**clean)
+    raw = json.loads((Path(source) / "config.json").read_text())
+    found = family_of(raw)
+    if found is None or found.trunk_model_type is None:
+        return AutoConfig.from_pretrained(source)
+    return transformers_config(raw)
+
+
+def trunk_loads(config: Mapping[str, Any]) -> bool:
+    """Whether transformers loads the checkpoint as another model type's class (`trunk_model_type`)."""
+    found = family_of(config)
+    return found is not None and found.trunk_model_type is not None
+
+
 def read_config(hf_dir: str | Path) -> dict:
     """`decoder_config` of the config.json in a Hugging Face model directory."""
     return decoder_config(json.loads((Path(hf_dir) / "config.json").read_text()))
@@ -164,4 +193,7 @@ __all__ = [
     "model_shape",
     "names",
     "read_config",
+    "transformers_config",
+    "trunk_config",
+    "trunk_loads",
 ]

@@ -61,10 +61,20 @@ class Family:
     tiny_dims: ClassVar[Mapping[str, Any]] = _EMPTY
     tiny_layers: ClassVar[int] = 2  # enough decoder layers for every kind of layer the model has
     sdpa: ClassVar[bool] = True  # transformers' class supports attn_implementation="sdpa"
+    # transformers' model type whose causal LM loads the checkpoint's trunk, where transformers has no
+    # class of the release's own (config.json's model_type then names remote code, which miles never
+    # runs; `trunk_config` is config.json as that class reads it); None: the release's own class
+    trunk_model_type: ClassVar[str | None] = None
+    # the class names a release's config.json declares where transformers registers none for its model type
+    release_architectures: ClassVar[tuple[str, ...]] = ()
     # How the checkpoint names MTP layers: "layers" = model.layers.{L+k}.* with eh_proj/enorm/hnorm
     # (DeepSeek-V3 style, GLM-5); "mtp" = mtp.{k}.* with e_proj/h_proj (DeepSeek-V4); "mtp_layers" =
-    # mtp.layers.{k}.* with mtp.fc and mtp.pre_fc_norm_* (Qwen3.5); None = none.
+    # mtp.layers.{k}.* with mtp.fc and mtp.pre_fc_norm_* (Qwen3.5); "mimo" = model.mtp_layers.{k}.*
+    # with input_proj ([hidden; token]), token_layernorm, hidden_layernorm, final_layernorm and the
+    # decoder layer's own tensors (MiMo); None = none.
     mtp_style: ClassVar[str | None] = None
+    # Whether an MTP layer zeroes the embedding it reads at position 0 (MiMo's forward in SGLang)
+    mtp_masks_first_position: ClassVar[bool] = False
     # The kind an MTP layer has in each per-layer list of config.json (layer_types: its attention),
     # where the published model fixes it; a list not named here is re-derived for the deeper model.
     mtp_layer_kinds: ClassVar[Mapping[str, str]] = _EMPTY
@@ -146,6 +156,20 @@ class Family:
         """AutoConfig.for_model's arguments for a tiny checkpoint whose decoder has `values` (a
         multimodal release nests them under text_config)."""
         return dict(values)
+
+    def trunk_config(self, config: Mapping[str, Any]) -> dict:
+        """config.json as the transformers class that loads the checkpoint reads it (see
+        trunk_model_type): the release's own."""
+        return dict(config)
+
+    def release_config(self, config: Mapping[str, Any]) -> dict:
+        """A tiny checkpoint's config.json as the published checkpoints write it, from the one its
+        transformers class saved (where that class is not the release's: `trunk_model_type`)."""
+        return dict(config)
+
+    def tiny_mtp_values(self, tensors: dict, gen: Any) -> None:
+        """Values for the tiny checkpoint's MTP tensors (name: tensor, replaced in place) beyond the
+        random ones miles.ckpt.tiny draws (norms at 1, biases at 0 unless the family moves them)."""
 
     def mtp_extras(self, prefix: str, config: Mapping[str, Any], hidden: int) -> Iterator[tuple]:
         """A tiny checkpoint's MTP block beyond its decoder layer, under `prefix`, as its published

@@ -99,7 +99,9 @@ def hf_class(config: Mapping[str, Any]):
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    if config.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    from miles.families import trunk_loads
+
+    if config.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or trunk_loads(config):
         return AutoModelForCausalLM
     return AutoModelForImageTextToText
 
@@ -115,7 +117,10 @@ def hf_logit_gap(hf_dir, model, config: Mapping[str, Any], device: str = "cpu") 
     hf_logging.disable_progress_bar()  # a check inside prepare-ckpt, whose output is one line per step
     hf_logging.set_verbosity_error()  # nor its load report (checkpoint tensors the class has no use for: MTP)
     try:
-        hf = hf_class(config).from_pretrained(hf_dir, dtype=torch.float32).to(device)
+        from miles.families import transformers_config, trunk_loads
+
+        given = {"config": transformers_config(config)} if trunk_loads(config) else {}
+        hf = hf_class(config).from_pretrained(hf_dir, dtype=torch.float32, **given).to(device)
     finally:
         hf_logging.set_verbosity(verbosity)
         if shown:

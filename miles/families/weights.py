@@ -7,8 +7,10 @@ one `linear_qkv` whose rows are grouped per query group ([q heads of the group, 
 group: `qkv_pieces`), gate and up become `linear_fc1` ([gate; up]: `gate_up_pieces`), norms fused
 into a linear take that linear's `layer_norm_weight` name (`dense_mlp`); one expert of a stacked
 HF expert tensor is a piece of that tensor's sub-tensor (`index`); interleaved gate/up rows are
-two pieces of step 2. Conversion reads the pieces in (miles.ckpt.torch_dist); the weight export
-(miles.megatron.export) cuts them back out. Standard library only.
+two pieces of step 2; a weight whose column blocks are ordered otherwise (MiMo's MTP input_proj takes
+[hidden; token] where megatron's eh_proj takes [embedding; hidden]) is pieces of `dim` 1. Conversion
+reads the pieces in (miles.ckpt.torch_dist); the weight export (miles.megatron.export) cuts them back
+out. Standard library only.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ class Piece:
     """Rows [start, stop) of a Hugging Face tensor, every `step`-th one, placed one after
     another from row `at` of a megatron tensor; with `index`, rows of sub-tensor `index` of a
     stacked one (transformers' fused experts [experts, rows, ...]). A step of 2 reads one half of
-    row-interleaved [gate, up] pairs (Inkling's release checkpoint)."""
+    row-interleaved [gate, up] pairs (Inkling's release checkpoint). With `dim` 1 the "rows" are
+    columns: columns [start, stop) of every row, placed from column `at`."""
 
     hf_name: str
     start: int
@@ -30,6 +33,7 @@ class Piece:
     at: int
     index: int | None = None
     step: int = 1
+    dim: int = 0
 
     @property
     def rows(self) -> int:
@@ -39,6 +43,20 @@ class Piece:
     @property
     def hf_rows(self) -> slice:
         return slice(self.start, self.stop, self.step)
+
+    @property
+    def hf_index(self) -> tuple:
+        """The index of the piece's part of its HF tensor (of sub-tensor `index`, if any)."""
+        return (slice(None),) * self.dim + (self.hf_rows,)
+
+    def of_megatron(self, tensor):
+        """The part of the megatron tensor the piece fills (a view)."""
+        return tensor.narrow(self.dim, self.at, self.rows)
+
+
+def swapped_halves(hf_name: str, width: int) -> tuple[Piece, Piece]:
+    """A [rows, 2 x width] megatron weight whose two column blocks are the HF tensor's, swapped."""
+    return Piece(hf_name, width, 2 * width, 0, dim=1), Piece(hf_name, 0, width, width, dim=1)
 
 
 Weights = Iterator[tuple[str, tuple[Piece, ...]]]

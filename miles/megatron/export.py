@@ -278,10 +278,12 @@ def _to_hf(layout, full: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torc
         if stacked:  # one sub-tensor per index (transformers' fused experts)
             rows = sum(p.rows for _, p in parts if p.index == stacked[0])
             shape = (len(stacked), rows, *first.shape[1:])
+        elif parts[0][1].dim:  # column blocks of whole rows (MiMo's input_proj)
+            shape = (first.shape[0], sum(p.rows for _, p in parts), *first.shape[2:])
         else:
             shape = (sum(p.rows for _, p in parts), *first.shape[1:])
         out = torch.empty(shape, dtype=first.dtype, device=first.device)
         for name, p in parts:
             rows_of = out[p.index] if p.index is not None else out
-            rows_of[p.hf_rows] = full[name][p.at : p.at + p.rows]
+            rows_of[p.hf_index] = p.of_megatron(full[name])
         yield hf_name, out

@@ -19,9 +19,19 @@ from __future__ import annotations
 import copy
 
 
-def carry_mtp(model, tc, layer_spec, count: int, provider, vp_stage: int | None = None) -> None:
+def carry_mtp(
+    model,
+    tc,
+    layer_spec,
+    count: int,
+    provider,
+    vp_stage: int | None = None,
+    *,
+    masks_first_position: bool = False,
+) -> None:
     """Attach `count` frozen MTP layers whose decoder layer is built from `layer_spec` to `model`
-    (a GPTModel of the last pipeline stage), with the norms and projection from `provider`."""
+    (a GPTModel of the last pipeline stage), with the norms and projection from `provider`; with
+    `masks_first_position` the layers read a zero embedding at position 0 (MiMo's, `block_embedding`)."""
     from megatron.core.transformer.multi_token_prediction import (
         MultiTokenPredictionBlock,
         MultiTokenPredictionBlockSubmodules,
@@ -39,7 +49,31 @@ def carry_mtp(model, tc, layer_spec, count: int, provider, vp_stage: int | None 
         vp_stage=vp_stage,
     )
     block.requires_grad_(False)
+    block.masks_first_position = masks_first_position
     model.add_module("mtp", block.to(tc.params_dtype))
+
+
+def block_embedding(block, word_embedding, position_ids, *, detach: bool = False):
+    """The embedding callable megatron-core's MTP block reads the next tokens' embeddings through:
+    `word_embedding`'s ([s, b, h], this rank's part of the sequence under sequence parallelism), zero
+    where the position the block's hidden state comes from (`position_ids` [b, s], before the block
+    rolls them) is 0 when the block masks the first position (MiMo's MTP layer, as SGLang runs it)."""
+
+    first_positions = position_ids
+
+    def embedding(input_ids, position_ids):  # megatron-core's rolled ids and positions
+        out = word_embedding(input_ids=input_ids, position_ids=position_ids)
+        out = out.detach() if detach else out
+        if getattr(block, "masks_first_position", False):
+            keep = (first_positions != 0).transpose(0, 1).unsqueeze(-1).to(out.dtype)
+            if block.config.sequence_parallel:
+                from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
+
+                keep = scatter_to_sequence_parallel_region(keep)
+            out = out * keep
+        return out
+
+    return embedding
 
 
 class MtpRefused(ValueError):
@@ -93,10 +127,7 @@ def mtp_logits(model, hidden_states, input_ids, position_ids, attention_mask, ro
     """Each MTP layer's logits [rows, S, V/tp]: layer j at position i predicts token i + 2 + j."""
     block = model.mtp
     word_embedding = model.embedding if model.pre_process else model._mtp_embedding
-
-    def embedding(input_ids, position_ids):
-        return word_embedding(input_ids=input_ids, position_ids=position_ids).detach()
-
+    embedding = block_embedding(block, word_embedding, position_ids, detach=True)
     out = block(
         input_ids=input_ids,
         position_ids=position_ids,

@@ -37,20 +37,29 @@ def load_causal_lm(path: str | Path, *, dtype: torch.dtype, device: str = "cpu")
     """The Hugging Face model of `path` (its own architecture class), on `device`."""
     from transformers import AutoModelForCausalLM
 
+    from miles.families import transformers_config, trunk_loads
+
     path = require_hf_dir(path)
     config = json.loads((path / "config.json").read_text())
-    if config.get("auto_map"):
+    # a family whose release class transformers lacks loads its trunk with a built-in class (MiMo: Qwen2's)
+    trunk = trunk_loads(config)
+    if config.get("auto_map") and not trunk:
         raise ModelLoadError(
             f"{path}/config.json has auto_map (remote code); miles loads built-in classes only"
         )
+    given = {"config": transformers_config(config)} if trunk else {}
     try:
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, attn_implementation="sdpa", **given
+            )
         except ValueError as exc:
             if "attention implementation" not in str(exc):
                 raise
             # Some architectures (deepseek_v4) have only their own attention; eager is exact.
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, attn_implementation="eager", **given
+            )
     except (ValueError, KeyError, OSError) as exc:
         raise ModelLoadError(
             f"{path}: cannot load as a causal LM ({config.get('model_type')}): {exc}"
@@ -61,9 +70,11 @@ def load_causal_lm(path: str | Path, *, dtype: torch.dtype, device: str = "cpu")
 def empty_causal_lm(path: str | Path, *, dtype: torch.dtype):
     """The model of `path` on the meta device (no memory, no weights), with the attention
     implementation load_causal_lm would choose."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(require_hf_dir(path))
+    from miles.families import transformers_config
+
+    config = transformers_config(require_hf_dir(path))
     with torch.device("meta"):
         try:
             return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")

@@ -3,7 +3,8 @@ policy verifies, and exact rejection sampling keeps the samples those of the pol
 
 A step drafts k tokens with the MTP layer (DeepSeek-V3's formula, chained: the draft of position
 i + 1 is `lm_head(norm(layer(eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]))))`, the next step's h
-the layer's normed output), then runs one forward of the policy over the k drafts and accepts
+the layer's normed output; MiMo's projection takes the two the other way round and its embedding is
+zeroed at position 0), then runs one forward of the policy over the k drafts and accepts
 them left to right with probability min(1, p/q); the first rejected one is replaced by a draw
 from normalise(max(0, p - q)), and when all k pass a (k+1)-th token is drawn from p. The tokens
 that come out are distributed exactly as plain sampling from p (temperature, top-k, top-p
@@ -107,21 +108,12 @@ def accept_drafts(target, draft, drafts, generator):
 # Where each MTP style keeps MTP layer k: the decoder layer's prefix, and the block's own tensors
 # (drafter module <- checkpoint name). "layers" (DeepSeek-V3, GLM): model.layers.{L+k}.* with its
 # enorm, hnorm, eh_proj and shared_head.norm; "mtp_layers" (Qwen3.5): mtp.layers.{k}.* beside one
-# mtp.{pre_fc_norm_embedding, pre_fc_norm_hidden, fc, norm} for the block.
-DRAFTER_STYLES = ("layers", "mtp_layers")
-
-
-def mtp_prefixes(config: Mapping[str, Any], style: str | None) -> list[str]:
-    """Checkpoint name prefixes of the MTP block (every tensor of it starts with one)."""
-    from miles.ckpt.families import mtp_layers, text_config
-
-    count = mtp_layers(config)
-    if style == "layers":
-        layers = int(text_config(config)["num_hidden_layers"])
-        return [f"model.layers.{layers + k}." for k in range(count)]
-    if style == "mtp_layers" and count:
-        return ["mtp."]
-    return []
+# mtp.{pre_fc_norm_embedding, pre_fc_norm_hidden, fc, norm} for the block; "mimo" (MiMo):
+# model.mtp_layers.{k}.* holding its token_layernorm, hidden_layernorm, input_proj (which takes
+# [hidden; token], the other order) and final_layernorm beside the decoder layer's tensors.
+DRAFTER_STYLES = ("layers", "mtp_layers", "mimo")
+# the styles whose projection takes [hidden state; embedding]
+HIDDEN_FIRST = ("mimo",)
 
 
 def mtp_layer_names(config: Mapping[str, Any], style: str, k: int) -> tuple[str, dict[str, str]]:
@@ -141,6 +133,11 @@ def mtp_layer_names(config: Mapping[str, Any], style: str, k: int) -> tuple[str,
             "final_norm": "norm",
         }
         return f"mtp.layers.{k}.", {module: f"mtp.{name}.weight" for module, name in own.items()}
+    if style == "mimo":
+        prefix = f"model.mtp_layers.{k}."
+        own = {"enorm": "token_layernorm", "hnorm": "hidden_layernorm", "eh_proj": "input_proj",
+               "final_norm": "final_layernorm"}  # fmt: skip
+        return prefix, {module: f"{prefix}{name}.weight" for module, name in own.items()}
     raise ValueError(f"MTP style {style!r}: the drafter knows {DRAFTER_STYLES}")
 
 
@@ -159,7 +156,7 @@ class MtpDrafter:
         import torch
 
         from miles import families
-        from miles.ckpt.families import LAYER_LIST_KEYS, mtp_layers
+        from miles.ckpt.families import LAYER_LIST_KEYS, mtp_layers, mtp_prefixes
 
         self.model = model
         config = json.loads((Path(path) / "config.json").read_text())
@@ -173,7 +170,8 @@ class MtpDrafter:
                 else f"its family {family.name if family else config.get('model_type')} keeps them as "
                 f"{'mtp.{k}.*' if style == 'mtp' else 'nothing'}, and the built-in engine drafts only with "
                 "DeepSeek-V3-style MTP layers (an embedding norm, a hidden-state norm, their projection, a "
-                "decoder layer and a final norm: GLM's model.layers.{L+k}.*, Qwen3.5's mtp.*)"
+                "decoder layer and a final norm: GLM's model.layers.{L+k}.*, Qwen3.5's mtp.*, MiMo's "
+                "model.mtp_layers.*)"
             )
             raise SpeculationRefused(f"{path}: the built-in engine cannot draft with this checkpoint: {why}")
         text = model.config.get_text_config()
@@ -199,6 +197,8 @@ class MtpDrafter:
         self.prefixes = [prefix for prefix, _ in names]
         self.own_names = [own for _, own in names]
         self.layer_index = [layers + k for k in range(count)]
+        self.hidden_first = style in HIDDEN_FIRST
+        self.masks_first_position = family.mtp_masks_first_position
         dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
         layer_cls = type(model.model.layers[0])
         norm = model.model.norm
@@ -257,7 +257,10 @@ class MtpDrafter:
 
         block = self.layers[depth]
         embed = self.model.get_input_embeddings()(tokens)
-        x = block.eh_proj(torch.cat([block.enorm(embed), block.hnorm(hidden)], dim=-1))
+        if self.masks_first_position:  # the family's MTP layer reads no embedding at position 0
+            embed = embed.masked_fill((positions == 0).unsqueeze(-1), 0.0)
+        parts = [block.enorm(embed), block.hnorm(hidden)]
+        x = block.eh_proj(torch.cat(parts[::-1] if self.hidden_first else parts, dim=-1))
         mask = _causal_mask(self.config, x, attention, cache, positions)
         out = block.layer(
             x,

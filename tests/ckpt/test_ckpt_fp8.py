@@ -17,6 +17,7 @@ from miles.ckpt.fp8 import SCALE_SUFFIX, convert_to_fp8, dequantize_tensor, shou
 from miles.ckpt.plan import FAMILIES
 from miles.ckpt.shards import CheckpointReader, read_header, read_weight_map
 from miles.ckpt.validate import validate_checkpoint
+from tests.support.ckpt import trunk_of
 
 register_cpu_ci(est_time=15, suite="stage-b-cpu")
 
@@ -97,6 +98,14 @@ def test_glm_keeps_the_mtp_eh_proj_and_the_indexer_scorer(fp8_of):
     assert "model.layers.4.eh_proj" in _quantization_config(fp8_of("glm_moe_dsa"))["modules_to_not_convert"]
 
 
+def test_mimo_keeps_the_mtp_input_proj_and_quantizes_the_mtp_layers_decoder_layer(fp8_of):
+    dtypes = _dtypes(fp8_of("mimo"))
+    assert dtypes["model.mtp_layers.0.input_proj.weight"] == "BF16"  # SGLang's MiMo MTP: a plain nn.Linear
+    assert dtypes["model.mtp_layers.0.self_attn.q_proj.weight"] == "F8_E4M3"
+    assert dtypes["model.mtp_layers.0.token_layernorm.weight"] != "F8_E4M3"
+    assert "model.mtp_layers.0.input_proj" in _quantization_config(fp8_of("mimo"))["modules_to_not_convert"]
+
+
 @pytest.mark.parametrize("name", ["deepseek_v4", "glm_moe_dsa"])
 def test_dsa_models_get_ue8m0_scales_that_are_exact_powers_of_two(fp8_of, name):
     out = fp8_of(name)
@@ -167,7 +176,9 @@ def test_transformers_reads_the_fp8_checkpoint_as_miles_dequantizes_it(fp8_of, t
     ids = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(0))
     logits = []
     for path in (out, back):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attention)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation=attention, **trunk_of(path)
+        )
         with torch.no_grad():
             logits.append(model(ids).logits)
     assert torch.allclose(logits[0], logits[1], atol=1e-5, rtol=1e-4)

@@ -23,10 +23,12 @@ from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
 from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
 
 from miles.ci.register import register_cpu_ci
-from miles.ckpt.families import LAYER_RE, family, num_layers
+from miles.ckpt.families import LAYER_RE, family, mtp_prefixes, num_layers
 from miles.ckpt.fp8 import dequantize_tensor
 from miles.ckpt.plan import FAMILIES
 from miles.ckpt.shards import CheckpointReader
+from miles.families import family_of
+from tests.support.ckpt import trunk_of
 
 register_cpu_ci(est_time=8, suite="stage-b-cpu")
 
@@ -50,14 +52,16 @@ def gpu_capability_check_bypassed():
 def _load(path, name: str):
     attention = "sdpa" if family(name).sdpa else "eager"
     return AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.bfloat16, attn_implementation=attention, output_loading_info=True
+        path, dtype=torch.bfloat16, attn_implementation=attention, output_loading_info=True, **trunk_of(path)
     )
 
 
 def _is_mtp(name: str, config: dict) -> bool:
     """A tensor of an MTP layer, which transformers' classes do not build."""
     m = LAYER_RE.match(name)
-    return bool(m and int(m["index"]) >= (num_layers(config) or 0)) or name.startswith("mtp.")
+    found = family_of(config)
+    named = tuple(mtp_prefixes(config, found.mtp_style)) if found else ()  # MiMo's model.mtp_layers.*
+    return bool(m and int(m["index"]) >= (num_layers(config) or 0)) or name.startswith(("mtp.", *named))
 
 
 def _within_fp8_error(got: torch.Tensor, want: torch.Tensor, scale_grid: torch.Tensor) -> bool:

@@ -15,6 +15,7 @@ from miles.ckpt.plan import FAMILIES
 from miles.ckpt.shards import read_weight_map
 from miles.ckpt.tiny import make_tiny_checkpoint
 from miles.ckpt.validate import validate_checkpoint
+from miles.families import transformers_config
 
 register_cpu_ci(est_time=10, suite="stage-b-cpu")
 
@@ -23,13 +24,21 @@ register_cpu_ci(est_time=10, suite="stage-b-cpu")
 def test_tiny_checkpoint_loads_with_auto_classes_and_generates_on_cpu(tiny, name):
     path = tiny(name)
     attention = "sdpa" if family(name).sdpa else "eager"
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attention)
+    # a release whose class transformers lacks (MiMo's remote code) loads its trunk as the family says
+    trunk = family(name).trunk_model_type is not None
+    given = {"config": transformers_config(path)} if trunk else {}
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation=attention, **given
+    )
     tokenizer = AutoTokenizer.from_pretrained(path)
     written = json.loads((path / "config.json").read_text())["architectures"]
     if family(
         name
     ).tiny_class:  # a vision-language release's class; the causal-LM auto class loads its decoder
         assert written == [family(name).tiny_class] and type(model).__name__.endswith("ForCausalLM")
+    elif trunk:
+        assert written == list(family(name).release_architectures), written
+        assert model.config.model_type == family(name).trunk_model_type
     else:
         assert type(model).__name__ in written
     messages = [{"role": "user", "content": "copy 0427:"}]

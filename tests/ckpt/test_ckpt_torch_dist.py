@@ -61,6 +61,12 @@ def test_torch_dist_has_megatrons_layout_and_loads_back_equal(tiny, torch_dist_o
             # Qwen3-4B ties its output layer to the embedding; Qwen3-30B-A3B has its own
             assert ("output_layer.weight" in keys) is (not tied)
             return
+        if name == "mimo":
+            # Qwen2's layers stacked, and the carried MTP layer (its q/k/v biases) under megatron-core's MTP keys
+            keys = {k for k in dist_checkpointing.load_tensors_metadata(str(release))}
+            assert {"decoder.layers.self_attention.linear_qkv.bias", "output_layer.weight", "mtp.layers.0.eh_proj.weight",
+                    "mtp.layers.0.transformer_layer.self_attention.linear_qkv.bias"} <= keys  # fmt: skip
+            return
         if name == "glm4_moe_lite":
             # a dense and MoE layers of megatron-core's own MLA, the carried MTP layer: keyed layer by layer
             keys = {k for k in dist_checkpointing.load_tensors_metadata(str(release))}

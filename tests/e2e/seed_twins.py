@@ -51,8 +51,22 @@ def model(repo: str, *, torch_dist: bool = False) -> tuple[Path, Path | None]:
     dist = model_dir() / f"{name}_torch_dist"
     if not (dist / "latest_checkpointed_iteration.txt").is_file():
         dist.mkdir(parents=True, exist_ok=True)
-        convert_to_torch_dist(hf, dist, "qwen3")
+        convert_to_torch_dist(hf, dist, family_of_checkpoint(hf))
     return hf, dist
+
+
+def family_of_checkpoint(hf: Path) -> str:
+    """The miles family whose model types include the checkpoint's config.json model_type
+    (MiMo-7B-RL's mimo, Qwen3-4B's qwen3, ...)."""
+    import json
+
+    from miles.families import family_of
+
+    config = json.loads((hf / "config.json").read_text())
+    found = family_of(config)
+    if found is None:
+        raise SystemExit(f"{hf}/config.json: model_type {config.get('model_type')!r} is no miles family")
+    return found.name
 
 
 def dataset(name: str) -> Path:

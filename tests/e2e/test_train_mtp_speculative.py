@@ -12,7 +12,9 @@ checkpoint's after the steps while the MTP layer's moved. Without --mtp-only-tra
 moves the policy beside them (two ranks at TP 2), and at PP 2, where the MTP layer on the last
 stage reads the first stage's word embedding, every rollout's MTP loss and gradient norm equal
 TP 2's; a built-in engine that does not draft cannot take trained MTP layers, which is refused at
-start. Qwen3.5's MTP block (mtp.*, beside gated delta nets) trains alone and its drafts are taken.
+start. Qwen3.5's MTP block (mtp.*, beside gated delta nets) trains alone and its drafts are taken, and
+so does MiMo's (model.mtp_layers.0.*: its input_proj takes [hidden; token], its trunk loads as
+transformers' Qwen2ForCausalLM).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 from miles.ci.register import register_cpu_ci
 from tests.support import recipes as runs
 
-register_cpu_ci(est_time=75, suite="stage-b-cpu")
+register_cpu_ci(est_time=130, suite="stage-b-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLLOUTS = 8
@@ -88,6 +90,11 @@ def glm(tmp_path_factory):
 def qwen3_5(tmp_path_factory):
     # 4 layers: three gated delta nets and the full-attention layer the MTP layer is built like
     return tiny_checkpoint(tmp_path_factory.mktemp("qwen3_5"), "qwen3_5_moe", 4)
+
+
+@pytest.fixture(scope="module")
+def mimo(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("mimo"), "mimo")
 
 
 def train(
@@ -207,5 +214,20 @@ def test_qwen3_5s_mtp_block_trains_alone_and_its_drafts_are_taken_by_the_engine(
     assert mtp[rollouts - 1] < 0.5 * mtp[0], mtp
     assert accept[0] < 0.5 and accept[rollouts - 1] >= 0.6, accept
     trunk, mtp_moved = trunk_and_mtp(qwen3_5, save)
+    assert trunk == [], trunk[:5]
+    assert any(k.startswith("mtp.layers.0.eh_proj") for k in mtp_moved), mtp_moved
+
+
+def test_mimos_mtp_layer_trains_alone_and_its_drafts_are_taken_by_the_engine(mimo, tmp_path):
+    """MiMo keeps its MTP layer as model.mtp_layers.0.* (input_proj of [hidden; token], its norms, a
+    Qwen2 decoder layer): the trainer trains it alone as megatron-core's MTP block (eh_proj holding
+    input_proj's halves swapped), hands it to the built-in engine's drafter under the checkpoint's
+    names each rollout (input_proj back in MiMo's order: a drafter reading the halves the other way
+    would not learn to draft), and the Qwen2 trunk stays bit-identical."""
+    rollouts = ROLLOUTS
+    accept, mtp, save = mtp_only(mimo, tmp_path, rollouts)
+    assert mtp[rollouts - 1] < 0.5 * mtp[0], mtp
+    assert accept[0] < 0.5 and accept[rollouts - 1] >= 0.6, accept
+    trunk, mtp_moved = trunk_and_mtp(mimo, save)
     assert trunk == [], trunk[:5]
     assert any(k.startswith("mtp.layers.0.eh_proj") for k in mtp_moved), mtp_moved

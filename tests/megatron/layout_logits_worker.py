@@ -38,8 +38,9 @@ def full_state(path, config, family) -> dict:
             for p in pieces:
                 source = family.source_name(p.hf_name, present)
                 rows = reader.read(source)[p.index] if p.index is not None else reader.read(source)
-                parts.append(rows[p.hf_rows])
-            out[name] = torch.cat(parts)
+                parts.append((p.at, rows[p.hf_index]))
+            dim = pieces[0].dim  # rows, or column blocks (MiMo's input_proj halves)
+            out[name] = torch.cat([part for _, part in sorted(parts, key=lambda x: x[0])], dim=dim)
     if config.get("tie_word_embeddings"):  # the last stage's output layer shares the embedding
         out["output_layer.weight"] = out["embedding.word_embeddings.weight"]
     return out

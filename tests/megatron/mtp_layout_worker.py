@@ -1,7 +1,7 @@
 """Run under `torch.distributed.run --nproc-per-node 2`: a GPT family with DeepSeek-V3-style MTP layers
-(glm4_moe_lite, glm_moe_dsa) split over two ranks at each (checkpoint dir, layout) of argv's JSON list,
-layouts "tp1" (two data-parallel ranks), "tp2sp_ep2" (TP 2 with sequence parallelism, EP 2) and "pp2",
-all in this one launch. For each it computes, as the trainer builds the model (miles.families.model
+(glm4_moe_lite, glm_moe_dsa) or MiMo's split over two ranks at each (checkpoint dir, layout) of argv's
+JSON list, layouts "tp1" (two data-parallel ranks), "tp2sp_ep2" (TP 2 with sequence parallelism, EP 2),
+"tp2sp" (the same without experts) and "pp2", all in this one launch. For each it computes, as the trainer builds the model (miles.families.model
 on the layout's parallel state; each rank's part of the weights cut from the checkpoint through the
 family's mapping, tests/megatron/layout_logits_worker.py):
 
@@ -10,7 +10,8 @@ family's mapping, tests/megatron/layout_logits_worker.py):
   final hidden state, against a reference built from transformers' own decoder layer L (the class
   built one layer deeper, miles.ckpt.tiny.with_mtp_layers) and DeepSeek-V3's formula
   h' = eh_proj([enorm(embed(t+1)); hnorm(h)]) -> layer L -> shared_head.norm -> lm_head, its
-  weights read from the checkpoint by their own names; and against the first layout's MTP logits;
+  weights read from the checkpoint by their own names (MiMo's: `mimo_reference`, SGLang's wiring);
+  and against the first layout's MTP logits;
 - the gradient norm of the mean token cross-entropy as the trainer gets it, against transformers'
   (tests/support/grad_norms.py).
 
@@ -36,6 +37,7 @@ SEQ, BATCH, SEED = 48, 2, 0
 LAYOUTS = {  # miles.parallel.ParallelLayout fields
     "tp1": {},
     "tp2sp_ep2": dict(tp=2, sp=True, ep=2, etp=1),
+    "tp2sp": dict(tp=2, sp=True),
     "pp2": dict(pp=2),
 }
 _first_mtp: dict[str, torch.Tensor] = {}  # checkpoint -> the first layout's MTP logits (rank 0)
@@ -66,6 +68,62 @@ def mtp_reference(path: str, config: dict, family, tokens: torch.Tensor) -> torc
     return mtp_formula(hf, mtp_layer, deeper.model.rotary_emb, weights, tokens, config)[0]
 
 
+def mimo_reference(path: str, config: dict, tokens: torch.Tensor, *, swapped: bool = False) -> torch.Tensor:
+    """MiMo's MTP layer's logits wired as SGLang's MiMoMultiTokenPredictorLayer.forward wires them
+    (python/sglang/srt/models/mimo_mtp.py at sgl-project/sglang 87d624054f8aa6c610438f96e1395371d8061c08),
+    from transformers' own Qwen2DecoderLayer and Qwen2RMSNorm holding the checkpoint's
+    model.mtp_layers.0.* tensors: the next token's embedding zeroed at position 0, input_proj of
+    [hidden_layernorm(h); token_layernorm(e)] (h: the policy's normed last hidden state, what SGLang's
+    target hands its drafter), the decoder layer (its residual included), final_layernorm, lm_head.
+    `swapped`: input_proj's halves exchanged (a mapping that forgot MiMo's order computes this)."""
+    from transformers import AutoConfig
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm
+
+    from miles.ckpt.shards import CheckpointReader
+    from miles.ckpt.tiny import with_mtp_layers
+    from miles.families import family
+    from miles.train.model import load_causal_lm
+
+    hf = load_causal_lm(path, dtype=torch.float32).eval()
+    hidden, eps, prefix = int(config["hidden_size"]), float(config["rms_norm_eps"]), "model.mtp_layers.0."
+    # the layer as the class one layer deeper builds layer L (its per-layer lists re-derived)
+    deeper = AutoConfig.for_model(**with_mtp_layers(family("mimo"), hf.config.to_dict()))
+    deeper._attn_implementation = (
+        hf.config._attn_implementation
+    )  # causal without a mask, as the decoder runs it
+    layer = Qwen2DecoderLayer(deeper, layer_idx=int(config["num_hidden_layers"])).eval()
+    norms = {
+        name: Qwen2RMSNorm(hidden, eps=eps)
+        for name in ("token_layernorm", "hidden_layernorm", "final_layernorm")
+    }
+    with CheckpointReader(path) as reader, torch.no_grad():
+        for name, param in layer.state_dict(keep_vars=True).items():
+            param.copy_(reader.read(prefix + name))
+        for name, norm in norms.items():
+            norm.weight.copy_(reader.read(f"{prefix}{name}.weight"))
+        input_proj = reader.read(prefix + "input_proj.weight")
+    if swapped:
+        input_proj = torch.cat(input_proj.chunk(2, dim=1)[::-1], dim=1)
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand(tokens.shape[0], -1)
+    with torch.no_grad():
+        h = hf.model(input_ids=tokens).last_hidden_state
+        following = torch.roll(tokens, -1, dims=1)
+        following[:, -1] = 0  # megatron-core's roll_tensor puts id 0 past the end
+        e = hf.model.embed_tokens(following)
+        e[positions == 0] = 0  # "masking inputs at position 0, as not needed by MTP"
+        x = torch.nn.functional.linear(
+            torch.cat([norms["hidden_layernorm"](h), norms["token_layernorm"](e)], dim=-1), input_proj
+        )
+        y = layer(
+            x,
+            position_embeddings=hf.model.rotary_emb(x, positions),
+            attention_mask=None,
+            position_ids=positions,
+        )
+        y = y[0] if isinstance(y, tuple) else y
+        return hf.lm_head(norms["final_layernorm"](y))
+
+
 def own_embedding(tc, config: dict, full: dict):
     """A last pipeline stage's word embedding (megatron-core builds one there for MTP; the carried
     block has none): the checkpoint's, cut as the stage's tensor-parallel rank holds it."""
@@ -87,13 +145,17 @@ def own_embedding(tc, config: dict, full: dict):
 
 def mtp_logits(model, tc, config: dict, full: dict, tokens, positions, hidden) -> torch.Tensor:
     """The carried MTP block's first layer's logits [b, s, vocab / tp] from the decoder's final hidden state."""
+    from miles.megatron.mtp import block_embedding
+
     embedding = model.embedding if model.pre_process else own_embedding(tc, config, full)
     states = model.mtp(
         input_ids=tokens,
         position_ids=positions,
         hidden_states=hidden,
         attention_mask=None,
-        embedding=embedding,
+        # GPTModel's rope, as the trainer's forward hands it the block (MLA ropes its own)
+        rotary_pos_emb=model.rotary_pos_emb(tokens.shape[1]) if hasattr(model, "rotary_pos_emb") else None,
+        embedding=block_embedding(model.mtp, embedding, positions),  # as the trainer runs the block
     )
     first = torch.chunk(states, 1 + len(model.mtp.layers), dim=0)[1]
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
@@ -112,7 +174,6 @@ def gathered(part: torch.Tensor, vocab: int) -> torch.Tensor:
 def run_layout(path: str, name: str) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     from miles.families import megatron_family, read_config
@@ -120,6 +181,7 @@ def run_layout(path: str, name: str) -> None:
     from miles.families.transformer import transformer_config
     from miles.megatron.training import init_parallel_state
     from miles.parallel import ParallelLayout
+    from miles.train.model import load_causal_lm
 
     hf_logging.set_verbosity_error()
     layout = ParallelLayout(**LAYOUTS[name])
@@ -161,12 +223,13 @@ def run_layout(path: str, name: str) -> None:
             got = gathered(out, vocab)
             got_mtp = gathered(mtp_logits(model, tc, config, full, tokens, positions, seen["hidden"]), vocab)
             if ps.get_tensor_model_parallel_rank() == 0:
-                want = (
-                    AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-                    .eval()(input_ids=tokens)
-                    .logits
+                want = load_causal_lm(path, dtype=torch.float32).eval()(input_ids=tokens).logits
+                mimo = family.mtp_style == "mimo"
+                want_mtp = (
+                    mimo_reference(path, config, tokens)
+                    if mimo
+                    else mtp_reference(path, config, family, tokens)
                 )
-                want_mtp = mtp_reference(path, config, family, tokens)
                 result = {
                     "gap": float((want - got).abs().max()),
                     "mtp_gap": float((want_mtp - got_mtp).abs().max()),
@@ -174,6 +237,9 @@ def run_layout(path: str, name: str) -> None:
                     # the MTP layer predicts otherwise than the model: a mix-up of the two would show
                     "mtp_vs_main": float((want_mtp - want).abs().max()),
                 }
+                if mimo:  # how far the layer is from one whose input_proj halves were left unswapped
+                    unswapped = mimo_reference(path, config, tokens, swapped=True)
+                    result["mtp_gap_unswapped"] = float((unswapped - got_mtp).abs().max())
     result = {**(result or {}), **grad_norms(model, tc, path, tokens, positions)}
     found = [None] * dist.get_world_size()
     dist.all_gather_object(found, result)

@@ -43,6 +43,18 @@ def private(entry: Path, into: Path) -> Path:
     return copy_of(entry, into)
 
 
+def trunk_of(path: str) -> dict:
+    """from_pretrained's config for a checkpoint whose trunk loads as another model type's class
+    (MiMo's: Qwen2's; miles.families.trunk_loads), else nothing."""
+    import json
+    from pathlib import Path
+
+    from miles.families import transformers_config, trunk_loads
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    return {"config": transformers_config(config)} if trunk_loads(config) else {}
+
+
 def perturbed(family: str, layers: int, root: Path, **dims: Any) -> Path:
     """A float32 tiny checkpoint (`root`/hf) whose norms, norm biases and expert biases, the MTP
     layers' too, are not at the constants transformers starts them at (1, 0, 0): a norm left at 1
@@ -54,11 +66,11 @@ def perturbed(family: str, layers: int, root: Path, **dims: Any) -> Path:
     from transformers.utils import logging as hf_logging
 
     from miles.ckpt.families import family as get_family
-    from miles.ckpt.tiny import MTP_SHARD, add_mtp_layers, make_tiny_checkpoint
+    from miles.ckpt.tiny import MTP_SHARD, add_mtp_layers, make_tiny_checkpoint, write_release_config
 
     source = make_tiny_checkpoint(family, layers, root / "source", dtype="float32", progress=False, **dims)
     hf_logging.set_verbosity_error()
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, **trunk_of(source))
     moved = off_start()
     with torch.no_grad():
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
@@ -69,6 +81,7 @@ def perturbed(family: str, layers: int, root: Path, **dims: Any) -> Path:
     model.save_pretrained(out, max_shard_size=1_000_000)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(source / name, out / name)
+    write_release_config(get_family(family), out)  # MiMo's names its release's class, not its trunk's
     config = json.loads((out / "config.json").read_text())
     add_mtp_layers(get_family(family), config, 0, "float32", out)  # save_pretrained drops them
     if (out / MTP_SHARD).exists():

@@ -22,6 +22,7 @@ def grad_norms(model, tc, path: str, tokens: torch.Tensor, positions: torch.Tens
     from transformers import AutoModelForCausalLM
 
     from miles.megatron import training
+    from tests.support.ckpt import trunk_of
 
     batch, seq = tokens.shape
     targets = torch.roll(tokens, -1, dims=1)
@@ -53,7 +54,7 @@ def grad_norms(model, tc, path: str, tokens: torch.Tensor, positions: torch.Tens
         micro_batch_size=(batch // dp) * rows, forward_only=False,
     )  # fmt: skip
     _, norm = training.grads_ready(optimizer)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **trunk_of(path)).train()
     logits = hf(input_ids=tokens).logits
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
     want = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in hf.parameters() if p.grad is not None)))

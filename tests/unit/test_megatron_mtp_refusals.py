@@ -14,6 +14,7 @@ register_cpu_ci(est_time=3, suite="stage-a-cpu")
 
 GLM = family("glm_moe_dsa").tiny_dims | {"model_type": "glm_moe_dsa", "num_nextn_predict_layers": 1}
 QWEN3_5 = family("qwen3_5_moe").tiny_dims | {"model_type": "qwen3_5_moe_text", "num_hidden_layers": 4}
+MIMO = family("mimo").tiny_dims | {"model_type": "mimo", "num_hidden_layers": 2}
 MTP = ("--enable-mtp-training", "--mtp-loss-scaling-factor", "0.5")
 
 
@@ -27,8 +28,8 @@ def scale(config: dict, *flags: str) -> float | None:
     return _mtp_training(run.megatron, run.model, config, run.layout, run.lora, "/ckpt")
 
 
-@pytest.mark.parametrize("config", [GLM, QWEN3_5], ids=["glm_moe_dsa", "qwen3_5_moe"])
-def test_both_mtp_styles_train_at_one_stage_and_under_pipeline_parallelism(config):
+@pytest.mark.parametrize("config", [GLM, QWEN3_5, MIMO], ids=["glm_moe_dsa", "qwen3_5_moe", "mimo"])
+def test_every_mtp_style_trains_at_one_stage_and_under_pipeline_parallelism(config):
     assert scale(config, *MTP) == 0.5
     assert scale(config, *MTP, "--pipeline-model-parallel-size", "2") == 0.5
     assert scale(config) is None  # not asked for
@@ -40,6 +41,13 @@ def test_mtp_only_training_under_pipeline_parallelism_is_refused_with_the_stage_
     assert scale(GLM, *MTP, "--mtp-only-training") == 0.5
     with pytest.raises(MegatronSetupError, match=r"--mtp-only-training with pipeline parallelism \(2\)"):
         scale(GLM, *MTP, "--mtp-only-training", "--pipeline-model-parallel-size", "2")
+
+
+def test_a_mimo_config_without_mtp_layers_is_refused_with_the_key_to_set():
+    from miles.train.backends.megatron import MegatronSetupError
+
+    with pytest.raises(MegatronSetupError, match=r"declares no MTP layers \(num_nextn_predict_layers\)"):
+        scale(MIMO | {"num_nextn_predict_layers": 0}, *MTP)
 
 
 def test_context_parallelism_trains_them_too():

@@ -82,7 +82,7 @@ def test_every_rendered_sglang_flag_builds_the_real_serverargs():
         if "error" in answer
     ]
     assert not errors, "\n".join(errors)
-    assert len(answers) == len(GPU_PLANS) == 23  # every recipe's GPU profiles, both platforms
+    assert len(answers) == len(GPU_PLANS) == 25  # every recipe's GPU profiles, both platforms
 
 
 def _with_engine_flag(name: str, flag: str, value) -> object:

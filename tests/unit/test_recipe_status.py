@@ -72,7 +72,7 @@ def test_a_megatron_profile_of_a_family_the_backend_does_not_build_cannot_build(
     assert status.kind == CANNOT_BUILD
     assert status.detail == (
         "Inkling-Small is model type inkling_text/inkling_mm_model; miles' Megatron backend builds deepseek_v4, glm4_moe_lite, glm_moe_dsa, "
-        "qwen2, qwen3, qwen3_5_moe, qwen3_5_moe_text, qwen3_moe (miles/families/)"
+        "mimo, qwen2, qwen3, qwen3_5_moe, qwen3_5_moe_text, qwen3_moe (miles/families/)"
     )
 
 

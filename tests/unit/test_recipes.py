@@ -41,6 +41,7 @@ def test_the_recipes_found_in_the_library_each_declare_a_rocm_overlay():
         "glm47_flash",
         "glm5_2_744b_a40b",
         "inkling",
+        "mimo_7b_rl",
         "qwen2_5_0_5b",
         "qwen3_30b_a3b",
         "qwen3_4b",
@@ -96,7 +97,7 @@ def test_load_refuses_rocm_on_a_cpu_torch_naming_both_facts():
 def test_unknown_recipe_lists_the_known_ones():
     with pytest.raises(
         RecipeError,
-        match="unknown recipe 'inkling2'; known: deepseek_v4, glm47_flash, glm5_2_744b_a40b, inkling, qwen2_5_0_5b",
+        match="unknown recipe 'inkling2'; known: deepseek_v4, glm47_flash, glm5_2_744b_a40b, inkling, mimo_7b_rl, qwen2_5_0_5b",
     ):
         shared("inkling2")
 

@@ -85,11 +85,12 @@ class Qwen2(GPTFamily):
         )
         return fields
 
-    def layer_weights(self, config: Mapping[str, Any], i: int, mg: str) -> Weights:
+    def layer_weights(self, config: Mapping[str, Any], i: int, mg: str, hf: str | None = None) -> Weights:
+        """Decoder layer `i` (or, with `hf`, the decoder layer under that prefix) under megatron prefix `mg`."""
         hidden = config["hidden_size"]
         heads, groups = config["num_attention_heads"], config["num_key_value_heads"]
         dim = int(flag_values(GQA, config)["--kv-channels"])
-        hf, at = f"model.layers.{i}.", mg + "self_attention."
+        hf, at = hf if hf is not None else f"model.layers.{i}.", mg + "self_attention."
         yield at + "linear_qkv.layer_norm_weight", (whole(hf + "input_layernorm.weight", hidden),)
         yield at + "linear_qkv.weight", qkv_pieces(hf + "self_attn.", heads, groups, dim)
         yield at + "linear_qkv.bias", qkv_pieces(hf + "self_attn.", heads, groups, dim, leaf="bias")

@@ -299,7 +299,9 @@ class MegatronBackend(TrainBackend):
 
             family = megatron_family(self.config)
             outer = family.outer_names(self.config)
-            if outer != OUTER_NAMES and family.renames_on_load:  # the names transformers' causal LM gives them
+            if (
+                outer != OUTER_NAMES and family.renames_on_load
+            ):  # the names transformers' causal LM gives them
                 outer = tuple(family.model_name(n) for n in outer)
             if outer != OUTER_NAMES:
                 raise MegatronSetupError(
@@ -326,7 +328,8 @@ class MegatronBackend(TrainBackend):
     def _with_mtp(self, exporter, names: str, dtype):
         """The exporter's tensors; with --enable-mtp-training under the transformers class's names,
         the trained MTP layers too, as the built-in engine's drafter holds them (experts fused)."""
-        from miles.train.speculative import as_model_names, mtp_prefixes
+        from miles.ckpt.families import mtp_prefixes
+        from miles.train.speculative import as_model_names
 
         prefixes = tuple(mtp_prefixes(self.config, megatron_family(self.config).mtp_style))
         held = {}
@@ -592,11 +595,11 @@ def _mtp_training(
         refuse(
             f"{path}/config.json declares no MTP layers (num_nextn_predict_layers); use a checkpoint with them"
         )
-    if family.mtp_style not in ("layers", "mtp_layers") or not hasattr(family, "layer_weights"):
+    if family.mtp_style not in ("layers", "mtp_layers", "mimo") or not hasattr(family, "layer_weights"):
         refuse(
             f"the {family.name} family's MTP layers ({family.mtp_style} style) are carried by a model of miles' "
             "own with no MTP forward; miles trains the MTP layers that GPTModel families carry as megatron-core's "
-            "MTP block (GLM's model.layers.{L+k}.*, Qwen3.5's mtp.*)"
+            "MTP block (GLM's model.layers.{L+k}.*, Qwen3.5's mtp.*, MiMo's model.mtp_layers.*)"
         )
     if model.mtp_num_layers not in (None, count):
         refuse(f"--mtp-num-layers {model.mtp_num_layers}, but {path}/config.json has {count} MTP layer(s)")
@@ -662,9 +665,11 @@ def _weights_source(checkpoint: CheckpointConfig) -> str:
 def _hf_fuses_experts(path: str) -> bool:
     """Whether the installed transformers class keeps a layer's experts as fused 3-D tensors (the
     decoder's class, for a multimodal release)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(path).get_text_config()
+    from miles.families import transformers_config
+
+    config = transformers_config(path).get_text_config()
     with torch.device("meta"):
         names = AutoModelForCausalLM.from_config(config).state_dict().keys()
     return any(name.endswith("mlp.experts.gate_up_proj") for name in names)

@@ -4,10 +4,13 @@ MiMo-7B-RL on 4 GPUs, Megatron TP2+SP, one MTP layer trained (--enable-mtp-train
 --mtp-num-layers 1 --mtp-loss-scaling-factor 0.2) with EAGLE speculative rollouts in SGLang; the
 seed checks that only MTP parameters receive gradient. miles trains MTP layers alone with
 --mtp-only-training (every other weight frozen, so weight decay cannot move it either), which
-this twin adds. Disabled with its diagnosis: MiMo-7B-RL's config.json names remote code
-(auto_map: MiMoForCausalLM) and model_type mimo, which is no miles family, so neither backend can
-build it; the behaviour is held on CPU by tests/e2e/test_train_mtp_speculative.py (GLM-5.2's
-tiny: the trunk bit-identical after MTP-only steps, the MTP layer moved). Untested on GPU.
+this twin adds. miles.families.mimo builds it: MiMo-7B-RL's trunk is Qwen2's (loaded as
+transformers' Qwen2ForCausalLM, its config.json's remote code never run), its model.mtp_layers.0.*
+carried as megatron-core's MTP block (input_proj's halves swapped into eh_proj), converted by
+seed_twins.model through the family its config.json names. The behaviour is held on CPU by
+tests/e2e/test_train_mtp_speculative.py (MiMo's tiny: the trunk bit-identical after MTP-only
+steps, the MTP layer moved, the built-in engine's drafts accepted) and the layer's math by
+tests/megatron/test_megatron_mimo.py. Untested on GPU.
 """
 
 from __future__ import annotations
@@ -22,13 +25,11 @@ register_cuda_ci(
     est_time=400,
     suite="stage-c-4-gpu-h200",
     labels=["megatron"],
-    disabled="fails at load: miles.train.model raises ModelLoadError on MiMo-7B-RL's config.json auto_map (remote-code MiMoForCausalLM, model_type mimo, no miles family); re-enabling waits on miles/families/mimo (#32)",
 )
 register_rocm_ci(
     est_time=420,
     suite="nightly-stage-c-4-gpu-mi350",
     labels=["megatron"],
-    disabled="fails at load: miles.train.model raises ModelLoadError on MiMo-7B-RL's config.json auto_map (remote-code MiMoForCausalLM, model_type mimo, no miles family); re-enabling waits on miles/families/mimo (#32)",
 )
 
 _spec = importlib.util.spec_from_file_location("seed_twins", Path(__file__).parents[1] / "seed_twins.py")
