@@ -129,6 +129,26 @@ def test_the_plan_predicts_the_last_job_to_finish(make_tree, capsys):
     assert "predicted wall 60s: 2 jobs side by side" in capsys.readouterr().out
 
 
+def test_in_a_run_that_goes_on_the_second_job_walks_each_suite_from_its_shortest_file(make_tree):
+    from miles.ci.registry.catalog import load_catalog
+    from miles.ci.registry.discover import discover
+    from miles.ci.running.claims import walk
+    from miles.ci.running.plan import RunOptions, build_plan
+
+    root = make_tree({
+        **{f"tests/unit/test_u{est}.py": PASSES.format(est=est, suite="stage-a-cpu") for est in (3, 9, 6)},
+        **{f"tests/e2e/test_e{est}.py": PASSES.format(est=est, suite="stage-b-cpu") for est in (40, 20, 30)},
+    })  # fmt: skip
+    catalog = load_catalog()
+    plan = build_plan(RunOptions(root=root, lane="cpu", jobs="2"), catalog, discover(root, catalog=catalog))
+    names = [
+        [t.registration.file.split("_")[-1].removesuffix(".py") for t in walk(plan.tests, j, both_ends=True)]
+        for j in (1, 2)
+    ]
+    assert names == [["u9", "u6", "u3", "e40", "e30", "e20"], ["u3", "u6", "u9", "e20", "e30", "e40"]]
+    assert walk(plan.tests, 2, both_ends=False) == plan.tests  # a fast-fail run: every job shortest first
+
+
 # The file that waits for the others: it passes only if another job runs all three while this one waits.
 WAITS = """
 import time

@@ -150,11 +150,19 @@ def predicted_wall(plan: RunPlan, loads: list[tuple[float, ...]]) -> float:
 
 
 def job_loads(plan: RunPlan) -> list[float]:
-    """Each job's predicted busy seconds when the jobs take the queue's files in order, the next
-    file going to the job that frees first (the earliest-numbered on a tie)."""
-    free = [0.0] * plan.jobs
-    for test in plan.tests:
+    """Each job's predicted busy seconds when the jobs take the queue's files as they run them:
+    the job that frees first (the earliest-numbered on a tie) takes the next file of its own walk
+    (miles.ci.running.claims.walk) that no job has taken."""
+    from miles.ci.running.claims import walk
+
+    walks = [walk(plan.tests, j + 1, both_ends=plan.continue_on_error) for j in range(plan.jobs)]
+    at, free, taken = [0] * plan.jobs, [0.0] * plan.jobs, set()
+    while len(taken) < len(plan.tests):
         j = min(range(plan.jobs), key=lambda i: (free[i], i))
+        while id(walks[j][at[j]]) in taken:
+            at[j] += 1
+        test = walks[j][at[j]]
+        taken.add(id(test))
         free[j] += test.registration.est_time
     return free
 

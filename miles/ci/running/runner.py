@@ -223,8 +223,10 @@ def _execute(
     commit = current_commit(plan.settings.root)
     started = time.time()
     github = fold and os.environ.get("GITHUB_ACTIONS") == "true"
+    # a job of a run with jobs walks the run's queue from its own end (miles.ci.running.claims)
+    tests = plan.tests if claims is None else claims.walk(plan.tests, both_ends=plan.continue_on_error)
     progress = Progress(
-        plan.tests,
+        tests,
         out,
         github=github,
         streaming=plan.settings.echo is not None,
@@ -244,14 +246,14 @@ def _execute(
     def provisional(index: int, current: Attempt, rest_message: str) -> None:
         if checkpoint is None:
             return
-        rest = [not_run(t, CANCELLED, rest_message) for t in plan.tests[index + 1 :]]
+        rest = [not_run(t, CANCELLED, rest_message) for t in tests[index + 1 :]]
         checkpoint(record([*attempts, current, *rest], complete=False))
 
     # a refused registration is its own test's failed row (the first job's, in a run with jobs);
     # the suite's other tests still run
     if claims is None or claims.job == 1:
         attempts += [r.record(plan.selection.scope.backend, commit) for r in plan.refused]
-    for index, test in enumerate(plan.tests):
+    for index, test in enumerate(tests):
         if claims is not None and not claims.take(test.registration.suite, test.registration.file):
             continue  # another job's
         if cancel.cancelled:
