@@ -295,18 +295,8 @@ class MlaMoeFamily(GPTFamily):
         transformers keeps `mlp.gate.weight` (its checkpoints store them so: a bf16 model would
         round them)."""
         from miles.megatron.mla import keep_router_weights_fp32
-        from miles.megatron.spec import layer_provider
+        from miles.megatron.mtp import carry_mtp
 
         self.finish_chunk(model, tc, config, vp_stage)
-        if mtp_layers(config) and model.post_process:
-            from miles.megatron.mtp import carry_mtp
-
-            carry_mtp(
-                model,
-                tc,
-                model.decoder.submodules.layer_specs[-1],
-                mtp_layers(config),
-                layer_provider(impl),
-                vp_stage,
-            )
+        carry_mtp(model, tc, mtp_layers(config), impl, vp_stage)
         keep_router_weights_fp32(model)

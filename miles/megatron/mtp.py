@@ -22,27 +22,32 @@ import copy
 def carry_mtp(
     model,
     tc,
-    layer_spec,
     count: int,
-    provider,
+    impl: str,
     vp_stage: int | None = None,
     *,
     masks_first_position: bool = False,
 ) -> None:
-    """Attach `count` frozen MTP layers whose decoder layer is built from `layer_spec` to `model`
-    (a GPTModel of the last pipeline stage), with the norms and projection from `provider`; with
-    `masks_first_position` the layers read a zero embedding at position 0 (MiMo's, `block_embedding`)."""
+    """Attach `count` frozen MTP layers to `model` when it is a GPTModel chunk of the last pipeline
+    stage (nothing otherwise): each decoder layer built like the chunk's last one, the norms and
+    projection from the `impl` modules' provider; with `masks_first_position` the layers read a zero
+    embedding at position 0 (MiMo's, `block_embedding`)."""
+    if not count or not model.post_process:
+        return
     from megatron.core.transformer.multi_token_prediction import (
         MultiTokenPredictionBlock,
         MultiTokenPredictionBlockSubmodules,
         get_mtp_layer_spec_for_backend,
     )
 
+    from miles.megatron.spec import layer_provider
+
     config = copy.copy(tc)
     config.mtp_num_layers = (
         count  # this block's own config: the model's keeps no MTP, so its forward runs none
     )
-    layer = get_mtp_layer_spec_for_backend(layer_spec, backend=provider)
+    layer_spec = model.decoder.submodules.layer_specs[-1]
+    layer = get_mtp_layer_spec_for_backend(layer_spec, backend=layer_provider(impl))
     block = MultiTokenPredictionBlock(
         config=config,
         spec=MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * count),

@@ -120,19 +120,11 @@ class MiMo(Qwen2):
         self, model, tc, config: Mapping[str, Any], vp_stage: int | None = None, *, impl: str = "local"
     ) -> None:
         """On the last stage, carry the MTP layers (built like the last decoder layer)."""
-        if mtp_layers(config) and model.post_process:
-            from miles.megatron.mtp import carry_mtp
-            from miles.megatron.spec import layer_provider
+        from miles.megatron.mtp import carry_mtp
 
-            carry_mtp(
-                model,
-                tc,
-                model.decoder.submodules.layer_specs[-1],
-                mtp_layers(config),
-                layer_provider(impl),
-                vp_stage,
-                masks_first_position=self.mtp_masks_first_position,
-            )
+        carry_mtp(
+            model, tc, mtp_layers(config), impl, vp_stage, masks_first_position=self.mtp_masks_first_position
+        )
 
 
 FAMILY = MiMo()

@@ -422,18 +422,9 @@ class Qwen3_5Moe(GPTFamily):
         self, model, tc, config: Mapping[str, Any], vp_stage: int | None = None, *, impl: str = "local"
     ):
         """On the last stage, carry the MTP layers (built like the last layer: full attention, MoE)."""
-        if mtp_layers(config) and model.post_process:
-            from miles.megatron.mtp import carry_mtp
-            from miles.megatron.spec import layer_provider
+        from miles.megatron.mtp import carry_mtp
 
-            carry_mtp(
-                model,
-                tc,
-                model.decoder.submodules.layer_specs[-1],
-                mtp_layers(config),
-                layer_provider(impl),
-                vp_stage,
-            )
+        carry_mtp(model, tc, mtp_layers(config), impl, vp_stage)
 
 
 def gated_qkv_pieces(prefix: str, heads: int, groups: int, dim: int) -> tuple[Piece, ...]:
