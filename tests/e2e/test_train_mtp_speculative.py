@@ -208,14 +208,8 @@ def test_qwen3_5s_mtp_block_trains_alone_and_its_drafts_are_taken_by_the_engine(
     """Qwen3.5 keeps its MTP layer as mtp.* (mtp.fc, its norms, mtp.layers.0.*): the trainer trains
     it alone, hands it to the built-in engine's drafter under those names each rollout (a name the
     drafter does not hold fails the weight update), and the policy stays bit-identical."""
-    rollouts = 4
-    accept, mtp, save = mtp_only(qwen3_5, tmp_path, rollouts)
     # measured: mtp loss 7.14 -> 0.95, acceptance 0.0 -> 0.79 over 4 rollouts
-    assert mtp[rollouts - 1] < 0.5 * mtp[0], mtp
-    assert accept[0] < 0.5 and accept[rollouts - 1] >= 0.6, accept
-    trunk, mtp_moved = trunk_and_mtp(qwen3_5, save)
-    assert trunk == [], trunk[:5]
-    assert any(k.startswith("mtp.layers.0.eh_proj") for k in mtp_moved), mtp_moved
+    assert_mtp_alone_learns_to_draft(qwen3_5, tmp_path, 4)
 
 
 def test_mimos_mtp_layer_trains_alone_and_its_drafts_are_taken_by_the_engine(mimo, tmp_path):
@@ -224,10 +218,15 @@ def test_mimos_mtp_layer_trains_alone_and_its_drafts_are_taken_by_the_engine(mim
     input_proj's halves swapped), hands it to the built-in engine's drafter under the checkpoint's
     names each rollout (input_proj back in MiMo's order: a drafter reading the halves the other way
     would not learn to draft), and the Qwen2 trunk stays bit-identical."""
-    rollouts = ROLLOUTS
-    accept, mtp, save = mtp_only(mimo, tmp_path, rollouts)
+    assert_mtp_alone_learns_to_draft(mimo, tmp_path, ROLLOUTS)
+
+
+def assert_mtp_alone_learns_to_draft(checkpoint, tmp_path, rollouts: int) -> None:
+    """MTP-only training of `checkpoint`: the MTP loss halves, the drafts go from mostly rejected
+    to accepted at 0.6 or more, the trunk stays bit-identical and the MTP projection moves."""
+    accept, mtp, save = mtp_only(checkpoint, tmp_path, rollouts)
     assert mtp[rollouts - 1] < 0.5 * mtp[0], mtp
     assert accept[0] < 0.5 and accept[rollouts - 1] >= 0.6, accept
-    trunk, mtp_moved = trunk_and_mtp(mimo, save)
+    trunk, mtp_moved = trunk_and_mtp(checkpoint, save)
     assert trunk == [], trunk[:5]
     assert any(k.startswith("mtp.layers.0.eh_proj") for k in mtp_moved), mtp_moved
