@@ -19,7 +19,7 @@ from miles.families import Family
 from miles.families.facts import text_config
 
 __all__ = [
-    "LAYER_LIST_KEYS", "LAYER_RE", "Family", "expected_architectures", "family", "layers_in_name", "mtp_layers", "mtp_prefixes",
+    "LAYER_LIST_KEYS", "LAYER_RE", "Family", "expected_architectures", "family", "layers_in_name", "mtp_layer_prefix", "mtp_layers", "mtp_prefixes",
     "num_layers", "text_config", "writes_megatron_keys",
 ]  # fmt: skip
 
@@ -59,18 +59,33 @@ def mtp_layers(config: Mapping[str, Any]) -> int:
     return value if isinstance(value, int) else 0
 
 
+# Where each MTP style (miles.families.family's mtp_style) keeps MTP layer k's decoder layer; L is
+# the decoder's depth
+_MTP_LAYER_PREFIX = {
+    "layers": "model.layers.{L_plus_k}.", "mtp": "mtp.{k}.", "mtp_layers": "mtp.layers.{k}.",
+    "mimo": "model.mtp_layers.{k}.",
+}  # fmt: skip
+
+
+def mtp_layer_prefix(style: str, layers: int, k: int) -> str:
+    """The checkpoint prefix of MTP layer `k`'s decoder layer in a family of MTP style `style`
+    whose decoder has `layers` layers."""
+    try:
+        return _MTP_LAYER_PREFIX[style].format(k=k, L_plus_k=layers + k)
+    except KeyError:
+        raise ValueError(f"MTP style {style!r}: known styles are {', '.join(_MTP_LAYER_PREFIX)}") from None
+
+
 def mtp_prefixes(config: Mapping[str, Any], style: str | None) -> list[str]:
     """Checkpoint name prefixes of the MTP block a family of MTP style `style` keeps (every tensor of
     it starts with one; miles.families.family's mtp_style)."""
     count = mtp_layers(config)
-    if style == "layers":
-        layers = int(text_config(config)["num_hidden_layers"])
-        return [f"model.layers.{layers + k}." for k in range(count)]
-    if style == "mtp_layers" and count:
-        return ["mtp."]
-    if style == "mimo":
-        return [f"model.mtp_layers.{k}." for k in range(count)]
-    return []
+    if not count or style not in ("layers", "mtp_layers", "mimo"):
+        return []
+    if style == "mtp_layers":
+        return ["mtp."]  # the layers and the block's own mtp.fc and norms
+    layers = int(text_config(config)["num_hidden_layers"])
+    return [mtp_layer_prefix(style, layers, k) for k in range(count)]
 
 
 def layers_in_name(model_name: str) -> int | None:

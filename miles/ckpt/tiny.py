@@ -17,7 +17,7 @@ from typing import Any
 
 from miles import phases
 from miles.ckpt.errors import CheckpointError
-from miles.ckpt.families import LAYER_LIST_KEYS, LAYER_RE, mtp_layers, text_config
+from miles.ckpt.families import LAYER_LIST_KEYS, LAYER_RE, mtp_layer_prefix, mtp_layers, text_config
 from miles.ckpt.families import family as get_family
 from miles.ckpt.manifest import HF_STEPS, TINY_STEP, atomic_dir, finished, read_manifest, write_manifest
 from miles.families.schema import ConfigRefused
@@ -265,11 +265,8 @@ def add_mtp_layers(spec, config: dict, seed: int, dtype: str, out: Path) -> None
         tensors[name] = value.to(kind).contiguous()
 
     kinds = {"model": getattr(torch, dtype), "norm": norm_dtype}
-    prefixes = {
-        "layers": "model.layers.{}.", "mtp": "mtp.{}.", "mtp_layers": "mtp.layers.{}.", "mimo": "model.mtp_layers.{}.",
-    }  # fmt: skip
     for k in range(count):
-        prefix = prefixes[spec.mtp_style].format(layers + k if spec.mtp_style == "layers" else k)
+        prefix = mtp_layer_prefix(spec.mtp_style, layers, k)
         for name, value in sorted(state.items()):
             if _layer(name) == layers + k and value.is_floating_point():
                 make(prefix + LAYER_RE.match(name)["rest"], value.shape, value.dtype)

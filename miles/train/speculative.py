@@ -119,10 +119,10 @@ HIDDEN_FIRST = ("mimo",)
 def mtp_layer_names(config: Mapping[str, Any], style: str, k: int) -> tuple[str, dict[str, str]]:
     """(the checkpoint prefix of MTP layer k's decoder layer, {drafter module: checkpoint name} of the
     tensors its block holds beside it)."""
-    from miles.ckpt.families import text_config
+    from miles.ckpt.families import mtp_layer_prefix, text_config
 
+    prefix = mtp_layer_prefix(style, int(text_config(config)["num_hidden_layers"]), k)
     if style == "layers":
-        prefix = f"model.layers.{int(text_config(config)['num_hidden_layers']) + k}."
         own = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "final_norm": "shared_head.norm"}
         return prefix, {module: f"{prefix}{name}.weight" for module, name in own.items()}
     if style == "mtp_layers":
@@ -132,9 +132,8 @@ def mtp_layer_names(config: Mapping[str, Any], style: str, k: int) -> tuple[str,
             "eh_proj": "fc",
             "final_norm": "norm",
         }
-        return f"mtp.layers.{k}.", {module: f"mtp.{name}.weight" for module, name in own.items()}
+        return prefix, {module: f"mtp.{name}.weight" for module, name in own.items()}
     if style == "mimo":
-        prefix = f"model.mtp_layers.{k}."
         own = {"enorm": "token_layernorm", "hnorm": "hidden_layernorm", "eh_proj": "input_proj",
                "final_norm": "final_layernorm"}  # fmt: skip
         return prefix, {module: f"{prefix}{name}.weight" for module, name in own.items()}
