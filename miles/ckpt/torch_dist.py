@@ -283,8 +283,14 @@ def _target(params, name: str, pieces, reader: CheckpointReader):
         else:
             same = tuple(shape[1:]) == tuple(target.shape[1:])
         if not same:
+            need = (
+                f"{target.shape[0]} rows of column blocks"
+                if piece.dim
+                else f"rows of {list(target.shape[1:])}"
+            )
             raise CheckpointError(
-                f"torch_dist: {piece.hf_name} is {list(info.shape)}; megatron's {name} needs rows of {list(target.shape[1:])}"
+                f"torch_dist: {piece.hf_name} is {list(info.shape)}; megatron's {name} {list(target.shape)} needs "
+                f"{need}: the checkpoint is not the model its config.json describes (re-fetch it or fix config.json)"
             )
     return target
 
