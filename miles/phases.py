@@ -44,7 +44,7 @@ FLUSH_EVERY = 64  # buffered lines
 
 _lock = threading.Lock()
 _buffer: list[str] = []
-_state = {"folder": None, "pid": None, "import_depth": 0}
+_state = {"folder": None, "pid": None, "import_depth": 0, "started": False}
 
 
 def folder() -> str | None:
@@ -92,8 +92,12 @@ def process_started_at() -> float:
 
 
 def started() -> None:
-    """This process's start-up lasts at least until now: from its start to now is `start`."""
-    if folder() is not None:
+    """This process's start-up ends now: from its start to now is `start`. Only the first call of
+    a process (or of a forked child, from its fork) counts: a trainer run inside a test process
+    (`miles.train.main` called by a test) begins long after that process started, and the
+    test's work before it is not start-up."""
+    if folder() is not None and not _state["started"] and _activate():
+        _state["started"] = True
         record(START, process_started_at(), time.time())
 
 
@@ -130,7 +134,7 @@ def _activate() -> bool:
     if _state["pid"] != pid:  # first use, or a forked child: its own file, its own buffer
         with _lock:
             _buffer.clear()
-        _state.update(folder=target, pid=pid)
+        _state.update(folder=target, pid=pid, started=False)
     return True
 
 
@@ -166,7 +170,7 @@ def _install() -> None:
         return
     import atexit
 
-    started()
+    record(START, process_started_at(), time.time())  # so far; started() says where it ends
     builtins.__import__ = _timed_import
     atexit.register(flush)
     os.register_at_fork(after_in_child=_forked)

@@ -121,6 +121,35 @@ def test_without_a_runner_a_process_records_nothing_and_times_no_import(tmp_path
     assert list(Path(tmp_path).iterdir()) == []
 
 
+def test_start_up_ends_at_the_first_work_and_a_later_trainer_start_is_not_start_up(tmp_path):
+    # a test process that works for 1.5 s, then calls the trainer in-process (whose main() says
+    # "started"): that second mark must not charge the test's work to start-up; a child forked
+    # after it ends its own start-up at its own first mark, from its fork
+    probe = (
+        "import os, time\n"
+        "from miles import phases as p\n"
+        "p.started()\n"
+        "with p.phase(p.TRAIN): time.sleep(1.5)\n"
+        "p.started()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    time.sleep(0.3); p.started(); p.flush(); os._exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+    )
+    folder = tmp_path / "phases"
+    folder.mkdir()
+    env = {**os.environ, "MILES_CI_PHASE_DIR": str(folder)}
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    files = sorted(folder.glob("*.jsonl"), key=lambda f: f.stat().st_size, reverse=True)
+    assert len(files) == 2, files
+    parent, child = ([json.loads(line) for line in f.read_text().splitlines()] for f in files)
+    ends = [row["end"] - row["start"] for row in parent if row["phase"] == "start"]
+    assert ends and max(ends) < 1.5, parent  # the second started() after 1.5 s of work wrote nothing
+    (forked,) = [row for row in child if row["phase"] == "start"]
+    assert 0.25 <= forked["end"] - forked["start"] < 1.5, child  # from the fork to its mark
+
+
 NESTED = """
 import time
 from pathlib import Path
