@@ -19,3 +19,8 @@ importing the package itself imports nothing heavy.
 CORE_MODULE = "megatron.core"
 # What a rank that builds GPTModel imports from it (the CPU launcher imports it before the fork).
 MODEL_MODULE = CORE_MODULE + ".models.gpt"
+
+
+def import_model_module() -> None:
+    """Import MODEL_MODULE (a process that forks ranks or test processes does it once, before the fork)."""
+    import megatron.core.models.gpt  # noqa: F401

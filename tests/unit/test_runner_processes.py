@@ -24,7 +24,7 @@ from miles.ci.register import register_cpu_ci
 from miles.ci.running.execute import CancelToken, Settings, TestRun, run_attempt
 from miles.ci.running.processes import Cgroup
 
-register_cpu_ci(est_time=25, suite="stage-a-cpu")
+register_cpu_ci(est_time=40, suite="stage-a-cpu")
 
 CI_ENV = ("GITHUB_ACTIONS", "GITHUB_STEP_SUMMARY", "MILES_DURATIONS_PATH", "MILES_HISTORY_URL")
 
@@ -45,6 +45,7 @@ time.sleep(600)
 
 
 def _start_escapees():
+    (OUT / "preloaded").write_text(str("torch" in sys.modules))  # nothing here imports it
     a = subprocess.Popen(["setsid", "sleep", "600"])  # its own session, still our child
     (OUT / "setsid.pid").write_text(str(a.pid))
     subprocess.run(["setsid", "-f", "sh", "-c", f"echo $$ > {OUT}/daemon.pid; exec sleep 600"], check=True)
@@ -99,8 +100,10 @@ def _cgroup_or_skip() -> None:
     probe.remove()
 
 
-@pytest.fixture(params=["cgroup", "subreaper"])
+@pytest.fixture(params=["cgroup", "subreaper", "warm"])
 def mode(request) -> str:
+    """How the test process is contained: its own cgroup, the runner as subreaper, or forked by
+    the runner's warm process (miles.ci.running.warm; in the cgroup where there is one)."""
     if request.param == "cgroup":
         _cgroup_or_skip()
     return request.param
@@ -124,11 +127,15 @@ def _run(
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k not in CI_ENV}
     env.update(ESCAPE_OUT=str(out), ESCAPE_PORT=str(port), ESCAPE_MODE=behaviour)
-    settings = Settings(root=tmp_path, grace=0.5, base_env=env, use_cgroup=mode == "cgroup")
+    settings = Settings(
+        root=tmp_path, grace=0.5, base_env=env, use_cgroup=mode != "subreaper", warm=mode == "warm"
+    )
     test = TestRun("tests/test_escape.py", "cpu", "stage-b-cpu", "cpu", "1/1", 5.0, timeout)
     attempt = run_attempt(test, tmp_path / attempt_dir, settings, cancel or CancelToken())
     names = ("setsid", "daemon", "server")
     pids = {name: int((out / f"{name}.pid").read_text()) for name in names if (out / f"{name}.pid").exists()}
+    if (out / "preloaded").exists():  # forked by the warm process exactly in the warm mode
+        assert (out / "preloaded").read_text() == str(mode == "warm"), attempt.output_tail
     return attempt, pids, port
 
 

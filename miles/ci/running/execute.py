@@ -30,6 +30,7 @@ from miles.ci.reports.phases import attempt_phases
 from miles.ci.reports.record import CANCELLED, FAILED, Attempt
 from miles.ci.running.outcome import classify_attempt, read_junit, signal_name
 from miles.ci.running.processes import Containment
+from miles.ci.running.warm import Warm, WarmProcess, warm_for
 from miles.files import Folder
 from miles.load import LoadClock
 from miles.phases import DIR_ENV as PHASE_DIR_ENV
@@ -148,6 +149,9 @@ class Settings:
     use_cgroup: bool = True  # track the test's processes in a cgroup of its own where possible
     # how far a timeout stretches while the machine is loaded (LoadClock); 1: never
     load_stretch: float = 1.0
+    # fork each test's pytest process from a warm one that has imported the heavy libraries
+    # (miles.ci.running.warm; the CPU lanes)
+    warm: bool = False
 
 
 def pytest_command(settings: Settings, file: str, junit_path: Path | str) -> list[str]:
@@ -236,13 +240,16 @@ def _run_in(
         return base.replace(classification="missing-file", message=message, output_tail=message)
 
     argv = pytest_command(settings, test.file, junit_path)
+    env = {**settings.base_env, **test.env(record_dir, phase_dir)}
+    # before the containment: the warm process is the runner's, not the attempt's
+    warm = warm_for(settings.python, env, settings.root) if settings.warm else None
     containment = Containment(use_cgroup=settings.use_cgroup)
-    env = {**settings.base_env, **test.env(record_dir, phase_dir), **containment.env()}
+    env.update(containment.env())
     started = time.monotonic()
     cpu_before = _children_cpu()
     try:
         try:
-            proc = _start(argv, settings.root, env, containment)
+            proc = _start(argv, settings.root, env, containment, warm)
         except (OSError, subprocess.SubprocessError) as exc:
             message = f"could not start {argv[0]}: {exc}"
             return base.replace(classification="launch-error", message=message, output_tail=message)
@@ -281,7 +288,7 @@ def _run_in(
     finally:
         containment.close()
     returncode = proc.returncode
-    cpu = _children_cpu() - cpu_before
+    cpu = _children_cpu() - cpu_before + getattr(proc, "cpu", 0.0)  # a forked one's own, from wait4
     text = tail.text()
     parsed = read_junit(junit_path)
     status, classification, message = classify_attempt(
@@ -316,8 +323,24 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _start(argv: list[str], cwd: Path, env: dict[str, str], containment: Containment) -> subprocess.Popen:
-    """Popen in a new session; the child enters the attempt's cgroup (if any) before exec."""
+def _start(
+    argv: list[str], cwd: Path, env: dict[str, str], containment: Containment, warm: Warm | None = None
+) -> subprocess.Popen | WarmProcess:
+    """Forked by the warm process where it suits the command; else Popen in a new session, the
+    child entering the attempt's cgroup (if any) before exec."""
+    if warm is not None and warm.suits(argv, env):
+        cgroup = containment.cgroup
+        try:
+            proc, entered = warm.start(argv, cwd, env, cgroup.fd if cgroup is not None else None)
+        except OSError as exc:
+            print(
+                f"warning: {argv[3]}: the warm process failed ({exc}); a fresh interpreter instead",
+                file=sys.stderr,
+            )
+        else:
+            if not entered:
+                containment.drop_cgroup()
+            return proc
     kwargs: dict[str, Any] = dict(
         cwd=cwd,
         env=env,

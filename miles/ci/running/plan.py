@@ -201,6 +201,15 @@ def resolve_jobs(options: RunOptions, scope: Scope) -> int:
     return min(jobs, MAX_JOBS)
 
 
+def _warm_wanted(files: int) -> bool:
+    from miles.ci.running.warm import wanted
+
+    try:
+        return wanted(os.environ, files)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
+
+
 def timeout_for(est_time: float, floor: float) -> float:
     """The per-file limit: est_time x TIMEOUT_FACTOR, but never below the floor."""
     return max(floor, TIMEOUT_FACTOR * est_time)
@@ -340,6 +349,7 @@ def build_plan(options: RunOptions, catalog: Catalog, discovery: Discovery) -> R
         pytest_args=options.pytest_args,
         echo=sys.stdout if stream else None,
         load_stretch=LOAD_STRETCH,
+        warm=scope.backend == "cpu" and _warm_wanted(len(tests)),
     )
     return RunPlan(
         selection,

@@ -181,6 +181,11 @@ class Cgroup:
             _rmdir(path)
             return None
 
+    @property
+    def fd(self) -> int:
+        """cgroup.procs, open for writing (a warm process moves a test process it forked with it)."""
+        return self._fd
+
     def enter(self) -> None:
         """Run in the child between fork and exec: move this very process into the cgroup."""
         os.write(self._fd, b"0")
