@@ -80,6 +80,11 @@ def test_two_jobs_run_their_files_side_by_side_and_report_one_run(make_tree, cap
     out = capsys.readouterr().out
     assert "[1/2] " in out and "[2/2] " in out and "PASSED: 2 passed" in out
     assert out.count("plan · ") == 1  # the run's plan, not each job's
+    # the prediction the summary compares the wall time with is the plan's: two files of 20 s side
+    # by side, not one after the other
+    run = json.loads((root / REPORTS / "run.json").read_text())
+    assert run["predicted"] == 20
+    assert "(predicted 20.0s)" in (root / REPORTS / "summary.md").read_text()
 
 
 # Runs until every file of the run is claimed (up to a minute): while it runs, its job takes nothing.

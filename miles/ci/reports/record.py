@@ -151,6 +151,9 @@ class RunRecord:
     cancelled_by: str | None = None  # signal name when the run itself was cancelled
     report_dir: str = ""
     complete: bool = True  # False in the reports written while the run is still going
+    # the plan's predicted wall time (its jobs side by side, or its shards one after another);
+    # None in records written before it was kept
+    predicted: float | None = None
 
     @property
     def flaky(self) -> tuple[Attempt, ...]:
@@ -199,6 +202,7 @@ class RunRecord:
             "cancelled_by": self.cancelled_by,
             "report_dir": self.report_dir,
             "complete": self.complete,
+            "predicted": self.predicted,
             "passed": self.passed,
             "exit_code": self.exit_code,
             "counts": self.counts(),
@@ -224,4 +228,5 @@ class RunRecord:
             cancelled_by=data.get("cancelled_by"),
             report_dir=data.get("report_dir", ""),
             complete=data.get("complete", True),
+            predicted=data.get("predicted"),
         )

@@ -79,7 +79,7 @@ def render_markdown(run: RunRecord) -> str:
     else:
         verdict = "✅ passed" if run.passed else ("🛑 cancelled" if run.cancelled_by else "❌ failed")
     wall = run.finished_at - run.started_at
-    predicted = sum(a.est_time for a in run.final_attempts)
+    predicted = run.predicted if run.predicted is not None else sum(a.est_time for a in run.final_attempts)
     labels = "(not given: all labels admitted)" if run.labels is None else (" ".join(run.labels) or "(none)")
     out = [
         f"## miles CI · {run_title(run)} · {verdict}",

@@ -185,4 +185,5 @@ def merge(
         cancelled_by=cancel.name or next((r.cancelled_by for r in records if r and r.cancelled_by), None),
         report_dir=str(plan.report_dir),
         complete=complete,
+        predicted=plan.predicted_wall,
     )

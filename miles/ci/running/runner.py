@@ -342,6 +342,7 @@ def _run_record(
         cancelled_by=cancelled_by,
         report_dir=str(plan.report_dir),
         complete=complete,
+        predicted=plan.predicted_wall,
     )
 
 
