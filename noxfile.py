@@ -72,9 +72,11 @@ def gpu_lane_transformers() -> list[str]:
 def tests(session: nox.Session) -> None:
     """Run the test suite: unit tests and every CPU-registered test (GPU-only ones skip)."""
     install_lane_stack(session, "cpu")
-    # a worker per core, each test file whole on one worker (its module fixtures built once)
+    # a worker per core, each test file whole on one worker (its module fixtures built once), each
+    # worker one OpenMP thread (its share of the cores; miles.ci.running.plan.thread_share)
     default = ["-n", "auto", "--dist", "loadfile", "--durations", "30", "tests"]
-    session.run("pytest", *(session.posargs or default), env=REQUIRE_SGLANG)
+    threads = {} if session.posargs or "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": "1"}
+    session.run("pytest", *(session.posargs or default), env={**REQUIRE_SGLANG, **threads})
 
 
 @nox.session(name="rollout-transformers", python=CATALOG.lanes["cpu"].python, default=False)

@@ -33,7 +33,9 @@ from miles.ci.register import register_cpu_ci
 register_cpu_ci(est_time={est}, suite="stage-b-cpu")
 OUT = Path(__file__).parents[2] / "seen"
 def test_meet():
+    import os
     OUT.mkdir(exist_ok=True)
+    (OUT / "{name}.threads").write_text(os.environ.get("OMP_NUM_THREADS", "unset"))
     (OUT / "{name}.start").write_text(str(time.time()))
     deadline = time.time() + 60
     while len(list(OUT.glob("*.start"))) < {wait_for} and time.time() < deadline:
@@ -74,6 +76,9 @@ def test_two_jobs_run_their_files_side_by_side_and_report_one_run(make_tree, cap
     a = (float((seen / "a.start").read_text()), float((seen / "a.end").read_text()))
     b = (float((seen / "b.start").read_text()), float((seen / "b.end").read_text()))
     assert a[0] < b[1] and b[0] < a[1], (a, b)  # the two tests overlapped
+    # each test process gets its share of the cores as its OpenMP threads, unless the caller said
+    share = os.environ.get("OMP_NUM_THREADS") or str(max(1, len(os.sched_getaffinity(0)) // 2))
+    assert (seen / "a.threads").read_text() == (seen / "b.threads").read_text() == share
     attempts = _attempts(root)
     assert sorted(x["file"] for x in attempts) == ["tests/e2e/test_a.py", "tests/e2e/test_b.py"]
     assert {x["shard"] for x in attempts} == {"1/2", "2/2"} and {x["status"] for x in attempts} == {"passed"}
@@ -117,6 +122,16 @@ def test_a_failure_in_one_job_leaves_the_other_jobs_file_running_and_stops_the_q
         "tests/e2e/test_holds.py": "passed",
         "tests/e2e/test_a.py": "skipped",
     }, status
+
+
+def test_each_test_of_a_run_of_several_jobs_gets_its_share_of_the_cores_as_threads(monkeypatch):
+    from miles.ci.running.plan import thread_share
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert thread_share({}, 2)["OMP_NUM_THREADS"] == "4"
+    assert thread_share({}, 16)["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in thread_share({"A": "b"}, 1)
+    assert thread_share({"OMP_NUM_THREADS": "3"}, 2)["OMP_NUM_THREADS"] == "3"  # the caller's wins
 
 
 def test_the_plan_predicts_the_last_job_to_finish(make_tree, capsys):

@@ -54,6 +54,10 @@ def test_sees():
         "random": random.random(),
         "preloaded": "torch" in sys.modules,
     }
+    import torch
+
+    info = torch.__config__.parallel_info().splitlines()
+    seen["threads"] = [torch.get_num_threads(), [line for line in info if "_get_max_threads" in line]]
     (OUT / f"seen-{ASKED['run']}.json").write_text(json.dumps(seen))
     assert not ASKED.get("fail"), "asked to fail"
     if ASKED.get("kill"):
@@ -63,7 +67,9 @@ def test_sees():
 
 def _attempt(root: Path, out: Path, run: str, *, warm: bool, **asked: bool):
     (out / "asked.json").write_text(json.dumps({"run": run, **asked}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MILES_CI_")}
+    # without OMP_NUM_THREADS (a lane of several jobs sets it): torch's default threads, deferred
+    # in the warm process and asked for in each child, must be a fresh process's
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MILES_CI_") and k != "OMP_NUM_THREADS"}
     env.update(WARM_OUT=str(out))
     settings = Settings(root=root, grace=0.5, base_env=env, warm=warm)
     test = TestRun("tests/test_sees.py", "cpu", "stage-b-cpu", "cpu", "1/1", 5.0, 300.0)

@@ -42,6 +42,7 @@ RUNNER_VARS = "MILES_CI_"  # the runner's per-attempt variables: never read at i
 GPU_NODES = ("/dev/nvidiactl", "/dev/kfd")
 MAX_MESSAGE = 1 << 20
 MIN_FILES = 8
+_deferred_threads: list[bool] = []  # torch imported with one OpenMP thread (preload)
 READY_S = 120.0  # the imports, on a loaded 2-core machine
 
 
@@ -62,12 +63,24 @@ def preload() -> list[str]:
     """Import what the tests share; a module that fails is left to the tests, which report it.
     miles first: its __init__ makes megatron-core's fusions eager without CUDA (miles.megatron.compat)."""
     done = []
+    pinned = os.environ.get("OMP_NUM_THREADS")  # the tests' own setting, read at import
+    if pinned not in (None, "1"):
+        return done  # a pool of several threads would start here: nothing is preloaded
     try:
         import miles.megatron.compat  # noqa: F401
 
         done.append("miles")
-        import torch  # noqa: F401
-
+        # torch's import runs an OpenMP parallel region, which starts the pool's threads; a child
+        # forked with them inherits a pool it cannot use well (measured: a test beside a busy
+        # process spins 98 s of CPU where a fresh one takes 21). One thread at import starts none;
+        # each child then asks for what a fresh process gets (_Child.run).
+        os.environ["OMP_NUM_THREADS"] = "1"
+        try:
+            import torch  # noqa: F401
+        finally:
+            if pinned is None:
+                del os.environ["OMP_NUM_THREADS"]
+                _deferred_threads.append(True)
         done.append("torch")
         import transformers.modeling_utils  # noqa: F401
 
@@ -108,6 +121,10 @@ class _Child:
         os.chdir(self.request["cwd"])
         os.environ.clear()
         os.environ.update(self.request["env"])
+        if _deferred_threads:  # the intra-op threads a fresh process starts with: one per usable CPU
+            import torch
+
+            torch.set_num_threads(len(os.sched_getaffinity(0)))
         phases = sys.modules.get("miles.phases")
         if phases is not None:
             phases._install()  # the attempt's phase folder, from this process's start (its fork)
