@@ -27,6 +27,7 @@ there).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -192,6 +193,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the runner handles ^C; the children get their own
     loaded = preload()
+    # what the imports made lives as long as the process: out of the collector's sight, a child
+    # neither walks it in its collections nor writes to its pages (copy on write) on the way out
+    # (a child's exit: 0.89 s without, 0.26 s with)
+    gc.collect()
+    gc.freeze()
     sock.send(json.dumps({"ready": True, "preloaded": loaded}).encode())
     child = serve(sock)
     if child is None:
