@@ -19,7 +19,7 @@ from miles.ckpt.shards import CheckpointReader, read_header, read_weight_map
 from miles.ckpt.validate import validate_checkpoint
 from tests.support.ckpt import trunk_of
 
-register_cpu_ci(est_time=15, suite="stage-b-cpu")
+register_cpu_ci(est_time=4, suite="stage-b-cpu")
 
 
 def _dtypes(path) -> dict[str, str]:

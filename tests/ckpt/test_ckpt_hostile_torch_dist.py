@@ -18,7 +18,7 @@ from miles.ci.register import register_cpu_ci
 from miles.ckpt.cli import main
 from miles.ckpt.shards import read_weight_map
 
-register_cpu_ci(est_time=3, suite="stage-b-cpu")
+register_cpu_ci(est_time=2, suite="stage-b-cpu")
 
 MODEL = "m"
 

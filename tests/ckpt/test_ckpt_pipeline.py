@@ -24,7 +24,7 @@ from miles.ckpt.pipeline import prepare
 from miles.ckpt.plan import FAMILIES, STEPS, CheckpointPlan
 from miles.ckpt.shards import read_weight_map
 
-register_cpu_ci(est_time=25, suite="stage-b-cpu")
+register_cpu_ci(est_time=20, suite="stage-b-cpu")
 
 OUTPUT_STEPS = ("fetch", "validate", "fp8", "torch_dist", "stage")
 

@@ -17,7 +17,7 @@ from miles.ckpt.tiny import make_tiny_checkpoint
 from miles.ckpt.validate import validate_checkpoint
 from miles.families import transformers_config
 
-register_cpu_ci(est_time=10, suite="stage-b-cpu")
+register_cpu_ci(est_time=3, suite="stage-b-cpu")
 
 
 @pytest.mark.parametrize("name", FAMILIES)

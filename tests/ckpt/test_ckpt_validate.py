@@ -13,7 +13,7 @@ from miles.ckpt.errors import CheckpointError
 from miles.ckpt.shards import read_header, read_weight_map
 from miles.ckpt.validate import validate_checkpoint
 
-register_cpu_ci(est_time=15, suite="stage-b-cpu")
+register_cpu_ci(est_time=10, suite="stage-b-cpu")
 
 
 def _fails(path: Path, family: str, match: str, **kwargs) -> str:

@@ -21,7 +21,7 @@ import pytest
 from miles.ci.register import register_cpu_ci, register_cuda_ci, register_rocm_ci
 from miles.load import run_counted
 
-register_cpu_ci(est_time=75, suite="stage-b-cpu")
+register_cpu_ci(est_time=60, suite="stage-b-cpu")
 register_cuda_ci(est_time=540, suite="stage-b-2-gpu-h200", labels=["fsdp", "short"])
 register_rocm_ci(est_time=650, suite="stage-c-4-gpu-mi350", labels=["fsdp", "short", "amd"])
 

@@ -24,7 +24,7 @@ from miles.ci.register import register_cpu_ci
 from tests.support import ranks as support_ranks
 from tests.support import recipes as runs
 
-register_cpu_ci(est_time=20, suite="stage-b-cpu")
+register_cpu_ci(est_time=15, suite="stage-b-cpu")
 
 
 RUN = (

@@ -21,7 +21,7 @@ from __future__ import annotations
 from miles.ci.register import register_cpu_ci
 from tests.support import recipes as runs
 
-register_cpu_ci(est_time=25, suite="stage-b-cpu")
+register_cpu_ci(est_time=20, suite="stage-b-cpu")
 
 
 ROLLOUTS = 4

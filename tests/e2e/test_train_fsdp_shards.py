@@ -26,7 +26,7 @@ from miles.ci.register import register_cpu_ci
 from tests.support import ranks
 from tests.support.ckpt import tiny_hf
 
-register_cpu_ci(est_time=15, suite="stage-b-cpu")
+register_cpu_ci(est_time=10, suite="stage-b-cpu")
 
 WORKER = Path(__file__).with_name("fsdp_shards_worker.py")
 

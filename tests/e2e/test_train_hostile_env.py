@@ -16,7 +16,7 @@ import pytest
 
 from miles.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=10, suite="stage-b-cpu")
+register_cpu_ci(est_time=9, suite="stage-b-cpu")
 
 RUN = (
     "--prompt-data synthetic:fixed --rm-type synthetic --num-rollout 1 --rollout-batch-size 2 "

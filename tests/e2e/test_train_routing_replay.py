@@ -18,7 +18,7 @@ import pytest
 from miles.ci.register import register_cpu_ci
 from tests.support import replay_cases as r3
 
-register_cpu_ci(est_time=20, suite="stage-b-cpu")
+register_cpu_ci(est_time=15, suite="stage-b-cpu")
 
 ROLLOUTS = 3
 EP2 = ("--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1")

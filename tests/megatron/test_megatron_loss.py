@@ -13,7 +13,7 @@ from pathlib import Path
 from miles.ci.register import register_cpu_ci
 from tests.support import ranks, results
 
-register_cpu_ci(est_time=4, suite="stage-b-cpu")
+register_cpu_ci(est_time=5, suite="stage-b-cpu")
 
 WORKER = Path(__file__).with_name("tp_logprobs_worker.py")
 

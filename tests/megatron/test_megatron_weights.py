@@ -29,7 +29,7 @@ from tests.support.ckpt import tiny
 from tests.support.inkling import make_release_checkpoint
 from tests.support.results import results
 
-register_cpu_ci(est_time=20, suite="stage-b-cpu")
+register_cpu_ci(est_time=15, suite="stage-b-cpu")
 
 WORKER = Path(__file__).with_name("weights_worker.py")
 

@@ -17,7 +17,7 @@ from miles.megatron.proof import Case, prove
 from miles.parallel import ModelShape, ParallelLayout, stage_sizes, validate
 from miles.recipes import names, variants
 
-register_cpu_ci(est_time=25, suite="stage-b-cpu")
+register_cpu_ci(est_time=30, suite="stage-b-cpu")
 
 DENSE = ModelShape("Qwen3-4B-4layer", 4, 32, 8)
 MOE = ModelShape("Qwen3-30B-A3B-4layer", 4, 32, 4, 128)

@@ -10,9 +10,12 @@ import threading
 import pytest
 import torch
 
+from miles.ci.register import register_cpu_ci
 from miles.train.args import parse_config
 from miles.train.async_rollout import DataBuffer, Group, PromptStream
 from miles.train.data import batch_for_rollout, synthetic_prompts
+
+register_cpu_ci(est_time=3, suite="stage-a-cpu")
 
 
 def _group(order: int, oldest: int, *, aborted: bool = False) -> Group:

@@ -23,7 +23,7 @@ from miles.ckpt.cli import main
 from miles.ckpt.errors import CheckpointError
 from miles.ckpt.shards import read_header
 
-register_cpu_ci(est_time=3, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 W = "model.layers.0.mlp.down_proj.weight"
 

@@ -20,7 +20,7 @@ from miles.ckpt.progress import Progress
 from miles.ckpt.shards import TensorInfo
 from miles.ckpt.trim import trim_config, trimmed_name
 
-register_cpu_ci(est_time=3, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 
 def test_atomic_dir_appears_only_complete_and_with_its_manifest(tmp_path: Path):

@@ -25,7 +25,7 @@ from miles.ckpt.cli import main
 from miles.families import family, names
 from miles.families.schema import ConfigRefused
 
-register_cpu_ci(est_time=6, suite="stage-a-cpu")
+register_cpu_ci(est_time=3, suite="stage-a-cpu")
 
 LAYERS = 2  # each family's tiny checkpoint, built once for the module
 NEW = ("glm_moe_dsa", "glm4_moe_lite", "inkling", "deepseek_v4")

@@ -20,7 +20,7 @@ import pytest
 from miles.ci.register import register_cpu_ci
 from miles.families import UnmappedModel, family
 
-register_cpu_ci(est_time=4, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,7 +15,7 @@ from miles.ci.register import register_cpu_ci
 from miles.train.batch import Sample, collate, executions
 from miles.train.rollout import Generation
 
-register_cpu_ci(est_time=7, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 SPLIT = "miles.train.generate_hub.compact_split"
 

@@ -28,7 +28,7 @@ from miles.train import consumption
 from miles.train.args import parse_config
 from miles.train.config import flag_of
 
-register_cpu_ci(est_time=4, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 MEGATRON = consumption.backend("megatron")
 # the sections only the Megatron backend reads: a flag of them it does not consume is its own to answer for

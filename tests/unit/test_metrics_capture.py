@@ -17,7 +17,7 @@ from miles.ci.register import register_cpu_ci
 from miles.metrics import capture
 from miles.metrics.records import RecordError, merge_records, read_record
 
-register_cpu_ci(est_time=1, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 
 @pytest.fixture

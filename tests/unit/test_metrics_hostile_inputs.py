@@ -28,7 +28,7 @@ from miles.metrics.records import RecordError, merge_records
 from miles.metrics.spec import Coordinate
 from miles.metrics.store import MetricValue, RunEntry, mask_url, open_store
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=3, suite="stage-a-cpu")
 
 TEST = "tests/e2e/test_toy.py"
 GATED_TEST = """\

@@ -26,7 +26,7 @@ from miles.metrics.gating import GateRun, gate_attempt
 from miles.metrics.spec import gate_spec
 from miles.metrics.store import MetricValue, RunEntry, open_store
 
-register_cpu_ci(est_time=4, suite="stage-a-cpu")
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 PASSWORD = "outage-test-pw"
 TEST = "tests/e2e/test_toy.py"

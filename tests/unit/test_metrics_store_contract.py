@@ -33,7 +33,7 @@ from miles.metrics.store import (
 )
 from miles.metrics.store_sql import SCHEMA_VERSION
 
-register_cpu_ci(est_time=4, suite="stage-a-cpu")
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 POSTGRES_URL_ENV = "MILES_TEST_POSTGRES_URL"
 REQUIRE_POSTGRES_ENV = "MILES_REQUIRE_POSTGRES"

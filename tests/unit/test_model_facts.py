@@ -22,7 +22,7 @@ from miles.recipes import names, variants
 from miles.train.args import build_parser, parse_config
 from miles.train.config import FLAGS, ModelConfig
 
-register_cpu_ci(est_time=3, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 

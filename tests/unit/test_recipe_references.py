@@ -25,7 +25,7 @@ from miles.recipes.pysource import SourceError
 from miles.recipes.reread import reread_one
 from miles.recipes.upstream import Mirror, MirrorError, Upstream, read_launch
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=3, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ from miles.ci.registry.catalog import load_catalog
 from miles.ci.registry.discover import discover
 from miles.ci.reports.audit import audit
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=3, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADER = "from miles.ci.register import register_cpu_ci, register_cuda_ci, register_rocm_ci\n"

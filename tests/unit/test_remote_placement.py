@@ -18,7 +18,7 @@ from miles.train.checks import CheckFailed, check_weight_checksums
 from miles.train.remote.checksums import tensor_checksum
 from miles.train.rollout import RolloutEngineError
 
-register_cpu_ci(est_time=8, suite="stage-a-cpu")
+register_cpu_ci(est_time=6, suite="stage-a-cpu")
 
 HERE = Path(__file__).parent
 

@@ -19,7 +19,7 @@ from miles.ci.cli import main
 from miles.ci.register import register_cpu_ci
 from miles.ci.reports.phases import COLUMNS, attribute, read_intervals
 
-register_cpu_ci(est_time=5, suite="stage-a-cpu")
+register_cpu_ci(est_time=6, suite="stage-a-cpu")
 
 REPORTS = ".miles/reports/stage-b-cpu-1of1"
 # The test's own process converts for 0.4 s; a child process it starts (a rank) rolls out for 0.6 s

@@ -23,7 +23,7 @@ from miles.ci.register import register_cpu_ci
 from miles.ci.running.execute import CancelToken, Settings, TestRun, run_attempt
 from miles.ci.running.warm import MIN_FILES, wanted
 
-register_cpu_ci(est_time=20, suite="stage-a-cpu")
+register_cpu_ci(est_time=25, suite="stage-a-cpu")
 
 SEES = """
 import json, os, random, signal, sys, time

@@ -18,7 +18,7 @@ from miles.train.checks import (
     check_weights_equal,
 )
 
-register_cpu_ci(est_time=5, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 
 def test_first_step_kl_above_tolerance_fails_with_the_value():

@@ -25,7 +25,7 @@ from miles.train.fp8_export import Fp8ExportError, fp8_export_for, module_matche
 
 # measured: 79 s of CPU (a tiny checkpoint prepared by `python -m miles.ckpt prepare` in a
 # subprocess); the implicit 15 s timed out in a lane run at load 4.6
-register_cpu_ci(est_time=35, suite="stage-a-cpu")
+register_cpu_ci(est_time=40, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ from miles.ci.register import register_cpu_ci
 from miles.train.args import parse_config
 from miles.train.lora import is_adapter, merged, wrap
 
-register_cpu_ci(est_time=4, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 
 def _model():

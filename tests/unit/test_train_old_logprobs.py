@@ -19,7 +19,7 @@ import torch
 
 from miles.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=6, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 STOP_TOKENS = [str(t) for t in range(100, 140)]
 

@@ -13,7 +13,7 @@ from miles.recipes.launch import TRAINER_MODULE, build_plan
 from miles.recipes.snapshot import FIXED
 from miles.train.args import parse_args
 
-register_cpu_ci(est_time=1, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 PLANS = [(recipe, profile) for name in names() for recipe in variants(name) for profile in recipe.profiles]
 

@@ -11,7 +11,7 @@ from miles.train.checks import CheckFailed, check_weights_equal
 from miles.train.config import SamplingConfig
 from miles.train.rollout import TorchRolloutEngine, sample_tokens
 
-register_cpu_ci(est_time=5, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 VOCAB = 48
 

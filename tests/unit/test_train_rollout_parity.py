@@ -23,7 +23,7 @@ from miles.train.rollout import RolloutEngineError, TorchRolloutEngine, cache_ke
 
 # measured: 54 s of CPU before GLM-4.7-Flash and Qwen3.5 joined the families it compares (199 s
 # of wall at load 10); the implicit 15 s would time out on a quiet lane
-register_cpu_ci(est_time=40, suite="stage-a-cpu")
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 # every family at its own tiny depth: DeepSeek-V4's compressed layers and Qwen3.5's first
 # full-attention layer are its third and fourth

@@ -8,7 +8,7 @@ from pathlib import Path
 from miles.ci.register import register_cpu_ci
 from miles.image.pins import parse_lock
 
-register_cpu_ci(est_time=1, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 REQUIREMENTS = Path(__file__).resolve().parents[2] / "requirements"
 

@@ -11,7 +11,7 @@ import torch
 
 from miles.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=5, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
