@@ -10,6 +10,7 @@ the attempt's own (where this machine lets one be made) and the subreaper with /
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -29,12 +30,13 @@ register_cpu_ci(est_time=45, suite="stage-a-cpu")
 CI_ENV = ("GITHUB_ACTIONS", "GITHUB_STEP_SUMMARY", "MILES_DURATIONS_PATH", "MILES_HISTORY_URL")
 
 ESCAPEES = '''
-import os, socket, subprocess, sys, time
+import json, os, socket, subprocess, sys, time
 from pathlib import Path
 from miles.ci.register import register_cpu_ci
 
 register_cpu_ci(est_time=5, suite="stage-b-cpu")
-OUT = Path(os.environ["ESCAPE_OUT"])
+ASKED = json.loads(Path(os.environ["ESCAPE_CONTROL"]).read_text())
+OUT = Path(ASKED["out"])
 SERVER = """
 import socket, sys, time
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -50,7 +52,7 @@ def _start_escapees():
     (OUT / "setsid.pid").write_text(str(a.pid))
     subprocess.run(["setsid", "-f", "sh", "-c", f"echo $$ > {OUT}/daemon.pid; exec sleep 600"], check=True)
     server = subprocess.Popen(
-        [sys.executable, "-c", SERVER, os.environ["ESCAPE_PORT"], str(OUT / "listening")],
+        [sys.executable, "-c", SERVER, str(ASKED["port"]), str(OUT / "listening")],
         start_new_session=True,
     )
     (OUT / "server.pid").write_text(str(server.pid))
@@ -63,7 +65,7 @@ def _start_escapees():
 
 def test_escape():
     _start_escapees()
-    if os.environ["ESCAPE_MODE"] == "hang":
+    if ASKED["mode"] == "hang":
         time.sleep(600)
 '''
 
@@ -125,8 +127,12 @@ def _run(
     (tmp_path / "tests").mkdir(exist_ok=True)
     (tmp_path / "tests" / "test_escape.py").write_text(ESCAPEES)
     port = _free_port()
+    # what this run asks of the test, in a file: the environment stays the same for every run of
+    # this module, so one warm process serves them all (a changed environment starts another)
+    control = tmp_path.parent / "escape-control.json"
+    control.write_text(json.dumps({"out": str(out), "port": port, "mode": behaviour}))
     env = {k: v for k, v in os.environ.items() if k not in CI_ENV}
-    env.update(ESCAPE_OUT=str(out), ESCAPE_PORT=str(port), ESCAPE_MODE=behaviour)
+    env.update(ESCAPE_CONTROL=str(control))
     settings = Settings(
         root=tmp_path, grace=0.5, base_env=env, use_cgroup=mode != "subreaper", warm=mode == "warm"
     )
