@@ -18,6 +18,9 @@ if role == "engine":
     received = torch.zeros(3)
     group.broadcast(received)
     emit({"engine": received.tolist()})
+    # closed before the interpreter exits: gloo's threads torn down at exit instead abort the
+    # process now and then ("terminate called without an active exception", exit -6)
+    group.close()
 else:
     dist.init_process_group("gloo")
     if dist.get_rank() == 0:
@@ -25,6 +28,7 @@ else:
             backend="gloo", address="127.0.0.1", port=port, rank=0, world_size=2, group_name="g"
         )
         group.broadcast(torch.arange(3.0))
+        group.close()
     total = torch.ones(1)
     dist.all_reduce(total)
     emit({"rank": dist.get_rank(), "sum": total.item()})  # one write: the ranks share the pipe
