@@ -102,6 +102,15 @@ def _cgroup_or_skip() -> None:
     probe.remove()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _end_the_warm_process():
+    """The warm process a test here starts ends with the module, not with the pytest worker."""
+    yield
+    from miles.ci.running import warm
+
+    warm.close()
+
+
 @pytest.fixture(params=["cgroup", "subreaper", "warm"])
 def mode(request) -> str:
     """How the test process is contained: its own cgroup, the runner as subreaper, or forked by

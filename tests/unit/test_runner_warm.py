@@ -76,6 +76,15 @@ def _attempt(root: Path, out: Path, run: str, *, warm: bool, **asked: bool):
     return run_attempt(test, root / "attempts" / run, settings, CancelToken())
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _end_the_warm_process():
+    """The warm process a test here starts ends with the module, not with the pytest worker."""
+    yield
+    from miles.ci.running import warm
+
+    warm.close()
+
+
 def _same(env: dict) -> dict:
     """The variables every attempt shares (each has its own token and folders)."""
     return {k: v for k, v in env.items() if k != "MILES_CI_ATTEMPT_TOKEN" and "/attempts/" not in v}

@@ -50,16 +50,6 @@ READY_S = 120.0  # the imports, on a loaded 2-core machine
 # ------------------------------------------------------------------ the warm process
 
 
-def _die_with_parent() -> None:
-    """PR_SET_PDEATHSIG: the warm process ends with the runner job that started it."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-
-
 def preload() -> list[str]:
     """Import what the tests share; a module that fails is left to the tests, which report it.
     miles first: its __init__ makes megatron-core's fusions eager without CUDA (miles.megatron.compat)."""
@@ -190,7 +180,9 @@ def serve(sock: socket.socket) -> _Child | None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     sock = socket.socket(fileno=int(args[0]))
-    _die_with_parent()
+    from miles.children import die_with
+
+    die_with(int(args[1]))  # the runner job that started it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the runner handles ^C; the children get their own
     loaded = preload()
     # what the imports made lives as long as the process: out of the collector's sight, a child
@@ -268,7 +260,7 @@ class Warm:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock = ours
         self.proc = subprocess.Popen(
-            [python, "-m", "miles.ci.running.warm", str(theirs.fileno())],
+            [python, "-m", "miles.ci.running.warm", str(theirs.fileno()), str(os.getpid())],
             cwd=cwd,
             env=dict(self.key),
             stdin=subprocess.DEVNULL,
@@ -344,6 +336,12 @@ _current: list[Warm] = []
 _failed: list[str] = []
 
 
+def close() -> None:
+    """End this process's warm process now (else at exit): a test that started one frees it."""
+    while _current:
+        _current.pop().close()
+
+
 def wanted(env: Mapping[str, str], files: int) -> bool:
     """MILES_CI_WARM=1: yes; 0: no; unset: for a run of at least MIN_FILES files (the warm process
     costs about what one file's imports do), unless the runner itself runs inside a test (a
@@ -365,8 +363,7 @@ def warm_for(python: str, env: Mapping[str, str], cwd: Path) -> Warm | None:
         return _current[0]
     if _failed:
         return None
-    while _current:
-        _current.pop().close()
+    close()
     try:
         warm = Warm(python, env, cwd)
     except (OSError, ValueError) as exc:
