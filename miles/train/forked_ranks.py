@@ -16,6 +16,10 @@ Like torchrun: the first rank to fail ends the others (SIGTERM, then SIGKILL aft
 period) and its exit status is the launcher's (128 + the signal for a rank killed by one);
 SIGINT, SIGTERM and SIGHUP sent to the launcher go to every rank. Unlike torchrun: one node only,
 no restarts, POSIX only (fork). GPU lanes keep torchrun: CUDA cannot be forked into.
+
+With MILES_FORK_SERVER=SOCKET in its environment the launcher has a fork server (started with
+`--serve SOCKET`, miles.train.fork_server) that has imported all this already run the launch
+for it, and forks the ranks itself only where the server refuses (it says why).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from pathlib import Path
 GRACE_S = 30.0
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 TRAINER = "miles.train"
+SERVER_ENV = "MILES_FORK_SERVER"  # a fork server's socket (miles.train.fork_server)
 
 
 class LaunchRefused(ValueError):
@@ -168,7 +173,9 @@ def _status(wait_status: int) -> int:
     return os.WEXITSTATUS(wait_status)
 
 
-def launch(args: argparse.Namespace) -> int:
+def launch(args: argparse.Namespace, watch=None) -> int:
+    """Preload, fork the ranks, wait for them; `watch` is the fork server's connection to the
+    launcher this launch runs for (miles.train.fork_server)."""
     preload([*args.preload, *(trainer_preloads(args.args) if args.module == TRAINER else [])])
     port = free_port()
     sys.stdout.flush()
@@ -186,6 +193,10 @@ def launch(args: argparse.Namespace) -> int:
 
     for sig in FORWARDED:
         signal.signal(sig, forward)
+    if watch is not None:
+        from miles.train.fork_server import watch as watch_launcher
+
+        watch_launcher(watch, forward, list(ranks))
     result, deadline = 0, None
     while ranks:
         if deadline is not None and time.monotonic() > deadline:
@@ -221,12 +232,37 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
+def parse_serve(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m miles.train.forked_ranks --serve",
+        description="Import the trainer once and run launches sent by launchers that find "
+        f"{SERVER_ENV}=SOCKET in their environment (miles.train.fork_server).",
+    )
+    p.add_argument("--serve", required=True, metavar="SOCKET", help="the Unix socket to listen on")
+    p.add_argument("--preload", action="append", default=[], help="a module to import before serving")
+    p.add_argument("--exit-with", type=int, metavar="PID", help="stop when process PID ends")
+    return p.parse_args(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--serve" in argv:
+        from miles.train.fork_server import serve
+
+        options = parse_serve(argv)
+        return serve(options.serve, options.preload, options.exit_with)
     try:
-        args = parse(sys.argv[1:] if argv is None else argv)
+        args = parse(argv)
     except LaunchRefused as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    server = os.environ.get(SERVER_ENV)
+    if server:
+        from miles.train.fork_server import launch_remote
+
+        code = launch_remote(server, argv)
+        if code is not None:
+            return code
     return launch(args)
 
 

@@ -26,6 +26,7 @@ SHARED = {
     "miles.text",
     "miles.platform",
     "miles.children",
+    "miles.cgroups",
     "miles.phases",
     "miles.load",
 }

@@ -157,3 +157,52 @@ def test_a_malformed_switch_is_refused_in_one_line_with_exit_2():
     )
     assert done.returncode == 2, done.stderr
     assert "MILES_CI_WARM='yes': give 1" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+LAUNCHES = """
+import json, os, subprocess, sys
+from pathlib import Path
+
+OUT = Path(os.environ["WARM_OUT"])
+ASKED = json.loads((OUT / "asked.json").read_text())
+RANK = '''
+import json, os, sys, time
+served = "torch" in sys.modules  # a launch of its own preloads nothing for a script; the server did
+end = time.process_time() + 0.5
+while time.process_time() < end:  # CPU the runner must count, wherever the rank was forked
+    pass
+from miles.cgroups import own_cgroup
+print(json.dumps({"rank": os.environ["RANK"], "served": served, "cgroup": own_cgroup()}))
+'''
+
+
+def test_launches():
+    (OUT / "rank.py").write_text(RANK)
+    done = subprocess.run(
+        [sys.executable, "-m", "miles.train.forked_ranks", "--nproc-per-node", "2", str(OUT / "rank.py")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    from miles.cgroups import own_cgroup
+
+    ranks = [json.loads(line) for line in done.stdout.splitlines()]
+    seen = {"server": os.environ.get("MILES_FORK_SERVER"), "stderr": done.stderr,
+            "ranks": sorted(r["served"] for r in ranks), "cgroups": [r["cgroup"] == own_cgroup() for r in ranks]}
+    (OUT / f"launch-{ASKED['run']}.json").write_text(json.dumps(seen))
+"""
+
+
+def test_a_lanes_cpu_launches_are_forked_by_its_fork_server_and_their_cpu_counted(tree):
+    root, out = tree
+    (root / "tests" / "test_sees.py").write_text(LAUNCHES)
+    for run, warm in (("fresh", False), ("warm", True)):
+        attempt = _attempt(root, out, run, warm=warm)
+        assert attempt.status == "passed", attempt.output_tail
+        assert attempt.cpu >= 2 * 0.5, attempt.cpu  # both ranks' busy loops, served or not
+        seen = json.loads((out / f"launch-{run}.json").read_text())
+        assert "fork server" not in seen["stderr"], seen["stderr"]  # never refused
+        assert seen["cgroups"] == [True, True]  # the ranks are in the attempt's cgroup, as its test is
+        if warm:
+            assert seen["server"] and seen["ranks"] == [True, True]
+        else:
+            assert seen["server"] is None and seen["ranks"] == [False, False]

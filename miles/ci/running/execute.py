@@ -30,7 +30,7 @@ from miles.ci.reports.phases import attempt_phases
 from miles.ci.reports.record import CANCELLED, FAILED, Attempt
 from miles.ci.running.outcome import classify_attempt, read_junit, signal_name
 from miles.ci.running.processes import Containment
-from miles.ci.running.warm import Warm, WarmProcess, warm_for
+from miles.ci.running.warm import Warm, WarmProcess, fork_server_for, warm_for
 from miles.files import Folder
 from miles.load import LoadClock
 from miles.phases import DIR_ENV as PHASE_DIR_ENV
@@ -241,12 +241,15 @@ def _run_in(
 
     argv = pytest_command(settings, test.file, junit_path)
     env = {**settings.base_env, **test.env(record_dir, phase_dir)}
-    # before the containment: the warm process is the runner's, not the attempt's
+    # before the containment: the warm process and the fork server are the runner's, not the attempt's
+    server = fork_server_for(settings.python, env, settings.root) if settings.warm else None
+    if server is not None:
+        env[server.env_name] = server.path
     warm = warm_for(settings.python, env, settings.root) if settings.warm else None
     containment = Containment(use_cgroup=settings.use_cgroup)
     env.update(containment.env())
     started = time.monotonic()
-    cpu_before = _children_cpu()
+    cpu_before = _children_cpu() + (server.usage() if server is not None else 0.0)
     try:
         try:
             proc = _start(argv, settings.root, env, containment, warm)
@@ -288,7 +291,9 @@ def _run_in(
     finally:
         containment.close()
     returncode = proc.returncode
-    cpu = _children_cpu() - cpu_before + getattr(proc, "cpu", 0.0)  # a forked one's own, from wait4
+    # a forked one's own, from wait4; the fork server's launches for it, from the server
+    cpu_after = _children_cpu() + (server.usage() if server is not None else 0.0)
+    cpu = cpu_after - cpu_before + getattr(proc, "cpu", 0.0)
     text = tail.text()
     parsed = read_junit(junit_path)
     status, classification, message = classify_attempt(

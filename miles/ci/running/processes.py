@@ -35,6 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from miles.cgroups import cgroup2_mount, own_cgroup
+
 TOKEN_ENV = "MILES_CI_ATTEMPT_TOKEN"
 PR_SET_CHILD_SUBREAPER = 36
 _POLL_S = 0.02
@@ -135,28 +137,6 @@ def set_subreaper(on: bool) -> bool:
 # ---------------------------------------------------------------- cgroup v2
 
 
-def _cgroup2_mount() -> Path | None:
-    try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        pre, _, post = line.partition(" - ")
-        if post.split(" ", 1)[0] == "cgroup2":
-            return Path(pre.split()[4])
-    return None
-
-
-def _own_cgroup() -> str | None:
-    try:
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            if line.startswith("0::"):
-                return line[3:].strip()
-    except OSError:
-        pass
-    return None
-
-
 class Cgroup:
     """A cgroup v2 made for one attempt under the runner's own cgroup."""
 
@@ -167,7 +147,7 @@ class Cgroup:
     @classmethod
     def create(cls, name: str) -> Cgroup | None:
         """A fresh cgroup, or None where cgroup v2 is absent, read-only or not delegated."""
-        mount, own = _cgroup2_mount(), _own_cgroup()
+        mount, own = cgroup2_mount(), own_cgroup()
         if mount is None or own is None:
             return None
         path = mount / own.lstrip("/") / name
