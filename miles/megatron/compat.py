@@ -703,8 +703,8 @@ def writers_die_with_this_process() -> None:
 
     Where torch sees no CUDA device the manager is forked instead of spawned, as the CPU ranks
     themselves are (miles.train.forked_ranks): the server unpickles each write result, which
-    imports torch.distributed.checkpoint, and a spawned one pays that import (about 1.7 s of
-    CPU a saving rank, measured on the CPU lane) where a forked one has it already. With a
+    imports torch.distributed.checkpoint, and a spawned one pays that import (1.5-1.9 s a saving
+    rank by `-X importtime` on the 2-core machines) where a forked one has it already. With a
     GPU it is spawned, as megatron-core does: nothing is forked from a process that holds a
     CUDA context."""
     import multiprocessing

@@ -25,7 +25,7 @@ import pytest
 from miles.ci.register import register_cpu_ci
 from miles.ckpt.datasets import DATASETS, UnknownDataset, dataset_of
 
-register_cpu_ci(est_time=7, suite="stage-b-cpu")
+register_cpu_ci(est_time=6, suite="stage-b-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 DAPO = DATASETS["dapo-math-17k"]

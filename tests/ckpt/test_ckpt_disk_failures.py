@@ -27,7 +27,7 @@ from miles.ckpt.pipeline import prepare
 from miles.ckpt.plan import CheckpointPlan
 from tests.support.ckpt import private
 
-register_cpu_ci(est_time=30, suite="stage-b-cpu")
+register_cpu_ci(est_time=25, suite="stage-b-cpu")
 
 MODEL = "qwen3-tiny-4layer"
 STEPS = ("fetch", "validate", "fp8", "torch_dist")

@@ -17,7 +17,7 @@ from miles.ckpt.hub import Source, resolve_hub
 from miles.ckpt.shards import read_weight_map
 from miles.ckpt.tiny import make_tiny_checkpoint
 
-register_cpu_ci(est_time=7, suite="stage-b-cpu")
+register_cpu_ci(est_time=6, suite="stage-b-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 REPO = "acme/tiny-qwen3"

@@ -30,7 +30,7 @@ from miles.ckpt.shards import CheckpointReader
 from miles.families import family_of
 from tests.support.ckpt import trunk_of
 
-register_cpu_ci(est_time=4, suite="stage-b-cpu")
+register_cpu_ci(est_time=3, suite="stage-b-cpu")
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ from miles.ckpt.errors import CheckpointError
 from miles.ckpt.manifest import MANIFEST_NAME, read_manifest
 from miles.ckpt.stage import stage_dir
 
-register_cpu_ci(est_time=4, suite="stage-b-cpu")
+register_cpu_ci(est_time=3, suite="stage-b-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "qwen3-tiny-4layer"

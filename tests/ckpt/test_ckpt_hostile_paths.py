@@ -28,7 +28,7 @@ from miles.ckpt.stage import stage_dir
 from miles.files import FileRefused, resolve_inside
 from tests.support.ckpt import private
 
-register_cpu_ci(est_time=7, suite="stage-b-cpu")
+register_cpu_ci(est_time=6, suite="stage-b-cpu")
 
 MODEL = "qwen3-tiny-4layer"
 

@@ -30,7 +30,7 @@ from miles.ckpt.plan import CheckpointPlan
 from miles.ckpt.shards import INDEX_NAME, read_weight_map
 from miles.ckpt.verify import DigestCache, file_problems, identity
 
-register_cpu_ci(est_time=4, suite="stage-b-cpu")
+register_cpu_ci(est_time=3, suite="stage-b-cpu")
 
 RUN = (
     "--prompt-data synthetic:fixed --rm-type synthetic --num-rollout 1 --rollout-batch-size 2 "

@@ -21,7 +21,7 @@ import pytest
 from miles.ci.register import register_cpu_ci
 from miles.ckpt.manifest import read_manifest
 
-register_cpu_ci(est_time=8, suite="stage-b-cpu")
+register_cpu_ci(est_time=7, suite="stage-b-cpu")
 
 # Counts the builder's calls in a file, around the one builder the cache calls.
 COUNTING = """

@@ -21,7 +21,7 @@ from miles.families import layout
 from miles.families.model import build_model
 from miles.megatron.checkpoint import single_process_group
 
-register_cpu_ci(est_time=15, suite="stage-b-cpu")
+register_cpu_ci(est_time=10, suite="stage-b-cpu")
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 
 from miles.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=15, suite="stage-b-cpu")
+register_cpu_ci(est_time=10, suite="stage-b-cpu")
 
 WORKER = Path(__file__).with_name("cp_relayout_worker.py")
 

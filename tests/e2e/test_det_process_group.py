@@ -19,7 +19,7 @@ from pathlib import Path
 
 from miles.ci.register import register_cpu_ci, register_cuda_ci, register_rocm_ci
 
-register_cpu_ci(est_time=15, suite="stage-b-cpu")
+register_cpu_ci(est_time=6, suite="stage-b-cpu")
 register_cuda_ci(est_time=240, suite="stage-c-4-gpu-h200", labels=["precision"])
 register_rocm_ci(est_time=60, suite="nightly-stage-c-4-gpu-mi350", labels=["precision"])
 

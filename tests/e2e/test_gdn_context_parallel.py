@@ -16,7 +16,7 @@ from miles.ci.register import register_cpu_ci
 from tests.support import ranks
 from tests.support.results import result
 
-register_cpu_ci(est_time=6, suite="stage-b-cpu")
+register_cpu_ci(est_time=4, suite="stage-b-cpu")
 
 WORKER = Path(__file__).with_name("gdn_cp_worker.py")
 REL = 1e-5

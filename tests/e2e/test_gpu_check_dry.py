@@ -19,7 +19,7 @@ import pytest
 
 from miles.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=50, suite="stage-b-cpu")
+register_cpu_ci(est_time=45, suite="stage-b-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = [

@@ -21,7 +21,7 @@ import torch
 from miles.ci.register import register_cpu_ci
 from tests.support import recipes as runs
 
-register_cpu_ci(est_time=30, suite="stage-b-cpu")
+register_cpu_ci(est_time=20, suite="stage-b-cpu")
 
 STANDALONE = [sys.executable, "-m", "miles.train.standalone"]
 SEQ = 24

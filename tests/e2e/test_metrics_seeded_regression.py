@@ -12,7 +12,7 @@ from miles.ci.register import register_cpu_ci
 from miles.metrics.gate import INACTIVE
 from tests.e2e import metrics_seeded_regression as protocol
 
-register_cpu_ci(est_time=4, suite="stage-b-cpu")
+register_cpu_ci(est_time=3, suite="stage-b-cpu")
 
 
 @pytest.fixture(scope="module")

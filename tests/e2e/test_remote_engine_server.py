@@ -25,7 +25,7 @@ from miles.train.remote.fleet import Engine, Fleet, spawn, torch_server_args, wa
 from miles.train.remote.transfer import BroadcastTransfer, DiskTransfer
 from miles.train.rollout import RolloutEngineError, TorchRolloutEngine
 
-register_cpu_ci(est_time=7, suite="stage-b-cpu")
+register_cpu_ci(est_time=6, suite="stage-b-cpu")
 
 SAMPLING = SamplingConfig(temperature=1.0, top_p=1.0, top_k=-1, max_response_len=8)
 

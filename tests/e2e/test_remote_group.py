@@ -15,7 +15,7 @@ from miles.train.remote.group import free_port
 from tests.support.ranks import rank_env
 from tests.support.results import results
 
-register_cpu_ci(est_time=7, suite="stage-b-cpu")
+register_cpu_ci(est_time=15, suite="stage-b-cpu")
 
 WORKER = Path(__file__).with_name("remote_group_worker.py")
 

@@ -23,7 +23,7 @@ from tests.support import ranks as support_ranks
 from tests.support import recipes as runs
 from tests.support.ckpt import tiny_hf
 
-register_cpu_ci(est_time=20, suite="stage-b-cpu")
+register_cpu_ci(est_time=10, suite="stage-b-cpu")
 
 
 RUN = (

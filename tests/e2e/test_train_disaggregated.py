@@ -19,7 +19,7 @@ from pathlib import Path
 from miles.ci.register import register_cpu_ci
 from tests.support import recipes as runs
 
-register_cpu_ci(est_time=50, suite="stage-b-cpu")
+register_cpu_ci(est_time=25, suite="stage-b-cpu")
 
 
 ROLLOUTS = 3

@@ -23,7 +23,7 @@ import torch
 from miles.ci.register import register_cpu_ci
 from tests.support import recipes as runs
 
-register_cpu_ci(est_time=20, suite="stage-b-cpu")
+register_cpu_ci(est_time=7, suite="stage-b-cpu")
 
 FILTER = "filter=layer_id is None or layer_id < 1"
 ARGS = (

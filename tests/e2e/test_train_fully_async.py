@@ -23,7 +23,7 @@ import pytest
 from miles.ci.register import register_cpu_ci
 from tests.support import recipes as runs
 
-register_cpu_ci(est_time=15, suite="stage-b-cpu")
+register_cpu_ci(est_time=9, suite="stage-b-cpu")
 
 
 ROLLOUTS = 6

@@ -24,7 +24,7 @@ from miles.ci.register import register_ci_gate, register_cpu_ci, register_cuda_c
 from miles.metrics.capture import RECORD_DIR_ENV
 from tests.support import recipes as runs
 
-register_cpu_ci(est_time=20, suite="stage-b-cpu")
+register_cpu_ci(est_time=15, suite="stage-b-cpu")
 register_cuda_ci(est_time=120, suite="stage-b-2-gpu-h200", labels=["fsdp", "short"])
 register_rocm_ci(est_time=150, suite="stage-c-4-gpu-mi350", labels=["fsdp", "short", "amd"])
 # The nightly MI350 lane runs it too, so its baselines of rollout/raw_reward exist to gate PRs against.

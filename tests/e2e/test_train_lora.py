@@ -26,7 +26,7 @@ import torch
 from miles.ci.register import register_cpu_ci
 from tests.support import recipes as runs
 
-register_cpu_ci(est_time=25, suite="stage-b-cpu")
+register_cpu_ci(est_time=15, suite="stage-b-cpu")
 
 WORKER = Path(__file__).with_name("lora_worker.py")
 SCALING = 8 / 4

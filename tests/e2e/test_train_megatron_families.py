@@ -19,7 +19,7 @@ from miles.ci.register import register_cpu_ci
 from tests.support import recipes as runs
 from tests.support.learning import DSV4, GLM, INKLING, QWEN2, assert_learns_the_prompt, train
 
-register_cpu_ci(est_time=195, suite="stage-b-cpu")
+register_cpu_ci(est_time=165, suite="stage-b-cpu")
 
 
 def test_megatron_qwen2_tp2_learns_a_task_that_needs_the_prompt(tmp_path):

@@ -22,7 +22,7 @@ from tests.support.ckpt import tiny
 from tests.support.inkling import perturbed_checkpoint
 from tests.support.trainer_cases import run_cases
 
-register_cpu_ci(est_time=55, suite="stage-b-cpu")
+register_cpu_ci(est_time=45, suite="stage-b-cpu")
 
 
 # --- model-parallel layouts against data parallel ----------------------------------------

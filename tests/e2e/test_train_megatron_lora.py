@@ -27,7 +27,7 @@ from miles.ci.register import register_cpu_ci
 from tests.support.ckpt import tiny
 from tests.support.ranks import launch, succeeded
 
-register_cpu_ci(est_time=30, suite="stage-b-cpu")
+register_cpu_ci(est_time=20, suite="stage-b-cpu")
 
 WORKER = Path(__file__).with_name("lora_worker.py")
 SCALING = 8 / 4

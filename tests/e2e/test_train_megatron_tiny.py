@@ -24,7 +24,7 @@ from tests.support import recipes as runs
 from tests.support.learning import DENSE, ECHO, MOE, assert_learns_the_prompt, train
 from tests.support.ranks import torchrun
 
-register_cpu_ci(est_time=105, suite="stage-b-cpu")
+register_cpu_ci(est_time=50, suite="stage-b-cpu")
 
 # The resumed run starts from the checkpoint the dense run saves here and trains to its end: the
 # last 8 rollouts are as good a proof of an exact resume as the last 20, at 12 rollouts less.

@@ -24,7 +24,7 @@ from miles.metrics.records import MAX_RECORD_FILES, read_record
 from tests.support.ckpt import tiny
 from tests.support.trainer_cases import run_cases
 
-register_cpu_ci(est_time=15, suite="stage-b-cpu")
+register_cpu_ci(est_time=9, suite="stage-b-cpu")
 
 STOP_TOKENS = [str(t) for t in range(100, 140)]  # ~8% of the tiny vocabulary: responses end anywhere
 

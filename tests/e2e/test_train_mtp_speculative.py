@@ -31,7 +31,7 @@ import torch
 from miles.ci.register import register_cpu_ci
 from tests.support import recipes as runs
 
-register_cpu_ci(est_time=75, suite="stage-b-cpu")
+register_cpu_ci(est_time=55, suite="stage-b-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLLOUTS = 8

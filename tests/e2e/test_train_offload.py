@@ -27,7 +27,7 @@ import pytest
 from miles.ci.register import register_cpu_ci
 from tests.support.ranks import torchrun
 
-register_cpu_ci(est_time=45, suite="stage-b-cpu")
+register_cpu_ci(est_time=15, suite="stage-b-cpu")
 
 _spec = importlib.util.spec_from_file_location("trainer_runs", Path(__file__).with_name("trainer_runs.py"))
 runs = sys.modules.setdefault("trainer_runs", importlib.util.module_from_spec(_spec))

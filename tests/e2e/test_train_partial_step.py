@@ -23,7 +23,7 @@ import pytest
 from miles.ci.register import register_cpu_ci
 from tests.support import recipes as runs
 
-register_cpu_ci(est_time=40, suite="stage-b-cpu")
+register_cpu_ci(est_time=10, suite="stage-b-cpu")
 
 
 ROLLOUT = ("--rollout-batch-size", "4", "--n-samples-per-prompt", "8", "--rollout-max-response-len", "6")

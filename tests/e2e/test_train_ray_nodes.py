@@ -25,7 +25,7 @@ from miles.ci.register import register_cpu_ci
 from miles.train.remote.group import free_port
 from tests.support import recipes as runs
 
-register_cpu_ci(est_time=55, suite="stage-b-cpu")
+register_cpu_ci(est_time=40, suite="stage-b-cpu")
 
 
 RAY = str(Path(sys.executable).with_name("ray"))

@@ -22,7 +22,7 @@ import pytest
 from miles.ci.register import register_cpu_ci
 from tests.support import replay_cases as r3
 
-register_cpu_ci(est_time=40, suite="stage-b-cpu")
+register_cpu_ci(est_time=30, suite="stage-b-cpu")
 
 FAMILIES = {
     # its head scaled by 30 (as tests/support/inkling.py does): logits of order 1, not 0.06, where an

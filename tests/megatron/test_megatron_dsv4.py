@@ -31,7 +31,7 @@ from tests.support import ranks
 from tests.support.ckpt import tiny_hf
 from tests.support.results import results
 
-register_cpu_ci(est_time=25, suite="stage-b-cpu")
+register_cpu_ci(est_time=20, suite="stage-b-cpu")
 
 TOL = 1e-5
 SEQ, BATCH = 320, 2

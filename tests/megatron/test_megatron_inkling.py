@@ -27,7 +27,7 @@ from miles.ci.register import register_cpu_ci
 from tests.support import dry_start as dry
 from tests.support.inkling import make_release_checkpoint, perturbed_checkpoint
 
-register_cpu_ci(est_time=25, suite="stage-b-cpu")
+register_cpu_ci(est_time=15, suite="stage-b-cpu")
 
 
 TOL = 1e-5

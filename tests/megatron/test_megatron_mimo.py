@@ -32,7 +32,7 @@ from tests.support import ranks
 from tests.support.ckpt import perturbed
 from tests.support.results import results
 
-register_cpu_ci(est_time=9, suite="stage-b-cpu")
+register_cpu_ci(est_time=15, suite="stage-b-cpu")
 
 TOL = 1e-5
 GRAD_REL = 1e-5

@@ -17,7 +17,7 @@ import torch
 
 from miles.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=7, suite="stage-b-cpu")
+register_cpu_ci(est_time=6, suite="stage-b-cpu")
 
 TOL = 1e-5
 

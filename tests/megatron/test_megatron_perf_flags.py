@@ -20,7 +20,7 @@ from miles.ci.register import register_cpu_ci
 from tests.support import ranks
 from tests.support.ckpt import tiny
 
-register_cpu_ci(est_time=10, suite="stage-b-cpu")
+register_cpu_ci(est_time=9, suite="stage-b-cpu")
 
 WORKER = Path(__file__).with_name("flags_worker.py")
 CASES = {

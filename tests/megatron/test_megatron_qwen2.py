@@ -22,7 +22,7 @@ import torch
 from miles.ci.register import register_cpu_ci
 from tests.support.ckpt import tiny as cached
 
-register_cpu_ci(est_time=20, suite="stage-b-cpu")
+register_cpu_ci(est_time=15, suite="stage-b-cpu")
 
 TOL = 1e-5
 LAYERS = 2

@@ -35,7 +35,7 @@ from tests.support.ckpt import move_mtp_shard, off_start
 from tests.support.ckpt import tiny as cached
 from tests.support.results import results
 
-register_cpu_ci(est_time=20, suite="stage-b-cpu")
+register_cpu_ci(est_time=15, suite="stage-b-cpu")
 
 TOL = 1e-5
 GRAD_REL = 1e-5

@@ -22,7 +22,7 @@ import pytest
 from miles.ci.register import register_cpu_ci
 from tests.support import ranks
 
-register_cpu_ci(est_time=25, suite="stage-b-cpu")
+register_cpu_ci(est_time=8, suite="stage-b-cpu")
 
 WORKER = Path(__file__).with_name("save_kill_worker.py")
 ROOT = Path(__file__).resolve().parents[2]

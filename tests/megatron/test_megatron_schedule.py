@@ -19,7 +19,7 @@ from miles.ci.register import register_cpu_ci
 from tests.support import ranks
 from tests.support.ckpt import tiny
 
-register_cpu_ci(est_time=9, suite="stage-b-cpu")
+register_cpu_ci(est_time=8, suite="stage-b-cpu")
 
 WORKER = Path(__file__).with_name("schedule_worker.py")
 PP2 = ["--pipeline-model-parallel-size", "2"]

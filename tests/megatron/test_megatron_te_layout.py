@@ -15,7 +15,7 @@ import pytest
 
 from miles.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=3, suite="stage-b-cpu")
+register_cpu_ci(est_time=2, suite="stage-b-cpu")
 
 # one dense layer first, then MoE layers: both kinds of layer in one checkpoint
 MIXED = {"mlp_only_layers": [0]}

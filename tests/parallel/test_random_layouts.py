@@ -22,7 +22,7 @@ from miles.parallel import RULE_IDS, ModelShape, ParallelLayout, stage_sizes, va
 from miles.parallel.numbers import divisors
 from miles.parallel.rules import middle
 
-register_cpu_ci(est_time=40, suite="stage-b-cpu")
+register_cpu_ci(est_time=35, suite="stage-b-cpu")
 
 SEED = 1012
 COUNT = 160

@@ -15,7 +15,7 @@ from miles.train.args import parse_config
 from miles.train.async_rollout import DataBuffer, Group, PromptStream
 from miles.train.data import batch_for_rollout, synthetic_prompts
 
-register_cpu_ci(est_time=3, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 
 def _group(order: int, oldest: int, *, aborted: bool = False) -> Group:

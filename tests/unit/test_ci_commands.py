@@ -14,7 +14,7 @@ import pytest
 from miles.ci.cli import COMMANDS, main
 from miles.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 

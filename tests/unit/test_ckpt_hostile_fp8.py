@@ -21,7 +21,7 @@ from miles.ckpt.cli import main
 from miles.ckpt.fp8 import quantize_blockwise
 from miles.ckpt.shards import ShardWriter, tensor_bytes
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 W = "model.layers.0.mlp.down_proj.weight"
 S = W + "_scale_inv"

@@ -21,7 +21,7 @@ from miles.ckpt.shards import (
     write_index,
 )
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 
 def _tensors() -> dict[str, torch.Tensor]:

@@ -11,7 +11,7 @@ from miles.ci.register import register_cpu_ci
 from miles.ckpt.manifest import read_manifest, write_manifest
 from miles.ckpt.verify import CACHE_ENV, DigestCache, file_problems
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from miles.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"

@@ -15,7 +15,7 @@ import pytest
 from miles.ci.register import register_cpu_ci
 from miles.exits import EXIT_BROKEN_PIPE, extras_providing
 
-register_cpu_ci(est_time=6, suite="stage-a-cpu")
+register_cpu_ci(est_time=7, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU = "from miles.ci.register import register_cpu_ci\n"

@@ -25,7 +25,7 @@ import pytest
 from miles.ci.register import register_cpu_ci
 from miles.train.fork_server import differences, usage
 
-register_cpu_ci(est_time=20, suite="stage-a-cpu")
+register_cpu_ci(est_time=15, suite="stage-a-cpu")
 
 LAUNCH = [sys.executable, "-m", "miles.train.forked_ranks"]
 ROOT = Path(__file__).resolve().parents[2]

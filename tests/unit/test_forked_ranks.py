@@ -13,7 +13,7 @@ from pathlib import Path
 from miles.ci.register import register_cpu_ci
 from miles.train.forked_ranks import trainer_preloads
 
-register_cpu_ci(est_time=4, suite="stage-a-cpu")
+register_cpu_ci(est_time=3, suite="stage-a-cpu")
 
 LAUNCH = [sys.executable, "-m", "miles.train.forked_ranks"]
 

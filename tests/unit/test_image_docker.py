@@ -22,7 +22,7 @@ from miles.image.config import load_images
 from miles.image.inputs import LABEL_HASH, LABEL_TAG, variant_inputs
 from miles.image.plan import ImageError, check_image, plan_refresh, refresh, subprocess_runner
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "docker" / "apply-patches.sh"

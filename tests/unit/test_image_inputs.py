@@ -16,7 +16,7 @@ from miles.image.config import load_images
 from miles.image.inputs import InputsError, image_tag, input_hash, parse_tag, variant_inputs
 from miles.image.plan import plan_refresh
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 DAY = dt.date(2026, 3, 9)

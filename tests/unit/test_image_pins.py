@@ -11,7 +11,7 @@ from miles.image.config import load_images
 from miles.image.install import install_arguments, torch_source_warning
 from miles.image.pins import LockError, check_dockerfile, diff_installed, parse_lock
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,7 +17,7 @@ from miles.ci.register import register_cpu_ci
 from miles.image.config import load_images
 from miles.image.source_builds import load_facts, requirement, run_steps, source_build_problems
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 # the build steps as they were (the image): sgl-kernel/, aiter's list under the lock, TMS_PLATFORM

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from miles.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=3, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 ADAPTER = ROOT / "miles" / "megatron"

@@ -17,7 +17,7 @@ import pytest
 
 from miles.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=20, suite="stage-a-cpu")
+register_cpu_ci(est_time=15, suite="stage-a-cpu")
 
 
 def test_every_redirect_still_describes_the_installed_megatron_core():

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from miles.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=10, suite="stage-a-cpu")
+register_cpu_ci(est_time=9, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 

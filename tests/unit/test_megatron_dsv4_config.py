@@ -13,7 +13,7 @@ from miles.ci.register import register_cpu_ci
 from miles.families import UnmappedModel
 from miles.families.deepseek_v4 import FAMILY
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 refuse_unmapped, weights = FAMILY.refuse_unmapped, FAMILY.weights
 

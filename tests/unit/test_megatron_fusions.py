@@ -24,7 +24,7 @@ from miles.megatron import fusions, options
 from miles.megatron.te_names import installed_megatron_core
 from miles.train.args import parse_config
 
-register_cpu_ci(est_time=10, suite="stage-a-cpu")
+register_cpu_ci(est_time=9, suite="stage-a-cpu")
 
 
 def _megatron(*flags: str):

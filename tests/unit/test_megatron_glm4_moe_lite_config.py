@@ -16,7 +16,7 @@ from miles.ci.register import register_cpu_ci
 from miles.families import UnmappedModel, family, megatron_family
 from miles.families.facts import flag_values
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 # GLM-4.7-Flash's config.json at tiny sizes, as zai-org publishes it (first_k_dense_replace beside
 # transformers' mlp_layer_types, which its class derives when absent)

@@ -17,7 +17,7 @@ from miles.ci.register import register_cpu_ci
 from miles.families import UnmappedModel, family, megatron_family
 from miles.families.facts import indexer_types, shared_index_layers
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 GLM = {
     "model_type": "glm_moe_dsa", "num_hidden_layers": 4, "hidden_size": 128, "num_attention_heads": 4,

@@ -12,7 +12,7 @@ from miles.ci.register import register_cpu_ci
 from miles.megatron.lora import LoraRefused, hf_targets, targets
 from miles.train.args import parse_config
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 
 def _lora(*extra: str):

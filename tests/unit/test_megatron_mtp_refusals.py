@@ -10,7 +10,7 @@ import pytest
 from miles.ci.register import register_cpu_ci
 from miles.families import family
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 GLM = family("glm_moe_dsa").tiny_dims | {"model_type": "glm_moe_dsa", "num_nextn_predict_layers": 1}
 QWEN3_5 = family("qwen3_5_moe").tiny_dims | {"model_type": "qwen3_5_moe_text", "num_hidden_layers": 4}

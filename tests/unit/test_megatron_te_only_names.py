@@ -20,7 +20,7 @@ from pathlib import Path
 from miles.ci.register import register_cpu_ci
 from miles.megatron import compat, te_names
 
-register_cpu_ci(est_time=7, suite="stage-a-cpu")
+register_cpu_ci(est_time=6, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 

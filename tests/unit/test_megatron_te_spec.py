@@ -14,7 +14,7 @@ import pytest
 
 from miles.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 CONFIG = {
     "model_type": "qwen3_moe", "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,

@@ -15,7 +15,7 @@ from miles.metrics.gate import ERROR, FAIL, INACTIVE, PASS, GatePolicy, check_va
 from miles.metrics.records import MetricSeries
 from miles.metrics.spec import DEFAULT_BANDS, GENERIC_BAND, LAST_STEP, Band, Coordinate, gate_spec
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 POLICY = GatePolicy(k=20, min_history=5, mad_k=3.0)
 COORD = Coordinate("train/grad_norm", "last", "{}", LAST_STEP)

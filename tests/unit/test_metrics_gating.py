@@ -18,7 +18,7 @@ from miles.metrics.gating import GateRun, gate_attempt
 from miles.metrics.spec import gate_spec
 from miles.metrics.store import MetricValue, RunEntry, open_store
 
-register_cpu_ci(est_time=3, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 TEST = "tests/e2e/test_toy.py"
 GRAD = GateDeclaration(TEST, 3, "train/grad_norm")

@@ -19,7 +19,7 @@ from miles.ci.cli import main
 from miles.ci.register import register_cpu_ci
 from miles.metrics.store import StoreError, check_store_url, mask_url, open_store
 
-register_cpu_ci(est_time=3, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 SECRET = "s3cr3t-Pw"
 HOST = "127.0.0.1:5432"

@@ -27,7 +27,7 @@ from miles.parallel import (
 )
 from miles.parallel.numbers import divisors
 
-register_cpu_ci(est_time=3, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 MOE = ModelShape("Qwen3-30B-A3B-4layer", 4, 32, 4, 128)

@@ -27,7 +27,7 @@ from miles.platform import (
     resolve,
 )
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 ROCM_BUILD = PlatformInfo(Platform.ROCM, 4, "rocm 7.2", "torch 2.9.0")

@@ -17,7 +17,7 @@ from miles.ci.machine.gpu_stack import check_driver, check_engine_modules, check
 from miles.ci.register import register_cpu_ci
 from miles.image.config import load_images
 
-register_cpu_ci(est_time=8, suite="stage-a-cpu")
+register_cpu_ci(est_time=6, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 ROCM = load_images().stack("rocm-mi350")

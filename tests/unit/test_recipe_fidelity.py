@@ -28,7 +28,7 @@ from miles.recipes.library.qwen3_30b_a3b import QWEN3_30B_A3B
 from miles.recipes.recipe import gpu_profile
 from miles.recipes.upstream import Upstream
 
-register_cpu_ci(est_time=3, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 FORMS = [

@@ -18,7 +18,7 @@ import pytest
 from miles.ci.register import register_cpu_ci
 from miles.recipes.script import main
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 
 def _render(

@@ -19,7 +19,7 @@ from miles.recipes import load, names, shared
 from miles.recipes.launch import LaunchError, RunOptions, build_plan, check_pins, format_plan, run
 from miles.recipes.script import ScriptError, main, parse_env_vars, resolve_fields
 
-register_cpu_ci(est_time=3, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXED = RunOptions(model_dir="/models", data_dir="/data", output_dir="/runs", run_id="t", python="python")

@@ -16,7 +16,7 @@ from miles.ci.register import register_cpu_ci
 from miles.recipes import names, variants
 from miles.recipes.snapshot import compare, render
 
-register_cpu_ci(est_time=3, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 SNAPSHOTS = ROOT / "tests" / "snapshots" / "recipes"

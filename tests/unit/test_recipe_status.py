@@ -35,7 +35,7 @@ from miles.recipes.status import (
     record_run,
 )
 
-register_cpu_ci(est_time=3, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 
 def _run_json(tmp_path: Path, file: str, suite: str, status: str = "passed") -> Path:

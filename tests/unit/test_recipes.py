@@ -21,7 +21,7 @@ from miles.recipes.library.qwen3_4b import QWEN3_4B
 from miles.recipes.models import UnknownModel, moe_layer_freq, resolve_model
 from miles.recipes.recipe import RecipeError, gpu_profile, groups
 
-register_cpu_ci(est_time=3, suite="stage-a-cpu")
+register_cpu_ci(est_time=2, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,7 +10,7 @@ import pytest
 from miles.ci.register import register_cpu_ci
 from miles.ci.registry.catalog import CATALOG_PATH, CatalogError, UnknownName, compress_names, load_catalog
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 EXPECTED_SUITES = {
     "stage-a-cpu",

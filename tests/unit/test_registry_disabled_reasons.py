@@ -9,7 +9,7 @@ import pytest
 from miles.ci.register import register_cpu_ci
 from miles.ci.registry.discover import disabled_reason_problem
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 ACCEPTED = [
     "MiniMax-M2.7 is deprecated.",

@@ -12,7 +12,7 @@ from miles.ci.register import register_cpu_ci
 from miles.ci.registry import discover as discover_module
 from miles.ci.registry.discover import Registration, disabled_reason_problem, discover
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADER = (

@@ -14,7 +14,7 @@ from miles.ci.registry.catalog import CatalogError, load_catalog
 from miles.ci.registry.discover import discover, parse_test_file
 from tests.unit.test_registry_catalog import _problems, _write_catalog
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 CATALOG = load_catalog()
 

@@ -14,7 +14,7 @@ from miles.train.remote import disk
 from miles.train.remote.checksums import tensor_checksum
 from miles.train.remote.disk import Publisher, WeightFilesError, apply_version, read_weights, version_dir
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 
 def _weights(seed: int = 0) -> dict[str, torch.Tensor]:

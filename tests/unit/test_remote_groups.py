@@ -13,7 +13,7 @@ from miles.train.checks import CheckFailed, check_rollout_complete
 from miles.train.remote.plan import plan_engines
 from miles.train.rollout import Generation, RolloutEngineError
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 # radixark/miles 31f1ca961 tests/e2e/sglang_config/test_sglang_config.py and _mixed_offload.py
 TWO_GROUPS = """

@@ -21,7 +21,7 @@ from miles.train.rollout import Generation
 from miles.train.routing_replay import RoutingReplayError
 from miles.train.sglang_engine import to_generation
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 
 def _sglang_source(relative: str) -> ast.Module:

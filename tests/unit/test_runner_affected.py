@@ -12,7 +12,7 @@ from miles.ci.registry.catalog import load_catalog
 from miles.ci.registry.discover import discover
 from miles.ci.selection.affected import affected_suites, parse_name_status
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 CATALOG = load_catalog()
 GPU_SUITES = {s.name for s in CATALOG.suites.values() if s.is_gpu}

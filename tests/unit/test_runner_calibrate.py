@@ -13,7 +13,7 @@ from miles.ci.reports.calibrate import apply_proposals, nearest_rank_quantile, p
 from miles.ci.reports.durations import load_durations, record_durations
 from miles.ci.reports.record import Attempt
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 CATALOG = load_catalog()
 SOURCE = (

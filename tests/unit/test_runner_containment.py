@@ -27,7 +27,7 @@ import pytest
 from miles.ci.register import register_cpu_ci
 from miles.ci.running.execute import CancelToken, Settings, TestRun, run_attempt
 
-register_cpu_ci(est_time=6, suite="stage-a-cpu")
+register_cpu_ci(est_time=5, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,7 +14,7 @@ import pytest
 from miles.ci.cli import main
 from miles.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=4, suite="stage-a-cpu")
+register_cpu_ci(est_time=3, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU_PASS = {

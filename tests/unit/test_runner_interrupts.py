@@ -17,7 +17,7 @@ import pytest
 from miles.ci.cli import main
 from miles.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=9, suite="stage-a-cpu")
+register_cpu_ci(est_time=8, suite="stage-a-cpu")
 
 REPORTS = ".miles/reports/stage-b-cpu-1of1"
 GATED_WITH_A_BAD_RECORD = """

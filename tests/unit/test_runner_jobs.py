@@ -21,7 +21,7 @@ import pytest
 from miles.ci.cli import main
 from miles.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=15, suite="stage-a-cpu")
+register_cpu_ci(est_time=10, suite="stage-a-cpu")
 
 REPORTS = ".miles/reports/stage-b-cpu-1of1"
 # Each file notes when its test started and ended, and waits until the other job's file has

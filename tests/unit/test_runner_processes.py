@@ -25,7 +25,7 @@ from miles.ci.register import register_cpu_ci
 from miles.ci.running.execute import CancelToken, Settings, TestRun, run_attempt
 from miles.ci.running.processes import Cgroup
 
-register_cpu_ci(est_time=45, suite="stage-a-cpu")
+register_cpu_ci(est_time=50, suite="stage-a-cpu")
 
 CI_ENV = ("GITHUB_ACTIONS", "GITHUB_STEP_SUMMARY", "MILES_DURATIONS_PATH", "MILES_HISTORY_URL")
 

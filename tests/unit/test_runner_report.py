@@ -15,7 +15,7 @@ from miles.ci.reports.report import render_junit, render_markdown, write_reports
 from miles.ci.running.outcome import JUnitResult, classify_attempt, is_retryable, read_junit
 from miles.metrics.gate import GateVerdict
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 JUNIT_FAILED = """<?xml version="1.0" encoding="utf-8"?><testsuites name="pytest tests"><testsuite
  name="pytest" errors="0" failures="2" skipped="1" tests="4"><testcase classname="tests.e2e.test_a" name="test_ok"

@@ -17,7 +17,7 @@ import pytest
 from miles.ci.register import register_cpu_ci
 from miles.ci.running.outcome import classify_attempt, classify_case, is_retryable, read_junit
 
-register_cpu_ci(est_time=4, suite="stage-a-cpu")
+register_cpu_ci(est_time=3, suite="stage-a-cpu")
 
 TABLE = {
     # ---- never retried: a real bug, whatever infra words are around it

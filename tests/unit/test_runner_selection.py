@@ -16,7 +16,7 @@ from miles.ci.selection.policy import (
 )
 from miles.ci.selection.select import ScopeError, resolve_scope, select
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 CATALOG = load_catalog()
 

@@ -12,7 +12,7 @@ from miles.ci.register import register_cpu_ci
 from miles.ci.running.runner import TINY_CACHE_ENV
 from miles.ckpt.tiny_cache import CACHE_ENV
 
-register_cpu_ci(est_time=4, suite="stage-a-cpu")
+register_cpu_ci(est_time=3, suite="stage-a-cpu")
 
 WRITES_ITS_CACHE = """
 import os

@@ -69,7 +69,9 @@ def _attempt(root: Path, out: Path, run: str, *, warm: bool, **asked: bool):
     (out / "asked.json").write_text(json.dumps({"run": run, **asked}))
     # without OMP_NUM_THREADS (a lane of several jobs sets it): torch's default threads, deferred
     # in the warm process and asked for in each child, must be a fresh process's
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MILES_CI_") and k != "OMP_NUM_THREADS"}
+    # nor the fork server of a lane this test runs in: the runner under test gives its own, or none
+    drop = ("OMP_NUM_THREADS", "MILES_FORK_SERVER")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MILES_CI_") and k not in drop}
     env.update(WARM_OUT=str(out))
     settings = Settings(root=root, grace=0.5, base_env=env, warm=warm)
     test = TestRun("tests/test_sees.py", "cpu", "stage-b-cpu", "cpu", "1/1", 5.0, 300.0)

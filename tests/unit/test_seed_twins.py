@@ -16,7 +16,7 @@ import pytest
 
 from miles.ci.register import register_cpu_ci
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 TWINS = sorted((ROOT / "tests/e2e/seed").glob("test_*.py"))

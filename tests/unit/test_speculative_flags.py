@@ -14,7 +14,7 @@ import pytest
 from miles.ci.register import register_cpu_ci
 from miles.train.speculative import SpeculationRefused, SpeculativeConfig
 
-register_cpu_ci(est_time=7, suite="stage-a-cpu")
+register_cpu_ci(est_time=6, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).with_name("sglang_probe.py")

@@ -16,7 +16,7 @@ from miles.train.config import SamplingConfig
 from miles.train.rollout import sampling_probs
 from miles.train.speculative import accept_drafts
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 V, ROWS, ALPHA = 6, 40_000, 0.01
 SAMPLING = SamplingConfig(temperature=0.8, top_p=0.95, top_k=4, max_response_len=2)

@@ -21,7 +21,7 @@ from miles.telemetry.backends import MIB, amd_process_rows, amd_socket_power_w
 from miles.telemetry.gpu import GpuSampler, TelemetryBatch
 from tests.support.fake_nvml import FakeGpu, FakeLibNvidiaMl, FakeProcess
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 GIB = 1 << 30
 

@@ -22,7 +22,7 @@ from miles.train.config import LossConfig
 from miles.train.report import train_metrics
 from miles.train.rollout import Generation
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 
 def cfg(**overrides) -> LossConfig:

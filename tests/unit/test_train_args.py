@@ -11,7 +11,7 @@ import pytest
 from miles.ci.register import register_cpu_ci
 from miles.train.args import ArgsError, parse_args, parse_config, split_sglang_args, validate_world
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 # A Qwen3-4B GRPO command in the shape of the seeds' recipes (model, checkpoint, rollout, GRPO,
 # optimizer, SGLang, perf and misc argument groups).

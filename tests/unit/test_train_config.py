@@ -21,7 +21,7 @@ from miles.train.config import (
     flag_of,
 )
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 # A recipe-shaped command touching most sections.
 COMMAND = """

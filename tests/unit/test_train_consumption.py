@@ -16,7 +16,7 @@ from miles.train import consumption
 from miles.train.args import parse_config
 from miles.train.config import FLAGS, SECTIONS, Section
 
-register_cpu_ci(est_time=5, suite="stage-a-cpu")
+register_cpu_ci(est_time=4, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPONENTS = [("backend", c) for c in consumption.BACKENDS] + [("engine", c) for c in consumption.ENGINES]

@@ -9,7 +9,7 @@ import pytest
 from miles.ci.register import register_cpu_ci
 from miles.train.data import DataError, batch_for_rollout, load_prompts, synthetic_prompts
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 
 def _jsonl(path, rows):

@@ -10,7 +10,7 @@ from miles.train import consumption
 from miles.train.args import parse_config
 from miles.train.dumps import DumpConfigError, PhaseDump, phase_dump
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 
 def _config(*flags: str):

@@ -11,7 +11,7 @@ from miles.ci.register import register_cpu_ci
 from miles.train.args import parse_config
 from miles.train.evaluation import due, due_before_training, pass_at_k, pass_ks, set_metrics
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 
 def test_pass_k_is_logged_for_powers_of_two_up_to_the_samples_per_prompt():

@@ -10,7 +10,7 @@ import torch
 from miles.ci.register import register_cpu_ci
 from miles.train.guards import NonFiniteTraining, SkippedStreak, step_if_finite
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 
 def optimizer_with_grad(value: float):

@@ -8,7 +8,7 @@ from miles.ci.register import register_cpu_ci
 from miles.train.math_answers import equivalent, exact_number, final_number, normalize
 from miles.train.rewards import dapo_reward, gsm8k_reward, math_reward
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import pytest
 from miles.ci.register import register_cpu_ci
 from miles.train.micro_batches import Batching, Geometry, cut, deal, padded_tokens, split_minibatch
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 LENGTHS = [random.Random(7).randint(5, 120) for _ in range(64)]
 

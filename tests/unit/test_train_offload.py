@@ -20,7 +20,7 @@ from miles.train.offload import (
 )
 from miles.train.optimizer_stream import StreamedOptimizer
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 
 class Holder:

@@ -16,7 +16,7 @@ import pytest
 from miles.ci.register import register_cpu_ci
 from miles.train.distillation import ScoringRequest, TeacherError, reverse_kl
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 LN2 = math.log(2.0)
 A, B, C = 11, 22, 33  # token ids

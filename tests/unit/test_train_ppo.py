@@ -8,7 +8,7 @@ import torch
 from miles.ci.register import register_cpu_ci
 from miles.train.ppo import explained_variance, gae, masked_sums, token_rewards, value_loss, whiten
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 
 def _reference_gae(rewards: list[float], values: list[float], gamma: float, lambd: float):

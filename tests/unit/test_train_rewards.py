@@ -19,7 +19,7 @@ from miles.train.rewards import (
     synthetic_reward,
 )
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 
 def test_last_boxed_takes_the_last_answer_with_nested_braces():

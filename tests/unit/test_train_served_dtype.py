@@ -16,7 +16,7 @@ import torch
 from miles.ci.register import register_cpu_ci
 from miles.train.sglang_engine import SGLangUnavailable, served_dtype
 
-register_cpu_ci(est_time=2, suite="stage-a-cpu")
+register_cpu_ci(est_time=1, suite="stage-a-cpu")
 
 
 def _model(tmp_path, **config):

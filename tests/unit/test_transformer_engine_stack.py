@@ -28,7 +28,7 @@ from miles.image.pins import parse_lock
 from miles.image.plan import ImageError, plan_refresh, refresh
 from miles.image.te import expected_version, te_problems, te_sources
 
-register_cpu_ci(est_time=10, suite="stage-a-cpu")
+register_cpu_ci(est_time=7, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_VARIANTS = ("cu13", "rocm720-mi35x", "rocm720-mi30x")

@@ -18,7 +18,7 @@ from miles.ci.register import register_cpu_ci
 from miles.ci.registry.catalog import load_catalog
 from miles.image.config import load_images
 
-register_cpu_ci(est_time=4, suite="stage-a-cpu")
+register_cpu_ci(est_time=3, suite="stage-a-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = ROOT / ".github" / "workflows"
