@@ -3,8 +3,8 @@
 A tiny GLM-5.2 (10 decoder layers, so its MTP layer at index 10 indexes for itself; weights drawn
 with std 0.2, so its samples at temperature 0.005 are nearly fixed), or with `--family
 qwen3_5_moe` a tiny Qwen3.5 (8 layers: linear attention with a full-attention layer every 4th,
-its mtp.* block; a rejected draft rolls the gated delta nets' state back, see
-miles.train.speculative), is built, its
+its mtp.* block; a rejected draft takes the gated delta nets back to the state recorded after
+the last kept token, see miles.train.speculative), is built, its
 MTP layer trained on the policy's own samples of the echo prompts (the MTP loss: cross-entropy of
 the token two ahead, the trunk frozen, as --enable-mtp-training --mtp-only-training trains it),
 then the same prompts are decoded by the plain engine and the speculative one (the same seeds
@@ -71,10 +71,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, help="decoder layers (default: 10 for GLM-5.2, 8 for Qwen3.5)")
     # two drafts a step, the second chained on the MTP layer's own output, which it never trained
     # on: on this settled policy 0.89 of them pass (1.91x; one draft: 1.52x); on a less settled
-    # one (6 layers at 0.01) chaining fell to 0.31 against 0.59 for one draft. Qwen3.5's tiny gains
-    # less: its gated delta nets take a verifying forward of 2-3 tokens through transformers' chunked
-    # rule (one token takes the recurrent step), and a rejection restores their state and feeds the
-    # kept tokens again; one draft passed at 0.98 for 1.12x, two chained at 0.61 for 0.77x
+    # one (6 layers at 0.01) chaining fell to 0.31 against 0.59 for one draft. Qwen3.5's tiny: one
+    # draft passes at 0.98 for 1.33-1.40x (three runs), two chained at 0.61 for 1.31x, its gated delta
+    # nets stepping the verifying forward's tokens one at a time and keeping each state, so a
+    # rejection takes the kept state back (miles.train.speculative.RecordedStates); through
+    # transformers' chunked rule (padded to its chunk of 64) with the kept tokens fed again after
+    # a rejection it was 1.12x and 0.80x
     parser.add_argument("--steps", type=int, default=2, help="drafts per verifying forward")
     parser.add_argument("--tokens", type=int, default=48, help="response tokens per decode")
     parser.add_argument("--temperature", type=float, default=0.005)

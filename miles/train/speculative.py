@@ -15,8 +15,10 @@ caches stay rectangular): each row emits the first m + 1 tokens the algorithm gi
 (m+1)-th draft where it accepted that one, else its residual or bonus draw). Every such token,
 given those before it, is drawn from p, so cutting a row's tokens there keeps them exact.
 The policy's cache then drops the rejected positions: attention layers crop them; a layer with a
-recurrent state (linear attention) cannot, so when a draft is rejected such a model's cache goes
-back to before the verifying forward and the kept tokens are fed again.
+recurrent state (linear attention: Qwen3.5's gated delta nets) cannot, so the verifying forward
+steps such layers one token at a time and keeps the state after each, and a rejection takes the
+one after the last kept token (`RecordedStates`); where this transformers cannot record them,
+the cache goes back to before the verifying forward and the kept tokens are fed again.
 """
 
 from __future__ import annotations
@@ -381,6 +383,90 @@ def recurrent_layers(cache) -> list[int]:
     ]
 
 
+class RecordedStates:
+    """A verifying forward whose linear-attention layers keep what a rejection needs to go back.
+
+    In the forward (a context manager around it), each gated delta net of the policy steps its
+    recurrent state one token at a time with transformers' own recurrent rule (the one plain
+    decoding runs for every token; a multi-token forward would take the chunked rule, which pads
+    to its chunk of 64) and the state after each token is kept; its conv state keeps the whole
+    window (transformers' `activate_past_recording`). `rewind(cache, m)` then leaves each such
+    layer as it was after the first m + 1 fed tokens: the recurrent state kept there, the conv
+    state cropped, so the kept tokens need not be fed again. `ok` is False where this
+    transformers cannot (no past recording, or the model's layers did not go through the rule
+    here): the caller goes back and feeds them again instead."""
+
+    RULE = "torch_chunk_gated_delta_rule"
+    STEP = "torch_recurrent_gated_delta_rule"
+
+    def __init__(self, modules: list, cache, layers: list[int]):
+        self.cache, self.layers, self.modules = cache, layers, modules
+        self.states: list[list[Any]] = []
+        self.ok = bool(self.modules) and all(
+            hasattr(cache.layers[i], "activate_past_recording") for i in layers
+        )
+        self._saved = []
+
+    @classmethod
+    def rule_modules(cls, model) -> list:
+        """The modeling modules whose gated delta nets step through their module's rule."""
+        import sys
+
+        homes = []
+        for module in model.modules():
+            home = sys.modules.get(type(module).__module__)
+            named = "GatedDeltaNet" in type(module).__name__
+            if named and hasattr(home, cls.RULE) and hasattr(home, cls.STEP) and home not in homes:
+                homes.append(home)
+        return homes
+
+    def __enter__(self):
+        if not self.ok:
+            return self
+        for i in self.layers:
+            self.cache.layers[i].activate_past_recording()
+        for home in self.modules:
+            self._saved.append((home, getattr(home, self.RULE)))
+            setattr(home, self.RULE, self._stepper(getattr(home, self.STEP)))
+        return self
+
+    def __exit__(self, *exc):
+        for home, rule in self._saved:
+            setattr(home, self.RULE, rule)
+        self._saved = []
+        # every layer went through the rule once: the record is theirs, in their order
+        self.ok = self.ok and len(self.states) == len(self.layers)
+        return False
+
+    def _stepper(self, step):
+        def rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                 use_qk_l2norm_in_kernel=False, **kwargs):  # fmt: skip
+            import torch
+
+            outs, after = [], []
+            state = initial_state
+            for t in range(query.shape[1]):
+                one = slice(t, t + 1)
+                out, state = step(
+                    query[:, one], key[:, one], value[:, one], g=g[:, one], beta=beta[:, one],
+                    initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                )  # fmt: skip
+                outs.append(out)
+                after.append(state)
+            self.states.append(after)
+            return torch.cat(outs, dim=1), (state if output_final_state else None)
+
+        return rule
+
+    def rewind(self, kept: int) -> None:
+        """Each recorded layer as after the first `kept` of the tokens the forward fed."""
+        for i, after in zip(self.layers, self.states, strict=True):
+            layer = self.cache.layers[i]
+            layer.recurrent_states[0].copy_(after[kept - 1])  # a gated delta net's one state
+            layer.crop(-(len(after) - kept))
+            layer.record_past = False
+
+
 class SpeculativeDecoder:
     """The built-in engine's decoding loop with MTP drafts (see the module's docstring); counts
     the drafts it proposed and accepted for the rollout's acceptance rate."""
@@ -390,6 +476,10 @@ class SpeculativeDecoder:
         self.cache_keyword = cache_keyword
         self.proposed = self.accepted = 0
         self.row_steps = 0  # rows times verifying forwards
+        # verifying forwards after which recurrent layers went back by their recorded states, and
+        # those after which they went back to before the forward and the kept tokens were fed again
+        self.rewound = self.refed = 0
+        self.rule_modules = RecordedStates.rule_modules(model)
 
     def _target(self, ids, attention, positions, cache):
         """The policy over `ids` against `cache`: (normed hidden states, float logits)."""
@@ -475,8 +565,16 @@ class SpeculativeDecoder:
             attention = torch.cat([attention, torch.ones_like(fed)], dim=1)
             cols = torch.arange(columns, columns + k + 1, device=device)
             recurrent = recurrent_layers(cache)
-            before = {i: copy.deepcopy(cache.layers[i]) for i in recurrent}  # what a rejection goes back to
-            hidden, logits = self._target(fed, attention, cols - pad, cache)
+            record = RecordedStates(self.rule_modules, cache, recurrent) if recurrent else None
+            # what a rejection goes back to where the states cannot be recorded
+            before = (
+                {i: copy.deepcopy(cache.layers[i]) for i in recurrent} if record and not record.ok else {}
+            )
+            if record is not None:
+                with record:
+                    hidden, logits = self._target(fed, attention, cols - pad, cache)
+            else:
+                hidden, logits = self._target(fed, attention, cols - pad, cache)
             self.row_steps += len(active)
             target, target_logp = sampling_probs(logits / temperature, sampling)
             accepted, after = accept_drafts(target, torch.stack(draft_probs, dim=1), drafts_t, generator)
@@ -489,7 +587,14 @@ class SpeculativeDecoder:
             emitted = torch.cat([drafts_t[:, :m], nxt.unsqueeze(1)], dim=1)
             lp = target_logp[:, : m + 1].gather(-1, emitted.unsqueeze(-1)).squeeze(-1)
             attention = attention[:, : columns + m + 1]
-            if recurrent and m < k:
+            if record is not None and record.ok:
+                # the recurrent layers to their state after the m + 1 kept tokens, the others cropped
+                record.rewind(m + 1)
+                self.rewound += 1
+                for i, layer in enumerate(cache.layers):
+                    if i not in recurrent:
+                        crop_cache(layer, k - m)
+            elif recurrent and m < k:
                 # a recurrent state cannot drop the rejected drafts: every layer goes back to before
                 # the verifying forward (attention layers cropped, recurrent ones restored), and the
                 # m + 1 kept tokens are fed again (their hidden states are the verifying forward's)
@@ -499,6 +604,7 @@ class SpeculativeDecoder:
                     else:
                         crop_cache(layer, k + 1)
                 self._target(fed[:, : m + 1], attention, cols[: m + 1] - pad, cache)
+                self.refed += 1
             else:
                 crop_cache(cache, k - m)
             for i, row in enumerate(active):

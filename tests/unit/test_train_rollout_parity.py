@@ -136,7 +136,7 @@ def test_speculative_rollouts_keep_the_policys_logprobs_through_rejected_drafts(
     """Drafted by the checkpoint's MTP layer (two drafts a step), the engine's logprobs still equal
     one full forward's: each rejected draft leaves the policy's cache. GLM-4.7-Flash's attention
     caches crop it; Qwen3.5's gated delta nets fold every token into a recurrent state, which goes
-    back to before the verifying forward instead."""
+    back to the state recorded after the last kept token (miles.train.speculative.RecordedStates)."""
     from miles.train.speculative import SpeculativeConfig
     from tests.support.ckpt import tiny_hf
 
@@ -147,5 +147,7 @@ def test_speculative_rollouts_keep_the_policys_logprobs_through_rejected_drafts(
     spec = engine.speculation
     print(f"{name}: {spec.accepted} of {spec.proposed} drafts accepted")
     assert 0 < spec.accepted < spec.proposed  # some drafts rejected, some taken
+    if name == "qwen3_5_moe":  # rewound by the recorded states, never by feeding the kept tokens again
+        assert spec.rewound > 0 and spec.refed == 0, (spec.rewound, spec.refed)
     assert all(len(g.response_ids) == 8 for g in generations)
     assert max_gap(models[name], generations, 0.9) <= TOLERANCE
