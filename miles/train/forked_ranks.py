@@ -46,19 +46,24 @@ class LaunchRefused(ValueError):
     """The command line cannot start ranks here; says why and the fix."""
 
 
-def parse(argv: Sequence[str]) -> argparse.Namespace:
-    """The launcher's options, then `-m MODULE` or SCRIPT; everything after that is the program's."""
-    argv = list(argv)
-    # an option's value is not the program: skip the values of --nproc-per-node and --preload
+def _split(argv: list[str]) -> int:
+    """Where the launcher's options end and the program (`-m MODULE` or SCRIPT) begins."""
+    # an option's value is not the program: skip the values of the options that take one
     i = 0
     while i < len(argv):
-        if argv[i] in ("--nproc-per-node", "--preload"):
+        if argv[i] in ("--nproc-per-node", "--preload", "--serve", "--exit-with"):
             i += 2
             continue
         if argv[i] == "-m" or not argv[i].startswith("-"):
             break
         i += 1
-    split = i
+    return i
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    """The launcher's options, then `-m MODULE` or SCRIPT; everything after that is the program's."""
+    argv = list(argv)
+    split = _split(argv)
     p = argparse.ArgumentParser(
         prog="python -m miles.train.forked_ranks",
         description="Start one node's CPU ranks by fork, after importing what they share.",
@@ -246,7 +251,7 @@ def parse_serve(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--serve" in argv:
+    if "--serve" in argv[: _split(argv)]:  # a program's own --serve is the program's
         from miles.train.fork_server import serve
 
         options = parse_serve(argv)

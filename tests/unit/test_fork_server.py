@@ -46,7 +46,7 @@ seen = {
 }
 with open(os.path.join(out, os.environ["RANK"] + ".json"), "w") as f:
     json.dump(seen, f)
-print("rank", os.environ["RANK"], "done")
+os.write(1, f"rank {os.environ['RANK']} done\\n".encode())  # one write: the ranks share the pipe
 """
 
 
@@ -204,3 +204,9 @@ def test_the_server_reports_the_cpu_of_the_launches_it_ran(tmp_path, server):
     assert before is not None and after is not None
     assert after - before >= 2 * 0.5 * 0.9  # both ranks' busy loops, reaped through the launch
     assert usage(str(tmp_path / "no-server.sock")) is None
+
+
+def test_a_programs_own_serve_flag_is_the_programs(tmp_path):
+    done = _launch(tmp_path, "import sys\nprint(sys.argv[1:])\n", "--serve", "x", nproc=1)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['--serve', 'x']"
