@@ -359,26 +359,33 @@ def wanted(env: Mapping[str, str], files: int) -> bool:
     return setting == "1" or (TOKEN_ENV not in env and files >= MIN_FILES)
 
 
+def _held(held: list, failed: list, python: str, env: Mapping[str, str], start, fallback: str):
+    """The job's one process of a kind (held[0]) for this interpreter and environment, started now
+    (`start()`) if need be; None once it could not start (said once on stderr: `fallback`)."""
+    if held and held[0].python == python and held[0].key == _key(env) and not held[0].dead:
+        return held[0]
+    if failed:
+        return None
+    while held:
+        held.pop().close()
+    try:
+        process = start()
+    except (OSError, ValueError) as exc:
+        failed.append(str(exc))
+        print(f"warning: {fallback}: {exc}", file=sys.stderr)
+        return None
+    held.append(process)
+    import atexit
+
+    atexit.register(process.close)
+    return process
+
+
 def warm_for(python: str, env: Mapping[str, str], cwd: Path) -> Warm | None:
     """The job's warm process for this interpreter and environment (started now if need be), or
     None: it could not start (said once on stderr; attempts start as before)."""
-    if _current and _current[0].python == python and _current[0].key == _key(env) and not _current[0].dead:
-        return _current[0]
-    if _failed:
-        return None
-    while _current:
-        _current.pop().close()
-    try:
-        warm = Warm(python, env, cwd)
-    except (OSError, ValueError) as exc:
-        _failed.append(str(exc))
-        print(f"warning: test processes start in fresh interpreters: {exc}", file=sys.stderr)
-        return None
-    _current.append(warm)
-    import atexit
-
-    atexit.register(warm.close)
-    return warm
+    fallback = "test processes start in fresh interpreters"
+    return _held(_current, _failed, python, env, lambda: Warm(python, env, cwd), fallback)
 
 
 # ------------------------------------------------------------------ the trainer's fork server
@@ -450,23 +457,8 @@ _server_failed: list[str] = []
 def fork_server_for(python: str, env: Mapping[str, str], cwd: Path) -> ForkServer | None:
     """The job's fork server for this interpreter and environment (started now if need be), or
     None: it could not start (said once on stderr; launches import the trainer themselves)."""
-    if _servers and _servers[0].python == python and _servers[0].key == _key(env) and not _servers[0].dead:
-        return _servers[0]
-    if _server_failed:
-        return None
-    while _servers:
-        _servers.pop().close()
-    try:
-        server = ForkServer(python, env, cwd)
-    except OSError as exc:
-        _server_failed.append(str(exc))
-        print(f"warning: CPU launches import the trainer themselves: {exc}", file=sys.stderr)
-        return None
-    _servers.append(server)
-    import atexit
-
-    atexit.register(server.close)
-    return server
+    fallback = "CPU launches import the trainer themselves"
+    return _held(_servers, _server_failed, python, env, lambda: ForkServer(python, env, cwd), fallback)
 
 
 if __name__ == "__main__":
