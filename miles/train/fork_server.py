@@ -126,19 +126,40 @@ def serve(path: str, preloads: Sequence[str], exit_with: int | None = None) -> i
     finally:
         os.umask(old)
     listener.listen(16)
+    # a launch that ends wakes the loop (SIGCHLD through a pipe), which reaps it and only then tells
+    # its launcher its status: what the launch used is in the server's CPU by the time anyone asks
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_read, False)
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
     print(json.dumps({"ready": path, "pid": os.getpid()}), flush=True)
     try:
         while True:
-            ready, _, _ = select.select([listener], [], [], POLL_S)
+            ready, _, _ = select.select([listener, wake_read], [], [], POLL_S)
+            if wake_read in ready:
+                while True:
+                    try:
+                        if not os.read(wake_read, 512):
+                            break
+                    except BlockingIOError:
+                        break
             _reap()
-            if not ready:
+            if listener not in ready:
                 continue
             conn, _ = listener.accept()
             child = _handle(conn)
             if child is not None:  # the forked launch: never returns to the loop
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                for fd in (wake_read, wake_write):
+                    os.close(fd)
+                for other in _launches.values():
+                    other.close()
                 listener.close()
                 os._exit(child.run())
-            conn.close()
+            if not any(held is conn for held in _launches.values()):  # a launch's stays open
+                conn.close()
     finally:
         try:
             os.unlink(path)
@@ -149,14 +170,27 @@ def serve(path: str, preloads: Sequence[str], exit_with: int | None = None) -> i
 _start_path: list[str] = []  # the server's sys.path before its imports: a launcher's before its own
 
 
+_launches: dict[int, socket.socket] = {}  # running launch -> its launcher's connection
+
+
 def _reap() -> None:
+    """Reap the launches that ended and send each launcher its launch's exit status."""
     while True:
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
+            pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
             return
+        conn = _launches.pop(pid, None)
+        if conn is None:
+            continue
+        code = 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        try:
+            conn.send(json.dumps({"exit": code}).encode())
+        except OSError:
+            pass
+        conn.close()
 
 
 def _handle(conn: socket.socket) -> _Launch | None:
@@ -186,6 +220,7 @@ def _handle(conn: socket.socket) -> _Launch | None:
             child = _Launch(request, fds, conn)
             return child
         conn.send(json.dumps({"started": pid}).encode())
+        _launches[pid] = conn
         # the next launch of this model finds its modeling module here too
         from miles.train import forked_ranks
 
@@ -269,11 +304,7 @@ class _Launch:
                 sys.stderr.flush()
             except (OSError, ValueError):
                 pass
-            try:
-                self.conn.send(json.dumps({"exit": code}).encode())
-            except OSError:
-                pass
-        return code
+        return code  # the server reaps this process and sends its status
 
 
 def _threads() -> None:
