@@ -41,7 +41,7 @@ import threading
 from collections.abc import Mapping, Sequence
 
 from miles.cgroups import own_cgroup, procs_file
-from miles.train.forked_ranks import FORWARDED, SERVER_ENV  # noqa: F401 (the variable this serves)
+from miles.train.forked_ranks import FORWARDED
 
 MAX_MESSAGE = 1 << 20
 # variables read only when used, never by an import: a launcher may set them otherwise (Transformer
@@ -98,20 +98,10 @@ def serve(path: str, preloads: Sequence[str], exit_with: int | None = None) -> i
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # whoever started it stops it (SIGTERM)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     _start_path[:] = sys.path  # imports may add to it (setuptools' vendored packages)
-    # torch's import runs an OpenMP parallel region, which starts the pool's threads, and a forked
-    # child cannot use an inherited pool well: one thread at import starts none, and each launch
-    # sets what its own environment asks for (_threads)
-    pinned = os.environ.get(THREADS)
-    os.environ[THREADS] = "1"
     try:
-        import torch  # noqa: F401
+        import_torch_without_a_pool()
     except ImportError:
-        pass
-    finally:
-        if pinned is None:
-            del os.environ[THREADS]
-        else:
-            os.environ[THREADS] = pinned
+        pass  # a launch that needs torch says so itself
     forked_ranks.preload([*forked_ranks.trainer_preloads([]), *preloads])
     gc.collect()
     gc.freeze()  # the imports live as long as the server: a launch neither walks nor copies them
@@ -279,7 +269,7 @@ class _Launch:
             os.environ.clear()
             os.environ.update(self.request["env"])
             _reopen_stdio(bool(os.environ.get(UNBUFFERED)))
-            _threads()
+            threads_as_fresh()
             sys.argv = list(self.request["sys_argv"])
             sys.orig_argv = list(self.request["orig_argv"])
             for sig in (signal.SIGTERM, signal.SIGHUP):
@@ -307,10 +297,27 @@ class _Launch:
         return code  # the server reaps this process and sends its status
 
 
-def _threads() -> None:
+def import_torch_without_a_pool() -> None:
+    """Import torch with one OpenMP thread, the environment left as it was. torch's import runs an
+    OpenMP parallel region, which starts the pool's threads, and a forked child cannot use an
+    inherited pool well (measured: a test beside a busy process spun 98 s of CPU where a fresh one
+    took 21); one thread at import starts none, and each child then sets what its own environment
+    asks for (threads_as_fresh). Used here and by the CI runner's warm process."""
+    pinned = os.environ.get(THREADS)
+    os.environ[THREADS] = "1"
+    try:
+        import torch  # noqa: F401
+    finally:
+        if pinned is None:
+            del os.environ[THREADS]
+        else:
+            os.environ[THREADS] = pinned
+
+
+def threads_as_fresh() -> None:
     """torch's intra-op threads as a fresh import under this environment sets them: OMP_NUM_THREADS
     when it is a positive number, else one per usable CPU (what torch's import chose on these
-    machines; the runner's warm start does the same and tests/unit/test_runner_warm.py compares)."""
+    machines; tests/unit/test_fork_server.py and tests/unit/test_runner_warm.py compare)."""
     torch = sys.modules.get("torch")
     if torch is None:
         return

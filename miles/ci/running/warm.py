@@ -43,7 +43,6 @@ RUNNER_VARS = "MILES_CI_"  # the runner's per-attempt variables: never read at i
 GPU_NODES = ("/dev/nvidiactl", "/dev/kfd")
 MAX_MESSAGE = 1 << 20
 MIN_FILES = 8
-_deferred_threads: list[bool] = []  # torch imported with one OpenMP thread (preload)
 READY_S = 120.0  # the imports, on a loaded 2-core machine
 
 
@@ -61,17 +60,10 @@ def preload() -> list[str]:
         import miles.megatron.compat  # noqa: F401
 
         done.append("miles")
-        # torch's import runs an OpenMP parallel region, which starts the pool's threads; a child
-        # forked with them inherits a pool it cannot use well (measured: a test beside a busy
-        # process spins 98 s of CPU where a fresh one takes 21). One thread at import starts none;
-        # each child then asks for what a fresh process gets (_Child.run).
-        os.environ["OMP_NUM_THREADS"] = "1"
-        try:
-            import torch  # noqa: F401
-        finally:
-            if pinned is None:
-                del os.environ["OMP_NUM_THREADS"]
-                _deferred_threads.append(True)
+        # no OpenMP pool to fork: each child sets its threads as a fresh process would (_Child.run)
+        from miles.train.fork_server import import_torch_without_a_pool
+
+        import_torch_without_a_pool()
         done.append("torch")
         import transformers.modeling_utils  # noqa: F401
 
@@ -112,10 +104,10 @@ class _Child:
         os.chdir(self.request["cwd"])
         os.environ.clear()
         os.environ.update(self.request["env"])
-        if _deferred_threads:  # the intra-op threads a fresh process starts with: one per usable CPU
-            import torch
+        if "torch" in sys.modules:  # the intra-op threads a fresh process starts with
+            from miles.train.fork_server import threads_as_fresh
 
-            torch.set_num_threads(len(os.sched_getaffinity(0)))
+            threads_as_fresh()
         phases = sys.modules.get("miles.phases")
         if phases is not None:
             phases._install()  # the attempt's phase folder, from this process's start (its fork)
