@@ -43,14 +43,22 @@ def train_mtp(model, drafter, sequences, *, iters: int, lr: float) -> tuple[floa
         torch.arange(ids.shape[1]).unsqueeze(0) < torch.tensor([len(s) for s, _ in sequences]).unsqueeze(1)
     ).long()
     positions = torch.arange(ids.shape[1]).expand_as(ids)
+    seen = {"topk": None}  # an MTP layer that shares a policy layer's DSA top-k is handed it
+    source = drafter.trunk_source
+    hook = None
+    if source is not None:
+        hook = model.model.layers[source].register_forward_hook(lambda _m, _a, out: seen.update(topk=out[1]))
     with torch.no_grad():
         hidden = model.model(
             input_ids=ids, attention_mask=attention, position_ids=positions
         ).last_hidden_state
+    if hook is not None:
+        hook.remove()
+    topk = seen["topk"][:, :-2] if source is not None else None
     first = last = 0.0
     for it in range(iters):
         logits, _ = drafter.step(
-            hidden[:, :-2], ids[:, 1:-1], positions[:, :-2], attention[:, :-2], drafter.new_cache()
+            hidden[:, :-2], ids[:, 1:-1], positions[:, :-2], attention[:, :-2], drafter.new_cache(), topk=topk
         )
         ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 2:], reduction="none")
         loss = (ce * mask[:, 2:]).sum() / mask[:, 2:].sum()

@@ -11,7 +11,7 @@ checker's model shape, the converter) reads these rows. Standard library only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,6 +196,21 @@ def indexer_types(config: Mapping[str, Any], count: int | None = None) -> tuple[
         written[i] if i < len(written) else "full" if max(i - offset + 1, 0) % freq == 0 else "shared"
         for i in range(count)
     )
+
+
+def source_layers(kinds: Sequence[str]) -> tuple[int, ...]:
+    """For each layer (0-based) of `kinds` ("full"/"shared", `indexer_types`), the layer whose DSA
+    top-k it uses: itself when full, else the nearest full layer below."""
+    out, last = [], None
+    for i, kind in enumerate(kinds):
+        if kind == "full":
+            last = i
+        elif last is None:
+            raise ValueError(
+                f"layer {i} is a shared DSA layer with no full layer below it to take the top-k from"
+            )
+        out.append(i if kind == "full" else last)
+    return tuple(out)
 
 
 def shared_index_layers(config: Mapping[str, Any], count: int | None = None) -> tuple[int, ...]:

@@ -158,6 +158,7 @@ class MtpDrafter:
 
         from miles import families
         from miles.ckpt.families import LAYER_LIST_KEYS, mtp_layers, mtp_prefixes
+        from miles.families.facts import source_layers
 
         self.model = model
         config = json.loads((Path(path) / "config.json").read_text())
@@ -188,11 +189,24 @@ class MtpDrafter:
         self.config._attn_implementation = text._attn_implementation
         if hasattr(text, "_experts_implementation"):
             self.config._experts_implementation = text._experts_implementation
-        if "shared" in (getattr(self.config, "indexer_types", None) or [])[layers:]:
+        # DSA layers that share a top-k (GLM-5.2's cross-layer sharing): each shared MTP layer takes
+        # the top-k of the policy's layer `trunk_source`, which the engine hands `step`
+        kinds = list(getattr(self.config, "indexer_types", None) or [])
+        shares = [bool(kinds) and kinds[layers + k] == "shared" for k in range(count)]
+        sources = source_layers(kinds) if any(shares) else ()
+        shared = {sources[layers + k] for k in range(count) if shares[k]}
+        if any(source >= layers for source in shared):
             raise SpeculationRefused(
-                f"{path}: MTP layer kinds {self.config.indexer_types[layers:]}: a layer that shares the top-k of "
-                "the layer below (GLM-5.2's cross-layer sharing) needs the policy's indexer output, which the "
-                "drafter does not take; the built-in engine drafts with MTP layers that index for themselves"
+                f"{path}: MTP layer kinds {kinds[layers:]}: an MTP layer shares the top-k of another MTP "
+                "layer; the built-in engine drafts with MTP layers that index for themselves or share the "
+                "policy's top-k"
+            )
+        self.shares = shares
+        self.trunk_source = min(shared) if shared else None
+        if len(shared) > 1:
+            raise SpeculationRefused(
+                f"{path}: MTP layer kinds {kinds[layers:]} share the top-k of policy layers {sorted(shared)}; "
+                "the engine hands the drafter one policy layer's"
             )
         names = [mtp_layer_names(config, style, k) for k in range(count)]
         self.prefixes = [prefix for prefix, _ in names]
@@ -251,9 +265,14 @@ class MtpDrafter:
         cache.layers = cache.layers[len(cache.layers) - len(self.layers) :]
         return cache
 
-    def step(self, hidden, tokens, positions, attention, cache, depth: int = 0):
+    def step(self, hidden, tokens, positions, attention, cache, depth: int = 0, topk=None):
         """One MTP layer over `tokens` [B, n] (each the token after the position whose normed
-        hidden state is `hidden` [B, n, d]): (logits [B, n, V], the layer's normed output)."""
+        hidden state is `hidden` [B, n, d]): (logits [B, n, V], the layer's normed output).
+
+        `topk` [B, n, w]: for an MTP layer that shares the policy's DSA top-k (`shares`), the key
+        columns each query attends to (the policy's layer `trunk_source` at the same columns, see
+        `extend_topk` for columns it has not seen); columns past the keys this layer holds are
+        causally masked where the policy chose them, and stand for the query's own column here."""
         import torch
 
         block = self.layers[depth]
@@ -263,6 +282,17 @@ class MtpDrafter:
         parts = [block.enorm(embed), block.hnorm(hidden)]
         x = block.eh_proj(torch.cat(parts[::-1] if self.hidden_first else parts, dim=-1))
         mask = _causal_mask(self.config, x, attention, cache, positions)
+        extra = {}
+        if self.shares[depth]:
+            if topk is None:
+                raise ValueError(
+                    f"MTP layer {depth} shares the DSA top-k of policy layer {self.trunk_source}: pass its "
+                    "top-k for these positions (topk=)"
+                )
+            n = tokens.shape[1]
+            keys = cache.get_seq_length(depth) + n
+            own = torch.arange(keys - n, keys, device=topk.device).view(1, n, 1)
+            extra["prev_topk_indices"] = torch.where(topk < keys, topk.long(), own)
         out = block.layer(
             x,
             attention_mask=mask,
@@ -270,10 +300,22 @@ class MtpDrafter:
             position_embeddings=self.rotary(x, positions),
             use_cache=True,
             **{_cache_keyword(block.layer): cache},
+            **extra,
         )
         out = out[0] if isinstance(out, tuple) else out
         normed = block.final_norm(out)
         return self.model.get_output_embeddings()(normed).float(), normed
+
+
+def extend_topk(row, column: int):
+    """The top-k row [B, 1, w] of the last column the policy indexed, grown by `column` (a drafted
+    position after it, which the policy has not indexed): [B, 1, w + 1]. While the policy's top-k
+    still keeps every earlier key (sequences up to `index_topk`), this is what the policy would
+    pick there; past that it keeps the policy's last choice and the drafted keys. Either way the
+    draft is sampled from what the drafter computed, so acceptance keeps the samples exact."""
+    import torch
+
+    return torch.cat([row, torch.full_like(row[..., :1], column)], dim=-1)
 
 
 def _copy_module(module):
@@ -480,16 +522,32 @@ class SpeculativeDecoder:
         # those after which they went back to before the forward and the kept tokens were fed again
         self.rewound = self.refed = 0
         self.rule_modules = RecordedStates.rule_modules(model)
+        self.topk = None  # the last forward's top-k of the layer whose top-k the drafter shares
 
     def _target(self, ids, attention, positions, cache):
-        """The policy over `ids` against `cache`: (normed hidden states, float logits)."""
-        out = self.model.model(
-            input_ids=ids,
-            attention_mask=attention,
-            position_ids=positions,
-            use_cache=True,
-            **{self.cache_keyword: cache},
-        )
+        """The policy over `ids` against `cache`: (normed hidden states, float logits); the top-k of
+        the layer the drafter's MTP layers share (a transformers DSA decoder layer returns it beside
+        its output) left in `self.topk` [B, n, w]."""
+        hook = None
+        if self.drafter.trunk_source is not None:
+            self.topk = None
+            layer = self.model.model.layers[self.drafter.trunk_source]
+            hook = layer.register_forward_hook(lambda _m, _a, out: setattr(self, "topk", out[1]))
+        try:
+            out = self.model.model(
+                input_ids=ids,
+                attention_mask=attention,
+                position_ids=positions,
+                use_cache=True,
+                **{self.cache_keyword: cache},
+            )
+        finally:
+            if hook is not None:
+                hook.remove()
+        if hook is not None and self.topk is None:
+            raise RuntimeError(
+                f"policy layer {self.drafter.trunk_source} returned no DSA top-k for the drafter to share"
+            )
         hidden = out.last_hidden_state
         return hidden, self.model.get_output_embeddings()(hidden).float()
 
@@ -518,6 +576,7 @@ class SpeculativeDecoder:
         tops = [[_top(logits[r, -1] / temperature, sampling.top_logprobs)] for r in range(rows)]
         # the drafter's next block: (hidden state at a position, the token after it) not yet fed
         block_h, block_t = hidden, torch.cat([ids[:, 1:], pending.unsqueeze(1)], dim=1)
+        block_k = self.topk  # the shared top-k at the block's columns (None: no MTP layer shares one)
         block_start = 0  # column of the block's first position
         active = list(range(rows))
         finish = ["length"] * rows
@@ -533,6 +592,7 @@ class SpeculativeDecoder:
                     select_cache_rows(c, index, batch=len(active))
                 attention, pad, pending = attention[index], pad[index], pending[index]
                 block_h, block_t = block_h[index], block_t[index]
+                block_k = block_k[index] if block_k is not None else None
                 active = [active[i] for i in keep]
             stopped = control() if control is not None else None
             if stopped:
@@ -542,7 +602,7 @@ class SpeculativeDecoder:
             columns = attention.shape[1]  # the target's cache holds columns < `columns`
             # draft: the block (true hidden states), then k - 1 chained steps on the drafts
             drafts, draft_probs = [], []
-            h, toks, start = block_h, block_t, block_start
+            h, toks, start, rows = block_h, block_t, block_start, block_k
             for j in range(k):
                 n = toks.shape[1]
                 cols = torch.arange(start, start + n, device=device)
@@ -550,9 +610,10 @@ class SpeculativeDecoder:
                     [attention, torch.ones_like(attention[:, :1]).expand(-1, max(0, start + n - columns))],
                     dim=1,
                 )[:, : start + n]
-                dl, g = self.drafter.step(
-                    h, toks, cols - pad, mask, draft_cache, depth=min(j, len(self.drafter.layers) - 1)
-                )
+                if j and rows is not None:  # a chained draft's column, which the policy has not indexed
+                    rows = extend_topk(rows[:, -1:], start)
+                depth = min(j, len(self.drafter.layers) - 1)
+                dl, g = self.drafter.step(h, toks, cols - pad, mask, draft_cache, depth=depth, topk=rows)
                 q, _ = sampling_probs(dl[:, -1] / temperature, sampling)
                 d = torch.multinomial(q, 1, generator=generator).squeeze(1)
                 drafts.append(d)
@@ -575,6 +636,7 @@ class SpeculativeDecoder:
                     hidden, logits = self._target(fed, attention, cols - pad, cache)
             else:
                 hidden, logits = self._target(fed, attention, cols - pad, cache)
+            fed_k = self.topk
             self.row_steps += len(active)
             target, target_logp = sampling_probs(logits / temperature, sampling)
             accepted, after = accept_drafts(target, torch.stack(draft_probs, dim=1), drafts_t, generator)
@@ -619,6 +681,7 @@ class SpeculativeDecoder:
                 torch.cat([drafts_t[:, :m], nxt.unsqueeze(1)], 1),
                 columns,
             )
+            block_k = fed_k[:, : m + 1] if fed_k is not None else None
             done = self._finished(active, out_tokens, out_logp, tops, stop, finish, sampling.max_response_len)
         return out_tokens, out_logp, finish, tops
 

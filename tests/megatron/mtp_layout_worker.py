@@ -28,6 +28,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from miles.families.facts import source_layers
 from tests.megatron.layout_logits_worker import full_state, global_name, local_part
 from tests.support.grad_norms import grad_norms
 from tests.support.mtp_formula import mtp_formula
@@ -43,8 +44,12 @@ LAYOUTS = {  # miles.parallel.ParallelLayout fields
 _first_mtp: dict[str, torch.Tensor] = {}  # checkpoint -> the first layout's MTP logits (rank 0)
 
 
-def mtp_reference(path: str, config: dict, family, tokens: torch.Tensor) -> torch.Tensor:
-    """The MTP layer's logits from transformers' modules and the DeepSeek-V3 formula."""
+def mtp_reference(path: str, config: dict, family, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The MTP layer's logits from transformers' modules and the DeepSeek-V3 formula ("formula"). For
+    an MTP layer that shares a policy layer's DSA top-k (GLM-5.2's "shared" kind), transformers'
+    layer is handed the top-k that policy layer returned in transformers' own forward, and the
+    built-in engine's drafter (miles.train.speculative.MtpDrafter, loaded by its own names) computes
+    the same over the whole sequence with that top-k ("drafter")."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from miles.ckpt.shards import CheckpointReader
@@ -64,8 +69,20 @@ def mtp_reference(path: str, config: dict, family, tokens: torch.Tensor) -> torc
     mtp_layer = deeper.model.layers[layers]
     # the deeper class loaded layer L from the checkpoint's MTP block (not its own initialisation)
     assert torch.equal(mtp_layer.input_layernorm.weight, layer_weight), "transformers did not load layer L"
+    kinds = list(getattr(deeper.config, "indexer_types", None) or [])
+    topk_of = source_layers(kinds)[layers] if kinds and kinds[layers] == "shared" else None
+    want, h, following, positions, topk = mtp_formula(
+        hf, mtp_layer, deeper.model.rotary_emb, weights, tokens, config, topk_of=topk_of
+    )
+    out = {"formula": want}
+    if topk_of is not None:
+        from miles.train.speculative import MtpDrafter
 
-    return mtp_formula(hf, mtp_layer, deeper.model.rotary_emb, weights, tokens, config)[0]
+        drafter = MtpDrafter(hf, path)
+        assert drafter.shares == [True] and drafter.trunk_source == topk_of, (drafter.shares, topk_of)
+        with torch.no_grad():
+            out["drafter"], _ = drafter.step(h, following, positions, None, drafter.new_cache(), topk=topk)
+    return out
 
 
 def mimo_reference(path: str, config: dict, tokens: torch.Tensor, *, swapped: bool = False) -> torch.Tensor:
@@ -225,11 +242,12 @@ def run_layout(path: str, name: str) -> None:
             if ps.get_tensor_model_parallel_rank() == 0:
                 want = load_causal_lm(path, dtype=torch.float32).eval()(input_ids=tokens).logits
                 mimo = family.mtp_style == "mimo"
-                want_mtp = (
-                    mimo_reference(path, config, tokens)
+                refs = (
+                    {"formula": mimo_reference(path, config, tokens)}
                     if mimo
                     else mtp_reference(path, config, family, tokens)
                 )
+                want_mtp = refs["formula"]
                 result = {
                     "gap": float((want - got).abs().max()),
                     "mtp_gap": float((want_mtp - got_mtp).abs().max()),
@@ -237,6 +255,8 @@ def run_layout(path: str, name: str) -> None:
                     # the MTP layer predicts otherwise than the model: a mix-up of the two would show
                     "mtp_vs_main": float((want_mtp - want).abs().max()),
                 }
+                if "drafter" in refs:
+                    result["drafter_gap"] = float((refs["drafter"] - want_mtp).abs().max())
                 if mimo:  # how far the layer is from one whose input_proj halves were left unswapped
                     unswapped = mimo_reference(path, config, tokens, swapped=True)
                     result["mtp_gap_unswapped"] = float((unswapped - got_mtp).abs().max())

@@ -111,7 +111,7 @@ def mtp_reference(path: str, hf, tokens: torch.Tensor) -> torch.Tensor:
     if not torch.equal(mtp_layer.input_layernorm.weight, tensors[layer + "input_layernorm.weight"]):
         raise SystemExit("transformers did not load mtp.layers.0 as decoder layer L")
 
-    return mtp_formula(hf, mtp_layer, deep.model.rotary_emb, weights, tokens, text)
+    return mtp_formula(hf, mtp_layer, deep.model.rotary_emb, weights, tokens, text)[:4]
 
 
 def drafter_logits(path: str, hf, hidden, following, positions) -> torch.Tensor:

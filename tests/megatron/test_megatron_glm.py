@@ -103,6 +103,35 @@ def test_every_checkpoint_tensor_has_one_place_and_shared_layers_have_no_indexer
     assert "mtp.layers.0.final_layernorm.weight" in megatron  # the MTP layer's shared_head.norm
 
 
+MTP_LAYOUTS = ("tp1", "tp2sp_ep2", "pp2")
+
+
+def test_the_shared_mtp_layer_trains_and_drafts_with_the_policys_top_k(tmp_path):
+    """At 4 layers GLM-5.2's MTP layer (index 4) is a "shared" DSA layer: it reuses the top-k of
+    layer 2, the nearest full layer below. Over 48 tokens, where the indexer keeps 8 keys per
+    query, megatron-core's MTP block (as the trainer runs it, at TP 1, TP 2 with sequence
+    parallelism and EP 2, and PP 2 on two gloo ranks; tests/megatron/mtp_layout_worker.py) gives
+    the logits of transformers' decoder layer L handed the top-k transformers' own layer 2
+    returned, and so does the built-in engine's drafter handed that top-k."""
+    from tests.megatron.test_megatron_glm4_moe_lite import WORKER
+    from tests.support import ranks
+    from tests.support.results import results
+
+    hf = perturbed_checkpoint(tmp_path / "ckpt")
+    config = json.loads((hf / "config.json").read_text())
+    assert config["indexer_types"][2:] == ["full", "shared"] and config["index_topk"] == SPARSE_TOPK
+    found = results(ranks.launch(WORKER, json.dumps([[str(hf), layout] for layout in MTP_LAYOUTS])))
+    assert sorted(r["layout"] for r in found) == sorted(MTP_LAYOUTS)
+    for r in found:
+        last = [rank for rank in r["ranks"] if "mtp_gap" in rank]
+        assert last, r
+        for rank in last:
+            print(r["layout"], {k: rank[k] for k in ("gap", "mtp_gap", "drafter_gap", "mtp_vs_main")})
+            assert rank["gap"] <= TOL and rank["mtp_gap"] <= TOL and rank["drafter_gap"] <= TOL, (r["layout"], rank)
+            assert rank["mtp_gap_to_first_layout"] <= TOL, (r["layout"], rank)
+            assert rank["mtp_vs_main"] > 1e-2, rank  # the MTP layer's logits are not the model's
+
+
 def test_the_recipes_gpu_form_dry_starts_on_two_cpu_ranks(tmp_path):
     """The command the recipe renders for 4 H200s (Megatron, TP 4 with sequence parallelism, EP 4,
     the torch_dist as --ref-load) passes miles.train's argument and checkpoint checks: at the same

@@ -131,7 +131,7 @@ def test_deepseek_v4_batches_by_prompt_length_only_once_a_compressed_layer_is_in
     assert not TorchRolloutEngine(deep).pads_exactly and TorchRolloutEngine(shallow).pads_exactly
 
 
-@pytest.mark.parametrize("name", ["glm4_moe_lite", "qwen3_5_moe"])
+@pytest.mark.parametrize("name", ["glm4_moe_lite", "glm_moe_dsa", "qwen3_5_moe"])
 def test_speculative_rollouts_keep_the_policys_logprobs_through_rejected_drafts(models, name):
     """Drafted by the checkpoint's MTP layer (two drafts a step), the engine's logprobs still equal
     one full forward's: each rejected draft leaves the policy's cache. GLM-4.7-Flash's attention
@@ -151,3 +151,71 @@ def test_speculative_rollouts_keep_the_policys_logprobs_through_rejected_drafts(
         assert spec.rewound > 0 and spec.refed == 0, (spec.rewound, spec.refed)
     assert all(len(g.response_ids) == 8 for g in generations)
     assert max_gap(models[name], generations, 0.9) <= TOLERANCE
+
+
+# GLM-5.2's tiny keeps 64 keys per query (every key at these lengths); at 4 its indexer chooses.
+# With the tiny's 2 indexer heads, relu(q·k) is zero for both on a quarter of the keys, and the
+# top-k among such ties depends on the padded length; with 16 heads no ties are left.
+SPARSE = {"index_topk": 4, "index_n_heads": 16}
+
+
+@pytest.mark.parametrize(
+    ("name", "dims"), [("glm4_moe_lite", {}), ("glm_moe_dsa", {}), ("glm_moe_dsa", SPARSE)], ids=str
+)
+def test_each_first_draft_is_the_mtp_layer_over_the_whole_sequence(models, name, dims):
+    """Every draft made from the policy's own hidden states (the first of each step's chain) comes
+    from the logits the checkpoint's MTP layer gives that position over the whole finished sequence,
+    unpadded and without a cache: the drafter's cache keeps the policy's columns through left
+    padding, rejected drafts and chained steps. GLM-5.2's tiny (4 layers) has a "shared" MTP layer,
+    handed layer 2's top-k from the policy's forwards, each row at its column: with 64 keys kept the
+    top-k is every key (and the top-k a chained draft extends is the policy's own), with 4 it is
+    the indexer's choice."""
+    from miles.train.model import load_causal_lm
+    from miles.train.speculative import SpeculativeConfig
+    from tests.support.ckpt import tiny_hf
+
+    path = tiny_hf(name, family(name).tiny_layers, dtype="float32", **dims)
+    model = models[name] if not dims else load_causal_lm(path, dtype=torch.float32)
+    steps = 2
+    engine = TorchRolloutEngine(model, speculative=SpeculativeConfig(steps=steps), checkpoint=str(path))
+    assert engine.pads_exactly  # the prompts below decode as one left-padded batch
+    drafter = engine.speculation.drafter
+    assert drafter.shares == [name == "glm_moe_dsa"] and (drafter.trunk_source == 2) == (name == "glm_moe_dsa")
+    calls, step = [], drafter.step
+
+    def spy(hidden, tokens, positions, attention, cache, depth=0, topk=None):
+        logits, normed = step(hidden, tokens, positions, attention, cache, depth=depth, topk=topk)
+        calls.append((positions.clone(), logits.clone()))
+        return logits, normed
+
+    drafter.step = spy  # records, and returns what the drafter computed
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [40], [70, 71, 72]]
+    sampling = SamplingConfig(temperature=0.9, top_p=1.0, top_k=-1, max_response_len=8)
+    generations = engine.generate(prompts, sampling, seed=7)
+    assert all(len(g.response_ids) == 8 for g in generations)
+    assert 0 < engine.speculation.accepted < engine.speculation.proposed
+    firsts = calls[::steps]  # each step: the block from the policy's states, then chained drafts
+    reference = load_causal_lm(path, dtype=torch.float32).eval()
+    gaps, compared = [], 0
+    for row, g in enumerate(generations):
+        seq = torch.tensor([list(g.prompt_ids) + list(g.response_ids)])
+        seen = {}
+        hooks = []
+        if drafter.trunk_source is not None:
+            layer = reference.model.layers[drafter.trunk_source]
+            hooks.append(layer.register_forward_hook(lambda _m, _a, out: seen.update(topk=out[1])))
+        with torch.no_grad():
+            hidden = reference.model(input_ids=seq).last_hidden_state
+            for hook in hooks:
+                hook.remove()
+            topk = seen["topk"][:, :-1] if hooks else None
+            positions = torch.arange(seq.shape[1] - 1).unsqueeze(0)
+            want, _ = step(hidden[:, :-1], seq[:, 1:], positions, None, drafter.new_cache(), topk=topk)
+        for got_positions, got in firsts:
+            for col, p in enumerate(got_positions[row].tolist()):
+                if p >= 0:  # not a left-padding column
+                    gaps.append(float((got[row, col] - want[0, p]).abs().max()))
+                    compared += 1
+    print(f"{name}: {compared} first-draft positions, worst logit gap {max(gaps):.2e}")
+    assert compared >= sum(len(p) + 2 for p in prompts), compared  # the prompts and later blocks
+    assert max(gaps) <= 1e-4, max(gaps)

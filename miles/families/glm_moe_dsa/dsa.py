@@ -26,8 +26,6 @@ query): `relu(q·k)` ties at zero are common, and `torch.topk` breaks ties by th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings import RotaryEmbedding, apply_rotary_pos_emb
@@ -37,26 +35,12 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from miles.megatron.blocks import FULL, DuplicatedLinear
+from miles.families.facts import source_layers
+from miles.megatron.blocks import DuplicatedLinear
 from miles.megatron.mla import mla_attention_spec
 
 # the indexer's k LayerNorm eps (GlmMoeDsaIndexer.k_norm)
 INDEXER_NORM_EPS = 1e-6
-
-
-def source_layers(kinds: Sequence[str]) -> tuple[int, ...]:
-    """For each layer (0-based), the layer whose top-k it uses: itself when full, else the nearest
-    full layer below."""
-    out, last = [], None
-    for i, kind in enumerate(kinds):
-        if kind == FULL:
-            last = i
-        elif last is None:
-            raise ValueError(
-                f"layer {i} is a shared DSA layer with no full layer below it to take the top-k from"
-            )
-        out.append(i if kind == FULL else last)
-    return tuple(out)
 
 
 def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
