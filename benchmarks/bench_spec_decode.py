@@ -4,14 +4,17 @@ A tiny GLM-5.2 (10 decoder layers, so its MTP layer at index 10 indexes for itse
 with std 0.2, so its samples at temperature 0.005 are nearly fixed), or with `--family
 qwen3_5_moe` a tiny Qwen3.5 (8 layers: linear attention with a full-attention layer every 4th,
 its mtp.* block; a rejected draft takes the gated delta nets back to the state recorded after
-the last kept token, see miles.train.speculative), is built, its
+the last kept token, see miles.train.speculative), or with `--family deepseek_v4` a tiny
+DeepSeek-V4 (4 layers: sliding, sliding, CSA, HCA; its mtp.0.* reads the policy's last
+hyper-connection streams; a rejected draft takes the compressing layers back to before the
+verifying forward and feeds the kept tokens again), is built, its
 MTP layer trained on the policy's own samples of the echo prompts (the MTP loss: cross-entropy of
 the token two ahead, the trunk frozen, as --enable-mtp-training --mtp-only-training trains it),
 then the same prompts are decoded by the plain engine and the speculative one (the same seeds
 and sampling), alternating, `--repeats` times each. Prints both rates, the acceptance rate and
 the ratio (target >= 1.3x). Wall time is measured here only, never asserted by a test.
 
-    python benchmarks/bench_spec_decode.py [--family glm_moe_dsa|qwen3_5_moe] [--steps 2] [--tokens 48]
+    python benchmarks/bench_spec_decode.py [--family glm_moe_dsa|qwen3_5_moe|deepseek_v4] [--steps 2] [--tokens 48]
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 
 # decoder layers: GLM-5.2's MTP layer at index 10 indexes for itself; Qwen3.5's last layer (like its
 # MTP layer) is full attention every 4th
-LAYERS = {"glm_moe_dsa": 10, "qwen3_5_moe": 8}
+LAYERS = {"glm_moe_dsa": 10, "qwen3_5_moe": 8, "deepseek_v4": 4}
 
 
 def train_mtp(model, drafter, sequences, *, iters: int, lr: float) -> tuple[float, float]:
@@ -43,17 +46,24 @@ def train_mtp(model, drafter, sequences, *, iters: int, lr: float) -> tuple[floa
         torch.arange(ids.shape[1]).unsqueeze(0) < torch.tensor([len(s) for s, _ in sequences]).unsqueeze(1)
     ).long()
     positions = torch.arange(ids.shape[1]).expand_as(ids)
-    seen = {"topk": None}  # an MTP layer that shares a policy layer's DSA top-k is handed it
+    # an MTP layer that shares a policy layer's DSA top-k is handed it; DeepSeek-V4's reads the
+    # policy's last streams
+    seen = {"topk": None, "streams": None}
     source = drafter.trunk_source
-    hook = None
+    hooks = []
     if source is not None:
-        hook = model.model.layers[source].register_forward_hook(lambda _m, _a, out: seen.update(topk=out[1]))
+        layer = model.model.layers[source]
+        hooks.append(layer.register_forward_hook(lambda _m, _a, out: seen.update(topk=out[1])))
+    if drafter.reads_streams:
+        layer = model.model.layers[-1]
+        hooks.append(layer.register_forward_hook(lambda _m, _a, out: seen.update(streams=out)))
     with torch.no_grad():
         hidden = model.model(
             input_ids=ids, attention_mask=attention, position_ids=positions
         ).last_hidden_state
-    if hook is not None:
+    for hook in hooks:
         hook.remove()
+    hidden = seen["streams"] if drafter.reads_streams else hidden
     topk = seen["topk"][:, :-2] if source is not None else None
     first = last = 0.0
     for it in range(iters):
@@ -76,7 +86,11 @@ def main() -> None:
     # 10: its MTP layer (index 10) indexes for itself, and the trunk outweighs the drafter as a
     # published model's does (6 layers measured 1.30x at acceptance 0.88)
     parser.add_argument("--family", choices=sorted(LAYERS), default="glm_moe_dsa")
-    parser.add_argument("--layers", type=int, help="decoder layers (default: 10 for GLM-5.2, 8 for Qwen3.5)")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        help="decoder layers (default: 10 for GLM-5.2, 8 for Qwen3.5, 4 for DeepSeek-V4)",
+    )
     # two drafts a step, the second chained on the MTP layer's own output, which it never trained
     # on: on this settled policy 0.89 of them pass (1.91x; one draft: 1.52x); on a less settled
     # one (6 layers at 0.01) chaining fell to 0.31 against 0.59 for one draft. Qwen3.5's tiny: one

@@ -4,7 +4,8 @@ policy verifies, and exact rejection sampling keeps the samples those of the pol
 A step drafts k tokens with the MTP layer (DeepSeek-V3's formula, chained: the draft of position
 i + 1 is `lm_head(norm(layer(eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]))))`, the next step's h
 the layer's normed output; MiMo's projection takes the two the other way round and its embedding is
-zeroed at position 0), then runs one forward of the policy over the k drafts and accepts
+zeroed at position 0; DeepSeek-V4's reads the policy's last hyper-connection streams, each through
+h_proj(hnorm), plus e_proj(enorm(embed)), and chains on its own output streams), then runs one forward of the policy over the k drafts and accepts
 them left to right with probability min(1, p/q); the first rejected one is replaced by a draw
 from normalise(max(0, p - q)), and when all k pass a (k+1)-th token is drawn from p. The tokens
 that come out are distributed exactly as plain sampling from p (temperature, top-k, top-p
@@ -18,7 +19,10 @@ The policy's cache then drops the rejected positions: attention layers crop them
 recurrent state (linear attention: Qwen3.5's gated delta nets) cannot, so the verifying forward
 steps such layers one token at a time and keeps the state after each, and a rejection takes the
 one after the last kept token (`RecordedStates`); where this transformers cannot record them,
-the cache goes back to before the verifying forward and the kept tokens are fed again.
+and for layers that compress what they are fed (DeepSeek-V4's CSA and HCA), the cache goes back
+to before the verifying forward and the kept tokens are fed again. Sliding-window layers keep
+every key while a step is verified, so that crop can take rejected ones back once the window is
+full (`open_windows`).
 """
 
 from __future__ import annotations
@@ -112,21 +116,37 @@ def accept_drafts(target, draft, drafts, generator):
 # enorm, hnorm, eh_proj and shared_head.norm; "mtp_layers" (Qwen3.5): mtp.layers.{k}.* beside one
 # mtp.{pre_fc_norm_embedding, pre_fc_norm_hidden, fc, norm} for the block; "mimo" (MiMo):
 # model.mtp_layers.{k}.* holding its token_layernorm, hidden_layernorm, input_proj (which takes
-# [hidden; token], the other order) and final_layernorm beside the decoder layer's tensors.
-DRAFTER_STYLES = ("layers", "mtp_layers", "mimo")
+# [hidden; token], the other order) and final_layernorm beside the decoder layer's tensors;
+# "mtp" (DeepSeek-V4): mtp.{k}.* holding the decoder layer (DeepSeek's published names) and its
+# enorm, hnorm, e_proj, h_proj, norm and hc_head_{fn,base,scale}, read on the policy's last
+# hyper-connection streams (`MtpDrafter.reads_streams`).
+DRAFTER_STYLES = ("layers", "mtp_layers", "mimo", "mtp")
 # the styles whose projection takes [hidden state; embedding]
 HIDDEN_FIRST = ("mimo",)
 
 
 def mtp_layer_names(config: Mapping[str, Any], style: str, k: int) -> tuple[str, dict[str, str]]:
-    """(the checkpoint prefix of MTP layer k's decoder layer, {drafter module: checkpoint name} of the
-    tensors its block holds beside it)."""
+    """(the checkpoint prefix of MTP layer k's decoder layer, {drafter parameter: checkpoint name} of
+    the tensors its block holds beside it)."""
     from miles.ckpt.families import mtp_layer_prefix, text_config
 
     prefix = mtp_layer_prefix(style, int(text_config(config)["num_hidden_layers"]), k)
+    own: dict[str, str]
     if style == "layers":
         own = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "final_norm": "shared_head.norm"}
-        return prefix, {module: f"{prefix}{name}.weight" for module, name in own.items()}
+        return prefix, {f"{module}.weight": f"{prefix}{name}.weight" for module, name in own.items()}
+    if style == "mtp":
+        own = {
+            "enorm": "enorm",
+            "hnorm": "hnorm",
+            "e_proj": "e_proj",
+            "h_proj": "h_proj",
+            "final_norm": "norm",
+        }
+        names = {f"{module}.weight": f"{prefix}{name}.weight" for module, name in own.items()}
+        return prefix, names | {
+            f"hc_head.hc_{part}": f"{prefix}hc_head_{part}" for part in ("fn", "base", "scale")
+        }
     if style == "mtp_layers":
         own = {
             "enorm": "pre_fc_norm_embedding",
@@ -134,11 +154,11 @@ def mtp_layer_names(config: Mapping[str, Any], style: str, k: int) -> tuple[str,
             "eh_proj": "fc",
             "final_norm": "norm",
         }
-        return prefix, {module: f"mtp.{name}.weight" for module, name in own.items()}
+        return prefix, {f"{module}.weight": f"mtp.{name}.weight" for module, name in own.items()}
     if style == "mimo":
         own = {"enorm": "token_layernorm", "hnorm": "hidden_layernorm", "eh_proj": "input_proj",
                "final_norm": "final_layernorm"}  # fmt: skip
-        return prefix, {module: f"{prefix}{name}.weight" for module, name in own.items()}
+        return prefix, {f"{module}.weight": f"{prefix}{name}.weight" for module, name in own.items()}
     raise ValueError(f"MTP style {style!r}: the drafter knows {DRAFTER_STYLES}")
 
 
@@ -169,11 +189,9 @@ class MtpDrafter:
             why = (
                 "its config.json declares no MTP layers (num_nextn_predict_layers)"
                 if not count
-                else f"its family {family.name if family else config.get('model_type')} keeps them as "
-                f"{'mtp.{k}.*' if style == 'mtp' else 'nothing'}, and the built-in engine drafts only with "
-                "DeepSeek-V3-style MTP layers (an embedding norm, a hidden-state norm, their projection, a "
-                "decoder layer and a final norm: GLM's model.layers.{L+k}.*, Qwen3.5's mtp.*, MiMo's "
-                "model.mtp_layers.*)"
+                else f"its family {family.name if family else config.get('model_type')} keeps none, and the "
+                "built-in engine drafts with GLM's model.layers.{L+k}.*, Qwen3.5's mtp.*, MiMo's "
+                "model.mtp_layers.* and DeepSeek-V4's mtp.{k}.*"
             )
             raise SpeculationRefused(f"{path}: the built-in engine cannot draft with this checkpoint: {why}")
         text = model.config.get_text_config()
@@ -214,6 +232,12 @@ class MtpDrafter:
         self.layer_index = [layers + k for k in range(count)]
         self.hidden_first = style in HIDDEN_FIRST
         self.masks_first_position = family.mtp_masks_first_position
+        # DeepSeek-V4's MTP layer reads the policy's last streams (before their collapse), as SGLang's
+        # DeepseekV4ModelNextN does, and its own layer's streams when chained
+        self.reads_streams = style == "mtp"
+        self.style = style
+        kinds = list(getattr(self.config, "layer_types", None) or [])
+        self.sliding = [bool(kinds) and "sliding" in kinds[layers + k] for k in range(count)]
         dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
         layer_cls = type(model.model.layers[0])
         norm = model.model.norm
@@ -226,11 +250,17 @@ class MtpDrafter:
                     module.layer_idx = k
             for name in ("enorm", "hnorm", "final_norm"):
                 setattr(block, name, _copy_module(norm))
-            block.eh_proj = torch.nn.Linear(2 * text.hidden_size, text.hidden_size, bias=False)
+            if self.reads_streams:
+                block.e_proj = torch.nn.Linear(text.hidden_size, text.hidden_size, bias=False)
+                block.h_proj = torch.nn.Linear(text.hidden_size, text.hidden_size, bias=False)
+                block.hc_head = type(model.model.hc_head)(self.config)
+            else:
+                block.eh_proj = torch.nn.Linear(2 * text.hidden_size, text.hidden_size, bias=False)
             self.layers.append(block)
         self.layers.to(device=device, dtype=dtype)
+        _policys_dtypes(self.layers, model)
         self.rotary = model.model.rotary_emb
-        self.load(_read_mtp_tensors(path, mtp_prefixes(config, style)))
+        self.load(_read_mtp_tensors(path, mtp_prefixes(config, style), style))
 
     # names: those of the checkpoint (model.layers.{L+k}.* or mtp.*, experts one tensor each) as
     # transformers' class loads them (experts fused) -> this drafter's modules
@@ -242,8 +272,8 @@ class MtpDrafter:
         for prefix, own, block in zip(self.prefixes, self.own_names, self.layers, strict=True):
             for name, tensor in block.layer.state_dict(keep_vars=True).items():
                 out[prefix + name] = tensor
-            for module, name in own.items():
-                out[name] = getattr(block, module).weight
+            for param, name in own.items():
+                out[name] = block.get_parameter(param)
         return out
 
     def load(self, tensors: Mapping[str, Any]) -> None:
@@ -276,6 +306,8 @@ class MtpDrafter:
         import torch
 
         block = self.layers[depth]
+        if self.reads_streams:
+            return self._stream_step(block, hidden, tokens, positions, attention, cache, depth)
         embed = self.model.get_input_embeddings()(tokens)
         if self.masks_first_position:  # the family's MTP layer reads no embedding at position 0
             embed = embed.masked_fill((positions == 0).unsqueeze(-1), 0.0)
@@ -306,6 +338,48 @@ class MtpDrafter:
         normed = block.final_norm(out)
         return self.model.get_output_embeddings()(normed).float(), normed
 
+    def _stream_step(self, block, streams, tokens, positions, attention, cache, depth: int):
+        """DeepSeek-V4's MTP layer as SGLang 0.5.23's DeepseekV4ModelNextN.forward runs it: each of
+        `streams` [B, n, hc, d] through hnorm and h_proj, plus e_proj(enorm(the next token's
+        embedding)), the decoder layer, its hc_head collapse and final norm, the policy's head:
+        (logits [B, n, V], the layer's output streams)."""
+        embed = self.model.get_input_embeddings()(tokens)
+        x = block.e_proj(block.enorm(embed)).unsqueeze(2) + block.h_proj(block.hnorm(streams))
+        mask = _causal_mask(self.config, embed, attention, cache, positions, sliding=self.sliding[depth])
+        rope = {
+            kind: self.rotary(embed, position_ids=positions, layer_type=kind) for kind in ("main", "compress")
+        }
+        out = block.layer(
+            x,
+            position_embeddings=rope,
+            position_ids=positions,
+            attention_mask=mask,
+            input_ids=tokens,
+            use_cache=True,
+            **{_cache_keyword(block.layer): cache},
+        )
+        normed = block.final_norm(block.hc_head(out))
+        return self.model.get_output_embeddings()(normed).float(), out
+
+
+def _policys_dtypes(blocks, model) -> None:
+    """Each drafter tensor in the dtype the policy keeps its counterpart in (transformers keeps some
+    modules in float32 under a bf16 policy: DeepSeek-V4's hyper-connections and norms, GLM's
+    router bias): the decoder layer's as the policy's last layer's, the norms and hc_head as its own."""
+    import torch
+
+    last = dict(model.model.layers[-1].named_parameters())
+    last.update(model.model.layers[-1].named_buffers())
+    with torch.no_grad():
+        for block in blocks:
+            for name, tensor in [*block.layer.named_parameters(), *block.layer.named_buffers()]:
+                if name in last and tensor.dtype != last[name].dtype and tensor.is_floating_point():
+                    tensor.data = tensor.data.to(last[name].dtype)
+            for name, theirs in (("enorm", model.model.norm), ("hnorm", model.model.norm),
+                                 ("final_norm", model.model.norm), ("hc_head", getattr(model.model, "hc_head", None))):  # fmt: skip
+                if theirs is not None and hasattr(block, name):
+                    block.get_submodule(name).to(next(theirs.parameters()).dtype)
+
 
 def extend_topk(row, column: int):
     """The top-k row [B, 1, w] of the last column the policy indexed, grown by `column` (a drafted
@@ -329,16 +403,15 @@ def _cache_keyword(layer) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _causal_mask(config, x, attention, cache, positions):
-    from transformers.masking_utils import create_causal_mask
+def _causal_mask(config, x, attention, cache, positions, sliding: bool = False):
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     params = _mask_params()
     extra = {"cache" if "cache" in params else "past_key_values": cache}
-    if "allow_is_causal_skip" in params:  # some layers (the DSA indexer) read the mask itself
+    if "allow_is_causal_skip" in params and not sliding:  # some layers (the DSA indexer) read the mask itself
         extra["allow_is_causal_skip"] = False
-    return create_causal_mask(
-        config=config, inputs_embeds=x, attention_mask=attention, position_ids=positions, **extra
-    )
+    make = create_sliding_window_causal_mask if sliding else create_causal_mask
+    return make(config=config, inputs_embeds=x, attention_mask=attention, position_ids=positions, **extra)
 
 
 def _mask_params():
@@ -349,7 +422,7 @@ def _mask_params():
     return inspect.signature(create_causal_mask).parameters
 
 
-def _read_mtp_tensors(path: str, prefixes: list[str]) -> dict[str, Any]:
+def _read_mtp_tensors(path: str, prefixes: list[str], style: str) -> dict[str, Any]:
     """The MTP layers' tensors of the checkpoint in `path`, named as transformers' class holds
     layer L + k (its experts fused, `as_model_names`); a shape the class does not hold fails the
     copy in `MtpDrafter.load`."""
@@ -372,16 +445,22 @@ def _read_mtp_tensors(path: str, prefixes: list[str]) -> dict[str, Any]:
             for name in f.keys():
                 if name.startswith(tuple(prefixes)):
                     raw[name] = f.get_tensor(name)
-    return as_model_names(raw)
+    return as_model_names(raw, style)
 
 
-def as_model_names(raw: dict) -> dict:
+def as_model_names(raw: dict, style: str | None = None) -> dict:
     """Per-expert checkpoint tensors of an MTP layer stacked as transformers 5 fuses a layer's
-    experts (mlp.experts.gate_up_proj [E, 2I, d] = [gate; up], down_proj [E, d, I])."""
+    experts (mlp.experts.gate_up_proj [E, 2I, d] = [gate; up], down_proj [E, d, I]); DeepSeek-V4's
+    ("mtp" style) decoder-layer tensors first renamed from DeepSeek's published names to the
+    transformers class's (miles.families.deepseek_v4.layer_model_name)."""
     import re
 
     import torch
 
+    if style == "mtp":
+        from miles.families.deepseek_v4 import layer_model_name
+
+        raw = {_renamed_in_layer(name, layer_model_name): tensor for name, tensor in raw.items()}
     out, experts = {}, {}
     pattern = re.compile(
         r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<w>gate_proj|up_proj|down_proj)\.weight$"
@@ -399,6 +478,12 @@ def as_model_names(raw: dict) -> dict:
         )
         out[pre + ".down_proj"] = torch.stack([by_expert[e]["down_proj"] for e in ids])
     return out
+
+
+def _renamed_in_layer(name: str, rename) -> str:
+    """mtp.{k}.{tail} with the decoder layer's `tail` renamed (the block's own tensors kept)."""
+    head, k, tail = name.split(".", 2)
+    return f"{head}.{k}.{rename(tail)}"
 
 
 def crop_cache(cache, remove: int) -> None:
@@ -423,6 +508,37 @@ def recurrent_layers(cache) -> list[int]:
         for i, layer in enumerate(cache.layers)
         if hasattr(layer, "recurrent_states") or hasattr(layer, "conv_states")
     ]
+
+
+def compressing_layers(cache) -> list[int]:
+    """Indices of the cache layers that compress the keys they are fed (DeepSeek-V4's CSA and HCA
+    layers keep the tokens of a window not yet compressed, and the compressed entries): `crop` takes
+    back their sliding-window keys but not what a rejected draft added to those."""
+    return [i for i, layer in enumerate(cache.layers) if hasattr(layer, "update_compressor_states")]
+
+
+def open_windows(cache, skip=()) -> list:
+    """Sliding-window layers of `cache` (not in `skip`) set to keep every key they are fed until
+    `close_windows`, so that `crop` can take back tokens once the window is full (transformers'
+    past recording)."""
+    layers = [
+        layer
+        for i, layer in enumerate(cache.layers)
+        if i not in skip and getattr(layer, "is_sliding", False) and hasattr(layer, "activate_past_recording")
+    ]
+    for layer in layers:
+        layer.activate_past_recording()
+    return layers
+
+
+def close_windows(layers) -> None:
+    """Each layer back to the keys a sliding window keeps (the last window - 1), recording off."""
+    for layer in layers:
+        keep = layer.sliding_window - 1
+        if layer.is_initialized and layer.keys.shape[-2] > keep:
+            layer.keys = layer.keys[:, :, -keep:, :]
+            layer.values = layer.values[:, :, -keep:, :]
+        layer.record_past = False
 
 
 class RecordedStates:
@@ -523,16 +639,22 @@ class SpeculativeDecoder:
         self.rewound = self.refed = 0
         self.rule_modules = RecordedStates.rule_modules(model)
         self.topk = None  # the last forward's top-k of the layer whose top-k the drafter shares
+        self.streams = None  # the last forward's last streams, where the drafter reads them
 
     def _target(self, ids, attention, positions, cache):
-        """The policy over `ids` against `cache`: (normed hidden states, float logits); the top-k of
+        """The policy over `ids` against `cache`: (what the drafter reads: the normed hidden states, or
+        DeepSeek-V4's last streams before their collapse; float logits); the top-k of
         the layer the drafter's MTP layers share (a transformers DSA decoder layer returns it beside
         its output) left in `self.topk` [B, n, w]."""
-        hook = None
+        hooks = []
         if self.drafter.trunk_source is not None:
             self.topk = None
             layer = self.model.model.layers[self.drafter.trunk_source]
-            hook = layer.register_forward_hook(lambda _m, _a, out: setattr(self, "topk", out[1]))
+            hooks.append(layer.register_forward_hook(lambda _m, _a, out: setattr(self, "topk", out[1])))
+        if self.drafter.reads_streams:
+            self.streams = None
+            last = self.model.model.layers[-1]
+            hooks.append(last.register_forward_hook(lambda _m, _a, out: setattr(self, "streams", out)))
         try:
             out = self.model.model(
                 input_ids=ids,
@@ -542,14 +664,15 @@ class SpeculativeDecoder:
                 **{self.cache_keyword: cache},
             )
         finally:
-            if hook is not None:
+            for hook in hooks:
                 hook.remove()
-        if hook is not None and self.topk is None:
+        if self.drafter.trunk_source is not None and self.topk is None:
             raise RuntimeError(
                 f"policy layer {self.drafter.trunk_source} returned no DSA top-k for the drafter to share"
             )
         hidden = out.last_hidden_state
-        return hidden, self.model.get_output_embeddings()(hidden).float()
+        logits = self.model.get_output_embeddings()(hidden).float()
+        return (self.streams if self.drafter.reads_streams else hidden), logits
 
     def generate(self, prompts, sampling, generator, device, pad_token_id: int, control=None):
         """(tokens, logprobs, finish reason, top logprobs) of each prompt's sampled response."""
@@ -603,6 +726,7 @@ class SpeculativeDecoder:
             # draft: the block (true hidden states), then k - 1 chained steps on the drafts
             drafts, draft_probs = [], []
             h, toks, start, rows = block_h, block_t, block_start, block_k
+            windows = open_windows(draft_cache) if k > 1 else []  # the chained drafts are taken back
             for j in range(k):
                 n = toks.shape[1]
                 cols = torch.arange(start, start + n, device=device)
@@ -620,6 +744,7 @@ class SpeculativeDecoder:
                 draft_probs.append(q)
                 h, toks, start = g[:, -1:], d.unsqueeze(1), start + n
             crop_cache(draft_cache, k - 1)  # keep only entries made from the policy's hidden states
+            close_windows(windows)
             drafts_t = torch.stack(drafts, dim=1)
             # verify: the pending token and the k drafts in one forward of the policy
             fed = torch.cat([pending.unsqueeze(1), drafts_t], dim=1)
@@ -627,10 +752,11 @@ class SpeculativeDecoder:
             cols = torch.arange(columns, columns + k + 1, device=device)
             recurrent = recurrent_layers(cache)
             record = RecordedStates(self.rule_modules, cache, recurrent) if recurrent else None
-            # what a rejection goes back to where the states cannot be recorded
-            before = (
-                {i: copy.deepcopy(cache.layers[i]) for i in recurrent} if record and not record.ok else {}
-            )
+            # what a rejection goes back to where the states cannot be recorded, and the layers that
+            # compress what they are fed
+            back = [*(recurrent if record and not record.ok else []), *compressing_layers(cache)]
+            before = {i: copy.deepcopy(cache.layers[i]) for i in back}
+            windows = open_windows(cache, skip={*recurrent, *back})
             if record is not None:
                 with record:
                     hidden, logits = self._target(fed, attention, cols - pad, cache)
@@ -656,10 +782,11 @@ class SpeculativeDecoder:
                 for i, layer in enumerate(cache.layers):
                     if i not in recurrent:
                         crop_cache(layer, k - m)
-            elif recurrent and m < k:
-                # a recurrent state cannot drop the rejected drafts: every layer goes back to before
-                # the verifying forward (attention layers cropped, recurrent ones restored), and the
-                # m + 1 kept tokens are fed again (their hidden states are the verifying forward's)
+            elif before and m < k:
+                # a recurrent or compressing layer cannot drop the rejected drafts: every layer goes
+                # back to before the verifying forward (attention layers cropped, the others
+                # restored), and the m + 1 kept tokens are fed again (their hidden states are the
+                # verifying forward's)
                 for i, layer in enumerate(cache.layers):
                     if i in before:
                         cache.layers[i] = before[i]
@@ -669,6 +796,7 @@ class SpeculativeDecoder:
                 self.refed += 1
             else:
                 crop_cache(cache, k - m)
+            close_windows(windows)
             for i, row in enumerate(active):
                 out_tokens[row].extend(emitted[i].tolist())
                 out_logp[row].extend(lp[i].tolist())

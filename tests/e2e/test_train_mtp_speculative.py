@@ -14,7 +14,8 @@ stage reads the first stage's word embedding, every rollout's MTP loss and gradi
 TP 2's; a built-in engine that does not draft cannot take trained MTP layers, which is refused at
 start. Qwen3.5's MTP block (mtp.*, beside gated delta nets) trains alone and its drafts are taken, and
 so does MiMo's (model.mtp_layers.0.*: its input_proj takes [hidden; token], its trunk loads as
-transformers' Qwen2ForCausalLM).
+transformers' Qwen2ForCausalLM) and DeepSeek-V4's (mtp.0.*, trained by miles' own model on the
+policy's hyper-connection streams).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 from miles.ci.register import register_cpu_ci
 from tests.support import recipes as runs
 
-register_cpu_ci(est_time=55, suite="stage-b-cpu")
+register_cpu_ci(est_time=72, suite="stage-b-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLLOUTS = 8
@@ -95,6 +96,12 @@ def qwen3_5(tmp_path_factory):
 @pytest.fixture(scope="module")
 def mimo(tmp_path_factory):
     return tiny_checkpoint(tmp_path_factory.mktemp("mimo"), "mimo")
+
+
+@pytest.fixture(scope="module")
+def deepseek_v4(tmp_path_factory):
+    # 4 layers: sliding, sliding, CSA, HCA and hash routing on the first three, as published
+    return tiny_checkpoint(tmp_path_factory.mktemp("deepseek_v4"), "deepseek_v4", 4)
 
 
 def train(
@@ -221,7 +228,17 @@ def test_mimos_mtp_layer_trains_alone_and_its_drafts_are_taken_by_the_engine(mim
     assert_mtp_alone_learns_to_draft(mimo, tmp_path, ROLLOUTS)
 
 
-def assert_mtp_alone_learns_to_draft(checkpoint, tmp_path, rollouts: int) -> None:
+def test_deepseek_v4s_mtp_layer_trains_alone_and_its_drafts_are_taken_by_the_engine(deepseek_v4, tmp_path):
+    """DeepSeek-V4 keeps its MTP layer as mtp.0.* (e_proj, h_proj, its norms and hc_head beside a
+    decoder layer on hyper-connection streams): miles' own model trains it alone
+    (Model.train_mtp), the trainer hands it to the built-in engine's drafter under the
+    checkpoint's names each rollout, and the trunk stays bit-identical."""
+    assert_mtp_alone_learns_to_draft(deepseek_v4, tmp_path, ROLLOUTS, projection="mtp.layers.0.h_proj")
+
+
+def assert_mtp_alone_learns_to_draft(
+    checkpoint, tmp_path, rollouts: int, projection: str = "mtp.layers.0.eh_proj"
+) -> None:
     """MTP-only training of `checkpoint`: the MTP loss halves, the drafts go from mostly rejected
     to accepted at 0.6 or more, the trunk stays bit-identical and the MTP projection moves."""
     accept, mtp, save = mtp_only(checkpoint, tmp_path, rollouts)
@@ -229,4 +246,4 @@ def assert_mtp_alone_learns_to_draft(checkpoint, tmp_path, rollouts: int) -> Non
     assert accept[0] < 0.5 and accept[rollouts - 1] >= 0.6, accept
     trunk, mtp_moved = trunk_and_mtp(checkpoint, save)
     assert trunk == [], trunk[:5]
-    assert any(k.startswith("mtp.layers.0.eh_proj") for k in mtp_moved), mtp_moved
+    assert any(k.startswith(projection) for k in mtp_moved), mtp_moved

@@ -143,10 +143,37 @@ def run_layout(path: str, layout: str, saved: str | None) -> None:
         **(result or {}),
         **grad_norms(model, tc, path, tokens, positions, rows=family.pipeline_rows(config)),
     }
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        result.update(mtp_gap(model, path, tokens, positions, tp, int(config["vocab_size"])))
     results = [None, None]
     dist.all_gather_object(results, result)
     if dist.get_rank() == 0:
         emit({"layout": layout, "ranks": [r for r in results if r is not None]})
+
+
+def mtp_gap(model, path: str, tokens, positions, tp: int, vocab: int) -> dict:
+    """With its MTP layer training (Model.train_mtp), a training forward's MTP logits against the
+    layer wired as SGLang's DeepseekV4ModelNextN wires it from transformers' modules
+    (tests/support/dsv4_mtp.py); rank 0 compares."""
+    from megatron.core import parallel_state as ps
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.dsv4_mtp import NextN, following_tokens
+
+    model.train_mtp()
+    model.train()
+    with torch.no_grad():
+        _, (mtp,) = model(tokens, positions)
+    model.eval()
+    parts = [torch.empty_like(mtp) for _ in range(tp)]
+    dist.all_gather(parts, mtp.contiguous(), group=ps.get_tensor_model_parallel_group())
+    if dist.get_rank():
+        return {}
+    got = torch.cat(parts, dim=-1)[..., :vocab]
+    reference = NextN(path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
+    with torch.no_grad():
+        want, _ = reference(reference.streams(tokens), following_tokens(tokens))
+    return {"mtp_gap": float((want - got).abs().max())}
 
 
 if __name__ == "__main__":

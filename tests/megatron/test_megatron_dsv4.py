@@ -163,7 +163,14 @@ def two_ranks(tmp_path_factory) -> tuple[Path, dict[str, tuple[list[dict], Path]
     """Each layout's ranks' results and the folder its model's shards were saved in (one launch)."""
     path = tiny_hf("deepseek_v4", 4, dtype="float32")
     saved = {layout: tmp_path_factory.mktemp(f"saved-{layout}") for layout in PARALLEL}
-    launched = results(ranks.launch(WORKER, str(path), json.dumps([[k, str(v)] for k, v in saved.items()]), preload=ranks.MEGATRON_PRELOAD))
+    launched = results(
+        ranks.launch(
+            WORKER,
+            str(path),
+            json.dumps([[k, str(v)] for k, v in saved.items()]),
+            preload=ranks.MEGATRON_PRELOAD,
+        )
+    )
     by_layout = {r["layout"]: r["ranks"] for r in launched}
     assert sorted(by_layout) == sorted(PARALLEL), by_layout
     return path, {layout: (by_layout[layout], saved[layout]) for layout in PARALLEL}
@@ -178,6 +185,10 @@ def test_two_ranks_give_transformers_logits_and_gradient_norm(megatron, two_rank
         if "gap" in result:
             assert result["gap"] <= TOL, result
         assert result["grad_norm_rel"] <= GRAD_REL, result
+    if layout != "pp2":  # its MTP layer's training forward gives SGLang's MTP logits (PP 2 is refused)
+        assert [r["mtp_gap"] for r in found if "mtp_gap" in r] and all(
+            r["mtp_gap"] <= TOL for r in found if "mtp_gap" in r
+        ), found
     # the shards the two ranks saved load into the one-process model as the checkpoint's weights
     from megatron.core import dist_checkpointing
 
@@ -239,3 +250,72 @@ def test_published_names_load_the_same_weights(megatron, tmp_path):
     config = json.loads((saved / "config.json").read_text())
     ours, theirs = load_megatron(saved, config).state_dict(), load_megatron(published, config).state_dict()
     assert all(torch.equal(ours[k], theirs[k]) for k in ours if not k.endswith("_extra_state"))
+
+
+def test_the_mtp_layer_trains_alone_on_what_sglang_drafts_with(megatron):
+    """With its MTP layer training (Model.train_mtp, what --enable-mtp-training calls), a training
+    forward returns the MTP layer's logits beside the policy's: those of the layer wired as SGLang
+    0.5.23's DeepseekV4ModelNextN wires it, from transformers' own modules holding the checkpoint's
+    mtp.0.* (tests/support/dsv4_mtp.py), within 1e-5, and far from the policy's; the built-in
+    engine's drafter (miles.train.speculative.MtpDrafter) gives them too. Its cross-entropy
+    on the token two ahead reaches the MTP parameters alone (the policy's streams, the embedding
+    and the output layer enter detached), with the gradient norm transformers' modules give."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from miles.megatron.mtp import mtp_targets
+    from tests.support.dsv4_mtp import NextN, following_tokens
+
+    hf_logging.set_verbosity_error()
+    path = tiny_hf("deepseek_v4", 4, dtype="float32")
+    config = json.loads((path / "config.json").read_text())
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for seed in range(PROBES):
+        tokens = torch.randint(3, 500, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+        if indexer_margin(hf, tokens) >= MARGIN:
+            break
+    else:
+        pytest.fail("every probe is ill-conditioned at the indexer's top-k")
+    model = load_megatron(path, config)
+    model.train_mtp()
+    model.train()
+    positions = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
+    logits, (mtp,) = model(tokens, positions)
+    reference = NextN(path, hf)
+    hf.requires_grad_(False)
+    want, _ = reference(reference.streams(tokens), following_tokens(tokens))
+    gap = float((want - mtp).abs().max())
+    assert gap <= TOL, f"MTP logits {gap:.3g} apart"
+    assert float((want - logits).abs().max()) > 1e-2  # the MTP layer predicts otherwise than the policy
+    # the built-in engine's drafter, loading mtp.0.* by its own names, computes the same
+    from miles.train.speculative import MtpDrafter
+
+    drafter = MtpDrafter(hf, str(path))
+    assert drafter.reads_streams
+    with torch.no_grad():
+        drafted, _ = drafter.step(
+            reference.streams(tokens), following_tokens(tokens), positions, None, drafter.new_cache()
+        )
+    assert float((drafted - want).abs().max()) <= TOL, float((drafted - want).abs().max())
+
+    targets, mask = mtp_targets(tokens, torch.ones(BATCH, SEQ - 1), SEQ, 0)
+
+    def loss_of(out):
+        ce = torch.nn.functional.cross_entropy(
+            out[:, : SEQ - 1].transpose(1, 2), targets[:, : SEQ - 1], reduction="none"
+        )
+        return (ce * mask).sum() / mask.sum()
+
+    loss_of(mtp).backward()
+    trunk = [n for n, p in model.named_parameters() if not n.startswith("mtp.") and p.grad is not None]
+    assert not trunk, trunk[:5]  # the policy gets no gradient from the MTP loss
+    grads = {n: p.grad for n, p in model.named_parameters() if n.startswith("mtp.") and p.grad is not None}
+    assert len(grads) >= 20 and all(bool(torch.isfinite(g).all()) for g in grads.values()), sorted(grads)[:5]
+    loss_of(want).backward()
+    theirs = [
+        p.grad for n, p in reference.named_parameters() if not n.startswith("hf.") and p.grad is not None
+    ]
+    norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()])))
+    want_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in theirs])))
+    print(f"MTP logits gap {gap:.2e}; MTP gradient norm {norm:.6g} against transformers' {want_norm:.6g}")
+    assert abs(norm - want_norm) <= GRAD_REL * want_norm, (norm, want_norm)

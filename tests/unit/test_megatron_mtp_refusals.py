@@ -54,3 +54,19 @@ def test_context_parallelism_trains_them_too():
     # megatron-core's MTP block rolls its inputs across the context-parallel chunks; the trainer
     # gathers the MTP layers' logprobs as it gathers the policy's
     assert scale(QWEN3_5, *MTP, "--context-parallel-size", "2") == 0.5
+
+
+DSV4 = family("deepseek_v4").tiny_dims | {"model_type": "deepseek_v4", "num_hidden_layers": 4}
+
+
+def test_deepseek_v4s_own_model_trains_its_mtp_layer_at_one_stage_and_refuses_pipeline_parallelism():
+    # its MTP layer reads the word embedding, which its model keeps on the first stage only
+    from miles.train.backends.megatron import MegatronSetupError
+
+    assert DSV4.get("num_nextn_predict_layers")
+    assert scale(DSV4, *MTP) == 0.5
+    assert scale(DSV4, *MTP, "--tensor-model-parallel-size", "2", "--sequence-parallel") == 0.5
+    with pytest.raises(
+        MegatronSetupError, match=r"with pipeline parallelism \(2\): DeepSeek-V4's MTP layers read"
+    ):
+        scale(DSV4, *MTP, "--pipeline-model-parallel-size", "2")

@@ -131,12 +131,13 @@ def test_deepseek_v4_batches_by_prompt_length_only_once_a_compressed_layer_is_in
     assert not TorchRolloutEngine(deep).pads_exactly and TorchRolloutEngine(shallow).pads_exactly
 
 
-@pytest.mark.parametrize("name", ["glm4_moe_lite", "glm_moe_dsa", "qwen3_5_moe"])
+@pytest.mark.parametrize("name", ["glm4_moe_lite", "glm_moe_dsa", "qwen3_5_moe", "deepseek_v4"])
 def test_speculative_rollouts_keep_the_policys_logprobs_through_rejected_drafts(models, name):
     """Drafted by the checkpoint's MTP layer (two drafts a step), the engine's logprobs still equal
     one full forward's: each rejected draft leaves the policy's cache. GLM-4.7-Flash's attention
     caches crop it; Qwen3.5's gated delta nets fold every token into a recurrent state, which goes
-    back to the state recorded after the last kept token (miles.train.speculative.RecordedStates)."""
+    back to the state recorded after the last kept token (miles.train.speculative.RecordedStates);
+    DeepSeek-V4's compressing layers go back to before the verifying forward."""
     from miles.train.speculative import SpeculativeConfig
     from tests.support.ckpt import tiny_hf
 
@@ -149,6 +150,8 @@ def test_speculative_rollouts_keep_the_policys_logprobs_through_rejected_drafts(
     assert 0 < spec.accepted < spec.proposed  # some drafts rejected, some taken
     if name == "qwen3_5_moe":  # rewound by the recorded states, never by feeding the kept tokens again
         assert spec.rewound > 0 and spec.refed == 0, (spec.rewound, spec.refed)
+    if name == "deepseek_v4":  # its compressing layers go back, and the kept tokens are fed again
+        assert spec.refed > 0 and spec.rewound == 0, (spec.rewound, spec.refed)
     assert all(len(g.response_ids) == 8 for g in generations)
     assert max_gap(models[name], generations, 0.9) <= TOLERANCE
 
@@ -160,7 +163,9 @@ SPARSE = {"index_topk": 4, "index_n_heads": 16}
 
 
 @pytest.mark.parametrize(
-    ("name", "dims"), [("glm4_moe_lite", {}), ("glm_moe_dsa", {}), ("glm_moe_dsa", SPARSE)], ids=str
+    ("name", "dims"),
+    [("glm4_moe_lite", {}), ("glm_moe_dsa", {}), ("glm_moe_dsa", SPARSE), ("deepseek_v4", {})],
+    ids=str,
 )
 def test_each_first_draft_is_the_mtp_layer_over_the_whole_sequence(models, name, dims):
     """Every draft made from the policy's own hidden states (the first of each step's chain) comes
@@ -169,7 +174,7 @@ def test_each_first_draft_is_the_mtp_layer_over_the_whole_sequence(models, name,
     padding, rejected drafts and chained steps. GLM-5.2's tiny (4 layers) has a "shared" MTP layer,
     handed layer 2's top-k from the policy's forwards, each row at its column: with 64 keys kept the
     top-k is every key (and the top-k a chained draft extends is the policy's own), with 4 it is
-    the indexer's choice."""
+    the indexer's choice. DeepSeek-V4's reads the policy's last streams, before their collapse."""
     from miles.train.model import load_causal_lm
     from miles.train.speculative import SpeculativeConfig
     from tests.support.ckpt import tiny_hf
@@ -178,9 +183,9 @@ def test_each_first_draft_is_the_mtp_layer_over_the_whole_sequence(models, name,
     model = models[name] if not dims else load_causal_lm(path, dtype=torch.float32)
     steps = 2
     engine = TorchRolloutEngine(model, speculative=SpeculativeConfig(steps=steps), checkpoint=str(path))
-    assert engine.pads_exactly  # the prompts below decode as one left-padded batch
     drafter = engine.speculation.drafter
-    assert drafter.shares == [name == "glm_moe_dsa"] and (drafter.trunk_source == 2) == (name == "glm_moe_dsa")
+    shares = name == "glm_moe_dsa"
+    assert drafter.shares == [shares] and (drafter.trunk_source == 2) == shares
     calls, step = [], drafter.step
 
     def spy(hidden, tokens, positions, attention, cache, depth=0, topk=None):
@@ -189,7 +194,10 @@ def test_each_first_draft_is_the_mtp_layer_over_the_whole_sequence(models, name,
         return logits, normed
 
     drafter.step = spy  # records, and returns what the drafter computed
+    # one batch: left-padded where the family pads exactly, else prompts of one length
     prompts = [[5, 6, 7, 8, 9, 10, 11], [40], [70, 71, 72]]
+    if not engine.pads_exactly:
+        prompts = [[5, 6, 7, 8, 9, 10, 11], [40 + i for i in range(7)], [70 + i for i in range(7)]]
     sampling = SamplingConfig(temperature=0.9, top_p=1.0, top_k=-1, max_response_len=8)
     generations = engine.generate(prompts, sampling, seed=7)
     assert all(len(g.response_ids) == 8 for g in generations)
@@ -197,18 +205,21 @@ def test_each_first_draft_is_the_mtp_layer_over_the_whole_sequence(models, name,
     firsts = calls[::steps]  # each step: the block from the policy's states, then chained drafts
     reference = load_causal_lm(path, dtype=torch.float32).eval()
     gaps, compared = [], 0
+    seen = {}  # what the policy's layers returned in the reference forward
+    hooks = []
+    if drafter.trunk_source is not None:
+        layer = reference.model.layers[drafter.trunk_source]
+        hooks.append(layer.register_forward_hook(lambda _m, _a, out: seen.update(topk=out[1])))
+    if drafter.reads_streams:
+        last = reference.model.layers[-1]
+        hooks.append(last.register_forward_hook(lambda _m, _a, out: seen.update(streams=out)))
     for row, g in enumerate(generations):
         seq = torch.tensor([list(g.prompt_ids) + list(g.response_ids)])
-        seen = {}
-        hooks = []
-        if drafter.trunk_source is not None:
-            layer = reference.model.layers[drafter.trunk_source]
-            hooks.append(layer.register_forward_hook(lambda _m, _a, out: seen.update(topk=out[1])))
+        seen.clear()
         with torch.no_grad():
             hidden = reference.model(input_ids=seq).last_hidden_state
-            for hook in hooks:
-                hook.remove()
-            topk = seen["topk"][:, :-1] if hooks else None
+            hidden = seen["streams"] if drafter.reads_streams else hidden
+            topk = seen["topk"][:, :-1] if drafter.trunk_source is not None else None
             positions = torch.arange(seq.shape[1] - 1).unsqueeze(0)
             want, _ = step(hidden[:, :-1], seq[:, 1:], positions, None, drafter.new_cache(), topk=topk)
         for got_positions, got in firsts:
@@ -216,6 +227,32 @@ def test_each_first_draft_is_the_mtp_layer_over_the_whole_sequence(models, name,
                 if p >= 0:  # not a left-padding column
                     gaps.append(float((got[row, col] - want[0, p]).abs().max()))
                     compared += 1
+    for hook in hooks:
+        hook.remove()
     print(f"{name}: {compared} first-draft positions, worst logit gap {max(gaps):.2e}")
     assert compared >= sum(len(p) + 2 for p in prompts), compared  # the prompts and later blocks
     assert max(gaps) <= 1e-4, max(gaps)
+
+
+def test_deepseek_v4_speculates_past_its_sliding_window_and_compression_windows(models):
+    """DeepSeek-V4's tiny attends through a 32-token sliding window and compresses every 4 (CSA)
+    and 128 (HCA) tokens: prompts of 30 to 40 tokens decoding 100 more cross the window, several
+    CSA windows and an HCA window while drafts are verified and rejected. Its sliding layers keep
+    the keys a rejection takes back while a step is verified (transformers' past recording), its
+    compressing layers go back to before the verifying forward; the logprobs stay a full
+    forward's."""
+    from miles.train.speculative import SpeculativeConfig
+    from tests.support.ckpt import tiny_hf
+
+    path = tiny_hf("deepseek_v4", family("deepseek_v4").tiny_layers, dtype="float32")
+    engine = TorchRolloutEngine(
+        models["deepseek_v4"], speculative=SpeculativeConfig(steps=2), checkpoint=str(path)
+    )
+    prompts = [list(range(10, 40)), list(range(50, 90))]
+    sampling = SamplingConfig(temperature=0.9, top_p=1.0, top_k=-1, max_response_len=100)
+    generations = engine.generate(prompts, sampling, seed=5)
+    spec = engine.speculation
+    print(f"deepseek_v4: {spec.accepted} of {spec.proposed} drafts accepted, {spec.refed} steps fed again")
+    assert 0 < spec.accepted < spec.proposed and spec.refed > 0
+    assert all(len(g.response_ids) == 100 for g in generations)
+    assert max_gap(models["deepseek_v4"], generations, 0.9) <= TOLERANCE

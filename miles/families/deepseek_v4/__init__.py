@@ -25,6 +25,7 @@ name the same tensors without the `model.` prefix, embed.weight and hc_head_fn (
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -197,6 +198,19 @@ _MODEL_NAMES = {
     "mlp.experts.gate_up_proj": "mlp.experts.gate_up_proj", "mlp.experts.down_proj": "mlp.experts.down_proj",
 }  # fmt: skip
 _MODEL_TOP = {"head.weight": "lm_head.weight"}
+_EXPERT = re.compile(r"^ffn\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
+_EXPERT_MODEL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def layer_model_name(tail: str) -> str:
+    """A decoder layer's tensor (its name after the layer's prefix, as DeepSeek publishes it) under
+    the transformers class's name; a routed expert's w1/w3/w2 as mlp.experts.{e}.{gate,up,down}_proj
+    (miles.train.speculative.as_model_names fuses them as the class holds them); any other name as
+    given (an MTP block's own tensors)."""
+    m = _EXPERT.match(tail)
+    if m:
+        return f"mlp.experts.{m[1]}.{_EXPERT_MODEL[m[2]]}.weight"
+    return _MODEL_NAMES.get(tail, tail)
 
 
 def tiny_values(model, gen) -> None:

@@ -641,7 +641,16 @@ class Block(MegatronModule):
                 out.update(sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata))
         return out
 
-    def forward(self, hidden: torch.Tensor | None, positions: torch.Tensor, token_ids: torch.Tensor):
+    def forward(
+        self,
+        hidden: torch.Tensor | None,
+        positions: torch.Tensor,
+        token_ids: torch.Tensor,
+        keep_streams: bool = False,
+    ):
+        """The last stage's normed output [s(/tp), b, d] (with `keep_streams`, and the streams
+        [s(/tp), b, n, d] before their collapse, which the MTP layers read); an earlier stage's
+        streams as [s, b * n, d]."""
         if hidden is not None:  # the first stage: n copies of the embedding
             streams = hidden.unsqueeze(2).expand(-1, -1, self.streams, -1).contiguous()
         else:
@@ -651,15 +660,22 @@ class Block(MegatronModule):
             streams = layer(streams, positions, token_ids)
         if not self.post_process:
             return streams.flatten(1, 2)
-        return self.final_layernorm(self.hc_head(streams))
+        out = self.final_layernorm(self.hc_head(streams))
+        return (out, streams) if keep_streams else out
 
 
 class MTPLayer(MegatronModule):
-    """One multi-token-prediction layer of the checkpoint (mtp.{k}.*), carried: converted, saved,
-    loaded and handed on, frozen and outside the forward (transformers has no MTP forward to match,
-    and the trainer does not train it). Its decoder layer is built as the published model's MTP layer
-    is (sliding-window attention, top-k routing). Weights: enorm, hnorm, e_proj, h_proj [d, d],
-    hc_head, final_layernorm [norm], transformer_layer."""
+    """One multi-token-prediction layer of the checkpoint (mtp.{k}.*). Its decoder layer is built as
+    the published model's MTP layer is (sliding-window attention, top-k routing). Weights: enorm,
+    hnorm, e_proj, h_proj [d, d], hc_head, final_layernorm [norm], transformer_layer. Frozen unless
+    the trainer trains it (`Model.train_mtp`).
+
+    The forward is SGLang 0.5.23's DeepseekV4ModelNextN.forward (python/sglang/srt/models/
+    deepseek_v4_nextn.py): the streams it reads (the policy's last streams before their collapse,
+    or the previous MTP layer's) each go through hnorm and h_proj, the next token's embedding
+    through enorm and e_proj is added to every stream, and the decoder layer runs on the sum; its
+    output streams collapse through the layer's own hc_head, then the final norm, before the
+    policy's output layer."""
 
     def __init__(self, tc, hf: Mapping[str, Any], layer_number: int, kind: str, mlp_kind: str):
         super().__init__(config=tc)
@@ -669,11 +685,23 @@ class MTPLayer(MegatronModule):
         self.h_proj = DuplicatedLinear(d, d, config=tc, init_method=tc.init_method)
         self.hc_head = HyperHead(tc, d, n, float(hf["hc_eps"]), eps)
         self.final_layernorm = RMSNorm(tc, d, eps)
+        # under sequence parallelism each rank sees its slice of the tokens: these gradients are
+        # partial sums, which megatron adds over the tensor-parallel ranks (as the decoder's norms')
+        for module in (self.enorm, self.hnorm, self.e_proj, self.h_proj, self.final_layernorm):
+            module.weight.sequence_parallel = tc.sequence_parallel
         self.transformer_layer = Layer(tc, hf, layer_number, kind, mlp_kind)
         self.requires_grad_(False)
 
-    def forward(self, *args, **kwargs):
-        raise RuntimeError("DeepSeek-V4's MTP layers are carried for the rollout engine, not run by miles")
+    def forward(self, streams: torch.Tensor, embedded: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The layer's output streams [s(/tp), b, n, d] from the streams it reads [s(/tp), b, n, d]
+        and the embedding [s(/tp), b, d] of the token after each position."""
+        e = self.e_proj(self.enorm(embedded))[0]
+        h = self.h_proj(self.hnorm(streams))[0]
+        return self.transformer_layer(e.unsqueeze(2) + h, positions, None)
+
+    def head_input(self, streams: torch.Tensor) -> torch.Tensor:
+        """What the output layer reads from the layer's streams: hc_head, then the final norm."""
+        return self.final_layernorm(self.hc_head(streams))
 
 
 class MTPBlock(MegatronModule):
@@ -733,6 +761,7 @@ class Model(LanguageModule):
                 position_embedding_type="none",
             )  # fmt: skip
         self.decoder = Block(tc, hf, post_process, vp_stage)
+        self.trains_mtp = False
         if post_process:
             self.output_layer = ColumnParallelLinear(
                 tc.hidden_size,
@@ -754,6 +783,25 @@ class Model(LanguageModule):
             tensor = tensor[0]
         self.decoder.set_input_tensor(tensor)
 
+    def train_mtp(self) -> None:
+        """Train the carried MTP layers: a training forward then returns (logits, [each MTP layer's
+        logits [b, s, vocab/tp]]), layer k at position i predicting token i + 2 + k. The policy's
+        streams, the embedding and the output layer's weight enter them detached, so their loss
+        reaches the MTP parameters alone (as miles.megatron.mtp trains megatron-core's block)."""
+        from miles.megatron.mtp import MtpRefused
+
+        if not self.post_process:
+            return
+        if not hasattr(self, "mtp"):
+            raise MtpRefused("this DeepSeek-V4 model chunk carries no MTP layers (num_nextn_predict_layers)")
+        if not self.pre_process:
+            raise MtpRefused(
+                "DeepSeek-V4's MTP layers read the word embedding, which only the first pipeline stage holds; "
+                "train them with --pipeline-model-parallel-size 1"
+            )
+        self.mtp.requires_grad_(True)
+        self.trains_mtp = True
+
     def forward(self, input_ids, position_ids, attention_mask=None, **kwargs):
         unknown = sorted(k for k, v in kwargs.items() if v is not None)
         if attention_mask is not None or unknown:
@@ -761,12 +809,30 @@ class Model(LanguageModule):
                 f"DeepSeek-V4's model builds its own masks and takes no {unknown or ['attention_mask']}: "
                 "pass input_ids and position_ids only"
             )
+        mtp = self.post_process and self.trains_mtp and self.training
         hidden = self.embedding(input_ids=input_ids, position_ids=None) if self.pre_process else None
-        out = self.decoder(hidden, position_ids, _sequence_slice(input_ids, self.config))
+        out = self.decoder(hidden, position_ids, _sequence_slice(input_ids, self.config), keep_streams=mtp)
         if not self.post_process:
             return out
+        out, streams = out if mtp else (out, None)
         logits, _ = self.output_layer(out)
-        return logits.transpose(0, 1).contiguous()
+        logits = logits.transpose(0, 1).contiguous()
+        return (logits, self.mtp_logits(streams, input_ids, position_ids)) if mtp else logits
+
+    def mtp_logits(self, streams: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor) -> list:
+        """Each MTP layer's logits [b, s, vocab/tp] from the policy's last streams (before their
+        collapse): layer k reads the previous one's streams and the embedding of token i + 1 + k
+        (id 0 past the end, as megatron-core's MTP block rolls them)."""
+        streams, out = streams.detach(), []
+        weight = self.output_layer.weight.detach()
+        for k, layer in enumerate(self.mtp.layers):
+            pad = input_ids.new_zeros(input_ids.shape[0], k + 1)
+            following = torch.cat([input_ids[:, k + 1 :], pad], dim=1)
+            embedded = self.embedding(input_ids=following, position_ids=None).detach()
+            streams = layer(streams, embedded, position_ids)
+            logits, _ = self.output_layer(layer.head_input(streams), weight=weight)
+            out.append(logits.transpose(0, 1).contiguous())
+        return out
 
 
 def build_model(

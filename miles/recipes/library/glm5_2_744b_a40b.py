@@ -59,8 +59,9 @@ GLM5_2_744B_A40B = ModelSpec(
     choices=(
         (
             "num_nextn_predict_layers",
-            "the MTP layer is carried (converted, handed to SGLang for speculative decoding), not trained: "
-            "transformers' model has no MTP forward to hold it to",
+            "the MTP layer is carried (converted, handed to SGLang for speculative decoding), not trained: the "
+            "reference trains without it too (no --enable-mtp-training), which would train it as megatron-core's "
+            "MTP block",
         ),
     ),
     known_differences=(

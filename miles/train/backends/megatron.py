@@ -149,7 +149,8 @@ class MegatronBackend(TrainBackend):
                 )
             for chunk in chunks:
                 if getattr(chunk, "mtp", None) is not None:
-                    train_mtp(chunk)
+                    own = getattr(chunk, "train_mtp", None)  # a model of miles' own (DeepSeek-V4's)
+                    own() if own is not None else train_mtp(chunk)
                 if megatron.mtp_only_training:  # only the MTP layers train: the policy stays as it is
                     for name, param in chunk.named_parameters():
                         param.requires_grad_(name.startswith("mtp."))
@@ -331,14 +332,15 @@ class MegatronBackend(TrainBackend):
         from miles.ckpt.families import mtp_prefixes
         from miles.train.speculative import as_model_names
 
-        prefixes = tuple(mtp_prefixes(self.config, megatron_family(self.config).mtp_style))
+        style = megatron_family(self.config).mtp_style
+        prefixes = tuple(mtp_prefixes(self.config, style))
         held = {}
         for name, tensor in exporter:
             if names == "model" and prefixes and name.startswith(prefixes):
                 held[name] = tensor
                 continue
             yield name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
-        for name, tensor in as_model_names(held).items():
+        for name, tensor in as_model_names(held, style).items():
             yield name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
 
     def _merged(self, local: dict) -> dict:
@@ -595,11 +597,18 @@ def _mtp_training(
         refuse(
             f"{path}/config.json declares no MTP layers (num_nextn_predict_layers); use a checkpoint with them"
         )
-    if family.mtp_style not in ("layers", "mtp_layers", "mimo") or not hasattr(family, "layer_weights"):
+    gpt_block = family.mtp_style in ("layers", "mtp_layers", "mimo") and hasattr(family, "layer_weights")
+    if not gpt_block and family.mtp_style != "mtp":
         refuse(
-            f"the {family.name} family's MTP layers ({family.mtp_style} style) are carried by a model of miles' "
-            "own with no MTP forward; miles trains the MTP layers that GPTModel families carry as megatron-core's "
-            "MTP block (GLM's model.layers.{L+k}.*, Qwen3.5's mtp.*, MiMo's model.mtp_layers.*)"
+            f"the {family.name} family's MTP layers ({family.mtp_style} style) have no MTP forward here; miles "
+            "trains the MTP layers that GPTModel families carry as megatron-core's MTP block (GLM's "
+            "model.layers.{L+k}.*, Qwen3.5's mtp.*, MiMo's model.mtp_layers.*) and DeepSeek-V4's mtp.{k}.*"
+        )
+    if family.mtp_style == "mtp" and layout.pp > 1:
+        refuse(
+            f"with pipeline parallelism ({layout.pp}): DeepSeek-V4's MTP layers read the word embedding, which "
+            "only the first stage holds, and its model sends no copy to the last; train them with "
+            "--pipeline-model-parallel-size 1"
         )
     if model.mtp_num_layers not in (None, count):
         refuse(f"--mtp-num-layers {model.mtp_num_layers}, but {path}/config.json has {count} MTP layer(s)")
