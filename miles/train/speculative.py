@@ -5,9 +5,10 @@ A step drafts k tokens with the MTP layer (DeepSeek-V3's formula, chained: the d
 i + 1 is `lm_head(norm(layer(eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]))))`, the next step's h
 the layer's normed output; MiMo's projection takes the two the other way round and its embedding is
 zeroed at position 0; DeepSeek-V4's reads the policy's last hyper-connection streams, each through
-h_proj(hnorm), plus e_proj(enorm(embed)), and chains on its own output streams), then runs one forward of the policy over the k drafts and accepts
-them left to right with probability min(1, p/q); the first rejected one is replaced by a draw
-from normalise(max(0, p - q)), and when all k pass a (k+1)-th token is drawn from p. The tokens
+h_proj(hnorm), plus e_proj(enorm(embed)), and chains on its own output streams), then runs one
+forward of the policy over the k drafts and accepts them left to right with probability
+min(1, p/q); the first rejected one is replaced by a draw from normalise(max(0, p - q)), and
+when all k pass a (k+1)-th token is drawn from p. The tokens
 that come out are distributed exactly as plain sampling from p (temperature, top-k, top-p
 applied to both p and q), and their logprobs are read from the policy's own logits.
 
@@ -235,7 +236,6 @@ class MtpDrafter:
         # DeepSeek-V4's MTP layer reads the policy's last streams (before their collapse), as SGLang's
         # DeepseekV4ModelNextN does, and its own layer's streams when chained
         self.reads_streams = style == "mtp"
-        self.style = style
         kinds = list(getattr(self.config, "layer_types", None) or [])
         self.sliding = [bool(kinds) and "sliding" in kinds[layers + k] for k in range(count)]
         dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
@@ -375,8 +375,9 @@ def _policys_dtypes(blocks, model) -> None:
             for name, tensor in [*block.layer.named_parameters(), *block.layer.named_buffers()]:
                 if name in last and tensor.dtype != last[name].dtype and tensor.is_floating_point():
                     tensor.data = tensor.data.to(last[name].dtype)
-            for name, theirs in (("enorm", model.model.norm), ("hnorm", model.model.norm),
-                                 ("final_norm", model.model.norm), ("hc_head", getattr(model.model, "hc_head", None))):  # fmt: skip
+            own = {"enorm": model.model.norm, "hnorm": model.model.norm, "final_norm": model.model.norm}
+            own["hc_head"] = getattr(model.model, "hc_head", None)
+            for name, theirs in own.items():
                 if theirs is not None and hasattr(block, name):
                     block.get_submodule(name).to(next(theirs.parameters()).dtype)
 

@@ -29,7 +29,7 @@ import torch
 from miles.ci.register import register_cpu_ci
 from tests.support import dry_start as dry
 
-register_cpu_ci(est_time=10, suite="stage-b-cpu")
+register_cpu_ci(est_time=18, suite="stage-b-cpu")
 
 
 TOL = 1e-5
