@@ -126,41 +126,31 @@ DRAFTER_STYLES = ("layers", "mtp_layers", "mimo", "mtp")
 HIDDEN_FIRST = ("mimo",)
 
 
+# Each style's tensors of an MTP block beside its decoder layer: drafter module -> checkpoint name,
+# under the layer's prefix (Qwen3.5's under mtp., one set for the block)
+_BLOCK_TENSORS = {
+    "layers": {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "final_norm": "shared_head.norm"},
+    "mtp": {"enorm": "enorm", "hnorm": "hnorm", "e_proj": "e_proj", "h_proj": "h_proj", "final_norm": "norm"},
+    "mtp_layers": {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc",
+                   "final_norm": "norm"},
+    "mimo": {"enorm": "token_layernorm", "hnorm": "hidden_layernorm", "eh_proj": "input_proj",
+             "final_norm": "final_layernorm"},
+}  # fmt: skip
+
+
 def mtp_layer_names(config: Mapping[str, Any], style: str, k: int) -> tuple[str, dict[str, str]]:
     """(the checkpoint prefix of MTP layer k's decoder layer, {drafter parameter: checkpoint name} of
     the tensors its block holds beside it)."""
     from miles.ckpt.families import mtp_layer_prefix, text_config
 
+    if style not in _BLOCK_TENSORS:
+        raise ValueError(f"MTP style {style!r}: the drafter knows {DRAFTER_STYLES}")
     prefix = mtp_layer_prefix(style, int(text_config(config)["num_hidden_layers"]), k)
-    own: dict[str, str]
-    if style == "layers":
-        own = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "final_norm": "shared_head.norm"}
-        return prefix, {f"{module}.weight": f"{prefix}{name}.weight" for module, name in own.items()}
-    if style == "mtp":
-        own = {
-            "enorm": "enorm",
-            "hnorm": "hnorm",
-            "e_proj": "e_proj",
-            "h_proj": "h_proj",
-            "final_norm": "norm",
-        }
-        names = {f"{module}.weight": f"{prefix}{name}.weight" for module, name in own.items()}
-        return prefix, names | {
-            f"hc_head.hc_{part}": f"{prefix}hc_head_{part}" for part in ("fn", "base", "scale")
-        }
-    if style == "mtp_layers":
-        own = {
-            "enorm": "pre_fc_norm_embedding",
-            "hnorm": "pre_fc_norm_hidden",
-            "eh_proj": "fc",
-            "final_norm": "norm",
-        }
-        return prefix, {f"{module}.weight": f"mtp.{name}.weight" for module, name in own.items()}
-    if style == "mimo":
-        own = {"enorm": "token_layernorm", "hnorm": "hidden_layernorm", "eh_proj": "input_proj",
-               "final_norm": "final_layernorm"}  # fmt: skip
-        return prefix, {f"{module}.weight": f"{prefix}{name}.weight" for module, name in own.items()}
-    raise ValueError(f"MTP style {style!r}: the drafter knows {DRAFTER_STYLES}")
+    under = "mtp." if style == "mtp_layers" else prefix
+    names = {f"{module}.weight": f"{under}{name}.weight" for module, name in _BLOCK_TENSORS[style].items()}
+    if style == "mtp":  # DeepSeek-V4's block collapses its streams with its own hc_head
+        names |= {f"hc_head.hc_{part}": f"{prefix}hc_head_{part}" for part in ("fn", "base", "scale")}
+    return prefix, names
 
 
 class MtpDrafter:
