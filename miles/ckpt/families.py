@@ -80,7 +80,7 @@ def mtp_prefixes(config: Mapping[str, Any], style: str | None) -> list[str]:
     """Checkpoint name prefixes of the MTP block a family of MTP style `style` keeps (every tensor of
     it starts with one; miles.families.family's mtp_style)."""
     count = mtp_layers(config)
-    if not count or style not in ("layers", "mtp_layers", "mimo", "mtp"):
+    if not count or style not in _MTP_LAYER_PREFIX:
         return []
     if style == "mtp_layers":
         return ["mtp."]  # the layers and the block's own mtp.fc and norms

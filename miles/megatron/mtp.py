@@ -96,6 +96,10 @@ def train_mtp(model) -> None:
     GPTModel's own MTP path is not used: given labels it returns the loss instead of the logits
     the RL loss needs.
     """
+    own = getattr(model, "train_mtp", None)
+    if own is not None:  # a model of miles' own runs its MTP layers itself (DeepSeek-V4's)
+        own()
+        return
     block = getattr(model, "mtp", None)
     if block is None:
         raise MtpRefused("this model chunk carries no MTP layers")

@@ -120,14 +120,8 @@ def accept_drafts(target, draft, drafts, generator):
 # [hidden; token], the other order) and final_layernorm beside the decoder layer's tensors;
 # "mtp" (DeepSeek-V4): mtp.{k}.* holding the decoder layer (DeepSeek's published names) and its
 # enorm, hnorm, e_proj, h_proj, norm and hc_head_{fn,base,scale}, read on the policy's last
-# hyper-connection streams (`MtpDrafter.reads_streams`).
-DRAFTER_STYLES = ("layers", "mtp_layers", "mimo", "mtp")
-# the styles whose projection takes [hidden state; embedding]
-HIDDEN_FIRST = ("mimo",)
-
-
-# Each style's tensors of an MTP block beside its decoder layer: drafter module -> checkpoint name,
-# under the layer's prefix (Qwen3.5's under mtp., one set for the block)
+# hyper-connection streams (`MtpDrafter.reads_streams`). Each style's block tensors beside the
+# decoder layer: drafter module -> checkpoint name, under the layer's prefix (Qwen3.5's under mtp.).
 _BLOCK_TENSORS = {
     "layers": {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "final_norm": "shared_head.norm"},
     "mtp": {"enorm": "enorm", "hnorm": "hnorm", "e_proj": "e_proj", "h_proj": "h_proj", "final_norm": "norm"},
@@ -136,6 +130,9 @@ _BLOCK_TENSORS = {
     "mimo": {"enorm": "token_layernorm", "hnorm": "hidden_layernorm", "eh_proj": "input_proj",
              "final_norm": "final_layernorm"},
 }  # fmt: skip
+DRAFTER_STYLES = tuple(_BLOCK_TENSORS)
+# the styles whose projection takes [hidden state; embedding]
+HIDDEN_FIRST = ("mimo",)
 
 
 def mtp_layer_names(config: Mapping[str, Any], style: str, k: int) -> tuple[str, dict[str, str]]:
@@ -210,17 +207,16 @@ class MtpDrafter:
                 "layer; the built-in engine drafts with MTP layers that index for themselves or share the "
                 "policy's top-k"
             )
-        self.shares = shares
-        self.trunk_source = min(shared) if shared else None
         if len(shared) > 1:
             raise SpeculationRefused(
                 f"{path}: MTP layer kinds {kinds[layers:]} share the top-k of policy layers {sorted(shared)}; "
                 "the engine hands the drafter one policy layer's"
             )
+        self.shares = shares
+        self.trunk_source = min(shared) if shared else None
         names = [mtp_layer_names(config, style, k) for k in range(count)]
         self.prefixes = [prefix for prefix, _ in names]
         self.own_names = [own for _, own in names]
-        self.layer_index = [layers + k for k in range(count)]
         self.hidden_first = style in HIDDEN_FIRST
         self.masks_first_position = family.mtp_masks_first_position
         # DeepSeek-V4's MTP layer reads the policy's last streams (before their collapse), as SGLang's
@@ -303,7 +299,7 @@ class MtpDrafter:
             embed = embed.masked_fill((positions == 0).unsqueeze(-1), 0.0)
         parts = [block.enorm(embed), block.hnorm(hidden)]
         x = block.eh_proj(torch.cat(parts[::-1] if self.hidden_first else parts, dim=-1))
-        mask = _causal_mask(self.config, x, attention, cache, positions)
+        mask = _causal_mask(self.config, x, attention, cache, positions, sliding=self.sliding[depth])
         extra = {}
         if self.shares[depth]:
             if topk is None:

@@ -149,8 +149,7 @@ class MegatronBackend(TrainBackend):
                 )
             for chunk in chunks:
                 if getattr(chunk, "mtp", None) is not None:
-                    own = getattr(chunk, "train_mtp", None)  # a model of miles' own (DeepSeek-V4's)
-                    own() if own is not None else train_mtp(chunk)
+                    train_mtp(chunk)
                 if megatron.mtp_only_training:  # only the MTP layers train: the policy stays as it is
                     for name, param in chunk.named_parameters():
                         param.requires_grad_(name.startswith("mtp."))
