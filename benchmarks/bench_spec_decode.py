@@ -94,7 +94,7 @@ def main() -> None:
     # two drafts a step, the second chained on the MTP layer's own output, which it never trained
     # on: on this settled policy 0.89 of them pass (1.91x; one draft: 1.52x); on a less settled
     # one (6 layers at 0.01) chaining fell to 0.31 against 0.59 for one draft. Qwen3.5's tiny: one
-    # draft passes at 0.98 for 1.33-1.40x (three runs), two chained at 0.61 for 1.31x, its gated delta
+    # draft passes at 0.98 for 1.32-1.40x (four runs), two chained at 0.61 for 1.25-1.31x, its gated delta
     # nets stepping the verifying forward's tokens one at a time and keeping each state, so a
     # rejection takes the kept state back (miles.train.speculative.RecordedStates); through
     # transformers' chunked rule (padded to its chunk of 64) with the kept tokens fed again after
