@@ -19,15 +19,18 @@ given those before it, is drawn from p, so cutting a row's tokens there keeps th
 The policy's cache then drops the rejected positions: attention layers crop them; a layer with a
 recurrent state (linear attention: Qwen3.5's gated delta nets) cannot, so the verifying forward
 steps such layers one token at a time and keeps the state after each, and a rejection takes the
-one after the last kept token (`RecordedStates`); where this transformers cannot record them,
-and for layers that compress what they are fed (DeepSeek-V4's CSA and HCA), the cache goes back
-to before the verifying forward and the kept tokens are fed again. Sliding-window layers keep
+one after the last kept token (`RecordedStates`); a layer that compresses what it is fed
+(DeepSeek-V4's CSA and HCA) keeps what the forward gave its compressors and is cut back to the
+kept tokens' prefix of it (`RecordedCompressors`). Where this transformers cannot record such
+layers, the cache goes back to before the verifying forward and the kept tokens are fed again.
+Sliding-window layers keep
 every key while a step is verified, so that crop can take rejected ones back once the window is
 full (`open_windows`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -612,6 +615,128 @@ class RecordedStates:
             layer.record_past = False
 
 
+class RecordedCompressors:
+    """A verifying forward whose compressing layers (DeepSeek-V4's CSA and HCA caches) keep what a
+    rejection needs to go back, so that the kept tokens need not be fed again.
+
+    Such a layer holds, beside its sliding-window keys, per series (the compressor, and the CSA
+    indexer's): the projected tokens of the window not yet full, the compressed entries, their count
+    and (CSA) the last full window's overlapping half. Every compressed entry is made from its own
+    window (and the one before it) alone, so the state after the first `kept` fed tokens is a prefix
+    of what the forward made: in the forward (a context manager around it) each layer's cache calls
+    are wrapped to keep what they were given and what they held before; `rewind(kept)` cuts them
+    there. `ok` is False where this transformers' cache layers lack those calls: the caller goes
+    back to a copy taken before the forward and feeds the kept tokens again instead."""
+
+    CALLS = ("update", "store_compression_weights", "update_compressor_states")
+    STATE = ("keys", "cumulative_length", "sliding_window", "compress_rate", "buffer_kv", "buffer_gate",
+             "compressed_kv", "entry_count")  # fmt: skip
+
+    def __init__(self, cache, layers: list[int]):
+        self.cache, self.layers = cache, layers
+        self.ok = bool(layers) and all(
+            all(hasattr(cache.layers[i], a) for a in (*self.CALLS, *self.STATE)) for i in layers
+        )
+        self.records: dict[int, dict] = {}
+
+    def __enter__(self):
+        if self.ok:
+            for i in self.layers:
+                self.records[i] = {"series": {}}
+                self._wrap(self.cache.layers[i], self.records[i])
+        return self
+
+    def __exit__(self, *exc):
+        for i in self.records:
+            layer = self.cache.layers[i]
+            for name in (*self.CALLS, "update_overlap_state"):
+                layer.__dict__.pop(name, None)  # the class's own methods again
+        return False
+
+    @staticmethod
+    def _wrap(layer, record: dict) -> None:
+        cls, series = type(layer), record["series"]
+
+        def update(key_states, value_states, *args, **kwargs):
+            record["keys"] = (layer.keys.shape[-2] if layer.is_initialized else 0, layer.cumulative_length)
+            out = cls.update(layer, key_states, value_states, *args, **kwargs)
+            record["full"] = out[0]  # the kept keys before, then the fed ones (keys are values here)
+            return out
+
+        def store_compression_weights(name, kv, gate):
+            import torch
+
+            held_kv, held_gate = layer.buffer_kv[name], layer.buffer_gate[name]
+            held = held_kv.shape[1] if held_kv is not None else 0
+            series[name] = {
+                "held": held,
+                "kv": torch.cat([held_kv, kv], dim=1) if held else kv,
+                "gate": torch.cat([held_gate, gate], dim=1) if held else gate,
+                "count": layer.entry_count[name],
+                "compressed": layer.compressed_kv[name],
+            }
+            return cls.store_compression_weights(layer, name, kv, gate)
+
+        def update_compressor_states(name, compressed):
+            series[name]["new"] = compressed
+            return cls.update_compressor_states(layer, name, compressed)
+
+        def update_overlap_state(name, chunk_kv, chunk_gate, head_dim):
+            series[name]["overlap"] = (
+                layer.overlap_kv[name], layer.overlap_gate[name], chunk_kv, chunk_gate, head_dim
+            )  # fmt: skip
+            return cls.update_overlap_state(layer, name, chunk_kv, chunk_gate, head_dim)
+
+        layer.update = update
+        layer.store_compression_weights = store_compression_weights
+        layer.update_compressor_states = update_compressor_states
+        if hasattr(layer, "update_overlap_state"):
+            layer.update_overlap_state = update_overlap_state
+
+    def rewind(self, kept: int) -> None:
+        """Each compressing layer as after the first `kept` of the tokens the forward fed."""
+        import torch
+
+        for i in self.layers:
+            layer, record = self.cache.layers[i], self.records.get(i, {})
+            missing = [k for k in ("keys", "full") if k not in record]
+            missing += [
+                f"{n}: compressed entries" for n, s in record.get("series", {}).items() if "new" not in s
+            ]
+            if missing or not record.get("series"):
+                raise RuntimeError(
+                    f"cache layer {i} ({type(layer).__name__}) was not fed through the calls a rejected "
+                    f"draft is taken back by (missing {missing or ['every compressor series']}); this "
+                    "transformers' DeepSeek-V4 feeds its cache otherwise: speculate with steps=0 until "
+                    "miles.train.speculative.RecordedCompressors follows it"
+                )
+            was, fed_before = record["keys"]
+            layer.keys = record["full"][:, :, : was + kept][:, :, -layer.sliding_window + 1 :]
+            layer.values = layer.keys
+            layer.cumulative_length = fed_before + kept
+            for name, s in record["series"].items():
+                total = s["held"] + kept
+                usable = total // layer.compress_rate * layer.compress_rate
+                windows = usable // layer.compress_rate
+                layer.buffer_kv[name] = s["kv"][:, usable:total]
+                layer.buffer_gate[name] = s["gate"][:, usable:total]
+                new = s["new"][:, :windows]
+                if s["compressed"] is None:
+                    layer.compressed_kv[name] = new
+                else:
+                    layer.compressed_kv[name] = (
+                        torch.cat([s["compressed"], new], dim=1) if windows else s["compressed"]
+                    )
+                layer.entry_count[name] = s["count"] + windows
+                if "overlap" in s:
+                    prior_kv, prior_gate, chunk_kv, chunk_gate, head_dim = s["overlap"]
+                    if windows:
+                        layer.overlap_kv[name] = chunk_kv[:, windows - 1, :, :head_dim].clone()
+                        layer.overlap_gate[name] = chunk_gate[:, windows - 1, :, :head_dim].clone()
+                    else:
+                        layer.overlap_kv[name], layer.overlap_gate[name] = prior_kv, prior_gate
+
+
 class SpeculativeDecoder:
     """The built-in engine's decoding loop with MTP drafts (see the module's docstring); counts
     the drafts it proposed and accepted for the rollout's acceptance rate."""
@@ -737,17 +862,21 @@ class SpeculativeDecoder:
             fed = torch.cat([pending.unsqueeze(1), drafts_t], dim=1)
             attention = torch.cat([attention, torch.ones_like(fed)], dim=1)
             cols = torch.arange(columns, columns + k + 1, device=device)
-            recurrent = recurrent_layers(cache)
-            record = RecordedStates(self.rule_modules, cache, recurrent) if recurrent else None
-            # what a rejection goes back to where the states cannot be recorded, and the layers that
-            # compress what they are fed
-            back = [*(recurrent if record and not record.ok else []), *compressing_layers(cache)]
+            recurrent, compressing = recurrent_layers(cache), compressing_layers(cache)
+            recorders = [
+                *([RecordedStates(self.rule_modules, cache, recurrent)] if recurrent else []),
+                *([RecordedCompressors(cache, compressing)] if compressing else []),
+            ]
+            # the layers a rejection takes back by what the forward records, or (where this
+            # transformers cannot record them all) by a copy from before it and feeding again
+            if not all(r.ok for r in recorders):
+                recorders = []
+            back = [] if recorders else [*recurrent, *compressing]
             before = {i: copy.deepcopy(cache.layers[i]) for i in back}
-            windows = open_windows(cache, skip={*recurrent, *back})
-            if record is not None:
-                with record:
-                    hidden, logits = self._target(fed, attention, cols - pad, cache)
-            else:
+            windows = open_windows(cache, skip={*recurrent, *compressing})
+            with contextlib.ExitStack() as stack:
+                for r in recorders:
+                    stack.enter_context(r)
                 hidden, logits = self._target(fed, attention, cols - pad, cache)
             fed_k = self.topk
             self.row_steps += len(active)
@@ -762,12 +891,18 @@ class SpeculativeDecoder:
             emitted = torch.cat([drafts_t[:, :m], nxt.unsqueeze(1)], dim=1)
             lp = target_logp[:, : m + 1].gather(-1, emitted.unsqueeze(-1)).squeeze(-1)
             attention = attention[:, : columns + m + 1]
-            if record is not None and record.ok:
-                # the recurrent layers to their state after the m + 1 kept tokens, the others cropped
-                record.rewind(m + 1)
+            if recorders:
+                # the recorded layers to their state after the m + 1 kept tokens, the others cropped
+                for r in recorders:
+                    if not r.ok:  # its layers did not go through what it records: nothing to go back to
+                        raise RuntimeError(
+                            f"{type(r).__name__}: the policy's layers {r.layers} were not fed through "
+                            "what it records; a rejected draft cannot be taken back"
+                        )
+                    r.rewind(m + 1)
                 self.rewound += 1
                 for i, layer in enumerate(cache.layers):
-                    if i not in recurrent:
+                    if i not in recurrent and i not in compressing:
                         crop_cache(layer, k - m)
             elif before and m < k:
                 # a recurrent or compressing layer cannot drop the rejected drafts: every layer goes

@@ -137,7 +137,8 @@ def test_speculative_rollouts_keep_the_policys_logprobs_through_rejected_drafts(
     one full forward's: each rejected draft leaves the policy's cache. GLM-4.7-Flash's attention
     caches crop it; Qwen3.5's gated delta nets fold every token into a recurrent state, which goes
     back to the state recorded after the last kept token (miles.train.speculative.RecordedStates);
-    DeepSeek-V4's compressing layers go back to before the verifying forward."""
+    DeepSeek-V4's compressing layers are cut back to the kept tokens' prefix of what the verifying
+    forward gave their compressors (RecordedCompressors)."""
     from miles.train.speculative import SpeculativeConfig
     from tests.support.ckpt import tiny_hf
 
@@ -148,10 +149,8 @@ def test_speculative_rollouts_keep_the_policys_logprobs_through_rejected_drafts(
     spec = engine.speculation
     print(f"{name}: {spec.accepted} of {spec.proposed} drafts accepted")
     assert 0 < spec.accepted < spec.proposed  # some drafts rejected, some taken
-    if name == "qwen3_5_moe":  # rewound by the recorded states, never by feeding the kept tokens again
+    if name in ("qwen3_5_moe", "deepseek_v4"):  # rewound by what was recorded, never fed again
         assert spec.rewound > 0 and spec.refed == 0, (spec.rewound, spec.refed)
-    if name == "deepseek_v4":  # its compressing layers go back, and the kept tokens are fed again
-        assert spec.refed > 0 and spec.rewound == 0, (spec.rewound, spec.refed)
     assert all(len(g.response_ids) == 8 for g in generations)
     assert max_gap(models[name], generations, 0.9) <= TOLERANCE
 
@@ -234,15 +233,24 @@ def test_each_first_draft_is_the_mtp_layer_over_the_whole_sequence(models, name,
     assert max(gaps) <= 1e-4, max(gaps)
 
 
-def test_deepseek_v4_speculates_past_its_sliding_window_and_compression_windows(models):
+@pytest.mark.parametrize("recorded", [True, False], ids=["recorded", "fed-again"])
+def test_deepseek_v4_speculates_past_its_sliding_window_and_compression_windows(
+    models, monkeypatch, recorded
+):
     """DeepSeek-V4's tiny attends through a 32-token sliding window and compresses every 4 (CSA)
     and 128 (HCA) tokens: prompts of 30 to 40 tokens decoding 100 more cross the window, several
     CSA windows and an HCA window while drafts are verified and rejected. Its sliding layers keep
     the keys a rejection takes back while a step is verified (transformers' past recording), its
-    compressing layers go back to before the verifying forward; the logprobs stay a full
-    forward's."""
-    from miles.train.speculative import SpeculativeConfig
+    compressing layers are cut back to what the kept tokens gave their compressors (windows
+    closed inside a step, the CSA overlap, the open window's tokens); where a transformers' cache
+    layer lacks a call that recording wraps (here one asked for that no transformers has), they go
+    back to a copy from before the verifying forward and the kept tokens are fed again. Either
+    way the logprobs stay a full forward's."""
+    from miles.train.speculative import RecordedCompressors, SpeculativeConfig
     from tests.support.ckpt import tiny_hf
+
+    if not recorded:
+        monkeypatch.setattr(RecordedCompressors, "CALLS", (*RecordedCompressors.CALLS, "no_such_call"))
 
     path = tiny_hf("deepseek_v4", family("deepseek_v4").tiny_layers, dtype="float32")
     engine = TorchRolloutEngine(
@@ -252,7 +260,75 @@ def test_deepseek_v4_speculates_past_its_sliding_window_and_compression_windows(
     sampling = SamplingConfig(temperature=0.9, top_p=1.0, top_k=-1, max_response_len=100)
     generations = engine.generate(prompts, sampling, seed=5)
     spec = engine.speculation
-    print(f"deepseek_v4: {spec.accepted} of {spec.proposed} drafts accepted, {spec.refed} steps fed again")
-    assert 0 < spec.accepted < spec.proposed and spec.refed > 0
+    print(
+        f"deepseek_v4: {spec.accepted} of {spec.proposed} accepted, {spec.rewound} rewound, {spec.refed} fed again"
+    )
+    assert 0 < spec.accepted < spec.proposed
+    assert (spec.rewound > 0, spec.refed > 0) == (recorded, not recorded), (spec.rewound, spec.refed)
     assert all(len(g.response_ids) == 100 for g in generations)
     assert max_gap(models["deepseek_v4"], generations, 0.9) <= TOLERANCE
+
+
+def _compressor_state(layer) -> dict:
+    state = {"keys": layer.keys, "cumulative_length": layer.cumulative_length}
+    for field in ("buffer_kv", "buffer_gate", "compressed_kv", "entry_count", "overlap_kv", "overlap_gate"):
+        for name, value in getattr(layer, field, {}).items():
+            state[f"{field}[{name}]"] = value
+    return state
+
+
+@pytest.mark.parametrize("prefix", [3, 8, 126])
+def test_a_rewound_compressing_layer_holds_what_feeding_only_the_kept_tokens_leaves(models, prefix):
+    """miles.train.speculative.RecordedCompressors, layer by layer: a verifying forward of 8 tokens
+    (seven drafts) cut back to its first `kept` leaves each of DeepSeek-V4's CSA and HCA cache layers as feeding only
+    those tokens does (sliding keys and their count; per series the open window's tokens, the
+    compressed entries, their count and CSA's overlapping half), and the next token's logits the
+    same, for every `kept`. After 3 tokens the step closes two CSA windows (every 4), in its first
+    and fifth token, after 8 it starts one, after 126 it closes the HCA window (every 128) too."""
+    import copy
+
+    from transformers import DynamicCache
+
+    from miles.train.speculative import (
+        RecordedCompressors,
+        close_windows,
+        compressing_layers,
+        crop_cache,
+        open_windows,
+    )
+
+    model = models["deepseek_v4"]
+    keyword = cache_keyword(model)
+    ids = torch.randint(3, 100, (1, prefix + 9), generator=torch.Generator().manual_seed(prefix))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model.model(input_ids=ids[:, :prefix], use_cache=True, **{keyword: cache})
+    layers = compressing_layers(cache)
+    assert len(layers) == 2  # the tiny's CSA and HCA
+    step = ids[:, prefix : prefix + 8]
+    for kept in range(1, 9):
+        recorded, fed = copy.deepcopy(cache), copy.deepcopy(cache)
+        with torch.no_grad():
+            windows = open_windows(recorded, skip=layers)  # the sliding layers, as the decoder does
+            with RecordedCompressors(recorded, layers) as record:
+                model.model(input_ids=step, use_cache=True, **{keyword: recorded})
+            record.rewind(kept)
+            for i, layer in enumerate(recorded.layers):
+                if i not in layers:
+                    crop_cache(layer, 8 - kept)
+            close_windows(windows)
+            model.model(input_ids=step[:, :kept], use_cache=True, **{keyword: fed})
+        for i in layers:
+            want, got = _compressor_state(fed.layers[i]), _compressor_state(recorded.layers[i])
+            assert set(got) == set(want)
+            for field, value in want.items():
+                if isinstance(value, torch.Tensor):
+                    assert got[field].shape == value.shape, (i, kept, field)
+                    gap = float((got[field] - value).abs().max()) if value.numel() else 0.0
+                    assert gap <= TOLERANCE, (i, kept, field, gap)
+                else:
+                    assert got[field] == value, (i, kept, field, got[field], value)
+        with torch.no_grad():
+            nxt = ids[:, prefix + kept : prefix + kept + 1]
+            logits = [model(input_ids=nxt, use_cache=True, **{keyword: c}).logits for c in (recorded, fed)]
+        assert (logits[0] - logits[1]).abs().max() <= TOLERANCE, (kept, (logits[0] - logits[1]).abs().max())
