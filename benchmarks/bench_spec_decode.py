@@ -6,8 +6,8 @@ qwen3_5_moe` a tiny Qwen3.5 (8 layers: linear attention with a full-attention la
 its mtp.* block; a rejected draft takes the gated delta nets back to the state recorded after
 the last kept token, see miles.train.speculative), or with `--family deepseek_v4` a tiny
 DeepSeek-V4 (4 layers: sliding, sliding, CSA, HCA; its mtp.0.* reads the policy's last
-hyper-connection streams; a rejected draft takes the compressing layers back to before the
-verifying forward and feeds the kept tokens again), is built, its
+hyper-connection streams; a rejected draft cuts the compressing layers back to what the kept
+tokens gave their compressors, see miles.train.speculative.RecordedCompressors), is built, its
 MTP layer trained on the policy's own samples of the echo prompts (the MTP loss: cross-entropy of
 the token two ahead, the trunk frozen, as --enable-mtp-training --mtp-only-training trains it),
 then the same prompts are decoded by the plain engine and the speculative one (the same seeds
@@ -92,18 +92,27 @@ def main() -> None:
         help="decoder layers (default: 10 for GLM-5.2, 8 for Qwen3.5, 4 for DeepSeek-V4)",
     )
     # two drafts a step, the second chained on the MTP layer's own output, which it never trained
-    # on: on this settled policy 0.89 of them pass (1.91x; one draft: 1.52x); on a less settled
-    # one (6 layers at 0.01) chaining fell to 0.31 against 0.59 for one draft. Qwen3.5's tiny: one
-    # draft passes at 0.98 for 1.32-1.40x (four runs), two chained at 0.61 for 1.25-1.31x, its gated delta
-    # nets stepping the verifying forward's tokens one at a time and keeping each state, so a
-    # rejection takes the kept state back (miles.train.speculative.RecordedStates); through
+    # on: on this settled policy 0.83 of them pass (1.66x; one draft: 1.52x at 1.00); on a less
+    # settled one (6 layers at 0.01) chaining fell to 0.31 against 0.59 for one draft. Qwen3.5's
+    # tiny: one draft passes at 0.97 for 1.32-1.40x (five runs), two chained at 0.61-0.63 for
+    # 1.25-1.31x, its gated delta nets stepping the verifying forward's tokens one at a time and
+    # keeping each state, so a rejection takes the kept state back (RecordedStates); through
     # transformers' chunked rule (padded to its chunk of 64) with the kept tokens fed again after
-    # a rejection it was 1.12x and 0.80x
+    # a rejection it was 1.12x and 0.80x. DeepSeek-V4's tiny: one draft 1.37x at 1.00, two 1.35x
+    # at 0.76, its compressing layers cut back to the kept tokens (RecordedCompressors); copied
+    # before each verifying forward and fed the kept tokens again after a rejection it was 0.86x
+    # and 0.81x
     parser.add_argument("--steps", type=int, default=2, help="drafts per verifying forward")
     parser.add_argument("--tokens", type=int, default=48, help="response tokens per decode")
     parser.add_argument("--temperature", type=float, default=0.005)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--train-iters", type=int, default=300)
+    parser.add_argument(
+        "--sample-seeds",
+        type=int,
+        default=16,
+        help="seeds of the policy's samples of the prompts the MTP layer trains on (all prompts per seed)",
+    )
     # a random model's logits spread with its initial weights: at 0.02 (transformers' default) the
     # tiny one's next token is near-uniform at any temperature, at 0.2 its samples at 0.005 are
     # nearly fixed, as a trained policy's are on a task it has learned
@@ -132,14 +141,17 @@ def main() -> None:
     spec = TorchRolloutEngine(model, speculative=SpeculativeConfig(args.steps), checkpoint=str(path))
     sampling = SamplingConfig(args.temperature, 1.0, 0, args.tokens)
 
-    # the policy's own samples of the prompts: what the MTP layer learns to draft
-    samples = [g for seed in range(4) for g in plain.generate(prompts, sampling, seed)]
+    # the policy's own samples of the prompts: what the MTP layer learns to draft. Where the policy's
+    # first token is near a tie, seeds take different branches (DeepSeek-V4's tiny on "echo 4": four
+    # seeds of the batch never took the branch the one-prompt decodes did, and none of those
+    # decodes' drafts passed); 16 seeds take both
+    samples = [g for seed in range(args.sample_seeds) for g in plain.generate(prompts, sampling, seed)]
     sequences = [(list(g.prompt_ids) + list(g.response_ids), len(g.prompt_ids)) for g in samples]
     first, last = train_mtp(model, spec.speculation.drafter, sequences, iters=args.train_iters, lr=1e-2)
     print(f"MTP loss {first:.3f} -> {last:.3f} over {args.train_iters} steps on {len(sequences)} samples")
 
     rates: dict[str, list[float]] = {"plain": [], "speculative": []}
-    accept = []
+    accept = []  # each repeat's share of drafts accepted (the engine's metric, since it was last read)
     for repeat in range(args.repeats):
         for name, engine in (("plain", plain), ("speculative", spec)):
             tokens, started = 0, time.perf_counter()
