@@ -625,8 +625,9 @@ class RecordedCompressors:
     window (and the one before it) alone, so the state after the first `kept` fed tokens is a prefix
     of what the forward made: in the forward (a context manager around it) each layer's cache calls
     are wrapped to keep what they were given and what they held before; `rewind(kept)` cuts them
-    there. `ok` is False where this transformers' cache layers lack those calls: the caller goes
-    back to a copy taken before the forward and feeds the kept tokens again instead."""
+    there. `ok` is False where this transformers' cache layers lack those calls (the caller goes
+    back to a copy taken before the forward and feeds the kept tokens again instead), and after the
+    forward where a layer was not fed through them (nothing to go back to: the caller stops)."""
 
     CALLS = ("update", "store_compression_weights", "update_compressor_states")
     STATE = ("keys", "cumulative_length", "sliding_window", "compress_rate", "buffer_kv", "buffer_gate",
@@ -651,10 +652,17 @@ class RecordedCompressors:
             layer = self.cache.layers[i]
             for name in (*self.CALLS, "update_overlap_state"):
                 layer.__dict__.pop(name, None)  # the class's own methods again
+        # every layer went through its calls, each series to its compressed entries: the record is whole
+        self.ok = self.ok and all(
+            "full" in record and record["series"] and all("new" in s for s in record["series"].values())
+            for record in self.records.values()
+        )
         return False
 
     @staticmethod
     def _wrap(layer, record: dict) -> None:
+        import torch
+
         cls, series = type(layer), record["series"]
 
         def update(key_states, value_states, *args, **kwargs):
@@ -664,8 +672,6 @@ class RecordedCompressors:
             return out
 
         def store_compression_weights(name, kv, gate):
-            import torch
-
             held_kv, held_gate = layer.buffer_kv[name], layer.buffer_gate[name]
             held = held_kv.shape[1] if held_kv is not None else 0
             series[name] = {
@@ -698,18 +704,7 @@ class RecordedCompressors:
         import torch
 
         for i in self.layers:
-            layer, record = self.cache.layers[i], self.records.get(i, {})
-            missing = [k for k in ("keys", "full") if k not in record]
-            missing += [
-                f"{n}: compressed entries" for n, s in record.get("series", {}).items() if "new" not in s
-            ]
-            if missing or not record.get("series"):
-                raise RuntimeError(
-                    f"cache layer {i} ({type(layer).__name__}) was not fed through the calls a rejected "
-                    f"draft is taken back by (missing {missing or ['every compressor series']}); this "
-                    "transformers' DeepSeek-V4 feeds its cache otherwise: speculate with steps=0 until "
-                    "miles.train.speculative.RecordedCompressors follows it"
-                )
+            layer, record = self.cache.layers[i], self.records[i]
             was, fed_before = record["keys"]
             layer.keys = record["full"][:, :, : was + kept][:, :, -layer.sliding_window + 1 :]
             layer.values = layer.keys
@@ -896,8 +891,11 @@ class SpeculativeDecoder:
                 for r in recorders:
                     if not r.ok:  # its layers did not go through what it records: nothing to go back to
                         raise RuntimeError(
-                            f"{type(r).__name__}: the policy's layers {r.layers} were not fed through "
-                            "what it records; a rejected draft cannot be taken back"
+                            f"{type(r).__name__}: the policy's cache layers {r.layers} were not fed through "
+                            "what it records, so a rejected draft cannot be taken out of them; this "
+                            "transformers runs these layers otherwise than the one the lane pins: install "
+                            "the lane's transformers (requirements/<lane>.txt) or drop "
+                            "--sglang-speculative-algorithm to decode without speculation"
                         )
                     r.rewind(m + 1)
                 self.rewound += 1

@@ -305,6 +305,9 @@ def test_a_rewound_compressing_layer_holds_what_feeding_only_the_kept_tokens_lea
         model.model(input_ids=ids[:, :prefix], use_cache=True, **{keyword: cache})
     layers = compressing_layers(cache)
     assert len(layers) == 2  # the tiny's CSA and HCA
+    with RecordedCompressors(copy.deepcopy(cache), layers) as unfed:
+        pass  # no forward: nothing recorded to go back by
+    assert not unfed.ok
     step = ids[:, prefix : prefix + 8]
     for kept in range(1, 9):
         recorded, fed = copy.deepcopy(cache), copy.deepcopy(cache)
