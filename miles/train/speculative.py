@@ -541,8 +541,9 @@ class RecordedStates:
     window (transformers' `activate_past_recording`). `rewind(cache, m)` then leaves each such
     layer as it was after the first m + 1 fed tokens: the recurrent state kept there, the conv
     state cropped, so the kept tokens need not be fed again. `ok` is False where this
-    transformers cannot (no past recording, or the model's layers did not go through the rule
-    here): the caller goes back and feeds them again instead."""
+    transformers cannot (no past recording: the caller goes back to a copy and feeds them again
+    instead), and after the forward where the model's layers did not go through the rule (nothing
+    to go back to: the caller stops)."""
 
     RULE = "torch_chunk_gated_delta_rule"
     STEP = "torch_recurrent_gated_delta_rule"
